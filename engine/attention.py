@@ -1,0 +1,90 @@
+"""Paged attention plugged into transformers through its attention-function registry.
+
+The runner flattens every scheduled token of every sequence into one row (`[1, T]`), decode
+tokens first. `StepMetadata` (built once per step, shared by all layers) reaches
+`paged_attention` as the `paged` keyword of the model's forward call. Per layer the function
+writes the new K/V into their slots of the pool, then attends:
+- all decode tokens in one padded SDPA call over their gathered context;
+- each prefill chunk over its own context (fresh prompts straight from K/V, causal).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+ATTN_IMPLEMENTATION = "pdserve_paged"
+
+
+@dataclass
+class PrefillChunk:
+    start: int  # query range [start, end) in the flattened row
+    end: int
+    ctx_slots: torch.Tensor | None  # [ctx] slots of all keys; None = fresh prompt (keys == chunk)
+    mask: torch.Tensor | None  # [q, ctx] bool, True = attend; None = plain causal
+
+
+@dataclass
+class StepMetadata:
+    kv: torch.Tensor  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # [T] slot of each new token (block * block_size + offset)
+    num_decodes: int  # decode tokens occupy row positions [0, num_decodes)
+    decode_slots: torch.Tensor | None  # [B, max_ctx] context slots, padded
+    decode_mask: torch.Tensor | None  # [B, 1, 1, max_ctx] bool, True = real key
+    prefills: list[PrefillChunk]
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    paged: StepMetadata | None = None, **kwargs):
+    assert paged is not None, "paged attention needs the step's metadata (`paged=` in forward)"
+    # query [1, H, T, D]; key/value [1, KVH, T, D]
+    _, num_heads, num_tokens, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    k_cache = paged.kv[module.layer_idx, 0].view(-1, num_kv_heads, head_dim)  # [slots, KVH, D]
+    v_cache = paged.kv[module.layer_idx, 1].view(-1, num_kv_heads, head_dim)
+    k_cache.index_copy_(0, paged.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_copy_(0, paged.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+
+    out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
+    if paged.num_decodes:
+        _decode(query, k_cache, v_cache, paged, scaling, out)
+    for chunk in paged.prefills:
+        _prefill(query, key, value, k_cache, v_cache, chunk, scaling, out)
+    return out.unsqueeze(0), None  # [1, T, H, D]
+
+
+def _decode(query, k_cache, v_cache, paged: StepMetadata, scaling, out) -> None:
+    n = paged.num_decodes
+    q = query[0, :, :n].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
+    k = k_cache[paged.decode_slots].transpose(1, 2)  # [B, KVH, max_ctx, D]
+    v = v_cache[paged.decode_slots].transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=paged.decode_mask, scale=scaling, enable_gqa=True)
+    out[:n] = o.squeeze(2)
+
+
+def _prefill(query, key, value, k_cache, v_cache, chunk: PrefillChunk, scaling, out) -> None:
+    q = query[:, :, chunk.start:chunk.end]  # [1, H, q, D]
+    if chunk.ctx_slots is None:
+        k = key[:, :, chunk.start:chunk.end]  # [1, KVH, q, D]
+        v = value[:, :, chunk.start:chunk.end]
+    else:
+        k = k_cache[chunk.ctx_slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+        v = v_cache[chunk.ctx_slots].transpose(0, 1).unsqueeze(0)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
+                                       scale=scaling, enable_gqa=True)
+    out[chunk.start:chunk.end] = o[0].transpose(0, 1)
+
+
+def _no_mask(*args, **kwargs):
+    return None  # masking is done per sequence inside paged_attention
+
+
+def register() -> str:
+    """Make the paged implementation selectable by name; idempotent."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+    return ATTN_IMPLEMENTATION

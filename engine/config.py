@@ -1,0 +1,39 @@
+"""Engine configuration: one frozen dataclass, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_path: str
+    dtype: str = "auto"  # "auto" = the checkpoint's torch_dtype; or float32 / bfloat16 / float16
+    device: str = "cpu"
+    block_size: int = 16
+    # KV pool size: an explicit block count wins; else `kv_cache_memory` bytes; else
+    # `memory_fraction` of the device memory minus weights and `runtime_overhead` bytes.
+    num_blocks: int | None = None
+    kv_cache_memory: int | None = None
+    memory_fraction: float = 0.5
+    runtime_overhead: int = 256 << 20
+    max_num_batched_tokens: int = 512  # the per-step token budget
+    chunk_size: int | None = 256  # longest prefill chunk; None = whole prompts (no chunking)
+    max_num_seqs: int = 64
+    max_model_len: int | None = None  # None = the model's max_position_embeddings
+    seed: int = 0  # generator for sampled requests that carry no seed of their own
+    torch_threads: int | None = None
+
+    def __post_init__(self) -> None:
+        checks = {
+            "block_size": self.block_size >= 1,
+            "num_blocks": self.num_blocks is None or self.num_blocks >= 1,
+            "memory_fraction": 0.0 < self.memory_fraction <= 1.0,
+            "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
+            "chunk_size": self.chunk_size is None or self.chunk_size >= 1,
+            "max_num_seqs": self.max_num_seqs >= 1,
+            "dtype": self.dtype in ("auto", "float32", "bfloat16", "float16"),
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise ValueError(f"invalid engine config value for {', '.join(bad)}")

@@ -1,0 +1,240 @@
+"""GPU memory budget of one model instance: weights + KV cache + runtime overhead.
+
+`plan_memory` answers `pdserve plan` ("how many 8k-token requests fit?") and
+`num_kv_blocks` sizes a decode worker's paged KV pool from the same arithmetic:
+KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per value.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass
+from decimal import Decimal, InvalidOperation
+from typing import Any
+
+DTYPE_BYTES: dict[str, int] = {
+    "float32": 4, "fp32": 4, "float": 4,
+    "bfloat16": 2, "bf16": 2, "float16": 2, "fp16": 2, "half": 2,
+    "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
+}
+
+_UNITS: dict[str, int] = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
+    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2,
+    "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
+}
+_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
+
+
+class PlanError(ValueError):
+    """The inputs describe a budget that cannot work (or cannot be parsed)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the memory budget needs to know about a decoder-only model."""
+
+    name: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_params: int
+    vocab_size: int | None = None
+    max_positions: int | None = None
+
+    @classmethod
+    def from_hf_config(
+        cls, cfg: Any, num_params: int | None = None, name: str = ""
+    ) -> ModelShape:
+        """Builds a shape from a transformers `PretrainedConfig` or a config.json dict.
+
+        Without `num_params` the count is estimated from the layer shapes (Llama layout).
+        """
+        heads = _require(cfg, "num_attention_heads")
+        hidden = _require(cfg, "hidden_size")
+        head_dim = _field(cfg, "head_dim") or hidden // heads
+        return cls(
+            name=name or str(_field(cfg, "_name_or_path") or _field(cfg, "model_type") or "model"),
+            num_layers=_require(cfg, "num_hidden_layers"),
+            num_kv_heads=_field(cfg, "num_key_value_heads") or heads,
+            head_dim=head_dim,
+            num_params=num_params if num_params is not None else estimate_num_params(cfg),
+            vocab_size=_field(cfg, "vocab_size"),
+            max_positions=_field(cfg, "max_position_embeddings"),
+        )
+
+
+def _field(cfg: Any, key: str) -> Any:
+    if isinstance(cfg, Mapping):
+        return cfg.get(key)
+    return getattr(cfg, key, None)
+
+
+def _require(cfg: Any, key: str) -> int:
+    value = _field(cfg, key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise PlanError(f"model config: '{key}' must be a positive integer, got {value!r}")
+    return value
+
+
+def estimate_num_params(cfg: Any) -> int:
+    """Parameter count of a Llama-layout decoder (embeddings, attention, gated MLP, norms)."""
+    hidden = _require(cfg, "hidden_size")
+    heads = _require(cfg, "num_attention_heads")
+    layers = _require(cfg, "num_hidden_layers")
+    vocab = _require(cfg, "vocab_size")
+    intermediate = _require(cfg, "intermediate_size")
+    kv_heads = _field(cfg, "num_key_value_heads") or heads
+    head_dim = _field(cfg, "head_dim") or hidden // heads
+    q_out, kv_out = heads * head_dim, kv_heads * head_dim
+    attention = hidden * q_out + 2 * hidden * kv_out + q_out * hidden
+    if _field(cfg, "attention_bias") or _field(cfg, "model_type") == "qwen2":
+        attention += q_out + 2 * kv_out
+    per_layer = attention + 3 * hidden * intermediate + 2 * hidden
+    embeddings = vocab * hidden
+    lm_head = 0 if _field(cfg, "tie_word_embeddings") else vocab * hidden
+    return embeddings + layers * per_layer + hidden + lm_head
+
+
+BUILTIN_SHAPES: dict[str, ModelShape] = {
+    shape.name: shape
+    for shape in (
+        ModelShape("llama-3.1-8b", 32, 8, 128, 8_030_261_248, 128_256, 131_072),
+        ModelShape("llama-3.1-70b", 80, 8, 128, 70_553_706_496, 128_256, 131_072),
+        ModelShape("llama-3.2-1b", 16, 8, 64, 1_235_814_400, 128_256, 131_072),
+        ModelShape("qwen2.5-7b", 28, 4, 128, 7_615_616_512, 152_064, 32_768),
+        ModelShape("mistral-7b", 32, 8, 128, 7_241_732_096, 32_000, 32_768),
+    )
+}
+
+
+def dtype_bytes(dtype: str | int | Any) -> int:
+    """Bytes per value of a dtype name ("bfloat16"), a byte count, or a torch dtype."""
+    if isinstance(dtype, int) and not isinstance(dtype, bool):
+        if dtype <= 0:
+            raise PlanError(f"dtype size must be positive, got {dtype}")
+        return dtype
+    itemsize = getattr(dtype, "itemsize", None)
+    if isinstance(itemsize, int):
+        return itemsize
+    name = str(dtype).removeprefix("torch.").lower()
+    if name not in DTYPE_BYTES:
+        raise PlanError(f"unknown dtype {dtype!r}; known: {', '.join(sorted(DTYPE_BYTES))}")
+    return DTYPE_BYTES[name]
+
+
+def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
+    """2 (K and V) x layers x kv_heads x head_dim x bytes per value."""
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
+
+
+def num_kv_blocks(shape: ModelShape, dtype: str | int | Any, budget_bytes: int, block_size: int) -> int:
+    """Whole KV blocks of `block_size` tokens that fit in `budget_bytes` (0 if none)."""
+    if block_size <= 0:
+        raise PlanError(f"block size must be positive, got {block_size}")
+    block_bytes = block_size * kv_bytes_per_token(shape, dtype_bytes(dtype))
+    return max(0, budget_bytes) // block_bytes
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    """One device's budget; every derived figure is a property of the stored inputs."""
+
+    model: str
+    dtype: str
+    dtype_bytes: int
+    device_memory_bytes: int
+    overhead_bytes: int
+    weights_bytes: int
+    kv_bytes_per_token: int
+    block_size: int
+    num_blocks: int
+    context_tokens: int
+
+    @property
+    def kv_budget_bytes(self) -> int:
+        return self.device_memory_bytes - self.weights_bytes - self.overhead_bytes
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.kv_bytes_per_token
+
+    @property
+    def capacity_tokens(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def blocks_per_request(self) -> int:
+        return math.ceil(self.context_tokens / self.block_size)
+
+    @property
+    def bytes_per_request(self) -> int:
+        return self.blocks_per_request * self.block_bytes
+
+    @property
+    def requests_that_fit(self) -> int:
+        return self.num_blocks // self.blocks_per_request
+
+    def to_dict(self) -> dict[str, Any]:
+        derived = ("kv_budget_bytes", "block_bytes", "capacity_tokens", "blocks_per_request",
+                   "bytes_per_request", "requests_that_fit")
+        return asdict(self) | {name: getattr(self, name) for name in derived}
+
+
+def plan_memory(
+    shape: ModelShape,
+    dtype: str | int,
+    device_memory_bytes: int,
+    overhead_bytes: int,
+    context_tokens: int,
+    block_size: int = 16,
+    weights_bytes: int | None = None,
+) -> MemoryPlan:
+    """Splits device memory into weights, overhead and whole KV blocks.
+
+    `weights_bytes` defaults to num_params x bytes per value of `dtype`.
+    Raises `PlanError` when weights + overhead leave no room for a single KV block.
+    """
+    if context_tokens <= 0:
+        raise PlanError(f"context must be at least one token, got {context_tokens}")
+    if overhead_bytes < 0 or device_memory_bytes <= 0:
+        raise PlanError("device memory must be positive and overhead not negative")
+    size = dtype_bytes(dtype)
+    weights = shape.num_params * size if weights_bytes is None else weights_bytes
+    budget = device_memory_bytes - weights - overhead_bytes
+    blocks = num_kv_blocks(shape, size, budget, block_size)
+    if blocks == 0:
+        raise PlanError(
+            f"weights ({format_bytes(weights)}) + overhead ({format_bytes(overhead_bytes)}) "
+            f"leave no room for one KV block in {format_bytes(device_memory_bytes)}"
+        )
+    return MemoryPlan(shape.name, str(dtype), size, device_memory_bytes, overhead_bytes,
+                      weights, kv_bytes_per_token(shape, size), block_size, blocks, context_tokens)
+
+
+def parse_bytes(text: str | int) -> int:
+    """"80GiB", "512MiB", "1.5GB", "1024" -> bytes (binary units for Ki/Mi/Gi/Ti)."""
+    if isinstance(text, int):
+        return text
+    match = _BYTES_RE.match(text)
+    unit = match.group(2).lower() if match else ""
+    if match is None or unit not in _UNITS:
+        raise PlanError(f"cannot read {text!r} as a size; use e.g. 80GiB, 512MiB, 1.5GB, 1024")
+    try:
+        return int(Decimal(match.group(1)) * _UNITS[unit])
+    except InvalidOperation as err:
+        raise PlanError(f"cannot read {text!r} as a size") from err
+
+
+def format_bytes(num_bytes: int | float) -> str:
+    """Binary-unit rendering: 131072 -> '128.00 KiB'."""
+    value = float(num_bytes)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(value) < 1024:
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    return f"{value:.2f} TiB"

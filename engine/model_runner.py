@@ -1,0 +1,154 @@
+"""Loads a checkpoint, owns the KV pool, and runs one forward over a scheduled step.
+
+The step is flattened into one row `[1, T]`: decode tokens first, then prefill chunks. Only
+the rows whose sequences need a new token go through the LM head (`logits_to_keep`).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from engine import attention
+from engine.config import EngineConfig
+from engine.kv_cache import allocate_kv_pool
+from engine.memory import ModelShape, num_kv_blocks
+from engine.request import Request
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ScheduledItem:
+    request: Request
+    num_tokens: int  # new tokens computed for this request in this step
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def end(self) -> int:
+        return self.request.num_computed_tokens + self.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start > 0
+
+    @property
+    def samples(self) -> bool:
+        return self.end == self.request.num_tokens
+
+
+def resolve_dtype(config: EngineConfig, hf_config) -> torch.dtype:
+    if config.dtype != "auto":
+        return DTYPES[config.dtype]
+    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
+    return DTYPES[dtype] if isinstance(dtype, str) else dtype
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.device = torch.device(config.device)
+        hf_config = AutoConfig.from_pretrained(config.model_path)
+        self.dtype = resolve_dtype(config, hf_config)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            config.model_path, config=copy.deepcopy(hf_config), dtype=self.dtype,
+            attn_implementation=attention.register(),
+        ).to(self.device).eval()
+        self.hf_config = self.model.config
+        self.shape = ModelShape.from_hf_config(self.hf_config)
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks()
+        self.kv = allocate_kv_pool(self.shape.num_layers, self.num_blocks, self.block_size,
+                                   self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
+
+    def _num_blocks(self) -> int:
+        cfg = self.config
+        if cfg.num_blocks is not None:
+            return cfg.num_blocks
+        if cfg.kv_cache_memory is not None:
+            budget = cfg.kv_cache_memory
+        else:
+            weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            budget = int(device_memory(self.device) * cfg.memory_fraction) - weights - cfg.runtime_overhead
+        blocks = num_kv_blocks(self.shape, self.dtype, budget, self.block_size)
+        if blocks < 1:
+            raise ValueError(f"no memory left for the KV cache (budget {budget} bytes); lower the overhead "
+                             "or set kv_cache.num_blocks")
+        return blocks
+
+    @torch.inference_mode()
+    def execute(self, items: list[ScheduledItem]) -> torch.Tensor:
+        """Run one step; returns float32 logits `[n_sampling, vocab]` in the order of `items`."""
+        input_ids, positions, meta, sample_rows = self._prepare(items)
+        out = self.model(input_ids=input_ids, position_ids=positions, paged=meta, use_cache=False,
+                         logits_to_keep=sample_rows)
+        return out.logits[0].float()  # [n_sampling, V]
+
+    def _prepare(self, items: list[ScheduledItem]):
+        """Flatten `items` (decodes first, as the scheduler orders them) into one row."""
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[torch.Tensor] = []
+        sample_rows: list[int] = []
+        chunks: list[attention.PrefillChunk] = []
+        num_decodes = sum(1 for it in items if it.is_decode)
+        assert all(it.is_decode for it in items[:num_decodes]), "decode items must come first"
+        for it in items:
+            if not it.is_decode:
+                chunks.append(self._chunk(it, len(ids)))
+            ids.extend(it.request.token_slice(it.start, it.end))
+            pos.extend(range(it.start, it.end))
+            slots.append(self._slots(it.request, it.start, it.end))
+            if it.samples:
+                sample_rows.append(len(ids) - 1)
+        dev = self.device
+        meta = attention.StepMetadata(
+            kv=self.kv, slot_mapping=torch.cat(slots).to(dev), num_decodes=num_decodes,
+            decode_slots=None, decode_mask=None, prefills=chunks)
+        if num_decodes:
+            meta.decode_slots, meta.decode_mask = self._decode_context(items[:num_decodes])
+        return (torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), meta,
+                torch.tensor(sample_rows, device=dev))
+
+    def _slots(self, req: Request, start: int, end: int) -> torch.Tensor:
+        positions = torch.arange(start, end)
+        table = torch.tensor(req.block_ids)
+        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+
+    def _chunk(self, it: ScheduledItem, row: int) -> attention.PrefillChunk:
+        q = it.num_tokens
+        if it.start == 0:
+            return attention.PrefillChunk(row, row + q, None, None)
+        ctx = it.end
+        ctx_slots = self._slots(it.request, 0, ctx).to(self.device)
+        # query i sits at position start + i and may see keys 0 .. start + i
+        mask = torch.arange(ctx)[None, :] <= (torch.arange(q) + it.start)[:, None]  # [q, ctx]
+        return attention.PrefillChunk(row, row + q, ctx_slots, mask.to(self.device))
+
+    def _decode_context(self, decodes: list[ScheduledItem]) -> tuple[torch.Tensor, torch.Tensor]:
+        bs = self.block_size
+        ctx_lens = torch.tensor([it.end for it in decodes])  # [B]
+        max_ctx = int(ctx_lens.max())
+        max_blocks = (max_ctx + bs - 1) // bs
+        table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)  # [B, max_blocks]
+        for i, it in enumerate(decodes):
+            blocks = it.request.block_ids[:max_blocks]
+            table[i, :len(blocks)] = torch.tensor(blocks)
+        positions = torch.arange(max_ctx)  # [max_ctx]
+        slots = table[:, positions // bs] * bs + positions % bs  # [B, max_ctx]
+        mask = (positions[None, :] < ctx_lens[:, None])[:, None, None, :]  # [B, 1, 1, max_ctx]
+        return slots.to(self.device), mask.to(self.device)
+
+
+def device_memory(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    import os
+
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

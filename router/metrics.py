@@ -1,0 +1,139 @@
+"""Prometheus metrics of the router, on a private registry (no global state between routers).
+
+The router calls the `observe_*` methods as a request moves (queue -> prefill -> KV transfer
+-> first token -> tokens -> finish) and `set_worker_gauges` from each status poll;
+`start_http_server` serves `/metrics`, `render` returns the same text for tests and Admin.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from wsgiref.simple_server import WSGIServer
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
+                    20.0, 40.0, 80.0)
+_ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
+                1.0, 2.5, 5.0)
+_E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0,
+                640.0)
+_TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+                     2.5, 5.0, 10.0)
+_BYTES_BUCKETS = tuple(float(4**power * 1024) for power in range(13))  # 1 KiB .. 16 GiB
+
+
+@dataclass(frozen=True)
+class MetricsServer:
+    """A running `/metrics` endpoint; `close()` stops it and joins its thread."""
+
+    host: str
+    port: int
+    server: WSGIServer
+    thread: threading.Thread
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
+
+
+class RouterMetrics:
+    """Every metric the router exports; one instance per router process."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        self._build_histograms()
+        self._build_gauges_and_counters()
+
+    def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+        return Histogram(name, doc, buckets=buckets, registry=self.registry)
+
+    def _build_histograms(self) -> None:
+        self.ttft = self._histogram("pdserve_ttft_seconds",
+                                    "Request accepted to first token ready.", _LATENCY_BUCKETS)
+        self.itl = self._histogram("pdserve_itl_seconds",
+                                   "Gap between consecutive tokens of one request.", _ITL_BUCKETS)
+        self.e2e = self._histogram("pdserve_e2e_seconds",
+                                   "Request accepted to last token.", _E2E_BUCKETS)
+        self.queue = self._histogram("pdserve_queue_seconds",
+                                     "Time spent waiting in the router queue.", _LATENCY_BUCKETS)
+        self.prefill = self._histogram("pdserve_prefill_seconds",
+                                       "Prefill time on a prefill worker.", _LATENCY_BUCKETS)
+        self.kv_transfer = self._histogram("pdserve_kv_transfer_seconds",
+                                           "KV cache transfer time, prefill to decode.",
+                                           _TRANSFER_BUCKETS)
+        self.kv_transfer_bytes = self._histogram("pdserve_kv_transfer_bytes",
+                                                 "KV cache bytes moved per request.",
+                                                 _BYTES_BUCKETS)
+
+    def _build_gauges_and_counters(self) -> None:
+        reg = self.registry
+        self.running = Gauge("pdserve_requests_running", "Requests running on a worker.",
+                             ["worker"], registry=reg)
+        self.waiting = Gauge("pdserve_requests_waiting",
+                             "Requests waiting on a worker (worker='router': router queue).",
+                             ["worker"], registry=reg)
+        self.kv_blocks_used = Gauge("pdserve_kv_blocks_used", "KV blocks in use.", ["worker"],
+                                    registry=reg)
+        self.kv_blocks_free = Gauge("pdserve_kv_blocks_free", "KV blocks free.", ["worker"],
+                                    registry=reg)
+        self.requests = Counter("pdserve_requests", "Finished requests by finish reason.",
+                                ["finish_reason"], registry=reg)
+        self.errors = Counter("pdserve_request_errors", "Failed requests by gRPC status.",
+                              ["status"], registry=reg)
+
+    def observe_first_token(self, ttft_s: float) -> None:
+        self.ttft.observe(ttft_s)
+
+    def observe_token(self, gap_s: float) -> None:
+        """One inter-token gap; a message carrying k tokens contributes k gaps (k-1 of 0 s)."""
+        self.itl.observe(gap_s)
+
+    def observe_queue(self, seconds: float) -> None:
+        self.queue.observe(seconds)
+
+    def observe_prefill(self, seconds: float) -> None:
+        self.prefill.observe(seconds)
+
+    def observe_kv_transfer(self, seconds: float, num_bytes: int) -> None:
+        self.kv_transfer.observe(seconds)
+        self.kv_transfer_bytes.observe(num_bytes)
+
+    def observe_finish(self, finish_reason: str, e2e_s: float) -> None:
+        self.requests.labels(finish_reason=finish_reason or "unknown").inc()
+        self.e2e.observe(e2e_s)
+
+    def observe_error(self, status: str) -> None:
+        """`status` is the gRPC status name, e.g. "RESOURCE_EXHAUSTED"."""
+        self.errors.labels(status=status).inc()
+
+    def set_worker_gauges(self, worker: str, running: int, waiting: int,
+                          kv_blocks_used: int, kv_blocks_free: int) -> None:
+        self.running.labels(worker=worker).set(running)
+        self.waiting.labels(worker=worker).set(waiting)
+        self.kv_blocks_used.labels(worker=worker).set(kv_blocks_used)
+        self.kv_blocks_free.labels(worker=worker).set(kv_blocks_free)
+
+    def set_router_queue(self, waiting: int) -> None:
+        self.waiting.labels(worker="router").set(waiting)
+
+    def remove_worker(self, name: str) -> None:
+        """Drops a stopped worker's series so dashboards don't show it frozen."""
+        for gauge in (self.running, self.waiting, self.kv_blocks_used, self.kv_blocks_free):
+            try:
+                gauge.remove(name)
+            except KeyError:
+                continue  # the worker never reported this gauge
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return prometheus_client.generate_latest(self.registry)
+
+    def start_http_server(self, host: str, port: int) -> MetricsServer:
+        """Serves `/metrics` on host:port (0 picks a free port; see `.port`)."""
+        server, thread = prometheus_client.start_http_server(port, addr=host,
+                                                             registry=self.registry)
+        return MetricsServer(host, server.server_port, server, thread)

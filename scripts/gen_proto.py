@@ -1,0 +1,60 @@
+"""Regenerate proto/pdserve_pb2*.py(i) from proto/pdserve.proto; `--check` fails if they are stale.
+
+Generated with `-I .` on `proto/pdserve.proto`, so the modules import each other as
+`from proto import pdserve_pb2` and need no sys.path tricks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+OUTPUTS = ("pdserve_pb2.py", "pdserve_pb2.pyi", "pdserve_pb2_grpc.py")
+
+
+def generate(out_dir: Path) -> None:
+    from grpc_tools import protoc  # test extra: only needed to regenerate
+
+    args = [
+        "grpc_tools.protoc",
+        f"-I{ROOT}",
+        f"--python_out={out_dir}",
+        f"--pyi_out={out_dir}",
+        f"--grpc_python_out={out_dir}",
+        str(ROOT / "proto" / "pdserve.proto"),
+    ]
+    if protoc.main(args) != 0:
+        raise RuntimeError("protoc failed on proto/pdserve.proto")
+
+
+def stale_files() -> list[str]:
+    """Names of generated files that differ from what protoc makes now."""
+    with tempfile.TemporaryDirectory() as tmp:
+        generate(Path(tmp))
+        fresh = Path(tmp) / "proto"
+        return [n for n in OUTPUTS if not (ROOT / "proto" / n).exists()
+                or not filecmp.cmp(fresh / n, ROOT / "proto" / n, shallow=False)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--check", action="store_true", help="fail if generated files are stale")
+    args = parser.parse_args()
+    if args.check:
+        stale = stale_files()
+        if stale:
+            print(f"stale generated files: {', '.join(stale)}; run scripts/gen_proto.py", file=sys.stderr)
+            return 1
+        print("generated proto modules are up to date")
+        return 0
+    generate(ROOT)
+    print("regenerated " + ", ".join(f"proto/{n}" for n in OUTPUTS))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,33 @@
+"""Reference outputs from transformers' own `generate`, the yardstick for token-exactness."""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import torch
+from transformers import AutoModelForCausalLM
+
+
+@functools.lru_cache(maxsize=4)
+def _model(path: str):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
+    """Greedy continuation of one prompt; stops after EOS (inclusive) like the engine."""
+    model = _model(path)
+    eos = model.generation_config.eos_token_id
+    config = copy.deepcopy(model.generation_config)
+    # ignore_eos: an id no token can take, so generate never stops early
+    config.eos_token_id = model.config.vocab_size + 1 if ignore_eos else eos
+    config.pad_token_id = eos
+    config.do_sample = False
+    config.max_new_tokens = max_new_tokens
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+                             generation_config=config)
+    tokens = out[0, len(prompt_ids):].tolist()
+    if not ignore_eos and eos in tokens:
+        tokens = tokens[:tokens.index(eos) + 1]
+    return tokens
