@@ -22,6 +22,7 @@ from engine.model_runner import ModelRunner
 from engine.request import InvalidRequest, Request, RequestOutput, SamplingParams, Status
 from engine.sampler import sample
 from engine.scheduler import Scheduler
+from engine.validation import RequestValidator
 
 
 @dataclass
@@ -48,6 +49,7 @@ class LLMEngine:
         self.vocab_size = hf.vocab_size
         self.max_model_len = config.max_model_len or hf.max_position_embeddings
         self.eos_token_id = _eos_id(hf, self.tokenizer)
+        self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len)
         self.allocator = BlockAllocator(self.runner.num_blocks)
         self.scheduler = Scheduler(config, self.allocator)
         self.requests: dict[str, Request] = {}
@@ -57,18 +59,17 @@ class LLMEngine:
         self.stats = StepStats()
 
     # ---- admission -------------------------------------------------------------------
-    def tokenize(self, prompt: str) -> list[int]:
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
-
     def make_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                      sampling: SamplingParams | None = None, prefill_only: bool = False) -> Request:
         """Validate and build a request without queueing it (raises InvalidRequest)."""
         sampling = sampling or SamplingParams()
-        sampling.validate()
-        if request_id in self.requests:
+        if request_id in self.requests or request_id in self.reserved:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
-        ids = self._prompt_ids(prompt, prompt_token_ids)
-        self._check_fits(len(ids), sampling.max_tokens)
+        ids = self.validator.prompt_ids(prompt, prompt_token_ids)
+        self.validator.check(len(ids), sampling, self.allocator.num_blocks, self.config.block_size)
+        return self._build(request_id, ids, sampling, prefill_only)
+
+    def _build(self, request_id: str, ids: list[int], sampling: SamplingParams, prefill_only: bool) -> Request:
         gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
         return Request(request_id, ids, sampling, IncrementalDetokenizer(self.tokenizer, ids, sampling.stop),
                        eos_token_id=self.eos_token_id, prefill_only=prefill_only,
@@ -80,28 +81,6 @@ class LLMEngine:
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
-
-    def _prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
-        if prompt is not None and prompt_token_ids:
-            raise InvalidRequest("give either a prompt or prompt_token_ids, not both")
-        ids = list(prompt_token_ids) if prompt_token_ids else self.tokenize(prompt or "")
-        if not ids:
-            raise InvalidRequest("the prompt is empty")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequest(f"prompt_token_ids has ids outside the vocabulary [0, {self.vocab_size}): "
-                                 f"{bad[:5]}")
-        return ids
-
-    def _check_fits(self, num_prompt: int, max_tokens: int) -> None:
-        total = num_prompt + max_tokens
-        if total > self.max_model_len:
-            raise InvalidRequest(f"prompt ({num_prompt} tokens) + max_tokens ({max_tokens}) = {total} exceeds "
-                                 f"the model's context of {self.max_model_len} tokens")
-        blocks = -(-total // self.config.block_size)
-        if blocks > self.allocator.num_blocks:
-            raise InvalidRequest(f"the request needs {blocks} KV blocks but the worker's whole pool has "
-                                 f"{self.allocator.num_blocks}")
 
     # ---- disaggregation: blocks that another worker fills --------------------------------
     def blocks_for(self, num_tokens: int) -> int:
@@ -123,13 +102,16 @@ class LLMEngine:
                 req.block_ids = []
         self.allocator.free(ids)
 
-    def add_prefilled(self, request: Request, first_token: int) -> None:
-        """Admit `request` (from make_request) whose prompt KV sits in its reserved blocks."""
-        request.block_ids = self.reserved.pop(request.request_id)
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                      first_token: int) -> None:
+        """Admit a request whose prompt KV another worker pushed into its reserved blocks."""
+        request = self._build(request_id, list(prompt_token_ids), sampling, prefill_only=False)
+        request.block_ids = self.reserved.pop(request_id)
         request.num_computed_tokens = request.num_prompt_tokens
-        self.requests[request.request_id] = request
+        self.requests[request_id] = request
         self.scheduler.admit_running(request)
-        self._append_token(request, first_token)  # the prefill worker already streamed its text
+        self._append_token(request, first_token)
+        request.detokenizer.take_delta(final=False)  # the prefill worker already streamed this text
 
     # ---- the step ------------------------------------------------------------------
     def has_unfinished(self) -> bool:

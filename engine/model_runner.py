@@ -114,7 +114,7 @@ class ModelRunner:
         if num_decodes:
             meta.decode_slots, meta.decode_mask = self._decode_context(items[:num_decodes])
         return (torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), meta,
-                torch.tensor(sample_rows, device=dev))
+                torch.tensor(sample_rows, dtype=torch.long, device=dev))
 
     def _slots(self, req: Request, start: int, end: int) -> torch.Tensor:
         positions = torch.arange(start, end)

@@ -1,0 +1,101 @@
+"""The bench report: a table per arrangement on stdout, and files under `--out DIR`.
+
+`summary.json`: {"workload": ..., "slo": ..., "cluster": ..., "arrangements": {name: summary}}
+where each summary has ttft_ms/itl_ms/tpot_ms/e2e_ms (mean, p50, p95, p99),
+output_tok_per_s, goodput_req_per_s and slo_attainment. `requests.jsonl`: one line per
+request and arrangement with its timestamps. `--plot` adds PNG charts (router.bench.plot).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from router.bench.metrics import RequestRecord, Slo, e2e, summarize_run, ttft
+from router.bench.workload import Workload
+
+_LATENCY_ROWS = (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_ms"))
+_STATS = ("mean", "p50", "p95", "p99")
+
+
+def summarize_arrangements(records: Mapping[str, Sequence[RequestRecord]],
+                           slo: Slo) -> dict[str, dict[str, Any]]:
+    """One `summarize_run` per arrangement, in the order they ran."""
+    return {name: summarize_run(runs, slo) for name, runs in records.items()}
+
+
+def build_summary(summaries: Mapping[str, Mapping[str, Any]], workload: Workload, slo: Slo,
+                  cluster: Mapping[str, Any]) -> dict[str, Any]:
+    """The whole summary.json document."""
+    return {
+        "created_unix_s": time.time(),
+        "workload": workload.describe(),
+        "slo": slo.as_dict(),
+        "cluster": dict(cluster),
+        "arrangements": {name: dict(summary) for name, summary in summaries.items()},
+    }
+
+
+def _ms(value: float | None) -> str:
+    return f"{value:9.1f}" if value is not None else f"{'-':>9}"
+
+
+def format_arrangement(name: str, summary: Mapping[str, Any]) -> str:
+    """A block: latency rows (ms) then throughput, goodput and SLO attainment."""
+    lines = [f"== {name}: {summary['num_requests']} requests, {summary['num_errors']} failed, "
+             f"{summary['wall_s']:.1f} s ==",
+             f"{'(ms)':<6}" + "".join(f"{stat:>9}" for stat in _STATS)]
+    for label, key in _LATENCY_ROWS:
+        lines.append(f"{label:<6}" + "".join(_ms(summary[key][stat]) for stat in _STATS))
+    slo = ", ".join(f"{k.removesuffix('_ms')}<={v:g}ms" for k, v in summary["slo"].items())
+    lines.append(f"output {summary['output_tok_per_s']:.1f} tok/s, "
+                 f"{summary['request_per_s']:.2f} req/s, "
+                 f"goodput {summary['goodput_req_per_s']:.2f} req/s "
+                 f"({summary['slo_attainment']:.1%} met {slo or 'no SLO: success only'})")
+    return "\n".join(lines)
+
+
+def format_report(summaries: Mapping[str, Mapping[str, Any]]) -> str:
+    return "\n\n".join(format_arrangement(name, s) for name, s in summaries.items())
+
+
+def record_to_json(record: RequestRecord) -> dict[str, Any]:
+    """One requests.jsonl line (seconds since the arrangement's run started)."""
+    first, last = ttft(record), e2e(record)
+    return {
+        "arrangement": record.arrangement,
+        "request_id": record.request_id,
+        "send_s": record.send_s,
+        "message_times_s": list(record.message_times_s),
+        "message_tokens": list(record.message_tokens),
+        "prompt_tokens": record.prompt_tokens,
+        "max_tokens": record.max_tokens,
+        "output_tokens": record.output_tokens,
+        "finish_reason": record.finish_reason,
+        "error": record.error,
+        "ttft_ms": first * 1000 if first is not None else None,
+        "e2e_ms": last * 1000 if last is not None else None,
+        "usage": dict(record.usage),
+    }
+
+
+def write_report(out_dir: Path, summary: Mapping[str, Any],
+                 records: Mapping[str, Sequence[RequestRecord]], plot: bool) -> list[Path]:
+    """Writes summary.json, requests.jsonl (and PNGs with `plot`); returns the paths."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    summary_path = out_dir / "summary.json"
+    summary_path.write_text(json.dumps(summary, indent=2) + "\n")
+    requests_path = out_dir / "requests.jsonl"
+    with requests_path.open("w") as handle:
+        for runs in records.values():
+            for record in runs:
+                handle.write(json.dumps(record_to_json(record)) + "\n")
+    written = [summary_path, requests_path]
+    if plot:
+        from router.bench.plot import write_plots  # matplotlib is optional and slow to import
+
+        written += write_plots(out_dir, records, summary["workload"].get("burst"))
+    return written

@@ -1,0 +1,225 @@
+"""cluster.yaml: one validated schema for the whole cluster.
+
+`load_config(path)` reads YAML into frozen dataclasses and refuses, with one message naming
+the key, any unknown key, wrong type or impossible value (`ConfigError`; the CLI exits 2).
+Sizes accept "512MiB"-style strings. Relative `model.path` is relative to the file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from engine.config import EngineConfig
+from engine.memory import PlanError, parse_bytes
+
+
+class ConfigError(ValueError):
+    """A bad cluster.yaml; the message names the key and the reason."""
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: str = "models/tiny-llama"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # create the embedded tiny model at `path` when it is absent (the default cluster does)
+    create_tiny: Literal["off", "llama", "qwen2"] = "off"
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class RouterSection:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int | None = None  # Prometheus endpoint; None = off, 0 = pick a free port
+    max_queue: int = 256  # requests waiting for KV blocks; beyond: RESOURCE_EXHAUSTED
+    shutdown_grace_s: float = 10.0
+
+
+@dataclass(frozen=True)
+class PoolSection:
+    replicas: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    resources: dict[str, float] = field(default_factory=dict)
+    torch_threads: int = 1
+
+
+@dataclass(frozen=True)
+class KVCacheSection:
+    block_size: int = 16
+    num_blocks: int | None = None  # explicit pool size per worker
+    memory: str | None = None  # e.g. "512MiB" per worker; else memory_fraction of the device
+    memory_fraction: float = 0.1
+    runtime_overhead: str = "256MiB"
+
+
+@dataclass(frozen=True)
+class SchedulerSection:
+    max_num_batched_tokens: int = 512
+    chunk_size: int | None = 256  # null/off = whole prompts
+    max_num_seqs: int = 64
+
+
+@dataclass(frozen=True)
+class KVTransferSection:
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_s: float = 30.0
+    checksum: bool = False
+
+
+@dataclass(frozen=True)
+class RaySection:
+    address: str = ""  # "" = start a local head; "auto" or host:port = join
+    num_cpus: int | None = None
+    object_store_memory: str = "256MiB"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    router: RouterSection = field(default_factory=RouterSection)
+    prefill: PoolSection = field(default_factory=PoolSection)
+    decode: PoolSection = field(default_factory=PoolSection)
+    kv_cache: KVCacheSection = field(default_factory=KVCacheSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    kv_transfer: KVTransferSection = field(default_factory=KVTransferSection)
+    ray: RaySection = field(default_factory=RaySection)
+
+    def engine_config(self, pool: PoolSection, device: str = "cpu") -> EngineConfig:
+        kv = self.kv_cache
+        return EngineConfig(
+            model_path=self.model.path, dtype=self.model.dtype, device=device, block_size=kv.block_size,
+            num_blocks=kv.num_blocks, kv_cache_memory=parse_bytes(kv.memory) if kv.memory else None,
+            memory_fraction=kv.memory_fraction, runtime_overhead=parse_bytes(kv.runtime_overhead),
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens, chunk_size=self.scheduler.chunk_size,
+            max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.model.max_model_len,
+            torch_threads=pool.torch_threads)
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML: {e}") from None
+    cfg = parse_config(raw, where=str(path))
+    model_path = Path(cfg.model.path)
+    if not model_path.is_absolute():
+        model_path = (path.parent / model_path).resolve()
+    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_path)))
+
+
+def parse_config(raw: Any, where: str = "cluster.yaml") -> ClusterConfig:
+    cfg = _build(ClusterConfig, raw, prefix="", where=where)
+    _check_values(cfg, where)
+    return cfg
+
+
+def _build(cls, raw: Any, prefix: str, where: str):
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{where}: {prefix.rstrip('.') or 'top level'}: expected a mapping, got {type(raw).__name__}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(raw) - names)
+    if unknown:
+        raise ConfigError(f"{where}: {prefix}{unknown[0]}: unknown key (known: {', '.join(sorted(names))})")
+    values = {}
+    for key, value in raw.items():
+        hint = hints[key]
+        if dataclasses.is_dataclass(hint):
+            values[key] = _build(hint, value if value is not None else {}, f"{prefix}{key}.", where)
+        else:
+            values[key] = _coerce(hint, value, f"{prefix}{key}", where)
+    return cls(**values)
+
+
+def _coerce(hint, value: Any, key: str, where: str):
+    if value == "off" and _allows_none(hint) and "off" not in _literal_values(hint):
+        value = None
+    if _matches(hint, value):
+        return float(value) if hint in (float, float | None) and isinstance(value, int) else value
+    raise ConfigError(f"{where}: {key}: expected {_describe(hint)}, got {value!r}")
+
+
+def _allows_none(hint) -> bool:
+    return isinstance(hint, types.UnionType) and type(None) in hint.__args__
+
+
+def _literal_values(hint) -> tuple:
+    return hint.__args__ if typing.get_origin(hint) is Literal else ()
+
+
+def _matches(hint, value: Any) -> bool:
+    if isinstance(hint, types.UnionType):
+        return any(_matches(h, value) for h in hint.__args__)
+    if hint is type(None):
+        return value is None
+    if typing.get_origin(hint) is Literal:
+        return value in hint.__args__
+    if typing.get_origin(hint) is dict:
+        return isinstance(value, dict) and all(isinstance(k, str) and _matches(float, v) for k, v in value.items())
+    if hint is float:
+        return isinstance(value, int | float) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def _describe(hint) -> str:
+    if isinstance(hint, types.UnionType):
+        return " or ".join(_describe(h) for h in hint.__args__)
+    if hint is type(None):
+        return "null"
+    if typing.get_origin(hint) is Literal:
+        return "one of " + ", ".join(repr(v) for v in hint.__args__)
+    if typing.get_origin(hint) is dict:
+        return "a mapping of resource name to number"
+    return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, str(hint))
+
+
+def _check_values(cfg: ClusterConfig, where: str) -> None:
+    rules = [
+        ("router.port", 0 <= cfg.router.port <= 65535, "must be a port number 0-65535"),
+        ("router.metrics_port", cfg.router.metrics_port is None or 0 <= cfg.router.metrics_port <= 65535,
+         "must be a port number 0-65535"),
+        ("router.max_queue", cfg.router.max_queue >= 0, "must be >= 0"),
+        ("router.shutdown_grace_s", cfg.router.shutdown_grace_s >= 0, "must be >= 0"),
+        ("prefill.replicas", cfg.prefill.replicas >= (1 if cfg.mode == "disaggregated" else 0),
+         "must be >= 1 in disaggregated mode (>= 0 in colocated)"),
+        ("decode.replicas", cfg.decode.replicas >= 1, "must be >= 1"),
+        ("prefill.num_cpus", cfg.prefill.num_cpus >= 0, "must be >= 0"),
+        ("decode.num_cpus", cfg.decode.num_cpus >= 0, "must be >= 0"),
+        ("prefill.num_gpus", cfg.prefill.num_gpus >= 0, "must be >= 0"),
+        ("decode.num_gpus", cfg.decode.num_gpus >= 0, "must be >= 0"),
+        ("prefill.torch_threads", cfg.prefill.torch_threads >= 1, "must be >= 1"),
+        ("decode.torch_threads", cfg.decode.torch_threads >= 1, "must be >= 1"),
+        ("kv_cache.block_size", cfg.kv_cache.block_size >= 1, "must be >= 1"),
+        ("kv_cache.num_blocks", cfg.kv_cache.num_blocks is None or cfg.kv_cache.num_blocks >= 1, "must be >= 1"),
+        ("kv_cache.memory_fraction", 0 < cfg.kv_cache.memory_fraction <= 1, "must be in (0, 1]"),
+        ("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens >= 1, "must be >= 1"),
+        ("scheduler.chunk_size", cfg.scheduler.chunk_size is None or cfg.scheduler.chunk_size >= 1,
+         "must be >= 1, or off"),
+        ("scheduler.max_num_seqs", cfg.scheduler.max_num_seqs >= 1, "must be >= 1"),
+        ("kv_transfer.timeout_s", cfg.kv_transfer.timeout_s > 0, "must be > 0"),
+        ("model.max_model_len", cfg.model.max_model_len is None or cfg.model.max_model_len >= 2, "must be >= 2"),
+    ]
+    for key, ok, reason in rules:
+        if not ok:
+            raise ConfigError(f"{where}: {key}: {reason}")
+    for key, text in (("kv_cache.memory", cfg.kv_cache.memory), ("kv_cache.runtime_overhead", cfg.kv_cache.runtime_overhead),
+                      ("ray.object_store_memory", cfg.ray.object_store_memory)):
+        if text is not None:
+            try:
+                parse_bytes(text)
+            except PlanError as e:
+                raise ConfigError(f"{where}: {key}: {e}") from None

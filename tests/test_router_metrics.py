@@ -1,0 +1,99 @@
+"""Router Prometheus metrics, scraped over HTTP the way Prometheus does."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from router.metrics import RouterMetrics
+
+
+def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {
+        (sample.name, tuple(sorted(sample.labels.items()))): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+    }
+
+
+@pytest.fixture
+def served():
+    metrics = RouterMetrics()
+    server = metrics.start_http_server("127.0.0.1", 0)
+    yield metrics, f"http://127.0.0.1:{server.port}/metrics"
+    server.close()
+
+
+def _scrape(url: str) -> dict:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        assert response.status == 200
+        return _samples(response.read().decode())
+
+
+def test_request_latencies_and_counters_are_scraped(served):
+    metrics, url = served
+    metrics.observe_queue(0.002)
+    metrics.observe_prefill(0.3)
+    metrics.observe_kv_transfer(0.004, 2 * 1024 * 1024)
+    metrics.observe_first_token(0.31)
+    metrics.observe_first_token(1.7)
+    for gap in (0.02, 0.03, 0.0):
+        metrics.observe_token(gap)
+    metrics.observe_finish("length", 2.5)
+    metrics.observe_error("RESOURCE_EXHAUSTED")
+    samples = _scrape(url)
+    assert samples[("pdserve_ttft_seconds_count", ())] == 2
+    assert samples[("pdserve_ttft_seconds_sum", ())] == pytest.approx(2.01)
+    assert samples[("pdserve_ttft_seconds_bucket", (("le", "0.5"),))] == 1
+    assert samples[("pdserve_ttft_seconds_bucket", (("le", "+Inf"),))] == 2
+    assert samples[("pdserve_itl_seconds_count", ())] == 3
+    assert samples[("pdserve_itl_seconds_bucket", (("le", "0.02"),))] == 2
+    assert samples[("pdserve_e2e_seconds_count", ())] == 1
+    assert samples[("pdserve_queue_seconds_count", ())] == 1
+    assert samples[("pdserve_prefill_seconds_sum", ())] == pytest.approx(0.3)
+    assert samples[("pdserve_kv_transfer_seconds_count", ())] == 1
+    assert samples[("pdserve_kv_transfer_bytes_sum", ())] == 2 * 1024 * 1024
+    assert samples[("pdserve_requests_total", (("finish_reason", "length"),))] == 1
+    assert samples[("pdserve_request_errors_total", (("status", "RESOURCE_EXHAUSTED"),))] == 1
+
+
+def test_worker_gauges_follow_the_pool_and_removed_workers_disappear(served):
+    metrics, url = served
+    metrics.set_worker_gauges("decode-0", running=3, waiting=1, kv_blocks_used=40,
+                              kv_blocks_free=60)
+    metrics.set_worker_gauges("decode-1", running=0, waiting=0, kv_blocks_used=0,
+                              kv_blocks_free=100)
+    metrics.set_router_queue(5)
+    samples = _scrape(url)
+    assert samples[("pdserve_requests_running", (("worker", "decode-0"),))] == 3
+    assert samples[("pdserve_requests_waiting", (("worker", "decode-0"),))] == 1
+    assert samples[("pdserve_requests_waiting", (("worker", "router"),))] == 5
+    assert samples[("pdserve_kv_blocks_used", (("worker", "decode-0"),))] == 40
+    assert samples[("pdserve_kv_blocks_free", (("worker", "decode-1"),))] == 100
+    metrics.remove_worker("decode-0")
+    metrics.remove_worker("never-seen")
+    samples = _scrape(url)
+    assert ("pdserve_kv_blocks_used", (("worker", "decode-0"),)) not in samples
+    assert ("pdserve_requests_running", (("worker", "decode-0"),)) not in samples
+    assert samples[("pdserve_kv_blocks_free", (("worker", "decode-1"),))] == 100
+
+
+def test_registries_are_private_and_render_matches_the_endpoint(served):
+    metrics, url = served
+    other = RouterMetrics()
+    other.observe_first_token(9.0)
+    metrics.observe_first_token(0.1)
+    assert _samples(metrics.render().decode())[("pdserve_ttft_seconds_count", ())] == 1
+    assert _samples(other.render().decode())[("pdserve_ttft_seconds_sum", ())] == 9.0
+    assert _scrape(url)[("pdserve_ttft_seconds_sum", ())] == pytest.approx(0.1)
+
+
+def test_close_stops_serving():
+    metrics = RouterMetrics()
+    server = metrics.start_http_server("127.0.0.1", 0)
+    assert server.port > 0
+    server.close()
+    with pytest.raises(OSError):
+        urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=2)
