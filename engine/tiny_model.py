@@ -17,7 +17,23 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+from tokenizers import (
+    Regex,
+    Tokenizer,
+    decoders,
+    models,
+    normalizers,
+    pre_tokenizers,
+    processors,
+    trainers,
+)
+from transformers import (
+    AutoModelForCausalLM,
+    GenerationConfig,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+)
 
 Arch = Literal["llama", "qwen2"]
 Size = Literal["tiny", "bench"]
@@ -26,6 +42,10 @@ CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)  # ids 0, 1, 2: the trainer puts them first
 BOS_ID, EOS_ID, PAD_ID = range(3)
+SPLIT_REGEX = (  # Qwen2's pre-tokenizer split, also used for llama
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
 
 
 @dataclass(frozen=True)
@@ -63,12 +83,28 @@ def _corpus_texts() -> list[str]:
     return [f.read_text(encoding="utf-8") for f in files]
 
 
-def train_tokenizer(vocab_size: int) -> Tokenizer:
-    """Byte-level BPE on the corpus: 3 specials + 256 byte symbols + merges (+ fillers)."""
+def _empty_tokenizer(arch: Arch) -> Tokenizer:
+    """Byte-level BPE with Qwen2's split regex (digits one by one) and no automatic specials."""
     tokenizer = Tokenizer(models.BPE())
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    if arch == "qwen2":
+        # transformers rebuilds every qwen2 tokenizer with NFC whatever tokenizer.json says, so
+        # the file says it too; llama keeps exact round trips of non-NFC text.
+        tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(SPLIT_REGEX), behavior="isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
+    return tokenizer
+
+
+def train_tokenizer(arch: Arch, vocab_size: int) -> tuple[Tokenizer, int]:
+    """Train on the corpus: 3 specials, 256 byte symbols, merges, then fillers up to vocab_size.
+
+    Returns the tokenizer and the number of trained (non-filler) ids.
+    """
+    tokenizer = _empty_tokenizer(arch)
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
         special_tokens=list(SPECIAL_TOKENS),
@@ -76,14 +112,15 @@ def train_tokenizer(vocab_size: int) -> Tokenizer:
         show_progress=False,
     )
     tokenizer.train_from_iterator(_corpus_texts(), trainer)
-    return _pad_vocab(tokenizer, vocab_size)
+    num_trained = tokenizer.get_vocab_size()
+    return _pad_vocab(tokenizer, vocab_size), num_trained
 
 
 def _pad_vocab(tokenizer: Tokenizer, vocab_size: int) -> Tokenizer:
-    """Fill ids the corpus has no merges for with `<|reserved_N|>` vocab entries.
+    """Fill ids the corpus has no merges for (bench) with `<|reserved_N|>` vocab entries.
 
-    They have no merge path, so encoding never yields them; they decode to their literal
-    name. This keeps len(tokenizer) == config.vocab_size, so every id a model emits decodes.
+    No merge leads to them, so encoding never yields them; they decode to their literal name.
+    len(tokenizer) == config.vocab_size then holds, so every id a model emits decodes.
     """
     state = json.loads(tokenizer.to_str())
     vocab: dict[str, int] = state["model"]["vocab"]
@@ -92,10 +129,8 @@ def _pad_vocab(tokenizer: Tokenizer, vocab_size: int) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(state))
 
 
-def _hf_tokenizer(tokenizer: Tokenizer, max_len: int):
-    from transformers import PreTrainedTokenizerFast
-
-    return PreTrainedTokenizerFast(
+def _save_tokenizer(tokenizer: Tokenizer, max_len: int, out: Path) -> None:
+    hf_tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=BOS,
         eos_token=EOS,
@@ -103,14 +138,18 @@ def _hf_tokenizer(tokenizer: Tokenizer, max_len: int):
         model_max_length=max_len,
         clean_up_tokenization_spaces=False,  # keep decode(encode(s)) == s
     )
+    hf_tokenizer.save_pretrained(out)
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8"))
+    # A class name transformers 4 and 5 both load; no unk token, or transformers 5's
+    # Qwen2Tokenizer adds an `<|endoftext|>` one past the model's vocab.
+    config.update(tokenizer_class="PreTrainedTokenizerFast", unk_token=None)
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
 
 
 def build_config(arch: Arch, size: Size):
     """The transformers config for one (arch, size); qwen2 adds q/k/v biases by design."""
-    from transformers import LlamaConfig, Qwen2Config
-
-    _check_choice("arch", arch, ARCHS)
-    _check_choice("size", size, tuple(SIZES))
+    _check_choices(arch, size)
     config_cls = LlamaConfig if arch == "llama" else Qwen2Config
     return config_cls(
         **asdict(SIZES[size]),
@@ -125,9 +164,10 @@ def build_config(arch: Arch, size: Size):
     )
 
 
-def _check_choice(name: str, value: str, choices: tuple[str, ...]) -> None:
-    if value not in choices:
-        raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
+def _check_choices(arch: str, size: str) -> None:
+    for name, value, choices in (("arch", arch, ARCHS), ("size", size, tuple(SIZES))):
+        if value not in choices:
+            raise ValueError(f"unknown {name} {value!r}; choose one of {', '.join(choices)}")
 
 
 def _init_std(name: str, param: torch.Tensor) -> float | None:
@@ -147,8 +187,12 @@ def _init_std(name: str, param: torch.Tensor) -> float | None:
 
 
 @torch.no_grad()
-def init_weights(model: torch.nn.Module, seed: int) -> None:
-    """Overwrite every parameter from one CPU generator, in sorted-name order."""
+def init_weights(model: torch.nn.Module, seed: int, muted_ids: list[int]) -> None:
+    """Overwrite every parameter from one CPU generator, in sorted-name order.
+
+    `muted_ids` get all-zero LM-head rows: logit 0, far below the top logit, so greedy
+    decoding never emits them (BOS, PAD, vocab fillers) while EOS stays an ordinary token.
+    """
     generator = torch.Generator().manual_seed(seed)
     for name, param in sorted(model.named_parameters()):
         std = _init_std(name, param)
@@ -156,31 +200,30 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
             param.fill_(1.0)
         else:
             param.copy_(torch.randn(param.shape, generator=generator) * std)
+    model.get_output_embeddings().weight[muted_ids] = 0.0
 
 
-def _build_model(arch: Arch, size: Size, seed: int):
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    config = build_config(arch, size)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    init_weights(model, seed)
+def _build_model(arch: Arch, size: Size, seed: int, muted_ids: list[int]):
+    model = AutoModelForCausalLM.from_config(build_config(arch, size), dtype=torch.float32)
+    init_weights(model, seed, muted_ids)
     model.generation_config = GenerationConfig(
         bos_token_id=BOS_ID, eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
     )
-    return model.eval()
+    return model
 
 
 def make_tiny_model(out_dir: str | os.PathLike[str], arch: Arch = "llama", size: Size = "tiny",
                     seed: int = 0) -> Path:
     """Write a checkpoint (config, safetensors, generation config, tokenizer) to `out_dir`."""
     out = Path(out_dir)
-    model = _build_model(arch, size, seed)
+    _check_choices(arch, size)
     shape = SIZES[size]
-    tokenizer = _hf_tokenizer(train_tokenizer(shape.vocab_size), shape.max_position_embeddings)
-    assert len(tokenizer) == shape.vocab_size, f"tokenizer has {len(tokenizer)} ids, want {shape.vocab_size}"
+    tokenizer, num_trained = train_tokenizer(arch, shape.vocab_size)
+    muted_ids = [BOS_ID, PAD_ID, *range(num_trained, shape.vocab_size)]
+    model = _build_model(arch, size, seed, muted_ids)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    _save_tokenizer(tokenizer, shape.max_position_embeddings, out)
     return out
 
 

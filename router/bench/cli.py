@@ -92,7 +92,7 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
 def _add_report_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("report")
     group.add_argument("--slo", default="", help="e.g. ttft=1.0,tpot=50ms (seconds or ms)")
-    group.add_argument("--out", default="bench-results", help="directory for the report files")
+    group.add_argument("--out", default="bench-out", help="directory for the report files")
     group.add_argument("--plot", action="store_true", help="also write PNG charts")
     group.add_argument("--connect-timeout", type=_positive_float, default=10.0,
                        help="seconds to wait for each router (default 10)")
@@ -151,15 +151,19 @@ def _load_base_config(path: str) -> Any:
 
 
 def _model_limits(base: Any) -> tuple[int | None, int | None]:
-    """(max positions, vocab size) from the cluster's model.path/config.json, when readable."""
+    """(max context, vocab size) of the cluster's model: `model.max_model_len`, else its
+    config.json (creating the embedded tiny model first when the config asks for it)."""
     if base is None:
         return None, None
-    config_path = Path(base.model.path) / "config.json"
+    from router.launcher import ensure_model
+
     try:
-        config = json.loads(config_path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None, None
-    return config.get("max_position_embeddings"), config.get("vocab_size")
+        ensure_model(base)
+        config = json.loads((Path(base.model.path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise BenchError(f"model {base.model.path}: {err}") from err
+    max_context = base.model.max_model_len or config.get("max_position_embeddings")
+    return max_context, config.get("vocab_size")
 
 
 def _measure(args: argparse.Namespace, workload: Workload,
@@ -189,7 +193,11 @@ def _measure_arrangements(args: argparse.Namespace, workload: Workload,
     records: dict[str, list[RequestRecord]] = {}
     statuses: dict[str, Any] = {}
     for name in names:
-        with LocalCluster(arrangement_config(base, name, args.workers)) as cluster:
+        try:
+            cfg = arrangement_config(base, name, args.workers)
+        except ValueError as err:
+            raise BenchError(f"--arrangements {name}: {err}") from err
+        with LocalCluster(cfg) as cluster:
             records[name], statuses[name] = asyncio.run(
                 _measure_address(args, cluster.address, name, workload))
     return records, {"config": args.config, "workers": args.workers, "status": statuses}

@@ -28,7 +28,7 @@ _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
 
 @dataclass
 class ProgressBar:
-    """`label [#####.....] 12/100 (1 failed)` on one rewritten stderr line; no dependency."""
+    """`label [#####.....] 12/100 (1 failed)` on one rewritten terminal line; no dependency."""
 
     total: int
     label: str = ""
@@ -69,7 +69,7 @@ async def replay(address: str, workload: Workload, arrangement: str, *,
     async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
         await wait_for_router(channel, address, connect_timeout_s)
         stub = pdserve_pb2_grpc.GenerationStub(channel)
-        stream = sys.stderr if show_progress else None
+        stream = sys.stderr if show_progress and sys.stderr.isatty() else None
         progress = ProgressBar(len(workload.requests), arrangement, stream)
         run = _Run(stub, arrangement, uuid.uuid4().hex[:8], time.perf_counter(), progress)
         try:
@@ -86,7 +86,8 @@ async def fetch_status(address: str, timeout_s: float = 5.0) -> dict[str, Any]:
             reply = await stub.Status(pdserve_pb2.StatusRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as err:
             return {"error": f"{err.code().name}: {err.details()}"}
-        return MessageToDict(reply, preserving_proto_field_name=True)
+        return MessageToDict(reply, preserving_proto_field_name=True,
+                             always_print_fields_with_no_presence=True)
 
 
 @dataclass

@@ -92,7 +92,7 @@ def _resolved(opts: WorkloadOptions, d: PresetDefaults) -> dict[str, Any]:
     output_len = opts.output_len or d.output_len
     near_context = int(opts.max_context * 0.9) - output_len
     return {
-        "n": d.num_requests if opts.num_requests is None else opts.num_requests,
+        "num_requests": d.num_requests if opts.num_requests is None else opts.num_requests,
         "rate": opts.rate if opts.rate is not None else (None if opts.concurrency else d.rate),
         "input_len": opts.input_len or d.input_len or max(1, near_context),
         "output_len": output_len,
@@ -108,9 +108,9 @@ def _metadata(opts: WorkloadOptions, r: dict[str, Any]) -> dict[str, Any]:
 
 def _synthetic(opts: WorkloadOptions, r: dict[str, Any], prefix: str,
                rng: np.random.Generator, shared: tuple[int, ...] = ()) -> list[RequestSpec]:
-    arrivals = arrival_times(r["n"], r["rate"], opts.burstiness, rng)
-    prompt_lens = sample_lengths(r["n"], r["input_len"], r["range_ratio"], rng)
-    output_lens = np.full(r["n"], r["output_len"])
+    arrivals = arrival_times(r["num_requests"], r["rate"], opts.burstiness, rng)
+    prompt_lens = sample_lengths(r["num_requests"], r["input_len"], r["range_ratio"], rng)
+    output_lens = np.full(r["num_requests"], r["output_len"])
     return synthetic_requests(prefix, arrivals, prompt_lens, output_lens, opts.max_context,
                               opts.vocab, rng, shared)
 
@@ -127,11 +127,11 @@ def _shared_prefix(opts: WorkloadOptions, d: PresetDefaults) -> Workload:
     rng = np.random.default_rng(opts.seed)
     prefix_len = max(1, r["input_len"] * 3 // 4)
     prefixes = [random_tokens(prefix_len, opts.vocab, rng) for _ in range(NUM_SHARED_PREFIXES)]
-    group_sizes = np.bincount(rng.integers(NUM_SHARED_PREFIXES, size=r["n"]),
+    group_sizes = np.bincount(rng.integers(NUM_SHARED_PREFIXES, size=r["num_requests"]),
                               minlength=NUM_SHARED_PREFIXES)
     specs: list[RequestSpec] = []
     for group, size in enumerate(group_sizes):
-        group_opts = r | {"n": int(size)}
+        group_opts = r | {"num_requests": int(size)}
         specs += _synthetic(opts, group_opts, f"prefix{group}", rng, prefixes[group])
     meta = _metadata(opts, r) | {"num_prefixes": NUM_SHARED_PREFIXES,
                                  "prefix_tokens": prefix_len}
@@ -155,16 +155,16 @@ def _morning_burst(opts: WorkloadOptions, d: PresetDefaults) -> Workload:
                             "not only --concurrency")
     rng = np.random.default_rng(opts.seed)
     specs = _synthetic(opts, r, "stream", rng)
-    burst_start = round(0.4 * r["n"] / r["rate"], 3)
-    burst = {"n": max(4, r["n"] // 8), "rate": None, "input_len": int(opts.max_context * 0.75),
+    burst_start = round(0.4 * r["num_requests"] / r["rate"], 3)
+    burst = {"num_requests": max(4, r["num_requests"] // 8), "rate": None, "input_len": int(opts.max_context * 0.75),
              "output_len": 16, "range_ratio": 0.1}
     burst_specs = [RequestSpec(s.request_id, burst_start + float(offset), s.prompt_token_ids,
                                s.max_tokens)
                    for s, offset in zip(_synthetic(opts, burst, "burst", rng),
-                                        np.sort(rng.uniform(0, BURST_WINDOW_S, burst["n"])),
+                                        np.sort(rng.uniform(0, BURST_WINDOW_S, burst["num_requests"])),
                                         strict=True)]
     window = {"start_s": burst_start, "end_s": burst_start + BURST_WINDOW_S,
-              "num_requests": burst["n"], "prompt_tokens": burst["input_len"]}
+              "num_requests": burst["num_requests"], "prompt_tokens": burst["input_len"]}
     meta = _metadata(opts, r) | {"burst": window}
     return make_workload(opts.preset, specs + burst_specs, opts.concurrency, meta)
 

@@ -58,8 +58,25 @@ def format_arrangement(name: str, summary: Mapping[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def format_comparison(summaries: Mapping[str, Mapping[str, Any]]) -> str:
+    """One row per arrangement: the numbers that decide between them."""
+    header = (f"{'arrangement':<24}{'TTFT p50':>9}{'TTFT p99':>9}{'ITL p50':>9}{'ITL p99':>9}"
+              f"{'TPOT':>9}{'tok/s':>9}{'goodput':>9}")
+    rows = [header]
+    for name, s in summaries.items():
+        latencies = (s["ttft_ms"]["p50"], s["ttft_ms"]["p99"], s["itl_ms"]["p50"],
+                     s["itl_ms"]["p99"], s["tpot_ms"]["mean"])
+        rows.append(f"{name:<24}" + "".join(_ms(v) for v in latencies)
+                    + f"{s['output_tok_per_s']:9.1f}{s['goodput_req_per_s']:9.2f}")
+    return "\n".join(rows)
+
+
 def format_report(summaries: Mapping[str, Mapping[str, Any]]) -> str:
-    return "\n\n".join(format_arrangement(name, s) for name, s in summaries.items())
+    """A block per arrangement, then a side-by-side comparison when there are several."""
+    blocks = [format_arrangement(name, s) for name, s in summaries.items()]
+    if len(summaries) > 1:
+        blocks.append("latencies in ms, goodput in req/s\n" + format_comparison(summaries))
+    return "\n\n".join(blocks)
 
 
 def record_to_json(record: RequestRecord) -> dict[str, Any]:

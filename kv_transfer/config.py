@@ -1,0 +1,74 @@
+"""Configuration, results and errors of KV transfer channels.
+
+Every value here may cross a Ray boundary: the config is a frozen dataclass, the result a small
+dataclass and the errors pickle with their peer/request fields intact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+Backend = Literal["auto", "gloo", "nccl"]
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    backend: Backend = "auto"
+    timeout_s: float = 30.0          # per transfer, from the moment it reaches the wire
+    checksum: bool = False           # sender digests the payload, receiver verifies it
+    staging_bytes: int = 64 << 20    # per channel and side, split into `staging_slots` slots
+    staging_slots: int = 4           # pipeline depth: chunks in flight while the next is copied
+    heartbeat_s: float = 1.0         # idle sender pings; bounds how fast an idle receiver can close
+
+    def __post_init__(self) -> None:
+        if self.backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"kv_transfer.backend must be auto, gloo or nccl, not {self.backend!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"kv_transfer.timeout_s must be > 0, not {self.timeout_s}")
+        if self.heartbeat_s <= 0:
+            raise ValueError(f"kv_transfer.heartbeat_s must be > 0, not {self.heartbeat_s}")
+        if self.staging_slots < 2:
+            raise ValueError(f"kv_transfer.staging_slots must be >= 2, not {self.staging_slots}")
+        if self.staging_bytes < self.staging_slots:
+            raise ValueError(f"kv_transfer.staging_bytes too small: {self.staging_bytes}")
+
+    @property
+    def slot_bytes(self) -> int:
+        return self.staging_bytes // self.staging_slots
+
+    @property
+    def idle_timeout_s(self) -> float:
+        """How long a receiver waits for any frame before it declares an idle peer dead."""
+        return max(self.timeout_s, 5 * self.heartbeat_s)
+
+
+@dataclass(frozen=True)
+class TransferResult:
+    request_id: str
+    dst_block_ids: list[int]
+    num_bytes: int
+    seconds: float          # on the wire: dequeued by the channel thread -> receiver's reply
+    queued_seconds: float   # send() -> dequeued (waiting behind earlier transfers on the channel)
+
+    @property
+    def gb_per_s(self) -> float:
+        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+
+
+class KVTransferError(RuntimeError):
+    """A transfer or channel failed; names the peer and (when there is one) the request."""
+
+    def __init__(self, peer_id: str, request_id: str | None, reason: str) -> None:
+        self.peer_id = peer_id
+        self.request_id = request_id
+        self.reason = reason
+        subject = f"request {request_id!r}" if request_id is not None else "channel"
+        super().__init__(f"KV transfer of {subject} with peer {peer_id!r} failed: {reason}")
+
+    def __reduce__(self):
+        return (type(self), (self.peer_id, self.request_id, self.reason))
+
+
+class HandshakeMismatch(KVTransferError):
+    """The two ends disagree on layers, block shape, dtype or backend; the channel is refused."""

@@ -1,0 +1,151 @@
+"""Prefill side: KVSender owns one channel per decode peer; each channel is one thread draining
+an ordered queue of transfers.
+
+The caller owns the source blocks and must not free or overwrite them until the transfer's
+future is done (result or KVTransferError). A channel that fails (timeout, dead peer,
+protocol error) fails its in-flight and queued transfers, closes its groups and disappears:
+is_connected() turns False and the caller re-opens it (receiver.open_channel -> connect).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+
+import torch
+
+from kv_transfer.config import KVTransferConfig, KVTransferError, TransferResult
+from kv_transfer.frames import MAX_REQUEST_ID_BYTES
+from kv_transfer.groups import (
+    JOINED_KEY,
+    RECEIVER_RANK,
+    SENDER_RANK,
+    ChannelBroken,
+    ChannelGroups,
+    DeviceInfo,
+    gloo_group,
+    join_store,
+    local_address_towards,
+)
+from kv_transfer.handshake import Hello, send_hello
+from kv_transfer.layout import KVLayout
+from kv_transfer.pipeline import DataPath, local_slot_blocks
+from kv_transfer.sender_channel import SenderChannel, TransferJob
+
+
+class KVSender:
+    """Thread-safe: connect/send/close may be called from any thread."""
+
+    def __init__(self, kv: torch.Tensor, config: KVTransferConfig | None = None) -> None:
+        self._kv = kv
+        self._layout = KVLayout.of(kv)
+        self._config = config or KVTransferConfig()
+        self._channels: dict[str, SenderChannel] = {}
+        self._lock = threading.Lock()
+
+    @property
+    def num_channels(self) -> int:
+        with self._lock:
+            return len(self._channels)
+
+    def is_connected(self, peer_id: str) -> bool:
+        with self._lock:
+            return peer_id in self._channels
+
+    def connect(self, peer_id: str, host: str, port: int) -> None:
+        """Join the rendezvous the receiver opened for us; blocks until the channel is up.
+
+        Replaces an existing channel to peer_id. Raises HandshakeMismatch when the receiver
+        refuses us, KVTransferError when it cannot be reached within timeout_s.
+        """
+        self.close_channel(peer_id)
+        channel = self._open(peer_id, host, port)
+        with self._lock:
+            self._channels[peer_id] = channel
+        channel.start()
+
+    def send(self, peer_id: str, request_id: str,
+             src_block_ids: list[int]) -> Future[TransferResult]:
+        """Queue the blocks for peer_id; the future resolves once they have landed there."""
+        self._check_request(request_id, src_block_ids)
+        future: Future[TransferResult] = Future()
+        ready = None
+        if self._kv.is_cuda:   # copy the KV as the caller's stream has it when send() is called
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self._kv.device))
+        job = TransferJob(request_id, list(src_block_ids), future, time.monotonic(), ready)
+        with self._lock:
+            channel = self._channels.get(peer_id)
+        if channel is None:
+            future.set_exception(KVTransferError(
+                peer_id, request_id, "no channel to this peer (never connected, or torn down "
+                "after a failure): open one with receiver.open_channel + sender.connect"))
+            return future
+        channel.submit(job)
+        return future
+
+    def close_channel(self, peer_id: str, wait: bool = False) -> None:
+        """The in-flight transfer finishes; queued ones fail. wait=True joins the thread."""
+        with self._lock:
+            channel = self._channels.pop(peer_id, None)
+        if channel is not None:
+            channel.close()
+            if wait:
+                channel.join()
+
+    def shutdown(self, wait: bool = True) -> None:
+        with self._lock:
+            channels = list(self._channels.values())
+            self._channels.clear()
+        for channel in channels:
+            channel.close()
+        for channel in channels if wait else []:
+            channel.join()
+
+    def _check_request(self, request_id: str, src_block_ids: list[int]) -> None:
+        if not src_block_ids:
+            raise ValueError(f"request {request_id!r}: no blocks to send")
+        if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
+            raise ValueError(f"request id longer than {MAX_REQUEST_ID_BYTES} bytes")
+        num_blocks = self._kv.shape[2]
+        bad = [b for b in src_block_ids if not 0 <= b < num_blocks]
+        if bad:
+            raise ValueError(f"request {request_id!r}: block ids {bad[:8]} outside "
+                             f"[0, {num_blocks})")
+
+    def _open(self, peer_id: str, host: str, port: int) -> SenderChannel:
+        config = self._config
+        deadline = time.monotonic() + config.timeout_s
+        groups = None
+        try:
+            store = join_store(host, port, config.timeout_s)
+            store.set(JOINED_KEY, "1")
+            control = gloo_group(store, SENDER_RANK, local_address_towards(host, port),
+                                 config.timeout_s)
+            groups = ChannelGroups(store, control, control, "gloo", RECEIVER_RANK)
+            agreement = send_hello(groups, self._hello(), peer_id, deadline)
+            groups.attach_data(agreement.backend, SENDER_RANK, config.timeout_s,
+                               self._kv.device, deadline)
+            path = DataPath.build(self._kv, agreement.backend, agreement.slot_blocks, config)
+        except KVTransferError:
+            if groups is not None:
+                groups.close(broken=True)
+            raise
+        except (RuntimeError, ChannelBroken) as err:
+            if groups is not None:
+                groups.close(broken=True)
+            raise KVTransferError(peer_id, None, f"connecting to {host}:{port}: {err}") from err
+        return SenderChannel(peer_id, groups, agreement, path, config, self._forget)
+
+    def _hello(self) -> Hello:
+        return Hello(self._layout, DeviceInfo.of(self._kv.device), self._config.backend,
+                     local_slot_blocks(self._kv, self._config), self._config.checksum,
+                     self._config.heartbeat_s)
+
+    def _forget(self, channel: SenderChannel) -> None:
+        """Called by a channel's thread when it ends; drops it unless already replaced."""
+        with self._lock:
+            if self._channels.get(channel.peer_id) is channel:
+                del self._channels[channel.peer_id]
+

@@ -1,0 +1,125 @@
+"""gRPC front door (grpc.aio): Generation and Admin services over `Router`, plus the standard
+health service and server reflection. Errors become statuses with a readable message:
+INVALID_ARGUMENT (bad request), RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (shutting down,
+empty pool, worker failure); a client that goes away cancels its request on every worker."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from engine.request import InvalidRequest, SamplingParams
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from router.service import Chunk, QueueFull, Router, Unavailable
+
+log = logging.getLogger(__name__)
+
+_STATUS = {InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+           Unavailable: grpc.StatusCode.UNAVAILABLE}
+
+
+def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=s.max_tokens or 16, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
+        seed=s.seed if s.has_seed else None, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
+        ignore_eos=s.ignore_eos)
+
+
+def _usage(u: dict) -> pb.Usage:
+    return pb.Usage(prompt_tokens=u.get("prompt_tokens", 0), completion_tokens=u.get("completion_tokens", 0),
+                    ttft_ms=u.get("ttft_ms", 0.0), queue_ms=u.get("queue_ms", 0.0),
+                    prefill_worker=u.get("prefill_worker", ""), decode_worker=u.get("decode_worker", ""),
+                    prefill_ms=u.get("prefill_ms", 0.0))
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            if request.prompt and request.prompt_token_ids:
+                raise InvalidRequest("give either prompt or prompt_token_ids, not both")
+            sampling = sampling_from_proto(request.sampling)
+            rid, ids = self.router.prepare(request.request_id, request.prompt or None,
+                                           list(request.prompt_token_ids) or None, sampling)
+            async for chunk in self.router.generate(rid, ids, sampling):
+                yield self._response(rid, chunk)
+        except tuple(_STATUS) as e:
+            code = _STATUS[type(e)]
+            self.router.metrics.observe_error(code.name)
+            await context.abort(code, str(e))
+
+    @staticmethod
+    def _response(rid: str, chunk: Chunk) -> pb.GenerateResponse:
+        finish = {"abort": "cancelled"}.get(chunk.finish_reason, chunk.finish_reason) or ""
+        msg = pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text, finish_reason=finish)
+        if chunk.usage is not None:
+            msg.usage.CopyFrom(_usage(chunk.usage))
+        return msg
+
+
+class AdminService(pb_grpc.AdminServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def Status(self, request, context) -> pb.StatusResponse:
+        workers = await self.router.status()
+        return pb.StatusResponse(
+            mode=self.router.config.mode, model=self.router.config.model.path,
+            workers=[self._worker(w) for w in workers], router_queue=self.router.queue_length,
+            router_in_flight=len(self.router.streams), requests_total=self.router.requests_total)
+
+    @staticmethod
+    def _worker(w) -> pb.WorkerStatus:
+        s = w.stats
+        msg = pb.WorkerStatus(name=w.name, pool=w.info.pool, state=w.state, node_ip=w.info.node_ip,
+                              kv_blocks_total=w.info.num_blocks)
+        if s is not None:
+            msg.running, msg.waiting, msg.channels, msg.requests_served = s.running, s.waiting, s.channels, s.served
+            msg.kv_blocks_used, msg.kv_blocks_free = s.blocks_used, s.blocks_free
+        return msg
+
+    async def Scale(self, request: pb.ScaleRequest, context) -> pb.ScaleResponse:
+        if request.pool not in ("prefill", "decode"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown pool {request.pool!r}: use prefill or decode")
+        try:
+            started, stopped = await self.router.scale(request.pool, request.replicas)
+        except InvalidRequest as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        return pb.ScaleResponse(pool=request.pool, replicas=request.replicas, started=started, stopped=stopped)
+
+
+class RouterServer:
+    """The grpc.aio server; `port` is the bound port (config port 0 = pick a free one)."""
+
+    def __init__(self, router: Router, host: str, port: int):
+        self.router = router
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_GenerationServicer_to_server(GenerationService(router), self.server)
+        pb_grpc.add_AdminServicer_to_server(AdminService(router), self.server)
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [pb.DESCRIPTOR.services_by_name[n].full_name for n in ("Generation", "Admin")]
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        self.address = f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", "pdserve.v1.Generation"):
+            result = self.health.set(name, status)
+            if result is not None:
+                await result
+
+    async def stop(self, grace_s: float) -> None:
+        await self.server.stop(grace_s)

@@ -1,0 +1,309 @@
+"""Bench metrics on hand-made timestamps, and the client + report against a real gRPC server.
+
+The router double is a small `Generation` servicer on a free port that streams `max_tokens`
+tokens: grpc.aio on the client's own loop for client tests; a thread-pool server for the CLI,
+which runs its own event loop (grpc.aio objects must not span two live loops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import sys
+import time
+import types
+from concurrent import futures
+
+import grpc
+import numpy as np
+import pytest
+
+from proto import pdserve_pb2, pdserve_pb2_grpc
+from router.bench import cli as bench_cli
+from router.bench.client import replay
+from router.bench.errors import RouterUnreachable, SloError
+from router.bench.metrics import (
+    RequestRecord,
+    Slo,
+    e2e,
+    itls,
+    latency_stats_ms,
+    meets_slo,
+    parse_slo,
+    summarize_run,
+    tpot,
+    ttft,
+)
+from router.bench.report import build_summary, summarize_arrangements, write_report
+from router.bench.workload import RequestSpec, make_workload
+
+SUMMARY_KEYS = {"ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "output_tok_per_s",
+                "goodput_req_per_s", "slo_attainment"}
+
+
+def _record(send, times, counts, error=None, rid="r") -> RequestRecord:
+    return RequestRecord(rid, "test", send, tuple(times), tuple(counts), 10, sum(counts),
+                         "length", error)
+
+
+def test_ttft_itl_tpot_e2e_with_a_multi_token_message():
+    record = _record(1.0, [1.5, 1.6, 1.8, 2.0], [1, 1, 2, 1])
+    assert ttft(record) == pytest.approx(0.5)
+    assert e2e(record) == pytest.approx(1.0)
+    np.testing.assert_allclose(itls(record), [0.1, 0.2, 0.0, 0.2])
+    assert tpot(record) == pytest.approx(0.5 / 4)
+
+
+def test_single_token_requests_have_no_tpot_and_are_left_out():
+    single = _record(0.0, [0.3], [1])
+    assert tpot(single) is None
+    summary = summarize_run([single, _record(0.0, [0.1, 0.3], [1, 1])], Slo())
+    assert summary["tpot_ms"]["mean"] == pytest.approx(200.0)
+    assert summary["ttft_ms"]["mean"] == pytest.approx(200.0)
+
+
+def test_percentiles_are_numpy_linear_in_ms():
+    stats = latency_stats_ms([0.1, 0.2, 0.3, 0.4])
+    assert stats == pytest.approx({"mean": 250.0, "p50": 250.0, "p95": 385.0, "p99": 397.0})
+    assert latency_stats_ms([]) == {"mean": None, "p50": None, "p95": None, "p99": None}
+
+
+def test_goodput_attainment_and_throughput_over_the_run():
+    records = [
+        _record(0.0, [0.5, 0.54, 0.58], [1, 1, 1], rid="ok"),         # ttft .5, tpot .04
+        _record(1.0, [3.0, 3.02], [1, 1], rid="late"),               # ttft 2.0
+        _record(2.0, [2.2, 2.4, 2.6], [1, 1, 1], rid="choppy"),       # tpot .2
+        _record(3.0, [3.1, 10.0], [1, 3], rid="stalled"),            # tpot 6.9/3 = 2.3 > .05
+        _record(4.0, [4.1], [1], rid="single"),                      # no tpot: meets
+        _record(5.0, [], [], error="UNAVAILABLE: down", rid="failed"),
+    ]
+    slo = parse_slo("ttft=1.0,tpot=50ms")
+    assert [meets_slo(r, slo) for r in records] == [True, False, False, False, True, False]
+    summary = summarize_run(records, slo)
+    assert summary["wall_s"] == pytest.approx(10.0)
+    assert summary["num_errors"] == 1
+    assert summary["goodput_req_per_s"] == pytest.approx(0.2)
+    assert summary["slo_attainment"] == pytest.approx(2 / 6)
+    assert summary["output_tokens"] == 3 + 2 + 3 + 4 + 1
+    assert summary["output_tok_per_s"] == pytest.approx(1.3)
+    assert summary["request_per_s"] == pytest.approx(0.5)
+    assert summary["slo"] == {"ttft_ms": 1000.0, "tpot_ms": 50.0}
+
+
+def test_parse_slo_units_and_errors():
+    assert parse_slo("ttft=500ms, e2e=2") == Slo(ttft_s=0.5, e2e_s=2.0)
+    assert parse_slo("") == Slo()
+    for bad in ("ttft", "itl=1", "ttft=fast", "tpot=-1"):
+        with pytest.raises(SloError):
+            parse_slo(bad)
+
+
+class _StreamingGeneration(pdserve_pb2_grpc.GenerationServicer):
+    """Streams max_tokens tokens, 10 ms apart: one, then two per message; max_tokens 13 fails."""
+
+    def __init__(self) -> None:
+        self.requests: list[pdserve_pb2.GenerateRequest] = []
+        self.in_flight = 0
+        self.max_in_flight = 0
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if request.sampling.max_tokens == 13:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "queue full")
+        self.in_flight += 1
+        self.max_in_flight = max(self.max_in_flight, self.in_flight)
+        try:
+            left, size = request.sampling.max_tokens, 1
+            while left:
+                await asyncio.sleep(0.01)
+                chunk = min(size, left)
+                left -= chunk
+                message = pdserve_pb2.GenerateResponse(request_id=request.request_id,
+                                                       token_ids=[7] * chunk)
+                if not left:
+                    message.finish_reason = "length"
+                    message.usage.CopyFrom(pdserve_pb2.Usage(completion_tokens=5, queue_ms=1.5))
+                yield message
+                size = 2
+        finally:
+            self.in_flight -= 1
+
+
+def _replay(workload, servicer: _StreamingGeneration) -> list[RequestRecord]:
+    """Serves `servicer` and replays `workload` against it, both on one event loop."""
+
+    async def main() -> list[RequestRecord]:
+        server = grpc.aio.server()
+        pdserve_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            return await replay(f"127.0.0.1:{port}", workload, "router", show_progress=False)
+        finally:
+            await server.stop(None)
+
+    return asyncio.run(main())
+
+
+def _workload(max_tokens: list[int], concurrency: int | None = None, gap: float = 0.02):
+    specs = [RequestSpec(f"req-{i}", i * gap, (16 + i, 17, 18), n)
+             for i, n in enumerate(max_tokens)]
+    return make_workload("test", specs, concurrency, {"preset": "test"})
+
+
+def test_client_records_every_message_and_sends_exact_sampling(tmp_path):
+    servicer = _StreamingGeneration()
+    workload = _workload([5, 1, 4, 13])
+    records = _replay(workload, servicer)
+    by_id = {r.request_id: r for r in records}
+    assert [by_id[f"req-{i}"].message_tokens for i in range(3)] == [(1, 2, 2), (1,), (1, 2, 1)]
+    assert by_id["req-3"].error.startswith("RESOURCE_EXHAUSTED")
+    for record in (by_id["req-0"], by_id["req-2"]):
+        times = record.message_times_s
+        assert record.send_s < times[0] and list(times) == sorted(times)
+        assert ttft(record) >= 0.01 and record.finish_reason == "length"
+        assert record.usage["queue_ms"] == 1.5 and record.usage["prefill_ms"] == 0.0
+    sent = {r.prompt_token_ids[0]: r for r in servicer.requests}
+    assert len({r.request_id for r in servicer.requests}) == 4
+    assert all(r.sampling.ignore_eos and r.sampling.temperature == 0 for r in sent.values())
+    assert [sent[16 + i].sampling.max_tokens for i in range(4)] == [5, 1, 4, 13]
+    assert list(sent[16].prompt_token_ids) == [16, 17, 18]
+
+    summaries = summarize_arrangements({"router": records}, parse_slo("ttft=1"))
+    summary = build_summary(summaries, workload, parse_slo("ttft=1"), {"router": "test"})
+    write_report(tmp_path, summary, {"router": records}, plot=True)
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    arrangement = doc["arrangements"]["router"]
+    assert SUMMARY_KEYS <= set(arrangement)
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        assert set(arrangement[key]) == {"mean", "p50", "p95", "p99"}
+    assert arrangement["num_errors"] == 1 and arrangement["slo_attainment"] == 0.75
+    assert doc["workload"]["num_requests"] == 4
+    lines = (tmp_path / "requests.jsonl").read_text().splitlines()
+    assert {json.loads(line)["request_id"] for line in lines} == set(by_id)
+    assert all((tmp_path / name).stat().st_size > 0
+               for name in ("ttft_cdf.png", "itl_cdf.png", "itl_over_time.png"))
+
+
+def test_closed_loop_keeps_concurrency_in_flight():
+    servicer = _StreamingGeneration()
+    records = _replay(_workload([6] * 8, concurrency=2, gap=0.0), servicer)
+    assert all(r.ok and r.output_tokens == 6 for r in records)
+    assert servicer.max_in_flight == 2
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_unreachable_router_is_a_typed_error():
+    address = f"127.0.0.1:{_free_port()}"
+    with pytest.raises(RouterUnreachable, match=address):
+        asyncio.run(replay(address, _workload([2]), "router", connect_timeout_s=0.3,
+                           show_progress=False))
+
+
+def _bench(*argv: str) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve")
+    bench_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    return args.func(args)
+
+
+class _ThreadedGeneration(pdserve_pb2_grpc.GenerationServicer):
+    """One token per message, 5 ms apart, served from a thread pool."""
+
+    def Generate(self, request, context):
+        for index in range(request.sampling.max_tokens):
+            time.sleep(0.005)
+            last = index == request.sampling.max_tokens - 1
+            yield pdserve_pb2.GenerateResponse(token_ids=[7],
+                                               finish_reason="length" if last else "")
+
+
+@pytest.fixture
+def threaded_router():
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=8))
+    pdserve_pb2_grpc.add_GenerationServicer_to_server(_ThreadedGeneration(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    yield f"127.0.0.1:{port}"
+    server.stop(None).wait(5)
+
+
+def test_cli_measures_a_running_router_and_writes_the_report(threaded_router, tmp_path, capsys):
+    address = threaded_router
+    assert _bench("--router", address, "--num-requests", "6", "--rate", "50", "--input-len",
+                  "8", "--output-len", "4", "--slo", "ttft=1,tpot=1", "--out", str(tmp_path),
+                  "--no-progress") == 0
+    out = capsys.readouterr().out
+    assert "== router: 6 requests, 0 failed" in out and "TTFT" in out
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    assert SUMMARY_KEYS <= set(doc["arrangements"]["router"])
+    assert doc["arrangements"]["router"]["slo_attainment"] == 1.0
+    assert doc["workload"]["preset"] == "steady" and doc["workload"]["seed"] == 0
+    assert "UNIMPLEMENTED" in doc["cluster"]["status"]["error"]
+
+
+def test_cli_unreachable_router_exits_2(tmp_path, capsys):
+    assert _bench("--router", f"127.0.0.1:{_free_port()}", "--connect-timeout", "0.3",
+                  "--num-requests", "2", "--out", str(tmp_path), "--no-progress") == 2
+    assert "not reachable" in capsys.readouterr().err
+
+
+def test_cli_runs_each_arrangement_on_the_same_requests(threaded_router, tmp_path, capsys,
+                                                        monkeypatch):
+    """Drives the launcher contract (arrangement_config, LocalCluster) with a stand-in whose
+    every arrangement is the threaded router double."""
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps({"max_position_embeddings": 64,
+                                                       "vocab_size": 100}))
+    started: list[tuple[str, int]] = []
+
+    class LocalCluster:
+        def __init__(self, cfg):
+            self.cfg, self.address = cfg, threaded_router
+
+        def __enter__(self):
+            started.append(self.cfg)
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    base = types.SimpleNamespace(model=types.SimpleNamespace(path=str(model_dir),
+                                                             max_model_len=None))
+    monkeypatch.setitem(sys.modules, "router.config",
+                        types.SimpleNamespace(load_config=lambda path: base))
+    monkeypatch.setitem(sys.modules, "router.launcher", types.SimpleNamespace(
+        LocalCluster=LocalCluster, arrangement_config=lambda cfg, name, n: (name, n),
+        ensure_model=lambda cfg: None))
+    assert _bench("--config", "cluster.yaml", "--arrangements", "colocated,disaggregated",
+                  "--workers", "3", "--num-requests", "4", "--rate", "100", "--input-len",
+                  "200", "--out", str(tmp_path), "--no-progress") == 0
+    assert started == [("colocated", 3), ("disaggregated", 3)]
+    assert "colocated" in capsys.readouterr().out
+    lines = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    by_arrangement = {a: sorted((r["request_id"], r["prompt_tokens"], r["max_tokens"])
+                                for r in lines if r["arrangement"] == a)
+                      for a in ("colocated", "disaggregated")}
+    assert by_arrangement["colocated"] == by_arrangement["disaggregated"]
+    assert all(r["prompt_tokens"] + r["max_tokens"] <= 64 for r in lines)
+    doc = json.loads((tmp_path / "summary.json").read_text())
+    assert list(doc["arrangements"]) == ["colocated", "disaggregated"]
+    assert doc["workload"]["max_context"] == 64 and doc["workload"]["vocab"] == [16, 100]
+
+
+def test_cli_rejects_unknown_arrangements(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "router.config",
+                        types.SimpleNamespace(load_config=lambda path: None))
+    monkeypatch.setitem(sys.modules, "router.launcher", types.SimpleNamespace(
+        LocalCluster=None, arrangement_config=None))
+    assert _bench("--config", "c.yaml", "--arrangements", "colocated,split",
+                  "--out", str(tmp_path), "--max-context", "512") == 2
+    assert "unknown ['split']" in capsys.readouterr().err

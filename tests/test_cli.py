@@ -1,0 +1,96 @@
+"""The `pdserve` command as a user runs it: config errors, serve/generate/status/scale, SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.cluster_util import free_port
+
+PDSERVE = [sys.executable, "-m", "router.cli"]
+
+
+def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*PDSERVE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("content, message", [
+    ({"prefill": {"replicas": "two"}}, "prefill.replicas: expected an integer, got 'two'"),
+    ({"decode": {"replicas": 0}}, "decode.replicas: must be >= 1"),
+    ({"routr": {"port": 1}}, "routr: unknown key"),
+    ({"kv_cache": {"memory": "lots"}}, "kv_cache.memory: cannot read 'lots' as a size"),
+    ({"mode": "sideways"}, "mode: expected one of 'disaggregated', 'colocated', got 'sideways'"),
+])
+def test_malformed_config_is_one_line_and_exit_2(tmp_path, content, message):
+    bad = tmp_path / "cluster.yaml"
+    bad.write_text(yaml.safe_dump(content))
+    proc = _run("serve", "--config", str(bad))
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr
+
+
+def test_unparsable_yaml_and_missing_file(tmp_path):
+    bad = tmp_path / "cluster.yaml"
+    bad.write_text("mode: [unclosed\n")
+    proc = _run("serve", "--config", str(bad))
+    assert proc.returncode == 2 and "not valid YAML" in proc.stderr
+    proc = _run("serve", "--config", str(tmp_path / "absent.yaml"))
+    assert proc.returncode == 2 and "cannot read" in proc.stderr
+
+
+def test_unreachable_router_is_a_clear_error():
+    proc = _run("status", "--router", f"127.0.0.1:{free_port()}")
+    assert proc.returncode == 1 and "cannot reach a pdserve router" in proc.stderr
+
+
+def _ray_pids() -> set[int]:
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+            except OSError:
+                continue
+            if b"raylet" in cmd or b"gcs_server" in cmd or b"ray::" in cmd or b"default_worker.py" in cmd:
+                pids.add(int(entry.name))
+    return pids
+
+
+def test_serve_generate_status_scale_then_sigterm_leaves_nothing(tmp_path, llama_dir):
+    port = free_port()
+    cfg = {"model": {"path": llama_dir}, "router": {"port": port, "shutdown_grace_s": 2},
+           "prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}, "kv_cache": {"num_blocks": 128}}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    before = _ray_pids()
+    server = subprocess.Popen([*PDSERVE, "serve", "--config", str(path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        line = server.stdout.readline()
+        assert "ready in" in line and f"127.0.0.1:{port}" in line, line
+        router = f"127.0.0.1:{port}"
+        gen = _run("generate", "hello world", "--max-tokens", "8", "--router", router, "--usage")
+        assert gen.returncode == 0 and "[length] prompt" in gen.stderr
+        scaled = _run("scale", "decode", "2", "--router", router, timeout=120)
+        assert scaled.returncode == 0 and "decode pool has 2 workers" in scaled.stdout
+        status = _run("status", "--router", router)
+        assert status.returncode == 0
+        assert status.stdout.count("decode-") == 2 and status.stdout.count("prefill-") == 1
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(timeout=60)
+    assert server.returncode == 0
+    deadline = time.monotonic() + 10
+    while (_ray_pids() - before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not (_ray_pids() - before), "Ray processes outlived pdserve serve"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(server.pid, 0)

@@ -1,0 +1,314 @@
+"""kv_transfer: channels between real processes (Ray actors), plus in-process protocol checks.
+
+Ray tests share one Ray instance (module fixture) and one 3 prefill x 2 decode float32 pool
+of actors; failure tests start their own victims. Toy KV: 3 layers, blocks of 4 tokens x 2
+heads x 16 dims; staging of 64 KiB so 300 blocks go as dozens of pipelined chunks.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import threading
+import time
+
+import pytest
+import ray
+import torch
+
+from kv_transfer import (
+    HandshakeMismatch,
+    KVReceiver,
+    KVSender,
+    KVTransferConfig,
+    KVTransferError,
+)
+from kv_transfer.frames import Header, Kind, Reply, Status
+from kv_transfer.groups import DeviceInfo, resolve_backend
+from kv_transfer.layout import Digest, KVLayout, contiguous_runs
+from kv_transfer.pipeline import chunk_spans, plan_chunk_blocks
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+SHAPE = dict(layers=3, block_size=4, kv_heads=2, head_dim=16)
+CONFIG = KVTransferConfig(timeout_s=5.0, heartbeat_s=0.5, staging_bytes=64 << 10)
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def make_pool(num_blocks: int, dtype: torch.dtype, seed: int | None = None,
+              layers: int = SHAPE["layers"]) -> torch.Tensor:
+    shape = (layers, 2, num_blocks, SHAPE["block_size"], SHAPE["kv_heads"], SHAPE["head_dim"])
+    if seed is None:
+        return torch.zeros(shape, dtype=dtype)
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def as_bits(blocks: torch.Tensor) -> torch.Tensor:
+    return blocks.contiguous().view(torch.uint8)
+
+
+@ray.remote
+class DecodeActor:
+    """A decode worker's KV side: pool, allocator, receiver; frees blocks on failed transfers."""
+
+    def __init__(self, num_blocks: int, dtype: str, config: KVTransferConfig) -> None:
+        self.kv = make_pool(num_blocks, DTYPES[dtype])
+        self.free = set(range(num_blocks))
+        self.reserved: dict[str, list[int]] = {}
+        self.landed: dict[str, int] = {}        # request -> times on_complete said "landed"
+        self.failed: dict[str, str] = {}
+        self.resolving: list[str] = []
+        self.resolve_delay_s = 0.0
+        self.lock = threading.Lock()
+        self.receiver = KVReceiver(self.kv, ray.util.get_node_ip_address(), config,
+                                   self._resolve, self._on_complete)
+
+    def _resolve(self, request_id: str, num_blocks: int) -> list[int] | None:
+        self.resolving.append(request_id)
+        time.sleep(self.resolve_delay_s)
+        with self.lock:
+            return self.reserved.get(request_id)
+
+    def _on_complete(self, request_id: str, blocks: list[int], error: BaseException | None):
+        with self.lock:
+            if error is None:
+                self.landed[request_id] = self.landed.get(request_id, 0) + 1
+                return
+            self.failed[request_id] = str(error)
+            self.free.update(self.reserved.pop(request_id))
+
+    def reserve(self, request_id: str, num_blocks: int, seed: int) -> list[int]:
+        with self.lock:
+            blocks = random.Random(seed).sample(sorted(self.free), num_blocks)
+            self.free.difference_update(blocks)
+            self.reserved[request_id] = blocks
+            return blocks
+
+    def finish(self, request_id: str) -> None:
+        with self.lock:
+            self.free.update(self.reserved.pop(request_id))
+
+    def set_resolve_delay(self, seconds: float) -> None:
+        self.resolve_delay_s = seconds
+
+    def open_channel(self, peer_id: str) -> tuple[str, int]:
+        return self.receiver.open_channel(peer_id)
+
+    def pool(self) -> torch.Tensor:
+        return self.kv.clone()
+
+    def state(self) -> dict:
+        with self.lock:
+            used = sum(len(blocks) for blocks in self.reserved.values())
+            return {"free": len(self.free), "used": used, "total": self.kv.shape[2],
+                    "landed": dict(self.landed), "failed": dict(self.failed),
+                    "resolving": list(self.resolving),
+                    "channels": self.receiver.num_channels}
+
+
+@ray.remote
+class PrefillActor:
+    """A prefill worker's KV side: random pool, sender, frees source blocks when a transfer ends."""
+
+    def __init__(self, num_blocks: int, dtype: str, seed: int,
+                 config: KVTransferConfig) -> None:
+        self.kv = make_pool(num_blocks, DTYPES[dtype], seed)
+        self.sender = KVSender(self.kv, config)
+        self.held: dict[str, list[int]] = {}
+        self.futures = {}
+        self.done_order: dict[str, list[str]] = {}
+
+    def connect(self, peer_id: str, host: str, port: int) -> None:
+        self.sender.connect(peer_id, host, port)
+
+    def start(self, peer_id: str, request_id: str, block_ids: list[int]) -> None:
+        self.held[request_id] = block_ids
+        future = self.sender.send(peer_id, request_id, block_ids)
+        future.add_done_callback(lambda _: self._done(peer_id, request_id))
+        self.futures[request_id] = future
+
+    def _done(self, peer_id: str, request_id: str) -> None:
+        self.done_order.setdefault(peer_id, []).append(request_id)
+        self.held.pop(request_id)   # the owner frees its source blocks either way
+
+    def outcome(self, request_id: str) -> dict:
+        try:
+            result = self.futures.pop(request_id).result(timeout=60)
+        except KVTransferError as err:
+            return {"error": str(err), "peer": err.peer_id, "request": err.request_id}
+        return {"dst": result.dst_block_ids, "bytes": result.num_bytes}
+
+    def transfer_many(self, jobs: list[tuple[str, str, list[int]]]) -> list[dict]:
+        for peer_id, request_id, block_ids in jobs:
+            self.start(peer_id, request_id, block_ids)
+        return [self.outcome(request_id) for _, request_id, _ in jobs]
+
+    def pool(self) -> torch.Tensor:
+        return self.kv.clone()
+
+    def state(self) -> dict:
+        return {"held": dict(self.held), "done_order": self.done_order,
+                "channels": self.sender.num_channels}
+
+    def is_connected(self, peer_id: str) -> bool:
+        return self.sender.is_connected(peer_id)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    ray.init(num_cpus=2, num_gpus=torch.cuda.device_count(), include_dashboard=False,
+             object_store_memory=100 << 20, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def start_decode(num_blocks=800, dtype="float32", config=CONFIG):
+    return DecodeActor.options(num_cpus=0).remote(num_blocks, dtype, config)
+
+
+def start_prefill(seed, num_blocks=400, dtype="float32", config=CONFIG):
+    return PrefillActor.options(num_cpus=0).remote(num_blocks, dtype, seed, config)
+
+
+def link(prefill, prefill_id: str, decode, decode_id: str) -> None:
+    host, port = ray.get(decode.open_channel.remote(prefill_id))
+    ray.get(prefill.connect.remote(decode_id, host, port))
+
+
+@pytest.fixture(scope="module")
+def pool(ray_cluster):
+    """3 prefill x 2 decode float32 actors, every pair linked."""
+    prefills = {f"p{i}": start_prefill(seed=i) for i in range(3)}
+    decodes = {f"d{i}": start_decode() for i in range(2)}
+    for prefill_id, prefill in prefills.items():
+        for decode_id, decode in decodes.items():
+            link(prefill, prefill_id, decode, decode_id)
+    return prefills, decodes
+
+
+def wait_until(predicate, timeout_s: float, what: str):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def transfer_and_compare(prefill, decode, decode_id: str, request_id: str, num_blocks: int,
+                         seed: int) -> None:
+    """Random non-contiguous source blocks -> random non-contiguous reserved blocks."""
+    src_kv, before = ray.get([prefill.pool.remote(), decode.pool.remote()])
+    src = random.Random(seed).sample(range(src_kv.shape[2]), num_blocks)
+    dst = ray.get(decode.reserve.remote(request_id, num_blocks, seed))
+    ray.get(prefill.start.remote(decode_id, request_id, src))
+    outcome = ray.get(prefill.outcome.remote(request_id))
+    assert outcome.get("dst") == dst, outcome
+    after = ray.get(decode.pool.remote())
+    assert torch.equal(as_bits(after[:, :, dst]), as_bits(src_kv[:, :, src]))
+    others = sorted(set(range(after.shape[2])) - set(dst))
+    assert torch.equal(as_bits(after[:, :, others]), as_bits(before[:, :, others])), \
+        "a block outside the reservation changed"
+    ray.get(decode.finish.remote(request_id))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_blocks_arrive_bit_identical(ray_cluster, dtype):
+    prefill, decode = start_prefill(seed=7, dtype=dtype), start_decode(dtype=dtype)
+    link(prefill, "p", decode, "d")
+    for index, num_blocks in enumerate([1, 7, 300]):
+        transfer_and_compare(prefill, decode, "d", f"r{num_blocks}", num_blocks, seed=index)
+    state = ray.get(decode.state.remote())
+    assert state["landed"] == {"r1": 1, "r7": 1, "r300": 1}
+    assert state["free"] == state["total"] and state["used"] == 0 and not state["failed"]
+    ray.kill(prefill)
+    ray.kill(decode)
+
+
+def test_concurrent_transfers_land_exactly_once(pool):
+    prefills, decodes = pool
+    rng = random.Random(1)
+    jobs: dict[str, list[tuple[str, str, list[int]]]] = {p: [] for p in prefills}
+    expected: dict[str, tuple[str, list[int], str, list[int]]] = {}
+    for index in range(50):
+        prefill_id, decode_id = rng.choice(sorted(prefills)), rng.choice(sorted(decodes))
+        request_id, num_blocks = f"c{index}", rng.randint(1, 24)
+        src = rng.sample(range(400), num_blocks)
+        dst = ray.get(decodes[decode_id].reserve.remote(request_id, num_blocks, index))
+        jobs[prefill_id].append((decode_id, request_id, src))
+        expected[request_id] = (prefill_id, src, decode_id, dst)
+    outcomes = ray.get([prefills[p].transfer_many.remote(jobs[p]) for p in prefills])
+
+    for prefill_id, results in zip(prefills, outcomes):
+        for (decode_id, request_id, _), outcome in zip(jobs[prefill_id], results):
+            assert outcome.get("dst") == expected[request_id][3], (request_id, outcome)
+    src_pools = dict(zip(prefills, ray.get([a.pool.remote() for a in prefills.values()])))
+    dst_pools = dict(zip(decodes, ray.get([a.pool.remote() for a in decodes.values()])))
+    for request_id, (prefill_id, src, decode_id, dst) in expected.items():
+        assert torch.equal(as_bits(dst_pools[decode_id][:, :, dst]),
+                           as_bits(src_pools[prefill_id][:, :, src])), request_id
+    for prefill_id, actor in prefills.items():   # one channel = one ordered queue
+        state = ray.get(actor.state.remote())
+        assert not state["held"]
+        for decode_id, order in state["done_order"].items():
+            assert order == [r for d, r, _ in jobs[prefill_id] if d == decode_id]
+    for decode_id, actor in decodes.items():
+        state = ray.get(actor.state.remote())
+        mine = [r for r, e in expected.items() if e[2] == decode_id]
+        assert state["landed"] == {request_id: 1 for request_id in mine}
+        assert state["used"] == sum(len(expected[r][3]) for r in mine)
+        assert state["free"] + state["used"] == state["total"] and not state["failed"]
+        ray.get([actor.finish.remote(request_id) for request_id in mine])
+        assert ray.get(actor.state.remote())["free"] == state["total"]
+
+
+def test_prefill_killed_mid_transfer(ray_cluster):
+    """The decode side fails the transfer, frees its blocks, and accepts the restarted peer."""
+    prefill, decode = start_prefill(seed=3), start_decode()
+    link(prefill, "victim", decode, "d")
+    ray.get(decode.set_resolve_delay.remote(1.0))   # hold the transfer after its header
+    ray.get(decode.reserve.remote("k1", 40, 0))
+    ray.get(prefill.start.remote("d", "k1", list(range(0, 80, 2))))
+    wait_until(lambda: "k1" in ray.get(decode.state.remote())["resolving"], 10, "the header")
+    ray.kill(prefill)
+    killed = time.monotonic()
+    state = wait_until(lambda: (s := ray.get(decode.state.remote()))["failed"] and s,
+                       CONFIG.timeout_s + 2, "the decode side to fail the transfer")
+    assert time.monotonic() - killed < CONFIG.timeout_s + 1.0
+    assert "'k1'" in state["failed"]["k1"] and "'victim'" in state["failed"]["k1"]
+    assert state["free"] == state["total"] and state["used"] == 0
+    wait_until(lambda: ray.get(decode.state.remote())["channels"] == 0, 5, "channel teardown")
+
+    ray.get(decode.set_resolve_delay.remote(0.0))
+    restarted = start_prefill(seed=4)
+    link(restarted, "victim", decode, "d")
+    transfer_and_compare(restarted, decode, "d", "k2", 9, seed=5)
+    ray.kill(restarted)
+    ray.kill(decode)
+
+
+def test_decode_killed_mid_transfer(ray_cluster):
+    """The prefill side's future fails naming peer and request, the source blocks are freed,
+    the dead channel is gone, and a restarted decode worker is reachable again."""
+    prefill, decode = start_prefill(seed=5), start_decode()
+    link(prefill, "p", decode, "victim")
+    ray.get(decode.set_resolve_delay.remote(30.0))
+    ray.get(decode.reserve.remote("k3", 12, 0))
+    ray.get(prefill.start.remote("victim", "k3", list(range(12))))
+    wait_until(lambda: "k3" in ray.get(decode.state.remote())["resolving"], 10, "the header")
+    ray.kill(decode)
+    killed = time.monotonic()
+    outcome = ray.get(prefill.outcome.remote("k3"))
+    assert time.monotonic() - killed < CONFIG.timeout_s + 1.0
+    assert outcome["peer"] == "victim" and outcome["request"] == "k3", outcome
+    state = ray.get(prefill.state.remote())
+    assert not state["held"] and state["channels"] == 0
+    assert not ray.get(prefill.is_connected.remote("victim"))
+
+    restarted = start_decode()
+    link(prefill, "p", restarted, "victim")
+    transfer_and_compare(prefill, restarted, "victim", "k4", 9, seed=6)
+    ray.kill(prefill)
+    ray.kill(restarted)
