@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from engine.detokenizer import IncrementalDetokenizer
+    from engine.detokenizer import IncrementalDetokenizer
 
 
 class InvalidRequest(ValueError):

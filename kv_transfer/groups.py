@@ -124,9 +124,25 @@ class ChannelGroups:
         self.data = nccl_group(self.store, rank, timeout_s)
         probe = torch.zeros(1, device=device)
         if rank == SENDER_RANK:
-            wait_for(self.data.send([probe], self.peer_rank, 0), deadline, "warming up NCCL")
+            wait_for(self.send(probe, 0, data=True), deadline, "warming up NCCL")
         else:
-            wait_for(self.data.recv([probe], self.peer_rank, 0), deadline, "warming up NCCL")
+            wait_for(self.recv(probe, 0, data=True), deadline, "warming up NCCL")
+
+    def send(self, tensor: torch.Tensor, tag: int, *, data: bool = False) -> dist.Work:
+        """Post a send to the peer (control group unless data=True); ChannelBroken if the
+        group is already broken (posting on a closed pair raises, not only waiting)."""
+        group = self.data if data else self.control
+        try:
+            return group.send([tensor], self.peer_rank, tag)
+        except RuntimeError as err:
+            raise ChannelBroken(f"posting a send: {_short(err)}") from err
+
+    def recv(self, tensor: torch.Tensor, tag: int, *, data: bool = False) -> dist.Work:
+        group = self.data if data else self.control
+        try:
+            return group.recv([tensor], self.peer_rank, tag)
+        except RuntimeError as err:
+            raise ChannelBroken(f"posting a receive: {_short(err)}") from err
 
     def close(self, broken: bool) -> None:
         groups = [self.control] if self.data is self.control else [self.data, self.control]

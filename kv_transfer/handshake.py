@@ -63,9 +63,9 @@ def send_hello(groups: ChannelGroups, hello: Hello, peer_id: str, deadline: floa
     """Sender side: Hello out, Verdict in; HandshakeMismatch when the receiver refused."""
     frame = torch.empty(HANDSHAKE_BYTES, dtype=torch.uint8)
     encode_json(frame, hello.to_dict())
-    wait_for(groups.control.send([frame], groups.peer_rank, TAG_HANDSHAKE), deadline,
+    wait_for(groups.send(frame, TAG_HANDSHAKE), deadline,
              "sending the handshake")
-    wait_for(groups.control.recv([frame], groups.peer_rank, TAG_HANDSHAKE), deadline,
+    wait_for(groups.recv(frame, TAG_HANDSHAKE), deadline,
              "waiting for the handshake verdict")
     verdict = decode_json(frame)
     if not verdict["accepted"]:
@@ -78,7 +78,7 @@ def answer_hello(groups: ChannelGroups, receiver: Hello, peer_id: str,
                  deadline: float) -> Agreement:
     """Receiver side: Hello in, Verdict out; raises HandshakeMismatch after refusing."""
     frame = torch.empty(HANDSHAKE_BYTES, dtype=torch.uint8)
-    wait_for(groups.control.recv([frame], groups.peer_rank, TAG_HANDSHAKE), deadline,
+    wait_for(groups.recv(frame, TAG_HANDSHAKE), deadline,
              "waiting for the sender's handshake")
     refusal: HandshakeMismatch | None = None
     try:
@@ -88,7 +88,7 @@ def answer_hello(groups: ChannelGroups, receiver: Hello, peer_id: str,
         refusal = HandshakeMismatch(peer_id, None, err.reason)
         verdict = {"accepted": False, "reason": err.reason}
     encode_json(frame, verdict)
-    wait_for(groups.control.send([frame], groups.peer_rank, TAG_HANDSHAKE), deadline,
+    wait_for(groups.send(frame, TAG_HANDSHAKE), deadline,
              "sending the handshake verdict")
     if refusal is not None:
         raise refusal

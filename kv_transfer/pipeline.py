@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.frames import TAG_DATA
-from kv_transfer.groups import wait_for
+from kv_transfer.groups import ChannelGroups, wait_for
 from kv_transfer.layout import BlockCopier, Digest, KVLayout
 
 PIPELINE_CHUNKS = 8          # split a transfer into at least this many chunks, ...
@@ -82,7 +82,7 @@ def chunk_spans(num_blocks: int, chunk_blocks: int) -> list[tuple[int, int]]:
             for start in range(0, num_blocks, chunk_blocks)]
 
 
-def send_chunks(group: dist.ProcessGroup, peer: int, staging: Staging, copier: BlockCopier,
+def send_chunks(groups: ChannelGroups, staging: Staging, copier: BlockCopier,
                 block_ids: list[int], chunk_blocks: int, deadline: float,
                 digest: Digest | None) -> None:
     in_flight: deque[dist.Work] = deque()
@@ -93,12 +93,12 @@ def send_chunks(group: dist.ProcessGroup, peer: int, staging: Staging, copier: B
         payload = copier.gather(block_ids[start:start + count], slot)
         if digest is not None:
             digest.update(payload, count)
-        in_flight.append(group.send([payload], peer, TAG_DATA))
+        in_flight.append(groups.send(payload, TAG_DATA, data=True))
     while in_flight:
         wait_for(in_flight.popleft(), deadline, "sending a payload chunk")
 
 
-def recv_chunks(group: dist.ProcessGroup, peer: int, staging: Staging, copier: BlockCopier,
+def recv_chunks(groups: ChannelGroups, staging: Staging, copier: BlockCopier,
                 num_blocks: int, dst_block_ids: list[int] | None, chunk_blocks: int,
                 deadline: float, digest: Digest | None) -> None:
     """Receive a payload into dst_block_ids; None drains it (a rejected transfer)."""
@@ -109,7 +109,7 @@ def recv_chunks(group: dist.ProcessGroup, peer: int, staging: Staging, copier: B
     def post(index: int) -> None:
         nbytes = spans[index][1] * copier.layout.bytes_per_block
         view = staging.slots[index % num_slots][:nbytes]
-        posted.append((group.recv([view], peer, TAG_DATA), view))
+        posted.append((groups.recv(view, TAG_DATA, data=True), view))
 
     for index in range(min(num_slots, len(spans))):
         post(index)

@@ -138,7 +138,7 @@ class ReceiverChannel:
         frame = torch.empty(HEADER_BYTES, dtype=torch.uint8)
         idle_s = max(self._owner.config.timeout_s, 5 * agreement.heartbeat_s)
         while True:
-            wait_for(groups.control.recv([frame], groups.peer_rank, TAG_CONTROL),
+            wait_for(groups.recv(frame, TAG_CONTROL),
                      time.monotonic() + idle_s, "waiting for the next frame")
             try:
                 header = Header.decode(frame)
@@ -181,8 +181,8 @@ class ReceiverChannel:
         """Receive the payload into `blocks` (None drains it); returns a corruption reason."""
         digest = Digest(2 * self._layout.num_layers) if header.checksum else None
         with self._path.on_stream():
-            recv_chunks(groups.data, groups.peer_rank, self._path.staging, self._path.copier,
-                        header.num_blocks, blocks, header.chunk_blocks, deadline, digest)
+            recv_chunks(groups, self._path.staging, self._path.copier, header.num_blocks,
+                        blocks, header.chunk_blocks, deadline, digest)
         self._path.synchronize()
         return None if digest is None else self._verify(groups, digest, deadline)
 
@@ -223,7 +223,7 @@ class ReceiverChannel:
 
     def _verify(self, groups: ChannelGroups, digest: Digest, deadline: float) -> str | None:
         trailer = torch.empty(1, dtype=torch.int64)
-        wait_for(groups.control.recv([trailer], groups.peer_rank, TAG_TRAILER), deadline,
+        wait_for(groups.recv(trailer, TAG_TRAILER), deadline,
                  "receiving the checksum")
         if int(trailer.item()) != digest.value:
             return f"checksum mismatch (sender {int(trailer.item())}, received {digest.value})"
@@ -242,5 +242,5 @@ class ReceiverChannel:
             self._reply = torch.empty(nbytes, dtype=torch.uint8)
         frame = self._reply[:nbytes]
         reply.encode_into(frame, num_blocks)
-        wait_for(groups.control.send([frame], groups.peer_rank, TAG_REPLY), deadline,
+        wait_for(groups.send(frame, TAG_REPLY), deadline,
                  "sending the reply")

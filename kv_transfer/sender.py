@@ -53,6 +53,12 @@ class KVSender:
         with self._lock:
             return peer_id in self._channels
 
+    def backend(self, peer_id: str) -> str | None:
+        """The data backend the handshake picked for peer_id ("gloo" | "nccl"), None if none."""
+        with self._lock:
+            channel = self._channels.get(peer_id)
+        return None if channel is None else channel.backend
+
     def connect(self, peer_id: str, host: str, port: int) -> None:
         """Join the rendezvous the receiver opened for us; blocks until the channel is up.
 

@@ -65,11 +65,16 @@ class SenderChannel:
         self._closed = False
         self._closing = threading.Event()
         self._seq = 0
+        self._in_flight: TransferJob | None = None
         self._header = torch.empty(HEADER_BYTES, dtype=torch.uint8)
         self._reply = torch.empty(Reply.frame_bytes(0), dtype=torch.uint8)
         self._trailer = torch.empty(1, dtype=torch.int64)
         self._thread = threading.Thread(target=self._run, name=f"kv-send-{peer_id}",
                                         daemon=True)
+
+    @property
+    def backend(self) -> str:
+        return self._agreement.backend
 
     def start(self) -> None:
         self._thread.start()
@@ -96,12 +101,16 @@ class SenderChannel:
         except _PeerClosing:
             reason = "the receiver closed the channel"
         except ChannelBroken as err:
-            reason, broken = f"channel broken: {err}", True
+            reason, broken = str(err), True
             logger.warning("kv_transfer: channel to %s broken: %s", self.peer_id, err)
         finally:
-            self._drain(reason)
-            self._groups.close(broken)
+            # Forget the channel before failing futures: a caller that sees the error and asks
+            # is_connected() must already get False.
             self._on_closed(self)
+            self._groups.close(broken)
+            if self._in_flight is not None:
+                self._fail(self._in_flight, reason)
+            self._drain(f"channel torn down: {reason}" if broken else reason)
 
     def _serve(self) -> None:
         while True:
@@ -120,11 +129,9 @@ class SenderChannel:
 
     def _transfer(self, job: TransferJob) -> None:
         start = time.monotonic()
-        try:
-            reply = self._exchange(job, start + self._config.timeout_s)
-        except ChannelBroken as err:
-            job.future.set_exception(KVTransferError(self.peer_id, job.request_id, str(err)))
-            raise
+        self._in_flight = job   # failed by _run if the exchange breaks the channel
+        reply = self._exchange(job, start + self._config.timeout_s)
+        self._in_flight = None
         if reply.status != Status.OK:
             self._fail(job, f"{reply.status.name.lower()} by the receiver: {reply.message}")
             return
@@ -133,26 +140,25 @@ class SenderChannel:
                                              time.monotonic() - start, start - job.enqueued))
 
     def _exchange(self, job: TransferJob, deadline: float) -> Reply:
-        control, peer, checksum = self._groups.control, self._groups.peer_rank, \
-            self._agreement.checksum
+        groups, checksum = self._groups, self._agreement.checksum
         num_blocks = len(job.block_ids)
         chunk_blocks = plan_chunk_blocks(num_blocks, self._path.copier.layout.bytes_per_block,
                                          self._agreement.slot_blocks)
         self._seq += 1
         Header(Kind.TRANSFER, self._seq, job.request_id, num_blocks, chunk_blocks, checksum,
                self._path.copier.layout).encode_into(self._header)
-        header_sent = control.send([self._header], peer, TAG_CONTROL)
+        header_sent = groups.send(self._header, TAG_CONTROL)
         reply_frame = self._reply_frame(num_blocks)
-        reply_in = control.recv([reply_frame], peer, TAG_REPLY)   # posted early: no wake-up lag
+        reply_in = groups.recv(reply_frame, TAG_REPLY)   # posted early: no wake-up lag
         digest = Digest(2 * self._path.copier.layout.num_layers) if checksum else None
         with self._path.on_stream():
             if job.ready is not None:
                 self._path.stream.wait_event(job.ready)
-            send_chunks(self._groups.data, peer, self._path.staging, self._path.copier,
-                        job.block_ids, chunk_blocks, deadline, digest)
+            send_chunks(groups, self._path.staging, self._path.copier, job.block_ids,
+                        chunk_blocks, deadline, digest)
         if digest is not None:
             self._trailer.fill_(digest.value)
-            wait_for(control.send([self._trailer], peer, TAG_TRAILER), deadline,
+            wait_for(groups.send(self._trailer, TAG_TRAILER), deadline,
                      "sending the checksum")
         wait_for(header_sent, deadline, "sending the header")
         wait_for(reply_in, deadline, "waiting for the receiver's reply")
@@ -163,8 +169,8 @@ class SenderChannel:
         Header(Kind.HEARTBEAT, self._seq).encode_into(self._header)
         deadline = time.monotonic() + self._config.timeout_s
         reply_frame = self._reply_frame(0)
-        reply_in = self._groups.control.recv([reply_frame], self._groups.peer_rank, TAG_REPLY)
-        wait_for(self._groups.control.send([self._header], self._groups.peer_rank, TAG_CONTROL),
+        reply_in = self._groups.recv(reply_frame, TAG_REPLY)
+        wait_for(self._groups.send(self._header, TAG_CONTROL),
                  deadline, "sending a heartbeat")
         wait_for(reply_in, deadline, "waiting for a heartbeat reply")
         if self._checked(Reply.decode(reply_frame)).status == Status.CLOSING:
@@ -173,7 +179,7 @@ class SenderChannel:
     def _say_goodbye(self) -> None:
         self._seq += 1
         Header(Kind.CLOSE, self._seq).encode_into(self._header)
-        wait_for(self._groups.control.send([self._header], self._groups.peer_rank, TAG_CONTROL),
+        wait_for(self._groups.send(self._header, TAG_CONTROL),
                  time.monotonic() + self._config.timeout_s, "sending close")
 
     def _checked(self, reply: Reply) -> Reply:

@@ -52,8 +52,9 @@ def as_bits(blocks: torch.Tensor) -> torch.Tensor:
 class DecodeActor:
     """A decode worker's KV side: pool, allocator, receiver; frees blocks on failed transfers."""
 
-    def __init__(self, num_blocks: int, dtype: str, config: KVTransferConfig) -> None:
-        self.kv = make_pool(num_blocks, DTYPES[dtype])
+    def __init__(self, num_blocks: int, dtype: str, config: KVTransferConfig,
+                 device: str = "cpu") -> None:
+        self.kv = make_pool(num_blocks, DTYPES[dtype]).to(device)
         self.free = set(range(num_blocks))
         self.reserved: dict[str, list[int]] = {}
         self.landed: dict[str, int] = {}        # request -> times on_complete said "landed"
@@ -96,7 +97,7 @@ class DecodeActor:
         return self.receiver.open_channel(peer_id)
 
     def pool(self) -> torch.Tensor:
-        return self.kv.clone()
+        return self.kv.cpu().clone()
 
     def state(self) -> dict:
         with self.lock:
@@ -111,9 +112,9 @@ class DecodeActor:
 class PrefillActor:
     """A prefill worker's KV side: random pool, sender, frees source blocks when a transfer ends."""
 
-    def __init__(self, num_blocks: int, dtype: str, seed: int,
-                 config: KVTransferConfig) -> None:
-        self.kv = make_pool(num_blocks, DTYPES[dtype], seed)
+    def __init__(self, num_blocks: int, dtype: str, seed: int, config: KVTransferConfig,
+                 device: str = "cpu") -> None:
+        self.kv = make_pool(num_blocks, DTYPES[dtype], seed).to(device)
         self.sender = KVSender(self.kv, config)
         self.held: dict[str, list[int]] = {}
         self.futures = {}
@@ -145,7 +146,10 @@ class PrefillActor:
         return [self.outcome(request_id) for _, request_id, _ in jobs]
 
     def pool(self) -> torch.Tensor:
-        return self.kv.clone()
+        return self.kv.cpu().clone()
+
+    def backend(self, peer_id: str) -> str | None:
+        return self.sender.backend(peer_id)
 
     def state(self) -> dict:
         return {"held": dict(self.held), "done_order": self.done_order,
@@ -241,11 +245,11 @@ def test_concurrent_transfers_land_exactly_once(pool):
         expected[request_id] = (prefill_id, src, decode_id, dst)
     outcomes = ray.get([prefills[p].transfer_many.remote(jobs[p]) for p in prefills])
 
-    for prefill_id, results in zip(prefills, outcomes):
-        for (decode_id, request_id, _), outcome in zip(jobs[prefill_id], results):
+    for prefill_id, results in zip(prefills, outcomes, strict=True):
+        for (_, request_id, _), outcome in zip(jobs[prefill_id], results, strict=True):
             assert outcome.get("dst") == expected[request_id][3], (request_id, outcome)
-    src_pools = dict(zip(prefills, ray.get([a.pool.remote() for a in prefills.values()])))
-    dst_pools = dict(zip(decodes, ray.get([a.pool.remote() for a in decodes.values()])))
+    src_pools = {p: ray.get(actor.pool.remote()) for p, actor in prefills.items()}
+    dst_pools = {d: ray.get(actor.pool.remote()) for d, actor in decodes.items()}
     for request_id, (prefill_id, src, decode_id, dst) in expected.items():
         assert torch.equal(as_bits(dst_pools[decode_id][:, :, dst]),
                            as_bits(src_pools[prefill_id][:, :, src])), request_id
@@ -312,3 +316,196 @@ def test_decode_killed_mid_transfer(ray_cluster):
     transfer_and_compare(prefill, restarted, "victim", "k4", 9, seed=6)
     ray.kill(prefill)
     ray.kill(restarted)
+
+
+class Owner:
+    """In-process decode owner: fixed reservations, records every on_complete."""
+
+    def __init__(self, reserved: dict[str, list[int]], resolve_delay_s: float = 0.0) -> None:
+        self.reserved = reserved
+        self.resolve_delay_s = resolve_delay_s
+        self.completed: list[tuple[str, list[int], BaseException | None]] = []
+
+    def resolve(self, request_id: str, num_blocks: int) -> list[int] | None:
+        time.sleep(self.resolve_delay_s)
+        return self.reserved.get(request_id)
+
+    def complete(self, request_id: str, blocks: list[int], error: BaseException | None):
+        self.completed.append((request_id, blocks, error))
+
+
+@pytest.fixture
+def loopback():
+    """Builds (receiver, sender) pairs in this process over 127.0.0.1; shuts them all down."""
+    made = []
+
+    def build(owner: Owner, src: torch.Tensor | None = None, dst: torch.Tensor | None = None,
+              receiver_config=CONFIG, sender_config=CONFIG):
+        dst = make_pool(64, torch.float32) if dst is None else dst
+        src = make_pool(64, torch.float32, seed=0) if src is None else src
+        receiver = KVReceiver(dst, "127.0.0.1", receiver_config, owner.resolve, owner.complete)
+        sender = KVSender(src, sender_config)
+        made.append((receiver, sender))
+        host, port = receiver.open_channel("p")
+        return receiver, sender, host, port
+
+    yield build
+    for receiver, sender in made:
+        sender.shutdown()
+        receiver.shutdown()
+
+
+def test_handshake_refuses_layout_mismatch(loopback):
+    receiver, sender, host, port = loopback(
+        Owner({}), src=make_pool(8, torch.bfloat16, seed=0, layers=2))
+    with pytest.raises(HandshakeMismatch) as refused:
+        sender.connect("d", host, port)
+    message = str(refused.value)
+    assert "'d'" in message
+    assert "num_layers: receiver 3 != sender 2" in message
+    assert "dtype: receiver float32 != sender bfloat16" in message
+    assert not sender.is_connected("d")
+    wait_until(lambda: receiver.num_channels == 0, 5, "the refused channel to close")
+
+
+def test_handshake_refuses_backend_conflict(loopback):
+    nccl = KVTransferConfig(backend="nccl", timeout_s=5.0)
+    _, sender, host, port = loopback(Owner({}), sender_config=nccl)
+    with pytest.raises(HandshakeMismatch, match="backend nccl needs CUDA pools"):
+        sender.connect("d", host, port)
+
+
+def test_rejected_request_keeps_channel_in_sync(loopback):
+    owner = Owner({"ok": [5, 9], "short": [1]})
+    receiver, sender, host, port = loopback(owner)
+    sender.connect("d", host, port)
+    unknown = sender.send("d", "cancelled", [1, 2, 3])
+    short = sender.send("d", "short", [1, 2])
+    good = sender.send("d", "ok", [10, 20])
+    with pytest.raises(KVTransferError, match="rejected by the receiver: request unknown"):
+        unknown.result(10)
+    with pytest.raises(KVTransferError, match="reserved 1 blocks, sender sent 2"):
+        short.result(10)
+    assert good.result(10).dst_block_ids == [5, 9]
+    assert [(r, b, e is None) for r, b, e in owner.completed] == [
+        ("short", [1], False), ("ok", [5, 9], True)]   # once per list resolve_blocks returned
+
+
+def test_checksum_requested_by_receiver_only(loopback):
+    owner = Owner({"r": [3, 4, 60]})
+    src = make_pool(64, torch.float32, seed=1)
+    dst = make_pool(64, torch.float32)
+    with_checksum = KVTransferConfig(timeout_s=5.0, checksum=True, staging_bytes=8 << 10)
+    _, sender, host, port = loopback(owner, src=src, dst=dst, receiver_config=with_checksum)
+    sender.connect("d", host, port)
+    assert sender.send("d", "r", [7, 0, 63]).result(10).dst_block_ids == [3, 4, 60]
+    assert torch.equal(dst[:, :, [3, 4, 60]], src[:, :, [7, 0, 63]])
+
+
+def test_timeout_fails_both_sides_and_tears_down(loopback):
+    fast = KVTransferConfig(timeout_s=1.0, heartbeat_s=0.5)
+    owner = Owner({"slow": [1, 2]}, resolve_delay_s=1.5)
+    receiver, sender, host, port = loopback(owner, receiver_config=fast, sender_config=fast)
+    sender.connect("d", host, port)
+    started = time.monotonic()
+    future = sender.send("d", "slow", [3, 4])
+    with pytest.raises(KVTransferError, match="request 'slow' with peer 'd'.*timed out"):
+        future.result(10)
+    assert time.monotonic() - started < fast.timeout_s + 0.5
+    assert not sender.is_connected("d")
+    wait_until(lambda: owner.completed, 2 * fast.timeout_s + 1, "the receiver's failure")
+    (request_id, blocks, error), = owner.completed
+    assert (request_id, blocks) == ("slow", [1, 2]) and isinstance(error, KVTransferError)
+    wait_until(lambda: receiver.num_channels == 0, 5, "the receiver's teardown")
+
+
+def test_send_without_channel_fails_future():
+    sender = KVSender(make_pool(4, torch.float32), CONFIG)
+    with pytest.raises(KVTransferError, match="no channel to this peer"):
+        sender.send("nobody", "r", [0]).result(1)
+    with pytest.raises(ValueError, match="outside"):
+        sender.send("nobody", "r", [4])
+
+
+def test_close_releases_port_and_tells_the_sender(loopback):
+    receiver, sender, host, port = loopback(Owner({}))
+    sender.connect("d", host, port)
+    receiver.shutdown(wait=True)   # idle channel: closes on the next heartbeat
+    assert receiver.num_channels == 0
+    wait_until(lambda: not sender.is_connected("d"), 3 * CONFIG.heartbeat_s + 2,
+               "the sender to see CLOSING")
+    with socket.socket() as probe:   # nobody listens on the rendezvous port any more
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # ignore TIME_WAIT
+        probe.bind(("127.0.0.1", port))
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_sender_close_ends_receiver_channel(loopback):
+    receiver, sender, host, port = loopback(Owner({}))
+    sender.connect("d", host, port)
+    assert receiver.num_channels == 1 and sender.num_channels == 1
+    sender.close_channel("d", wait=True)
+    wait_until(lambda: receiver.num_channels == 0, 2, "the receiver to see CLOSE")
+
+
+def test_backend_resolution():
+    cpu, gpu0, gpu1 = DeviceInfo("cpu", None), DeviceInfo("cuda", "a"), DeviceInfo("cuda", "b")
+    nccl = torch.distributed.is_nccl_available()
+    assert resolve_backend("auto", "auto", cpu, cpu) == "gloo"
+    assert resolve_backend("auto", "auto", gpu0, gpu0) == "gloo"   # one GPU: no NCCL p2p
+    assert resolve_backend("auto", "auto", gpu0, gpu1) == ("nccl" if nccl else "gloo")
+    assert resolve_backend("gloo", "auto", gpu0, gpu1) == "gloo"
+    with pytest.raises(ValueError, match="sender forces gloo, receiver forces nccl"):
+        resolve_backend("gloo", "nccl", gpu0, gpu1)
+    with pytest.raises(ValueError, match="distinct GPUs"):
+        resolve_backend("auto", "nccl", cpu, gpu1)
+
+
+def test_digest_sees_reordered_and_flipped_blocks():
+    chunk = make_pool(4, torch.float32, seed=2).view(6, 4, -1)   # [slabs, blocks, elems]
+
+    def digest(tensor: torch.Tensor) -> int:
+        d = Digest(slabs=6)
+        d.update(tensor.contiguous().view(torch.uint8).view(-1), 4)
+        return d.value
+
+    swapped = chunk[:, [1, 0, 2, 3]]
+    flipped = chunk.clone()
+    flipped[5, 3, 7] += 1
+    assert len({digest(chunk), digest(swapped), digest(flipped)}) == 3
+
+
+def test_chunking_and_runs():
+    assert contiguous_runs([4, 5, 6, 9, 2, 3]) == [(4, 0, 3), (9, 3, 1), (2, 4, 2)]
+    assert chunk_spans(7, 3) == [(0, 3), (3, 3), (6, 1)]
+    assert plan_chunk_blocks(1, 1 << 20, slot_blocks=16) == 1
+    assert plan_chunk_blocks(512, 2 << 20, slot_blocks=8) == 8       # capped by the slot
+    assert plan_chunk_blocks(64, 1 << 10, slot_blocks=4096) == 1024  # >= 1 MiB per message
+    layout = KVLayout.of(make_pool(2, torch.bfloat16))
+    assert layout.bytes_per_block == 3 * 2 * 4 * 2 * 16 * 2
+
+
+def test_frames_round_trip():
+    layout = KVLayout.of(make_pool(2, torch.float16))
+    frame = torch.empty(512, dtype=torch.uint8)
+    header = Header(Kind.TRANSFER, 7, "req-é", 300, 16, True, layout)
+    header.encode_into(frame)
+    assert Header.decode(frame) == header
+    reply_frame = torch.empty(Reply.frame_bytes(3), dtype=torch.uint8)
+    Reply(Status.OK, 7, [9, 1, 4], "").encode_into(reply_frame, 3)
+    assert Reply.decode(reply_frame) == Reply(Status.OK, 7, [9, 1, 4], "")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2,
+                    reason="the NCCL path needs >= 2 visible CUDA devices")
+def test_nccl_between_two_gpus(ray_cluster):
+    gpu = dict(num_cpus=0, num_gpus=1)
+    prefill = PrefillActor.options(**gpu).remote(64, "bfloat16", 11, CONFIG, "cuda")
+    decode = DecodeActor.options(**gpu).remote(64, "bfloat16", CONFIG, "cuda")
+    link(prefill, "p", decode, "d")
+    assert ray.get(prefill.backend.remote("d")) == "nccl"
+    for index, num_blocks in enumerate([1, 7, 40]):
+        transfer_and_compare(prefill, decode, "d", f"g{num_blocks}", num_blocks, seed=index)
+    ray.kill(prefill)
+    ray.kill(decode)
