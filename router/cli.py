@@ -76,10 +76,9 @@ def _add_serve(sub) -> None:
 def _serve(args: argparse.Namespace) -> int:
     import dataclasses
 
-    from router.launcher import serve_forever
-
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config)
+    from router.launcher import serve_forever  # heavy (torch, transformers, ray): after the config is good
     if args.port is not None:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, port=args.port))
     t0 = time.perf_counter()

@@ -11,6 +11,7 @@ import grpc
 import pytest
 import ray
 
+from proto import pdserve_pb2 as pb
 from router.launcher import LocalCluster
 from tests.cluster_util import Client, cluster_config
 from tests.reference import hf_greedy
@@ -106,3 +107,53 @@ def test_usage_reports_workers_and_timings(cluster):
     assert u.completion_tokens == 5 and u.prefill_worker.startswith("prefill-") and u.decode_worker.startswith("decode-")
     assert u.ttft_ms > 0
     client.close()
+
+
+def test_scale_while_streaming_loses_nothing(llama_dir):
+    cfg = cluster_config(llama_dir)
+    prompts = _prompts(32, seed=21)
+    expected = [hf_greedy(llama_dir, p, 40, ignore_eos=True) for p in prompts]
+    with LocalCluster(cfg) as cluster:
+        client = Client(cluster.address)
+        results: list = [None] * len(prompts)
+
+        def run(i: int) -> None:
+            time.sleep(0.05 * i)  # arrivals spread over the scaling
+            results[i] = client.tokens(prompts[i], max_tokens=40, ignore_eos=True)[0]
+
+        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        shapes = []
+        for pool, n in (("prefill", 2), ("decode", 2), ("decode", 1)):
+            resp = client.admin.Scale(pb.ScaleRequest(pool=pool, replicas=n), timeout=120)
+            assert resp.replicas == n
+            shapes.append(sorted(w.name.split("-")[0] for w in client.status().workers))
+        for t in threads:
+            t.join(120)
+        assert results == expected  # every request completed exactly once, with correct tokens
+        assert shapes == [["decode", "prefill", "prefill"], ["decode", "decode", "prefill", "prefill"],
+                          ["decode", "prefill", "prefill"]]
+        _assert_no_leaks(cluster)
+        client.close()
+
+
+def test_full_queue_is_resource_exhausted_and_others_finish(llama_dir):
+    # 8 blocks of 16 tokens per worker: a 100-token prompt reserves 7, so a second one must wait
+    cfg = cluster_config(llama_dir, kv_cache={"num_blocks": 8}, router={"max_queue": 1})
+    with LocalCluster(cfg) as cluster:
+        client = Client(cluster.address)
+        first = client.stream([7] * 100, max_tokens=20, ignore_eos=True)
+        next(first)  # holds 7 of the decode worker's 8 blocks
+        second = client.stream([8] * 100, max_tokens=20, ignore_eos=True)  # waits in the router queue
+        deadline = time.monotonic() + 5
+        while client.status().router_queue < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stream([9] * 100, max_tokens=20, ignore_eos=True))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "queue is full" in err.value.details()
+        assert sum(len(m.token_ids) for m in first) == 19
+        assert sum(len(m.token_ids) for m in second) == 20
+        _assert_no_leaks(cluster)
+        client.close()

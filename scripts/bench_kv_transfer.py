@@ -1,0 +1,300 @@
+"""Benchmark kv_transfer channels: effective GB/s vs a raw send/recv, latency, Ray object store.
+
+Two Ray actors (prefill side, decode side) hold Llama-3.1-8B-shaped KV pools (32 layers x 8 kv
+heads x 128 dims, bf16; 16-token blocks = 2 MiB; 8,192 tokens = 1 GiB), sized to the largest
+payload. Per payload: the channel moves random non-contiguous source blocks into random
+non-contiguous reserved blocks (send() -> future done, i.e. landed and acknowledged); the raw
+baseline sends one contiguous tensor of the same size over a group of the same backend and
+waits for a 1-byte ack. Ratio = channel / raw. Latency: one-block transfer vs raw round trip.
+
+    python scripts/bench_kv_transfer.py                     # table, up to 1 GiB
+    python scripts/bench_kv_transfer.py --max-bytes 64MiB --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from kv_transfer import KVReceiver, KVSender, KVTransferConfig  # noqa: E402
+from kv_transfer.groups import (  # noqa: E402
+    gloo_group,
+    join_store,
+    local_address_towards,
+    nccl_group,
+    open_store,
+)
+from kv_transfer.layout import BlockCopier, KVLayout  # noqa: E402
+
+GIB, MIB = 1 << 30, 1 << 20
+TARGET_RATIO, TARGET_LATENCY = 0.9, 2.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    layers: int = 32
+    block_size: int = 16
+    kv_heads: int = 8
+    head_dim: int = 128
+    dtype: str = "bfloat16"
+
+    def pool(self, num_blocks: int, device: str, fill: bool) -> torch.Tensor:
+        dims = (self.layers, 2, num_blocks, self.block_size, self.kv_heads, self.head_dim)
+        kv = torch.empty(dims, dtype=getattr(torch, self.dtype), device=device)
+        return kv.normal_() if fill else kv.zero_()
+
+
+@ray.remote
+class Endpoint:
+    """One side of the benchmark: a KV pool, a channel end, a raw group end."""
+
+    def __init__(self, shape: Shape, num_blocks: int, config: KVTransferConfig, device: str,
+                 sender: bool) -> None:
+        self.kv = shape.pool(num_blocks, device, fill=sender)
+        self.host = ray.util.get_node_ip_address()
+        self.config, self.device = config, device
+        self.destinations: dict[int, list[int]] = {}
+        self.copier = BlockCopier(self.kv, self.kv.device, 0)
+        if sender:
+            self.sender = KVSender(self.kv, config)
+        else:
+            self.receiver = KVReceiver(self.kv, self.host, config, self._resolve,
+                                       lambda *_: None)
+        self.raw = None
+
+    def _resolve(self, request_id: str, num_blocks: int) -> list[int]:
+        return self.destinations[num_blocks]
+
+    def open_channel(self, peer_id: str) -> tuple[str, int]:
+        return self.receiver.open_channel(peer_id)
+
+    def connect(self, peer_id: str, host: str, port: int) -> str | None:
+        self.sender.connect(peer_id, host, port)
+        return self.sender.backend(peer_id)
+
+    def set_destination(self, block_ids: list[int]) -> None:
+        self.destinations[len(block_ids)] = block_ids
+
+    def channel_times(self, peer_id: str, block_ids: list[int], repeats: int) -> list[float]:
+        times = []
+        for attempt in range(repeats + 1):   # the first is a warm-up
+            start = time.perf_counter()
+            self.sender.send(peer_id, f"{len(block_ids)}-{attempt}", block_ids).result()
+            times.append(time.perf_counter() - start)
+        return times[1:]
+
+    def raw_open(self) -> int:
+        self._store = open_store(self.host, self.config.timeout_s)
+        return self._store.port
+
+    def raw_join(self, host: str, port: int, backend: str) -> None:
+        self._store = join_store(host, port, self.config.timeout_s)
+        self._build_raw(1, local_address_towards(host, port), backend)
+
+    def raw_accept(self, backend: str) -> None:
+        self._build_raw(0, self.host, backend)
+
+    def _build_raw(self, rank: int, local_host: str, backend: str) -> None:
+        if backend == "nccl":
+            self.raw = nccl_group(self._store, rank, self.config.timeout_s)
+        else:
+            self.raw = gloo_group(self._store, rank, local_host, self.config.timeout_s)
+        self.wire = torch.device(self.device if backend == "nccl" else "cpu")
+        self.ack = torch.zeros(1, dtype=torch.uint8, device=self.wire)
+
+    def raw_round_trips(self, nbytes: int, repeats: int, initiator: bool) -> list[float]:
+        """Initiator (rank 1): send nbytes, wait for a 1-byte ack; the other side mirrors."""
+        payload = self._raw_payload(nbytes)
+        peer = 0 if initiator else 1
+        times = []
+        for _ in range(repeats + 1):
+            start = time.perf_counter()
+            if initiator:
+                self.raw.send([payload], peer, 0).wait()
+                self.raw.recv([self.ack], peer, 1).wait()
+            else:
+                self.raw.recv([payload], peer, 0).wait()
+                self.raw.send([self.ack], peer, 1).wait()
+            if self.wire.type == "cuda":
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return times[1:]
+
+    def _raw_payload(self, nbytes: int) -> torch.Tensor:
+        """The pool's own first nbytes (contiguous): no extra memory for the 1 GiB case."""
+        flat = self.kv.view(-1).view(torch.uint8)[:nbytes]
+        return flat if flat.device == self.wire else flat.to(self.wire)
+
+    def ray_put(self, block_ids: list[int]) -> tuple[list[ray.ObjectRef], float]:
+        start = time.perf_counter()
+        payload = torch.empty(len(block_ids) * KVLayout.of(self.kv).bytes_per_block,
+                              dtype=torch.uint8)
+        self.copier.gather(block_ids, payload)
+        ref = ray.put(payload.numpy())
+        return [ref], time.perf_counter() - start
+
+    def ray_get(self, refs: list[ray.ObjectRef], block_ids: list[int]) -> float:
+        start = time.perf_counter()
+        payload = torch.from_numpy(ray.get(refs[0]))   # zero-copy view of the shared object
+        self.copier.scatter(payload, block_ids)
+        return time.perf_counter() - start
+
+
+def parse_bytes(text: str) -> int:
+    units = {"kib": 1 << 10, "mib": MIB, "gib": GIB, "k": 1 << 10, "m": MIB, "g": GIB}
+    lowered = text.strip().lower()
+    for suffix, scale in sorted(units.items(), key=lambda item: -len(item[0])):
+        if lowered.endswith(suffix):
+            return int(float(lowered[:-len(suffix)]) * scale)
+    return int(lowered)
+
+
+def human(nbytes: int) -> str:
+    return f"{nbytes / GIB:.1f} GiB" if nbytes >= GIB else f"{nbytes / MIB:.1f} MiB" \
+        if nbytes >= MIB else f"{nbytes / 1024:.0f} KiB"
+
+
+def payload_blocks(bytes_per_block: int, max_bytes: int) -> list[int]:
+    sizes = [1, 2, 8, 32, 128, 512, 2048]
+    return [n for n in sizes if n * bytes_per_block <= max_bytes] or [1]
+
+
+def start_pair(args, shape: Shape, num_blocks: int, config: KVTransferConfig):
+    options = dict(num_cpus=0, num_gpus=1 if args.device == "cuda" else 0)
+    prefill = Endpoint.options(**options).remote(shape, num_blocks, config, args.device, True)
+    decode = Endpoint.options(**options).remote(shape, num_blocks, config, args.device, False)
+    host, port = ray.get(decode.open_channel.remote("prefill"))
+    backend = ray.get(prefill.connect.remote("decode", host, port))
+    port = ray.get(decode.raw_open.remote())
+    ray.get([prefill.raw_join.remote(host, port, backend), decode.raw_accept.remote(backend)])
+    return prefill, decode, backend
+
+
+def raw_times(prefill, decode, nbytes: int, repeats: int) -> list[float]:
+    mine = prefill.raw_round_trips.remote(nbytes, repeats, True)
+    theirs = decode.raw_round_trips.remote(nbytes, repeats, False)
+    return ray.get([mine, theirs])[0]
+
+
+def channel_times(prefill, decode, num_blocks: int, pool_blocks: int, repeats: int, seed: int):
+    rng = random.Random(seed)
+    ray.get(decode.set_destination.remote(rng.sample(range(pool_blocks), num_blocks)))
+    return ray.get(prefill.channel_times.remote("decode", rng.sample(range(pool_blocks),
+                                                                      num_blocks), repeats))
+
+
+def throughput_rows(prefill, decode, blocks: list[int], bytes_per_block: int, pool_blocks: int,
+                    repeats: int) -> list[dict]:
+    rows = []
+    for num_blocks in blocks:
+        nbytes = num_blocks * bytes_per_block
+        channel = statistics.median(channel_times(prefill, decode, num_blocks, pool_blocks,
+                                                  repeats, seed=num_blocks))
+        raw = statistics.median(raw_times(prefill, decode, nbytes, repeats))
+        rows.append({"bytes": nbytes, "blocks": num_blocks, "channel_gbps": nbytes / channel / 1e9,
+                     "raw_gbps": nbytes / raw / 1e9, "ratio": raw / channel})
+    return rows
+
+
+def latency_row(prefill, decode, bytes_per_block: int, pool_blocks: int, repeats: int) -> dict:
+    channel = channel_times(prefill, decode, 1, pool_blocks, repeats, seed=1)
+    raw = raw_times(prefill, decode, bytes_per_block, repeats)
+    channel_ms, raw_ms = statistics.median(channel) * 1e3, statistics.median(raw) * 1e3
+    return {"block_bytes": bytes_per_block, "channel_ms_p50": channel_ms,
+            "raw_round_trip_ms_p50": raw_ms, "ratio": channel_ms / raw_ms}
+
+
+def ray_row(prefill, decode, num_blocks: int, bytes_per_block: int, pool_blocks: int,
+            repeats: int) -> dict:
+    rng = random.Random(7)
+    times = []
+    for _ in range(repeats + 1):
+        src, dst = rng.sample(range(pool_blocks), num_blocks), rng.sample(range(pool_blocks),
+                                                                            num_blocks)
+        start = time.perf_counter()
+        refs, _ = ray.get(prefill.ray_put.remote(src))
+        ray.get(decode.ray_get.remote(refs, dst))
+        times.append(time.perf_counter() - start)
+        del refs
+    seconds = statistics.median(times[1:])
+    nbytes = num_blocks * bytes_per_block
+    return {"bytes": nbytes, "blocks": num_blocks, "gbps": nbytes / seconds / 1e9}
+
+
+def print_table(report: dict) -> None:
+    config = report["config"]
+    print(f"kv_transfer benchmark: backend {config['backend']}, device {config['device']}, "
+          f"{config['shape']['layers']} layers x {config['shape']['kv_heads']} kv heads x "
+          f"{config['shape']['head_dim']} dims, {config['shape']['dtype']}, "
+          f"{config['shape']['block_size']}-token blocks of {human(config['block_bytes'])}, "
+          f"median of {config['repeats']}")
+    print(f"{'payload':>10} {'blocks':>7} {'channel GB/s':>13} {'raw GB/s':>9} {'ratio':>6}  "
+          f"target")
+    for row in report["throughput"]:
+        target = f">= {TARGET_RATIO}" if row["bytes"] >= 16 * MIB else "-"
+        print(f"{human(row['bytes']):>10} {row['blocks']:>7} {row['channel_gbps']:>13.2f} "
+              f"{row['raw_gbps']:>9.2f} {row['ratio']:>6.2f}  {target}")
+    lat = report["latency"]
+    print(f"single-block latency ({human(lat['block_bytes'])}): channel p50 "
+          f"{lat['channel_ms_p50']:.2f} ms, raw round trip p50 {lat['raw_round_trip_ms_p50']:.2f}"
+          f" ms, ratio {lat['ratio']:.2f} (target <= {TARGET_LATENCY})")
+    if report.get("ray_object_store"):
+        row = report["ray_object_store"]
+        print(f"ray object store ({human(row['bytes'])}, put + get incl. gather/scatter): "
+              f"{row['gbps']:.2f} GB/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-bytes", default="1GiB", help="largest payload (e.g. 64MiB)")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per block")
+    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--repeats", type=int, default=3, help="timed runs per payload")
+    parser.add_argument("--latency-repeats", type=int, default=30)
+    parser.add_argument("--no-ray-row", action="store_true", help="skip the object store row")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+
+    shape = Shape(block_size=args.block_size)
+    config = KVTransferConfig(backend=args.backend, timeout_s=120.0)
+    bytes_per_block = KVLayout.of(shape.pool(1, "cpu", fill=False)).bytes_per_block
+    blocks = payload_blocks(bytes_per_block, parse_bytes(args.max_bytes))
+    pool_blocks = max(blocks)   # pools hold just the largest payload: 2 x 1 GiB at most
+    store_bytes = max(200 * MIB, int(1.5 * pool_blocks * bytes_per_block))
+    ray.init(num_cpus=2, num_gpus=torch.cuda.device_count(), include_dashboard=False,
+             object_store_memory=store_bytes, log_to_driver=False)
+    prefill, decode, backend = start_pair(args, shape, pool_blocks, config)
+    report = {
+        "config": {"backend": backend, "device": args.device, "shape": asdict(shape),
+                   "block_bytes": bytes_per_block, "repeats": args.repeats,
+                   "staging_bytes": config.staging_bytes},
+        "throughput": throughput_rows(prefill, decode, blocks, bytes_per_block, pool_blocks,
+                                      args.repeats),
+        "latency": latency_row(prefill, decode, bytes_per_block, pool_blocks,
+                               args.latency_repeats),
+    }
+    if not args.no_ray_row:
+        report["ray_object_store"] = ray_row(prefill, decode, pool_blocks, bytes_per_block,
+                                             pool_blocks, args.repeats)
+    big = [row for row in report["throughput"] if row["bytes"] >= 16 * MIB]
+    report["targets_met"] = {
+        "ratio_ge_0.9_from_16MiB": all(row["ratio"] >= TARGET_RATIO for row in big),
+        "latency_le_2x_raw": report["latency"]["ratio"] <= TARGET_LATENCY,
+    }
+    ray.shutdown()
+    print(json.dumps(report)) if args.json else print_table(report)
+
+
+if __name__ == "__main__":
+    main()
