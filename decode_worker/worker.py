@@ -34,8 +34,8 @@ class _Pending:
 
 
 class DecodeWorker:
-    def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig | None):
-        self.core = WorkerCore(name, "decode", config, self._on_outputs)
+    def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig | None, cpu: int | None = None):
+        self.core = WorkerCore(name, "decode", config, self._on_outputs, cpu)
         self._outbox: list[RequestOutput] = []
         self._event: asyncio.Event | None = None
         self._lock = threading.Lock()

@@ -12,6 +12,7 @@ class WorkerInfo:
     node_ip: str
     num_blocks: int
     block_size: int
+    cpu: int | None = None  # the core it is pinned to
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ the engine only through `run(fn)`, which executes `fn(engine)` on the loop threa
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -22,9 +23,12 @@ from engine.request import RequestOutput
 
 class WorkerCore:
     def __init__(self, name: str, pool: str, config: EngineConfig,
-                 on_outputs: Callable[[list[RequestOutput]], None]):
+                 on_outputs: Callable[[list[RequestOutput]], None], cpu: int | None = None):
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})  # before torch starts its thread pool
         torch.set_num_threads(config.torch_threads or 1)
         self.name = name
+        self.cpu = cpu
         self.pool = pool
         self.node_ip = ray.util.get_node_ip_address()  # where peers reach this worker's channels
         self.engine = LLMEngine(config)
@@ -42,7 +46,7 @@ class WorkerCore:
 
     def info(self) -> WorkerInfo:
         e = self.engine
-        return WorkerInfo(self.name, self.pool, self.node_ip, e.allocator.num_blocks, e.config.block_size)
+        return WorkerInfo(self.name, self.pool, self.node_ip, e.allocator.num_blocks, e.config.block_size, self.cpu)
 
     async def stats(self, channels: int) -> WorkerStats:
         def read(e: LLMEngine) -> WorkerStats:

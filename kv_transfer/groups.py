@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 
 RECEIVER_RANK, SENDER_RANK = 0, 1
 JOINED_KEY = "sender_joined"
+_DEVICE_POLL_S = 0.0002
 
 
 class ChannelBroken(Exception):
@@ -105,6 +106,20 @@ def wait_for(work: dist.Work, deadline: float, what: str) -> None:
         raise ChannelBroken(f"{what}: {reason}") from err
 
 
+def wait_on_device(work: dist.Work, deadline: float, what: str) -> None:
+    """NCCL's work.wait() only orders the current stream (its timeout applies only under
+    TORCH_NCCL_BLOCKING_WAIT), so poll for completion here: a stuck or dead peer then times
+    out at our deadline, and the caller aborts the group to free the stuck kernels."""
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise ChannelBroken(f"{what}: timed out")
+        time.sleep(_DEVICE_POLL_S)
+    try:
+        work.wait()   # raises the communicator's error, if any; orders the current stream
+    except RuntimeError as err:
+        raise ChannelBroken(f"{what}: {_short(err)}") from err
+
+
 @dataclass
 class ChannelGroups:
     store: dist.TCPStore
@@ -124,9 +139,9 @@ class ChannelGroups:
         self.data = nccl_group(self.store, rank, timeout_s)
         probe = torch.zeros(1, device=device)
         if rank == SENDER_RANK:
-            wait_for(self.send(probe, 0, data=True), deadline, "warming up NCCL")
+            self.wait_data(self.send(probe, 0, data=True), deadline, "warming up NCCL")
         else:
-            wait_for(self.recv(probe, 0, data=True), deadline, "warming up NCCL")
+            self.wait_data(self.recv(probe, 0, data=True), deadline, "warming up NCCL")
 
     def send(self, tensor: torch.Tensor, tag: int, *, data: bool = False) -> dist.Work:
         """Post a send to the peer (control group unless data=True); ChannelBroken if the
@@ -143,6 +158,13 @@ class ChannelGroups:
             return group.recv([tensor], self.peer_rank, tag)
         except RuntimeError as err:
             raise ChannelBroken(f"posting a receive: {_short(err)}") from err
+
+    def wait_data(self, work: dist.Work, deadline: float, what: str) -> None:
+        """Wait for a data-plane send/recv, on the host (gloo) or on the device (NCCL)."""
+        if self.backend == "nccl":
+            wait_on_device(work, deadline, what)
+        else:
+            wait_for(work, deadline, what)
 
     def close(self, broken: bool) -> None:
         groups = [self.control] if self.data is self.control else [self.data, self.control]

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from kv_transfer.config import KVTransferConfig
 from kv_transfer.frames import TAG_DATA
-from kv_transfer.groups import ChannelGroups, wait_for
+from kv_transfer.groups import ChannelGroups
 from kv_transfer.layout import BlockCopier, Digest, KVLayout
 
 PIPELINE_CHUNKS = 8          # split a transfer into at least this many chunks, ...
@@ -88,14 +88,14 @@ def send_chunks(groups: ChannelGroups, staging: Staging, copier: BlockCopier,
     in_flight: deque[dist.Work] = deque()
     for index, (start, count) in enumerate(chunk_spans(len(block_ids), chunk_blocks)):
         if len(in_flight) == len(staging.slots):   # the slot we are about to refill
-            wait_for(in_flight.popleft(), deadline, "sending a payload chunk")
+            groups.wait_data(in_flight.popleft(), deadline, "sending a payload chunk")
         slot = staging.slots[index % len(staging.slots)]
         payload = copier.gather(block_ids[start:start + count], slot)
         if digest is not None:
             digest.update(payload, count)
         in_flight.append(groups.send(payload, TAG_DATA, data=True))
     while in_flight:
-        wait_for(in_flight.popleft(), deadline, "sending a payload chunk")
+        groups.wait_data(in_flight.popleft(), deadline, "sending a payload chunk")
 
 
 def recv_chunks(groups: ChannelGroups, staging: Staging, copier: BlockCopier,
@@ -115,7 +115,7 @@ def recv_chunks(groups: ChannelGroups, staging: Staging, copier: BlockCopier,
         post(index)
     for index, (start, count) in enumerate(spans):
         work, view = posted.popleft()
-        wait_for(work, deadline, "receiving a payload chunk")
+        groups.wait_data(work, deadline, "receiving a payload chunk")
         if digest is not None:
             digest.update(view, count)
         if dst_block_ids is not None:

@@ -21,8 +21,8 @@ from kv_transfer import KVSender, KVTransferConfig
 
 
 class PrefillWorker:
-    def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig):
-        self.core = WorkerCore(name, "prefill", config, self._on_outputs)
+    def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig, cpu: int | None = None):
+        self.core = WorkerCore(name, "prefill", config, self._on_outputs, cpu)
         self.sender = KVSender(self.core.engine.runner.kv, transfer)
         self._waiters: dict[str, asyncio.Future] = {}
         self._sending: set[str] = set()  # requests whose KV is on the wire (blocks must stay)

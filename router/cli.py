@@ -78,7 +78,10 @@ def _serve(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     cfg = load_config(args.config)
-    from router.launcher import serve_forever  # heavy (torch, transformers, ray): after the config is good
+
+    # heavy (torch, transformers, ray): imported once the config is known to be good
+    from router.launcher import serve_forever
+
     if args.port is not None:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, port=args.port))
     t0 = time.perf_counter()

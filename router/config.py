@@ -49,6 +49,8 @@ class PoolSection:
     num_gpus: float = 0.0
     resources: dict[str, float] = field(default_factory=dict)
     torch_threads: int = 1
+    # pin the pool's workers to these CPU cores, one core per worker in turn (null = no pinning)
+    cpus: list[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -168,6 +170,8 @@ def _matches(hint, value: Any) -> bool:
         return value in hint.__args__
     if typing.get_origin(hint) is dict:
         return isinstance(value, dict) and all(isinstance(k, str) and _matches(float, v) for k, v in value.items())
+    if typing.get_origin(hint) is list:
+        return isinstance(value, list) and all(_matches(int, v) for v in value)
     if hint is float:
         return isinstance(value, int | float) and not isinstance(value, bool)
     if hint is int:
@@ -184,6 +188,8 @@ def _describe(hint) -> str:
         return "one of " + ", ".join(repr(v) for v in hint.__args__)
     if typing.get_origin(hint) is dict:
         return "a mapping of resource name to number"
+    if typing.get_origin(hint) is list:
+        return "a list of integers"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, str(hint))
 
 
@@ -203,6 +209,8 @@ def _check_values(cfg: ClusterConfig, where: str) -> None:
         ("decode.num_gpus", cfg.decode.num_gpus >= 0, "must be >= 0"),
         ("prefill.torch_threads", cfg.prefill.torch_threads >= 1, "must be >= 1"),
         ("decode.torch_threads", cfg.decode.torch_threads >= 1, "must be >= 1"),
+        ("prefill.cpus", not cfg.prefill.cpus or min(cfg.prefill.cpus) >= 0, "core numbers must be >= 0"),
+        ("decode.cpus", not cfg.decode.cpus or min(cfg.decode.cpus) >= 0, "core numbers must be >= 0"),
         ("kv_cache.block_size", cfg.kv_cache.block_size >= 1, "must be >= 1"),
         ("kv_cache.num_blocks", cfg.kv_cache.num_blocks is None or cfg.kv_cache.num_blocks >= 1, "must be >= 1"),
         ("kv_cache.memory_fraction", 0 < cfg.kv_cache.memory_fraction <= 1, "must be in (0, 1]"),

@@ -167,8 +167,9 @@ class LocalCluster:
         self._ready.set()
 
 
-def arrangement_config(base: ClusterConfig, name: str, total_workers: int) -> ClusterConfig:
-    """`base` rearranged as `name` with the same total worker count (equal cost)."""
+def arrangement_config(base: ClusterConfig, name: str, total_workers: int, pin_cpus: bool = False) -> ClusterConfig:
+    """`base` rearranged as `name` with the same total worker count (equal cost); with
+    `pin_cpus`, worker i of the arrangement gets core i to itself."""
     if name not in ARRANGEMENTS:
         raise ValueError(f"unknown arrangement {name!r}; choose from {', '.join(ARRANGEMENTS)}")
     disagg = name.startswith("disaggregated")
@@ -176,8 +177,10 @@ def arrangement_config(base: ClusterConfig, name: str, total_workers: int) -> Cl
         raise ValueError("a disaggregated arrangement needs at least 2 workers")
     chunk = (base.scheduler.chunk_size or 64) if name.endswith("chunked") else None
     prefill_n = max(1, total_workers // 2) if disagg else 0
+    prefill_cpus = list(range(prefill_n)) if pin_cpus else base.prefill.cpus
+    decode_cpus = list(range(prefill_n, total_workers)) if pin_cpus else base.decode.cpus
     return dataclasses.replace(
         base, mode="disaggregated" if disagg else "colocated",
-        prefill=dataclasses.replace(base.prefill, replicas=prefill_n),
-        decode=dataclasses.replace(base.decode, replicas=total_workers - prefill_n),
+        prefill=dataclasses.replace(base.prefill, replicas=prefill_n, cpus=prefill_cpus),
+        decode=dataclasses.replace(base.decode, replicas=total_workers - prefill_n, cpus=decode_cpus),
         scheduler=dataclasses.replace(base.scheduler, chunk_size=chunk))

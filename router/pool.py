@@ -56,7 +56,8 @@ class PoolManager:
         actor = ray.remote(cls).options(
             name=None, num_cpus=sec.num_cpus, num_gpus=sec.num_gpus, resources=dict(sec.resources) or None,
             max_concurrency=1000,
-        ).remote(name, self.config.engine_config(sec, device="cuda" if sec.num_gpus else "cpu"), transfer)
+        ).remote(name, self.config.engine_config(sec, device="cuda" if sec.num_gpus else "cpu"), transfer,
+                 self._next_cpu(pool))
         info = await actor.ready.remote()
         view = WorkerView(info, actor, free_blocks=info.num_blocks)
         self.workers[pool].append(view)
@@ -64,6 +65,14 @@ class PoolManager:
             self.on_started(view)
         log.info("started %s on %s (%d KV blocks)", name, info.node_ip, info.num_blocks)
         return view
+
+    def _next_cpu(self, pool: str) -> int | None:
+        cpus = self.section(pool).cpus
+        if not cpus:
+            return None
+        taken = {w.info.cpu for w in self.workers[pool] if w.state != "stopped"}
+        free = [c for c in cpus if c not in taken]
+        return (free or cpus)[0]
 
     async def scale(self, pool: str, replicas: int) -> tuple[list[str], list[str]]:
         """Grow or drain `pool` to `replicas`; returns (started, stopped) worker names."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from collections.abc import Callable
@@ -55,6 +56,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="comma-separated, with --config (default: all four)")
     parser.add_argument("--workers", type=_positive_int, default=2,
                         help="total workers of every arrangement (default 2)")
+    parser.add_argument("--pin-cpus", action="store_true",
+                        help="with --arrangements: pin worker i of each arrangement to CPU core i")
     parser.add_argument("--label", default="router", help="arrangement name for --router")
     _add_workload_options(parser)
     _add_report_options(parser)
@@ -194,9 +197,11 @@ def _measure_arrangements(args: argparse.Namespace, workload: Workload,
     statuses: dict[str, Any] = {}
     for name in names:
         try:
-            cfg = arrangement_config(base, name, args.workers)
+            cfg = arrangement_config(base, name, args.workers, pin_cpus=args.pin_cpus)
         except ValueError as err:
             raise BenchError(f"--arrangements {name}: {err}") from err
+        # its own free port, so a `pdserve serve` of the same config can keep running
+        cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, port=0, metrics_port=None))
         with LocalCluster(cfg) as cluster:
             records[name], statuses[name] = asyncio.run(
                 _measure_address(args, cluster.address, name, workload))
