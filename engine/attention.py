@@ -59,11 +59,16 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
 def _decode(query, k_cache, v_cache, paged: StepMetadata, scaling, out) -> None:
     n = paged.num_decodes
-    q = query[0, :, :n].transpose(0, 1).unsqueeze(2)  # [B, H, 1, D]
-    k = k_cache[paged.decode_slots].transpose(1, 2)  # [B, KVH, max_ctx, D]
-    v = v_cache[paged.decode_slots].transpose(1, 2)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=paged.decode_mask, scale=scaling, enable_gqa=True)
-    out[:n] = o.squeeze(2)
+    num_heads, head_dim = query.shape[1], query.shape[3]
+    num_kv_heads = k_cache.shape[1]
+    # one query per head; heads sharing a KV head ride together as a [G, D] "query block" so
+    # the gathered K/V is never expanded to all heads (GQA without repeat_kv)
+    q = query[0, :, :n].transpose(0, 1).reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
+    slots = paged.decode_slots  # [B, max_ctx]
+    k = k_cache.index_select(0, slots.view(-1)).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+    v = v_cache.index_select(0, slots.view(-1)).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=paged.decode_mask, scale=scaling)  # [B, KVH, G, D]
+    out[:n] = o.reshape(n, num_heads, head_dim)
 
 
 def _prefill(query, key, value, k_cache, v_cache, chunk: PrefillChunk, scaling, out) -> None:

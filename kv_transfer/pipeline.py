@@ -119,6 +119,6 @@ def recv_chunks(groups: ChannelGroups, staging: Staging, copier: BlockCopier,
         if digest is not None:
             digest.update(view, count)
         if dst_block_ids is not None:
-            copier.scatter(view, dst_block_ids[start:start + count])
+            copier.scatter(view, dst_block_ids[start:start + count][::-1])
         if index + num_slots < len(spans):
             post(index + num_slots)

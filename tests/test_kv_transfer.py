@@ -61,14 +61,15 @@ class DecodeActor:
         self.landed: dict[str, int] = {}        # request -> times on_complete said "landed"
         self.failed: dict[str, str] = {}
         self.resolving: list[str] = []
-        self.resolve_delay_s = 0.0
+        self.released = threading.Event()   # cleared: resolve_blocks holds transfers
+        self.released.set()
         self.lock = threading.Lock()
         self.receiver = KVReceiver(self.kv, ray.util.get_node_ip_address(), config,
                                    self._resolve, self._on_complete)
 
     def _resolve(self, request_id: str, num_blocks: int) -> list[int] | None:
         self.resolving.append(request_id)
-        time.sleep(self.resolve_delay_s)
+        self.released.wait(timeout=60)
         with self.lock:
             return self.reserved.get(request_id)
 
@@ -91,8 +92,9 @@ class DecodeActor:
         with self.lock:
             self.free.update(self.reserved.pop(request_id))
 
-    def set_resolve_delay(self, seconds: float) -> None:
-        self.resolve_delay_s = seconds
+    def hold_transfers(self, hold: bool) -> None:
+        """hold=True parks the next transfers after their header (mid-transfer)."""
+        self.released.clear() if hold else self.released.set()
 
     def open_channel(self, peer_id: str) -> tuple[str, int]:
         return self.receiver.open_channel(peer_id)
@@ -288,18 +290,34 @@ def test_concurrent_transfers_land_exactly_once(pool):
         assert ray.get(actor.state.remote())["free"] == state["total"]
 
 
+def kill_and_wait(actor) -> float:
+    """ray.kill, then wait until the process is really gone; returns the time of the kill."""
+    ray.kill(actor)
+    killed = time.monotonic()
+
+    def dead() -> bool:
+        try:
+            ray.get(actor.state.remote(), timeout=5)
+        except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            return True
+        return False
+
+    wait_until(dead, 10, "the killed actor to be gone")
+    return killed
+
+
 def test_prefill_killed_mid_transfer(pool):
     """The decode side fails the transfer, frees its blocks, and accepts the restarted peer."""
     decode = pool[1]["d1"]
     channels = ray.get(decode.state.remote())["channels"]
     victim = start_prefill(seed=3)
     link(victim, "victim", decode, "d1")
-    ray.get(decode.set_resolve_delay.remote(1.0))   # hold the transfer after its header
+    ray.get(decode.hold_transfers.remote(True))
     ray.get(decode.reserve.remote("k1", 40, 0))
     ray.get(victim.start.remote("d1", "k1", list(range(0, 80, 2))))
     wait_until(lambda: "k1" in ray.get(decode.state.remote())["resolving"], 10, "the header")
-    ray.kill(victim)
-    killed = time.monotonic()
+    killed = kill_and_wait(victim)
+    ray.get(decode.hold_transfers.remote(False))   # the payload it now waits for never comes
     state = wait_until(lambda: "k1" in (s := ray.get(decode.state.remote()))["failed"] and s,
                        CONFIG.timeout_s + 2, "the decode side to fail the transfer")
     assert time.monotonic() - killed < CONFIG.timeout_s + 1.0
@@ -308,11 +326,11 @@ def test_prefill_killed_mid_transfer(pool):
     wait_until(lambda: ray.get(decode.state.remote())["channels"] == channels, 5,
                "the dead channel's teardown")
 
-    ray.get(decode.set_resolve_delay.remote(0.0))
     restarted = start_prefill(seed=4)
     link(restarted, "victim", decode, "d1")
     transfer_and_compare(restarted, decode, "d1", "k2", 9, seed=5)
-    restarted.sender_shutdown.remote()
+    ray.get(restarted.sender_shutdown.remote())
+    ray.kill(restarted)
 
 
 def test_decode_killed_mid_transfer(pool):
@@ -321,12 +339,11 @@ def test_decode_killed_mid_transfer(pool):
     prefill = pool[0]["p2"]
     victim = start_decode()
     link(prefill, "p2", victim, "victim")
-    ray.get(victim.set_resolve_delay.remote(30.0))
+    ray.get(victim.hold_transfers.remote(True))
     ray.get(victim.reserve.remote("k3", 12, 0))
     ray.get(prefill.start.remote("victim", "k3", list(range(12))))
     wait_until(lambda: "k3" in ray.get(victim.state.remote())["resolving"], 10, "the header")
-    ray.kill(victim)
-    killed = time.monotonic()
+    killed = kill_and_wait(victim)
     outcome = ray.get(prefill.outcome.remote("k3"))
     assert time.monotonic() - killed < CONFIG.timeout_s + 1.0
     assert outcome["peer"] == "victim" and outcome["request"] == "k3", outcome
@@ -411,6 +428,18 @@ def test_rejected_request_keeps_channel_in_sync(loopback):
     assert good.result(10).dst_block_ids == [5, 9]
     assert [(r, b, e is None) for r, b, e in owner.completed] == [
         ("short", [1], False), ("ok", [5, 9], True)]   # once per list resolve_blocks returned
+
+
+def test_transfer_cancelled_while_queued_is_skipped(loopback):
+    owner = Owner({"first": [1], "cancelled": [2], "third": [3]}, resolve_delay_s=0.3)
+    _, sender, host, port = loopback(owner)
+    sender.connect("d", host, port)
+    first = sender.send("d", "first", [10])
+    cancelled = sender.send("d", "cancelled", [11])
+    third = sender.send("d", "third", [12])
+    assert cancelled.cancel()   # still queued behind "first"
+    assert first.result(10).dst_block_ids == [1] and third.result(10).dst_block_ids == [3]
+    assert [request_id for request_id, _, _ in owner.completed] == ["first", "third"]
 
 
 def test_checksum_requested_by_receiver_only(loopback):

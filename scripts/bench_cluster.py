@@ -1,0 +1,255 @@
+"""Cluster overhead: the same requests through the engine alone and through a whole cluster.
+
+On the tiny model, in one run: (a) `LLMEngine` in this process serves N requests submitted at
+once (`ignore_eos`, exact lengths) -> output tok/s; (b) the same requests, all sent at once
+over gRPC to a `LocalCluster` (router + Ray pools + KV channels) -> output tok/s, and the
+ratio cluster / engine (target >= 0.8); (c) on the idle cluster, K single requests one at a
+time: client TTFT minus the engine's in-process prefill time for the same prompt (target
+median <= 10 ms), split with the router's own Usage timings (queue, prefill, TTFT) into
+gRPC, router + Ray, and worker-side overhead.
+
+Equal CPU footing: workers run with `torch_threads` 1 (the pool default), so the in-process
+engine also gets one torch thread (`torch.set_num_threads(1)`); both use the scheduler and
+KV pool of `cfg.engine_config(cfg.decode)`. The client and the router share this process.
+
+    python -m scripts.bench_cluster [--requests 64] [--mode colocated] [--prefill 1 --decode 1] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import grpc  # noqa: E402
+import ray  # noqa: E402
+import torch  # noqa: E402
+
+from engine import LLMEngine, SamplingParams  # noqa: E402
+from engine.tiny_model import ensure_model  # noqa: E402
+from proto import pdserve_pb2 as pb  # noqa: E402
+from proto import pdserve_pb2_grpc as pb_grpc  # noqa: E402
+from router.bench.client import replay  # noqa: E402
+from router.bench.metrics import Slo, summarize_run  # noqa: E402
+from router.bench.workload import RequestSpec, make_workload  # noqa: E402
+from router.config import ClusterConfig, parse_config  # noqa: E402
+from router.launcher import LocalCluster  # noqa: E402
+
+TARGET_RATIO, TARGET_TTFT_OVERHEAD_MS = 0.8, 10.0
+FIRST_TOKEN_ID = 3  # ids 0-2 are the tiny tokenizer's special tokens
+
+
+def make_specs(n: int, seed: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
+               vocab: int) -> list[RequestSpec]:
+    """n requests, all arriving at 0: random prompts and exact output lengths, seeded."""
+    rng = random.Random(seed)
+    return [RequestSpec(f"r{i:04d}", 0.0,
+                        tuple(rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(rng.randint(*prompt_range))),
+                        rng.randint(*output_range))
+            for i in range(n)]
+
+
+def cluster_config(args: argparse.Namespace, model: str) -> ClusterConfig:
+    """1+1 disaggregated by default; port 0 lets the router pick a free port."""
+    prefill = args.prefill if args.mode == "disaggregated" else 0
+    return parse_config({
+        "model": {"path": model}, "mode": args.mode,
+        "router": {"host": "127.0.0.1", "port": 0, "metrics_port": None},
+        "prefill": {"replicas": prefill, "num_cpus": 1, "torch_threads": 1},
+        "decode": {"replicas": args.decode, "num_cpus": 1, "torch_threads": 1},
+        "kv_cache": {"block_size": 16, "num_blocks": args.num_blocks},
+    }, where="bench_cluster")
+
+
+# ---- (a) and the TTFT reference: the engine alone, in this process --------------------------
+def engine_throughput(engine: LLMEngine, specs: list[RequestSpec]) -> dict:
+    engine.generate([list(specs[0].prompt_token_ids)], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    t0 = time.perf_counter()
+    for spec in specs:
+        engine.add_request(f"tp-{spec.request_id}", prompt_token_ids=list(spec.prompt_token_ids),
+                           sampling=SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True))
+    produced = 0
+    while engine.has_unfinished():
+        produced += sum(len(o.token_ids) for o in engine.step())
+    wall = time.perf_counter() - t0
+    return {"output_tokens": produced, "seconds": wall, "tok_per_s": produced / wall}
+
+
+def engine_prefill_s(engine: LLMEngine, rid: str, prompt: list[int]) -> float:
+    """Idle engine: add_request to the first output of `rid` (then run it to the end)."""
+    assert not engine.has_unfinished(), "the TTFT reference needs an idle engine"
+    t0 = time.perf_counter()
+    engine.add_request(rid, prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+    first = None
+    while engine.has_unfinished():
+        outputs = engine.step()
+        if first is None and any(o.request_id == rid and o.token_ids for o in outputs):
+            first = time.perf_counter() - t0
+    assert first is not None, f"{rid} finished without a token"
+    return first
+
+
+# ---- (b) and (c): the cluster over gRPC ---------------------------------------------------
+async def cluster_throughput(address: str, specs: list[RequestSpec]) -> dict:
+    records = await replay(address, make_workload("cluster-overhead", specs, None, {}), "cluster",
+                           show_progress=False)
+    s = summarize_run(records, Slo())
+    return {"output_tokens": s["output_tokens"], "seconds": s["wall_s"], "tok_per_s": s["output_tok_per_s"],
+            "errors": s["num_errors"], "ttft_ms": s["ttft_ms"], "itl_ms": s["itl_ms"],
+            "errors_sample": [r.error for r in records if r.error][:3]}
+
+
+async def cluster_ttfts(address: str, prompts: list[list[int]]) -> list[dict]:
+    """One request at a time: client TTFT (ms) and the last message's Usage, per prompt."""
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pb_grpc.GenerationStub(channel)
+        return [await _one_ttft(stub, prompt) for prompt in prompts]
+
+
+async def _one_ttft(stub: pb_grpc.GenerationStub, prompt: list[int]) -> dict:
+    request = pb.GenerateRequest(prompt_token_ids=prompt,
+                                 sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True))
+    t0 = time.perf_counter()
+    first, last = None, None
+    async for message in stub.Generate(request, timeout=60):
+        if first is None and message.token_ids:
+            first = time.perf_counter() - t0
+        last = message
+    u = last.usage
+    return {"client_ttft_ms": first * 1e3, "router_ttft_ms": u.ttft_ms, "queue_ms": u.queue_ms,
+            "prefill_ms": u.prefill_ms}
+
+
+async def warm_up(address: str, specs: list[RequestSpec]) -> None:
+    """Opens the KV channels and the gRPC connection; first calls pay one-off costs."""
+    short = [RequestSpec(f"warm-{s.request_id}", 0.0, s.prompt_token_ids[:16], 4) for s in specs]
+    await replay(address, make_workload("warm-up", short, None, {}), "warm-up", show_progress=False)
+
+
+# ---- the report ----------------------------------------------------------------------------
+def ttft_breakdown(engine_ms: list[float], cluster: list[dict], colocated: bool) -> dict:
+    """Medians over the K requests; `overhead` is the median of per-request differences."""
+    def med(key: str) -> float:
+        return statistics.median(c[key] for c in cluster)
+
+    diffs = [c["client_ttft_ms"] - e for c, e in zip(cluster, engine_ms, strict=True)]
+    worker = [c["prefill_ms"] - e for c, e in zip(cluster, engine_ms, strict=True)]
+    out = {"samples": len(cluster), "client_ttft_ms": med("client_ttft_ms"),
+           "engine_prefill_ms": statistics.median(engine_ms), "overhead_ms": statistics.median(diffs),
+           "router_ttft_ms": med("router_ttft_ms"), "queue_ms": med("queue_ms"),
+           "grpc_and_client_ms": statistics.median(c["client_ttft_ms"] - c["router_ttft_ms"] for c in cluster)}
+    if colocated:  # no separate prefill call: router + Ray + worker loop are one figure
+        out |= {"prefill_ms": None, "worker_overhead_ms": None,
+                "router_and_ray_ms": statistics.median(c["router_ttft_ms"] - e for c, e in zip(cluster, engine_ms))}
+    else:
+        out |= {"prefill_ms": med("prefill_ms"), "worker_overhead_ms": statistics.median(worker),
+                "router_and_ray_ms": statistics.median(c["router_ttft_ms"] - c["queue_ms"] - c["prefill_ms"]
+                                                       for c in cluster)}
+    return out
+
+
+def print_table(r: dict) -> None:
+    shape = (f"{r['prefill']} prefill + {r['decode']} decode" if r["mode"] == "disaggregated"
+             else f"{r['decode']} colocated")
+    print(f"{r['requests']} requests, prompts {r['prompt']}, outputs {r['output']}, {r['mode']} ({shape}), "
+          f"1 torch thread per engine, {os.cpu_count()} CPUs; model {r['model']}")
+    print(f"{'':28}{'output tok/s':>14}{'seconds':>10}{'tokens':>9}")
+    for name, key in (("engine alone (in-process)", "engine"), ("cluster over gRPC", "cluster")):
+        row = r[key]
+        print(f"{name:28}{row['tok_per_s']:>14.1f}{row['seconds']:>10.2f}{row['output_tokens']:>9}")
+    c = r["cluster"]
+    print(f"ratio cluster / engine: {r['ratio']:.2f} (target >= {TARGET_RATIO}); under load: TTFT p50 "
+          f"{c['ttft_ms']['p50']:.0f} ms, ITL p50 {c['itl_ms']['p50']:.1f} ms p99 {c['itl_ms']['p99']:.1f} ms"
+          + (f"; {c['errors']} failed: {c['errors_sample']}" if c["errors"] else ""))
+    t = r["ttft"]
+    print(f"\nidle TTFT, {t['samples']} single requests (max_tokens 2), medians in ms:")
+    rows = [("client TTFT", t["client_ttft_ms"]), ("engine prefill (in-process)", t["engine_prefill_ms"]),
+            ("overhead: client - engine", t["overhead_ms"]),
+            ("  gRPC + client (client - router TTFT)", t["grpc_and_client_ms"]),
+            ("  router + Ray (router TTFT - queue - prefill)", t["router_and_ray_ms"]),
+            ("  router queue (decode reservation)", t["queue_ms"]),
+            ("  worker side (worker prefill - engine)", t["worker_overhead_ms"]),
+            ("router TTFT (usage.ttft_ms)", t["router_ttft_ms"]), ("worker prefill (usage.prefill_ms)", t["prefill_ms"])]
+    for name, value in rows:
+        print(f"{name:48}{'n/a' if value is None else f'{value:8.2f}':>8}")
+    print(f"overhead target <= {TARGET_TTFT_OVERHEAD_MS:g} ms: {'met' if t['overhead_ms'] <= TARGET_TTFT_OVERHEAD_MS else 'missed'}")
+
+
+# ---- main ----------------------------------------------------------------------------------
+def _range(text: str) -> tuple[int, int]:
+    low, high = (int(v) for v in text.split(","))
+    if not 1 <= low <= high:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected LOW,HIGH with 1 <= LOW <= HIGH")
+    return low, high
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--prompt", type=_range, default=(16, 256), help="prompt length range LOW,HIGH")
+    ap.add_argument("--output", type=_range, default=(32, 128), help="output length range LOW,HIGH")
+    ap.add_argument("--ttft-samples", type=int, default=30, help="single requests for the idle TTFT")
+    ap.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
+    ap.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
+    ap.add_argument("--decode", type=int, default=1, help="decode workers")
+    ap.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per engine")
+    ap.add_argument("--model", help="checkpoint dir (default: the tiny model, created if absent)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    return ap.parse_args(argv)
+
+
+def run_engine(cfg: ClusterConfig, specs: list[RequestSpec], prompts: list[list[int]]) -> tuple[dict, list[float]]:
+    torch.set_num_threads(1)  # the workers' torch_threads (LLMEngine sets it too, from the config)
+    engine = LLMEngine(cfg.engine_config(cfg.decode))
+    throughput = engine_throughput(engine, specs)
+    prefill_ms = [1e3 * engine_prefill_s(engine, f"ttft-{i}", p) for i, p in enumerate(prompts)]
+    return throughput, prefill_ms
+
+
+def run_cluster(cfg: ClusterConfig, specs: list[RequestSpec], prompts: list[list[int]]) -> tuple[dict, list[dict]]:
+    needed = cfg.prefill.replicas * cfg.prefill.num_cpus + cfg.decode.replicas * cfg.decode.num_cpus
+    ray.init(num_cpus=max(4, int(needed)), include_dashboard=False, object_store_memory=128 << 20,
+             log_to_driver=False)
+    try:
+        with LocalCluster(cfg) as cluster:
+            asyncio.run(warm_up(cluster.address, specs[:8]))
+            throughput = asyncio.run(cluster_throughput(cluster.address, specs))
+            ttfts = asyncio.run(cluster_ttfts(cluster.address, prompts))
+    finally:
+        ray.shutdown()
+    return throughput, ttfts
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    model = args.model or str(ensure_model(Path(tempfile.gettempdir()) / "pdserve-tiny-llama", size="tiny"))
+    cfg = cluster_config(args, model)
+    vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+    specs = make_specs(args.requests, args.seed, args.prompt, args.output, vocab)
+    prompts = [list(s.prompt_token_ids) for s in make_specs(args.ttft_samples, args.seed + 1, args.prompt, (2, 2), vocab)]
+    engine, engine_prefill_ms = run_engine(cfg, specs, prompts)
+    gc.collect()
+    cluster, ttfts = run_cluster(cfg, specs, prompts)
+    result = {"model": model, "mode": args.mode, "prefill": cfg.prefill.replicas, "decode": cfg.decode.replicas,
+              "requests": args.requests, "prompt": list(args.prompt), "output": list(args.output),
+              "engine": engine, "cluster": cluster, "ratio": cluster["tok_per_s"] / engine["tok_per_s"],
+              "ttft": ttft_breakdown(engine_prefill_ms, ttfts, args.mode == "colocated")}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+
+
+if __name__ == "__main__":
+    main()
