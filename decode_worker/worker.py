@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
@@ -27,7 +28,7 @@ class _Pending:
     """A disaggregated request between reservation and admission."""
 
     blocks: list[int]
-    landing: bool = False  # the receiver is writing into the blocks
+    landing_since: float | None = None  # the receiver is writing into the blocks since then
     landed: bool = False
     cancelled: bool = False
     start: tuple[list[int], SamplingParams, int] | None = None  # prompt ids, sampling, first token
@@ -40,6 +41,9 @@ class DecodeWorker:
         self._event: asyncio.Event | None = None
         self._lock = threading.Lock()
         self._pending: dict[str, _Pending] = {}
+        self._transfers: dict[str, tuple[float, int]] = {}  # request id -> (seconds, bytes) of its KV
+        kv = self.core.engine.runner.kv
+        self._block_bytes = kv[:, :, 0].numel() * kv.element_size()
         self.receiver = None
         if transfer is not None:
             self.receiver = KVReceiver(self.core.engine.runner.kv, self.core.node_ip, transfer,
@@ -52,7 +56,10 @@ class DecodeWorker:
 
     # ---- outputs ------------------------------------------------------------------
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
-        self.core.served += sum(1 for o in outputs if o.finished)
+        for out in outputs:
+            if out.finished:
+                self.core.served += 1
+                out.kv_transfer_s, out.kv_transfer_bytes = self._transfers.pop(out.request_id, (0.0, 0))
         self._push(outputs)
 
     def _push(self, outputs: list[RequestOutput]) -> None:
@@ -97,7 +104,7 @@ class DecodeWorker:
             p = self._pending.get(request_id)
             if p is None or p.cancelled or num_blocks > len(p.blocks):
                 return None
-            p.landing = True
+            p.landing_since = time.perf_counter()
             return p.blocks[:num_blocks]
 
     def _on_landed(self, request_id: str, dst_block_ids: list[int], error: BaseException | None) -> None:
@@ -105,7 +112,10 @@ class DecodeWorker:
             p = self._pending.get(request_id)
             if p is None:
                 return
-            p.landing = False
+            if error is None:
+                self._transfers[request_id] = (time.perf_counter() - p.landing_since,
+                                               len(dst_block_ids) * self._block_bytes)
+            p.landing_since = None
             p.landed = error is None
             drop = error is not None or p.cancelled
             admit = not drop and p.start is not None
@@ -139,11 +149,12 @@ class DecodeWorker:
 
     # ---- both ---------------------------------------------------------------------
     async def abort(self, request_id: str) -> None:
+        self._transfers.pop(request_id, None)
         with self._lock:
             p = self._pending.get(request_id)
             if p is not None:
                 p.cancelled = True
-                if p.landing:
+                if p.landing_since is not None:
                     return  # freed by _on_landed once the receiver stops writing
         if p is not None:
             self._drop(request_id, None)

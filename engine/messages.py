@@ -34,11 +34,3 @@ class PrefillResult:
     text: str
     finish_reason: str | None  # "prefilled" = KV is on its way to the decode worker
     prefill_s: float  # worker-side time from arrival to first token (queueing + compute)
-
-
-@dataclass(frozen=True)
-class TransferRecord:
-    request_id: str
-    num_bytes: int
-    seconds: float
-    error: str | None = None

@@ -64,6 +64,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort" | "prefilled"
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0
+    kv_transfer_s: float = 0.0  # set by a decode worker on the last output of a pushed request
+    kv_transfer_bytes: int = 0
 
     @property
     def finished(self) -> bool:

@@ -67,8 +67,9 @@ class DataPath:
 
 
 def local_slot_blocks(kv: torch.Tensor, config: KVTransferConfig) -> int:
-    """Blocks per staging slot this side offers (at least one, even for huge blocks)."""
-    return max(1, config.slot_bytes // KVLayout.of(kv).bytes_per_block)
+    """Blocks per staging slot this side offers: at least one (even for huge blocks), at most
+    the pool (a small pool does not get staging bigger than itself)."""
+    return max(1, min(config.slot_bytes // KVLayout.of(kv).bytes_per_block, kv.shape[2]))
 
 
 def plan_chunk_blocks(num_blocks: int, bytes_per_block: int, slot_blocks: int) -> int:
@@ -119,6 +120,6 @@ def recv_chunks(groups: ChannelGroups, staging: Staging, copier: BlockCopier,
         if digest is not None:
             digest.update(view, count)
         if dst_block_ids is not None:
-            copier.scatter(view, dst_block_ids[start:start + count][::-1])
+            copier.scatter(view, dst_block_ids[start:start + count])
         if index + num_slots < len(spans):
             post(index + num_slots)

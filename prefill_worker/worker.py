@@ -3,21 +3,23 @@
 `prefill(...)` queues a prompt as a `prefill_only` request; when its first token is sampled
 the call returns it at once (that is the user's TTFT) while the KV blocks stream to the
 decode worker on the channel for that pair, opened on first use. The blocks are freed when
-the transfer ends, landed or failed. Finished transfers are reported through `stats`.
+the transfer ends, landed or failed. The decode side reports each transfer's time and size with the request's last output.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
-from collections import deque
 from concurrent.futures import Future
 
 from engine.config import EngineConfig
-from engine.messages import PrefillResult, TransferRecord, WorkerInfo, WorkerStats
+from engine.messages import PrefillResult, WorkerInfo, WorkerStats
 from engine.request import RequestOutput, SamplingParams
 from engine.worker_core import WorkerCore
 from kv_transfer import KVSender, KVTransferConfig
+
+log = logging.getLogger(__name__)
 
 
 class PrefillWorker:
@@ -27,7 +29,6 @@ class PrefillWorker:
         self._waiters: dict[str, asyncio.Future] = {}
         self._sending: set[str] = set()  # requests whose KV is on the wire (blocks must stay)
         self._channel_locks: dict[str, asyncio.Lock] = {}
-        self._transfers: deque[TransferRecord] = deque(maxlen=10_000)
 
     async def ready(self) -> WorkerInfo:
         self.core.bind()
@@ -74,12 +75,8 @@ class PrefillWorker:
         self._sending.discard(request_id)
         self.core.loop.call(lambda e: e.release(request_id))
         self.core.served += 1
-        err = fut.exception()
-        if err is not None:
-            self._transfers.append(TransferRecord(request_id, 0, 0.0, str(err)))
-            return
-        res = fut.result()
-        self._transfers.append(TransferRecord(request_id, res.num_bytes, res.seconds))
+        if fut.exception() is not None:  # the decode side reports the failure to the router
+            log.warning("KV transfer of %s failed: %s", request_id, fut.exception())
 
     async def abort(self, request_id: str) -> None:
         waiter = self._waiters.pop(request_id, None)
@@ -87,11 +84,6 @@ class PrefillWorker:
             waiter.cancel()
         if request_id not in self._sending:  # else the blocks are freed when the transfer ends
             await self.core.run(lambda e: e.abort(request_id))
-
-    async def drain_transfers(self) -> list[TransferRecord]:
-        out = list(self._transfers)
-        self._transfers.clear()
-        return out
 
     async def close_channel(self, decode_name: str) -> None:
         await asyncio.to_thread(self.sender.close_channel, decode_name)

@@ -33,7 +33,8 @@ def _usage(u: dict) -> pb.Usage:
     return pb.Usage(prompt_tokens=u.get("prompt_tokens", 0), completion_tokens=u.get("completion_tokens", 0),
                     ttft_ms=u.get("ttft_ms", 0.0), queue_ms=u.get("queue_ms", 0.0),
                     prefill_worker=u.get("prefill_worker", ""), decode_worker=u.get("decode_worker", ""),
-                    prefill_ms=u.get("prefill_ms", 0.0))
+                    prefill_ms=u.get("prefill_ms", 0.0), kv_transfer_ms=u.get("kv_transfer_ms", 0.0),
+                    kv_transfer_bytes=u.get("kv_transfer_bytes", 0))
 
 
 class GenerationService(pb_grpc.GenerationServicer):

@@ -254,6 +254,9 @@ class Router:
             stream.last_token_at = now
         stream.completion_tokens += n
         usage = None
+        if out.kv_transfer_bytes:
+            self.metrics.observe_kv_transfer(out.kv_transfer_s, out.kv_transfer_bytes)
+            stream.usage.update(kv_transfer_ms=out.kv_transfer_s * 1e3, kv_transfer_bytes=out.kv_transfer_bytes)
         if out.finish_reason is not None:
             self.metrics.observe_finish(out.finish_reason, now - stream.accepted)
             usage = dict(stream.usage, prompt_tokens=stream.num_prompt_tokens,
@@ -303,17 +306,6 @@ class Router:
             w.observe(stats)
             self.metrics.set_worker_gauges(w.name, stats.running, stats.waiting, stats.blocks_used, stats.blocks_free)
         self.metrics.set_router_queue(self._waiting)
-        for w in self.pools.ready("prefill"):
-            self._spawn(self._collect_transfers(w))
-
-    async def _collect_transfers(self, w: WorkerView) -> None:
-        try:
-            records = await w.actor.drain_transfers.remote()
-        except ray.exceptions.RayError:
-            return
-        for r in records:
-            if r.error is None:
-                self.metrics.observe_kv_transfer(r.seconds, r.num_bytes)
 
     # ---- admin ----------------------------------------------------------------------
     async def status(self) -> list[WorkerView]:

@@ -150,7 +150,7 @@ def ttft_breakdown(engine_ms: list[float], cluster: list[dict], colocated: bool)
            "grpc_and_client_ms": statistics.median(c["client_ttft_ms"] - c["router_ttft_ms"] for c in cluster)}
     if colocated:  # no separate prefill call: router + Ray + worker loop are one figure
         out |= {"prefill_ms": None, "worker_overhead_ms": None,
-                "router_and_ray_ms": statistics.median(c["router_ttft_ms"] - e for c, e in zip(cluster, engine_ms))}
+                "router_and_ray_ms": statistics.median(c["router_ttft_ms"] - e for c, e in zip(cluster, engine_ms, strict=True))}
     else:
         out |= {"prefill_ms": med("prefill_ms"), "worker_overhead_ms": statistics.median(worker),
                 "router_and_ray_ms": statistics.median(c["router_ttft_ms"] - c["queue_ms"] - c["prefill_ms"]

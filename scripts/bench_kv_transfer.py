@@ -87,11 +87,25 @@ class Endpoint:
 
     def channel_times(self, peer_id: str, block_ids: list[int], repeats: int) -> list[float]:
         times = []
-        for attempt in range(repeats + 1):   # the first is a warm-up
+        for _ in range(repeats):
             start = time.perf_counter()
-            self.sender.send(peer_id, f"{len(block_ids)}-{attempt}", block_ids).result()
+            self.sender.send(peer_id, f"bench-{len(block_ids)}", block_ids).result()
             times.append(time.perf_counter() - start)
-        return times[1:]
+        return times
+
+    def copy_gbps(self, num_blocks: int) -> float:
+        """This host's gather bandwidth (pool blocks -> contiguous), the copies a channel adds."""
+        block_ids = random.Random(0).sample(range(self.kv.shape[2]), num_blocks)
+        out = torch.empty(num_blocks * KVLayout.of(self.kv).bytes_per_block, dtype=torch.uint8,
+                          device=self.kv.device)
+        times = []
+        for _ in range(4):
+            start = time.perf_counter()
+            self.copier.gather(block_ids, out)
+            if self.kv.is_cuda:
+                torch.cuda.synchronize()
+            times.append(time.perf_counter() - start)
+        return out.numel() / statistics.median(times[1:]) / 1e9
 
     def raw_open(self) -> int:
         self._store = open_store(self.host, self.config.timeout_s)
@@ -117,7 +131,7 @@ class Endpoint:
         payload = self._raw_payload(nbytes)
         peer = 0 if initiator else 1
         times = []
-        for _ in range(repeats + 1):
+        for _ in range(repeats):
             start = time.perf_counter()
             if initiator:
                 self.raw.send([payload], peer, 0).wait()
@@ -128,7 +142,7 @@ class Endpoint:
             if self.wire.type == "cuda":
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        return times[1:]
+        return times
 
     def _raw_payload(self, nbytes: int) -> torch.Tensor:
         """The pool's own first nbytes (contiguous): no extra memory for the 1 GiB case."""
@@ -186,11 +200,21 @@ def raw_times(prefill, decode, nbytes: int, repeats: int) -> list[float]:
     return ray.get([mine, theirs])[0]
 
 
-def channel_times(prefill, decode, num_blocks: int, pool_blocks: int, repeats: int, seed: int):
-    rng = random.Random(seed)
+def compare(prefill, decode, num_blocks: int, bytes_per_block: int, pool_blocks: int,
+            repeats: int) -> tuple[float, float]:
+    """Median seconds of (channel, raw) for one payload; runs interleave so that load from
+    elsewhere on the host hits both alike. One untimed warm-up of each first."""
+    rng = random.Random(num_blocks)
     ray.get(decode.set_destination.remote(rng.sample(range(pool_blocks), num_blocks)))
-    return ray.get(prefill.channel_times.remote("decode", rng.sample(range(pool_blocks),
-                                                                      num_blocks), repeats))
+    src = rng.sample(range(pool_blocks), num_blocks)
+    channel, raw = [], []
+    for attempt in range(repeats + 1):
+        channel_s = ray.get(prefill.channel_times.remote("decode", src, 1))
+        raw_s = raw_times(prefill, decode, num_blocks * bytes_per_block, 1)
+        if attempt:
+            channel += channel_s
+            raw += raw_s
+    return statistics.median(channel), statistics.median(raw)
 
 
 def throughput_rows(prefill, decode, blocks: list[int], bytes_per_block: int, pool_blocks: int,
@@ -198,17 +222,19 @@ def throughput_rows(prefill, decode, blocks: list[int], bytes_per_block: int, po
     rows = []
     for num_blocks in blocks:
         nbytes = num_blocks * bytes_per_block
-        channel = statistics.median(channel_times(prefill, decode, num_blocks, pool_blocks,
-                                                  repeats, seed=num_blocks))
-        raw = statistics.median(raw_times(prefill, decode, nbytes, repeats))
+        channel, raw = compare(prefill, decode, num_blocks, bytes_per_block, pool_blocks,
+                               repeats)
         rows.append({"bytes": nbytes, "blocks": num_blocks, "channel_gbps": nbytes / channel / 1e9,
                      "raw_gbps": nbytes / raw / 1e9, "ratio": raw / channel})
     return rows
 
 
 def latency_row(prefill, decode, bytes_per_block: int, pool_blocks: int, repeats: int) -> dict:
-    channel = channel_times(prefill, decode, 1, pool_blocks, repeats, seed=1)
-    raw = raw_times(prefill, decode, bytes_per_block, repeats)
+    rng = random.Random(1)
+    ray.get(decode.set_destination.remote(rng.sample(range(pool_blocks), 1)))
+    src = rng.sample(range(pool_blocks), 1)
+    channel = ray.get(prefill.channel_times.remote("decode", src, repeats + 1))[1:]
+    raw = raw_times(prefill, decode, bytes_per_block, repeats + 1)[1:]
     channel_ms, raw_ms = statistics.median(channel) * 1e3, statistics.median(raw) * 1e3
     return {"block_bytes": bytes_per_block, "channel_ms_p50": channel_ms,
             "raw_round_trip_ms_p50": raw_ms, "ratio": channel_ms / raw_ms}
@@ -237,7 +263,8 @@ def print_table(report: dict) -> None:
           f"{config['shape']['layers']} layers x {config['shape']['kv_heads']} kv heads x "
           f"{config['shape']['head_dim']} dims, {config['shape']['dtype']}, "
           f"{config['shape']['block_size']}-token blocks of {human(config['block_bytes'])}, "
-          f"median of {config['repeats']}")
+          f"median of {config['repeats']}; block gather on this host "
+          f"{config['host_gather_gbps']:.1f} GB/s")
     print(f"{'payload':>10} {'blocks':>7} {'channel GB/s':>13} {'raw GB/s':>9} {'ratio':>6}  "
           f"target")
     for row in report["throughput"]:
@@ -278,7 +305,9 @@ def main() -> None:
     report = {
         "config": {"backend": backend, "device": args.device, "shape": asdict(shape),
                    "block_bytes": bytes_per_block, "repeats": args.repeats,
-                   "staging_bytes": config.staging_bytes},
+                   "staging_bytes": config.staging_bytes,
+                   "host_gather_gbps": ray.get(prefill.copy_gbps.remote(
+                       min(pool_blocks, max(1, 64 * MIB // bytes_per_block))))},
         "throughput": throughput_rows(prefill, decode, blocks, bytes_per_block, pool_blocks,
                                       args.repeats),
         "latency": latency_row(prefill, decode, bytes_per_block, pool_blocks,

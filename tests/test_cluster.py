@@ -105,7 +105,9 @@ def test_usage_reports_workers_and_timings(cluster):
     assert last.finish_reason == "length" and len(tokens) == 5
     u = last.usage
     assert u.completion_tokens == 5 and u.prefill_worker.startswith("prefill-") and u.decode_worker.startswith("decode-")
-    assert u.ttft_ms > 0
+    assert u.ttft_ms > 0 and u.kv_transfer_ms > 0
+    # the prompt's KV: ceil(prompt / 16) blocks x 2 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 bytes
+    assert u.kv_transfer_bytes == -(-u.prompt_tokens // 16) * 2 * 2 * 16 * 2 * 16 * 4
     client.close()
 
 
