@@ -7,34 +7,44 @@ global init_process_group), so workers join and leave while the cluster runs.
 
 Decode side (owns the destination blocks):
     receiver = KVReceiver(kv, host, config, resolve_blocks, on_complete)
-    host, port = receiver.open_channel(prefill_id)     # returns at once; hand to the peer
-    receiver.close_channel(prefill_id); receiver.shutdown(); receiver.num_channels
+    host, port = receiver.open_channel(prefill_id)   # returns at once; hand it to the peer
+    receiver.close_channel(prefill_id, wait=False); receiver.shutdown(wait=True)
+    receiver.num_channels
+  `host` is the decode worker's reachable address (e.g. ray.util.get_node_ip_address());
+  each channel binds its own port (port 0, read back while held) until it closes.
   resolve_blocks(request_id, num_blocks) -> list[int] | None: the blocks reserved for the
-    request; None (unknown / cancelled) rejects the transfer, the sender's future fails.
+    request; None (unknown / cancelled) rejects the transfer and the sender's future fails.
   on_complete(request_id, dst_block_ids, error): exactly once per list resolve_blocks
     returned, on the channel thread, BEFORE the sender's future resolves. error is None when
     the KV has fully landed; otherwise a KVTransferError and the owner frees the blocks.
   Both callbacks run on channel threads (one per prefill peer, concurrently): make them
   thread-safe and quick. Never free or reuse blocks between resolve_blocks returning them and
   on_complete; to cancel, mark the request and free in on_complete (or return None from
-  resolve_blocks if the header has not arrived yet).
+  resolve_blocks if the header has not arrived yet). An idle channel closes at the next
+  heartbeat (<= heartbeat_s); one mid-transfer finishes that transfer first.
 
 Prefill side (owns the source blocks):
     sender = KVSender(kv, config)
     sender.connect(decode_id, host, port)        # blocks until the handshake is done
     future = sender.send(decode_id, request_id, src_block_ids)   # Future[TransferResult]
-    sender.is_connected(decode_id); sender.close_channel(decode_id); sender.shutdown()
-  Transfers on one channel run in submission order; channels run concurrently. Keep the
-  source blocks untouched until the future is done; on KVTransferError free them. A future
-  cancelled while still queued is skipped. A failed channel is torn down (is_connected ->
-  False); re-create it with receiver.open_channel + sender.connect. CUDA pools: send()
-  records an event on the caller's current stream; the copy waits for it.
+    sender.is_connected(decode_id); sender.backend(decode_id)    # "gloo" | "nccl" | None
+    sender.close_channel(decode_id, wait=False); sender.shutdown(wait=True); sender.num_channels
+  TransferResult: request_id, dst_block_ids, num_bytes, seconds (on the wire),
+  queued_seconds (behind earlier transfers of the channel).
+  Transfers on one channel run in submission order, one at a time; channels run
+  concurrently. Keep the source blocks untouched until the future is done, then free them
+  (result or error). Future.cancel() on a still-queued transfer skips it. A failed channel
+  is torn down before its futures fail (is_connected is already False): re-create it with
+  receiver.open_channel + sender.connect. send() to an unconnected peer returns a failed
+  future; bad block ids raise ValueError. CUDA pools: send() records an event on the
+  caller's current stream and the copy waits for it.
 
 Failure: a transfer not done within config.timeout_s of reaching the wire fails with a
 KVTransferError naming peer and request, on both sides; a dead peer fails in-flight work
-at once (connection closed). Layout (layers, block shape, dtype) or backend disagreement
-is refused at connect() with HandshakeMismatch. Backend "auto" = NCCL when both pools are
-CUDA tensors on distinct GPUs, gloo otherwise; "gloo"/"nccl" force one.
+at once (connection closed) and an idle one within max(timeout_s, 5 * heartbeat_s).
+Layout (layers, block shape, dtype) or backend disagreement is refused at connect() with
+HandshakeMismatch. Backend "auto" = NCCL when both pools are CUDA tensors on distinct GPUs,
+gloo otherwise; "gloo"/"nccl" force one (control frames always travel over gloo).
 """
 
 from __future__ import annotations

@@ -37,11 +37,6 @@ class KVTransferConfig:
     def slot_bytes(self) -> int:
         return self.staging_bytes // self.staging_slots
 
-    @property
-    def idle_timeout_s(self) -> float:
-        """How long a receiver waits for any frame before it declares an idle peer dead."""
-        return max(self.timeout_s, 5 * self.heartbeat_s)
-
 
 @dataclass(frozen=True)
 class TransferResult:

@@ -15,6 +15,7 @@ import struct
 from dataclasses import dataclass
 from enum import IntEnum
 
+import numpy as np
 import torch
 
 from kv_transfer.layout import DTYPES, KVLayout
@@ -69,17 +70,18 @@ class Header:
         lay = self.layout
         dims = (lay.num_layers, lay.block_size, lay.kv_heads, lay.head_dim) if lay else (0,) * 4
         dtype_code = _DTYPE_CODES[lay.dtype] if lay else 0
-        packed = _HEADER.pack(MAGIC, VERSION, self.kind, dtype_code, self.checksum, self.seq,
-                              self.num_blocks, self.chunk_blocks, *dims, len(rid)) + rid
-        _write(frame, packed)
+        buffer = frame.numpy()   # shares the tensor's memory: packed in place, no copies
+        _HEADER.pack_into(buffer, 0, MAGIC, VERSION, self.kind, dtype_code, self.checksum,
+                          self.seq, self.num_blocks, self.chunk_blocks, *dims, len(rid))
+        buffer[_HEADER.size:_HEADER.size + len(rid)] = memoryview(rid)
 
     @classmethod
     def decode(cls, frame: torch.Tensor) -> Header:
-        raw = frame.numpy().tobytes()
+        buffer = frame.numpy()
         (magic, version, kind, dtype_code, checksum, seq, num_blocks, chunk_blocks,
-         layers, block_size, kv_heads, head_dim, rid_len) = _HEADER.unpack_from(raw)
+         layers, block_size, kv_heads, head_dim, rid_len) = _HEADER.unpack_from(buffer)
         _check_magic(magic, version)
-        rid = raw[_HEADER.size:_HEADER.size + rid_len].decode()
+        rid = buffer[_HEADER.size:_HEADER.size + rid_len].tobytes().decode()
         layout = None
         if dtype_code:
             layout = KVLayout(layers, block_size, kv_heads, head_dim, _DTYPE_NAMES[dtype_code])
@@ -100,22 +102,22 @@ class Reply:
     def encode_into(self, frame: torch.Tensor, num_blocks: int) -> None:
         """`num_blocks` sizes the frame (the sender expects exactly that); ids may be empty."""
         message = self.message.encode()[:REPLY_FIXED_BYTES - _REPLY.size]
-        _write(frame, _REPLY.pack(MAGIC, VERSION, self.status, self.seq, num_blocks,
-                                  len(message)) + message)
-        ids = frame[REPLY_FIXED_BYTES:].view(torch.int64)   # [num_blocks]
-        ids.zero_()
-        if self.dst_block_ids:
-            ids.copy_(torch.tensor(self.dst_block_ids, dtype=torch.int64))
+        buffer = frame.numpy()
+        _REPLY.pack_into(buffer, 0, MAGIC, VERSION, self.status, self.seq, num_blocks,
+                         len(message))
+        buffer[_REPLY.size:_REPLY.size + len(message)] = memoryview(message)
+        ids = buffer[REPLY_FIXED_BYTES:].view(np.int64)   # [num_blocks]
+        ids[:] = self.dst_block_ids if self.dst_block_ids else 0
 
     @classmethod
     def decode(cls, frame: torch.Tensor) -> Reply:
-        raw = frame[:REPLY_FIXED_BYTES].numpy().tobytes()
-        magic, version, status, seq, num_blocks, msg_len = _REPLY.unpack_from(raw)
+        buffer = frame.numpy()
+        magic, version, status, seq, num_blocks, msg_len = _REPLY.unpack_from(buffer)
         _check_magic(magic, version)
-        message = raw[_REPLY.size:_REPLY.size + msg_len].decode(errors="replace")
+        message = buffer[_REPLY.size:_REPLY.size + msg_len].tobytes().decode(errors="replace")
         ids: list[int] = []
         if status == Status.OK:
-            ids = frame[REPLY_FIXED_BYTES:].view(torch.int64)[:num_blocks].tolist()
+            ids = buffer[REPLY_FIXED_BYTES:].view(np.int64)[:num_blocks].tolist()
         return cls(Status(status), seq, ids, message)
 
 
@@ -123,21 +125,17 @@ def encode_json(frame: torch.Tensor, payload: dict) -> None:
     """Handshake frames: a 4-byte length then UTF-8 JSON, in a HANDSHAKE_BYTES frame."""
     data = json.dumps(payload).encode()
     assert len(data) + 4 <= HANDSHAKE_BYTES, f"handshake payload of {len(data)} bytes too big"
-    _write(frame, struct.pack("<I", len(data)) + data)
+    buffer = frame.numpy()
+    struct.pack_into("<I", buffer, 0, len(data))
+    buffer[4:4 + len(data)] = memoryview(data)
 
 
 def decode_json(frame: torch.Tensor) -> dict:
-    raw = frame.numpy().tobytes()
-    (length,) = struct.unpack_from("<I", raw)
+    buffer = frame.numpy()
+    (length,) = struct.unpack_from("<I", buffer)
     if length > HANDSHAKE_BYTES - 4:
         raise FrameError(f"handshake frame claims {length} bytes")
-    return json.loads(raw[4:4 + length])
-
-
-def _write(frame: torch.Tensor, packed: bytes) -> None:
-    assert len(packed) <= frame.numel(), f"{len(packed)} bytes do not fit a {frame.numel()} frame"
-    frame.zero_()
-    frame[:len(packed)].copy_(torch.frombuffer(bytearray(packed), dtype=torch.uint8))
+    return json.loads(buffer[4:4 + length].tobytes())
 
 
 def _check_magic(magic: bytes, version: int) -> None:

@@ -22,7 +22,7 @@ from kv_transfer.groups import ChannelGroups
 from kv_transfer.layout import BlockCopier, Digest, KVLayout
 
 PIPELINE_CHUNKS = 8          # split a transfer into at least this many chunks, ...
-MIN_CHUNK_BYTES = 1 << 20    # ... none smaller than this (each message costs ~100 us)
+MIN_CHUNK_BYTES = 1 << 20    # ... none smaller (a gloo message costs a rendezvous, 0.1-0.5 ms)
 
 
 class Staging:
@@ -85,7 +85,9 @@ def chunk_spans(num_blocks: int, chunk_blocks: int) -> list[tuple[int, int]]:
 
 def send_chunks(groups: ChannelGroups, staging: Staging, copier: BlockCopier,
                 block_ids: list[int], chunk_blocks: int, deadline: float,
-                digest: Digest | None) -> None:
+                digest: Digest | None) -> deque[dist.Work]:
+    """Returns the sends still in flight. The caller waits for them after the receiver's
+    reply (by then they are done): one wake-up less on a small transfer's critical path."""
     in_flight: deque[dist.Work] = deque()
     for index, (start, count) in enumerate(chunk_spans(len(block_ids), chunk_blocks)):
         if len(in_flight) == len(staging.slots):   # the slot we are about to refill
@@ -95,8 +97,7 @@ def send_chunks(groups: ChannelGroups, staging: Staging, copier: BlockCopier,
         if digest is not None:
             digest.update(payload, count)
         in_flight.append(groups.send(payload, TAG_DATA, data=True))
-    while in_flight:
-        groups.wait_data(in_flight.popleft(), deadline, "sending a payload chunk")
+    return in_flight
 
 
 def recv_chunks(groups: ChannelGroups, staging: Staging, copier: BlockCopier,

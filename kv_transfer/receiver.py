@@ -36,11 +36,13 @@ class KVReceiver:
     def open_channel(self, peer_id: str) -> tuple[str, int]:
         """Start the rendezvous for peer_id (replacing any channel to it); hand the returned
         (host, port) to that peer's sender.connect within timeout_s."""
-        self.close_channel(peer_id)
-        store = open_store(self._owner.host, self._owner.config.timeout_s)
-        channel = ReceiverChannel(peer_id, store, self._owner, self._forget)
         with self._lock:
+            store = open_store(self._owner.host, self._owner.config.timeout_s)
+            channel = ReceiverChannel(peer_id, store, self._owner, self._forget)
+            replaced = self._channels.get(peer_id)
             self._channels[peer_id] = channel
+        if replaced is not None:
+            replaced.close()
         channel.start()
         return self._owner.host, channel.port
 

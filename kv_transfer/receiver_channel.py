@@ -75,6 +75,7 @@ class ReceiverChannel:
         self._closing = threading.Event()
         self._path: DataPath | None = None
         self._reply = torch.empty(Reply.frame_bytes(0), dtype=torch.uint8)
+        self._pending_reply: dist.Work | None = None
         self._thread = threading.Thread(target=self._run, name=f"kv-recv-{peer_id}",
                                         daemon=True)
 
@@ -100,6 +101,8 @@ class ReceiverChannel:
             broken = False
         except ChannelBroken as err:
             logger.warning("kv_transfer: channel from %s broken: %s", self.peer_id, err)
+        except Exception:   # a bug or a device error: end the channel, loudly
+            logger.exception("kv_transfer: channel from %s failed", self.peer_id)
         finally:
             if groups is not None:
                 groups.close(broken)
@@ -136,24 +139,30 @@ class ReceiverChannel:
 
     def _serve(self, groups: ChannelGroups, agreement: Agreement) -> None:
         frame = torch.empty(HEADER_BYTES, dtype=torch.uint8)
+        # An idle sender pings every heartbeat_s: silence for this long means it is gone.
         idle_s = max(self._owner.config.timeout_s, 5 * agreement.heartbeat_s)
-        while True:
-            wait_for(groups.recv(frame, TAG_CONTROL),
-                     time.monotonic() + idle_s, "waiting for the next frame")
-            try:
-                header = Header.decode(frame)
-            except FrameError as err:
-                raise ChannelBroken(str(err)) from err
-            if header.kind == Kind.CLOSE:
-                return
-            if header.kind == Kind.HEARTBEAT:
-                status = Status.CLOSING if self._closing.is_set() else Status.OK
-                self._send_reply(groups, Reply(status, header.seq, []), 0,
-                                 time.monotonic() + self._owner.config.timeout_s)
-                if status == Status.CLOSING:
-                    return
-                continue
-            self._receive(groups, header, agreement)
+        while self._serve_frame(groups, agreement, frame, idle_s):
+            pass
+        self._reply_sent(time.monotonic() + self._owner.config.timeout_s)
+
+    def _serve_frame(self, groups: ChannelGroups, agreement: Agreement, frame: torch.Tensor,
+                     idle_s: float) -> bool:
+        """Serve the next frame; False once the channel should end."""
+        wait_for(groups.recv(frame, TAG_CONTROL), time.monotonic() + idle_s,
+                 "waiting for the next frame")
+        try:
+            header = Header.decode(frame)
+        except FrameError as err:
+            raise ChannelBroken(str(err)) from err
+        if header.kind == Kind.CLOSE:
+            return False
+        if header.kind == Kind.HEARTBEAT:
+            status = Status.CLOSING if self._closing.is_set() else Status.OK
+            self._send_reply(groups, Reply(status, header.seq, []), 0,
+                             time.monotonic() + self._owner.config.timeout_s)
+            return status == Status.OK
+        self._receive(groups, header, agreement)
+        return True
 
     def _receive(self, groups: ChannelGroups, header: Header, agreement: Agreement) -> None:
         self._check_framing(header, agreement)
@@ -163,7 +172,7 @@ class ReceiverChannel:
         refusal = self._refusal(resolved, num_blocks)
         try:
             corruption = self._land(groups, header, None if refusal else resolved, deadline)
-        except ChannelBroken as err:
+        except Exception as err:   # the owner must get its blocks back whatever went wrong
             if resolved is not None:
                 self._complete(request_id, resolved,
                                KVTransferError(self.peer_id, request_id, str(err)))
@@ -237,10 +246,17 @@ class ReceiverChannel:
 
     def _send_reply(self, groups: ChannelGroups, reply: Reply, num_blocks: int,
                     deadline: float) -> None:
+        """Posts the reply; its completion is awaited before the reply buffer is reused, so
+        the loop goes straight back to posting the next header's receive."""
+        self._reply_sent(deadline)
         nbytes = Reply.frame_bytes(num_blocks)
         if self._reply.numel() < nbytes:
             self._reply = torch.empty(nbytes, dtype=torch.uint8)
         frame = self._reply[:nbytes]
         reply.encode_into(frame, num_blocks)
-        wait_for(groups.send(frame, TAG_REPLY), deadline,
-                 "sending the reply")
+        self._pending_reply = groups.send(frame, TAG_REPLY)
+
+    def _reply_sent(self, deadline: float) -> None:
+        if self._pending_reply is not None:
+            work, self._pending_reply = self._pending_reply, None
+            wait_for(work, deadline, "sending the reply")

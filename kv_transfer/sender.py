@@ -65,10 +65,12 @@ class KVSender:
         Replaces an existing channel to peer_id. Raises HandshakeMismatch when the receiver
         refuses us, KVTransferError when it cannot be reached within timeout_s.
         """
-        self.close_channel(peer_id)
         channel = self._open(peer_id, host, port)
         with self._lock:
+            replaced = self._channels.get(peer_id)
             self._channels[peer_id] = channel
+        if replaced is not None:
+            replaced.close()
         channel.start()
 
     def send(self, peer_id: str, request_id: str,

@@ -103,6 +103,9 @@ class SenderChannel:
         except ChannelBroken as err:
             reason, broken = str(err), True
             logger.warning("kv_transfer: channel to %s broken: %s", self.peer_id, err)
+        except Exception as err:   # a bug or a device error: futures must fail, never hang
+            reason, broken = f"internal error: {err!r}", True
+            logger.exception("kv_transfer: channel to %s failed", self.peer_id)
         finally:
             # Forget the channel before failing futures: a caller that sees the error and asks
             # is_connected() must already get False.
@@ -154,14 +157,17 @@ class SenderChannel:
         with self._path.on_stream():
             if job.ready is not None:
                 self._path.stream.wait_event(job.ready)
-            send_chunks(groups, self._path.staging, self._path.copier, job.block_ids,
-                        chunk_blocks, deadline, digest)
-        if digest is not None:
-            self._trailer.fill_(digest.value)
-            wait_for(groups.send(self._trailer, TAG_TRAILER), deadline,
-                     "sending the checksum")
-        wait_for(header_sent, deadline, "sending the header")
-        wait_for(reply_in, deadline, "waiting for the receiver's reply")
+            payload_sent = send_chunks(groups, self._path.staging, self._path.copier,
+                                       job.block_ids, chunk_blocks, deadline, digest)
+            sent = [header_sent]
+            if digest is not None:
+                self._trailer.fill_(digest.value)
+                sent.append(groups.send(self._trailer, TAG_TRAILER))
+            wait_for(reply_in, deadline, "waiting for the receiver's reply")
+            for work in payload_sent:
+                groups.wait_data(work, deadline, "sending a payload chunk")
+            for work in sent:
+                wait_for(work, deadline, "sending the header")
         return self._checked(Reply.decode(reply_frame))
 
     def _heartbeat(self) -> None:

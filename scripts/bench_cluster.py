@@ -127,7 +127,7 @@ async def _one_ttft(stub: pb_grpc.GenerationStub, prompt: list[int]) -> dict:
         last = message
     u = last.usage
     return {"client_ttft_ms": first * 1e3, "router_ttft_ms": u.ttft_ms, "queue_ms": u.queue_ms,
-            "prefill_ms": u.prefill_ms}
+            "prefill_ms": u.prefill_ms, "kv_transfer_ms": u.kv_transfer_ms}
 
 
 async def warm_up(address: str, specs: list[RequestSpec]) -> None:
@@ -147,6 +147,7 @@ def ttft_breakdown(engine_ms: list[float], cluster: list[dict], colocated: bool)
     out = {"samples": len(cluster), "client_ttft_ms": med("client_ttft_ms"),
            "engine_prefill_ms": statistics.median(engine_ms), "overhead_ms": statistics.median(diffs),
            "router_ttft_ms": med("router_ttft_ms"), "queue_ms": med("queue_ms"),
+           "kv_transfer_ms": None if colocated else med("kv_transfer_ms"),
            "grpc_and_client_ms": statistics.median(c["client_ttft_ms"] - c["router_ttft_ms"] for c in cluster)}
     if colocated:  # no separate prefill call: router + Ray + worker loop are one figure
         out |= {"prefill_ms": None, "worker_overhead_ms": None,
@@ -162,7 +163,8 @@ def print_table(r: dict) -> None:
     shape = (f"{r['prefill']} prefill + {r['decode']} decode" if r["mode"] == "disaggregated"
              else f"{r['decode']} colocated")
     print(f"{r['requests']} requests, prompts {r['prompt']}, outputs {r['output']}, {r['mode']} ({shape}), "
-          f"1 torch thread per engine, {os.cpu_count()} CPUs; model {r['model']}")
+          f"1 torch thread per engine, {os.cpu_count()} CPUs (load average {r['load_average']:.1f}); "
+          f"model {r['model']}")
     print(f"{'':28}{'output tok/s':>14}{'seconds':>10}{'tokens':>9}")
     for name, key in (("engine alone (in-process)", "engine"), ("cluster over gRPC", "cluster")):
         row = r[key]
@@ -179,7 +181,8 @@ def print_table(r: dict) -> None:
             ("  router + Ray (router TTFT - queue - prefill)", t["router_and_ray_ms"]),
             ("  router queue (decode reservation)", t["queue_ms"]),
             ("  worker side (worker prefill - engine)", t["worker_overhead_ms"]),
-            ("router TTFT (usage.ttft_ms)", t["router_ttft_ms"]), ("worker prefill (usage.prefill_ms)", t["prefill_ms"])]
+            ("router TTFT (usage.ttft_ms)", t["router_ttft_ms"]), ("worker prefill (usage.prefill_ms)", t["prefill_ms"]),
+            ("KV transfer, after the first token (usage)", t["kv_transfer_ms"])]
     for name, value in rows:
         print(f"{name:48}{'n/a' if value is None else f'{value:8.2f}':>8}")
     print(f"overhead target <= {TARGET_TTFT_OVERHEAD_MS:g} ms: {'met' if t['overhead_ms'] <= TARGET_TTFT_OVERHEAD_MS else 'missed'}")
@@ -241,7 +244,7 @@ def main(argv: list[str] | None = None) -> None:
     engine, engine_prefill_ms = run_engine(cfg, specs, prompts)
     gc.collect()
     cluster, ttfts = run_cluster(cfg, specs, prompts)
-    result = {"model": model, "mode": args.mode, "prefill": cfg.prefill.replicas, "decode": cfg.decode.replicas,
+    result = {"model": model, "load_average": os.getloadavg()[0], "mode": args.mode, "prefill": cfg.prefill.replicas, "decode": cfg.decode.replicas,
               "requests": args.requests, "prompt": list(args.prompt), "output": list(args.output),
               "engine": engine, "cluster": cluster, "ratio": cluster["tok_per_s"] / engine["tok_per_s"],
               "ttft": ttft_breakdown(engine_prefill_ms, ttfts, args.mode == "colocated")}

@@ -21,20 +21,12 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+import ray
+import torch
 
-import ray  # noqa: E402
-import torch  # noqa: E402
-
-from kv_transfer import KVReceiver, KVSender, KVTransferConfig  # noqa: E402
-from kv_transfer.groups import (  # noqa: E402
-    gloo_group,
-    join_store,
-    local_address_towards,
-    nccl_group,
-    open_store,
-)
-from kv_transfer.layout import BlockCopier, KVLayout  # noqa: E402
+from kv_transfer import KVReceiver, KVSender, KVTransferConfig
+from kv_transfer.groups import gloo_group, join_store, local_address_towards, nccl_group, open_store
+from kv_transfer.layout import BlockCopier, KVLayout
 
 GIB, MIB = 1 << 30, 1 << 20
 TARGET_RATIO, TARGET_LATENCY = 0.9, 2.0
@@ -152,15 +144,17 @@ class Endpoint:
     def ray_put(self, block_ids: list[int]) -> tuple[list[ray.ObjectRef], float]:
         start = time.perf_counter()
         payload = torch.empty(len(block_ids) * KVLayout.of(self.kv).bytes_per_block,
-                              dtype=torch.uint8)
+                              dtype=torch.uint8, device=self.kv.device)
         self.copier.gather(block_ids, payload)
-        ref = ray.put(payload.numpy())
+        ref = ray.put(payload.cpu().numpy())
         return [ref], time.perf_counter() - start
 
     def ray_get(self, refs: list[ray.ObjectRef], block_ids: list[int]) -> float:
         start = time.perf_counter()
         payload = torch.from_numpy(ray.get(refs[0]))   # zero-copy view of the shared object
-        self.copier.scatter(payload, block_ids)
+        self.copier.scatter(payload.to(self.kv.device), block_ids)
+        if self.kv.is_cuda:
+            torch.cuda.synchronize()
         return time.perf_counter() - start
 
 
@@ -299,6 +293,7 @@ def main() -> None:
     blocks = payload_blocks(bytes_per_block, parse_bytes(args.max_bytes))
     pool_blocks = max(blocks)   # pools hold just the largest payload: 2 x 1 GiB at most
     store_bytes = max(200 * MIB, int(1.5 * pool_blocks * bytes_per_block))
+    os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     ray.init(num_cpus=2, num_gpus=torch.cuda.device_count(), include_dashboard=False,
              object_store_memory=store_bytes, log_to_driver=False)
     prefill, decode, backend = start_pair(args, shape, pool_blocks, config)

@@ -159,3 +159,39 @@ def test_full_queue_is_resource_exhausted_and_others_finish(llama_dir):
         assert sum(len(m.token_ids) for m in second) == 20
         _assert_no_leaks(cluster)
         client.close()
+
+
+def test_health_and_reflection(cluster):
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+    channel = grpc.insecure_channel(cluster.address)
+    health = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = stub.ServerReflectionInfo(iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10)
+    names = {s.name for r in responses for s in r.list_services_response.service}
+    assert {"pdserve.v1.Generation", "pdserve.v1.Admin", "grpc.health.v1.Health"} <= names
+    channel.close()
+
+
+def test_shutdown_finishes_in_flight_and_refuses_new(llama_dir):
+    cfg = cluster_config(llama_dir, router={"shutdown_grace_s": 30})
+    cluster = LocalCluster(cfg).__enter__()
+    client = Client(cluster.address)
+    prompt = _prompts(1, seed=31)[0]
+    stream = client.stream(prompt, max_tokens=150, ignore_eos=True)
+    got = list(next(stream).token_ids)
+    stopper = threading.Thread(target=cluster.__exit__, args=(None, None, None))
+    stopper.start()
+    deadline = time.monotonic() + 5
+    while cluster.router.accepting and time.monotonic() < deadline:
+        time.sleep(0.01)
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.stream(prompt, max_tokens=5))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    for msg in stream:  # the accepted request still completes within the grace period
+        got.extend(msg.token_ids)
+    assert got == hf_greedy(llama_dir, prompt, 150, ignore_eos=True)
+    stopper.join(60)
+    client.close()

@@ -1,0 +1,144 @@
+"""`pdserve bench` against a live 1+1 cluster, and the router's own figures agreeing with it.
+
+A short real bench run writes a complete summary.json and one requests.jsonl line per
+request; the router's Prometheus endpoint, scraped over HTTP, counted exactly those requests
+(TTFT, ITL, E2E, queue, prefill, KV transfer); `pdserve status` shows the same live block and
+request figures as the Prometheus gauges.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+import urllib.request
+
+import pytest
+import ray
+from prometheus_client.parser import text_string_to_metric_families
+
+from router import client as router_client
+from router.cli import main as pdserve
+from router.launcher import LocalCluster
+from tests.cluster_util import Client, cluster_config
+
+NUM_REQUESTS, OUTPUT_LEN, BLOCK_SIZE, NUM_BLOCKS = 12, 8, 16, 256
+# one tiny-llama KV block: 2 layers x K,V x 16 tokens x 2 kv heads x 16 dims x 4 bytes (float32)
+BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
+HISTOGRAMS = ("ttft", "itl", "e2e", "queue", "prefill", "kv_transfer")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def cluster(llama_dir):
+    cfg = cluster_config(llama_dir, kv_cache={"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS})
+    with LocalCluster(cfg) as c:
+        yield c
+
+
+def _scrape(cluster: LocalCluster) -> dict[tuple[str, tuple], float]:
+    url = f"http://127.0.0.1:{cluster.cluster.metrics_port}/metrics"
+    with urllib.request.urlopen(url, timeout=5) as response:
+        text = response.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _scrape_until(cluster: LocalCluster, done, timeout_s: float = 5.0) -> dict:
+    """Scrapes until `done(samples)` holds (the router may record a moment after the client
+    sees the last token), or returns the last scrape for the assertions to explain."""
+    deadline = time.monotonic() + timeout_s
+    samples = _scrape(cluster)
+    while not done(samples) and time.monotonic() < deadline:
+        time.sleep(0.1)
+        samples = _scrape(cluster)
+    return samples
+
+
+def _counts(samples: dict) -> dict[str, float]:
+    counts = {name: samples.get((f"pdserve_{name}_seconds_count", ()), 0.0) for name in HISTOGRAMS}
+    counts["kv_bytes"] = samples.get(("pdserve_kv_transfer_bytes_sum", ()), 0.0)
+    counts["length"] = samples.get(("pdserve_requests_total", (("finish_reason", "length"),)), 0.0)
+    return counts
+
+
+def _assert_positive_finite(where: str, value) -> None:
+    assert isinstance(value, int | float) and math.isfinite(value) and value > 0, f"{where} = {value!r}"
+
+
+def test_bench_run_writes_a_full_report_and_prometheus_counts_it(cluster, tmp_path, capsys):
+    before = _counts(_scrape(cluster))
+    rc = pdserve(["bench", "--router", cluster.address, "--preset", "steady",
+                  "--num-requests", str(NUM_REQUESTS), "--rate", "20", "--input-len", "40",
+                  "--output-len", str(OUTPUT_LEN), "--slo", "ttft=30,tpot=10", "--seed", "3",
+                  "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    assert f"== router: {NUM_REQUESTS} requests, 0 failed" in capsys.readouterr().out
+
+    summary = json.loads((tmp_path / "summary.json").read_text())["arrangements"]["router"]
+    for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
+        for stat in ("mean", "p50", "p95", "p99"):
+            _assert_positive_finite(f"{key}.{stat}", summary[key][stat])
+    for key in ("output_tok_per_s", "goodput_req_per_s", "slo_attainment"):
+        _assert_positive_finite(key, summary[key])
+    assert summary["slo_attainment"] == 1.0 and summary["output_tokens"] == NUM_REQUESTS * OUTPUT_LEN
+
+    lines = (tmp_path / "requests.jsonl").read_text().splitlines()
+    records = [json.loads(line) for line in lines]
+    assert len(records) == NUM_REQUESTS
+    assert len({r["request_id"] for r in records}) == NUM_REQUESTS
+    assert all(r["error"] is None and r["output_tokens"] == OUTPUT_LEN and r["finish_reason"] == "length"
+               for r in records), records
+
+    # every request: one TTFT, OUTPUT_LEN - 1 gaps, one E2E, one queue wait, one prefill, one KV push
+    expected = {"ttft": NUM_REQUESTS, "itl": NUM_REQUESTS * (OUTPUT_LEN - 1), "e2e": NUM_REQUESTS,
+                "queue": NUM_REQUESTS, "prefill": NUM_REQUESTS, "kv_transfer": NUM_REQUESTS,
+                "length": NUM_REQUESTS,
+                "kv_bytes": sum(-(-r["prompt_tokens"] // BLOCK_SIZE) for r in records) * BLOCK_BYTES}
+    after = _scrape_until(cluster, lambda s: _counts(s)["kv_transfer"] - before["kv_transfer"] >= NUM_REQUESTS)
+    got = {name: value - before[name] for name, value in _counts(after).items()}
+    assert got == expected
+
+
+def _status_rows(text: str) -> dict[str, list[str]]:
+    """`pdserve status` table rows by worker name: [pool, state, running, waiting, kv used, kv free, ...]."""
+    lines = text.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.startswith("WORKER"))
+    return {cols[0]: cols[1:] for cols in (line.split() for line in lines[header + 1:])}
+
+
+def _idle_status(address: str, timeout_s: float = 5.0):
+    """Status once no worker holds a block (a prefill worker frees its blocks when the push ends)."""
+    deadline = time.monotonic() + timeout_s
+    status = router_client.status(address)
+    while any(w.kv_blocks_used or w.running for w in status.workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+        status = router_client.status(address)
+    return status
+
+
+def test_status_shows_the_same_live_figures_as_prometheus(cluster):
+    grpc_client = Client(cluster.address)
+    grpc_client.many([[20 + i] * (30 + 7 * i) for i in range(4)], max_tokens=6, ignore_eos=True)
+    grpc_client.close()
+    status = _idle_status(cluster.address)
+    rows = _status_rows(router_client.format_status(status))
+    samples = _scrape(cluster)  # Status refreshed the gauges; nothing has run since
+
+    assert sorted(rows) == sorted(w.name for w in status.workers) and len(rows) == 2
+    for name, (pool, state, running, waiting, used, free, total, *_rest) in rows.items():
+        assert name.startswith(pool) and state == "ready"
+        assert (int(used), int(free), int(total)) == (0, NUM_BLOCKS, NUM_BLOCKS), rows[name]
+        gauges = {g: samples[(f"pdserve_{g}", (("worker", name),))]
+                  for g in ("kv_blocks_used", "kv_blocks_free", "requests_running", "requests_waiting")}
+        assert gauges == {"kv_blocks_used": int(used), "kv_blocks_free": int(free),
+                          "requests_running": int(running), "requests_waiting": int(waiting)}
+    finished = sum(v for (name, _), v in samples.items() if name == "pdserve_requests_total")
+    assert status.requests_total == finished >= 4
+    assert f"{status.requests_total} requests served so far" in router_client.format_status(status)
