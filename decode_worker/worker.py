@@ -138,14 +138,20 @@ class DecodeWorker:
     def _admit(self, request_id: str) -> None:
         with self._lock:
             prompt, sampling, first = self._pending.pop(request_id).start
-        self.core.loop.call(lambda e: e.add_prefilled(request_id, prompt, sampling, first))
+        fut = self.core.loop.call(lambda e: e.add_prefilled(request_id, prompt, sampling, first))
+        fut.add_done_callback(lambda f: f.exception() and self._fail(request_id, f"cannot admit: {f.exception()}"))
+
+    def _fail(self, request_id: str, error: str) -> None:
+        self.core.loop.call(lambda e: e.release(request_id))
+        self._push([RequestOutput(request_id, [], error, "error")])
 
     def _drop(self, request_id: str, error: str | None) -> None:
         with self._lock:
             self._pending.pop(request_id, None)
-        self.core.loop.call(lambda e: e.release(request_id))
-        if error is not None:
-            self._push([RequestOutput(request_id, [], error, "error")])
+        if error is None:
+            self.core.loop.call(lambda e: e.release(request_id))
+        else:
+            self._fail(request_id, error)
 
     # ---- both ---------------------------------------------------------------------
     async def abort(self, request_id: str) -> None:

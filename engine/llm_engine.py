@@ -96,10 +96,11 @@ class LLMEngine:
         """Free a reservation, or the blocks a finished prefill-only request kept."""
         ids = self.reserved.pop(request_id, None)
         if ids is None:
-            req = self.requests.pop(request_id, None)
-            ids = req.block_ids if req is not None and req.status is Status.FINISHED else []
-            if req is not None:
-                req.block_ids = []
+            req = self.requests.get(request_id)
+            if req is None or req.status is not Status.FINISHED:
+                return  # nothing held outside the scheduler (a running request frees via abort)
+            del self.requests[request_id]
+            ids, req.block_ids = req.block_ids, []
         self.allocator.free(ids)
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,

@@ -105,9 +105,10 @@ class PoolManager:
             await asyncio.wait_for(w.actor.shutdown.remote(), timeout=10)
         except (TimeoutError, ray.exceptions.RayError) as e:
             log.warning("%s did not shut down cleanly: %s", w.name, e)
+        w.state = "stopped"  # before the kill, so its poll loop ends quietly
         ray.kill(w.actor)
-        w.state = "stopped"
-        self.workers[w.info.pool].remove(w)
+        if w in self.workers[w.info.pool]:
+            self.workers[w.info.pool].remove(w)
         log.info("stopped %s", w.name)
 
     async def stop_all(self) -> None:

@@ -140,6 +140,8 @@ class Router:
             async for chunk in self._drain(stream):
                 finished = chunk.finish_reason is not None
                 yield chunk
+        except ray.exceptions.RayError as e:
+            raise Unavailable(f"a worker failed while serving the request: {_short(e)}") from None
         finally:
             self.streams.pop(request_id, None)
             for w in holders:
@@ -175,6 +177,9 @@ class Router:
         stream.usage.update(decode_worker=decode.name, prefill_worker=prefill.name)
         try:
             res = await prefill.actor.prefill.remote(stream.request_id, prompt_ids, sampling, decode.name, decode.actor)
+        except ray.exceptions.RayActorError as e:
+            self._worker_failed(prefill, e)
+            raise Unavailable(f"prefill worker {prefill.name} died: {_short(e)}") from None
         except ray.exceptions.RayError as e:
             raise Unavailable(f"prefill on {prefill.name} failed: {_short(e)}") from None
         prefill.inflight.discard(stream.request_id)

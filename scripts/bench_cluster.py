@@ -8,9 +8,10 @@ time: client TTFT minus the engine's in-process prefill time for the same prompt
 median <= 10 ms), split with the router's own Usage timings (queue, prefill, TTFT) into
 gRPC, router + Ray, and worker-side overhead.
 
-Equal CPU footing: workers run with `torch_threads` 1 (the pool default), so the in-process
-engine also gets one torch thread (`torch.set_num_threads(1)`); both use the scheduler and
-KV pool of `cfg.engine_config(cfg.decode)`. The client and the router share this process.
+Equal CPU footing per engine: workers run with `torch_threads` 1 (the pool default), so the
+in-process engine also gets one torch thread (`torch.set_num_threads(1)`); both use the
+scheduler and KV pool of `cfg.engine_config(cfg.decode)`. Disaggregated, the prefill and the
+decode engine can run on two cores at once; the client and the router share this process.
 
     python -m scripts.bench_cluster [--requests 64] [--mode colocated] [--prefill 1 --decode 1] [--json]
 """
@@ -53,10 +54,11 @@ def make_specs(n: int, seed: int, prompt_range: tuple[int, int], output_range: t
                vocab: int) -> list[RequestSpec]:
     """n requests, all arriving at 0: random prompts and exact output lengths, seeded."""
     rng = random.Random(seed)
-    return [RequestSpec(f"r{i:04d}", 0.0,
-                        tuple(rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(rng.randint(*prompt_range))),
-                        rng.randint(*output_range))
-            for i in range(n)]
+    specs = []
+    for i in range(n):
+        prompt = tuple(rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(rng.randint(*prompt_range)))
+        specs.append(RequestSpec(f"r{i:04d}", 0.0, prompt, rng.randint(*output_range)))
+    return specs
 
 
 def cluster_config(args: argparse.Namespace, model: str) -> ClusterConfig:
@@ -73,7 +75,7 @@ def cluster_config(args: argparse.Namespace, model: str) -> ClusterConfig:
 
 # ---- (a) and the TTFT reference: the engine alone, in this process --------------------------
 def engine_throughput(engine: LLMEngine, specs: list[RequestSpec]) -> dict:
-    engine.generate([list(specs[0].prompt_token_ids)], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
+    engine.generate([list(specs[0].prompt_token_ids)], SamplingParams(max_tokens=2, ignore_eos=True))  # warm
     t0 = time.perf_counter()
     for spec in specs:
         engine.add_request(f"tp-{spec.request_id}", prompt_token_ids=list(spec.prompt_token_ids),
@@ -104,8 +106,9 @@ async def cluster_throughput(address: str, specs: list[RequestSpec]) -> dict:
     records = await replay(address, make_workload("cluster-overhead", specs, None, {}), "cluster",
                            show_progress=False)
     s = summarize_run(records, Slo())
-    return {"output_tokens": s["output_tokens"], "seconds": s["wall_s"], "tok_per_s": s["output_tok_per_s"],
-            "errors": s["num_errors"], "ttft_ms": s["ttft_ms"], "itl_ms": s["itl_ms"],
+    return {"output_tokens": s["output_tokens"], "seconds": s["wall_s"],
+            "tok_per_s": s["output_tok_per_s"], "errors": s["num_errors"],
+            "ttft_ms": s["ttft_ms"], "itl_ms": s["itl_ms"],
             "errors_sample": [r.error for r in records if r.error][:3]}
 
 
@@ -150,8 +153,8 @@ def ttft_breakdown(engine_ms: list[float], cluster: list[dict], colocated: bool)
            "kv_transfer_ms": None if colocated else med("kv_transfer_ms"),
            "grpc_and_client_ms": statistics.median(c["client_ttft_ms"] - c["router_ttft_ms"] for c in cluster)}
     if colocated:  # no separate prefill call: router + Ray + worker loop are one figure
-        out |= {"prefill_ms": None, "worker_overhead_ms": None,
-                "router_and_ray_ms": statistics.median(c["router_ttft_ms"] - e for c, e in zip(cluster, engine_ms, strict=True))}
+        router = [c["router_ttft_ms"] - e for c, e in zip(cluster, engine_ms, strict=True)]
+        out |= {"prefill_ms": None, "worker_overhead_ms": None, "router_and_ray_ms": statistics.median(router)}
     else:
         out |= {"prefill_ms": med("prefill_ms"), "worker_overhead_ms": statistics.median(worker),
                 "router_and_ray_ms": statistics.median(c["router_ttft_ms"] - c["queue_ms"] - c["prefill_ms"]
@@ -174,18 +177,22 @@ def print_table(r: dict) -> None:
           f"{c['ttft_ms']['p50']:.0f} ms, ITL p50 {c['itl_ms']['p50']:.1f} ms p99 {c['itl_ms']['p99']:.1f} ms"
           + (f"; {c['errors']} failed: {c['errors_sample']}" if c["errors"] else ""))
     t = r["ttft"]
+    router_row = ("  router + Ray + worker (router TTFT - engine)" if r["mode"] == "colocated"
+                  else "  router + Ray (router TTFT - queue - prefill)")
     print(f"\nidle TTFT, {t['samples']} single requests (max_tokens 2), medians in ms:")
     rows = [("client TTFT", t["client_ttft_ms"]), ("engine prefill (in-process)", t["engine_prefill_ms"]),
             ("overhead: client - engine", t["overhead_ms"]),
             ("  gRPC + client (client - router TTFT)", t["grpc_and_client_ms"]),
-            ("  router + Ray (router TTFT - queue - prefill)", t["router_and_ray_ms"]),
+            (router_row, t["router_and_ray_ms"]),
             ("  router queue (decode reservation)", t["queue_ms"]),
             ("  worker side (worker prefill - engine)", t["worker_overhead_ms"]),
-            ("router TTFT (usage.ttft_ms)", t["router_ttft_ms"]), ("worker prefill (usage.prefill_ms)", t["prefill_ms"]),
+            ("router TTFT (usage.ttft_ms)", t["router_ttft_ms"]),
+            ("worker prefill (usage.prefill_ms)", t["prefill_ms"]),
             ("KV transfer, after the first token (usage)", t["kv_transfer_ms"])]
     for name, value in rows:
         print(f"{name:48}{'n/a' if value is None else f'{value:8.2f}':>8}")
-    print(f"overhead target <= {TARGET_TTFT_OVERHEAD_MS:g} ms: {'met' if t['overhead_ms'] <= TARGET_TTFT_OVERHEAD_MS else 'missed'}")
+    verdict = "met" if t["overhead_ms"] <= TARGET_TTFT_OVERHEAD_MS else "missed"
+    print(f"overhead target <= {TARGET_TTFT_OVERHEAD_MS:g} ms: {verdict}")
 
 
 # ---- main ----------------------------------------------------------------------------------
@@ -196,23 +203,30 @@ def _range(text: str) -> tuple[int, int]:
     return low, high
 
 
+def _positive(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return int(text)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=64)
+    ap.add_argument("--requests", type=_positive, default=64)
     ap.add_argument("--prompt", type=_range, default=(16, 256), help="prompt length range LOW,HIGH")
     ap.add_argument("--output", type=_range, default=(32, 128), help="output length range LOW,HIGH")
-    ap.add_argument("--ttft-samples", type=int, default=30, help="single requests for the idle TTFT")
+    ap.add_argument("--ttft-samples", type=_positive, default=30, help="single requests for the idle TTFT")
     ap.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
-    ap.add_argument("--prefill", type=int, default=1, help="prefill workers (disaggregated)")
-    ap.add_argument("--decode", type=int, default=1, help="decode workers")
-    ap.add_argument("--num-blocks", type=int, default=2048, help="KV blocks per engine")
+    ap.add_argument("--prefill", type=_positive, default=1, help="prefill workers (disaggregated)")
+    ap.add_argument("--decode", type=_positive, default=1, help="decode workers")
+    ap.add_argument("--num-blocks", type=_positive, default=2048, help="KV blocks per engine")
     ap.add_argument("--model", help="checkpoint dir (default: the tiny model, created if absent)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
     return ap.parse_args(argv)
 
 
-def run_engine(cfg: ClusterConfig, specs: list[RequestSpec], prompts: list[list[int]]) -> tuple[dict, list[float]]:
+def run_engine(cfg: ClusterConfig, specs: list[RequestSpec],
+               prompts: list[list[int]]) -> tuple[dict, list[float]]:
     torch.set_num_threads(1)  # the workers' torch_threads (LLMEngine sets it too, from the config)
     engine = LLMEngine(cfg.engine_config(cfg.decode))
     throughput = engine_throughput(engine, specs)
@@ -220,7 +234,8 @@ def run_engine(cfg: ClusterConfig, specs: list[RequestSpec], prompts: list[list[
     return throughput, prefill_ms
 
 
-def run_cluster(cfg: ClusterConfig, specs: list[RequestSpec], prompts: list[list[int]]) -> tuple[dict, list[dict]]:
+def run_cluster(cfg: ClusterConfig, specs: list[RequestSpec],
+                prompts: list[list[int]]) -> tuple[dict, list[dict]]:
     needed = cfg.prefill.replicas * cfg.prefill.num_cpus + cfg.decode.replicas * cfg.decode.num_cpus
     ray.init(num_cpus=max(4, int(needed)), include_dashboard=False, object_store_memory=128 << 20,
              log_to_driver=False)
@@ -236,15 +251,18 @@ def run_cluster(cfg: ClusterConfig, specs: list[RequestSpec], prompts: list[list
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
+    load = os.getloadavg()[0]  # other work on the machine skews both sides; shown with the table
     model = args.model or str(ensure_model(Path(tempfile.gettempdir()) / "pdserve-tiny-llama", size="tiny"))
     cfg = cluster_config(args, model)
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     specs = make_specs(args.requests, args.seed, args.prompt, args.output, vocab)
-    prompts = [list(s.prompt_token_ids) for s in make_specs(args.ttft_samples, args.seed + 1, args.prompt, (2, 2), vocab)]
+    ttft_specs = make_specs(args.ttft_samples, args.seed + 1, args.prompt, (2, 2), vocab)
+    prompts = [list(s.prompt_token_ids) for s in ttft_specs]
     engine, engine_prefill_ms = run_engine(cfg, specs, prompts)
     gc.collect()
     cluster, ttfts = run_cluster(cfg, specs, prompts)
-    result = {"model": model, "load_average": os.getloadavg()[0], "mode": args.mode, "prefill": cfg.prefill.replicas, "decode": cfg.decode.replicas,
+    result = {"model": model, "load_average": load, "mode": args.mode,
+              "prefill": cfg.prefill.replicas, "decode": cfg.decode.replicas,
               "requests": args.requests, "prompt": list(args.prompt), "output": list(args.output),
               "engine": engine, "cluster": cluster, "ratio": cluster["tok_per_s"] / engine["tok_per_s"],
               "ttft": ttft_breakdown(engine_prefill_ms, ttfts, args.mode == "colocated")}

@@ -51,8 +51,9 @@ def _scrape(cluster: LocalCluster) -> dict[tuple[str, tuple], float]:
 
 
 def _scrape_until(cluster: LocalCluster, done, timeout_s: float = 5.0) -> dict:
-    """Scrapes until `done(samples)` holds (the router may record a moment after the client
-    sees the last token), or returns the last scrape for the assertions to explain."""
+    """Scrapes until `done(samples)` holds or `timeout_s` passes (a figure the router records
+    off the request path, e.g. in its 0.5 s stats loop, may trail the client); the last
+    scrape goes to the assertions, which then say what is missing."""
     deadline = time.monotonic() + timeout_s
     samples = _scrape(cluster)
     while not done(samples) and time.monotonic() < deadline:
@@ -101,9 +102,11 @@ def test_bench_run_writes_a_full_report_and_prometheus_counts_it(cluster, tmp_pa
                 "queue": NUM_REQUESTS, "prefill": NUM_REQUESTS, "kv_transfer": NUM_REQUESTS,
                 "length": NUM_REQUESTS,
                 "kv_bytes": sum(-(-r["prompt_tokens"] // BLOCK_SIZE) for r in records) * BLOCK_BYTES}
-    after = _scrape_until(cluster, lambda s: _counts(s)["kv_transfer"] - before["kv_transfer"] >= NUM_REQUESTS)
-    got = {name: value - before[name] for name, value in _counts(after).items()}
-    assert got == expected
+
+    def counted(samples: dict) -> dict[str, float]:
+        return {name: value - before[name] for name, value in _counts(samples).items()}
+
+    assert counted(_scrape_until(cluster, lambda s: counted(s) == expected)) == expected
 
 
 def _status_rows(text: str) -> dict[str, list[str]]:

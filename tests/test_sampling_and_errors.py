@@ -103,3 +103,22 @@ def test_abort_frees_blocks(engine):
     assert out.finish_reason == "abort"
     assert not engine.has_unfinished() and engine.allocator.num_used == 0
     engine.check()
+
+
+def test_reserve_release_and_prefill_only_accounting(engine):
+    blocks = engine.reserve("res", num_tokens=40)  # 40 tokens of 16 -> 3 blocks
+    assert len(blocks) == 3 and engine.allocator.num_used == 3
+    engine.check()
+    engine.release("res")
+    assert engine.allocator.num_used == 0
+    req = engine.add_request("pre", prompt_token_ids=list(range(5, 40)), prefill_only=True,
+                             sampling=SamplingParams(max_tokens=8, ignore_eos=True))
+    outs = []
+    while engine.has_unfinished():
+        outs += engine.step()
+    assert [o.finish_reason for o in outs] == ["prefilled"] and len(outs[0].token_ids) == 1
+    assert engine.allocator.num_used == len(req.block_ids) == 3  # kept for the KV push
+    engine.check()
+    engine.release("pre")
+    assert engine.allocator.num_used == 0
+    engine.check()
