@@ -29,14 +29,18 @@ class PrefillWorker:
         self._waiters: dict[str, asyncio.Future] = {}
         self._sending: set[str] = set()  # requests whose KV is on the wire (blocks must stay)
         self._channel_locks: dict[str, asyncio.Lock] = {}
+        self._peers: dict[str, object] = {}  # decode worker name -> actor handle
 
     async def ready(self) -> WorkerInfo:
         self.core.bind()
         return self.core.info()
 
     async def prefill(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                      decode_name: str, decode_actor) -> PrefillResult:
-        await self._ensure_channel(decode_name, decode_actor)
+                      decode_name: str, decode_actor=None) -> PrefillResult:
+        """`decode_actor` comes with the first request for a decode worker and is kept."""
+        if decode_actor is not None:
+            self._peers[decode_name] = decode_actor
+        await self._ensure_channel(decode_name, self._peers[decode_name])
         arrived = time.perf_counter()
         fut = self.core.aio.create_future()
         self._waiters[request_id] = fut
@@ -86,6 +90,7 @@ class PrefillWorker:
             await self.core.run(lambda e: e.abort(request_id))
 
     async def close_channel(self, decode_name: str) -> None:
+        self._peers.pop(decode_name, None)
         await asyncio.to_thread(self.sender.close_channel, decode_name)
 
     async def stats(self) -> WorkerStats:

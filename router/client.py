@@ -53,7 +53,7 @@ def scale(address: str, pool: str, replicas: int) -> pb.ScaleResponse:
 
 def format_status(s: pb.StatusResponse) -> str:
     head = f"mode {s.mode}  model {s.model}\nrouter: {s.router_in_flight} in flight, {s.router_queue} queued, " \
-           f"{s.requests_total} requests served so far"
+           f"{s.requests_total} requests accepted so far"
     cols = ("WORKER", "POOL", "STATE", "RUNNING", "WAITING", "KV USED", "KV FREE", "KV TOTAL", "CHANNELS", "SERVED", "NODE")
     rows = [cols] + [(w.name, w.pool, w.state, w.running, w.waiting, w.kv_blocks_used, w.kv_blocks_free,
                       w.kv_blocks_total, w.channels, w.requests_served, w.node_ip) for w in s.workers]

@@ -20,6 +20,7 @@ class WorkerView:
     running: int = 0
     waiting: int = 0
     inflight: set[str] = field(default_factory=set)  # request ids the router placed here
+    peers: set[str] = field(default_factory=set)  # prefill: decode workers it holds a handle of
     stats: WorkerStats | None = None
 
     @property

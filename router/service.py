@@ -132,11 +132,12 @@ class Router:
             if self.config.mode == "colocated":
                 await self._start_colocated(stream, prompt_ids, sampling, holders)
             else:
-                first = await self._start_disaggregated(stream, prompt_ids, sampling, holders)
-                yield first
+                first, started = await self._start_disaggregated(stream, prompt_ids, sampling, holders)
+                yield first  # before the decode worker confirms `start`: that round trip is not TTFT
                 if first.finish_reason is not None:
                     finished = True
                     return
+                await started
             async for chunk in self._drain(stream):
                 finished = chunk.finish_reason is not None
                 yield chunk
@@ -164,50 +165,58 @@ class Router:
         stream.usage["queue_ms"] = 0.0
         await w.actor.generate.remote(stream.request_id, prompt_ids, sampling)
 
-    async def _start_disaggregated(self, stream: _Stream, prompt_ids, sampling, holders) -> Chunk:
-        decode = await self._reserve(stream, len(prompt_ids) + 1)
+    async def _start_disaggregated(self, stream: _Stream, prompt_ids, sampling, holders):
+        """Reserve, prefill, hand over to decode; the first chunk and the pending `start` call."""
+        decode, waited = await self._reserve(stream, len(prompt_ids) + 1)
         holders.append(decode)
-        stream.usage["queue_ms"] = (time.perf_counter() - stream.accepted) * 1e3
-        self.metrics.observe_queue(stream.usage["queue_ms"] / 1e3)
+        stream.usage["queue_ms"] = waited * 1e3
+        self.metrics.observe_queue(waited)
         prefill = pick_prefill(self.pools.ready("prefill"))
         if prefill is None:
             raise Unavailable("the prefill pool has no ready worker")
         prefill.inflight.add(stream.request_id)
         holders.append(prefill)
         stream.usage.update(decode_worker=decode.name, prefill_worker=prefill.name)
+        # the actor handle travels once per pair; the prefill worker keeps it
+        handle = None if decode.name in prefill.peers else decode.actor
         try:
-            res = await prefill.actor.prefill.remote(stream.request_id, prompt_ids, sampling, decode.name, decode.actor)
+            res = await prefill.actor.prefill.remote(stream.request_id, prompt_ids, sampling, decode.name, handle)
         except ray.exceptions.RayActorError as e:
             self._worker_failed(prefill, e)
             raise Unavailable(f"prefill worker {prefill.name} died: {_short(e)}") from None
         except ray.exceptions.RayError as e:
             raise Unavailable(f"prefill on {prefill.name} failed: {_short(e)}") from None
+        prefill.peers.add(decode.name)
         prefill.inflight.discard(stream.request_id)
         holders.remove(prefill)
         stream.usage["prefill_ms"] = res.prefill_s * 1e3
         self.metrics.observe_prefill(res.prefill_s)
         finish = None if res.finish_reason == "prefilled" else res.finish_reason
+        started = None
         if finish is None:
-            await decode.actor.start.remote(stream.request_id, prompt_ids, sampling, res.token_id)
+            started = decode.actor.start.remote(stream.request_id, prompt_ids, sampling, res.token_id)
         else:
             decode.actor.abort.remote(stream.request_id)  # frees the reservation
             decode.inflight.discard(stream.request_id)
             holders.remove(decode)
-        return self._chunk(stream, RequestOutput(stream.request_id, [res.token_id], res.text, finish))
+        return self._chunk(stream, RequestOutput(stream.request_id, [res.token_id], res.text, finish)), started
 
-    async def _reserve(self, stream: _Stream, num_tokens: int) -> WorkerView:
-        """Reserve blocks on the best decode worker; waits FIFO while none fits, bounded."""
+    async def _reserve(self, stream: _Stream, num_tokens: int) -> tuple[WorkerView, float]:
+        """Reserve blocks on the best decode worker, waiting FIFO (bounded) while none fits.
+        Returns the worker and the seconds spent waiting for capacity (0 when it fit at once)."""
         if self._waiting >= self.config.router.max_queue:
             raise QueueFull(f"the router queue is full ({self.config.router.max_queue} requests waiting)")
         self._waiting += 1
+        waited_since = None
         try:
             async with self._placement_lock:
                 while True:
                     w = await self._try_reserve(stream.request_id, num_tokens)
                     if w is not None:
-                        return w
+                        return w, (time.perf_counter() - waited_since) if waited_since else 0.0
                     if not self.accepting:
                         raise Unavailable("the server is shutting down")
+                    waited_since = waited_since or time.perf_counter()
                     self._capacity.clear()
                     try:
                         await asyncio.wait_for(self._capacity.wait(), timeout=0.25)
@@ -232,12 +241,15 @@ class Router:
 
     async def _drain(self, stream: _Stream) -> AsyncIterator[Chunk]:
         while True:
-            item = await stream.queue.get()
-            if isinstance(item, Exception):
-                raise item
-            if item.finish_reason == "error":
-                raise Unavailable(item.text)
-            chunk = self._chunk(stream, item)
+            items = [await stream.queue.get()]
+            while not stream.queue.empty():  # the client was slower than decode: one message
+                items.append(stream.queue.get_nowait())
+            for item in items:
+                if isinstance(item, Exception):
+                    raise item
+                if item.finish_reason == "error":
+                    raise Unavailable(item.text)
+            chunk = self._chunk(stream, _merge(items))
             yield chunk
             if chunk.finish_reason is not None:
                 return
@@ -331,6 +343,15 @@ class Router:
     @property
     def queue_length(self) -> int:
         return self._waiting
+
+
+def _merge(outputs: list[RequestOutput]) -> RequestOutput:
+    if len(outputs) == 1:
+        return outputs[0]
+    last = outputs[-1]
+    return RequestOutput(last.request_id, [t for o in outputs for t in o.token_ids], "".join(o.text for o in outputs),
+                         last.finish_reason, last.num_prompt_tokens, last.num_output_tokens,
+                         sum(o.kv_transfer_s for o in outputs), sum(o.kv_transfer_bytes for o in outputs))
 
 
 def _short(err: BaseException) -> str:

@@ -7,8 +7,8 @@ non-contiguous reserved blocks (send() -> future done, i.e. landed and acknowled
 baseline sends one contiguous tensor of the same size over a group of the same backend and
 waits for a 1-byte ack. Ratio = channel / raw. Latency: one-block transfer vs raw round trip.
 
-    python scripts/bench_kv_transfer.py                     # table, up to 1 GiB
-    python scripts/bench_kv_transfer.py --max-bytes 64MiB --json
+    python -m scripts.bench_kv_transfer                     # table, up to 1 GiB (~1 min)
+    python -m scripts.bench_kv_transfer --max-bytes 64MiB --json
 """
 
 from __future__ import annotations

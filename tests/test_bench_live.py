@@ -144,4 +144,4 @@ def test_status_shows_the_same_live_figures_as_prometheus(cluster):
                           "requests_running": int(running), "requests_waiting": int(waiting)}
     finished = sum(v for (name, _), v in samples.items() if name == "pdserve_requests_total")
     assert status.requests_total == finished >= 4
-    assert f"{status.requests_total} requests served so far" in router_client.format_status(status)
+    assert f"{status.requests_total} requests accepted so far" in router_client.format_status(status)
