@@ -4,7 +4,7 @@ The runner flattens every scheduled token of every sequence into one row (`[1, T
 tokens first. `StepMetadata` (built once per step, shared by all layers) reaches
 `paged_attention` as the `paged` keyword of the model's forward call. Per layer the function
 writes the new K/V into their slots of the pool, then attends:
-- all decode tokens in one padded SDPA call over their gathered context;
+- decode tokens in a few padded SDPA calls, grouped by context length (little padding);
 - each prefill chunk over its own context (fresh prompts straight from K/V, causal).
 """
 
@@ -29,12 +29,20 @@ class PrefillChunk:
 
 
 @dataclass
+class DecodeGroup:
+    """Decode rows [start, end) of similar context length, attended in one padded call."""
+
+    start: int
+    end: int
+    slots: torch.Tensor  # [B, max_ctx] context slots, padded
+    mask: torch.Tensor  # [B, 1, 1, max_ctx] bool, True = real key
+
+
+@dataclass
 class StepMetadata:
     kv: torch.Tensor  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
     slot_mapping: torch.Tensor  # [T] slot of each new token (block * block_size + offset)
-    num_decodes: int  # decode tokens occupy row positions [0, num_decodes)
-    decode_slots: torch.Tensor | None  # [B, max_ctx] context slots, padded
-    decode_mask: torch.Tensor | None  # [B, 1, 1, max_ctx] bool, True = real key
+    decode_groups: list[DecodeGroup]  # decode tokens come first in the row, by context length
     prefills: list[PrefillChunk]
 
 
@@ -50,25 +58,26 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     v_cache.index_copy_(0, paged.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
 
     out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
-    if paged.num_decodes:
-        _decode(query, k_cache, v_cache, paged, scaling, out)
+    for group in paged.decode_groups:
+        _decode(query, k_cache, v_cache, group, scaling, out)
     for chunk in paged.prefills:
         _prefill(query, key, value, k_cache, v_cache, chunk, scaling, out)
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 
-def _decode(query, k_cache, v_cache, paged: StepMetadata, scaling, out) -> None:
-    n = paged.num_decodes
+def _decode(query, k_cache, v_cache, group: DecodeGroup, scaling, out) -> None:
+    n = group.end - group.start
     num_heads, head_dim = query.shape[1], query.shape[3]
     num_kv_heads = k_cache.shape[1]
     # one query per head; heads sharing a KV head ride together as a [G, D] "query block" so
     # the gathered K/V is never expanded to all heads (GQA without repeat_kv)
-    q = query[0, :, :n].transpose(0, 1).reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)
-    slots = paged.decode_slots  # [B, max_ctx]
-    k = k_cache.index_select(0, slots.view(-1)).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-    v = v_cache.index_select(0, slots.view(-1)).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=paged.decode_mask, scale=scaling)  # [B, KVH, G, D]
-    out[:n] = o.reshape(n, num_heads, head_dim)
+    q = query[0, :, group.start:group.end].transpose(0, 1)
+    q = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, KVH, G, D]
+    flat = group.slots.view(-1)
+    k = k_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, KVH, ctx, D]
+    v = v_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+    o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)  # [B, KVH, G, D]
+    out[group.start:group.end] = o.reshape(n, num_heads, head_dim)
 
 
 def _prefill(query, key, value, k_cache, v_cache, chunk: PrefillChunk, scaling, out) -> None:

@@ -108,11 +108,8 @@ class ModelRunner:
             if it.samples:
                 sample_rows.append(len(ids) - 1)
         dev = self.device
-        meta = attention.StepMetadata(
-            kv=self.kv, slot_mapping=torch.cat(slots).to(dev), num_decodes=num_decodes,
-            decode_slots=None, decode_mask=None, prefills=chunks)
-        if num_decodes:
-            meta.decode_slots, meta.decode_mask = self._decode_context(items[:num_decodes])
+        meta = attention.StepMetadata(kv=self.kv, slot_mapping=torch.cat(slots).to(dev),
+                                      decode_groups=self._decode_groups(items[:num_decodes]), prefills=chunks)
         return (torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev))
 
@@ -131,7 +128,17 @@ class ModelRunner:
         mask = torch.arange(ctx)[None, :] <= (torch.arange(q) + it.start)[:, None]  # [q, ctx]
         return attention.PrefillChunk(row, row + q, ctx_slots, mask.to(self.device))
 
-    def _decode_context(self, decodes: list[ScheduledItem]) -> tuple[torch.Tensor, torch.Tensor]:
+    def _decode_groups(self, decodes: list[ScheduledItem]) -> list[attention.DecodeGroup]:
+        """Split the decode rows (sorted by context length) where padding to the group's
+        longest context would waste more than about a third of the gathered keys."""
+        groups, start = [], 0
+        for i in range(1, len(decodes) + 1):
+            if i == len(decodes) or decodes[i].end > 1.5 * decodes[start].end + self.block_size:
+                groups.append(self._decode_group(decodes[start:i], start))
+                start = i
+        return groups
+
+    def _decode_group(self, decodes: list[ScheduledItem], start: int) -> attention.DecodeGroup:
         bs = self.block_size
         ctx_lens = torch.tensor([it.end for it in decodes])  # [B]
         max_ctx = int(ctx_lens.max())
@@ -143,7 +150,7 @@ class ModelRunner:
         positions = torch.arange(max_ctx)  # [max_ctx]
         slots = table[:, positions // bs] * bs + positions % bs  # [B, max_ctx]
         mask = (positions[None, :] < ctx_lens[:, None])[:, None, None, :]  # [B, 1, 1, max_ctx]
-        return slots.to(self.device), mask.to(self.device)
+        return attention.DecodeGroup(start, start + len(decodes), slots.to(self.device), mask.to(self.device))
 
 
 def device_memory(device: torch.device) -> int:

@@ -3,7 +3,8 @@
 Running requests go first (each decode costs one token; a request still prefilling gets its
 next chunk), then waiting requests are admitted FIFO while budget, sequence slots and KV
 blocks last. A running request that cannot get a block preempts the most recently admitted
-one, which frees its blocks and is recomputed later. The returned items list decodes first.
+one, which frees its blocks and is recomputed later. The returned items list decodes
+first (by context length), then prefill chunks.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class Scheduler:
                 items.append(ScheduledItem(req, n))
                 budget -= n
         budget = self._admit_waiting(budget, items)
-        return sorted(items, key=lambda it: not it.is_decode)
+        return sorted(items, key=lambda it: (not it.is_decode, it.end if it.is_decode else 0))
 
     def _chunk(self, req: Request, budget: int) -> int:
         n = min(req.num_uncomputed_tokens, budget)

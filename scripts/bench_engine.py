@@ -30,10 +30,9 @@ def make_requests(n: int, seed: int, prompt_range, output_range, vocab: int) -> 
             for _ in range(n)]
 
 
-def run_engine(path: str, requests, batch: int, chunk: int | None, threads: int) -> dict:
+def run_engine(path: str, requests, batch: int, chunk: int | None, budget: int, threads: int) -> dict:
     engine = LLMEngine(EngineConfig(model_path=path, num_blocks=4096, block_size=16, max_num_seqs=batch,
-                                    max_num_batched_tokens=max(chunk or 512, batch), chunk_size=chunk,
-                                    torch_threads=threads))
+                                    max_num_batched_tokens=budget, chunk_size=chunk, torch_threads=threads))
     engine.generate([requests[0][0]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     engine.stats = type(engine.stats)()
     t0 = time.perf_counter()
@@ -82,7 +81,8 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=32, help="maximum batch size for both")
     ap.add_argument("--prompt", default="16,512", help="prompt length range")
     ap.add_argument("--output", default="16,256", help="output length range")
-    ap.add_argument("--chunk", type=int, default=256, help="engine prefill chunk (0 = off)")
+    ap.add_argument("--chunk", type=int, default=512, help="engine prefill chunk (0 = off)")
+    ap.add_argument("--budget", type=int, default=2048, help="engine token budget per step")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--model", help="checkpoint dir (default: the bench model, created if absent)")
     ap.add_argument("--seed", type=int, default=0)
@@ -93,7 +93,7 @@ def main() -> None:
     vocab = AutoModelForCausalLM.from_pretrained(path).config.vocab_size
     reqs = make_requests(args.requests, args.seed, tuple(map(int, args.prompt.split(","))),
                          tuple(map(int, args.output.split(","))), min(vocab, 11000))
-    engine = run_engine(path, reqs, args.batch, args.chunk or None, args.threads)
+    engine = run_engine(path, reqs, args.batch, args.chunk or None, args.budget, args.threads)
     static = run_generate(path, reqs, args.batch)
     result = {"model": path, "requests": args.requests, "batch": args.batch, "threads": args.threads,
               "engine": engine, "generate": static, "ratio": engine["tok_per_s"] / static["tok_per_s"]}
@@ -101,7 +101,7 @@ def main() -> None:
         print(json.dumps(result))
         return
     print(f"{args.requests} requests, prompts {args.prompt}, outputs {args.output}, batch {args.batch}, "
-          f"{args.threads} threads, model {path}")
+          f"engine chunk {args.chunk or 'off'} / budget {args.budget}, {args.threads} threads, model {path}")
     print(f"{'':28}{'output tok/s':>14}{'seconds':>10}")
     print(f"{'engine (continuous)':28}{engine['tok_per_s']:>14.1f}{engine['seconds']:>10.1f}")
     print(f"{'generate (static padded)':28}{static['tok_per_s']:>14.1f}{static['seconds']:>10.1f}")
