@@ -9,12 +9,12 @@ is_connected() turns False and the caller re-opens it (receiver.open_channel -> 
 
 from __future__ import annotations
 
-import threading
 import time
 from concurrent.futures import Future
 
 import torch
 
+from kv_transfer.channels import ChannelTable
 from kv_transfer.config import KVTransferConfig, KVTransferError, TransferResult
 from kv_transfer.frames import MAX_REQUEST_ID_BYTES
 from kv_transfer.groups import (
@@ -34,29 +34,22 @@ from kv_transfer.pipeline import DataPath, local_slot_blocks
 from kv_transfer.sender_channel import SenderChannel, TransferJob
 
 
-class KVSender:
-    """Thread-safe: connect/send/close may be called from any thread."""
+class KVSender(ChannelTable[SenderChannel]):
+    """Thread-safe: connect/send/close may be called from any thread. Closing a channel lets
+    its in-flight transfer finish; queued ones fail."""
 
     def __init__(self, kv: torch.Tensor, config: KVTransferConfig | None = None) -> None:
+        super().__init__()
         self._kv = kv
         self._layout = KVLayout.of(kv)
         self._config = config or KVTransferConfig()
-        self._channels: dict[str, SenderChannel] = {}
-        self._lock = threading.Lock()
-
-    @property
-    def num_channels(self) -> int:
-        with self._lock:
-            return len(self._channels)
 
     def is_connected(self, peer_id: str) -> bool:
-        with self._lock:
-            return peer_id in self._channels
+        return self._get(peer_id) is not None
 
     def backend(self, peer_id: str) -> str | None:
         """The data backend the handshake picked for peer_id ("gloo" | "nccl"), None if none."""
-        with self._lock:
-            channel = self._channels.get(peer_id)
+        channel = self._get(peer_id)
         return None if channel is None else channel.backend
 
     def connect(self, peer_id: str, host: str, port: int) -> None:
@@ -66,11 +59,7 @@ class KVSender:
         refuses us, KVTransferError when it cannot be reached within timeout_s.
         """
         channel = self._open(peer_id, host, port)
-        with self._lock:
-            replaced = self._channels.get(peer_id)
-            self._channels[peer_id] = channel
-        if replaced is not None:
-            replaced.close()
+        self._install(channel)
         channel.start()
 
     def send(self, peer_id: str, request_id: str,
@@ -83,8 +72,7 @@ class KVSender:
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self._kv.device))
         job = TransferJob(request_id, list(src_block_ids), future, time.monotonic(), ready)
-        with self._lock:
-            channel = self._channels.get(peer_id)
+        channel = self._get(peer_id)
         if channel is None:
             future.set_exception(KVTransferError(
                 peer_id, request_id, "no channel to this peer (never connected, or torn down "
@@ -92,24 +80,6 @@ class KVSender:
             return future
         channel.submit(job)
         return future
-
-    def close_channel(self, peer_id: str, wait: bool = False) -> None:
-        """The in-flight transfer finishes; queued ones fail. wait=True joins the thread."""
-        with self._lock:
-            channel = self._channels.pop(peer_id, None)
-        if channel is not None:
-            channel.close()
-            if wait:
-                channel.join()
-
-    def shutdown(self, wait: bool = True) -> None:
-        with self._lock:
-            channels = list(self._channels.values())
-            self._channels.clear()
-        for channel in channels:
-            channel.close()
-        for channel in channels if wait else []:
-            channel.join()
 
     def _check_request(self, request_id: str, src_block_ids: list[int]) -> None:
         if not src_block_ids:
@@ -150,10 +120,3 @@ class KVSender:
         return Hello(self._layout, DeviceInfo.of(self._kv.device), self._config.backend,
                      local_slot_blocks(self._kv, self._config), self._config.checksum,
                      self._config.heartbeat_s)
-
-    def _forget(self, channel: SenderChannel) -> None:
-        """Called by a channel's thread when it ends; drops it unless already replaced."""
-        with self._lock:
-            if self._channels.get(channel.peer_id) is channel:
-                del self._channels[channel.peer_id]
-

@@ -307,3 +307,16 @@ def test_cli_rejects_unknown_arrangements(monkeypatch, tmp_path, capsys):
     assert _bench("--config", "c.yaml", "--arrangements", "colocated,split",
                   "--out", str(tmp_path), "--max-context", "512") == 2
     assert "unknown ['split']" in capsys.readouterr().err
+
+
+def test_request_groups_are_summarized_apart():
+    from router.bench.report import format_report, summarize_arrangements
+
+    stream = [_record(0.0, [0.1, 0.2, 0.3], [1, 1, 1], rid=f"stream-{i}") for i in range(3)]
+    burst = [_record(1.0, [1.5, 2.5], [1, 1], rid="burst-0")]
+    summary = summarize_arrangements({"colocated": stream + burst}, parse_slo(""))["colocated"]
+    assert set(summary["groups"]) == {"stream", "burst"}
+    assert summary["groups"]["stream"]["itl_ms"]["p99"] == pytest.approx(100.0)
+    assert summary["groups"]["burst"]["itl_ms"]["p99"] == pytest.approx(1000.0)
+    assert summary["groups"]["stream"]["num_requests"] == 3 and summary["num_requests"] == 4
+    assert "by request group" in format_report({"colocated": summary})

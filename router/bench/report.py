@@ -23,8 +23,18 @@ _STATS = ("mean", "p50", "p95", "p99")
 
 def summarize_arrangements(records: Mapping[str, Sequence[RequestRecord]],
                            slo: Slo) -> dict[str, dict[str, Any]]:
-    """One `summarize_run` per arrangement, in the order they ran."""
-    return {name: summarize_run(runs, slo) for name, runs in records.items()}
+    """One `summarize_run` per arrangement, in the order they ran; where the workload mixes
+    request groups (the id's prefix: "stream", "burst"), each group is summarized too."""
+    summaries = {}
+    for name, runs in records.items():
+        summary = summarize_run(runs, slo)
+        groups: dict[str, list[RequestRecord]] = {}
+        for r in runs:
+            groups.setdefault(r.request_id.split("-")[0], []).append(r)
+        if len(groups) > 1:
+            summary["groups"] = {g: summarize_run(rs, slo, wall_s=summary["wall_s"]) for g, rs in groups.items()}
+        summaries[name] = summary
+    return summaries
 
 
 def build_summary(summaries: Mapping[str, Mapping[str, Any]], workload: Workload, slo: Slo,
@@ -71,11 +81,25 @@ def format_comparison(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def format_groups(summaries: Mapping[str, Mapping[str, Any]]) -> str:
+    """Per request group (e.g. the streaming users apart from the burst): TTFT and ITL."""
+    rows = [f"{'arrangement':<24}{'group':<10}{'n':>5}{'TTFT p50':>9}{'TTFT p99':>9}{'ITL p50':>9}"
+            f"{'ITL p95':>9}{'ITL p99':>9}"]
+    for name, s in summaries.items():
+        for group, g in s.get("groups", {}).items():
+            rows.append(f"{name:<24}{group:<10}{g['num_requests']:>5}" + "".join(
+                _ms(v) for v in (g["ttft_ms"]["p50"], g["ttft_ms"]["p99"], g["itl_ms"]["p50"],
+                                 g["itl_ms"]["p95"], g["itl_ms"]["p99"])))
+    return "\n".join(rows)
+
+
 def format_report(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     """A block per arrangement, then a side-by-side comparison when there are several."""
     blocks = [format_arrangement(name, s) for name, s in summaries.items()]
     if len(summaries) > 1:
         blocks.append("latencies in ms, goodput in req/s\n" + format_comparison(summaries))
+    if any("groups" in s for s in summaries.values()):
+        blocks.append("by request group (ms)\n" + format_groups(summaries))
     return "\n\n".join(blocks)
 
 
