@@ -145,3 +145,23 @@ def test_status_shows_the_same_live_figures_as_prometheus(cluster):
     finished = sum(v for (name, _), v in samples.items() if name == "pdserve_requests_total")
     assert status.requests_total == finished >= 4
     assert f"{status.requests_total} requests accepted so far" in router_client.format_status(status)
+
+
+def test_bench_compares_arrangements_on_the_same_requests(llama_dir, tmp_path):
+    config = tmp_path / "cluster.yaml"
+    config.write_text(json.dumps({"model": {"path": llama_dir}, "router": {"metrics_port": None},
+                                  "prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5},
+                                  "kv_cache": {"num_blocks": NUM_BLOCKS}}))  # JSON is YAML
+    out = tmp_path / "out"
+    assert pdserve(["bench", "--config", str(config), "--arrangements", "colocated,disaggregated",
+                    "--workers", "2", "--preset", "steady", "--num-requests", "6", "--rate", "50",
+                    "--output-len", "4", "--out", str(out), "--no-progress"]) == 0
+    doc = json.loads((out / "summary.json").read_text())
+    assert list(doc["arrangements"]) == ["colocated", "disaggregated"]
+    lines = [json.loads(line) for line in (out / "requests.jsonl").read_text().splitlines()]
+    by_arrangement = {a: sorted((r["request_id"], r["prompt_tokens"], r["output_tokens"], r["finish_reason"])
+                                for r in lines if r["arrangement"] == a) for a in ("colocated", "disaggregated")}
+    assert by_arrangement["colocated"] == by_arrangement["disaggregated"]
+    assert len(by_arrangement["colocated"]) == 6
+    assert all(r[2] == 4 and r[3] == "length" for r in by_arrangement["colocated"])
+    assert doc["cluster"]["workers"] == 2

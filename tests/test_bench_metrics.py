@@ -255,50 +255,6 @@ def test_cli_unreachable_router_exits_2(tmp_path, capsys):
     assert "not reachable" in capsys.readouterr().err
 
 
-def test_cli_runs_each_arrangement_on_the_same_requests(threaded_router, tmp_path, capsys,
-                                                        monkeypatch):
-    """Drives the launcher contract (arrangement_config, LocalCluster) with a stand-in whose
-    every arrangement is the threaded router double."""
-    model_dir = tmp_path / "model"
-    model_dir.mkdir()
-    (model_dir / "config.json").write_text(json.dumps({"max_position_embeddings": 64,
-                                                       "vocab_size": 100}))
-    started: list[tuple[str, int]] = []
-
-    class LocalCluster:
-        def __init__(self, cfg):
-            self.cfg, self.address = cfg, threaded_router
-
-        def __enter__(self):
-            started.append(self.cfg)
-            return self
-
-        def __exit__(self, *exc):
-            return False
-
-    base = types.SimpleNamespace(model=types.SimpleNamespace(path=str(model_dir),
-                                                             max_model_len=None))
-    monkeypatch.setitem(sys.modules, "router.config",
-                        types.SimpleNamespace(load_config=lambda path: base))
-    monkeypatch.setitem(sys.modules, "router.launcher", types.SimpleNamespace(
-        LocalCluster=LocalCluster, arrangement_config=lambda cfg, name, n: (name, n),
-        ensure_model=lambda cfg: None))
-    assert _bench("--config", "cluster.yaml", "--arrangements", "colocated,disaggregated",
-                  "--workers", "3", "--num-requests", "4", "--rate", "100", "--input-len",
-                  "200", "--out", str(tmp_path), "--no-progress") == 0
-    assert started == [("colocated", 3), ("disaggregated", 3)]
-    assert "colocated" in capsys.readouterr().out
-    lines = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
-    by_arrangement = {a: sorted((r["request_id"], r["prompt_tokens"], r["max_tokens"])
-                                for r in lines if r["arrangement"] == a)
-                      for a in ("colocated", "disaggregated")}
-    assert by_arrangement["colocated"] == by_arrangement["disaggregated"]
-    assert all(r["prompt_tokens"] + r["max_tokens"] <= 64 for r in lines)
-    doc = json.loads((tmp_path / "summary.json").read_text())
-    assert list(doc["arrangements"]) == ["colocated", "disaggregated"]
-    assert doc["workload"]["max_context"] == 64 and doc["workload"]["vocab"] == [16, 100]
-
-
 def test_cli_rejects_unknown_arrangements(monkeypatch, tmp_path, capsys):
     monkeypatch.setitem(sys.modules, "router.config",
                         types.SimpleNamespace(load_config=lambda path: None))
