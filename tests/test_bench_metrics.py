@@ -276,3 +276,15 @@ def test_request_groups_are_summarized_apart():
     assert summary["groups"]["burst"]["itl_ms"]["p99"] == pytest.approx(1000.0)
     assert summary["groups"]["stream"]["num_requests"] == 3 and summary["num_requests"] == 4
     assert "by request group" in format_report({"colocated": summary})
+
+
+def test_itl_while_a_burst_lands_leaves_the_burst_out():
+    from router.bench.report import BURST_TAIL_S, summarize_arrangements
+
+    # stream gaps end at 0.1, 0.2 (before), 5.0 (inside [4, 5 + tail]) and 20.0 (after)
+    stream = _record(0.0, [0.05, 0.1, 0.2, 5.0, 20.0], [1, 1, 1, 1, 1], rid="stream-0")
+    burst = _record(4.0, [4.5, 4.6], [1, 1], rid="burst-0")
+    summary = summarize_arrangements({"a": [stream, burst]}, parse_slo(""),
+                                     {"start_s": 4.0, "end_s": 5.0})["a"]
+    assert summary["during_burst_window_s"] == [4.0, 5.0 + BURST_TAIL_S]
+    assert summary["during_burst_itl_ms"]["p50"] == pytest.approx(4800.0)  # the one gap 0.2 -> 5.0

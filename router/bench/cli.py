@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     except BenchError as err:
         print(f"pdserve bench: {err}", file=sys.stderr)
         return 2
-    summaries = summarize_arrangements(records, slo)
+    summaries = summarize_arrangements(records, slo, workload.describe().get("burst"))
     print(format_report(summaries))
     summary = build_summary(summaries, workload, slo, cluster)
     for path in write_report(Path(args.out), summary, records, args.plot):

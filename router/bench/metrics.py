@@ -97,6 +97,13 @@ def itls(record: RequestRecord) -> np.ndarray:
     return np.diff(token_times(record))
 
 
+def itls_between(record: RequestRecord, start_s: float, end_s: float) -> np.ndarray:
+    """The gaps of one request that end inside [start_s, end_s] (e.g. while a burst lands)."""
+    times = token_times(record)
+    gaps = np.diff(times)
+    return gaps[(times[1:] >= start_s) & (times[1:] <= end_s)]
+
+
 def tpot(record: RequestRecord) -> float | None:
     """(E2E - TTFT) / (output_tokens - 1); None for requests with fewer than two tokens."""
     if record.output_tokens < 2:

@@ -14,17 +14,31 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from router.bench.metrics import RequestRecord, Slo, e2e, summarize_run, ttft
+import numpy as np
+
+from router.bench.metrics import (
+    RequestRecord,
+    Slo,
+    e2e,
+    itls_between,
+    latency_stats_ms,
+    summarize_run,
+    ttft,
+)
 from router.bench.workload import Workload
 
 _LATENCY_ROWS = (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("TPOT", "tpot_ms"), ("E2E", "e2e_ms"))
 _STATS = ("mean", "p50", "p95", "p99")
 
 
-def summarize_arrangements(records: Mapping[str, Sequence[RequestRecord]],
-                           slo: Slo) -> dict[str, dict[str, Any]]:
+BURST_TAIL_S = 3.0  # how long after the burst's last arrival its prefills can still stall streams
+
+
+def summarize_arrangements(records: Mapping[str, Sequence[RequestRecord]], slo: Slo,
+                           burst: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
     """One `summarize_run` per arrangement, in the order they ran; where the workload mixes
-    request groups (the id's prefix: "stream", "burst"), each group is summarized too."""
+    request groups (the id's prefix: "stream", "burst"), each group is summarized too, and
+    with a burst the other groups' ITL while it lands (`during_burst_itl_ms`)."""
     summaries = {}
     for name, runs in records.items():
         summary = summarize_run(runs, slo)
@@ -33,6 +47,11 @@ def summarize_arrangements(records: Mapping[str, Sequence[RequestRecord]],
             groups.setdefault(r.request_id.split("-")[0], []).append(r)
         if len(groups) > 1:
             summary["groups"] = {g: summarize_run(rs, slo, wall_s=summary["wall_s"]) for g, rs in groups.items()}
+        if burst is not None:
+            window = (burst["start_s"], burst["end_s"] + BURST_TAIL_S)
+            gaps = [itls_between(r, *window) for r in runs if r.ok and not r.request_id.startswith("burst")]
+            summary["during_burst_itl_ms"] = latency_stats_ms(np.concatenate(gaps) if gaps else [])
+            summary["during_burst_window_s"] = list(window)
         summaries[name] = summary
     return summaries
 
@@ -93,6 +112,17 @@ def format_groups(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(rows)
 
 
+def format_burst(summaries: Mapping[str, Mapping[str, Any]]) -> str:
+    """ITL of everyone but the burst, from the burst's first arrival to BURST_TAIL_S after its last."""
+    rows = [f"ITL of the other requests while the burst lands (ms)\n{'arrangement':<24}"
+            + "".join(f"{stat:>9}" for stat in _STATS)]
+    for name, s in summaries.items():
+        stats = s.get("during_burst_itl_ms")
+        if stats is not None:
+            rows.append(f"{name:<24}" + "".join(_ms(stats[stat]) for stat in _STATS))
+    return "\n".join(rows)
+
+
 def format_report(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     """A block per arrangement, then a side-by-side comparison when there are several."""
     blocks = [format_arrangement(name, s) for name, s in summaries.items()]
@@ -100,6 +130,8 @@ def format_report(summaries: Mapping[str, Mapping[str, Any]]) -> str:
         blocks.append("latencies in ms, goodput in req/s\n" + format_comparison(summaries))
     if any("groups" in s for s in summaries.values()):
         blocks.append("by request group (ms)\n" + format_groups(summaries))
+    if any("during_burst_itl_ms" in s for s in summaries.values()):
+        blocks.append(format_burst(summaries))
     return "\n\n".join(blocks)
 
 
