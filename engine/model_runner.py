@@ -94,7 +94,7 @@ class ModelRunner:
         """Flatten `items` (decodes first, as the scheduler orders them) into one row."""
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[torch.Tensor] = []
+        slots: list[int] = []
         sample_rows: list[int] = []
         chunks: list[attention.PrefillChunk] = []
         num_decodes = sum(1 for it in items if it.is_decode)
@@ -104,26 +104,27 @@ class ModelRunner:
                 chunks.append(self._chunk(it, len(ids)))
             ids.extend(it.request.token_slice(it.start, it.end))
             pos.extend(range(it.start, it.end))
-            slots.append(self._slots(it.request, it.start, it.end))
+            slots.extend(self._slots(it.request, it.start, it.end))
             if it.samples:
                 sample_rows.append(len(ids) - 1)
         dev = self.device
-        meta = attention.StepMetadata(kv=self.kv, slot_mapping=torch.cat(slots).to(dev),
+        meta = attention.StepMetadata(kv=self.kv, slot_mapping=torch.tensor(slots, device=dev),
                                       decode_groups=self._decode_groups(items[:num_decodes]), prefills=chunks)
         return (torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev))
 
-    def _slots(self, req: Request, start: int, end: int) -> torch.Tensor:
-        positions = torch.arange(start, end)
-        table = torch.tensor(req.block_ids)
-        return table[positions // self.block_size] * self.block_size + positions % self.block_size
+    def _slots(self, req: Request, start: int, end: int) -> list[int]:
+        # plain ints: per step this runs once per request, mostly for one decode token, where
+        # building tensors costs more than the arithmetic
+        bs, table = self.block_size, req.block_ids
+        return [table[p // bs] * bs + p % bs for p in range(start, end)]
 
     def _chunk(self, it: ScheduledItem, row: int) -> attention.PrefillChunk:
         q = it.num_tokens
         if it.start == 0:
             return attention.PrefillChunk(row, row + q, None, None)
         ctx = it.end
-        ctx_slots = self._slots(it.request, 0, ctx).to(self.device)
+        ctx_slots = torch.tensor(self._slots(it.request, 0, ctx), device=self.device)
         # query i sits at position start + i and may see keys 0 .. start + i
         mask = torch.arange(ctx)[None, :] <= (torch.arange(q) + it.start)[:, None]  # [q, ctx]
         return attention.PrefillChunk(row, row + q, ctx_slots, mask.to(self.device))
@@ -140,13 +141,12 @@ class ModelRunner:
 
     def _decode_group(self, decodes: list[ScheduledItem], start: int) -> attention.DecodeGroup:
         bs = self.block_size
-        ctx_lens = torch.tensor([it.end for it in decodes])  # [B]
-        max_ctx = int(ctx_lens.max())
+        lens = [it.end for it in decodes]
+        max_ctx = max(lens)
         max_blocks = (max_ctx + bs - 1) // bs
-        table = torch.zeros(len(decodes), max_blocks, dtype=torch.long)  # [B, max_blocks]
-        for i, it in enumerate(decodes):
-            blocks = it.request.block_ids[:max_blocks]
-            table[i, :len(blocks)] = torch.tensor(blocks)
+        rows = [it.request.block_ids[:max_blocks] for it in decodes]
+        table = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows])  # [B, max_blocks]
+        ctx_lens = torch.tensor(lens)  # [B]
         positions = torch.arange(max_ctx)  # [max_ctx]
         slots = table[:, positions // bs] * bs + positions % bs  # [B, max_ctx]
         mask = (positions[None, :] < ctx_lens[:, None])[:, None, None, :]  # [B, 1, 1, max_ctx]
