@@ -5,7 +5,6 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extras="${1:-}"
 [ -x .venv/bin/python ] || python3 -m venv .venv
-.venv/bin/python -m pip install -q --upgrade pip >/dev/null
 torch_spec="torch==2.13.0"
 if command -v nvidia-smi >/dev/null 2>&1; then torch_spec="torch>=2.4,<=2.13.0"; fi
 .venv/bin/python -m pip install -q "$torch_spec" -e ".${extras:+[$extras]}"
