@@ -15,7 +15,7 @@ from pathlib import Path
 from router import client
 from router import plan as plan_cli
 from router.bench import cli as bench_cli
-from router.config import ConfigError, load_config
+from router.config import ClusterConfig, ConfigError, load_config
 
 DEFAULT_CONFIG = "cluster.yaml"
 
@@ -58,10 +58,8 @@ def _router_flag(p: argparse.ArgumentParser) -> None:
 def router_address(args: argparse.Namespace) -> str:
     if args.router:
         return args.router
-    if Path(args.config).exists():
-        cfg = load_config(args.config)
-        return f"{cfg.router.host}:{cfg.router.port}"
-    return "127.0.0.1:50051"
+    cfg = load_config(args.config) if Path(args.config).exists() else ClusterConfig()
+    return f"{cfg.router.host}:{cfg.router.port}"
 
 
 # ---- serve --------------------------------------------------------------------------

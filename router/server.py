@@ -14,7 +14,8 @@ from grpc_reflection.v1alpha import reflection
 from engine.request import InvalidRequest, SamplingParams
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from router.service import Chunk, QueueFull, Router, Unavailable
+from router.service import Router
+from router.stream import Chunk, QueueFull, Unavailable
 
 log = logging.getLogger(__name__)
 

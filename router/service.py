@@ -14,7 +14,6 @@ import itertools
 import logging
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
 
 import ray
 from transformers import AutoConfig, AutoTokenizer
@@ -25,38 +24,9 @@ from router.config import ClusterConfig
 from router.metrics import RouterMetrics
 from router.placement import WorkerView, decode_candidates, pick_prefill
 from router.pool import PoolManager
+from router.stream import Chunk, QueueFull, Stream, Unavailable, merge_outputs
 
 log = logging.getLogger(__name__)
-
-
-class QueueFull(Exception):
-    """The router's bounded queue is full (RESOURCE_EXHAUSTED)."""
-
-
-class Unavailable(Exception):
-    """Shutting down, an empty pool, or a worker failure (UNAVAILABLE)."""
-
-
-@dataclass
-class Chunk:
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None = None
-    usage: dict | None = None  # on the last chunk
-
-
-@dataclass
-class _Stream:
-    """One accepted request as the router tracks it."""
-
-    request_id: str
-    num_prompt_tokens: int
-    accepted: float
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    usage: dict = field(default_factory=dict)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    completion_tokens: int = 0
 
 
 class Router:
@@ -69,7 +39,7 @@ class Router:
                                           config.model.max_model_len or hf.max_position_embeddings)
         self.pools = PoolManager(config)
         self.pools.on_started = self._on_worker_started
-        self.streams: dict[str, _Stream] = {}
+        self.streams: dict[str, Stream] = {}
         self.accepting = False
         self.requests_total = 0
         self._ids = itertools.count()
@@ -123,7 +93,7 @@ class Router:
         return request_id, ids
 
     async def generate(self, request_id: str, prompt_ids: list[int], sampling: SamplingParams) -> AsyncIterator[Chunk]:
-        stream = _Stream(request_id, len(prompt_ids), time.perf_counter())
+        stream = Stream(request_id, len(prompt_ids), time.perf_counter())
         self.streams[request_id] = stream
         self.requests_total += 1
         holders: list[WorkerView] = []
@@ -151,7 +121,7 @@ class Router:
                     w.actor.abort.remote(request_id)
             self._capacity.set()
 
-    async def _start_colocated(self, stream: _Stream, prompt_ids, sampling, holders) -> None:
+    async def _start_colocated(self, stream: Stream, prompt_ids, sampling, holders) -> None:
         # the queue here: accepted requests that have no first token yet
         if sum(s.first_token_at is None for s in self.streams.values()) > self.config.router.max_queue:
             raise QueueFull(f"the router queue is full ({self.config.router.max_queue} requests waiting)")
@@ -165,7 +135,7 @@ class Router:
         stream.usage["queue_ms"] = 0.0
         await w.actor.generate.remote(stream.request_id, prompt_ids, sampling)
 
-    async def _start_disaggregated(self, stream: _Stream, prompt_ids, sampling, holders):
+    async def _start_disaggregated(self, stream: Stream, prompt_ids, sampling, holders):
         """Reserve, prefill, hand over to decode; the first chunk and the pending `start` call."""
         decode, waited = await self._reserve(stream, len(prompt_ids) + 1)
         holders.append(decode)
@@ -201,7 +171,7 @@ class Router:
             holders.remove(decode)
         return self._chunk(stream, RequestOutput(stream.request_id, [res.token_id], res.text, finish)), started
 
-    async def _reserve(self, stream: _Stream, num_tokens: int) -> tuple[WorkerView, float]:
+    async def _reserve(self, stream: Stream, num_tokens: int) -> tuple[WorkerView, float]:
         """Reserve blocks on the best decode worker, waiting FIFO (bounded) while none fits.
         Returns the worker and the seconds spent waiting for capacity (0 when it fit at once)."""
         if self._waiting >= self.config.router.max_queue:
@@ -239,7 +209,7 @@ class Router:
             w.free_blocks = min(w.free_blocks, needed - 1)
         return None
 
-    async def _drain(self, stream: _Stream) -> AsyncIterator[Chunk]:
+    async def _drain(self, stream: Stream) -> AsyncIterator[Chunk]:
         while True:
             items = [await stream.queue.get()]
             while not stream.queue.empty():  # the client was slower than decode: one message
@@ -249,12 +219,12 @@ class Router:
                     raise item
                 if item.finish_reason == "error":
                     raise Unavailable(item.text)
-            chunk = self._chunk(stream, _merge(items))
+            chunk = self._chunk(stream, merge_outputs(items))
             yield chunk
             if chunk.finish_reason is not None:
                 return
 
-    def _chunk(self, stream: _Stream, out: RequestOutput) -> Chunk:
+    def _chunk(self, stream: Stream, out: RequestOutput) -> Chunk:
         now = time.perf_counter()
         n = len(out.token_ids)
         if n and stream.first_token_at is None:
@@ -343,15 +313,6 @@ class Router:
     @property
     def queue_length(self) -> int:
         return self._waiting
-
-
-def _merge(outputs: list[RequestOutput]) -> RequestOutput:
-    if len(outputs) == 1:
-        return outputs[0]
-    last = outputs[-1]
-    return RequestOutput(last.request_id, [t for o in outputs for t in o.token_ids], "".join(o.text for o in outputs),
-                         last.finish_reason, last.num_prompt_tokens, last.num_output_tokens,
-                         sum(o.kv_transfer_s for o in outputs), sum(o.kv_transfer_bytes for o in outputs))
 
 
 def _short(err: BaseException) -> str:
