@@ -105,9 +105,5 @@ class Request:
     def is_prefilling(self) -> bool:
         return self.num_uncomputed_tokens > 1
 
-    def token_id(self, index: int) -> int:
-        n = len(self.prompt_token_ids)
-        return self.prompt_token_ids[index] if index < n else self.output_token_ids[index - n]
-
     def token_slice(self, start: int, end: int) -> list[int]:
         return (self.prompt_token_ids + self.output_token_ids)[start:end]
