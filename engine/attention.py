@@ -34,8 +34,8 @@ class DecodeGroup:
 
     start: int
     end: int
-    blocks: torch.Tensor  # [B, max_blocks] block table, padded
-    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool, True = real key
+    slots: torch.Tensor  # [B, max_ctx] context slots, padded
+    mask: torch.Tensor  # [B, 1, 1, max_ctx] bool, True = real key
 
 
 @dataclass
@@ -59,25 +59,23 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 
     out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
     for group in paged.decode_groups:
-        _decode(query, paged.kv[module.layer_idx], group, scaling, out)
+        _decode(query, k_cache, v_cache, group, scaling, out)
     for chunk in paged.prefills:
         _prefill(query, key, value, k_cache, v_cache, chunk, scaling, out)
     return out.unsqueeze(0), None  # [1, T, H, D]
 
 
-def _decode(query, kv_layer, group: DecodeGroup, scaling, out) -> None:
+def _decode(query, k_cache, v_cache, group: DecodeGroup, scaling, out) -> None:
     n = group.end - group.start
     num_heads, head_dim = query.shape[1], query.shape[3]
-    num_kv_heads = kv_layer.shape[-2]
+    num_kv_heads = k_cache.shape[1]
     # one query per head; heads sharing a KV head ride together as a [G, D] "query block" so
     # the gathered K/V is never expanded to all heads (GQA without repeat_kv)
     q = query[0, :, group.start:group.end].transpose(0, 1)
     q = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, KVH, G, D]
-    # gather whole blocks (kv_layer[i] is [num_blocks, block_size, KVH, D]): one contiguous
-    # copy per block instead of one per token
-    table = group.blocks.view(-1)
-    k = kv_layer[0].index_select(0, table).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, KVH, ctx, D]
-    v = kv_layer[1].index_select(0, table).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+    flat = group.slots.view(-1)
+    k = k_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, KVH, ctx, D]
+    v = v_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)  # [B, KVH, G, D]
     out[group.start:group.end] = o.reshape(n, num_heads, head_dim)
 

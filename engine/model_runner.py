@@ -142,12 +142,15 @@ class ModelRunner:
     def _decode_group(self, decodes: list[ScheduledItem], start: int) -> attention.DecodeGroup:
         bs = self.block_size
         lens = [it.end for it in decodes]
-        max_blocks = (max(lens) + bs - 1) // bs
+        max_ctx = max(lens)
+        max_blocks = (max_ctx + bs - 1) // bs
         rows = [it.request.block_ids[:max_blocks] for it in decodes]
         table = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows])  # [B, max_blocks]
-        positions = torch.arange(max_blocks * bs)  # [max_blocks * bs]
-        mask = (positions[None, :] < torch.tensor(lens)[:, None])[:, None, None, :]  # [B, 1, 1, ctx]
-        return attention.DecodeGroup(start, start + len(decodes), table.to(self.device), mask.to(self.device))
+        ctx_lens = torch.tensor(lens)  # [B]
+        positions = torch.arange(max_ctx)  # [max_ctx]
+        slots = table[:, positions // bs] * bs + positions % bs  # [B, max_ctx]
+        mask = (positions[None, :] < ctx_lens[:, None])[:, None, None, :]  # [B, 1, 1, max_ctx]
+        return attention.DecodeGroup(start, start + len(decodes), slots.to(self.device), mask.to(self.device))
 
 
 def device_memory(device: torch.device) -> int:
