@@ -3,7 +3,8 @@
 `prefill(...)` queues a prompt as a `prefill_only` request; when its first token is sampled
 the call returns it at once (that is the user's TTFT) while the KV blocks stream to the
 decode worker on the channel for that pair, opened on first use. The blocks are freed when
-the transfer ends, landed or failed. The decode side reports each transfer's time and size with the request's last output.
+the transfer ends, landed or failed; the decode side reports each transfer's time and size
+with the request's last output.
 """
 
 from __future__ import annotations
