@@ -186,6 +186,14 @@ class LLMEngine:
         self._finish(req, "abort")
         return RequestOutput(request_id, [], "", "abort", req.num_prompt_tokens, len(req.output_token_ids))
 
+    def fail_all(self, reason: str) -> list[RequestOutput]:
+        """End every waiting or running request with finish reason "error", freeing its blocks."""
+        failed = list(self.scheduler.running) + list(self.scheduler.waiting)
+        for req in failed:
+            self._finish(req, "error")
+        return [RequestOutput(r.request_id, [], reason, "error", r.num_prompt_tokens, len(r.output_token_ids))
+                for r in failed]
+
     # ---- introspection -------------------------------------------------------------
     @property
     def num_running(self) -> int:

@@ -56,9 +56,16 @@ class EngineLoop:
             for fn, fut in inbox:
                 self._apply(fn, fut)
             if self.engine.has_unfinished():
-                outputs = self.engine.step()
+                outputs = self._step()
                 if outputs:
                     self._on_outputs(outputs)
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            return self.engine.step()
+        except Exception as e:  # a failed step must not leave every request hanging
+            log.exception("engine step failed; failing the requests it held")
+            return self.engine.fail_all(f"the engine step failed: {e}")
 
     def _apply(self, fn: Callable[[LLMEngine], Any], fut: Future) -> None:
         try:

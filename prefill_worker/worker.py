@@ -51,6 +51,8 @@ class PrefillWorker:
             out: RequestOutput = await fut
         finally:
             self._waiters.pop(request_id, None)
+        if out.finish_reason == "error":
+            raise RuntimeError(f"prefill of {request_id} failed on {self.core.name}: {out.text}")
         if out.finish_reason == "prefilled":
             self._push_kv(request_id, decode_name)
         return PrefillResult(request_id, out.token_ids[0], out.text, out.finish_reason,

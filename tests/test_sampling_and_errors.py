@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -122,3 +124,25 @@ def test_reserve_release_and_prefill_only_accounting(engine):
     engine.release("pre")
     assert engine.allocator.num_used == 0
     engine.check()
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_lives_on(engine, monkeypatch):
+    from engine.loop import EngineLoop
+
+    outputs = []
+    loop = EngineLoop(engine, outputs.extend, name="test")
+    real_execute = engine.runner.execute
+
+    def broken(items):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(engine.runner, "execute", broken)
+    loop.call(lambda e: e.add_request("f", prompt_token_ids=[4, 5, 6], sampling=SamplingParams(max_tokens=3))).result(10)
+    deadline = time.monotonic() + 10
+    while not outputs and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("f", "error")] and "boom" in outputs[0].text
+    monkeypatch.setattr(engine.runner, "execute", real_execute)
+    assert loop.call(lambda e: e.allocator.num_used).result(10) == 0  # its blocks came back
+    loop.call(lambda e: e.check()).result(10)
+    loop.stop()
