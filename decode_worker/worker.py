@@ -1,12 +1,12 @@
 """The decode worker, a Ray async actor.
 
-Protocol with the router (disaggregated): `reserve` blocks for a prompt -> a prefill worker
-pushes the prompt's KV into them over `kv_transfer` -> `start` hands over the first token and
-sampling; the request joins the running batch once both the KV has landed and `start` came.
-Colocated: `generate` prefills and decodes here. Tokens leave through `poll`, which returns
-every output since the last poll (one Ray call per step or more, never one per token).
-Ownership: reserved blocks belong to the worker until admitted; an abort during a transfer
-defers the free until the receiver is done writing into them.
+Protocol with the router (disaggregated; see engine/messages.py): `reserve` a lease on blocks
+-> a prefill worker pushes the KV into them over `kv_transfer` -> `start` hands over the
+tokens so far; the request joins the running batch once both the KV has landed and `start`
+came (decode_worker/handoff.py keeps that state). Colocated: `generate` prefills and decodes
+here. Tokens leave through `poll`, which returns every output since the last poll (one Ray
+call per step or more, never one per token). A hand-off that fails (transfer error, lease
+ended) leaves as an output with finish reason "error" and `retryable=True`.
 """
 
 from __future__ import annotations
@@ -14,44 +14,41 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from dataclasses import dataclass
 
+from decode_worker.handoff import Action, HandoffTable, Outcome
 from engine.config import EngineConfig
-from engine.messages import WorkerInfo, WorkerStats
+from engine.faults import FaultConfig, Faults
+from engine.messages import Reservation, StartDecode, WorkerInfo, WorkerStats
 from engine.request import RequestOutput, SamplingParams
 from engine.worker_core import WorkerCore
 from kv_transfer import KVReceiver, KVTransferConfig
 
-
-@dataclass
-class _Pending:
-    """A disaggregated request between reservation and admission."""
-
-    blocks: list[int]
-    landing_since: float | None = None  # the receiver is writing into the blocks since then
-    landed: bool = False
-    cancelled: bool = False
-    start: tuple[list[int], SamplingParams, int] | None = None  # prompt ids, sampling, first token
+REAP_EVERY_S = 0.1
 
 
 class DecodeWorker:
-    def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig | None, cpu: int | None = None):
-        self.core = WorkerCore(name, "decode", config, self._on_outputs, cpu)
+    def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig | None, cpu: int | None = None,
+                 faults: FaultConfig | None = None):
+        self.faults = Faults(faults, name)
+        self.core = WorkerCore(name, "decode", config, self._on_outputs, cpu, self.faults)
         self._outbox: list[RequestOutput] = []
         self._event: asyncio.Event | None = None
         self._lock = threading.Lock()
-        self._pending: dict[str, _Pending] = {}
+        self.handoffs = HandoffTable()
         self._transfers: dict[str, tuple[float, int]] = {}  # request id -> (seconds, bytes) of its KV
+        self._landing_since: dict[str, float] = {}
         kv = self.core.engine.runner.kv
         self._block_bytes = kv[:, :, 0].numel() * kv.element_size()
         self.receiver = None
         if transfer is not None:
-            self.receiver = KVReceiver(self.core.engine.runner.kv, self.core.node_ip, transfer,
+            self.receiver = KVReceiver(kv, self.core.node_ip, transfer,
                                        resolve_blocks=self._resolve_blocks, on_complete=self._on_landed)
+        self._reaper: asyncio.Task | None = None
 
     async def ready(self) -> WorkerInfo:
         self.core.bind()
         self._event = asyncio.Event()
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_leases())
         return self.core.info()
 
     # ---- outputs ------------------------------------------------------------------
@@ -61,6 +58,8 @@ class DecodeWorker:
                 self.core.served += 1
                 out.kv_transfer_s, out.kv_transfer_bytes = self._transfers.pop(out.request_id, (0.0, 0))
         self._push(outputs)
+        if any(out.token_ids for out in outputs):
+            self.faults.maybe_kill("decode.mid_stream")
 
     def _push(self, outputs: list[RequestOutput]) -> None:
         with self._lock:
@@ -81,16 +80,35 @@ class DecodeWorker:
         return out
 
     # ---- colocated ----------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams) -> None:
-        await self.core.run(lambda e: e.add_request(request_id, prompt_token_ids=prompt_token_ids, sampling=sampling))
+    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
+                       output_token_ids: list[int] | None = None, emitted_chars: int = 0) -> None:
+        """Prefill and decode here; `output_token_ids`: tokens an earlier attempt streamed."""
+        await self.core.run(lambda e: e.add_request(request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
+                                                    output_token_ids=output_token_ids or None,
+                                                    emitted_chars=emitted_chars))
 
     # ---- disaggregated --------------------------------------------------------------
-    async def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        blocks = await self.core.run(lambda e: e.reserve(request_id, num_tokens))
-        if blocks is not None:
-            with self._lock:
-                self._pending[request_id] = _Pending(blocks)
+    async def reserve(self, r: Reservation) -> list[int] | None:
+        """Blocks for `r.num_tokens`, or None when they don't fit (or the request was cancelled)."""
+        if self.handoffs.is_ended(r.request_id):
+            return None
+        blocks = await self.core.run(lambda e: e.reserve(r.request_id, r.num_tokens))
+        if blocks is None:
+            return None
+        if not self.handoffs.add(r.request_id, blocks, r.lease_s):  # cancelled while reserving
+            await self.core.run(lambda e: e.release(r.request_id))
+            return None
+        self.faults.maybe_kill("decode.after_reserve")
         return blocks
+
+    async def start(self, msg: StartDecode) -> None:
+        """Raises KeyError when the reservation is gone: the router places the request again."""
+        self._act(msg.request_id, self.handoffs.start(msg))
+        self.faults.maybe_kill("decode.after_start")
+
+    async def transfer_failed(self, request_id: str, reason: str) -> None:
+        """The prefill side could not send this request's KV."""
+        self._act(request_id, self.handoffs.transfer_failed(request_id, reason))
 
     async def open_channel(self, peer: str) -> tuple[str, int]:
         return await asyncio.to_thread(self.receiver.open_channel, peer)
@@ -100,70 +118,49 @@ class DecodeWorker:
             await asyncio.to_thread(self.receiver.close_channel, peer)
 
     def _resolve_blocks(self, request_id: str, num_blocks: int) -> list[int] | None:
-        with self._lock:
-            p = self._pending.get(request_id)
-            if p is None or p.cancelled or num_blocks > len(p.blocks):
-                return None
-            p.landing_since = time.perf_counter()
-            return p.blocks[:num_blocks]
+        blocks = self.handoffs.resolve(request_id, num_blocks)
+        if blocks is not None:
+            self._landing_since[request_id] = time.perf_counter()
+        return blocks
 
     def _on_landed(self, request_id: str, dst_block_ids: list[int], error: BaseException | None) -> None:
-        with self._lock:
-            p = self._pending.get(request_id)
-            if p is None:
-                return
-            if error is None:
-                self._transfers[request_id] = (time.perf_counter() - p.landing_since,
-                                               len(dst_block_ids) * self._block_bytes)
-            p.landing_since = None
-            p.landed = error is None
-            drop = error is not None or p.cancelled
-            admit = not drop and p.start is not None
-        if drop:
-            self._drop(request_id, None if p.cancelled else f"KV transfer failed: {error}")
-        elif admit:
-            self._admit(request_id)
+        since = self._landing_since.pop(request_id, None)
+        if error is None and since is not None:
+            self._transfers[request_id] = (time.perf_counter() - since, len(dst_block_ids) * self._block_bytes)
+        self._act(request_id, self.handoffs.landed(request_id, error))
 
-    async def start(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                    first_token: int) -> None:
-        with self._lock:
-            p = self._pending.get(request_id)
-            if p is None:
-                raise KeyError(f"no reservation for request {request_id!r} on {self.core.name}")
-            p.start = (prompt_token_ids, sampling, first_token)
-            admit = p.landed
-        if admit:
-            self._admit(request_id)
-
-    def _admit(self, request_id: str) -> None:
-        with self._lock:
-            prompt, sampling, first = self._pending.pop(request_id).start
-        fut = self.core.loop.call(lambda e: e.add_prefilled(request_id, prompt, sampling, first))
-        fut.add_done_callback(lambda f: f.exception() and self._fail(request_id, f"cannot admit: {f.exception()}"))
-
-    def _fail(self, request_id: str, error: str) -> None:
-        self.core.loop.call(lambda e: e.release(request_id))
-        self._push([RequestOutput(request_id, [], error, "error")])
-
-    def _drop(self, request_id: str, error: str | None) -> None:
-        with self._lock:
-            self._pending.pop(request_id, None)
-        if error is None:
+    def _act(self, request_id: str, outcome: Outcome) -> None:
+        """Carry out what the hand-off table decided (any thread)."""
+        if outcome.action is Action.ADMIT:
+            s = outcome.slot.start
+            fut = self.core.loop.call(lambda e: e.add_prefilled(request_id, s.prompt_token_ids, s.output_token_ids,
+                                                                s.sampling, s.emitted_chars))
+            fut.add_done_callback(lambda f: f.exception() and self._fail(request_id, f"cannot admit: {f.exception()}",
+                                                                       retryable=False))
+        elif outcome.action is Action.FREE:
+            self._transfers.pop(request_id, None)
             self.core.loop.call(lambda e: e.release(request_id))
-        else:
-            self._fail(request_id, error)
+        elif outcome.action is Action.FAIL:
+            self._transfers.pop(request_id, None)
+            self._fail(request_id, outcome.reason, retryable=True)
+
+    def _fail(self, request_id: str, error: str, retryable: bool) -> None:
+        self.core.loop.call(lambda e: e.release(request_id))
+        self._push([RequestOutput(request_id, [], error, "error", retryable=retryable)])
+
+    async def _reap_leases(self) -> None:
+        while True:
+            for request_id, outcome in self.handoffs.expire():
+                self._act(request_id, outcome)
+            await asyncio.sleep(REAP_EVERY_S)
 
     # ---- both ---------------------------------------------------------------------
     async def abort(self, request_id: str) -> None:
+        """Free whatever the request holds here, in any state (idempotent)."""
         self._transfers.pop(request_id, None)
-        with self._lock:
-            p = self._pending.get(request_id)
-            if p is not None:
-                p.cancelled = True
-                if p.landing_since is not None:
-                    return  # freed by _on_landed once the receiver stops writing
-        if p is not None:
-            self._drop(request_id, None)
+        outcome = self.handoffs.cancel(request_id)
+        if outcome.slot is not None:
+            self._act(request_id, outcome)
             return
         await self.core.run(lambda e: e.abort(request_id))
 
@@ -174,6 +171,8 @@ class DecodeWorker:
         return await self.core.check()
 
     async def shutdown(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
         if self.receiver is not None:
             await asyncio.to_thread(self.receiver.shutdown)
         self.core.stop()

@@ -3,12 +3,15 @@
 Not thread-safe: a worker calls it from one thread. Ownership of KV blocks: the scheduler
 allocates and frees them for ordinary requests; `reserve`/`release` manage blocks set aside
 for KV that another worker will push; a `prefill_only` request keeps its blocks after its
-first token until `release` (its KV is being sent).
+first token until `release` (its KV is being sent). A request can resume from outputs made
+elsewhere (`add_request(output_token_ids=...)`, `add_prefilled`). An error while sampling or
+detokenizing one request ends only that one, with finish reason "error".
 """
 
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from dataclasses import dataclass, field
 
@@ -18,11 +21,13 @@ from transformers import AutoTokenizer
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import BlockAllocator
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, ScheduledItem
 from engine.request import InvalidRequest, Request, RequestOutput, SamplingParams, Status
-from engine.sampler import sample
+from engine.sampler import sample_isolated
 from engine.scheduler import Scheduler
-from engine.validation import RequestValidator
+from engine.validation import RequestValidator, validate_request_id
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -56,37 +61,68 @@ class LLMEngine:
         self.reserved: dict[str, list[int]] = {}
         self._arrivals = itertools.count()
         self._generator = torch.Generator().manual_seed(config.seed)
+        self._ready: list[RequestOutput] = []  # final outputs of requests that ended at admission
         self.stats = StepStats()
 
     # ---- admission -------------------------------------------------------------------
-    def make_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-                     sampling: SamplingParams | None = None, prefill_only: bool = False) -> Request:
-        """Validate and build a request without queueing it (raises InvalidRequest)."""
+    def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
+                    sampling: SamplingParams | None = None, prefill_only: bool = False,
+                    output_token_ids: list[int] | None = None, emitted_chars: int = 0) -> Request:
+        """Validate (raises InvalidRequest) and queue a request.
+
+        A resumed request brings the `output_token_ids` it already produced elsewhere, the text of
+        whose first `emitted_chars` characters reached the client: prompt + outputs are computed as
+        after a preemption and it continues at output index len(output_token_ids). If the outputs
+        already end it (a stop), it is not queued and its final output comes with the next step.
+        """
         sampling = sampling or SamplingParams()
-        if request_id in self.requests or request_id in self.reserved:
-            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        self._check_free_id(request_id)
         ids = self.validator.prompt_ids(prompt, prompt_token_ids)
         self.validator.check(len(ids), sampling, self.allocator.num_blocks, self.config.block_size)
-        return self._build(request_id, ids, sampling, prefill_only)
-
-    def _build(self, request_id: str, ids: list[int], sampling: SamplingParams, prefill_only: bool) -> Request:
-        gen = torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None
-        return Request(request_id, ids, sampling, IncrementalDetokenizer(self.tokenizer, ids, sampling.stop),
-                       eos_token_id=self.eos_token_id, prefill_only=prefill_only,
-                       arrival=next(self._arrivals), generator=gen)
-
-    def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
-                    sampling: SamplingParams | None = None, prefill_only: bool = False) -> Request:
-        req = self.make_request(request_id, prompt, prompt_token_ids, sampling, prefill_only)
+        outputs = output_token_ids or []
+        if outputs:
+            self.validator.check_resumed(outputs, sampling)
+        req = self._build(request_id, ids, sampling, prefill_only)
+        reason = self._replay(req, outputs, emitted_chars)
+        if reason is not None:
+            self._finish_at_admission(req, reason)
+            return req
         self.requests[request_id] = req
         self.scheduler.add(req)
         return req
+
+    def _check_free_id(self, request_id: str) -> None:
+        validate_request_id(request_id)
+        if request_id in self.requests or request_id in self.reserved:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+
+    def _build(self, request_id: str, ids: list[int], sampling: SamplingParams, prefill_only: bool) -> Request:
+        return Request(request_id, ids, sampling, IncrementalDetokenizer(self.tokenizer, ids, sampling.stop),
+                       eos_token_id=self.eos_token_id, prefill_only=prefill_only, arrival=next(self._arrivals))
+
+    def _replay(self, req: Request, output_token_ids: list[int], emitted_chars: int) -> str | None:
+        """Re-append outputs made elsewhere, so the detokenizer sees them as if made here; the
+        finish reason they already cause, if any (later outputs are then dropped)."""
+        reason = None
+        for token in output_token_ids:
+            reason = self._append_token(req, token)
+            if reason is not None:
+                break
+        req.detokenizer.mark_emitted(emitted_chars)
+        return reason
+
+    def _finish_at_admission(self, req: Request, reason: str) -> None:
+        self._finish(req, reason)
+        self._ready.append(RequestOutput(req.request_id, [], req.detokenizer.take_delta(final=True), reason,
+                                         req.num_prompt_tokens, len(req.output_token_ids)))
 
     # ---- disaggregation: blocks that another worker fills --------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 
     def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
+        """Set aside blocks for `num_tokens` of pushed KV; None if they don't fit. Refuses an id in use."""
+        self._check_free_id(request_id)
         ids = self.allocator.allocate(self.blocks_for(num_tokens), request_id)
         if ids is not None:
             self.reserved[request_id] = ids
@@ -103,57 +139,94 @@ class LLMEngine:
             ids, req.block_ids = req.block_ids, []
         self.allocator.free(ids)
 
-    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                      first_token: int) -> None:
-        """Admit a request whose prompt KV another worker pushed into its reserved blocks."""
+    def add_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
+                      sampling: SamplingParams, emitted_chars: int = 0) -> Request:
+        """Admit a request whose KV another worker pushed into its reserved blocks.
+
+        The blocks hold the KV of prompt + output_token_ids[:-1]; the last output token is the next
+        input. The first `emitted_chars` characters of the outputs' text were already streamed. If
+        the outputs already finish the request (a stop, or max_tokens reached), its blocks are
+        freed now and its final output comes with the next `step()`. On error the reservation stays.
+        """
+        if not output_token_ids:
+            raise ValueError("add_prefilled needs at least the first output token")
+        blocks = self.reserved.get(request_id)
+        if blocks is None:
+            raise KeyError(f"no KV reservation for request {request_id!r}")
+        num_computed = len(prompt_token_ids) + len(output_token_ids) - 1
+        if len(blocks) < self.blocks_for(num_computed):
+            raise ValueError(f"request {request_id!r} reserved {len(blocks)} blocks, too few for {num_computed} tokens")
+        self.validator.check(len(prompt_token_ids), sampling)
+        self.validator.check_token_ids("output_token_ids", output_token_ids)
         request = self._build(request_id, list(prompt_token_ids), sampling, prefill_only=False)
+        reason = self._replay(request, output_token_ids, emitted_chars)
         request.block_ids = self.reserved.pop(request_id)
-        request.num_computed_tokens = request.num_prompt_tokens
+        if reason is not None:
+            self._finish_at_admission(request, reason)
+            return request
+        request.num_computed_tokens = num_computed
         self.requests[request_id] = request
         self.scheduler.admit_running(request)
-        self._append_token(request, first_token)
-        request.detokenizer.take_delta(final=False)  # the prefill worker already streamed this text
+        return request
 
     # ---- the step ------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or bool(self._ready)
 
     def step(self) -> list[RequestOutput]:
-        t0 = time.perf_counter()
+        """One forward over the scheduled batch. A failure while sampling or detokenizing one
+        request fails only that request; a failure of the forward itself raises."""
         items = self.scheduler.schedule()
-        if not items:
-            return []
-        t1 = time.perf_counter()
+        outputs = self._run(items) if items else []
+        ready, self._ready = self._ready, []
+        return ready + outputs
+
+    def _run(self, items: list[ScheduledItem]) -> list[RequestOutput]:
+        t0 = time.perf_counter()
         logits = self.runner.execute(items)
-        t2 = time.perf_counter()
+        t1 = time.perf_counter()
         sampling = [it.request for it in items if it.samples]
         for it in items:
             it.request.num_computed_tokens += it.num_tokens
-        tokens = sample(logits, sampling, self._generator)
+        tokens = sample_isolated(logits, sampling, self._generator)
         outputs = [self._emit(req, tok) for req, tok in zip(sampling, tokens, strict=True)]
-        self._record(items, t0, t1, t2, time.perf_counter())
+        self._record(items, t0, t1, time.perf_counter())
         return outputs
 
-    def _record(self, items, t0: float, t1: float, t2: float, t3: float) -> None:
+    def _record(self, items: list[ScheduledItem], t0: float, t1: float, t2: float) -> None:
+        """Step from t0 to t2, of which the forward is t0 to t1."""
         s = self.stats
         s.steps += 1
-        s.step_s += t3 - t0
-        s.forward_s += t2 - t1
+        s.step_s += t2 - t0
+        s.forward_s += t1 - t0
         if all(it.is_decode for it in items):
             s.decode_steps += 1
-            s.decode_step_s += t3 - t0
-            s.decode_forward_s += t2 - t1
+            s.decode_step_s += t2 - t0
+            s.decode_forward_s += t1 - t0
             s.batch_sizes.append(len(items))
 
-    def _emit(self, req: Request, token: int) -> RequestOutput:
+    def _emit(self, req: Request, token: int | Exception) -> RequestOutput:
+        if isinstance(token, Exception):
+            return self._fail(req, f"sampling failed: {_describe(token)}")
+        try:
+            return self._emit_token(req, token)
+        except Exception as e:
+            log.exception("detokenizing failed for request %r", req.request_id)
+            return self._fail(req, f"detokenizing failed: {_describe(e)}")
+
+    def _emit_token(self, req: Request, token: int) -> RequestOutput:
         reason = self._append_token(req, token)
+        if reason is None and req.prefill_only:
+            reason = "prefilled"
+        # a prefilled request goes on elsewhere: hold back a partial stop string as if unfinished
+        text = req.detokenizer.take_delta(final=reason not in (None, "prefilled"))
         if reason is not None:
             self._finish(req, reason)
-        return RequestOutput(req.request_id, [token], req.detokenizer.take_delta(final=reason is not None),
-                             reason, req.num_prompt_tokens, len(req.output_token_ids))
+        return RequestOutput(req.request_id, [token], text, reason, req.num_prompt_tokens,
+                             len(req.output_token_ids))
 
     def _append_token(self, req: Request, token: int) -> str | None:
-        """Record one new token; the finish reason it causes, if any."""
+        """Record one output token; the finish reason ("stop" or "length") it causes, if any."""
         req.output_token_ids.append(token)
         hit_stop_string = req.detokenizer.add_token(token)
         p = req.sampling
@@ -161,8 +234,6 @@ class LLMEngine:
             return "stop"
         if len(req.output_token_ids) >= p.max_tokens:
             return "length"
-        if req.prefill_only:
-            return "prefilled"
         return None
 
     def _finish(self, req: Request, reason: str) -> None:
@@ -171,6 +242,11 @@ class LLMEngine:
         self.scheduler.finish(req, keep_blocks=keep)
         if not keep:
             self.requests.pop(req.request_id, None)
+
+    def _fail(self, req: Request, error: str) -> RequestOutput:
+        """End `req` with finish reason "error" (its blocks freed); `error` is the output's text."""
+        self._finish(req, "error")
+        return RequestOutput(req.request_id, [], error, "error", req.num_prompt_tokens, len(req.output_token_ids))
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Drop a request wherever it is; frees its blocks. None if unknown."""
@@ -189,10 +265,7 @@ class LLMEngine:
     def fail_all(self, reason: str) -> list[RequestOutput]:
         """End every waiting or running request with finish reason "error", freeing its blocks."""
         failed = list(self.scheduler.running) + list(self.scheduler.waiting)
-        for req in failed:
-            self._finish(req, "error")
-        return [RequestOutput(r.request_id, [], reason, "error", r.num_prompt_tokens, len(r.output_token_ids))
-                for r in failed]
+        return [self._fail(req, reason) for req in failed]
 
     # ---- introspection -------------------------------------------------------------
     @property
@@ -220,6 +293,12 @@ class LLMEngine:
             for out in self.step():
                 results[out.request_id].extend(out.token_ids)
         return [results[rid] for rid in ids]
+
+
+def _describe(error: Exception) -> str:
+    """A short, one-line description of `error` for the client."""
+    first_line = next(iter(str(error).splitlines()), "")
+    return f"{type(error).__name__}: {first_line}"[:200]
 
 
 def _eos_id(hf_config, tokenizer) -> int | None:

@@ -3,6 +3,8 @@
 The engine is not thread-safe, so every touch (add, reserve, abort, ...) is queued with
 `call(fn)` and runs on the loop thread between two steps; the caller gets a
 `concurrent.futures.Future`. Each step's outputs go to `on_outputs` (on the loop thread).
+`before_step`, if given, runs on the loop thread before every step (fault injection hooks in
+there); if it raises, that step fails like a failed forward.
 """
 
 from __future__ import annotations
@@ -20,9 +22,11 @@ log = logging.getLogger(__name__)
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None], name: str = "engine"):
+    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None], name: str = "engine",
+                 before_step: Callable[[], None] | None = None):
         self.engine = engine
         self._on_outputs = on_outputs
+        self._before_step = before_step
         self._inbox: list[tuple[Callable[[LLMEngine], Any], Future]] = []
         self._wake = threading.Condition()
         self._stopped = False
@@ -62,6 +66,8 @@ class EngineLoop:
 
     def _step(self) -> list[RequestOutput]:
         try:
+            if self._before_step is not None:
+                self._before_step()
             return self.engine.step()
         except Exception as e:  # a failed step must not leave every request hanging
             log.exception("engine step failed; failing the requests it held")

@@ -1,35 +1,69 @@
 """Request validation shared by the engine and the router (which has no model loaded).
 
 Every refusal is an `InvalidRequest` whose message is meant for the person who sent it.
+Cheap size checks run before any work that grows with the input (tokenizing, vocab scans).
 """
 
 from __future__ import annotations
 
+from engine.limits import DEFAULT_MAX_PROMPT_BYTES, MAX_REQUEST_ID_CHARS
 from engine.request import InvalidRequest, SamplingParams
 
 
+def validate_request_id(request_id: str) -> None:
+    """At most MAX_REQUEST_ID_CHARS printable ASCII characters without whitespace; empty is allowed."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} "
+                             "are allowed")
+    for i, ch in enumerate(request_id):
+        if not "\x21" <= ch <= "\x7e":
+            raise InvalidRequest("request_id may contain only printable ASCII characters without spaces "
+                                 f"(found {ch!r} at {i})")
+
+
 class RequestValidator:
-    def __init__(self, tokenizer, vocab_size: int, max_model_len: int):
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
+                 max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES):
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
+        self.max_prompt_bytes = max_prompt_bytes
 
     def prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
         """The prompt as token ids: exactly one of `prompt` / `prompt_token_ids`, non-empty, in vocab."""
         if prompt and prompt_token_ids:
             raise InvalidRequest("give either a prompt or prompt_token_ids, not both")
-        ids = list(prompt_token_ids) if prompt_token_ids else self.tokenizer.encode(prompt or "", add_special_tokens=False)
+        if prompt_token_ids:
+            if len(prompt_token_ids) > self.max_model_len:
+                raise InvalidRequest(f"prompt_token_ids has {len(prompt_token_ids)} tokens; the model's context "
+                                     f"is {self.max_model_len} tokens")
+            ids = list(prompt_token_ids)
+            self.check_token_ids("prompt_token_ids", ids)
+            return ids
+        ids = self._encode(prompt or "")
         if not ids:
             raise InvalidRequest("the prompt is empty: give a non-empty prompt or prompt_token_ids")
+        return ids
+
+    def _encode(self, prompt: str) -> list[int]:
+        try:
+            size = len(prompt.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise InvalidRequest(f"the prompt is not valid Unicode text (a lone surrogate at {e.start})") from None
+        if size > self.max_prompt_bytes:
+            raise InvalidRequest(f"the prompt is {size} bytes; at most {self.max_prompt_bytes} are allowed")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def check_token_ids(self, name: str, ids: list[int] | tuple[int, ...]) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise InvalidRequest(f"prompt_token_ids has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
-        return ids
+            raise InvalidRequest(f"{name} has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
     def check(self, num_prompt_tokens: int, sampling: SamplingParams, pool_blocks: int | None = None,
               block_size: int = 16) -> None:
         """Sampling values in range, and prompt + max_tokens fits the context (and a whole KV pool)."""
         sampling.validate()
+        self.check_token_ids("stop_token_ids", sampling.stop_token_ids)
         total = num_prompt_tokens + sampling.max_tokens
         if total > self.max_model_len:
             raise InvalidRequest(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({sampling.max_tokens}) = "
@@ -38,3 +72,10 @@ class RequestValidator:
         if pool_blocks is not None and blocks > pool_blocks:
             raise InvalidRequest(f"the request needs {blocks} KV blocks but the largest worker KV pool has "
                                  f"{pool_blocks}; lower max_tokens or the prompt length")
+
+    def check_resumed(self, output_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Outputs a resumed request already produced: in vocab, and max_tokens leaves one more to make."""
+        self.check_token_ids("output_token_ids", output_token_ids)
+        if len(output_token_ids) >= sampling.max_tokens:
+            raise InvalidRequest(f"the request already has {len(output_token_ids)} output tokens; max_tokens "
+                                 f"({sampling.max_tokens}) leaves none to generate")

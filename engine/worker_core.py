@@ -15,6 +15,7 @@ import ray
 import torch
 
 from engine.config import EngineConfig
+from engine.faults import Faults
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineLoop
 from engine.messages import WorkerInfo, WorkerStats
@@ -23,7 +24,8 @@ from engine.request import RequestOutput
 
 class WorkerCore:
     def __init__(self, name: str, pool: str, config: EngineConfig,
-                 on_outputs: Callable[[list[RequestOutput]], None], cpu: int | None = None):
+                 on_outputs: Callable[[list[RequestOutput]], None], cpu: int | None = None,
+                 faults: Faults | None = None):
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})  # before torch starts its thread pool
         torch.set_num_threads(config.torch_threads or 1)
@@ -32,7 +34,8 @@ class WorkerCore:
         self.pool = pool
         self.node_ip = ray.util.get_node_ip_address()  # where peers reach this worker's channels
         self.engine = LLMEngine(config)
-        self.loop = EngineLoop(self.engine, on_outputs, name=name)
+        slow = faults.slow_step if faults is not None and faults.config.step_delay_s > 0 else None
+        self.loop = EngineLoop(self.engine, on_outputs, name=name, before_step=slow)
         self.served = 0
         self.aio: asyncio.AbstractEventLoop | None = None
 

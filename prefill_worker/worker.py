@@ -1,10 +1,11 @@
 """The prefill worker, a Ray async actor.
 
-`prefill(...)` queues a prompt as a `prefill_only` request; when its first token is sampled
-the call returns it at once (that is the user's TTFT) while the KV blocks stream to the
-decode worker on the channel for that pair, opened on first use. The blocks are freed when
-the transfer ends, landed or failed; the decode side reports each transfer's time and size
-with the request's last output.
+`prefill(task)` queues prompt + outputs-so-far as a `prefill_only` request; when its next
+token is sampled the call returns it at once (that is the user's TTFT) while the KV blocks
+stream to the decode worker on the channel for that pair, opened on first use. The blocks
+are freed when the transfer ends, landed or failed. Every failed send is reported twice: to
+the decode worker (`transfer_failed`, which frees its reservation) and to the router (`poll`
+returns `TransferFailed` events, so the request moves elsewhere without waiting for a lease).
 """
 
 from __future__ import annotations
@@ -15,55 +16,79 @@ import time
 from concurrent.futures import Future
 
 from engine.config import EngineConfig
-from engine.messages import PrefillResult, WorkerInfo, WorkerStats
-from engine.request import RequestOutput, SamplingParams
+from engine.faults import FaultConfig, Faults
+from engine.messages import PrefillResult, PrefillTask, TransferFailed, WorkerInfo, WorkerStats
+from engine.request import RequestOutput
 from engine.worker_core import WorkerCore
 from kv_transfer import KVSender, KVTransferConfig
 
 log = logging.getLogger(__name__)
+KILL_DELAY_S = 0.05  # a kill "after the first token" lets the result leave first
+ABORTED_MEMORY_S = 120.0
+
+
+class PrefillFailed(RuntimeError):
+    """The engine failed on this request (not the worker): the router does not retry it."""
 
 
 class PrefillWorker:
-    def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig, cpu: int | None = None):
-        self.core = WorkerCore(name, "prefill", config, self._on_outputs, cpu)
+    def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig, cpu: int | None = None,
+                 faults: FaultConfig | None = None):
+        self.faults = Faults(faults, name)
+        self.core = WorkerCore(name, "prefill", config, self._on_outputs, cpu, self.faults)
         self.sender = KVSender(self.core.engine.runner.kv, transfer)
+        self._timeout_s = transfer.timeout_s
         self._waiters: dict[str, asyncio.Future] = {}
         self._sending: set[str] = set()  # requests whose KV is on the wire (blocks must stay)
         self._channel_locks: dict[str, asyncio.Lock] = {}
         self._peers: dict[str, object] = {}  # decode worker name -> actor handle
+        self._events: list[TransferFailed] = []
+        self._event: asyncio.Event | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._aborted: dict[str, float] = {}  # request id -> when; a late prefill is refused
 
     async def ready(self) -> WorkerInfo:
         self.core.bind()
+        self._event = asyncio.Event()
         return self.core.info()
 
-    async def prefill(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                      decode_name: str, decode_actor=None) -> PrefillResult:
+    async def prefill(self, task: PrefillTask, decode_actor=None) -> PrefillResult:
         """`decode_actor` comes with the first request for a decode worker and is kept."""
         if decode_actor is not None:
-            self._peers[decode_name] = decode_actor
-        await self._ensure_channel(decode_name, self._peers[decode_name])
+            self._peers[task.decode_name] = decode_actor
+        if task.decode_name not in self._peers:
+            raise KeyError(f"{self.core.name} has no handle of {task.decode_name}")
+        await self._ensure_channel(task.decode_name, self._peers[task.decode_name])
         arrived = time.perf_counter()
-        fut = self.core.aio.create_future()
-        self._waiters[request_id] = fut
-        try:
-            await self.core.run(lambda e: e.add_request(request_id, prompt_token_ids=prompt_token_ids,
-                                                        sampling=sampling, prefill_only=True))
-            out: RequestOutput = await fut
-        finally:
-            self._waiters.pop(request_id, None)
+        if task.request_id in self._aborted:
+            raise asyncio.CancelledError(f"{task.request_id} was cancelled")
+        out = await self._first_token(task)
         if out.finish_reason == "error":
-            raise RuntimeError(f"prefill of {request_id} failed on {self.core.name}: {out.text}")
+            raise PrefillFailed(f"prefill failed on {self.core.name}: {out.text}")
         if out.finish_reason == "prefilled":
-            self._push_kv(request_id, decode_name)
-        return PrefillResult(request_id, out.token_ids[0], out.text, out.finish_reason,
+            self._push_kv(task.request_id, task.decode_name)
+            self.core.aio.call_later(KILL_DELAY_S, self.faults.maybe_kill, "prefill.after_first_token")
+        return PrefillResult(task.request_id, out.token_ids[0], out.text, out.finish_reason,
                              time.perf_counter() - arrived)
+
+    async def _first_token(self, task: PrefillTask) -> RequestOutput:
+        fut = self.core.aio.create_future()
+        self._waiters[task.request_id] = fut
+        try:
+            await self.core.run(lambda e: e.add_request(
+                task.request_id, prompt_token_ids=task.prompt_token_ids, sampling=task.sampling, prefill_only=True,
+                output_token_ids=task.output_token_ids or None, emitted_chars=task.emitted_chars))
+            return await fut
+        finally:
+            self._waiters.pop(task.request_id, None)
 
     async def _ensure_channel(self, decode_name: str, decode_actor) -> None:
         lock = self._channel_locks.setdefault(decode_name, asyncio.Lock())
         async with lock:
             if self.sender.is_connected(decode_name):
                 return
-            host, port = await decode_actor.open_channel.remote(self.core.name)
+            ref = decode_actor.open_channel.remote(self.core.name)
+            host, port = await asyncio.wait_for(ref, self._timeout_s)
             await asyncio.to_thread(self.sender.connect, decode_name, host, port)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -72,20 +97,72 @@ class PrefillWorker:
             if waiter is not None:
                 self.core.aio.call_soon_threadsafe(_resolve, waiter, out)
 
+    # ---- the KV push ----------------------------------------------------------------
     def _push_kv(self, request_id: str, decode_name: str) -> None:
-        blocks = self.core.engine.requests[request_id].block_ids  # held until the transfer ends
-        self._sending.add(request_id)
-        fut = self.sender.send(decode_name, request_id, list(blocks))
-        fut.add_done_callback(lambda f: self._transfer_done(request_id, f))
+        self._sending.add(request_id)  # blocks stay until the transfer ends
+        if self.faults.fail_transfer():
+            self._transfer_ended(request_id, decode_name, "injected transfer failure")
+            return
+        delay = self.faults.transfer_delay()
+        if delay:
+            self.core.aio.call_later(delay, self._send, request_id, decode_name)
+        else:
+            self._send(request_id, decode_name)
 
-    def _transfer_done(self, request_id: str, fut: Future) -> None:
+    def _send(self, request_id: str, decode_name: str) -> None:
+        blocks = self.core.engine.requests[request_id].block_ids  # read-only; held until the end
+        try:
+            fut = self.sender.send(decode_name, request_id, list(blocks))
+        except ValueError as e:
+            self._transfer_ended(request_id, decode_name, str(e))
+            return
+        fut.add_done_callback(lambda f: self.core.aio.call_soon_threadsafe(self._sent, request_id, decode_name, f))
+
+    def _sent(self, request_id: str, decode_name: str, fut: Future) -> None:
+        err = fut.exception()
+        self._transfer_ended(request_id, decode_name, None if err is None else str(err))
+
+    def _transfer_ended(self, request_id: str, decode_name: str, error: str | None) -> None:
+        """On the actor's loop: free the blocks; report a failure to both sides."""
         self._sending.discard(request_id)
         self.core.loop.call(lambda e: e.release(request_id))
         self.core.served += 1
-        if fut.exception() is not None:  # the decode side reports the failure to the router
-            log.warning("KV transfer of %s failed: %s", request_id, fut.exception())
+        if error is None:
+            return
+        log.warning("KV transfer of %s to %s failed: %s", request_id, decode_name, error)
+        self._events.append(TransferFailed(request_id, error))
+        self._event.set()
+        peer = self._peers.get(decode_name)
+        if peer is not None:
+            self._track(self._tell_decode(peer, request_id, error))
 
+    async def _tell_decode(self, peer, request_id: str, error: str) -> None:
+        try:
+            await asyncio.wait_for(peer.transfer_failed.remote(request_id, error), self._timeout_s)
+        except Exception as e:  # a dead or hung decode worker: its lease and the router cover it
+            log.warning("could not tell the decode worker that %s failed: %s", request_id, e)
+
+    def _track(self, coro) -> None:
+        task = self.core.aio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def poll(self, timeout_s: float = 1.0) -> list[TransferFailed]:
+        """Failed sends since the last poll; waits up to `timeout_s` for at least one."""
+        if not self._events:
+            self._event.clear()
+            try:
+                await asyncio.wait_for(self._event.wait(), timeout_s)
+            except TimeoutError:
+                return []
+        events, self._events = self._events, []
+        return events
+
+    # ---- admin ----------------------------------------------------------------------
     async def abort(self, request_id: str) -> None:
+        now = time.monotonic()
+        self._aborted = {rid: t for rid, t in self._aborted.items() if now - t < ABORTED_MEMORY_S}
+        self._aborted[request_id] = now
         waiter = self._waiters.pop(request_id, None)
         if waiter is not None and not waiter.done():
             waiter.cancel()

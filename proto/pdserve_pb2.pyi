@@ -7,7 +7,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos", "has_seed")
+    __slots__ = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "ignore_eos")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
@@ -16,7 +16,6 @@ class SamplingParams(_message.Message):
     STOP_FIELD_NUMBER: _ClassVar[int]
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
-    HAS_SEED_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_p: float
@@ -25,8 +24,7 @@ class SamplingParams(_message.Message):
     stop: _containers.RepeatedScalarFieldContainer[str]
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     ignore_eos: bool
-    has_seed: bool
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ..., has_seed: _Optional[bool] = ...) -> None: ...
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., seed: _Optional[int] = ..., stop: _Optional[_Iterable[str]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., ignore_eos: _Optional[bool] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "prompt_token_ids", "sampling")
@@ -41,7 +39,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "ttft_ms", "queue_ms", "prefill_worker", "decode_worker", "prefill_ms", "kv_transfer_ms", "kv_transfer_bytes")
+    __slots__ = ("prompt_tokens", "completion_tokens", "ttft_ms", "queue_ms", "prefill_worker", "decode_worker", "prefill_ms", "kv_transfer_ms", "kv_transfer_bytes", "migrations")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -51,6 +49,7 @@ class Usage(_message.Message):
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     ttft_ms: float
@@ -60,7 +59,8 @@ class Usage(_message.Message):
     prefill_ms: float
     kv_transfer_ms: float
     kv_transfer_bytes: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ...) -> None: ...
+    migrations: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., migrations: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage")
@@ -107,20 +107,40 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("mode", "model", "workers", "router_queue", "router_in_flight", "requests_total")
+    __slots__ = ("mode", "model", "workers", "router_queue", "router_in_flight", "requests_total", "pools")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ROUTER_QUEUE_FIELD_NUMBER: _ClassVar[int]
     ROUTER_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
     mode: str
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
     router_queue: int
     router_in_flight: int
     requests_total: int
-    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., router_queue: _Optional[int] = ..., router_in_flight: _Optional[int] = ..., requests_total: _Optional[int] = ...) -> None: ...
+    pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
+    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., router_queue: _Optional[int] = ..., router_in_flight: _Optional[int] = ..., requests_total: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...
+
+class PoolStatus(_message.Message):
+    __slots__ = ("pool", "target", "ready", "starting", "restarts", "last_failure", "last_failure_age_s")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FIELD_NUMBER: _ClassVar[int]
+    READY_FIELD_NUMBER: _ClassVar[int]
+    STARTING_FIELD_NUMBER: _ClassVar[int]
+    RESTARTS_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILURE_FIELD_NUMBER: _ClassVar[int]
+    LAST_FAILURE_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    target: int
+    ready: int
+    starting: int
+    restarts: int
+    last_failure: str
+    last_failure_age_s: float
+    def __init__(self, pool: _Optional[str] = ..., target: _Optional[int] = ..., ready: _Optional[int] = ..., starting: _Optional[int] = ..., restarts: _Optional[int] = ..., last_failure: _Optional[str] = ..., last_failure_age_s: _Optional[float] = ...) -> None: ...
 
 class ScaleRequest(_message.Message):
     __slots__ = ("pool", "replicas")

@@ -100,11 +100,12 @@ def _serve(args: argparse.Namespace) -> int:
 def _add_generate(sub) -> None:
     p = sub.add_parser("generate", help="stream a completion from a running router")
     p.add_argument("prompt")
-    p.add_argument("--max-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--seed", type=int)
+    # unset sampling flags are left out of the request: the server's defaults apply
+    p.add_argument("--max-tokens", type=int, help="default 16")
+    p.add_argument("--temperature", type=float, help="default 0 (greedy)")
+    p.add_argument("--top-p", type=float, help="default 1.0")
+    p.add_argument("--top-k", type=int, help="default 0 (off)")
+    p.add_argument("--seed", type=int, help="default none")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--usage", action="store_true", help="print token counts and timings at the end")
@@ -114,7 +115,7 @@ def _add_generate(sub) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     for name in ("max_tokens", "top_k"):
-        if getattr(args, name) < 0:
+        if (getattr(args, name) or 0) < 0:
             print(f"pdserve: error: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)
             return 2
     last = None

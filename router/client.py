@@ -31,8 +31,8 @@ def _call(fn):
 
 
 def generate(address: str, prompt: str, **sampling) -> Iterator[pb.GenerateResponse]:
-    seed = sampling.pop("seed", None)
-    params = pb.SamplingParams(**sampling, seed=seed or 0, has_seed=seed is not None)
+    """A sampling value of None is left unset, so the server applies its documented default."""
+    params = pb.SamplingParams(**{name: value for name, value in sampling.items() if value is not None})
     stub = pb_grpc.GenerationStub(_channel(address))
     stream = stub.Generate(pb.GenerateRequest(prompt=prompt, sampling=params))
     try:

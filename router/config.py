@@ -17,6 +17,8 @@ from typing import Any, Literal
 import yaml
 
 from engine.config import EngineConfig
+from engine.faults import FaultConfig
+from engine.limits import DEFAULT_MAX_PROMPT_BYTES
 from engine.memory import PlanError, parse_bytes
 
 
@@ -38,8 +40,18 @@ class RouterSection:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = None  # Prometheus endpoint; None = off, 0 = pick a free port
-    max_queue: int = 256  # requests waiting for KV blocks; beyond: RESOURCE_EXHAUSTED
+    max_queue: int = 256  # requests waiting for capacity; beyond: RESOURCE_EXHAUSTED
     shutdown_grace_s: float = 10.0
+    max_prefill_inflight: int = 8  # requests on one prefill worker (or colocated worker) at once
+    migration_limit: int = 3  # times a request moves to another worker after a failure
+    call_timeout_s: float = 10.0  # deadline of every short router -> worker call
+    prefill_timeout_s: float = 60.0  # deadline of one prefill, queueing on the worker included
+    queue_timeout_s: float = 120.0  # longest wait for capacity before UNAVAILABLE
+    drain_timeout_s: float = 60.0  # then a draining worker's requests migrate
+    worker_start_timeout_s: float = 180.0  # a worker that is not ready by then is killed
+    unresponsive_s: float = 30.0  # a worker that answers no stats call for this long is replaced
+    restart_backoff_s: float = 1.0  # first delay before replacing a dead worker; doubles, max 30 s
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # refused before tokenizing
 
 
 @dataclass(frozen=True)
@@ -94,6 +106,7 @@ class ClusterConfig:
     scheduler: SchedulerSection = field(default_factory=SchedulerSection)
     kv_transfer: KVTransferSection = field(default_factory=KVTransferSection)
     ray: RaySection = field(default_factory=RaySection)
+    faults: FaultConfig = field(default_factory=FaultConfig)  # fault injection, off by default
 
     def engine_config(self, pool: PoolSection, device: str = "cpu") -> EngineConfig:
         kv = self.kv_cache
@@ -198,8 +211,18 @@ def _check_values(cfg: ClusterConfig, where: str) -> None:
         ("router.port", 0 <= cfg.router.port <= 65535, "must be a port number 0-65535"),
         ("router.metrics_port", cfg.router.metrics_port is None or 0 <= cfg.router.metrics_port <= 65535,
          "must be a port number 0-65535"),
-        ("router.max_queue", cfg.router.max_queue >= 0, "must be >= 0"),
+        ("router.max_queue", cfg.router.max_queue >= 1, "must be >= 1"),
         ("router.shutdown_grace_s", cfg.router.shutdown_grace_s >= 0, "must be >= 0"),
+        ("router.max_prefill_inflight", cfg.router.max_prefill_inflight >= 1, "must be >= 1"),
+        ("router.migration_limit", cfg.router.migration_limit >= 0, "must be >= 0"),
+        ("router.call_timeout_s", cfg.router.call_timeout_s > 0, "must be > 0"),
+        ("router.prefill_timeout_s", cfg.router.prefill_timeout_s > 0, "must be > 0"),
+        ("router.queue_timeout_s", cfg.router.queue_timeout_s > 0, "must be > 0"),
+        ("router.drain_timeout_s", cfg.router.drain_timeout_s >= 0, "must be >= 0"),
+        ("router.worker_start_timeout_s", cfg.router.worker_start_timeout_s > 0, "must be > 0"),
+        ("router.unresponsive_s", cfg.router.unresponsive_s > 0, "must be > 0"),
+        ("router.restart_backoff_s", cfg.router.restart_backoff_s > 0, "must be > 0"),
+        ("router.max_prompt_bytes", cfg.router.max_prompt_bytes >= 1, "must be >= 1"),
         ("prefill.replicas", cfg.prefill.replicas >= (1 if cfg.mode == "disaggregated" else 0),
          "must be >= 1 in disaggregated mode (>= 0 in colocated)"),
         ("decode.replicas", cfg.decode.replicas >= 1, "must be >= 1"),
@@ -221,6 +244,7 @@ def _check_values(cfg: ClusterConfig, where: str) -> None:
         ("kv_transfer.timeout_s", cfg.kv_transfer.timeout_s > 0, "must be > 0"),
         ("model.max_model_len", cfg.model.max_model_len is None or cfg.model.max_model_len >= 2, "must be >= 2"),
     ]
+    rules += [(f"faults.{key}", False, reason) for key, reason in cfg.faults.problems()]
     for key, ok, reason in rules:
         if not ok:
             raise ConfigError(f"{where}: {key}: {reason}")

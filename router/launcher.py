@@ -61,6 +61,7 @@ class RunningCluster:
         self.server = RouterServer(self.router, cfg.router.host, cfg.router.port)
         self.metrics_server = None
         self.metrics_port: int | None = None
+        self._health: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.server.start()
@@ -69,9 +70,12 @@ class RunningCluster:
         if self.cfg.router.metrics_port is not None:
             self.metrics_server = self.metrics.start_http_server(self.cfg.router.host, self.cfg.router.metrics_port)
             self.metrics_port = self.metrics_server.port
-        await self.server.set_serving(True)
+        await self.server.set_serving(self.router.serving)
+        self._health = asyncio.get_running_loop().create_task(self.server.follow_health())
 
     async def stop(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
         await self.server.set_serving(False)
         await self.router.stop(self.cfg.router.shutdown_grace_s)
         await self.server.stop(1.0)

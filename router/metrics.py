@@ -84,6 +84,11 @@ class RouterMetrics:
                                 ["finish_reason"], registry=reg)
         self.errors = Counter("pdserve_request_errors", "Failed requests by gRPC status.",
                               ["status"], registry=reg)
+        self.migrations = Counter("pdserve_request_migrations",
+                                  "Attempts that failed and moved their request to another worker.",
+                                  registry=reg)
+        self.worker_failures = Counter("pdserve_worker_failures", "Workers that died or hung, by pool.",
+                                       ["pool"], registry=reg)
 
     def observe_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
@@ -109,6 +114,12 @@ class RouterMetrics:
     def observe_error(self, status: str) -> None:
         """`status` is the gRPC status name, e.g. "RESOURCE_EXHAUSTED"."""
         self.errors.labels(status=status).inc()
+
+    def observe_migration(self) -> None:
+        self.migrations.inc()
+
+    def observe_worker_failure(self, pool: str) -> None:
+        self.worker_failures.labels(pool=pool).inc()
 
     def set_worker_gauges(self, worker: str, running: int, waiting: int,
                           kv_blocks_used: int, kv_blocks_free: int) -> None:

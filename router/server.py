@@ -1,41 +1,33 @@
 """gRPC front door (grpc.aio): Generation and Admin services over `Router`, plus the standard
 health service and server reflection. Errors become statuses with a readable message:
-INVALID_ARGUMENT (bad request), RESOURCE_EXHAUSTED (queue full), UNAVAILABLE (shutting down,
-empty pool, worker failure); a client that goes away cancels its request on every worker."""
+INVALID_ARGUMENT (bad request), RESOURCE_EXHAUSTED (queue full; a scale Ray cannot place),
+UNAVAILABLE (shutting down, no worker can serve, failures beyond the migration limit),
+INTERNAL (the engine failed on this request); a client that goes away cancels its request on
+every worker. Health is SERVING only while every pool the mode needs has a ready worker."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from engine.request import InvalidRequest, SamplingParams
+from engine.request import InvalidRequest
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from router.convert import pool_status_to_proto, sampling_from_proto, usage_to_proto
 from router.service import Router
-from router.stream import Chunk, QueueFull, Unavailable
+from router.stream import CannotPlace, Chunk, InternalError, QueueFull, Unavailable
 
 log = logging.getLogger(__name__)
 
 _STATUS = {InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
-           Unavailable: grpc.StatusCode.UNAVAILABLE}
-
-
-def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=s.max_tokens or 16, temperature=s.temperature, top_p=s.top_p or 1.0, top_k=s.top_k,
-        seed=s.seed if s.has_seed else None, stop=tuple(s.stop), stop_token_ids=tuple(s.stop_token_ids),
-        ignore_eos=s.ignore_eos)
-
-
-def _usage(u: dict) -> pb.Usage:
-    return pb.Usage(prompt_tokens=u.get("prompt_tokens", 0), completion_tokens=u.get("completion_tokens", 0),
-                    ttft_ms=u.get("ttft_ms", 0.0), queue_ms=u.get("queue_ms", 0.0),
-                    prefill_worker=u.get("prefill_worker", ""), decode_worker=u.get("decode_worker", ""),
-                    prefill_ms=u.get("prefill_ms", 0.0), kv_transfer_ms=u.get("kv_transfer_ms", 0.0),
-                    kv_transfer_bytes=u.get("kv_transfer_bytes", 0))
+           CannotPlace: grpc.StatusCode.RESOURCE_EXHAUSTED, Unavailable: grpc.StatusCode.UNAVAILABLE,
+           InternalError: grpc.StatusCode.INTERNAL}
+HEALTH_EVERY_S = 0.25
 
 
 class GenerationService(pb_grpc.GenerationServicer):
@@ -47,10 +39,11 @@ class GenerationService(pb_grpc.GenerationServicer):
             if request.prompt and request.prompt_token_ids:
                 raise InvalidRequest("give either prompt or prompt_token_ids, not both")
             sampling = sampling_from_proto(request.sampling)
-            rid, ids = self.router.prepare(request.request_id, request.prompt or None,
-                                           list(request.prompt_token_ids) or None, sampling)
-            async for chunk in self.router.generate(rid, ids, sampling):
-                yield self._response(rid, chunk)
+            life = await self.router.prepare(request.request_id, request.prompt or None,
+                                             list(request.prompt_token_ids) or None, sampling)
+            async with contextlib.aclosing(self.router.generate(life)) as chunks:
+                async for chunk in chunks:
+                    yield self._response(life.client_id, chunk)
         except tuple(_STATUS) as e:
             code = _STATUS[type(e)]
             self.router.metrics.observe_error(code.name)
@@ -61,7 +54,7 @@ class GenerationService(pb_grpc.GenerationServicer):
         finish = {"abort": "cancelled"}.get(chunk.finish_reason, chunk.finish_reason) or ""
         msg = pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text, finish_reason=finish)
         if chunk.usage is not None:
-            msg.usage.CopyFrom(_usage(chunk.usage))
+            msg.usage.CopyFrom(usage_to_proto(chunk.usage))
         return msg
 
 
@@ -74,7 +67,8 @@ class AdminService(pb_grpc.AdminServicer):
         return pb.StatusResponse(
             mode=self.router.config.mode, model=self.router.config.model.path,
             workers=[self._worker(w) for w in workers], router_queue=self.router.queue_length,
-            router_in_flight=len(self.router.streams), requests_total=self.router.requests_total)
+            router_in_flight=len(self.router.lives), requests_total=self.router.requests_total,
+            pools=[pool_status_to_proto(p) for p in self.router.pools.status()])
 
     @staticmethod
     def _worker(w) -> pb.WorkerStatus:
@@ -91,8 +85,8 @@ class AdminService(pb_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown pool {request.pool!r}: use prefill or decode")
         try:
             started, stopped = await self.router.scale(request.pool, request.replicas)
-        except InvalidRequest as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except tuple(_STATUS) as e:
+            await context.abort(_STATUS[type(e)], str(e))
         return pb.ScaleResponse(pool=request.pool, replicas=request.replicas, started=started, stopped=stopped)
 
 
@@ -122,6 +116,15 @@ class RouterServer:
             result = self.health.set(name, status)
             if result is not None:
                 await result
+
+    async def follow_health(self) -> None:
+        """Keep the health status in step with `router.serving` (run as a task)."""
+        serving = None
+        while True:
+            if self.router.serving != serving:
+                serving = self.router.serving
+                await self.set_serving(serving)
+            await asyncio.sleep(HEALTH_EVERY_S)
 
     async def stop(self, grace_s: float) -> None:
         await self.server.stop(grace_s)

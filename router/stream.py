@@ -1,13 +1,13 @@
-"""What the router keeps per accepted request, what it streams, and how it fails.
+"""What the router streams to a client, and the ways a request can fail.
 
-`Stream` is one request between acceptance and its last chunk; `Chunk` is one streamed
-message's worth (new tokens, their text, and on the last one the finish reason and usage).
+`Chunk` is one streamed message's worth (new tokens, their text, and on the last one the
+finish reason and usage). The exceptions map one-to-one to gRPC statuses in router/server.py;
+`Retry` never reaches a client: it moves the request to another worker.
 """
 
 from __future__ import annotations
 
-import asyncio
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from engine.request import RequestOutput
 
@@ -16,8 +16,25 @@ class QueueFull(Exception):
     """The router's bounded queue is full (RESOURCE_EXHAUSTED)."""
 
 
+class CannotPlace(Exception):
+    """A scale Ray cannot place: not enough of a resource (RESOURCE_EXHAUSTED)."""
+
+
 class Unavailable(Exception):
-    """Shutting down, an empty pool, or a worker failure (UNAVAILABLE)."""
+    """Shutting down, an empty pool, or failures beyond the migration limit (UNAVAILABLE)."""
+
+
+class InternalError(Exception):
+    """The engine failed on this request; retrying elsewhere would fail the same way (INTERNAL)."""
+
+
+class Retry(Exception):
+    """This attempt failed in a way another worker may not: place the request again.
+    `worker` is set when that worker is dead or unresponsive (the pool replaces it)."""
+
+    def __init__(self, reason: str, worker=None):
+        super().__init__(reason)
+        self.worker = worker
 
 
 @dataclass
@@ -26,20 +43,6 @@ class Chunk:
     text: str
     finish_reason: str | None = None
     usage: dict | None = None  # on the last chunk
-
-
-@dataclass
-class Stream:
-    """One accepted request as the router tracks it."""
-
-    request_id: str
-    num_prompt_tokens: int
-    accepted: float
-    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
-    usage: dict = field(default_factory=dict)
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    completion_tokens: int = 0
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:

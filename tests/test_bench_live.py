@@ -1,23 +1,27 @@
 """`pdserve bench` against a live 1+1 cluster, and the router's own figures agreeing with it.
 
 A short real bench run writes a complete summary.json and one requests.jsonl line per
-request; the router's Prometheus endpoint, scraped over HTTP, counted exactly those requests
+request, and its SLO attainment is the share of those lines that meet the SLO; the router's Prometheus endpoint, scraped over HTTP, counted exactly those requests
 (TTFT, ITL, E2E, queue, prefill, KV transfer); `pdserve status` shows the same live block and
 request figures as the Prometheus gauges.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import time
 import urllib.request
+from types import SimpleNamespace
 
 import pytest
 import ray
 from prometheus_client.parser import text_string_to_metric_families
 
+from proto import pdserve_pb2_grpc
 from router import client as router_client
+from router.bench import client as bench_client
 from router.cli import main as pdserve
 from router.launcher import LocalCluster
 from tests.cluster_util import Client, cluster_config
@@ -26,6 +30,9 @@ NUM_REQUESTS, OUTPUT_LEN, BLOCK_SIZE, NUM_BLOCKS = 12, 8, 16, 256
 # one tiny-llama KV block: 2 layers x K,V x 16 tokens x 2 kv heads x 16 dims x 4 bytes (float32)
 BLOCK_BYTES = 2 * 2 * BLOCK_SIZE * 2 * 16 * 4
 HISTOGRAMS = ("ttft", "itl", "e2e", "queue", "prefill", "kv_transfer")
+# every other request's first message reaches the bench SLOW_FIRST_S late, so it misses a TTFT
+# SLO of TTFT_SLO_MS whatever the server does, while the others normally meet it
+SLOW_FIRST_S, TTFT_SLO_MS, TPOT_SLO_S = 2.0, 1000, 10
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -69,16 +76,51 @@ def _counts(samples: dict) -> dict[str, float]:
     return counts
 
 
+class _SlowFirstMessage:
+    """The bench's Generation stub, holding back the first message of every other request."""
+
+    def __init__(self, channel, delayed: set[str]) -> None:
+        self._stub = pdserve_pb2_grpc.GenerationStub(channel)
+        self._delayed = delayed
+        self._sent = 0
+
+    def Generate(self, request):
+        delay_s = SLOW_FIRST_S if self._sent % 2 == 0 else 0.0
+        self._sent += 1
+        if delay_s:
+            self._delayed.add(request.request_id.rsplit("-", 1)[0])  # "<spec id>-<run nonce>"
+        return self._stream(self._stub.Generate(request), delay_s)
+
+    @staticmethod
+    async def _stream(call, delay_s: float):
+        first = True
+        async for message in call:
+            if first:
+                await asyncio.sleep(delay_s)
+                first = False
+            yield message
+
+
+def _meets_slo(record: dict) -> bool:
+    """The SLO check, redone from one requests.jsonl line."""
+    times = record["message_times_s"]
+    tpot_s = (times[-1] - times[0]) / (record["output_tokens"] - 1)
+    return record["error"] is None and record["ttft_ms"] <= TTFT_SLO_MS and tpot_s <= TPOT_SLO_S
+
+
 def _assert_positive_finite(where: str, value) -> None:
     assert isinstance(value, int | float) and math.isfinite(value) and value > 0, f"{where} = {value!r}"
 
 
-def test_bench_run_writes_a_full_report_and_prometheus_counts_it(cluster, tmp_path, capsys):
+def test_bench_run_writes_a_full_report_and_prometheus_counts_it(cluster, tmp_path, capsys, monkeypatch):
+    delayed: set[str] = set()
+    monkeypatch.setattr(bench_client, "pdserve_pb2_grpc", SimpleNamespace(
+        GenerationStub=lambda channel: _SlowFirstMessage(channel, delayed), AdminStub=pdserve_pb2_grpc.AdminStub))
     before = _counts(_scrape(cluster))
     rc = pdserve(["bench", "--router", cluster.address, "--preset", "steady",
                   "--num-requests", str(NUM_REQUESTS), "--rate", "20", "--input-len", "40",
-                  "--output-len", str(OUTPUT_LEN), "--slo", "ttft=30,tpot=10", "--seed", "3",
-                  "--out", str(tmp_path), "--no-progress"])
+                  "--output-len", str(OUTPUT_LEN), "--slo", f"ttft={TTFT_SLO_MS}ms,tpot={TPOT_SLO_S}",
+                  "--seed", "3", "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
     assert f"== router: {NUM_REQUESTS} requests, 0 failed" in capsys.readouterr().out
 
@@ -88,7 +130,7 @@ def test_bench_run_writes_a_full_report_and_prometheus_counts_it(cluster, tmp_pa
             _assert_positive_finite(f"{key}.{stat}", summary[key][stat])
     for key in ("output_tok_per_s", "goodput_req_per_s", "slo_attainment"):
         _assert_positive_finite(key, summary[key])
-    assert summary["slo_attainment"] == 1.0 and summary["output_tokens"] == NUM_REQUESTS * OUTPUT_LEN
+    assert summary["output_tokens"] == NUM_REQUESTS * OUTPUT_LEN
 
     lines = (tmp_path / "requests.jsonl").read_text().splitlines()
     records = [json.loads(line) for line in lines]
@@ -96,6 +138,13 @@ def test_bench_run_writes_a_full_report_and_prometheus_counts_it(cluster, tmp_pa
     assert len({r["request_id"] for r in records}) == NUM_REQUESTS
     assert all(r["error"] is None and r["output_tokens"] == OUTPUT_LEN and r["finish_reason"] == "length"
                for r in records), records
+
+    # attainment is the share of requests meeting the SLO: none of the held-back half, some others
+    met = {r["request_id"] for r in records if _meets_slo(r)}
+    assert len(delayed) == NUM_REQUESTS // 2 and not met & delayed
+    assert met, [r["ttft_ms"] for r in records]
+    assert summary["slo_attainment"] == len(met) / NUM_REQUESTS
+    assert summary["goodput_req_per_s"] == pytest.approx(len(met) / summary["wall_s"])
 
     # every request: one TTFT, OUTPUT_LEN - 1 gaps, one E2E, one queue wait, one prefill, one KV push
     expected = {"ttft": NUM_REQUESTS, "itl": NUM_REQUESTS * (OUTPUT_LEN - 1), "e2e": NUM_REQUESTS,

@@ -51,17 +51,37 @@ def test_unreachable_router_is_a_clear_error():
     assert proc.returncode == 1 and "cannot reach a pdserve router" in proc.stderr
 
 
-def _ray_pids() -> set[int]:
-    pids = set()
+def _stat(pid: int) -> tuple[int, int, str] | None:
+    """(parent pid, start time in clock ticks, state) of a live process; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    state, ppid, start = fields[0], int(fields[1]), int(fields[19])
+    return None if state in ("Z", "X") else (ppid, start, state)
+
+
+def _descendants(root: int) -> dict[tuple[int, int], str]:
+    """Every live process below `root` now, keyed (pid, start time) so a reused pid never
+    counts as the same process; the value is its command line."""
+    parents: dict[int, list[tuple[int, int]]] = {}
     for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
+            parents.setdefault(stat[0], []).append((int(entry.name), stat[1]))
+    found, todo = {}, [root]
+    while todo:
+        for pid, start in parents.get(todo.pop(), []):
             try:
-                cmd = (entry / "cmdline").read_bytes().replace(b"\0", b" ")
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
             except OSError:
                 continue
-            if b"raylet" in cmd or b"gcs_server" in cmd or b"ray::" in cmd or b"default_worker.py" in cmd:
-                pids.add(int(entry.name))
-    return pids
+            found[(pid, start)] = cmd
+            todo.append(pid)
+    return found
+
+
+def _alive(processes) -> list[str]:
+    return [cmd for (pid, start), cmd in processes.items() if (s := _stat(pid)) is not None and s[1] == start]
 
 
 def test_serve_generate_status_scale_then_sigterm_leaves_nothing(tmp_path, llama_dir):
@@ -70,13 +90,13 @@ def test_serve_generate_status_scale_then_sigterm_leaves_nothing(tmp_path, llama
            "prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}, "kv_cache": {"num_blocks": 128}}
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    before = _ray_pids()
     server = subprocess.Popen([*PDSERVE, "serve", "--config", str(path)], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
         line = server.stdout.readline()
         assert "ready in" in line and f"127.0.0.1:{port}" in line, line
         router = f"127.0.0.1:{port}"
+        started = _descendants(server.pid)   # what this serve started: Ray's head and workers
         gen = _run("generate", "hello world", "--max-tokens", "8", "--router", router, "--usage")
         assert gen.returncode == 0 and "[length] prompt" in gen.stderr
         scaled = _run("scale", "decode", "2", "--router", router, timeout=120)
@@ -84,13 +104,19 @@ def test_serve_generate_status_scale_then_sigterm_leaves_nothing(tmp_path, llama
         status = _run("status", "--router", router)
         assert status.returncode == 0
         assert status.stdout.count("decode-") == 2 and status.stdout.count("prefill-") == 1
+        started |= _descendants(server.pid)
     finally:
         server.send_signal(signal.SIGTERM)
         server.wait(timeout=60)
     assert server.returncode == 0
+    def count(name: str) -> int:
+        return sum(name in cmd for cmd in started.values())
+
+    assert (count("raylet"), count("gcs_server"), count("ray::PrefillWorker"), count("ray::DecodeWorker")) \
+        == (1, 1, 1, 2), list(started.values())
     deadline = time.monotonic() + 10
-    while (_ray_pids() - before) and time.monotonic() < deadline:
+    while _alive(started) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not (_ray_pids() - before), "Ray processes outlived pdserve serve"
+    assert not _alive(started), "processes of pdserve serve outlived it"
     with pytest.raises(ProcessLookupError):
         os.killpg(server.pid, 0)

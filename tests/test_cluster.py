@@ -3,9 +3,11 @@ transformers' generate in every arrangement, bad requests get their status, bloc
 
 from __future__ import annotations
 
+import json
 import random
 import threading
 import time
+from pathlib import Path
 
 import grpc
 import pytest
@@ -99,43 +101,89 @@ def test_client_disconnect_frees_blocks_within_a_second(cluster):
     client.close()
 
 
-def test_usage_reports_workers_and_timings(cluster):
+def _kv_bytes(model_dir: str, num_tokens: int, block_size: int) -> int:
+    """What pushing the KV of `num_tokens` costs, from the checkpoint's config.json alone:
+    whole blocks x layers x K,V x block_size x kv heads x head_dim x bytes per value."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.get("torch_dtype") or cfg["dtype"]]
+    blocks = -(-num_tokens // block_size)
+    return blocks * cfg["num_hidden_layers"] * 2 * block_size * cfg["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+def test_usage_reports_workers_and_timings(cluster, llama_dir):
     client = Client(cluster.address)
-    tokens, last = client.tokens(_prompts(1, seed=12)[0], max_tokens=5, ignore_eos=True)
+    prompt = _prompts(1, seed=12)[0]
+    tokens, last = client.tokens(prompt, max_tokens=5, ignore_eos=True)
     assert last.finish_reason == "length" and len(tokens) == 5
     u = last.usage
-    assert u.completion_tokens == 5 and u.prefill_worker.startswith("prefill-") and u.decode_worker.startswith("decode-")
+    assert u.prompt_tokens == len(prompt) and u.completion_tokens == 5
+    assert u.prefill_worker.startswith("prefill-") and u.decode_worker.startswith("decode-")
     assert u.ttft_ms > 0 and u.kv_transfer_ms > 0
-    # the prompt's KV: ceil(prompt / 16) blocks x 2 layers x K,V x 16 tokens x 2 heads x 16 dims x 4 bytes
-    assert u.kv_transfer_bytes == -(-u.prompt_tokens // 16) * 2 * 2 * 16 * 2 * 16 * 4
+    block_size = cluster.cfg.kv_cache.block_size
+    assert u.kv_transfer_bytes == _kv_bytes(llama_dir, len(prompt), block_size) > 0
     client.close()
+
+
+class _Timed(threading.Thread):
+    """Streams one request on a thread: its tokens, last message, and when (monotonic) its
+    first token and its last message arrived."""
+
+    def __init__(self, client: Client, prompt: list[int], max_tokens: int, delay_s: float = 0.0):
+        super().__init__()
+        self.client, self.prompt, self.max_tokens, self.delay_s = client, prompt, max_tokens, delay_s
+        self.tokens: list[int] = []
+        self.last: pb.GenerateResponse | None = None
+        self.first_s = self.end_s = None
+
+    def run(self) -> None:
+        time.sleep(self.delay_s)
+        for msg in self.client.stream(self.prompt, max_tokens=self.max_tokens, ignore_eos=True):
+            if self.first_s is None and msg.token_ids:
+                self.first_s = time.monotonic()
+            self.tokens.extend(msg.token_ids)
+            self.last = msg
+        self.end_s = time.monotonic()
 
 
 def test_scale_while_streaming_loses_nothing(llama_dir):
     cfg = cluster_config(llama_dir)
-    prompts = _prompts(32, seed=21)
+    prompts, long_prompts, long_tokens = _prompts(32, seed=21), _prompts(8, seed=22), 300
     expected = [hf_greedy(llama_dir, p, 40, ignore_eos=True) for p in prompts]
+    long_expected = [hf_greedy(llama_dir, p, long_tokens, ignore_eos=True) for p in long_prompts]
     with LocalCluster(cfg) as cluster:
         client = Client(cluster.address)
-        results: list = [None] * len(prompts)
-
-        def run(i: int) -> None:
-            time.sleep(0.05 * i)  # arrivals spread over the scaling
-            results[i] = client.tokens(prompts[i], max_tokens=40, ignore_eos=True)[0]
-
-        threads = [threading.Thread(target=run, args=(i,)) for i in range(len(prompts))]
-        for t in threads:
-            t.start()
+        streams = [_Timed(client, p, 40, delay_s=0.05 * i) for i, p in enumerate(prompts)]  # spread over the scaling
+        for s in streams:
+            s.start()
         shapes = []
-        for pool, n in (("prefill", 2), ("decode", 2), ("decode", 1)):
+        for pool, n in (("prefill", 2), ("decode", 2)):
             resp = client.admin.Scale(pb.ScaleRequest(pool=pool, replicas=n), timeout=120)
             assert resp.replicas == n
             shapes.append(sorted(w.name.split("-")[0] for w in client.status().workers))
-        for t in threads:
-            t.join(120)
-        assert results == expected  # every request completed exactly once, with correct tokens
+        # long requests still decoding on both decode workers when the shrink begins
+        long_streams = [_Timed(client, p, long_tokens) for p in long_prompts]
+        for s in long_streams:
+            s.start()
+        deadline = time.monotonic() + 60
+        while not (all(s.first_s for s in long_streams)
+                   and all(w.running for w in client.status().workers if w.pool == "decode")):
+            assert time.monotonic() < deadline, "the long requests never ran on both decode workers"
+            time.sleep(0.02)
+        scale_began = time.monotonic()
+        resp = client.admin.Scale(pb.ScaleRequest(pool="decode", replicas=1), timeout=120)
+        assert resp.replicas == 1 and len(resp.stopped) == 1
+        shapes.append(sorted(w.name.split("-")[0] for w in client.status().workers))
+        for s in streams + long_streams:
+            s.join(120)
+        # every request completed exactly once, with correct tokens
+        assert [s.tokens for s in streams] == expected
+        assert [s.tokens for s in long_streams] == long_expected
         assert shapes == [["decode", "prefill", "prefill"], ["decode", "decode", "prefill", "prefill"],
                           ["decode", "prefill", "prefill"]]
+        # the drained worker held work: requests decoded on it were streaming when Scale began
+        drained = [s for s in long_streams if s.last.usage.decode_worker == resp.stopped[0]]
+        assert any(s.first_s < scale_began < s.end_s for s in drained), (resp.stopped, scale_began)
         _assert_no_leaks(cluster)
         client.close()
 

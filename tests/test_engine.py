@@ -1,4 +1,6 @@
-"""The engine against transformers' generate: greedy float32 tokens must be identical."""
+"""The engine against transformers' generate: greedy float32 tokens must be identical, also
+when a request is chunked, preempted, resumed from its outputs, or handed from a prefill-only
+request to `add_prefilled`."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ import random
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
 from tests.reference import hf_greedy
 
 
@@ -21,13 +23,25 @@ def _engine(path: str, **kw) -> LLMEngine:
 
 
 def _run_to_end(engine: LLMEngine) -> dict[str, list[int]]:
-    out: dict[str, list[int]] = {}
+    return {rid: [t for o in outs for t in o.token_ids] for rid, outs in _outputs_to_end(engine).items()}
+
+
+def _outputs_to_end(engine: LLMEngine) -> dict[str, list[RequestOutput]]:
+    out: dict[str, list[RequestOutput]] = {}
     while engine.has_unfinished():
         for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.token_ids)
+            out.setdefault(o.request_id, []).append(o)
     engine.check()
     assert engine.allocator.num_used == 0, "blocks leaked after every request finished"
     return out
+
+
+def _tokens(outputs: list[RequestOutput]) -> list[int]:
+    return [t for o in outputs for t in o.token_ids]
+
+
+def _text(outputs: list[RequestOutput]) -> str:
+    return "".join(o.text for o in outputs)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -66,20 +80,51 @@ def test_requests_arriving_while_others_decode(llama_dir):
 @pytest.mark.parametrize("chunk", [1, 7, 64])
 def test_chunked_prefill_matches_generate(llama_dir, chunk):
     prompts = _prompts(4, seed=4, lo=40, hi=150)
-    engine = _engine(llama_dir, chunk_size=chunk, max_num_batched_tokens=max(chunk, 16))
+    # a budget that never binds, so every chunk but a prompt's last is exactly `chunk` tokens
+    engine = _engine(llama_dir, chunk_size=chunk, max_num_batched_tokens=1024)
+    chunks = _record_prefill_chunks(engine)
     for i, p in enumerate(prompts):
         engine.add_request(f"c{i}", prompt_token_ids=p, sampling=SamplingParams(max_tokens=12, ignore_eos=True))
     out = _run_to_end(engine)
     assert [out[f"c{i}"] for i in range(4)] == [hf_greedy(llama_dir, p, 12, ignore_eos=True) for p in prompts]
+    for i, p in enumerate(prompts):
+        full, rest = divmod(len(p), chunk)
+        assert chunks[f"c{i}"] == [chunk] * full + ([rest] if rest else []), f"prompt of {len(p)} tokens"
+
+
+def _record_prefill_chunks(engine: LLMEngine) -> dict[str, list[int]]:
+    """Wrap the scheduler: the size of every prompt chunk it schedules, per request."""
+    chunks: dict[str, list[int]] = {}
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        items = schedule()
+        for it in items:
+            if it.start < it.request.num_prompt_tokens:
+                chunks.setdefault(it.request.request_id, []).append(it.num_tokens)
+        return items
+
+    engine.scheduler.schedule = recording
+    return chunks
 
 
 def test_tiny_pool_waits_and_preempts(llama_dir):
     prompts = _prompts(6, seed=5, lo=20, hi=40)
     # 12 blocks of 8 tokens: each request needs up to 7 blocks, so at most one or two run at once
     engine = _engine(llama_dir, num_blocks=12, block_size=8, max_num_batched_tokens=256)
-    for i, p in enumerate(prompts):
-        engine.add_request(f"p{i}", prompt_token_ids=p, sampling=SamplingParams(max_tokens=16, ignore_eos=True))
-    out = _run_to_end(engine)
+    reqs = [engine.add_request(f"p{i}", prompt_token_ids=p, sampling=SamplingParams(max_tokens=16, ignore_eos=True))
+            for i, p in enumerate(prompts)]
+    out: dict[str, list[int]] = {}
+    waited_while_others_ran = False
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+        waited_while_others_ran |= engine.num_waiting > 0 and engine.num_running > 0
+        assert engine.num_running <= 3 and engine.allocator.num_used <= 12
+    engine.check()
+    assert engine.allocator.num_used == 0
+    assert waited_while_others_ran, "no request ever waited for blocks"
+    assert sum(r.num_preemptions for r in reqs) >= 1, "no request was preempted"
     assert [out[f"p{i}"] for i in range(6)] == [hf_greedy(llama_dir, p, 16, ignore_eos=True) for p in prompts]
 
 
@@ -92,3 +137,118 @@ def test_preemption_recomputes_exactly(llama_dir):
     out = _run_to_end(engine)
     assert sum(r.num_preemptions for r in reqs) >= 1
     assert [out["q0"], out["q1"]] == [hf_greedy(llama_dir, p, 30, ignore_eos=True) for p in prompts]
+
+
+# ---- resuming a request from outputs made elsewhere ----------------------------------------
+@pytest.mark.parametrize("sampling", [
+    SamplingParams(max_tokens=10, ignore_eos=True),
+    SamplingParams(max_tokens=10, temperature=1.0, top_k=50, seed=3, ignore_eos=True),
+], ids=["greedy", "seeded"])
+def test_a_resumed_request_continues_as_if_uninterrupted(llama_dir, sampling):
+    prompt = _prompts(1, seed=7)[0]
+    engine = _engine(llama_dir)
+    engine.add_request("whole", prompt_token_ids=prompt, sampling=sampling)
+    whole = _outputs_to_end(engine)["whole"]
+    tokens = _tokens(whole)
+    assert len(tokens) == 10
+    if sampling.greedy:
+        assert tokens == hf_greedy(llama_dir, prompt, 10, ignore_eos=True)
+    for k in (1, 4, 9):
+        engine.generate([[9, 8, 7]], SamplingParams(max_tokens=3, temperature=1.0))  # moves the default generator
+        sent = _text(whole[:k])
+        engine.add_request(f"r{k}", prompt_token_ids=prompt, sampling=sampling, output_token_ids=tokens[:k],
+                           emitted_chars=len(sent))
+        rest = _outputs_to_end(engine)[f"r{k}"]
+        assert _tokens(rest) == tokens[k:], f"resumed after {k} outputs"
+        assert sent + _text(rest) == _text(whole)
+        assert (rest[-1].finish_reason, rest[-1].num_output_tokens) == ("length", 10)
+
+
+def test_resumed_outputs_that_already_stop_finish_at_once(llama_dir):
+    engine = _engine(llama_dir)
+    sampling = SamplingParams(max_tokens=10, stop_token_ids=(500,))
+    req = engine.add_request("done", prompt_token_ids=[5, 6, 7], sampling=sampling,
+                             output_token_ids=[300, 500, 301], emitted_chars=0)
+    assert req.finish_reason == "stop" and req.output_token_ids == [300, 500]
+    assert "done" not in engine.requests and engine.has_unfinished()
+    out = engine.step()
+    expected = engine.tokenizer.decode([300, 500], skip_special_tokens=True)
+    assert [(o.request_id, o.token_ids, o.text, o.finish_reason) for o in out] == [("done", [], expected, "stop")]
+    assert not engine.has_unfinished() and engine.allocator.num_used == 0
+
+
+def _prompt_with_two_texty_tokens(engine: LLMEngine, sampling: SamplingParams) -> tuple[list[int], list[str]]:
+    """A prompt whose first greedy output decodes to >= 2 characters and the second to >= 1."""
+    for seed in range(100):
+        prompt = _prompts(1, seed=100 + seed, lo=5, hi=30)[0]
+        rid = engine.add_request(f"probe{seed}", prompt_token_ids=prompt, sampling=sampling).request_id
+        deltas = [o.text for o in _outputs_to_end(engine)[rid]]
+        if len(deltas[0]) >= 2 and deltas[1]:
+            return prompt, deltas
+    raise AssertionError("no prompt gives two tokens with text")
+
+
+def _hand_off(engine: LLMEngine, prompt: list[int], sampling: SamplingParams) -> tuple[RequestOutput, list[RequestOutput]]:
+    """Prefill `prompt` as a prefill-only request, move its KV into another request's reserved
+    blocks, admit that one with `add_prefilled`, and run it to the end."""
+    engine.add_request("pre", prompt_token_ids=prompt, sampling=sampling, prefill_only=True)
+    (prefilled,) = engine.step()
+    assert prefilled.finish_reason == "prefilled"
+    dst = engine.reserve("dec", len(prompt) + sampling.max_tokens)
+    src = engine.requests["pre"].block_ids
+    n = engine.blocks_for(len(prompt))
+    kv = engine.runner.kv  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    kv[:, :, dst[:n]] = kv[:, :, src[:n]]
+    engine.release("pre")
+    engine.add_prefilled("dec", prompt, prefilled.token_ids, sampling, emitted_chars=len(prefilled.text))
+    return prefilled, _outputs_to_end(engine)["dec"]
+
+
+def test_hand_off_streams_every_character_once(llama_dir):
+    engine = _engine(llama_dir)
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True, stop=("\x00never",))  # holds back 6 characters
+    prompt, _ = _prompt_with_two_texty_tokens(engine, sampling)
+    engine.add_request("whole", prompt_token_ids=prompt, sampling=sampling)
+    whole = _outputs_to_end(engine)["whole"]
+    prefilled, decoded = _hand_off(engine, prompt, sampling)
+    assert prefilled.text == whole[0].text  # what an unfinished request would send: the held back part stays
+    assert prefilled.token_ids + _tokens(decoded) == _tokens(whole) == hf_greedy(llama_dir, prompt, 12, ignore_eos=True)
+    assert prefilled.text + _text(decoded) == _text(whole)
+    assert decoded[-1].finish_reason == "length"
+
+
+def test_a_stop_string_across_the_hand_off_never_leaks(llama_dir):
+    engine = _engine(llama_dir)
+    prompt, deltas = _prompt_with_two_texty_tokens(engine, SamplingParams(max_tokens=2, ignore_eos=True))
+    stop = deltas[0][-1] + deltas[1][0]  # starts in the prefill worker's token, ends in the decoder's
+    sampling = SamplingParams(max_tokens=12, ignore_eos=True, stop=(stop,))
+    prefilled, decoded = _hand_off(engine, prompt, sampling)
+    assert prefilled.text == deltas[0][:-1]
+    assert prefilled.text + _text(decoded) == deltas[0][:-1]
+    assert _tokens(decoded) == [] or decoded[-1].finish_reason == "stop"
+    assert decoded[-1].finish_reason == "stop"
+
+
+def test_add_prefilled_of_a_finished_request_frees_its_blocks(llama_dir):
+    engine = _engine(llama_dir)
+    engine.reserve("full", 20)
+    req = engine.add_prefilled("full", [5, 6, 7], [300, 301, 302], SamplingParams(max_tokens=3), emitted_chars=1)
+    assert req.finish_reason == "length" and engine.allocator.num_used == 0 and not engine.reserved
+    text = engine.tokenizer.decode([300, 301, 302], skip_special_tokens=True)
+    assert [(o.token_ids, o.text, o.finish_reason, o.num_output_tokens) for o in engine.step()] == [
+        ([], text[1:], "length", 3)]
+    assert not engine.has_unfinished()
+    engine.check()
+
+
+def test_add_prefilled_refusals_keep_the_reservation(llama_dir):
+    engine = _engine(llama_dir, block_size=4)
+    with pytest.raises(KeyError, match="no KV reservation"):
+        engine.add_prefilled("none", [5, 6], [7], SamplingParams())
+    blocks = engine.reserve("r", 8)  # 2 blocks
+    with pytest.raises(ValueError, match="reserved 2 blocks, too few for 9 tokens"):
+        engine.add_prefilled("r", list(range(5, 13)), [20, 21], SamplingParams())
+    with pytest.raises(ValueError, match="at least the first output token"):
+        engine.add_prefilled("r", [5, 6], [], SamplingParams())
+    assert engine.reserved == {"r": blocks}
+    engine.check()

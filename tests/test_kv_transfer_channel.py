@@ -16,12 +16,13 @@ from kv_transfer import (
     KVSender,
     KVTransferConfig,
     KVTransferError,
+    sender_channel,
 )
 from kv_transfer.frames import Header, Kind, Reply, Status
 from kv_transfer.groups import DeviceInfo, resolve_backend
 from kv_transfer.layout import Digest, KVLayout, contiguous_runs
 from kv_transfer.pipeline import chunk_spans, plan_chunk_blocks
-from tests.kv_util import CONFIG, make_pool, wait_until
+from tests.kv_util import CONFIG, as_bits, make_pool, wait_until
 
 
 class Owner:
@@ -118,6 +119,40 @@ def test_checksum_requested_by_receiver_only(loopback):
     sender.connect("d", host, port)
     assert sender.send("d", "r", [7, 0, 63]).result(10).dst_block_ids == [3, 4, 60]
     assert torch.equal(dst[:, :, [3, 4, 60]], src[:, :, [7, 0, 63]])
+
+
+class _CorruptingDigest(Digest):
+    """The sender's digest, which flips one payload byte after hashing the first chunk it sees:
+    the checksum trailer then describes bytes that differ from what goes on the wire."""
+
+    armed = True
+
+    def update(self, chunk: torch.Tensor, num_blocks: int) -> None:
+        super().update(chunk, num_blocks)
+        if _CorruptingDigest.armed:
+            _CorruptingDigest.armed = False
+            chunk[5] ^= 0x10
+
+
+def test_corrupted_payload_fails_both_sides_and_channel_stays_usable(loopback, monkeypatch):
+    monkeypatch.setattr(_CorruptingDigest, "armed", True)
+    monkeypatch.setattr(sender_channel, "Digest", _CorruptingDigest)   # the receiver keeps the real one
+    owner = Owner({"bad": [3, 4, 60], "good": [10, 11]})
+    src = make_pool(64, torch.float32, seed=1)
+    dst = make_pool(64, torch.float32)
+    with_checksum = KVTransferConfig(timeout_s=5.0, checksum=True, staging_bytes=8 << 10)
+    receiver, sender, host, port = loopback(owner, src=src, dst=dst, receiver_config=with_checksum)
+    sender.connect("d", host, port)
+    with pytest.raises(KVTransferError, match="failed by the receiver: checksum mismatch"):
+        sender.send("d", "bad", [7, 0, 63]).result(10)
+    assert not _CorruptingDigest.armed, "the payload was never corrupted"
+    (request_id, blocks, error), = owner.completed
+    assert (request_id, blocks) == ("bad", [3, 4, 60])
+    assert isinstance(error, KVTransferError) and "checksum mismatch" in str(error)
+    assert sender.is_connected("d") and receiver.num_channels == 1
+    assert sender.send("d", "good", [5, 6]).result(10).dst_block_ids == [10, 11]
+    assert [(r, e is None) for r, _, e in owner.completed] == [("bad", False), ("good", True)]
+    assert torch.equal(as_bits(dst[:, :, [10, 11]]), as_bits(src[:, :, [5, 6]]))
 
 
 def test_timeout_fails_both_sides_and_tears_down(loopback):

@@ -1,10 +1,19 @@
-"""The committed generated gRPC modules match proto/pdserve.proto."""
+"""The committed generated gRPC modules match proto/pdserve.proto, and router/convert.py maps
+the messages with presence: unset -> documented default, set -> used (and validated) as given."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from google.protobuf import descriptor_pb2
+
+from engine.request import InvalidRequest, SamplingParams
+from proto import pdserve_pb2 as pb
+from router.convert import pool_status_to_proto, sampling_from_proto, usage_to_proto
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -29,3 +38,76 @@ def test_stale_check_notices_an_edit(tmp_path, monkeypatch):
     proto.write_text(proto.read_text().replace("message Usage {", "message Usage {\n  uint32 extra_field = 99;"))
     monkeypatch.setattr(gen, "ROOT", fake_root)
     assert "pdserve_pb2.py" in gen.stale_files()
+
+
+def test_unset_sampling_fields_take_the_documented_defaults():
+    got = sampling_from_proto(pb.SamplingParams())
+    assert got == SamplingParams(max_tokens=16, temperature=0.0, top_p=1.0, top_k=0, seed=None)
+    got.validate()
+
+
+@pytest.mark.parametrize("field, value, internal", [
+    ("max_tokens", 7, 7), ("temperature", 0.5, 0.5), ("top_p", 0.25, 0.25), ("top_k", 3, 3), ("seed", 42, 42),
+])
+def test_set_sampling_fields_pass_through(field, value, internal):
+    assert getattr(sampling_from_proto(pb.SamplingParams(**{field: value})), field) == internal
+
+
+@pytest.mark.parametrize("field, message", [
+    ("max_tokens", "max_tokens must be at least 1"),
+    ("top_p", r"top_p must be in \(0, 1\]"),
+])
+def test_explicit_zero_is_refused_not_defaulted(field, message):
+    unset = sampling_from_proto(pb.SamplingParams())
+    unset.validate()
+    explicit = sampling_from_proto(pb.SamplingParams(**{field: 0}))
+    assert getattr(explicit, field) == 0 != getattr(unset, field)
+    with pytest.raises(InvalidRequest, match=message):
+        explicit.validate()
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_k", "seed"])
+def test_explicit_zero_is_kept_where_zero_is_valid(field):
+    explicit = sampling_from_proto(pb.SamplingParams(**{field: 0}))
+    assert getattr(explicit, field) == 0
+    explicit.validate()
+    assert pb.SamplingParams(**{field: 0}).HasField(field) and not pb.SamplingParams().HasField(field)
+
+
+def test_seed_zero_is_a_seed_not_none():
+    assert sampling_from_proto(pb.SamplingParams(seed=0)).seed == 0
+    assert sampling_from_proto(pb.SamplingParams()).seed is None
+
+
+def test_presence_survives_the_wire():
+    sent = pb.SamplingParams(max_tokens=0, top_p=0.0, stop=["\n"], stop_token_ids=[2], ignore_eos=True)
+    got = sampling_from_proto(pb.SamplingParams.FromString(sent.SerializeToString()))
+    assert got == SamplingParams(max_tokens=0, top_p=0.0, stop=("\n",), stop_token_ids=(2,), ignore_eos=True)
+
+
+def test_has_seed_is_gone_and_reserved():
+    fields = pb.SamplingParams.DESCRIPTOR.fields_by_name
+    assert "has_seed" not in fields
+    assert [fields[n].number for n in ("max_tokens", "temperature", "top_p", "top_k", "seed")] == [1, 2, 3, 4, 5]
+    declared = descriptor_pb2.DescriptorProto()
+    pb.SamplingParams.DESCRIPTOR.CopyToProto(declared)
+    assert [(r.start, r.end) for r in declared.reserved_range] == [(9, 10)]
+    assert list(declared.reserved_name) == ["has_seed"]
+
+
+def test_usage_to_proto_copies_every_key():
+    usage = {"prompt_tokens": 11, "completion_tokens": 5, "ttft_ms": 1.5, "queue_ms": 0.25,
+             "prefill_worker": "prefill-0", "decode_worker": "decode-1", "prefill_ms": 2.5,
+             "kv_transfer_ms": 0.75, "kv_transfer_bytes": 4096, "migrations": 2}
+    msg = usage_to_proto(usage)
+    assert {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields} == usage
+    assert usage_to_proto({}) == pb.Usage()
+
+
+def test_pool_status_to_proto():
+    view = SimpleNamespace(pool="decode", target=3, ready=2, starting=1, restarts=4,
+                           last_failure="decode-2 died: exit 9", last_failure_age_s=12.5)
+    msg = pool_status_to_proto(view)
+    assert {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields} == vars(view)
+    status = pb.StatusResponse(pools=[msg])
+    assert pb.StatusResponse.FromString(status.SerializeToString()).pools[0] == msg

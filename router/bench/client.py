@@ -154,6 +154,7 @@ def _usage_dict(usage: pdserve_pb2.Usage) -> dict[str, Any]:
 
 
 def _request(spec: RequestSpec, request_id: str) -> pdserve_pb2.GenerateRequest:
+    # set, not left to the server's defaults: the bench measures greedy runs of exact length
     sampling = pdserve_pb2.SamplingParams(max_tokens=spec.max_tokens, temperature=0.0,
                                           ignore_eos=True)
     return pdserve_pb2.GenerateRequest(request_id=request_id,

@@ -1,0 +1,151 @@
+"""The decode side of the hand-off: one `Slot` per reserved request until it is admitted.
+
+A slot waits for two things in either order — its KV landing (from the prefill worker's
+channel) and `StartDecode` (from the router) — and is admitted once it has both. It ends
+early, freeing its blocks, when the router cancels it, the transfer fails (reported by the
+receiver or by the prefill side), or its lease runs out. Blocks are never freed while the
+receiver writes into them: an end that comes then is deferred until the write finishes.
+Pure and thread-safe (channel threads and the actor's loop call it); the worker carries out
+the `Action` each call returns. Ended ids are remembered for a while so a late `reserve`
+for a cancelled request is refused instead of leaking.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+import time
+from dataclasses import dataclass
+
+from engine.messages import StartDecode
+
+TOMBSTONE_S = 120.0
+
+
+class Action(enum.Enum):
+    WAIT = "wait"    # nothing to do now
+    ADMIT = "admit"  # KV landed and start came: add the request to the running batch
+    FREE = "free"    # cancelled: free the blocks quietly
+    FAIL = "fail"    # free the blocks and tell the router (retryable: it migrates the request)
+
+
+@dataclass
+class Slot:
+    blocks: list[int]
+    expires_at: float
+    landing: bool = False  # the receiver is writing into the blocks
+    landed: bool = False
+    cancelled: bool = False
+    failure: str | None = None  # a failure that came while landing
+    start: StartDecode | None = None
+
+
+@dataclass(frozen=True)
+class Outcome:
+    action: Action
+    slot: Slot | None = None
+    reason: str = ""
+
+
+class HandoffTable:
+    def __init__(self) -> None:
+        self._slots: dict[str, Slot] = {}
+        self._ended: dict[str, float] = {}  # request id -> when it ended
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def add(self, request_id: str, blocks: list[int], lease_s: float, now: float | None = None) -> bool:
+        """Record a reservation; False if the request was already ended (the caller frees)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if request_id in self._ended or request_id in self._slots:
+                return False
+            self._slots[request_id] = Slot(list(blocks), now + lease_s)
+            return True
+
+    def is_ended(self, request_id: str) -> bool:
+        with self._lock:
+            return request_id in self._ended
+
+    def resolve(self, request_id: str, num_blocks: int) -> list[int] | None:
+        """The receiver asks where a transfer's payload goes; None refuses it."""
+        with self._lock:
+            slot = self._slots.get(request_id)
+            if slot is None or slot.cancelled or slot.landed or num_blocks > len(slot.blocks):
+                return None
+            slot.landing = True
+            return slot.blocks[:num_blocks]
+
+    def landed(self, request_id: str, error: BaseException | None) -> Outcome:
+        with self._lock:
+            slot = self._slots.get(request_id)
+            if slot is None:
+                return Outcome(Action.WAIT)
+            slot.landing = False
+            if slot.cancelled:
+                return self._end(request_id, Action.FREE)
+            if error is not None or slot.failure is not None:
+                return self._end(request_id, Action.FAIL, slot.failure or f"KV transfer failed: {error}")
+            slot.landed = True
+            return self._end(request_id, Action.ADMIT) if slot.start else Outcome(Action.WAIT, slot)
+
+    def start(self, msg: StartDecode, now: float | None = None) -> Outcome:
+        """Raises KeyError when the reservation is gone (lease ended, transfer failed, cancelled)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            slot = self._slots.get(msg.request_id)
+            if slot is None or slot.cancelled:
+                raise KeyError(f"no reservation for request {msg.request_id!r}")
+            slot.start = msg
+            if slot.landed:
+                return self._end(msg.request_id, Action.ADMIT)
+            slot.expires_at = now + msg.kv_timeout_s
+            return Outcome(Action.WAIT, slot)
+
+    def cancel(self, request_id: str) -> Outcome:
+        with self._lock:
+            slot = self._slots.get(request_id)
+            if slot is None:
+                self._ended[request_id] = time.monotonic()
+                return Outcome(Action.WAIT)
+            slot.cancelled = True
+            if slot.landing:
+                return Outcome(Action.WAIT, slot)  # freed by landed()
+            return self._end(request_id, Action.FREE)
+
+    def transfer_failed(self, request_id: str, reason: str) -> Outcome:
+        """The prefill side could not send this request's KV."""
+        with self._lock:
+            slot = self._slots.get(request_id)
+            if slot is None or slot.landed:
+                return Outcome(Action.WAIT)
+            if slot.landing:
+                slot.failure = f"KV transfer failed: {reason}"
+                return Outcome(Action.WAIT, slot)
+            return self._end(request_id, Action.FAIL, f"KV transfer failed: {reason}")
+
+    def expire(self, now: float | None = None) -> list[tuple[str, Outcome]]:
+        """End every slot whose lease ran out (never one that is landing)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            late = [rid for rid, s in self._slots.items() if not s.landing and s.expires_at <= now]
+            out = []
+            for rid in late:
+                slot = self._slots[rid]
+                reason = ("the router's start never came" if slot.landed
+                          else "no KV arrived before the reservation's lease ended")
+                out.append((rid, self._end(rid, Action.FAIL, reason)))
+            self._prune(time.monotonic())
+            return out
+
+    def _end(self, request_id: str, action: Action, reason: str = "") -> Outcome:
+        slot = self._slots.pop(request_id)
+        self._ended[request_id] = time.monotonic()
+        return Outcome(action, slot, reason)
+
+    def _prune(self, now: float) -> None:
+        old = [rid for rid, t in self._ended.items() if now - t > TOMBSTONE_S]
+        for rid in old:
+            del self._ended[rid]

@@ -1,0 +1,91 @@
+"""Fault injection for tests and the chaos soak: off by default, set by `cluster.yaml`'s
+`faults:` section or the `PDSERVE_FAULTS` environment variable of the router process.
+
+Each worker gets a `Faults` with its own seeded RNG. Hooks, each a no-op when its knob is 0:
+  fail_transfer()      a KV send fails before its header reaches the decode worker
+  transfer_delay()     seconds to wait before a KV send (a slow link)
+  slow_step()          sleeps `step_delay_s` before each engine step (a slow worker)
+  maybe_kill(point)    the worker process exits at a named lifecycle point (see KILL_POINTS)
+`PDSERVE_FAULTS="transfer_fail_rate=0.1,kill_at=decode.after_start,kill_rate=0.5"` overrides
+the config's values key by key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import random
+import time
+import zlib
+from dataclasses import dataclass
+
+log = logging.getLogger(__name__)
+ENV_VAR = "PDSERVE_FAULTS"
+KILL_POINTS = ("prefill.after_first_token", "decode.after_reserve", "decode.after_start",
+               "decode.mid_stream")
+
+
+@dataclass(frozen=True)
+class FaultConfig:
+    seed: int = 0
+    transfer_fail_rate: float = 0.0   # fraction of KV sends failed before the header goes out
+    transfer_delay_rate: float = 0.0  # fraction of KV sends delayed by transfer_delay_s
+    transfer_delay_s: float = 0.0
+    step_delay_s: float = 0.0         # added before every engine step
+    kill_at: str = ""                 # one of KILL_POINTS; "" = never
+    kill_rate: float = 0.0            # probability of exiting at each pass through kill_at
+
+    def problems(self) -> list[tuple[str, str]]:
+        """(key, reason) for each impossible value."""
+        out = [(k, "must be in [0, 1]") for k in ("transfer_fail_rate", "transfer_delay_rate", "kill_rate")
+               if not 0.0 <= getattr(self, k) <= 1.0]
+        out += [(k, "must be >= 0") for k in ("transfer_delay_s", "step_delay_s") if getattr(self, k) < 0]
+        if self.kill_at and self.kill_at not in KILL_POINTS:
+            out.append(("kill_at", f"must be one of {', '.join(KILL_POINTS)} (or empty)"))
+        return out
+
+    def with_env(self, env: str | None = None) -> FaultConfig:
+        """This config overridden by `PDSERVE_FAULTS` (key=value pairs, comma-separated)."""
+        text = os.environ.get(ENV_VAR, "") if env is None else env
+        fields = {f.name: f.type for f in dataclasses.fields(self)}
+        values = {}
+        for item in filter(None, (part.strip() for part in text.split(","))):
+            key, sep, value = item.partition("=")
+            if not sep or key not in fields:
+                raise ValueError(f"{ENV_VAR}: {item!r} is not KEY=VALUE with KEY one of {', '.join(fields)}")
+            cast = {"int": int, "float": float}.get(str(fields[key]), str)
+            try:
+                values[key] = cast(value)
+            except ValueError:
+                raise ValueError(f"{ENV_VAR}: {key}: {value!r} is not a {cast.__name__}") from None
+        merged = dataclasses.replace(self, **values)
+        bad = merged.problems()
+        if bad:
+            raise ValueError(f"{ENV_VAR}: {bad[0][0]}: {bad[0][1]}")
+        return merged
+
+
+class Faults:
+    def __init__(self, config: FaultConfig | None, worker: str):
+        self.config = config or FaultConfig()
+        self.worker = worker
+        self._rng = random.Random(self.config.seed * 1_000_003 + zlib.crc32(worker.encode()))
+
+    def _hit(self, rate: float) -> bool:
+        return rate > 0 and self._rng.random() < rate
+
+    def fail_transfer(self) -> bool:
+        return self._hit(self.config.transfer_fail_rate)
+
+    def transfer_delay(self) -> float:
+        return self.config.transfer_delay_s if self._hit(self.config.transfer_delay_rate) else 0.0
+
+    def slow_step(self) -> None:
+        if self.config.step_delay_s > 0:
+            time.sleep(self.config.step_delay_s)
+
+    def maybe_kill(self, point: str) -> None:
+        if self.config.kill_at == point and self._hit(self.config.kill_rate):
+            log.error("fault injection: %s exits at %s", self.worker, point)
+            os._exit(17)

@@ -1,0 +1,201 @@
+"""One attempt to serve a request: place it, run the hand-off, stream its tokens.
+
+Disaggregated: wait (FIFO, bounded) for a prefill slot and a decode reservation -> prefill
+prompt + tokens already streamed -> stream the next token at once -> `start` on the decode
+worker -> its tokens. Colocated: wait for a decode-pool worker with room -> `generate` there.
+Any failure another worker may not have raises `Retry`; the router then starts the next
+attempt (router/service.py). Workers are recorded as holders BEFORE a call that may leave
+state on them, so a cancel at any moment reaches every worker that may hold some.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from engine.messages import PrefillTask, Reservation, StartDecode
+from engine.request import RequestOutput
+from router.admission import Admission
+from router.calls import call
+from router.config import ClusterConfig
+from router.lifecycle import Phase, RequestLife
+from router.metrics import RouterMetrics
+from router.placement import WorkerView, decode_candidates, pick_prefill
+from router.pool import PoolManager
+from router.stream import Chunk, InternalError, Retry, Unavailable, merge_outputs
+
+
+class Attempts:
+    def __init__(self, config: ClusterConfig, pools: PoolManager, admission: Admission, metrics: RouterMetrics,
+                 accepting):
+        self.config = config
+        self.rc = config.router
+        self.pools = pools
+        self.admission = admission
+        self.metrics = metrics
+        self.accepting = accepting  # () -> bool
+
+    async def run(self, life: RequestLife) -> AsyncIterator[Chunk]:
+        runner = self._colocated if self.config.mode == "colocated" else self._disaggregated
+        async for chunk in runner(life):
+            yield chunk
+
+    # ---- disaggregated ------------------------------------------------------------------
+    async def _disaggregated(self, life: RequestLife) -> AsyncIterator[Chunk]:
+        (prefill, decode), waited = await self.admission.place(lambda: self._place_pair(life), self.accepting,
+                                                               self.rc.queue_timeout_s)
+        self._observe_queue(life, waited)
+        aid = life.attempt_id
+        life.to(Phase.PREFILLING)
+        task = PrefillTask(aid, life.prompt_token_ids, life.sampling, decode.name, list(life.output_token_ids),
+                           life.emitted_chars)
+        handle = None if decode.name in prefill.peers else decode.actor  # travels once per pair
+        try:
+            res = await call(prefill, prefill.actor.prefill.remote(task, handle), self.rc.prefill_timeout_s, "prefill")
+        finally:
+            prefill.inflight.discard(aid)
+        prefill.peers.add(decode.name)
+        life.usage["prefill_ms"] = life.usage.get("prefill_ms", 0.0) + res.prefill_s * 1e3
+        self.metrics.observe_prefill(res.prefill_s)
+        finish = None if res.finish_reason == "prefilled" else res.finish_reason
+        life.to(Phase.FINISHED if finish else Phase.HANDOFF)
+        chunk = self.chunk(life, RequestOutput(aid, [res.token_id], res.text, finish))
+        if finish:
+            life.prefill = None  # a finished prefill-only request freed its blocks; the service
+            yield chunk          # aborts the decode reservation it never needed
+            return
+        start = StartDecode(aid, life.prompt_token_ids, list(life.output_token_ids), life.sampling,
+                            life.emitted_chars, self.config.kv_transfer.timeout_s)
+        started = decode.actor.start.remote(start)
+        yield chunk  # before the decode worker confirms `start`: that round trip is not TTFT
+        await call(decode, started, self.rc.call_timeout_s, "start")
+        async for chunk in self._stream(life, decode):
+            yield chunk
+
+    async def _place_pair(self, life: RequestLife) -> tuple[WorkerView, WorkerView] | None:
+        prefill = pick_prefill(self._ready_or_wait("prefill"), self.rc.max_prefill_inflight)
+        decode_ready = self._ready_or_wait("decode")
+        if prefill is None or not decode_ready:
+            return None
+        num_tokens = life.num_context_tokens() + 1  # the KV pushed, plus the next token
+        needed = -(-num_tokens // decode_ready[0].info.block_size)
+        lease_s = self.rc.prefill_timeout_s + self.config.kv_transfer.timeout_s + self.rc.call_timeout_s
+        for decode in decode_candidates(decode_ready, needed):
+            self._hold(life, decode, Phase.RESERVING)
+            ref = decode.actor.reserve.remote(Reservation(life.attempt_id, num_tokens, lease_s))
+            blocks = await call(decode, ref, self.rc.call_timeout_s, "reserve")
+            if blocks is not None:
+                decode.free_blocks -= len(blocks)
+                life.prefill = prefill
+                prefill.inflight.add(life.attempt_id)
+                return prefill, decode
+            self._unhold(life, decode)
+            decode.free_blocks = min(decode.free_blocks, needed - 1)
+        return None
+
+    # ---- colocated ------------------------------------------------------------------------
+    async def _colocated(self, life: RequestLife) -> AsyncIterator[Chunk]:
+        w, waited = await self.admission.place(lambda: self._place_colocated(life), self.accepting,
+                                               self.rc.queue_timeout_s)
+        self._observe_queue(life, waited)
+        ref = w.actor.generate.remote(life.attempt_id, life.prompt_token_ids, life.sampling,
+                                      list(life.output_token_ids), life.emitted_chars)
+        await call(w, ref, self.rc.call_timeout_s, "generate")
+        async for chunk in self._stream(life, w):
+            yield chunk
+
+    async def _place_colocated(self, life: RequestLife) -> WorkerView | None:
+        limit = self.config.scheduler.max_num_seqs + self.rc.max_prefill_inflight
+        ready = decode_candidates(self._ready_or_wait("decode"), 0, limit)
+        if not ready:
+            return None
+        self._hold(life, ready[0], Phase.DECODING)
+        return ready[0]
+
+    # ---- shared -------------------------------------------------------------------------
+    def _ready_or_wait(self, pool: str) -> list[WorkerView]:
+        """Ready workers; [] while replacements are on their way; Unavailable when none can come."""
+        ready = self.pools.ready(pool)
+        health = self.pools.health[pool]
+        if not ready and not self.pools.live(pool) and health.starting == 0 and health.failures_in_a_row > 0:
+            raise Unavailable(f"the {pool} pool has no worker and cannot start one: {health.last_failure}")
+        return ready
+
+    @staticmethod
+    def _hold(life: RequestLife, w: WorkerView, phase: Phase) -> None:
+        life.to(phase)
+        life.decode = w
+        w.inflight.add(life.attempt_id)
+
+    @staticmethod
+    def _unhold(life: RequestLife, w: WorkerView) -> None:
+        life.to(Phase.QUEUED)
+        life.decode = None
+        w.inflight.discard(life.attempt_id)
+
+    def _observe_queue(self, life: RequestLife, waited: float) -> None:
+        life.usage["queue_ms"] = life.usage.get("queue_ms", 0.0) + waited * 1e3
+        self.metrics.observe_queue(waited)
+        if life.decode is not None:
+            life.usage["decode_worker"] = life.decode.name
+        if life.prefill is not None:
+            life.usage["prefill_worker"] = life.prefill.name
+
+    async def _stream(self, life: RequestLife, w: WorkerView) -> AsyncIterator[Chunk]:
+        """Tokens of this attempt from decode worker `w` until it finishes; failures raise."""
+        while True:
+            items = [await self._next_event(life, w)]
+            while not life.events.empty():  # the client was slower than decode: one message
+                items.append(life.events.get_nowait())
+            outputs = [item for aid, item in items if aid == life.attempt_id]
+            for out in outputs:
+                if isinstance(out, Exception):
+                    raise out
+                if out.finish_reason == "error":
+                    raise Retry(f"{w.name}: {out.text}") if out.retryable else InternalError(out.text)
+            if not outputs:
+                continue
+            if life.phase is Phase.HANDOFF:  # the KV landed: the prefill worker holds nothing now
+                life.to(Phase.DECODING)
+                life.prefill = None
+            chunk = self.chunk(life, merge_outputs(outputs))
+            if chunk.finish_reason is not None:
+                life.to(Phase.FINISHED)
+                life.decode = None  # a finished request freed its blocks on the worker
+                w.inflight.discard(life.attempt_id)
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+
+    async def _next_event(self, life: RequestLife, w: WorkerView):
+        try:
+            return await asyncio.wait_for(life.events.get(), self.rc.prefill_timeout_s)
+        except TimeoutError:
+            raise Retry(f"no progress from {w.name} for {self.rc.prefill_timeout_s:g} s") from None
+
+    def chunk(self, life: RequestLife, out: RequestOutput) -> Chunk:
+        now = time.perf_counter()
+        n = len(out.token_ids)
+        gaps = n
+        if n and life.first_token_at is None:
+            life.first_token_at = now
+            self.metrics.observe_first_token(now - life.accepted)
+            gaps = n - 1
+        if gaps and life.last_token_at is not None:
+            self.metrics.observe_token(now - life.last_token_at)
+            for _ in range(gaps - 1):
+                self.metrics.observe_token(0.0)
+        if n:
+            life.last_token_at = now
+        life.record(out.token_ids, out.text)
+        if out.kv_transfer_bytes:
+            self.metrics.observe_kv_transfer(out.kv_transfer_s, out.kv_transfer_bytes)
+            life.usage.update(kv_transfer_ms=out.kv_transfer_s * 1e3, kv_transfer_bytes=out.kv_transfer_bytes)
+        usage = None
+        if out.finish_reason is not None:
+            self.metrics.observe_finish(out.finish_reason, now - life.accepted)
+            usage = dict(life.usage, prompt_tokens=len(life.prompt_token_ids),
+                         completion_tokens=len(life.output_token_ids), migrations=life.migrations,
+                         ttft_ms=((life.first_token_at or now) - life.accepted) * 1e3)
+        return Chunk(out.token_ids, out.text, out.finish_reason, usage)

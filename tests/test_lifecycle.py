@@ -1,0 +1,82 @@
+"""The router's per-request state (router/lifecycle.py): allowed transitions, who holds state
+in each phase, and that events of an earlier attempt never reach the client."""
+
+from __future__ import annotations
+
+import pytest
+
+from engine.request import SamplingParams
+from router.lifecycle import TRANSITIONS, Phase, RequestLife
+
+
+def _life() -> RequestLife:
+    return RequestLife("client-1", 7, [1, 2, 3], SamplingParams(), 0.0)
+
+
+def _walk(life: RequestLife, to: Phase, prefill="P", decode="D") -> RequestLife:
+    """Drive a life along the disaggregated path up to `to`, holders set as the router sets them."""
+    path = [Phase.RESERVING, Phase.PREFILLING, Phase.HANDOFF, Phase.DECODING]
+    for phase in path[:path.index(to) + 1] if to in path else []:
+        life.to(phase)
+        if phase is Phase.RESERVING:
+            life.decode = decode
+        if phase is Phase.PREFILLING:
+            life.prefill = prefill
+        if phase is Phase.DECODING:
+            life.prefill = None
+    return life
+
+
+HOLDERS = {Phase.QUEUED: [], Phase.RESERVING: ["D"], Phase.PREFILLING: ["P", "D"], Phase.HANDOFF: ["P", "D"],
+           Phase.DECODING: ["D"]}
+
+
+@pytest.mark.parametrize("phase", list(HOLDERS))
+def test_cancel_in_each_phase_returns_every_holder(phase):
+    life = _walk(_life(), phase)
+    assert life.end(Phase.CANCELLED) == HOLDERS[phase]
+    assert life.ended and life.holders == []
+
+
+@pytest.mark.parametrize("phase", list(HOLDERS))
+def test_peer_death_in_each_phase_moves_the_request(phase):
+    life = _walk(_life(), phase)
+    old = life.attempt_id
+    life.record([42], "x")
+    assert life.retry("decode-1 died") == HOLDERS[phase]
+    assert life.phase is Phase.QUEUED and life.migrations == 1 and life.attempt_id != old
+    assert life.output_token_ids == [42] and life.emitted_chars == 1  # kept for the next attempt
+    assert life.num_context_tokens() == 4
+
+
+def test_events_of_an_earlier_attempt_are_dropped():
+    life = _walk(_life(), Phase.DECODING)
+    old = life.attempt_id
+    life.retry("moved")
+    assert not life.deliver(old, "late token")
+    assert life.deliver(life.attempt_id, "fresh")
+    assert life.events.qsize() == 1
+
+
+def test_no_event_reaches_an_ended_request():
+    life = _life()
+    life.end(Phase.FAILED)
+    assert not life.deliver(life.attempt_id, "x")
+
+
+@pytest.mark.parametrize("src", list(Phase))
+def test_only_listed_transitions_are_allowed(src):
+    for dst in Phase:
+        life = _life()
+        life.phase = src
+        if dst in TRANSITIONS[src]:
+            life.to(dst)
+            assert life.phase is dst
+        else:
+            with pytest.raises(AssertionError):
+                life.to(dst)
+
+
+def test_ended_phases_are_final():
+    for phase in (Phase.FINISHED, Phase.FAILED, Phase.CANCELLED):
+        assert TRANSITIONS[phase] == frozenset()
