@@ -22,6 +22,10 @@ from engine.messages import StartDecode
 TOMBSTONE_S = 120.0
 
 
+class ReservationGone(LookupError):
+    """`start` for a request whose reservation ended (or never was); says why when known."""
+
+
 class Action(enum.Enum):
     WAIT = "wait"    # nothing to do now
     ADMIT = "admit"  # KV landed and start came: add the request to the running batch
@@ -50,7 +54,7 @@ class Outcome:
 class HandoffTable:
     def __init__(self) -> None:
         self._slots: dict[str, Slot] = {}
-        self._ended: dict[str, float] = {}  # request id -> when it ended
+        self._ended: dict[str, tuple[float, str]] = {}  # request id -> (when it ended, why)
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -92,12 +96,13 @@ class HandoffTable:
             return self._end(request_id, Action.ADMIT) if slot.start else Outcome(Action.WAIT, slot)
 
     def start(self, msg: StartDecode, now: float | None = None) -> Outcome:
-        """Raises KeyError when the reservation is gone (lease ended, transfer failed, cancelled)."""
+        """Raises ReservationGone when the reservation ended (lease, failed transfer, cancel)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             slot = self._slots.get(msg.request_id)
             if slot is None or slot.cancelled:
-                raise KeyError(f"no reservation for request {msg.request_id!r}")
+                why = self._ended.get(msg.request_id, (0.0, "never reserved here"))[1]
+                raise ReservationGone(f"no reservation for request {msg.request_id!r}: {why or 'cancelled'}")
             slot.start = msg
             if slot.landed:
                 return self._end(msg.request_id, Action.ADMIT)
@@ -108,7 +113,7 @@ class HandoffTable:
         with self._lock:
             slot = self._slots.get(request_id)
             if slot is None:
-                self._ended[request_id] = time.monotonic()
+                self._ended[request_id] = (time.monotonic(), "cancelled")
                 return Outcome(Action.WAIT)
             slot.cancelled = True
             if slot.landing:
@@ -142,10 +147,10 @@ class HandoffTable:
 
     def _end(self, request_id: str, action: Action, reason: str = "") -> Outcome:
         slot = self._slots.pop(request_id)
-        self._ended[request_id] = time.monotonic()
+        self._ended[request_id] = (time.monotonic(), reason)
         return Outcome(action, slot, reason)
 
     def _prune(self, now: float) -> None:
-        old = [rid for rid, t in self._ended.items() if now - t > TOMBSTONE_S]
+        old = [rid for rid, (t, _) in self._ended.items() if now - t > TOMBSTONE_S]
         for rid in old:
             del self._ended[rid]

@@ -102,7 +102,7 @@ class DecodeWorker:
         return blocks
 
     async def start(self, msg: StartDecode) -> None:
-        """Raises KeyError when the reservation is gone: the router places the request again."""
+        """Raises ReservationGone when the reservation ended: the router places the request again."""
         self._act(msg.request_id, self.handoffs.start(msg))
         self.faults.maybe_kill("decode.after_start")
 

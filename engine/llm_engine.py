@@ -176,33 +176,33 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One forward over the scheduled batch. A failure while sampling or detokenizing one
         request fails only that request; a failure of the forward itself raises."""
+        t0 = time.perf_counter()
         items = self.scheduler.schedule()
-        outputs = self._run(items) if items else []
+        outputs = self._run(items, t0) if items else []
         ready, self._ready = self._ready, []
         return ready + outputs
 
-    def _run(self, items: list[ScheduledItem]) -> list[RequestOutput]:
-        t0 = time.perf_counter()
-        logits = self.runner.execute(items)
+    def _run(self, items: list[ScheduledItem], t0: float) -> list[RequestOutput]:
         t1 = time.perf_counter()
+        logits = self.runner.execute(items)
+        t2 = time.perf_counter()
         sampling = [it.request for it in items if it.samples]
         for it in items:
             it.request.num_computed_tokens += it.num_tokens
         tokens = sample_isolated(logits, sampling, self._generator)
         outputs = [self._emit(req, tok) for req, tok in zip(sampling, tokens, strict=True)]
-        self._record(items, t0, t1, time.perf_counter())
+        self._record(items, t0, t1, t2, time.perf_counter())
         return outputs
 
-    def _record(self, items: list[ScheduledItem], t0: float, t1: float, t2: float) -> None:
-        """Step from t0 to t2, of which the forward is t0 to t1."""
+    def _record(self, items: list[ScheduledItem], t0: float, t1: float, t2: float, t3: float) -> None:
         s = self.stats
         s.steps += 1
-        s.step_s += t2 - t0
-        s.forward_s += t1 - t0
+        s.step_s += t3 - t0
+        s.forward_s += t2 - t1
         if all(it.is_decode for it in items):
             s.decode_steps += 1
-            s.decode_step_s += t2 - t0
-            s.decode_forward_s += t1 - t0
+            s.decode_step_s += t3 - t0
+            s.decode_forward_s += t2 - t1
             s.batch_sizes.append(len(items))
 
     def _emit(self, req: Request, token: int | Exception) -> RequestOutput:

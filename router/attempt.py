@@ -69,7 +69,10 @@ class Attempts:
                             life.emitted_chars, self.config.kv_transfer.timeout_s)
         started = decode.actor.start.remote(start)
         yield chunk  # before the decode worker confirms `start`: that round trip is not TTFT
-        await call(decode, started, self.rc.call_timeout_s, "start")
+        try:
+            await call(decode, started, self.rc.call_timeout_s, "start")
+        except Retry as e:  # the reservation ended first: say why, when a worker told us
+            raise _queued_failure(life) or e from None
         async for chunk in self._stream(life, decode):
             yield chunk
 
@@ -199,3 +202,13 @@ class Attempts:
                          completion_tokens=len(life.output_token_ids), migrations=life.migrations,
                          ttft_ms=((life.first_token_at or now) - life.accepted) * 1e3)
         return Chunk(out.token_ids, out.text, out.finish_reason, usage)
+
+
+def _queued_failure(life: RequestLife) -> Exception | None:
+    """The first failure queued for the current attempt (the queue is emptied: the attempt is over)."""
+    found = None
+    while not life.events.empty():
+        aid, item = life.events.get_nowait()
+        if found is None and aid == life.attempt_id and isinstance(item, Exception):
+            found = item
+    return found

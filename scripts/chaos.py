@@ -8,6 +8,9 @@ Targets (exit 0 when all hold, 1 otherwise, 2 for usage errors): 0 hung, 0 leake
 0 token mismatches, completion_rate = completed / (sent - cancelled) >= 0.99, and every pool
 back at its configured size. A stream that fails with a gRPC status is counted in
 `failed_by_status`; its tokens, like a cancelled stream's, must still be a prefix of the reference.
+Report keys: sent, completed, cancelled, completion_rate, failed_by_status, hung, token_mismatches
+(+ mismatch_examples), migrated, leaked_blocks, integrity_errors, pools_at_end, pools_target,
+duration_s, kills, seed, targets_met, failed_targets. Tests call `run(model_dir, ChaosOptions(...))`.
 """
 
 from __future__ import annotations
@@ -197,7 +200,6 @@ def mismatch(spec: Spec, got: Outcome) -> str | None:
 class Soak:
     def __init__(self, cluster: LocalCluster, specs: list[Spec], opts: ChaosOptions):
         self.cluster, self.specs, self.opts = cluster, specs, opts
-        self.rng = random.Random(opts.seed + 1)
         self.report = ChaosReport(seed=opts.seed, pools_target={"prefill": cluster.cfg.prefill.replicas,
                                                                 "decode": cluster.cfg.decode.replicas})
         self.t0 = time.monotonic()
@@ -209,9 +211,9 @@ class Soak:
         async with grpc.aio.insecure_channel(self.cluster.address) as channel:
             await asyncio.wait_for(channel.channel_ready(), 10)
             stub = pb_grpc.GenerationStub(channel)
-            killer = asyncio.create_task(self.kill_loop())
             slots, tasks = asyncio.Semaphore(self.opts.concurrency), set()
             self.t0 = time.monotonic()
+            killer = asyncio.create_task(self.kill_loop(random.Random(f"kill-{self.opts.seed}")))
             while self.elapsed() < self.opts.duration_s:
                 await slots.acquire()
                 if self.elapsed() >= self.opts.duration_s:
@@ -223,10 +225,10 @@ class Soak:
             await killer
 
     async def one(self, stub: pb_grpc.GenerationStub, n: int, slots: asyncio.Semaphore) -> None:
-        spec = self.specs[n % len(self.specs)]
-        cancel = self.rng.random() < self.opts.cancel_rate
-        after_msgs = self.rng.randint(1, 4) if cancel and self.rng.random() < 0.5 else None
-        wait_s = self.rng.uniform(0.05, 1.5) if cancel and after_msgs is None else self.opts.deadline_s
+        spec, rng = self.specs[n % len(self.specs)], random.Random(f"cancel-{self.opts.seed}-{n}")
+        cancel = rng.random() < self.opts.cancel_rate  # after 1-4 messages or after 0.05-1.5 s
+        after_msgs = rng.randint(1, 4) if cancel and rng.random() < 0.5 else None
+        wait_s = rng.uniform(0.05, 1.5) if cancel and after_msgs is None else self.opts.deadline_s
         request = pb.GenerateRequest(request_id=f"chaos-{self.opts.seed}-{n}", prompt_token_ids=spec.prompt,
                                      sampling=to_proto(spec.sampling))
         call, got = stub.Generate(request), Outcome()
@@ -272,12 +274,12 @@ class Soak:
             if len(r.mismatch_examples) < 5:
                 r.mismatch_examples.append(f"{rid}: {why}")
 
-    async def kill_loop(self) -> None:
+    async def kill_loop(self, rng: random.Random) -> None:
         """Kills a random ready worker every kill_every_s, alternating pools, until the duration ends."""
         if self.opts.kill_every_s <= 0:
             return
         pools = ["prefill", "decode"]
-        self.rng.shuffle(pools)
+        rng.shuffle(pools)
         killed: set[str] = set()
         while self.elapsed() + self.opts.kill_every_s < self.opts.duration_s:
             await asyncio.sleep(self.opts.kill_every_s)
@@ -286,7 +288,7 @@ class Soak:
             pick = [v for v in live if v.info.pool == pools[0]] or live
             pools.reverse()
             if pick:
-                victim = self.rng.choice(pick)
+                victim = rng.choice(pick)
                 killed.add(victim.name)
                 await asyncio.to_thread(ray.kill, victim.actor, no_restart=True)
                 self.report.kills.append({"worker": victim.name, "t": round(self.elapsed(), 1)})

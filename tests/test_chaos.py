@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import ray
 
+from engine.request import SamplingParams
 from scripts import chaos
 
 
@@ -36,3 +37,12 @@ def test_bad_flags_exit_with_usage_error(argv, capsys):
         chaos.main(argv)
     assert exit_.value.code == 2
     assert "must be" in capsys.readouterr().err
+
+
+def test_a_stream_cut_short_must_be_a_prefix_of_the_reference_and_a_finished_one_equal_to_it():
+    ref = chaos.Spec([5, 6], SamplingParams(max_tokens=3), [7, 8, 9], "abc", "length")
+    assert chaos.mismatch(ref, chaos.Outcome([7, 8, 9], "abc", "length")) is None
+    assert chaos.mismatch(ref, chaos.Outcome([7, 8, 9], "abbc", "length")) is not None  # text doubled
+    assert chaos.mismatch(ref, chaos.Outcome([7, 8], "ab", "stop")) is not None
+    assert chaos.mismatch(ref, chaos.Outcome([7, 8], "ab", status="UNAVAILABLE")) is None
+    assert chaos.mismatch(ref, chaos.Outcome([7, 9], "ab", status="CANCELLED_BY_CLIENT")) is not None

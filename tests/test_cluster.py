@@ -148,7 +148,7 @@ class _Timed(threading.Thread):
 
 def test_scale_while_streaming_loses_nothing(llama_dir):
     cfg = cluster_config(llama_dir)
-    prompts, long_prompts, long_tokens = _prompts(32, seed=21), _prompts(8, seed=22), 300
+    prompts, long_prompts, long_tokens = _prompts(32, seed=21), _prompts(6, seed=22), 200
     expected = [hf_greedy(llama_dir, p, 40, ignore_eos=True) for p in prompts]
     long_expected = [hf_greedy(llama_dir, p, long_tokens, ignore_eos=True) for p in long_prompts]
     with LocalCluster(cfg) as cluster:
@@ -181,9 +181,11 @@ def test_scale_while_streaming_loses_nothing(llama_dir):
         assert [s.tokens for s in long_streams] == long_expected
         assert shapes == [["decode", "prefill", "prefill"], ["decode", "decode", "prefill", "prefill"],
                           ["decode", "prefill", "prefill"]]
-        # the drained worker held work: requests decoded on it were streaming when Scale began
+        # the drained worker held work: requests decoded on it were streaming when Scale began,
+        # and finished there (a drain waits for them; nothing moved to another worker)
         drained = [s for s in long_streams if s.last.usage.decode_worker == resp.stopped[0]]
         assert any(s.first_s < scale_began < s.end_s for s in drained), (resp.stopped, scale_began)
+        assert [s.last.usage.migrations for s in streams + long_streams] == [0] * (len(prompts) + len(long_prompts))
         _assert_no_leaks(cluster)
         client.close()
 

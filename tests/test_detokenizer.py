@@ -13,9 +13,9 @@ from engine.detokenizer import IncrementalDetokenizer
 from engine.request import InvalidRequest
 
 
-@pytest.fixture(scope="module")
-def tok(llama_dir):
-    return AutoTokenizer.from_pretrained(llama_dir)
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def tok(request, model_dirs):
+    return AutoTokenizer.from_pretrained(model_dirs[request.param])
 
 
 @pytest.fixture(scope="module")

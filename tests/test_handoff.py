@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from decode_worker.handoff import Action, HandoffTable
+from decode_worker.handoff import Action, HandoffTable, ReservationGone
 from engine.messages import StartDecode
 from engine.request import SamplingParams
 
@@ -39,9 +39,14 @@ def test_start_then_kv_lands_admits(table):
     assert out.action is Action.ADMIT and len(table) == 0
 
 
-def test_start_without_reservation_raises_key_error():
-    with pytest.raises(KeyError, match="no reservation"):
+def test_start_without_reservation_says_why():
+    with pytest.raises(ReservationGone, match="no reservation for request '7.0': never reserved here"):
         HandoffTable().start(_start())
+    t = HandoffTable()
+    t.add(RID, [1], lease_s=1.0)
+    t.transfer_failed(RID, "injected")
+    with pytest.raises(ReservationGone, match="KV transfer failed: injected"):
+        t.start(_start())
 
 
 @pytest.mark.parametrize("state", ["reserved", "started", "landed"])
@@ -108,7 +113,7 @@ def test_lease_expires_without_kv(table):
     assert table.expire(now=9.9) == []
     [(rid, out)] = table.expire(now=10.0)
     assert rid == RID and out.action is Action.FAIL and "lease" in out.reason
-    with pytest.raises(KeyError):
+    with pytest.raises(ReservationGone, match="lease"):
         table.start(_start())
 
 

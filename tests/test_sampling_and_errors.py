@@ -1,13 +1,17 @@
-"""Sampling (seeded reproducibility, top-k/top-p support sets), stop handling, bad requests."""
+"""Sampling (seeded reproducibility, top-k/top-p support sets, tiny temperatures), stop
+handling, bad requests, and failures that stay with the one request that caused them."""
 
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import pytest
 import torch
 
-from engine import EngineConfig, InvalidRequest, LLMEngine, SamplingParams
+from engine import EngineConfig, InvalidRequest, LLMEngine, RequestOutput, SamplingParams
+from engine import sampler as sampler_module
+from engine.loop import EngineLoop
 from engine.request import Request
 from engine.sampler import sample
 
@@ -26,8 +30,28 @@ def test_same_seed_same_tokens(engine):
     assert first != other
 
 
-def _req(sp: SamplingParams, seed: int) -> Request:
-    return Request("x", [1], sp, detokenizer=None, generator=torch.Generator().manual_seed(seed))
+def _req(sp: SamplingParams, seed: int, num_outputs: int = 0) -> Request:
+    return Request("x", [1], replace(sp, seed=seed), detokenizer=None, output_token_ids=[0] * num_outputs)
+
+
+def test_a_seeded_draw_depends_only_on_seed_index_and_logits():
+    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(1))
+    sp = SamplingParams(temperature=1.0)
+    fresh = [sample(logits, [_req(sp, 42, i)], torch.Generator())[0] for i in range(40)]
+    req = _req(sp, 42)
+    for i in range(40):  # one request drawing in order, its generator reused
+        assert sample(logits, [req], torch.Generator().manual_seed(i))[0] == fresh[i]
+        req.output_token_ids.append(0)
+    assert len(set(fresh)) > 10, "draws at different output indices must differ"
+    assert fresh != [sample(logits, [_req(sp, 43, i)], torch.Generator())[0] for i in range(40)]
+
+
+@pytest.mark.parametrize("temperature", [1e-30, 1.2e-38])
+def test_a_tiny_temperature_samples_the_argmax(temperature):
+    logits = 30 * torch.randn(4, 500, generator=torch.Generator().manual_seed(2))
+    for sp in (SamplingParams(temperature=temperature), SamplingParams(temperature=temperature, top_p=0.5, top_k=3)):
+        reqs = [_req(sp, s) for s in range(4)]
+        assert sample(logits, reqs, torch.Generator()) == logits.argmax(dim=-1).tolist()
 
 
 def test_top_k_never_leaves_the_k_best():
@@ -48,6 +72,8 @@ def test_top_p_never_leaves_the_nucleus():
 
 def test_stop_token_and_max_tokens(engine):
     greedy = engine.generate([[11, 12, 13]], SamplingParams(max_tokens=10, ignore_eos=True))[0]
+    assert len(greedy) == 10
+    assert engine.generate([[11, 12, 13]], SamplingParams(max_tokens=3, ignore_eos=True))[0] == greedy[:3]
     stop_at = greedy[3]
     cut = engine.generate([[11, 12, 13]], SamplingParams(max_tokens=10, stop_token_ids=(stop_at,), ignore_eos=True))[0]
     assert cut == greedy[:greedy.index(stop_at) + 1]
@@ -84,15 +110,24 @@ def test_stop_string_cuts_text_and_never_leaks(engine):
     ({"prompt": "hi", "sampling": SamplingParams(top_k=-1)}, "top_k must be >= 0"),
     ({"prompt_token_ids": [1, 999999]}, "outside the vocabulary"),
     ({"prompt": "hi", "prompt_token_ids": [1]}, "not both"),
+    ({"prompt": "hi", "sampling": SamplingParams(temperature=float("nan"))}, "temperature must be a finite number"),
+    ({"prompt": "hi", "sampling": SamplingParams(stop_token_ids=(5, 10**6))}, "stop_token_ids has ids outside"),
+    ({"prompt": "hi", "request_id": "b a d"}, "request_id may contain only printable ASCII"),
+    ({"prompt": "hi", "request_id": "good"}, "request id 'good' is already in use"),
+    ({"prompt": "hi", "output_token_ids": [5, 6], "sampling": SamplingParams(max_tokens=2)}, "leaves none"),
+    ({"prompt": "hi", "output_token_ids": [300], "emitted_chars": 500}, "emitted_chars is 500"),
 ])
 def test_bad_requests_are_refused_without_disturbing_others(engine, kwargs, message):
-    good = engine.add_request("good", prompt_token_ids=[3, 4, 5], sampling=SamplingParams(max_tokens=4))
+    sampling = SamplingParams(max_tokens=6, ignore_eos=True)
+    undisturbed = engine.generate([[3, 4, 5]], sampling)[0]
+    good = engine.add_request("good", prompt_token_ids=[3, 4, 5], sampling=sampling)
     engine.step()
     with pytest.raises(InvalidRequest, match=message):
-        engine.add_request("bad", **kwargs)
+        engine.add_request(**{"request_id": "bad", **kwargs})
+    assert set(engine.requests) == {"good"} and not engine.reserved
     while engine.has_unfinished():
         engine.step()
-    assert good.finish_reason in ("length", "stop") and len(good.output_token_ids) >= 1
+    assert good.finish_reason == "length" and good.output_token_ids == undisturbed
     engine.check()
     assert engine.allocator.num_used == 0
 
@@ -126,9 +161,87 @@ def test_reserve_release_and_prefill_only_accounting(engine):
     engine.check()
 
 
-def test_a_failing_step_fails_its_requests_and_the_loop_lives_on(engine, monkeypatch):
-    from engine.loop import EngineLoop
+def test_reserve_refuses_an_id_in_use(engine):
+    blocks = engine.reserve("held", num_tokens=40)
+    engine.add_request("live", prompt_token_ids=[3, 4, 5], sampling=SamplingParams(max_tokens=2))
+    for request_id in ("held", "live"):
+        with pytest.raises(InvalidRequest, match=f"request id '{request_id}' is already in use"):
+            engine.reserve(request_id, num_tokens=16)
+    with pytest.raises(InvalidRequest, match="request id 'held' is already in use"):
+        engine.add_request("held", prompt_token_ids=[3])
+    assert engine.reserved == {"held": blocks} and engine.allocator.num_used == 3  # "live" still waits
+    engine.check()
+    engine.abort("live")
+    engine.release("held")
+    assert engine.allocator.num_used == 0
 
+
+# ---- failures that stay with one request -------------------------------------------------
+_NEIGHBOURS = {
+    "greedy": ([3, 4, 5, 6], SamplingParams(max_tokens=8, ignore_eos=True)),
+    "seeded": ([7, 8, 9], SamplingParams(max_tokens=8, temperature=0.8, top_p=0.9, seed=5, ignore_eos=True)),
+    "victim": ([10, 11, 12], SamplingParams(max_tokens=8, temperature=1.0, seed=6, ignore_eos=True)),
+    "long": (list(range(20, 60)), SamplingParams(max_tokens=8, ignore_eos=True)),
+}
+
+
+def _run_neighbours(engine: LLMEngine) -> tuple[dict[str, Request], dict[str, list[RequestOutput]]]:
+    reqs = {rid: engine.add_request(rid, prompt_token_ids=p, sampling=sp) for rid, (p, sp) in _NEIGHBOURS.items()}
+    outs: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    engine.check()
+    assert engine.allocator.num_used == 0 and not engine.requests
+    return reqs, outs
+
+
+def _assert_only_the_victim_failed(undisturbed, outs, error: str) -> None:
+    assert {rid: outs[rid] for rid in outs if rid != "victim"} == {
+        rid: o for rid, o in undisturbed.items() if rid != "victim"}
+    *before, last = outs["victim"]
+    assert before == undisturbed["victim"][:2]
+    assert (last.token_ids, last.text, last.finish_reason) == ([], error, "error")
+
+
+def test_a_request_whose_sampling_raises_fails_alone(engine, monkeypatch):
+    _, undisturbed = _run_neighbours(engine)
+    real = sampler_module._sample_row
+
+    def flaky(row, req, gen):
+        if req.request_id == "victim" and len(req.output_token_ids) == 2:
+            raise RuntimeError("injected fault\nsecond line")
+        return real(row, req, gen)
+
+    monkeypatch.setattr(sampler_module, "_sample_row", flaky)
+    _, outs = _run_neighbours(engine)
+    _assert_only_the_victim_failed(undisturbed, outs, "sampling failed: RuntimeError: injected fault")
+
+
+def test_a_request_whose_detokenizing_raises_fails_alone(engine):
+    _, undisturbed = _run_neighbours(engine)
+    reqs = {rid: engine.add_request(rid, prompt_token_ids=p, sampling=sp) for rid, (p, sp) in _NEIGHBOURS.items()}
+    victim = reqs["victim"].detokenizer
+    real = victim.add_token
+
+    def flaky(token_id):
+        if len(reqs["victim"].output_token_ids) == 3:  # the engine appends the token first
+            raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte")
+        return real(token_id)
+
+    victim.add_token = flaky
+    outs: dict[str, list[RequestOutput]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            outs.setdefault(o.request_id, []).append(o)
+    engine.check()
+    assert engine.allocator.num_used == 0 and not engine.requests
+    _assert_only_the_victim_failed(
+        undisturbed, outs,
+        "detokenizing failed: UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in position 0: invalid start byte")
+
+
+def test_a_failing_step_fails_its_requests_and_the_loop_lives_on(engine, monkeypatch):
     outputs = []
     loop = EngineLoop(engine, outputs.extend, name="test")
     real_execute = engine.runner.execute
@@ -146,3 +259,32 @@ def test_a_failing_step_fails_its_requests_and_the_loop_lives_on(engine, monkeyp
     assert loop.call(lambda e: e.allocator.num_used).result(10) == 0  # its blocks came back
     loop.call(lambda e: e.check()).result(10)
     loop.stop()
+
+
+def test_before_step_runs_before_every_step_and_its_failure_fails_the_step(engine, monkeypatch):
+    events: list[str] = []
+    real_step = engine.step
+
+    def step():
+        events.append("step")
+        return real_step()
+
+    def before_step():
+        events.append("before")
+        if len(events) > 6:
+            raise RuntimeError("slow node")
+
+    monkeypatch.setattr(engine, "step", step)
+    outputs: list[RequestOutput] = []
+    loop = EngineLoop(engine, outputs.extend, name="hook", before_step=before_step)
+    loop.call(lambda e: e.add_request("h", prompt_token_ids=[4, 5, 6],
+                                      sampling=SamplingParams(max_tokens=20, ignore_eos=True))).result(10)
+    deadline = time.monotonic() + 10
+    while not (outputs and outputs[-1].finished) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.stop()
+    assert events == ["before", "step"] * 3 + ["before"]
+    assert [o.finish_reason for o in outputs] == [None, None, None, "error"]
+    assert "slow node" in outputs[-1].text
+    assert engine.allocator.num_used == 0
+    engine.check()

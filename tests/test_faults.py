@@ -1,0 +1,273 @@
+"""Every failure path end to end, on real Ray actors, gRPC and KV channels: a worker killed or
+hung mid-request, a failed KV transfer, a cancel while a reservation is in flight, a scale
+Ray cannot place, bad input next to good requests. Each checks the client's exact outcome
+(tokens identical to an undisturbed run, or the precise status) and that no KV block leaks."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import random
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from proto import pdserve_pb2 as pb
+from router.launcher import LocalCluster
+from tests.cluster_util import Client, cluster_config
+from tests.reference import hf_greedy
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _prompt(seed: int, n: int = 24) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 2000) for _ in range(n)]
+
+
+def _wait(cond, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def _no_leaks(cluster: LocalCluster, timeout: float = 5.0) -> None:
+    """Every live worker's pool is whole again (within `timeout`: aborts are asynchronous)."""
+    def whole() -> bool:
+        counts = [ray.get(w.actor.check.remote(), timeout=10) for w in cluster.router.pools.all()
+                  if w.state != "stopped"]
+        return all(c["used"] == 0 and c["free"] == c["total"] for c in counts)
+    _wait(whole, timeout, "every KV block to be free")
+
+
+def _worker(cluster: LocalCluster, name: str):
+    return next(w for w in cluster.router.pools.all() if w.name == name)
+
+
+def _stream_and_kill(client: Client, cluster: LocalCluster, prompt, kill_after: int, **sampling):
+    """Stream a request; after `kill_after` messages kill the decode worker serving it."""
+    tokens, last, killed = [], None, None
+    for i, msg in enumerate(client.stream(prompt, **sampling)):
+        tokens.extend(msg.token_ids)
+        last = msg
+        if i == kill_after:
+            live = [w for w in cluster.router.lives.values()]
+            holder = live[0].decode
+            killed = holder.name
+            ray.kill(holder.actor, no_restart=True)
+    return tokens, last, killed
+
+
+@pytest.fixture(scope="module")
+def cluster(llama_dir):
+    cfg = cluster_config(llama_dir, prefill={"replicas": 2}, decode={"replicas": 2},
+                         router={"call_timeout_s": 3, "restart_backoff_s": 0.2})
+    with LocalCluster(cfg) as c:
+        yield c
+
+
+@pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.8, top_p=0.875, seed=11)], ids=["greedy", "seeded"])
+def test_decode_worker_death_mid_stream_migrates_token_exact(cluster, llama_dir, sampling):
+    client = Client(cluster.address)
+    prompt = _prompt(1)
+    args = dict(max_tokens=60, ignore_eos=True, **sampling)
+    reference, _ = client.tokens(prompt, **args)  # undisturbed run, same cluster
+    if not sampling:
+        assert reference == hf_greedy(llama_dir, prompt, 60, ignore_eos=True)
+    prefill_names = {w.name for w in cluster.router.pools.workers["prefill"]}
+    tokens, last, killed = _stream_and_kill(client, cluster, prompt, kill_after=5, **args)
+    assert tokens == reference and last.finish_reason == "length"
+    assert last.usage.migrations >= 1 and last.usage.decode_worker != killed
+    assert {w.name for w in cluster.router.pools.workers["prefill"]} == prefill_names  # peers stay healthy
+    _wait(lambda: len(cluster.router.pools.ready("decode")) == 2, 60, "the decode pool to heal")
+    pools = {p.pool: p for p in client.status().pools}
+    assert pools["decode"].restarts >= 1 and killed in pools["decode"].last_failure
+    assert pools["decode"].ready == pools["decode"].target == 2
+    _no_leaks(cluster)
+    client.close()
+
+
+def test_prefill_worker_death_mid_prefill_is_retried(cluster, llama_dir):
+    client = Client(cluster.address)
+    prompt = _prompt(2, n=300)
+    result: dict = {}
+    t = threading.Thread(target=lambda: result.update(out=client.tokens(prompt, max_tokens=6, ignore_eos=True)))
+    t.start()
+    _wait(lambda: any(life.prefill is not None for life in cluster.router.lives.values()), 10, "a prefill")
+    victim = next(life.prefill for life in cluster.router.lives.values() if life.prefill is not None)
+    ray.kill(victim.actor, no_restart=True)
+    t.join(60)
+    tokens, last = result["out"]
+    assert tokens == hf_greedy(llama_dir, prompt, 6, ignore_eos=True)
+    if last.usage.migrations:  # the kill landed before the first token (it usually does)
+        assert last.usage.prefill_worker != victim.name
+    _wait(lambda: len(cluster.router.pools.ready("prefill")) == 2, 60, "the prefill pool to heal")
+    _no_leaks(cluster)
+    client.close()
+
+
+def test_cancel_while_reserve_is_in_flight_leaks_nothing(cluster):
+    client = Client(cluster.address)
+    for _ in range(5):  # a cancel at several moments around reserve / prefill
+        call = client.stream(_prompt(3), max_tokens=200, ignore_eos=True)
+        time.sleep(random.uniform(0.0, 0.05))
+        call.cancel()
+    _wait(lambda: not cluster.router.lives, 5, "cancelled requests to end")
+    _no_leaks(cluster)
+    client.close()
+
+
+def test_scale_beyond_ray_is_refused_at_once(cluster):
+    client = Client(cluster.address)
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as err:
+        client.admin.Scale(pb.ScaleRequest(pool="decode", replicas=10000), timeout=30)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "CPU" in err.value.details() and "9998 more decode" in err.value.details()
+    assert time.monotonic() - t0 < 10
+    assert {p.pool: p.target for p in client.status().pools} == {"prefill": 2, "decode": 2}
+    client.close()
+
+
+def test_bad_sampling_values_fail_alone(cluster, llama_dir):
+    client = Client(cluster.address)
+    prompts = [_prompt(10 + i) for i in range(3)]
+    results: list = [None] * 3
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, client.tokens(prompts[i], max_tokens=20,
+                                                                                            ignore_eos=True)[0]))
+               for i in range(3)]
+    for t in threads:
+        t.start()
+    for value in (float("nan"), float("inf"), 1e-45):
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stream(_prompt(5), max_tokens=20, temperature=value))
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, value
+        assert "temperature" in err.value.details()
+    for t in threads:
+        t.join(60)
+    assert results == [hf_greedy(llama_dir, p, 20, ignore_eos=True) for p in prompts]
+    _no_leaks(cluster)
+    client.close()
+
+
+def test_request_ids_limits_and_namespace(cluster):
+    client = Client(cluster.address)
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.gen.Generate(pb.GenerateRequest(request_id="x" * 300, prompt_token_ids=[5, 6]), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "300 characters" in err.value.details()
+    # an id shaped like the router's own attempt ids, and the longest allowed one, are just labels
+    for rid in ("0.0", "y" * 128):
+        msgs = list(client.gen.Generate(pb.GenerateRequest(request_id=rid, prompt_token_ids=[5, 6],
+                                                           sampling=pb.SamplingParams(max_tokens=3)), timeout=30))
+        assert all(m.request_id == rid for m in msgs) and msgs[-1].finish_reason
+    first = client.gen.Generate(pb.GenerateRequest(request_id="dup", prompt_token_ids=[5, 6],
+                                                   sampling=pb.SamplingParams(max_tokens=100, ignore_eos=True)),
+                                timeout=30)
+    next(first)
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.gen.Generate(pb.GenerateRequest(request_id="dup", prompt_token_ids=[5]), timeout=30))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already in flight" in err.value.details()
+    assert sum(len(m.token_ids) for m in first) == 99
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.stream(prompt="a" * (2 << 20), max_tokens=2))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in err.value.details()
+    _no_leaks(cluster)
+    client.close()
+
+
+def test_stop_string_text_is_exact_across_the_hand_off(cluster, llama_dir):
+    client = Client(cluster.address)
+    tok = cluster.router.tokenizer
+    prompt = _prompt(21)
+    full, _ = client.tokens(prompt, max_tokens=30, ignore_eos=True)
+    text = tok.decode(full, skip_special_tokens=True)
+    stop = text[6:9]
+    assert stop and stop not in text[:6]
+    msgs = list(client.stream(prompt, max_tokens=30, ignore_eos=True, stop=[stop]))
+    streamed = "".join(m.text for m in msgs)
+    ids = [t for m in msgs for t in m.token_ids]
+    assert streamed == tok.decode(ids, skip_special_tokens=True).split(stop)[0] == text[:text.index(stop)]
+    assert msgs[-1].finish_reason == "stop"
+    # without a stop string, the streamed text is exactly the decode of the streamed ids
+    msgs = list(client.stream(prompt, max_tokens=30, ignore_eos=True))
+    assert "".join(m.text for m in msgs) == text
+    client.close()
+
+
+def test_hung_worker_is_replaced_and_status_stays_prompt(llama_dir):
+    cfg = cluster_config(llama_dir, router={"call_timeout_s": 2, "unresponsive_s": 4, "restart_backoff_s": 0.2})
+    with LocalCluster(cfg) as cluster:
+        client = Client(cluster.address)
+        prompt = _prompt(31)
+        reference, _ = client.tokens(prompt, max_tokens=400, ignore_eos=True)
+        decode = cluster.router.pools.workers["decode"][0]
+        pid = ray.get(decode.actor.__ray_call__.remote(lambda self: os.getpid()))
+        got: list = []
+        streaming = threading.Event()
+
+        def run() -> None:
+            for msg in client.stream(prompt, max_tokens=400, ignore_eos=True):
+                got.append(msg)
+                streaming.set()
+        t = threading.Thread(target=run)
+        t.start()
+        assert streaming.wait(30)
+        os.kill(pid, signal.SIGSTOP)  # a real hang: the process stops answering anything
+        try:
+            t0 = time.monotonic()
+            client.status()
+            assert time.monotonic() - t0 < 6  # one stats deadline, not forever
+            t.join(90)
+            last = got[-1]
+            assert [t for m in got for t in m.token_ids] == reference and last.finish_reason == "length"
+            assert last.usage.migrations >= 1 and last.usage.decode_worker != decode.name
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the router killed it: the usual end
+                os.kill(pid, signal.SIGCONT)
+        pools = {p.pool: p for p in client.status().pools}
+        assert "no answer" in pools["decode"].last_failure
+        _no_leaks(cluster)
+        client.close()
+
+
+def test_failed_transfers_end_in_unavailable_not_a_hang(llama_dir):
+    cfg = cluster_config(llama_dir, router={"migration_limit": 1}, faults={"transfer_fail_rate": 1.0})
+    with LocalCluster(cfg) as cluster:
+        client = Client(cluster.address)
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stream(_prompt(41), max_tokens=10, ignore_eos=True))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "failed on 2 workers" in err.value.details() and "injected transfer failure" in err.value.details()
+        assert time.monotonic() - t0 < 20
+        _no_leaks(cluster)
+        client.close()
+
+
+def test_health_follows_an_empty_pool(llama_dir):
+    cfg = cluster_config(llama_dir, router={"restart_backoff_s": 0.2})
+    with LocalCluster(cfg) as cluster:
+        channel = grpc.insecure_channel(cluster.address)
+        health = health_pb2_grpc.HealthStub(channel)
+
+        def status():
+            return health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+        assert status() == health_pb2.HealthCheckResponse.SERVING
+        ray.kill(cluster.router.pools.workers["decode"][0].actor, no_restart=True)
+        _wait(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "NOT_SERVING")
+        _wait(lambda: status() == health_pb2.HealthCheckResponse.SERVING, 60, "SERVING again")
+        client = Client(cluster.address)
+        assert len(client.tokens(_prompt(51), max_tokens=4)[0]) >= 1
+        client.close()
+        channel.close()
