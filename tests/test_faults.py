@@ -72,7 +72,7 @@ def _stream_and_kill(client: Client, cluster: LocalCluster, prompt, kill_after: 
 @pytest.fixture(scope="module")
 def cluster(llama_dir):
     cfg = cluster_config(llama_dir, prefill={"replicas": 2}, decode={"replicas": 2},
-                         router={"call_timeout_s": 3, "restart_backoff_s": 0.2})
+                         router={"call_timeout_s": 3, "restart_backoff_s": 0.2, "drain_timeout_s": 1})
     with LocalCluster(cfg) as c:
         yield c
 
@@ -202,6 +202,29 @@ def test_stop_string_text_is_exact_across_the_hand_off(cluster, llama_dir):
     # without a stop string, the streamed text is exactly the decode of the streamed ids
     msgs = list(client.stream(prompt, max_tokens=30, ignore_eos=True))
     assert "".join(m.text for m in msgs) == text
+    client.close()
+
+
+def test_drain_timeout_moves_the_remaining_requests(cluster, llama_dir):
+    client = Client(cluster.address)
+    prompts = [_prompt(61), _prompt(62)]
+    expected = [hf_greedy(llama_dir, p, 300, ignore_eos=True) for p in prompts]
+    results: list = [None, None]
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, client.tokens(prompts[i], max_tokens=300,
+                                                                                            ignore_eos=True)))
+               for i in range(2)]
+    for t in threads:
+        t.start()
+    _wait(lambda: all(w.inflight for w in cluster.router.pools.workers["decode"]), 20, "both decode workers busy")
+    resp = client.admin.Scale(pb.ScaleRequest(pool="decode", replicas=1), timeout=60)
+    [stopped] = resp.stopped
+    for t in threads:
+        t.join(90)
+    assert [r[0] for r in results] == expected  # the drained worker's request finished elsewhere
+    moved = [r[1].usage for r in results if r[1].usage.migrations]
+    assert len(moved) == 1 and moved[0].decode_worker != stopped
+    client.admin.Scale(pb.ScaleRequest(pool="decode", replicas=2), timeout=120)
+    _no_leaks(cluster)
     client.close()
 
 
