@@ -65,6 +65,8 @@ class PrefillWorker:
         out = await self._first_token(task)
         if out.finish_reason == "error":
             raise PrefillFailed(f"prefill failed on {self.core.name}: {out.text}")
+        if not out.token_ids:  # the outputs it resumed from had already ended it: a router bug
+            raise PrefillFailed(f"{task.request_id} was already finished ({out.finish_reason}) when resumed")
         if out.finish_reason == "prefilled":
             self._push_kv(task.request_id, task.decode_name)
             self.core.aio.call_later(KILL_DELAY_S, self.faults.maybe_kill, "prefill.after_first_token")

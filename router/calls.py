@@ -25,7 +25,7 @@ async def call(w: WorkerView, ref, timeout_s: float, what: str):
         w.suspect()
         raise Retry(f"{what} on {w.name} timed out after {timeout_s:g} s") from None
     except ray.exceptions.RayActorError as e:
-        raise Retry(f"{w.name} died during {what}: {short(e)}", worker=w) from None
+        raise Retry(f"{w.name} died during its {what}() call: {short(e)}", worker=w) from None
     except ray.exceptions.RayTaskError as e:
         cause = getattr(e, "cause", None)
         if isinstance(cause, PrefillFailed):

@@ -115,7 +115,7 @@ def _add_generate(sub) -> None:
 
 def _generate(args: argparse.Namespace) -> int:
     for name in ("max_tokens", "top_k"):
-        if (getattr(args, name) or 0) < 0:
+        if getattr(args, name) is not None and getattr(args, name) < 0:
             print(f"pdserve: error: --{name.replace('_', '-')} must be >= 0", file=sys.stderr)
             return 2
     last = None

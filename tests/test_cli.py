@@ -9,11 +9,16 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent import futures
 from pathlib import Path
 
+import grpc
 import pytest
 import yaml
 
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from router.cli import main as pdserve
 from tests.cluster_util import free_port
 
 PDSERVE = [sys.executable, "-m", "router.cli"]
@@ -51,6 +56,37 @@ def test_unparsable_yaml_and_missing_file(tmp_path):
 def test_unreachable_router_is_a_clear_error():
     proc = _run("status", "--router", f"127.0.0.1:{free_port()}")
     assert proc.returncode == 1 and "cannot reach a pdserve router" in proc.stderr
+
+
+class _RecordingGeneration(pb_grpc.GenerationServicer):
+    """Keeps every request and answers with one finished message."""
+
+    def __init__(self) -> None:
+        self.requests: list[pb.GenerateRequest] = []
+
+    def Generate(self, request, context):
+        self.requests.append(request)
+        yield pb.GenerateResponse(request_id="r", token_ids=[5], text="x", finish_reason="length")
+
+
+@pytest.mark.parametrize("flags, sent", [
+    ([], {}),
+    (["--max-tokens", "0", "--top-p", "0", "--seed", "0"], {"max_tokens": 0, "top_p": 0.0, "seed": 0}),
+    (["--temperature", "0.5", "--top-k", "3"], {"temperature": 0.5, "top_k": 3}),
+])
+def test_generate_sends_only_the_sampling_flags_given(flags, sent, capsys):
+    servicer = _RecordingGeneration()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert pdserve(["generate", "hi", "--router", f"127.0.0.1:{port}", *flags]) == 0
+    finally:
+        server.stop(0)
+    (request,) = servicer.requests
+    assert {f.name: value for f, value in request.sampling.ListFields()} == sent
+    assert capsys.readouterr().out == "x\n"
 
 
 def _stat(pid: int) -> tuple[int, int, str] | None:

@@ -98,6 +98,21 @@ def test_decode_worker_death_mid_stream_migrates_token_exact(cluster, llama_dir,
     client.close()
 
 
+def test_colocated_worker_death_recomputes_elsewhere(llama_dir):
+    cfg = cluster_config(llama_dir, mode="colocated", prefill={"replicas": 0}, decode={"replicas": 2},
+                         router={"restart_backoff_s": 0.2})
+    with LocalCluster(cfg) as cluster:
+        client = Client(cluster.address)
+        prompt = _prompt(7)
+        args = dict(max_tokens=80, ignore_eos=True, temperature=0.75, seed=5)
+        reference, _ = client.tokens(prompt, **args)
+        tokens, last, killed = _stream_and_kill(client, cluster, prompt, kill_after=3, **args)
+        assert tokens == reference and last.usage.migrations == 1 and last.usage.decode_worker != killed
+        _wait(lambda: len(cluster.router.pools.ready("decode")) == 2, 60, "the pool to heal")
+        _no_leaks(cluster)
+        client.close()
+
+
 def test_prefill_worker_death_mid_prefill_is_retried(cluster, llama_dir):
     client = Client(cluster.address)
     prompt = _prompt(2, n=300)
