@@ -15,6 +15,8 @@ import asyncio
 import threading
 import time
 
+import ray
+
 from decode_worker.handoff import Action, HandoffTable, Outcome
 from engine.config import EngineConfig
 from engine.faults import FaultConfig, Faults
@@ -30,7 +32,8 @@ class DecodeWorker:
     def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig | None, cpu: int | None = None,
                  faults: FaultConfig | None = None):
         self.faults = Faults(faults, name)
-        self.core = WorkerCore(name, "decode", config, self._on_outputs, cpu, self.faults)
+        self.core = WorkerCore(name, "decode", config, self._on_outputs, cpu, self.faults,
+                               node_ip=ray.util.get_node_ip_address())
         self._outbox: list[RequestOutput] = []
         self._event: asyncio.Event | None = None
         self._lock = threading.Lock()

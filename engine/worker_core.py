@@ -1,7 +1,8 @@
 """What a prefill and a decode worker share: an engine on its loop thread, asyncio bridging, stats.
 
 Worker actors are Ray async actors; their methods run on the actor's event loop and reach
-the engine only through `run(fn)`, which executes `fn(engine)` on the loop thread.
+the engine only through `run(fn)`, which executes `fn(engine)` on the loop thread. No Ray in
+here: the actor passes its node's address in.
 """
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import ray
 import torch
 
 from engine.config import EngineConfig
@@ -25,14 +25,14 @@ from engine.request import RequestOutput
 class WorkerCore:
     def __init__(self, name: str, pool: str, config: EngineConfig,
                  on_outputs: Callable[[list[RequestOutput]], None], cpu: int | None = None,
-                 faults: Faults | None = None):
+                 faults: Faults | None = None, node_ip: str = "127.0.0.1"):
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})  # before torch starts its thread pool
         torch.set_num_threads(config.torch_threads or 1)
         self.name = name
         self.cpu = cpu
         self.pool = pool
-        self.node_ip = ray.util.get_node_ip_address()  # where peers reach this worker's channels
+        self.node_ip = node_ip  # where peers reach this worker's channels
         self.engine = LLMEngine(config)
         slow = faults.slow_step if faults is not None and faults.config.step_delay_s > 0 else None
         self.loop = EngineLoop(self.engine, on_outputs, name=name, before_step=slow)

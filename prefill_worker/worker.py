@@ -15,6 +15,8 @@ import logging
 import time
 from concurrent.futures import Future
 
+import ray
+
 from engine.config import EngineConfig
 from engine.faults import FaultConfig, Faults
 from engine.messages import PrefillResult, PrefillTask, TransferFailed, WorkerInfo, WorkerStats
@@ -35,7 +37,8 @@ class PrefillWorker:
     def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig, cpu: int | None = None,
                  faults: FaultConfig | None = None):
         self.faults = Faults(faults, name)
-        self.core = WorkerCore(name, "prefill", config, self._on_outputs, cpu, self.faults)
+        self.core = WorkerCore(name, "prefill", config, self._on_outputs, cpu, self.faults,
+                               node_ip=ray.util.get_node_ip_address())
         self.sender = KVSender(self.core.engine.runner.kv, transfer)
         self._timeout_s = transfer.timeout_s
         self._waiters: dict[str, asyncio.Future] = {}

@@ -3,6 +3,7 @@ the request should do next.
 
   timed out                     Retry (the worker is skipped for a while)
   the actor died                Retry(worker=w): the pool replaces w, the request moves
+                                (a RayActorError raised inside w, about a peer, is not w's death)
   the engine failed on it       InternalError: the same request would fail anywhere
   any other remote exception    Retry (e.g. a reservation that ended before `start`)
 """
@@ -24,13 +25,13 @@ async def call(w: WorkerView, ref, timeout_s: float, what: str):
     except TimeoutError:
         w.suspect()
         raise Retry(f"{what} on {w.name} timed out after {timeout_s:g} s") from None
-    except ray.exceptions.RayActorError as e:
-        raise Retry(f"{w.name} died during its {what}() call: {short(e)}", worker=w) from None
-    except ray.exceptions.RayTaskError as e:
+    except ray.exceptions.RayTaskError as e:  # first: a peer's death seen from inside w is not w's
         cause = getattr(e, "cause", None)
         if isinstance(cause, PrefillFailed):
             raise InternalError(str(cause)) from None
         raise Retry(f"{what} on {w.name} failed: {short(cause or e)}") from None
+    except ray.exceptions.RayActorError as e:
+        raise Retry(f"{w.name} died during its {what}() call: {short(e)}", worker=w) from None
 
 
 def short(err: BaseException) -> str:

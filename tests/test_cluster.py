@@ -228,20 +228,24 @@ def test_health_and_reflection(cluster):
 def test_shutdown_finishes_in_flight_and_refuses_new(llama_dir):
     cfg = cluster_config(llama_dir, router={"shutdown_grace_s": 30})
     cluster = LocalCluster(cfg).__enter__()
-    client = Client(cluster.address)
-    prompt = _prompts(1, seed=31)[0]
-    stream = client.stream(prompt, max_tokens=150, ignore_eos=True)
-    got = list(next(stream).token_ids)
     stopper = threading.Thread(target=cluster.__exit__, args=(None, None, None))
-    stopper.start()
-    deadline = time.monotonic() + 5
-    while cluster.router.accepting and time.monotonic() < deadline:
-        time.sleep(0.01)
-    with pytest.raises(grpc.RpcError) as err:
-        list(client.stream(prompt, max_tokens=5))
-    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-    for msg in stream:  # the accepted request still completes within the grace period
-        got.extend(msg.token_ids)
-    assert got == hf_greedy(llama_dir, prompt, 150, ignore_eos=True)
-    stopper.join(60)
-    client.close()
+    client = Client(cluster.address)
+    try:
+        prompt = _prompts(1, seed=31)[0]
+        stream = client.stream(prompt, max_tokens=150, ignore_eos=True)
+        got = list(next(stream).token_ids)
+        stopper.start()
+        deadline = time.monotonic() + 5
+        while cluster.router.accepting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stream(prompt, max_tokens=5))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        for msg in stream:  # the accepted request still completes within the grace period
+            got.extend(msg.token_ids)
+        assert got == hf_greedy(llama_dir, prompt, 150, ignore_eos=True)
+    finally:  # the cluster stops also when an assertion failed
+        if stopper.ident is None:
+            cluster.__exit__(None, None, None)
+        stopper.join(60)
+        client.close()

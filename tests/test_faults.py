@@ -19,6 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import pdserve_pb2 as pb
 from router.launcher import LocalCluster
+from router.lifecycle import Phase
 from tests.cluster_util import Client, cluster_config
 from tests.reference import hf_greedy
 
@@ -113,23 +114,26 @@ def test_colocated_worker_death_recomputes_elsewhere(llama_dir):
         client.close()
 
 
-def test_prefill_worker_death_mid_prefill_is_retried(cluster, llama_dir):
-    client = Client(cluster.address)
-    prompt = _prompt(2, n=300)
-    result: dict = {}
-    t = threading.Thread(target=lambda: result.update(out=client.tokens(prompt, max_tokens=6, ignore_eos=True)))
-    t.start()
-    _wait(lambda: any(life.prefill is not None for life in cluster.router.lives.values()), 10, "a prefill")
-    victim = next(life.prefill for life in cluster.router.lives.values() if life.prefill is not None)
-    ray.kill(victim.actor, no_restart=True)
-    t.join(60)
-    tokens, last = result["out"]
-    assert tokens == hf_greedy(llama_dir, prompt, 6, ignore_eos=True)
-    if last.usage.migrations:  # the kill landed before the first token (it usually does)
-        assert last.usage.prefill_worker != victim.name
-    _wait(lambda: len(cluster.router.pools.ready("prefill")) == 2, 60, "the prefill pool to heal")
-    _no_leaks(cluster)
-    client.close()
+def test_prefill_worker_death_mid_prefill_is_retried(llama_dir):
+    # slow steps (faults.step_delay_s) keep the 300-token prompt prefilling for about 2 s
+    cfg = cluster_config(llama_dir, prefill={"replicas": 2}, router={"restart_backoff_s": 0.2},
+                         scheduler={"chunk_size": 32, "max_num_batched_tokens": 32}, faults={"step_delay_s": 0.2})
+    with LocalCluster(cfg) as cluster:
+        client = Client(cluster.address)
+        prompt = _prompt(2, n=300)
+        result: dict = {}
+        t = threading.Thread(target=lambda: result.update(out=client.tokens(prompt, max_tokens=4, ignore_eos=True)))
+        t.start()
+        _wait(lambda: any(life.phase is Phase.PREFILLING for life in cluster.router.lives.values()), 10, "a prefill")
+        victim = next(life.prefill for life in cluster.router.lives.values() if life.prefill is not None)
+        ray.kill(victim.actor, no_restart=True)
+        t.join(60)
+        tokens, last = result["out"]
+        assert tokens == hf_greedy(llama_dir, prompt, 4, ignore_eos=True)
+        assert last.usage.migrations == 1 and last.usage.prefill_worker != victim.name
+        _wait(lambda: len(cluster.router.pools.ready("prefill")) == 2, 60, "the prefill pool to heal")
+        _no_leaks(cluster)
+        client.close()
 
 
 def test_cancel_while_reserve_is_in_flight_leaks_nothing(cluster):
@@ -289,6 +293,23 @@ def test_failed_transfers_end_in_unavailable_not_a_hang(llama_dir):
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "failed on 2 workers" in err.value.details() and "injected transfer failure" in err.value.details()
         assert time.monotonic() - t0 < 20
+        _no_leaks(cluster)
+        client.close()
+
+
+def test_saturated_prefill_pool_answers_resource_exhausted(llama_dir):
+    cfg = cluster_config(llama_dir, router={"max_prefill_inflight": 1, "max_queue": 1},
+                         scheduler={"chunk_size": 32, "max_num_batched_tokens": 32}, faults={"step_delay_s": 0.1})
+    with LocalCluster(cfg) as cluster:
+        client = Client(cluster.address)
+        first = client.stream(_prompt(71, n=300), max_tokens=2, ignore_eos=True)  # ~10 slow prefill steps
+        _wait(lambda: any(w.inflight for w in cluster.router.pools.workers["prefill"]), 10, "the first prefill")
+        second = client.stream(_prompt(72, n=20), max_tokens=2, ignore_eos=True)  # waits for the prefill slot
+        _wait(lambda: client.status().router_queue == 1, 10, "the second request to queue")
+        with pytest.raises(grpc.RpcError) as err:
+            list(client.stream(_prompt(73, n=20), max_tokens=2))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.value.details()
+        assert sum(len(m.token_ids) for m in first) == 2 and sum(len(m.token_ids) for m in second) == 2
         _no_leaks(cluster)
         client.close()
 
