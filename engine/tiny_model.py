@@ -2,8 +2,9 @@
 
 `make_tiny_model` writes a transformers checkpoint directory that `AutoModelForCausalLM` and
 `AutoTokenizer` load offline: weights come from `seed` alone, the tokenizer is trained on the
-bundled `engine/corpus/*.txt`. `ensure_model` builds one only where `config.json` is absent,
-in a sibling temp dir renamed into place, so racing processes never see a half-written model.
+bundled `engine/corpus/*.txt` and carries a simple chat template (`CHAT_TEMPLATE`).
+`ensure_model` builds one only where `config.json` is absent, in a sibling temp dir renamed
+into place, so racing processes never see a half-written model.
 """
 
 from __future__ import annotations
@@ -42,6 +43,15 @@ CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)  # ids 0, 1, 2: the trainer puts them first
 BOS_ID, EOS_ID, PAD_ID = range(3)
+# Each turn is `<|bos|>role\ncontent<|eos|>\n`; the generation prompt opens an assistant turn,
+# so a reply ends at EOS like any completion. Random weights: the replies are noise, but the
+# chat paths (rendering, streaming, conversation) are testable on the tiny model.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|bos|>' + message['role'] + '\n' + message['content'] + '<|eos|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|bos|>assistant\n' }}{% endif %}"
+)
 SPLIT_REGEX = (  # Qwen2's pre-tokenizer split, also used for llama
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -137,6 +147,7 @@ def _save_tokenizer(tokenizer: Tokenizer, max_len: int, out: Path) -> None:
         pad_token=PAD,
         model_max_length=max_len,
         clean_up_tokenization_spaces=False,  # keep decode(encode(s)) == s
+        chat_template=CHAT_TEMPLATE,
     )
     hf_tokenizer.save_pretrained(out)
     config_path = out / "tokenizer_config.json"

@@ -9,6 +9,8 @@ from __future__ import annotations
 from engine.limits import DEFAULT_MAX_PROMPT_BYTES, MAX_REQUEST_ID_CHARS
 from engine.request import InvalidRequest, SamplingParams
 
+CHAT_ROLES = ("system", "user", "assistant")
+
 
 def validate_request_id(request_id: str) -> None:
     """At most MAX_REQUEST_ID_CHARS printable ASCII characters without whitespace; empty is allowed."""
@@ -29,8 +31,14 @@ class RequestValidator:
         self.max_model_len = max_model_len
         self.max_prompt_bytes = max_prompt_bytes
 
-    def prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None) -> list[int]:
-        """The prompt as token ids: exactly one of `prompt` / `prompt_token_ids`, non-empty, in vocab."""
+    def prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                   messages: list[dict] | None = None) -> list[int]:
+        """The prompt as token ids: exactly one of `prompt` / `prompt_token_ids` / `messages` (a chat,
+        rendered with the checkpoint's chat template), non-empty, in vocab."""
+        if messages:
+            if prompt or prompt_token_ids:
+                raise InvalidRequest("give either messages or a prompt / prompt_token_ids, not both")
+            return self.chat_ids(messages)
         if prompt and prompt_token_ids:
             raise InvalidRequest("give either a prompt or prompt_token_ids, not both")
         if prompt_token_ids:
@@ -44,6 +52,22 @@ class RequestValidator:
         if not ids:
             raise InvalidRequest("the prompt is empty: give a non-empty prompt or prompt_token_ids")
         return ids
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """A chat ([{"role", "content"}, ...]) rendered with the chat template, ready for the reply."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequest("this model has no chat template: send a prompt instead of messages")
+        for i, m in enumerate(messages):
+            if m.get("role") not in CHAT_ROLES:
+                raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}")
+            if not isinstance(m.get("content"), str):
+                raise InvalidRequest(f"messages[{i}].content must be text")
+        size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
+        if size > self.max_prompt_bytes:
+            raise InvalidRequest(f"the messages are {size} bytes; at most {self.max_prompt_bytes} are allowed")
+        text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                                  add_generation_prompt=True, tokenize=False)
+        return self._encode(text)
 
     def _encode(self, prompt: str) -> list[int]:
         try:

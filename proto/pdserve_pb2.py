@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/pdserve.proto\x12\npdserve.v1\"\x84\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedJ\x04\x08\t\x10\nR\x08has_seed\"}\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\"\xe6\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x05 \x01(\t\x12\x15\n\rdecode_worker\x18\x06 \x01(\t\x12\x12\n\nprefill_ms\x18\x07 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x08 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\t \x01(\x04\x12\x12\n\nmigrations\x18\n \x01(\r\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\xe0\x01\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\r\x12\x10\n\x08\x63hannels\x18\t \x01(\r\x12\x0f\n\x07node_ip\x18\n \x01(\t\x12\x17\n\x0frequests_served\x18\x0b \x01(\x04\"\x0f\n\rStatusRequest\"\xc7\x01\n\x0eStatusResponse\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12)\n\x07workers\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x14\n\x0crouter_queue\x18\x04 \x01(\r\x12\x18\n\x10router_in_flight\x18\x05 \x01(\r\x12\x16\n\x0erequests_total\x18\x06 \x01(\x04\x12%\n\x05pools\x18\x07 \x03(\x0b\x32\x16.pdserve.v1.PoolStatus\"\x8f\x01\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\r\x12\x10\n\x08starting\x18\x04 \x01(\r\x12\x10\n\x08restarts\x18\x05 \x01(\x04\x12\x14\n\x0clast_failure\x18\x06 \x01(\t\x12\x1a\n\x12last_failure_age_s\x18\x07 \x01(\x01\".\n\x0cScaleRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\"Q\n\rScaleResponse\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\x0f\n\x07started\x18\x03 \x03(\t\x12\x0f\n\x07stopped\x18\x04 \x03(\t2U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32\x86\x01\n\x05\x41\x64min\x12?\n\x06Status\x12\x19.pdserve.v1.StatusRequest\x1a\x1a.pdserve.v1.StatusResponse\x12<\n\x05Scale\x12\x18.pdserve.v1.ScaleRequest\x1a\x19.pdserve.v1.ScaleResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x13proto/pdserve.proto\x12\npdserve.v1\"\x84\x02\n\x0eSamplingParams\x12\x17\n\nmax_tokens\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\rH\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x05 \x01(\x04H\x04\x88\x01\x01\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\r\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x42\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x07\n\x05_seedJ\x04\x08\t\x10\nR\x08has_seed\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xa8\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12,\n\x08sampling\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12)\n\x08messages\x18\x05 \x03(\x0b\x32\x17.pdserve.v1.ChatMessage\"\xe6\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x0f\n\x07ttft_ms\x18\x03 \x01(\x01\x12\x10\n\x08queue_ms\x18\x04 \x01(\x01\x12\x16\n\x0eprefill_worker\x18\x05 \x01(\t\x12\x15\n\rdecode_worker\x18\x06 \x01(\t\x12\x12\n\nprefill_ms\x18\x07 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\x08 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\t \x01(\x04\x12\x12\n\nmigrations\x18\n \x01(\r\"\x80\x01\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\r\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x15\n\rfinish_reason\x18\x04 \x01(\t\x12 \n\x05usage\x18\x05 \x01(\x0b\x32\x11.pdserve.v1.Usage\"\xe0\x01\n\x0cWorkerStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\r\n\x05state\x18\x03 \x01(\t\x12\x0f\n\x07running\x18\x04 \x01(\r\x12\x0f\n\x07waiting\x18\x05 \x01(\r\x12\x16\n\x0ekv_blocks_used\x18\x06 \x01(\r\x12\x16\n\x0ekv_blocks_free\x18\x07 \x01(\r\x12\x17\n\x0fkv_blocks_total\x18\x08 \x01(\r\x12\x10\n\x08\x63hannels\x18\t \x01(\r\x12\x0f\n\x07node_ip\x18\n \x01(\t\x12\x17\n\x0frequests_served\x18\x0b \x01(\x04\"\x0f\n\rStatusRequest\"\xc7\x01\n\x0eStatusResponse\x12\x0c\n\x04mode\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12)\n\x07workers\x18\x03 \x03(\x0b\x32\x18.pdserve.v1.WorkerStatus\x12\x14\n\x0crouter_queue\x18\x04 \x01(\r\x12\x18\n\x10router_in_flight\x18\x05 \x01(\r\x12\x16\n\x0erequests_total\x18\x06 \x01(\x04\x12%\n\x05pools\x18\x07 \x03(\x0b\x32\x16.pdserve.v1.PoolStatus\"\x8f\x01\n\nPoolStatus\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x0e\n\x06target\x18\x02 \x01(\r\x12\r\n\x05ready\x18\x03 \x01(\r\x12\x10\n\x08starting\x18\x04 \x01(\r\x12\x10\n\x08restarts\x18\x05 \x01(\x04\x12\x14\n\x0clast_failure\x18\x06 \x01(\t\x12\x1a\n\x12last_failure_age_s\x18\x07 \x01(\x01\".\n\x0cScaleRequest\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\"Q\n\rScaleResponse\x12\x0c\n\x04pool\x18\x01 \x01(\t\x12\x10\n\x08replicas\x18\x02 \x01(\r\x12\x0f\n\x07started\x18\x03 \x03(\t\x12\x0f\n\x07stopped\x18\x04 \x03(\t2U\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x32\x86\x01\n\x05\x41\x64min\x12?\n\x06Status\x12\x19.pdserve.v1.StatusRequest\x1a\x1a.pdserve.v1.StatusResponse\x12<\n\x05Scale\x12\x18.pdserve.v1.ScaleRequest\x1a\x19.pdserve.v1.ScaleResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,26 +33,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS']._serialized_start=36
   _globals['_SAMPLINGPARAMS']._serialized_end=296
-  _globals['_GENERATEREQUEST']._serialized_start=298
-  _globals['_GENERATEREQUEST']._serialized_end=423
-  _globals['_USAGE']._serialized_start=426
-  _globals['_USAGE']._serialized_end=656
-  _globals['_GENERATERESPONSE']._serialized_start=659
-  _globals['_GENERATERESPONSE']._serialized_end=787
-  _globals['_WORKERSTATUS']._serialized_start=790
-  _globals['_WORKERSTATUS']._serialized_end=1014
-  _globals['_STATUSREQUEST']._serialized_start=1016
-  _globals['_STATUSREQUEST']._serialized_end=1031
-  _globals['_STATUSRESPONSE']._serialized_start=1034
-  _globals['_STATUSRESPONSE']._serialized_end=1233
-  _globals['_POOLSTATUS']._serialized_start=1236
-  _globals['_POOLSTATUS']._serialized_end=1379
-  _globals['_SCALEREQUEST']._serialized_start=1381
-  _globals['_SCALEREQUEST']._serialized_end=1427
-  _globals['_SCALERESPONSE']._serialized_start=1429
-  _globals['_SCALERESPONSE']._serialized_end=1510
-  _globals['_GENERATION']._serialized_start=1512
-  _globals['_GENERATION']._serialized_end=1597
-  _globals['_ADMIN']._serialized_start=1600
-  _globals['_ADMIN']._serialized_end=1734
+  _globals['_CHATMESSAGE']._serialized_start=298
+  _globals['_CHATMESSAGE']._serialized_end=342
+  _globals['_GENERATEREQUEST']._serialized_start=345
+  _globals['_GENERATEREQUEST']._serialized_end=513
+  _globals['_USAGE']._serialized_start=516
+  _globals['_USAGE']._serialized_end=746
+  _globals['_GENERATERESPONSE']._serialized_start=749
+  _globals['_GENERATERESPONSE']._serialized_end=877
+  _globals['_WORKERSTATUS']._serialized_start=880
+  _globals['_WORKERSTATUS']._serialized_end=1104
+  _globals['_STATUSREQUEST']._serialized_start=1106
+  _globals['_STATUSREQUEST']._serialized_end=1121
+  _globals['_STATUSRESPONSE']._serialized_start=1124
+  _globals['_STATUSRESPONSE']._serialized_end=1323
+  _globals['_POOLSTATUS']._serialized_start=1326
+  _globals['_POOLSTATUS']._serialized_end=1469
+  _globals['_SCALEREQUEST']._serialized_start=1471
+  _globals['_SCALEREQUEST']._serialized_end=1517
+  _globals['_SCALERESPONSE']._serialized_start=1519
+  _globals['_SCALERESPONSE']._serialized_end=1600
+  _globals['_GENERATION']._serialized_start=1602
+  _globals['_GENERATION']._serialized_end=1687
+  _globals['_ADMIN']._serialized_start=1690
+  _globals['_ADMIN']._serialized_end=1824
 # @@protoc_insertion_point(module_scope)

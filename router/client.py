@@ -1,4 +1,4 @@
-"""A small synchronous gRPC client for the CLI (generate, status, scale)."""
+"""A small synchronous gRPC client for the CLI (generate, chat, status, scale)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,11 @@ def _channel(address: str) -> grpc.Channel:
     return channel
 
 
+def check_reachable(address: str) -> None:
+    """RouterError, naming the address, when no router answers there."""
+    _channel(address).close()
+
+
 def _call(fn):
     try:
         return fn()
@@ -30,15 +35,21 @@ def _call(fn):
         raise RouterError(f"{e.code().name}: {e.details()}") from None
 
 
-def generate(address: str, prompt: str, **sampling) -> Iterator[pb.GenerateResponse]:
-    """A sampling value of None is left unset, so the server applies its documented default."""
+def generate(address: str, prompt: str = "", *, messages: list[dict] | None = None,
+             **sampling) -> Iterator[pb.GenerateResponse]:
+    """Stream one completion of `prompt`, or the reply to a chat (`messages`: [{"role", "content"}]).
+    A sampling value of None is left unset, so the server applies its documented default."""
     params = pb.SamplingParams(**{name: value for name, value in sampling.items() if value is not None})
-    stub = pb_grpc.GenerationStub(_channel(address))
-    stream = stub.Generate(pb.GenerateRequest(prompt=prompt, sampling=params))
+    chat = [pb.ChatMessage(role=m["role"], content=m["content"]) for m in messages or ()]
+    channel = _channel(address)
+    stream = pb_grpc.GenerationStub(channel).Generate(pb.GenerateRequest(prompt=prompt, messages=chat,
+                                                                         sampling=params))
     try:
         yield from stream
     except grpc.RpcError as e:
         raise RouterError(f"{e.code().name}: {e.details()}") from None
+    finally:
+        channel.close()  # a caller that stopped early (Ctrl-C) cancels the request on the server
 
 
 def status(address: str) -> pb.StatusResponse:

@@ -40,6 +40,7 @@ class RouterSection:
     host: str = "127.0.0.1"
     port: int = 50051
     metrics_port: int | None = None  # Prometheus endpoint; None = off, 0 = pick a free port
+    http_port: int | None = None  # OpenAI-compatible HTTP API (router/openai_api.py); None = off, 0 = any free port
     max_queue: int = 256  # requests waiting for capacity; beyond: RESOURCE_EXHAUSTED
     shutdown_grace_s: float = 10.0
     max_prefill_inflight: int = 8  # requests on one prefill worker (or colocated worker) at once
@@ -210,6 +211,8 @@ def _check_values(cfg: ClusterConfig, where: str) -> None:
     rules = [
         ("router.port", 0 <= cfg.router.port <= 65535, "must be a port number 0-65535"),
         ("router.metrics_port", cfg.router.metrics_port is None or 0 <= cfg.router.metrics_port <= 65535,
+         "must be a port number 0-65535"),
+        ("router.http_port", cfg.router.http_port is None or 0 <= cfg.router.http_port <= 65535,
          "must be a port number 0-65535"),
         ("router.max_queue", cfg.router.max_queue >= 1, "must be >= 1"),
         ("router.shutdown_grace_s", cfg.router.shutdown_grace_s >= 0, "must be >= 0"),

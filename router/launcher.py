@@ -1,4 +1,5 @@
-"""Bring a cluster up and down: Ray (start a local head or join), the pools, the gRPC server.
+"""Bring a cluster up and down: Ray (start a local head or join), the pools, the gRPC server,
+the OpenAI-compatible HTTP server (`router.http_port`) on the same loop.
 
 `serve_forever(cfg)` is `pdserve serve` (foreground, stops on SIGINT/SIGTERM). `LocalCluster`
 runs the same thing on a background thread for tests and `pdserve bench`.
@@ -19,6 +20,7 @@ import ray
 from engine.memory import parse_bytes
 from router.config import ClusterConfig
 from router.metrics import RouterMetrics
+from router.openai_api import OpenAIServer
 from router.server import RouterServer
 from router.service import Router
 
@@ -52,7 +54,7 @@ def init_ray(cfg: ClusterConfig) -> bool:
 
 
 class RunningCluster:
-    """A router, its server and its pools inside one asyncio loop."""
+    """A router, its servers and its pools inside one asyncio loop."""
 
     def __init__(self, cfg: ClusterConfig):
         self.cfg = cfg
@@ -61,11 +63,16 @@ class RunningCluster:
         self.server = RouterServer(self.router, cfg.router.host, cfg.router.port)
         self.metrics_server = None
         self.metrics_port: int | None = None
+        self.http = None if cfg.router.http_port is None else OpenAIServer(self.router, cfg.router.host,
+                                                                             cfg.router.http_port)
+        self.http_port: int | None = None if self.http is None else self.http.port
         self._health: asyncio.Task | None = None
 
     async def start(self) -> None:
         await self.server.start()
         await self.server.set_serving(False)
+        if self.http is not None:  # up while the pools start: /health says 503, requests get 503
+            await self.http.start()
         await self.router.start()
         if self.cfg.router.metrics_port is not None:
             self.metrics_server = self.metrics.start_http_server(self.cfg.router.host, self.cfg.router.metrics_port)
@@ -77,8 +84,10 @@ class RunningCluster:
         if self._health is not None:
             self._health.cancel()
         await self.server.set_serving(False)
-        await self.router.stop(self.cfg.router.shutdown_grace_s)
+        await self.router.stop(self.cfg.router.shutdown_grace_s)  # new HTTP requests get 503 meanwhile
         await self.server.stop(1.0)
+        if self.http is not None:
+            await self.http.stop()
         if self.metrics_server is not None:
             self.metrics_server.close()
 
@@ -132,6 +141,12 @@ class LocalCluster:
     @property
     def router(self) -> Router:
         return self.cluster.router
+
+    @property
+    def http_url(self) -> str | None:
+        """The OpenAI-compatible API's base URL (`.../v1`), or None when router.http_port is off."""
+        port = self.cluster.http_port
+        return None if port is None else f"http://{self.cfg.router.host}:{port}/v1"
 
     def __enter__(self) -> LocalCluster:
         ensure_model(self.cfg)

@@ -39,8 +39,10 @@ class GenerationService(pb_grpc.GenerationServicer):
             if request.prompt and request.prompt_token_ids:
                 raise InvalidRequest("give either prompt or prompt_token_ids, not both")
             sampling = sampling_from_proto(request.sampling)
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
             life = await self.router.prepare(request.request_id, request.prompt or None,
-                                             list(request.prompt_token_ids) or None, sampling)
+                                             list(request.prompt_token_ids) or None, sampling,
+                                             messages=messages or None)
             async with contextlib.aclosing(self.router.generate(life)) as chunks:
                 async for chunk in chunks:
                     yield self._response(life.client_id, chunk)

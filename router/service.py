@@ -86,13 +86,15 @@ class Router:
 
     # ---- request path -----------------------------------------------------------------
     async def prepare(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                      sampling: SamplingParams) -> RequestLife:
-        """Validate a request (raises InvalidRequest / Unavailable) and accept it."""
+                      sampling: SamplingParams, messages: list[dict] | None = None) -> RequestLife:
+        """Validate a request (raises InvalidRequest / Unavailable) and accept it. `messages`: a chat
+        ([{"role": ..., "content": ...}]) rendered with the checkpoint's chat template."""
         if not self.accepting:
             raise Unavailable("the server is shutting down" if self.requests_total else "the server is starting")
         validate_request_id(request_id)
         loop = asyncio.get_running_loop()
-        ids = await loop.run_in_executor(self._tokenize, self.validator.prompt_ids, prompt, prompt_token_ids)
+        ids = await loop.run_in_executor(self._tokenize, self.validator.prompt_ids, prompt, prompt_token_ids,
+                                         messages)
         decode = self.pools.ready("decode") or self.pools.live("decode")
         if not decode:
             raise Unavailable("the decode pool has no worker")

@@ -1,9 +1,10 @@
 """The `pdserve` command as a user runs it: config errors, serve/generate/status/scale, SIGTERM
 (after which every process that serve started, Ray's included, is gone; other Ray users of the
-machine are not looked at)."""
+machine are not looked at), a help line for every option."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
@@ -18,6 +19,7 @@ import yaml
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from router.cli import build_parser
 from router.cli import main as pdserve
 from tests.cluster_util import free_port
 
@@ -53,6 +55,24 @@ def test_unparsable_yaml_and_missing_file(tmp_path):
     assert proc.returncode == 2 and "cannot read" in proc.stderr
 
 
+def test_serving_a_model_dir_without_a_checkpoint_says_how_to_make_one(tmp_path):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": "models/absent"}}))
+    proc = _run("serve", "--config", str(path))
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+    (line,) = proc.stderr.strip().splitlines()
+    assert f"{tmp_path}/models/absent has no config.json" in line and "pdserve convert-gguf --smollm2" in line
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "chat", "status", "scale", "convert-gguf"])
+def test_every_option_has_a_help_line(command):
+    (subcommands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    parser = subcommands.choices[command]
+    assert parser.description or any(c.dest == command and c.help for c in subcommands._choices_actions)
+    missing = [a.option_strings or a.dest for a in parser._actions if not a.help]
+    assert not missing, f"pdserve {command}: options without help: {missing}"
+
+
 def test_unreachable_router_is_a_clear_error():
     proc = _run("status", "--router", f"127.0.0.1:{free_port()}")
     assert proc.returncode == 1 and "cannot reach a pdserve router" in proc.stderr
@@ -86,6 +106,22 @@ def test_generate_sends_only_the_sampling_flags_given(flags, sent, capsys):
         server.stop(0)
     (request,) = servicer.requests
     assert {f.name: value for f, value in request.sampling.ListFields()} == sent
+    assert capsys.readouterr().out == "x\n"
+
+
+def test_generate_chat_sends_one_user_message_and_no_prompt(capsys):
+    servicer = _RecordingGeneration()
+    server = grpc.server(futures.ThreadPoolExecutor(2))
+    pb_grpc.add_GenerationServicer_to_server(servicer, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    try:
+        assert pdserve(["generate", "--chat", "What is the capital of France?", "--router", f"127.0.0.1:{port}"]) == 0
+    finally:
+        server.stop(0)
+    (request,) = servicer.requests
+    assert [(m.role, m.content) for m in request.messages] == [("user", "What is the capital of France?")]
+    assert request.prompt == "" and not request.prompt_token_ids
     assert capsys.readouterr().out == "x\n"
 
 

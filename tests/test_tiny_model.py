@@ -1,5 +1,5 @@
-"""The embedded default model: loads offline, is byte-deterministic, round-trips UTF-8, and
-produces greedy output that depends on the prompt."""
+"""The embedded tiny model: loads offline, is byte-deterministic, round-trips UTF-8, renders
+chats with its template, and produces greedy output that depends on the prompt."""
 
 from __future__ import annotations
 
@@ -49,7 +49,7 @@ def test_same_seed_gives_identical_bytes(model_dirs, tmp_path, arch):
     again = make_tiny_model(tmp_path / "again", arch=arch, size="tiny", seed=0)
     other = make_tiny_model(tmp_path / "other", arch=arch, size="tiny", seed=1)
     ref = Path(model_dirs[arch])
-    for name in ("model.safetensors", "tokenizer.json", "config.json", "generation_config.json"):
+    for name in ("model.safetensors", "tokenizer.json", "chat_template.jinja", "config.json", "generation_config.json"):
         assert (again / name).read_bytes() == (ref / name).read_bytes(), name
     assert (other / "model.safetensors").read_bytes() != (ref / "model.safetensors").read_bytes()
     assert (other / "tokenizer.json").read_bytes() == (ref / "tokenizer.json").read_bytes()
@@ -63,6 +63,20 @@ def test_utf8_round_trip_without_automatic_specials(loaded, arch):
     assert not {BOS_ID, EOS_ID, PAD_ID} & set(ids)
     assert len(ids) < len(MIXED.encode("utf-8"))  # merges learned, not just bytes
     assert tokenizer.decode([BOS_ID, *ids, EOS_ID], skip_special_tokens=True) == MIXED
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_chat_template_renders_each_turn_between_special_tokens(loaded, arch):
+    tokenizer, _ = loaded[arch]
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hello"},
+            {"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "Bye"}]
+    text = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)
+    assert text == ("<|bos|>system\nBe brief.<|eos|>\n<|bos|>user\nHello<|eos|>\n"
+                    "<|bos|>assistant\nHi!<|eos|>\n<|bos|>user\nBye<|eos|>\n<|bos|>assistant\n")
+    ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+    assert ids == tokenizer.encode(text, add_special_tokens=False)
+    assert (ids.count(BOS_ID), ids.count(EOS_ID), ids[0]) == (5, 4, BOS_ID)  # specials are single ids
+    assert tokenizer.decode(ids) == text
 
 
 def test_llama_round_trips_non_nfc_text_and_qwen2_normalizes_it(loaded):

