@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, GenerationConfig
 
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
@@ -53,7 +53,7 @@ class LLMEngine:
         hf = self.runner.hf_config
         self.vocab_size = hf.vocab_size
         self.max_model_len = config.max_model_len or hf.max_position_embeddings
-        self.eos_token_id = _eos_id(hf, self.tokenizer)
+        self.eos_token_ids = _eos_ids(config.model_path, hf, self.tokenizer)
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len)
         self.allocator = BlockAllocator(self.runner.num_blocks)
         self.scheduler = Scheduler(config, self.allocator)
@@ -98,7 +98,7 @@ class LLMEngine:
 
     def _build(self, request_id: str, ids: list[int], sampling: SamplingParams, prefill_only: bool) -> Request:
         return Request(request_id, ids, sampling, IncrementalDetokenizer(self.tokenizer, ids, sampling.stop),
-                       eos_token_id=self.eos_token_id, prefill_only=prefill_only, arrival=next(self._arrivals))
+                       eos_token_ids=self.eos_token_ids, prefill_only=prefill_only, arrival=next(self._arrivals))
 
     def _replay(self, req: Request, output_token_ids: list[int], emitted_chars: int) -> str | None:
         """Re-append outputs made elsewhere, so the detokenizer sees them as if made here; the
@@ -230,7 +230,7 @@ class LLMEngine:
         req.output_token_ids.append(token)
         hit_stop_string = req.detokenizer.add_token(token)
         p = req.sampling
-        if hit_stop_string or token in p.stop_token_ids or (token == req.eos_token_id and not p.ignore_eos):
+        if hit_stop_string or token in p.stop_token_ids or (token in req.eos_token_ids and not p.ignore_eos):
             return "stop"
         if len(req.output_token_ids) >= p.max_tokens:
             return "length"
@@ -301,8 +301,17 @@ def _describe(error: Exception) -> str:
     return f"{type(error).__name__}: {first_line}"[:200]
 
 
-def _eos_id(hf_config, tokenizer) -> int | None:
-    eos = getattr(hf_config, "eos_token_id", None)
-    if isinstance(eos, list):
-        eos = eos[0] if eos else None
-    return eos if eos is not None else tokenizer.eos_token_id
+def _eos_ids(model_path: str, hf_config, tokenizer) -> frozenset[int]:
+    """Every id that ends generation: the model config's and the generation config's EOS ids (a
+    chat checkpoint's end-of-turn token may be listed only in the latter), else the tokenizer's."""
+    ids: set[int] = set()
+    sources = [getattr(hf_config, "eos_token_id", None)]
+    try:
+        sources.append(GenerationConfig.from_pretrained(model_path).eos_token_id)
+    except OSError:  # no generation_config.json
+        pass
+    for eos in sources:
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    if not ids and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

@@ -109,7 +109,7 @@ class Request:
     prompt_token_ids: list[int]
     sampling: SamplingParams
     detokenizer: IncrementalDetokenizer
-    eos_token_id: int | None = None
+    eos_token_ids: frozenset[int] = frozenset()
     prefill_only: bool = False  # finish after the first token, keeping the KV blocks
     arrival: int = 0  # FIFO order among waiting requests
     output_token_ids: list[int] = field(default_factory=list)

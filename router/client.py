@@ -70,4 +70,8 @@ def format_status(s: pb.StatusResponse) -> str:
                       w.kv_blocks_total, w.channels, w.requests_served, w.node_ip) for w in s.workers]
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(cols))]
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]
+    for p in s.pools:  # above the table, which scripts read to its end
+        head += f"\n{p.pool} pool: {p.ready}/{p.target} ready, {p.starting} starting, {p.restarts} restarts"
+        if p.last_failure:
+            head += f"; last failure {p.last_failure_age_s:.0f} s ago: {p.last_failure}"
     return head + "\n" + "\n".join(lines)
