@@ -100,6 +100,7 @@ def _serve(args: argparse.Namespace) -> int:
         shape = (f"{cfg.prefill.replicas} prefill + {cfg.decode.replicas} decode" if cfg.mode == "disaggregated"
                  else f"{cfg.decode.replicas} colocated")
         metrics = f", metrics on :{cluster.metrics_port}/metrics" if cluster.metrics_port else ""
+        metrics += f", OpenAI API on http://{cfg.router.host}:{cluster.http_port}/v1" if cluster.http_port else ""
         print(f"pdserve: ready in {time.perf_counter() - t0:.1f} s; router listening on {cluster.server.address} "
               f"({cfg.mode}: {shape} workers{metrics})", flush=True)
 

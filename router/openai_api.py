@@ -361,7 +361,7 @@ class OpenAIApi:
 class _Server(uvicorn.Server):
     """uvicorn without its SIGINT/SIGTERM handlers: whoever owns the process keeps them."""
 
-    def capture_signals_x(self):
+    def capture_signals(self):
         return contextlib.nullcontext()
 
 

@@ -1,4 +1,5 @@
-"""Bench metrics on hand-made timestamps, and the client + report against a real gRPC server.
+"""Bench metrics on hand-made timestamps, the client + report against a real gRPC server, the
+rolling p99 and per-arrangement panels of the ITL chart, progress lines, and option help.
 
 The router double is a small `Generation` servicer on a free port that streams `max_tokens`
 tokens: grpc.aio on the client's own loop for client tests; a thread-pool server for the CLI,
@@ -32,6 +33,7 @@ from router.bench.metrics import (
     latency_stats_ms,
     meets_slo,
     parse_slo,
+    rolling_percentile,
     summarize_run,
     tpot,
     ttft,
@@ -288,3 +290,53 @@ def test_itl_while_a_burst_lands_leaves_the_burst_out():
                                      {"start_s": 4.0, "end_s": 5.0})["a"]
     assert summary["during_burst_window_s"] == [4.0, 5.0 + BURST_TAIL_S]
     assert summary["during_burst_itl_ms"]["p50"] == pytest.approx(4800.0)  # the one gap 0.2 -> 5.0
+
+
+def test_rolling_percentile_looks_back_one_window():
+    times = np.array([0.0, 1.0, 2.0, 3.0, 4.0])
+    values = np.array([10.0, 20.0, 30.0, 40.0, 50.0])
+    grid, p50 = rolling_percentile(times, values, window_s=1.5, q=50, points=5)
+    np.testing.assert_allclose(grid, [0, 1, 2, 3, 4])
+    np.testing.assert_allclose(p50, [10, 15, 25, 35, 45])  # (t - 1.5, t] holds two points after the first
+    grid, p99 = rolling_percentile(np.array([0.0, 5.0]), np.array([1.0, 2.0]), window_s=1.0, points=3)
+    assert np.isnan(p99[1]) and p99[0] == 1.0 and p99[2] == 2.0  # nothing arrived in (1.5, 2.5]
+    assert rolling_percentile(np.array([]), np.array([]), 1.0)[0].size == 0
+
+
+def test_itl_over_time_has_a_panel_per_arrangement_with_p99_and_burst():
+    from router.bench.plot import itl_over_time_figure
+
+    records = {name: [_record(0.0, [0.1, 0.2, 0.5, 0.6], [1, 1, 1, 1], rid=f"stream-{i}") for i in range(3)]
+               for name in ("colocated", "disaggregated", "peer")}
+    fig = itl_over_time_figure(records, {"start_s": 0.2, "end_s": 0.4})
+    assert [ax.get_title(loc="left") for ax in fig.axes] == ["colocated", "disaggregated", "peer"]
+    for ax in fig.axes:
+        assert len(ax.collections) == 1 and len(ax.lines) == 1 and len(ax.patches) == 1  # points, p99, burst
+        assert ax.get_shared_x_axes().joined(ax, fig.axes[0]) and ax.get_shared_y_axes().joined(ax, fig.axes[0])
+
+
+def test_progress_prints_a_line_every_few_seconds_when_not_a_terminal(capsys):
+    servicer = _StreamingGeneration()
+
+    async def main() -> list[RequestRecord]:
+        server = grpc.aio.server()
+        pdserve_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        try:
+            return await replay(f"127.0.0.1:{port}", _workload([30] * 4, concurrency=2, gap=0.0), "colocated",
+                                progress_every_s=0.05)
+        finally:
+            await server.stop(None)
+
+    assert all(r.ok for r in asyncio.run(main()))  # 2 rounds of 2 requests, ~0.3 s each
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) >= 5 and all(line.startswith("colocated: ") for line in lines)
+    assert "in flight" in lines[0] and lines[-1].startswith("colocated: 4/4 requests done (0 failed), 0 in flight")
+
+
+def test_every_bench_option_has_a_help_line():
+    parser = argparse.ArgumentParser(prog="pdserve")
+    bench = bench_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    undocumented = [a.option_strings for a in bench._actions if not a.help]
+    assert not undocumented

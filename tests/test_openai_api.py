@@ -4,6 +4,7 @@ each refusal, a client that goes away frees every KV block, and shutdown answers
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import shutil
@@ -16,7 +17,9 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
+from types import SimpleNamespace
 
+import httpx2
 import openai
 import pytest
 import ray
@@ -25,7 +28,10 @@ from transformers import AutoTokenizer
 
 from router.config import ConfigError, parse_config
 from router.launcher import LocalCluster
-from router.openai_api import ApiError, parse_request
+from router.lifecycle import RequestLife
+from router.metrics import RouterMetrics
+from router.openai_api import ApiError, OpenAIApi, parse_request
+from router.stream import Chunk, InternalError, QueueFull, Unavailable
 from tests.cluster_util import Client, cluster_config, free_port
 from tests.reference import hf_greedy
 
@@ -129,6 +135,83 @@ def test_http_port_is_validated():
         parse_config({"router": {"http_port": 70000}})
 
 
+# ---- the error mapping, over a stand-in Router (no cluster) ---------------------------------------
+class _FakeRouter:
+    """The Router surface the HTTP API uses: `prepare` raises `refuse`; `generate` yields `chunks`,
+    then raises `fail`."""
+
+    def __init__(self, chunks=(), fail: Exception | None = None, refuse: Exception | None = None):
+        self.config = SimpleNamespace(model=SimpleNamespace(path="/models/fake"), router=SimpleNamespace(
+            max_prompt_bytes=1024))
+        self.validator, self.metrics, self.serving = SimpleNamespace(max_model_len=64), RouterMetrics(), True
+        self.chunks, self.fail, self.refuse, self.closed = list(chunks), fail, refuse, False
+
+    async def prepare(self, request_id, prompt, prompt_ids, sampling, messages=None) -> RequestLife:
+        if self.refuse is not None:
+            raise self.refuse
+        return RequestLife(request_id, 0, prompt_ids or [1], sampling, 0.0)
+
+    async def generate(self, life):
+        try:
+            for chunk in self.chunks:
+                yield chunk
+            if self.fail is not None:
+                raise self.fail
+        finally:
+            self.closed = True
+
+    def errors(self, status: str) -> float:
+        return self.metrics.registry.get_sample_value("pdserve_request_errors_total", {"status": status}) or 0
+
+
+def _over(router: _FakeRouter, call):
+    async def main():
+        transport = httpx2.ASGITransport(app=OpenAIApi(router).app())
+        async with openai.AsyncOpenAI(base_url="http://pdserve/v1", api_key="unused", max_retries=0,
+                                      http_client=httpx2.AsyncClient(transport=transport)) as client:
+            return await call(client)
+    return asyncio.run(main())
+
+
+@pytest.mark.parametrize("failure, error, status, kind, code, grpc_status", [
+    (QueueFull("the router queue is full (1 waiting)"), openai.RateLimitError, 429, "rate_limit_error",
+     "queue_full", "RESOURCE_EXHAUSTED"),
+    (Unavailable("the decode pool has no worker"), openai.InternalServerError, 503, "server_error", "unavailable",
+     "UNAVAILABLE"),
+    (InternalError("sampling failed on decode-0"), openai.InternalServerError, 500, "server_error",
+     "internal_error", "INTERNAL"),
+])
+@pytest.mark.parametrize("stream", [False, True])
+def test_router_failures_become_statuses_before_the_first_token(failure, error, status, kind, code, grpc_status,
+                                                                stream):
+    router = _FakeRouter(fail=failure)  # raised before any chunk: a status, not a stream
+
+    async def call(client):
+        with pytest.raises(error) as err:
+            await client.completions.create(model="fake", prompt=[5], stream=stream)
+        return err.value
+
+    err = _over(router, call)
+    assert err.status_code == status
+    assert err.body == {"message": str(failure), "type": kind, "param": None, "code": code}
+    assert router.closed and router.errors(grpc_status) == 1
+
+
+def test_a_failure_after_the_first_token_is_an_error_event_and_closes_the_request():
+    router = _FakeRouter([Chunk([5], "five")], fail=InternalError("detokenizing failed"))
+
+    async def call(client):
+        stream = await client.completions.create(model="fake", prompt=[5], stream=True)
+        seen = []
+        with pytest.raises(openai.APIError, match="detokenizing failed"):
+            async for chunk in stream:
+                seen.append(chunk.choices[0].text)
+        return seen
+
+    assert _over(router, call) == ["five"]
+    assert router.closed and router.errors("INTERNAL") == 1
+
+
 # ---- through a real cluster -------------------------------------------------------------------
 def test_greedy_completion_is_transformers_token_for_token(client, chat_dir):
     prompt = _prompt(1)
@@ -142,14 +225,17 @@ def test_greedy_completion_is_transformers_token_for_token(client, chat_dir):
 
 
 def test_streaming_carries_the_same_tokens_and_usage_last(client):
-    prompt, args = _prompt(2), {"model": "tiny", "max_tokens": 10, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    prompt = _prompt(2)
+    args = {"model": "tiny", "max_tokens": 10, "temperature": 0, "extra_body": {"ignore_eos": True}}
     whole = client.completions.create(prompt=prompt, **args).choices[0]
-    chunks = list(client.completions.create(prompt=prompt, stream=True, stream_options={"include_usage": True}, **args))
+    chunks = list(client.completions.create(prompt=prompt, stream=True, stream_options={"include_usage": True},
+                                            **args))
     *token_chunks, usage_chunk = chunks
     assert [t for c in token_chunks for t in c.choices[0].token_ids] == whole.token_ids
     assert "".join(c.choices[0].text for c in token_chunks) == whole.text
     assert [c.choices[0].finish_reason for c in token_chunks][-2:] == [None, "length"]
-    assert usage_chunk.choices == [] and (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == (20, 10)
+    assert usage_chunk.choices == []
+    assert (usage_chunk.usage.prompt_tokens, usage_chunk.usage.completion_tokens) == (20, 10)
     assert all(c.usage is None for c in token_chunks)
 
 
@@ -296,22 +382,42 @@ def test_queue_full_429_no_chat_template_400_shutting_down_503(llama_dir, tmp_pa
     assert not stopper.is_alive() and not _port_open(port)
 
 
-def test_serve_keeps_its_signal_handlers_and_stops_the_http_server(tmp_path, llama_dir):
+def _post(url: str, body: dict):
+    return urllib.request.urlopen(urllib.request.Request(url, data=json.dumps(body).encode(),
+                                                         headers={"Content-Type": "application/json"}), timeout=60)
+
+
+def test_sigterm_drains_http_streams_before_the_http_server_stops(tmp_path, llama_dir):
+    """serve_forever owns SIGTERM: the router drains (new requests 503, streams in flight finish),
+    then the HTTP server stops. Had uvicorn taken the signal, its port would close at once."""
     http_port = free_port()
-    cfg = {"model": {"path": llama_dir}, "router": {"port": free_port(), "http_port": http_port, "shutdown_grace_s": 2},
-           "prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}, "kv_cache": {"num_blocks": 64}}
+    cfg = {"model": {"path": llama_dir},
+           "router": {"port": free_port(), "http_port": http_port, "shutdown_grace_s": 60},
+           "prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}, "kv_cache": {"num_blocks": 64},
+           "faults": {"step_delay_s": 0.02}}  # 150 tokens: 3 s or more
     path = tmp_path / "cluster.yaml"
     path.write_text(yaml.safe_dump(cfg))
     pdserve = str(Path(sys.executable).with_name("pdserve"))
     server = subprocess.Popen([pdserve, "serve", "--config", str(path)], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True, start_new_session=True)
+    url = f"http://127.0.0.1:{http_port}"
     try:
         assert "ready in" in server.stdout.readline()
-        assert _get(f"http://127.0.0.1:{http_port}/health") == (200, {"status": "serving"})
-        status, body = _get(f"http://127.0.0.1:{http_port}/v1/completions",
-                            json.dumps({"prompt": [5, 6, 7], "max_tokens": 3}).encode())
-        assert status == 200 and body["usage"]["completion_tokens"] == 3
+        assert _get(f"{url}/health") == (200, {"status": "serving"})
+        stream = _post(f"{url}/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 150, "stream": True,
+                                                  "ignore_eos": True})
+        events = [stream.readline()]
+        server.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while (status := _get(f"{url}/health")[0]) == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert status == 503
+        status, body = _get(f"{url}/v1/completions", json.dumps({"prompt": [5], "max_tokens": 2}).encode())
+        assert status == 503 and "shutting down" in body["error"]["message"]
+        events += stream.readlines()
+        data = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+        assert sum(len(d["choices"][0]["token_ids"]) for d in data) == 150 and b"data: [DONE]\r\n" in events
     finally:
         server.send_signal(signal.SIGTERM)
-        returncode = server.wait(timeout=60)  # uvicorn holding SIGTERM would leave serve running
+        returncode = server.wait(timeout=90)
     assert returncode == 0 and not _port_open(http_port)

@@ -1,8 +1,9 @@
 """`pdserve bench`: replay one seeded workload and report TTFT, ITL, TPOT, E2E and goodput.
 
-Either measure a running router (`--router HOST:PORT`), or start each arrangement of
-`--config` in turn at the same total worker count (`--arrangements`), replay the same
-requests against it and stop it. Input and connection problems exit 2 with one line.
+Measure a running router (`--router HOST:PORT`, gRPC), any OpenAI-compatible server
+(`--endpoint openai:URL`: streaming /v1/completions), or start each arrangement of `--config`
+in turn at the same total worker count (`--arrangements`), replay the same requests against
+it and stop it. Input and connection problems exit 2 with one line.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from typing import Any
 from router.bench.client import fetch_status, replay
 from router.bench.errors import BenchError, WorkloadError
 from router.bench.metrics import RequestRecord, parse_slo
+from router.bench.openai_client import DEFAULT_EXTRA_BODY, Endpoint, parse_endpoint, replay_openai
 from router.bench.presets import PRESETS, WorkloadOptions, build_workload
 from router.bench.report import build_summary, format_report, summarize_arrangements, write_report
 from router.bench.trace import parse_window
@@ -50,7 +52,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "bench", help="replay a workload, report TTFT/ITL/TPOT/E2E and goodput",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     target = parser.add_mutually_exclusive_group(required=True)
-    target.add_argument("--router", metavar="HOST:PORT", help="measure this running router")
+    target.add_argument("--router", metavar="HOST:PORT", help="measure this running router over gRPC")
+    target.add_argument("--endpoint", metavar="openai:URL",
+                        help="measure this OpenAI-compatible server, e.g. openai:http://127.0.0.1:8000/v1")
     target.add_argument("--config", metavar="YAML", help="start each arrangement of this cluster")
     parser.add_argument("--arrangements", default=",".join(ARRANGEMENTS),
                         help="comma-separated, with --config (default: all four)")
@@ -58,16 +62,40 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="total workers of every arrangement (default 2)")
     parser.add_argument("--pin-cpus", action="store_true",
                         help="with --arrangements: pin worker i of each arrangement to CPU core i")
-    parser.add_argument("--label", default="router", help="arrangement name for --router")
+    parser.add_argument("--label", help="the name in the report for --router / --endpoint "
+                                        "(default: router / endpoint)")
+    _add_endpoint_options(parser)
     _add_workload_options(parser)
     _add_report_options(parser)
     parser.set_defaults(func=run)
     return parser
 
 
+def _add_endpoint_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("OpenAI endpoint (--endpoint)")
+    group.add_argument("--model", help="the request's model field (default: the first of GET /v1/models)")
+    group.add_argument("--tokenizer", metavar="DIR",
+                       help="the server's tokenizer: prompts go as its text when the server refuses token ids")
+    group.add_argument("--extra-body", type=_json_object, default=dict(DEFAULT_EXTRA_BODY), metavar="JSON",
+                       help=f"fields added to every request (default: {json.dumps(DEFAULT_EXTRA_BODY)}: exact "
+                            "output lengths on pdserve, vLLM, SGLang)")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
+
+
 def _add_workload_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("workload")
-    group.add_argument("--preset", choices=list(PRESETS), default="steady")
+    group.add_argument("--preset", choices=list(PRESETS), default="steady",
+                       help="; ".join(f"{name}: {p.description}" for name, p in PRESETS.items())
+                       .replace("%", "%%") + " (default: %(default)s)")
     group.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace to replay")
     group.add_argument("--length-scale", type=_positive_float,
                        help="trace lengths divided by this (conversation preset: 16)")
@@ -75,31 +103,38 @@ def _add_workload_options(parser: argparse.ArgumentParser) -> None:
                        help="trace timestamps divided by this (>1 replays faster)")
     group.add_argument("--window", default="0:", metavar="START:END",
                        help="seconds of the trace to replay (default all)")
-    group.add_argument("--num-requests", type=_positive_int)
-    group.add_argument("--rate", type=_positive_float, help="requests/s (Poisson or gamma)")
+    group.add_argument("--num-requests", type=_positive_int, help="requests to send (default: the preset's)")
+    group.add_argument("--rate", type=_positive_float,
+                       help="requests/s, Poisson or gamma (default: the preset's; none with --concurrency)")
     group.add_argument("--burstiness", type=_positive_float, default=1.0,
-                       help="gamma shape; 1 = Poisson, < 1 burstier")
+                       help="gamma shape; 1 = Poisson, < 1 burstier (default 1)")
     group.add_argument("--concurrency", type=_positive_int,
                        help="max requests in flight; without --rate: closed loop")
-    group.add_argument("--input-len", type=_positive_int, help="mean prompt tokens")
-    group.add_argument("--output-len", type=_positive_int, help="output tokens (exact)")
+    group.add_argument("--input-len", type=_positive_int, help="mean prompt tokens (default: the preset's)")
+    group.add_argument("--output-len", type=_positive_int,
+                       help="output tokens of every request, exact (default: the preset's)")
     group.add_argument("--range-ratio", type=_typed(float, lambda v: 0 <= v < 1, "in [0, 1)"),
-                       help="prompt lengths uniform in mean*(1 +- r)")
+                       help="prompt lengths uniform in mean*(1 +- r) (default: the preset's)")
     group.add_argument("--max-context", type=_positive_int,
                        help="prompt + output limit (default: the model's, else 2048)")
     group.add_argument("--vocab-range", default=None, metavar="LOW:HIGH",
                        help=f"prompt token ids (default {DEFAULT_VOCAB[0]}:{DEFAULT_VOCAB[1]})")
-    group.add_argument("--seed", type=int, default=0)
+    group.add_argument("--seed", type=int, default=0,
+                       help="seeds arrivals, lengths and prompt tokens (default 0)")
 
 
 def _add_report_options(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("report")
-    group.add_argument("--slo", default="", help="e.g. ttft=1.0,tpot=50ms (seconds or ms)")
-    group.add_argument("--out", default="bench-out", help="directory for the report files")
-    group.add_argument("--plot", action="store_true", help="also write PNG charts")
+    group.add_argument("--slo", default="", help="per-request objectives for goodput, e.g. ttft=1.0,tpot=50ms "
+                                                  "(seconds or ms; keys ttft, tpot, e2e)")
+    group.add_argument("--out", default="bench-out",
+                       help="directory for summary.json, requests.jsonl and charts (default: %(default)s)")
+    group.add_argument("--plot", action="store_true",
+                       help="also write PNG charts: TTFT and ITL CDFs, ITL over time (a panel per arrangement)")
     group.add_argument("--connect-timeout", type=_positive_float, default=10.0,
-                       help="seconds to wait for each router (default 10)")
-    group.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+                       help="seconds to wait for each router or server (default 10)")
+    group.add_argument("--no-progress", action="store_true",
+                       help="no progress on stderr (a bar on a terminal, else a line every few seconds)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -172,8 +207,16 @@ def _model_limits(base: Any) -> tuple[int | None, int | None]:
 def _measure(args: argparse.Namespace, workload: Workload,
              base: Any) -> tuple[dict[str, list[RequestRecord]], dict[str, Any]]:
     if args.router:
-        records, status = asyncio.run(_measure_address(args, args.router, args.label, workload))
-        return {args.label: records}, {"router": args.router, "status": status}
+        label = args.label or "router"
+        records, status = asyncio.run(_measure_address(args, args.router, label, workload))
+        return {label: records}, {"router": args.router, "status": status}
+    if args.endpoint:
+        label = args.label or "endpoint"
+        endpoint = Endpoint(parse_endpoint(args.endpoint), args.model, args.extra_body, args.tokenizer)
+        records, server = asyncio.run(replay_openai(endpoint, workload, label,
+                                                    connect_timeout_s=args.connect_timeout,
+                                                    show_progress=not args.no_progress))
+        return {label: records}, server
     return _measure_arrangements(args, workload, base)
 
 
@@ -201,7 +244,8 @@ def _measure_arrangements(args: argparse.Namespace, workload: Workload,
         except ValueError as err:
             raise BenchError(f"--arrangements {name}: {err}") from err
         # its own free port, so a `pdserve serve` of the same config can keep running
-        cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, port=0, metrics_port=None))
+        cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, port=0, metrics_port=None,
+                                                                  http_port=None))
         with LocalCluster(cfg) as cluster:
             records[name], statuses[name] = asyncio.run(
                 _measure_address(args, cluster.address, name, workload))

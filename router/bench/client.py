@@ -1,9 +1,9 @@
 """Replays a `Workload` against a running router over gRPC (grpc.aio) and times every token.
 
-Each request is sent at its arrival offset (or as soon as a concurrency slot frees), with
-ignore_eos, greedy sampling and its exact `max_tokens`; the arrival time and token count of
-every streamed message is recorded. A router that does not accept a connection within the
-timeout raises `RouterUnreachable` before anything is sent.
+Each request is sent at its arrival offset (or as soon as a concurrency slot frees; see
+router/bench/dispatch.py), with ignore_eos, greedy sampling and its exact `max_tokens`; the
+arrival time and token count of every streamed message is recorded. A router that does not
+accept a connection within the timeout raises `RouterUnreachable` before anything is sent.
 """
 
 from __future__ import annotations
@@ -12,45 +12,19 @@ import asyncio
 import sys
 import time
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, TextIO
+from dataclasses import dataclass
+from typing import Any
 
 import grpc
 from google.protobuf.json_format import MessageToDict
 
 from proto import pdserve_pb2, pdserve_pb2_grpc
+from router.bench.dispatch import PROGRESS_EVERY_S, Progress, dispatch
 from router.bench.errors import RouterUnreachable
 from router.bench.metrics import RequestRecord
 from router.bench.workload import RequestSpec, Workload
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
-
-
-@dataclass
-class ProgressBar:
-    """`label [#####.....] 12/100 (1 failed)` on one rewritten terminal line; no dependency."""
-
-    total: int
-    label: str = ""
-    stream: TextIO | None = field(default_factory=lambda: sys.stderr)
-    width: int = 30
-    done: int = 0
-    failed: int = 0
-
-    def advance(self, ok: bool) -> None:
-        self.done += 1
-        self.failed += 0 if ok else 1
-        if self.stream is not None:
-            filled = self.width * self.done // max(1, self.total)
-            bar = "#" * filled + "." * (self.width - filled)
-            failed = f" ({self.failed} failed)" if self.failed else ""
-            self.stream.write(f"\r{self.label} [{bar}] {self.done}/{self.total}{failed}")
-            self.stream.flush()
-
-    def close(self) -> None:
-        if self.stream is not None:
-            self.stream.write("\n")
-            self.stream.flush()
 
 
 async def wait_for_router(channel: grpc.aio.Channel, address: str, timeout_s: float) -> None:
@@ -63,19 +37,16 @@ async def wait_for_router(channel: grpc.aio.Channel, address: str, timeout_s: fl
         ) from err
 
 
-async def replay(address: str, workload: Workload, arrangement: str, *,
-                 connect_timeout_s: float = 10.0, show_progress: bool = True) -> list[RequestRecord]:
+async def replay(address: str, workload: Workload, arrangement: str, *, connect_timeout_s: float = 10.0,
+                 show_progress: bool = True, progress_every_s: float = PROGRESS_EVERY_S) -> list[RequestRecord]:
     """Sends every request of `workload` to the router at `address`; one record each."""
     async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
         await wait_for_router(channel, address, connect_timeout_s)
         stub = pdserve_pb2_grpc.GenerationStub(channel)
-        stream = sys.stderr if show_progress and sys.stderr.isatty() else None
-        progress = ProgressBar(len(workload.requests), arrangement, stream)
-        run = _Run(stub, arrangement, uuid.uuid4().hex[:8], time.perf_counter(), progress)
-        try:
-            return await run.dispatch(workload)
-        finally:
-            progress.close()
+        progress = Progress(len(workload.requests), arrangement, sys.stderr if show_progress else None,
+                            progress_every_s)
+        run = _Run(stub, arrangement, uuid.uuid4().hex[:8], time.perf_counter())
+        return await dispatch(workload, run.send, run.now, progress)
 
 
 async def fetch_status(address: str, timeout_s: float = 5.0) -> dict[str, Any]:
@@ -98,32 +69,9 @@ class _Run:
     arrangement: str
     nonce: str
     t0: float
-    progress: ProgressBar
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
-
-    async def dispatch(self, workload: Workload) -> list[RequestRecord]:
-        slots = asyncio.Semaphore(workload.concurrency) if workload.concurrency else None
-        tasks = []
-        for spec in workload.requests:
-            delay = spec.arrival_s - self.now()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            if slots is not None:
-                await slots.acquire()
-            tasks.append(asyncio.create_task(self._send_and_release(spec, slots)))
-        return list(await asyncio.gather(*tasks))
-
-    async def _send_and_release(self, spec: RequestSpec,
-                                slots: asyncio.Semaphore | None) -> RequestRecord:
-        try:
-            record = await self.send(spec)
-        finally:
-            if slots is not None:
-                slots.release()
-        self.progress.advance(record.ok)
-        return record
 
     async def send(self, spec: RequestSpec) -> RequestRecord:
         """Streams one request; a gRPC error is recorded, never raised."""

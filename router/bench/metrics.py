@@ -104,6 +104,22 @@ def itls_between(record: RequestRecord, start_s: float, end_s: float) -> np.ndar
     return gaps[(times[1:] >= start_s) & (times[1:] <= end_s)]
 
 
+def rolling_percentile(times_s: np.ndarray, values: np.ndarray, window_s: float, q: float = 99,
+                       points: int = 200) -> tuple[np.ndarray, np.ndarray]:
+    """At `points` evenly spaced times from the first to the last, the q-th percentile of the
+    values whose time lies in (t - window_s, t]; NaN where that window holds none."""
+    times_s, values = np.asarray(times_s, dtype=float), np.asarray(values, dtype=float)
+    if times_s.size == 0:
+        return np.array([]), np.array([])
+    order = np.argsort(times_s, kind="stable")
+    times_s, values = times_s[order], values[order]
+    grid = np.linspace(times_s[0], times_s[-1], points if times_s[-1] > times_s[0] else 1)
+    starts = np.searchsorted(times_s, grid - window_s, side="right")
+    ends = np.searchsorted(times_s, grid, side="right")
+    return grid, np.array([np.percentile(values[a:b], q) if b > a else np.nan
+                           for a, b in zip(starts, ends, strict=True)])
+
+
 def tpot(record: RequestRecord) -> float | None:
     """(E2E - TTFT) / (output_tokens - 1); None for requests with fewer than two tokens."""
     if record.output_tokens < 2:
