@@ -21,3 +21,13 @@ def model_dirs(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def llama_dir(model_dirs) -> str:
     return model_dirs["llama"]
+
+
+@pytest.fixture(scope="module")
+def ray_instance():
+    """One local Ray per test module that asks for it: the module's clusters share it."""
+    import ray
+
+    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
+    yield
+    ray.shutdown()

@@ -8,19 +8,13 @@ import random
 
 import grpc
 import pytest
-import ray
 
 from proto import pdserve_pb2 as pb
 from router.launcher import LocalCluster
 from tests.cluster_util import Client, cluster_config
 from tests.reference import hf_greedy
 
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_instance():
-    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ import urllib.request
 from types import SimpleNamespace
 
 import pytest
-import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from proto import pdserve_pb2_grpc
@@ -35,11 +34,7 @@ HISTOGRAMS = ("ttft", "itl", "e2e", "queue", "prefill", "kv_transfer")
 SLOW_FIRST_S, TTFT_SLO_MS, TPOT_SLO_S = 2.0, 1000, 10
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_instance():
-    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -5,17 +5,11 @@ reference, nearly every request completes, and the pools heal back to their size
 from __future__ import annotations
 
 import pytest
-import ray
 
 from engine.request import SamplingParams
 from scripts import chaos
 
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_instance():
-    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
 
 
 def test_soak_with_kills_and_transfer_faults_meets_every_target(llama_dir):

@@ -11,7 +11,6 @@ import sys
 
 import grpc
 import pytest
-import ray
 from transformers import AutoTokenizer
 
 from proto import pdserve_pb2 as pb
@@ -25,11 +24,7 @@ HELLO = {"role": "user", "content": "Hello there"}
 MORE = {"role": "user", "content": "Tell me more about the sea"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_instance():
-    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
 
 
 @pytest.fixture(scope="module")

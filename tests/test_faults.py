@@ -23,12 +23,7 @@ from router.lifecycle import Phase
 from tests.cluster_util import Client, cluster_config
 from tests.reference import hf_greedy
 
-
-@pytest.fixture(scope="module", autouse=True)
-def ray_instance():
-    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
 
 
 def _prompt(seed: int, n: int = 24) -> list[int]:

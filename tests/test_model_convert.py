@@ -10,7 +10,6 @@ from pathlib import Path
 
 import gguf
 import pytest
-import ray
 import torch
 from gguf import GGUFWriter
 from safetensors.torch import load_file
@@ -38,13 +37,6 @@ def smollm2_dir(tmp_path_factory) -> str:
 def chat_ids(smollm2_dir) -> list[int]:
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     return tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
-
-
-@pytest.fixture(scope="module")
-def ray_instance():
-    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def test_converted_checkpoint_is_plain_float_smollm2(smollm2_dir):

@@ -40,11 +40,7 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Once upon a time"}]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def ray_instance():
-    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
-    yield
-    ray.shutdown()
+pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
 
 
 def _copy_model(src: str, dst: Path, chat_template: bool) -> str:
