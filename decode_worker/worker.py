@@ -12,7 +12,6 @@ ended) leaves as an output with finish reason "error" and `retryable=True`.
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 
 import ray
@@ -21,6 +20,7 @@ from decode_worker.handoff import Action, HandoffTable, Outcome
 from engine.config import EngineConfig
 from engine.faults import FaultConfig, Faults
 from engine.messages import Reservation, StartDecode, WorkerInfo, WorkerStats
+from engine.outbox import Outbox
 from engine.request import RequestOutput, SamplingParams
 from engine.worker_core import WorkerCore
 from kv_transfer import KVReceiver, KVTransferConfig
@@ -34,9 +34,7 @@ class DecodeWorker:
         self.faults = Faults(faults, name)
         self.core = WorkerCore(name, "decode", config, self._on_outputs, cpu, self.faults,
                                node_ip=ray.util.get_node_ip_address())
-        self._outbox: list[RequestOutput] = []
-        self._event: asyncio.Event | None = None
-        self._lock = threading.Lock()
+        self.outbox: Outbox[RequestOutput] = Outbox()
         self.handoffs = HandoffTable()
         self._transfers: dict[str, tuple[float, int]] = {}  # request id -> (seconds, bytes) of its KV
         self._landing_since: dict[str, float] = {}
@@ -50,7 +48,7 @@ class DecodeWorker:
 
     async def ready(self) -> WorkerInfo:
         self.core.bind()
-        self._event = asyncio.Event()
+        self.outbox.bind()
         self._reaper = asyncio.get_running_loop().create_task(self._reap_leases())
         return self.core.info()
 
@@ -60,27 +58,13 @@ class DecodeWorker:
             if out.finished:
                 self.core.served += 1
                 out.kv_transfer_s, out.kv_transfer_bytes = self._transfers.pop(out.request_id, (0.0, 0))
-        self._push(outputs)
+        self.outbox.push(outputs)
         if any(out.token_ids for out in outputs):
             self.faults.maybe_kill("decode.mid_stream")
 
-    def _push(self, outputs: list[RequestOutput]) -> None:
-        with self._lock:
-            self._outbox.extend(outputs)
-        if self.core.aio is not None and self._event is not None:
-            self.core.aio.call_soon_threadsafe(self._event.set)
-
     async def poll(self, timeout_s: float = 1.0) -> list[RequestOutput]:
         """Every output since the last poll; waits up to `timeout_s` for at least one."""
-        if not self._outbox:
-            self._event.clear()
-            try:
-                await asyncio.wait_for(self._event.wait(), timeout_s)
-            except TimeoutError:
-                return []
-        with self._lock:
-            out, self._outbox = self._outbox, []
-        return out
+        return await self.outbox.poll(timeout_s)
 
     # ---- colocated ----------------------------------------------------------------
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
@@ -149,7 +133,7 @@ class DecodeWorker:
 
     def _fail(self, request_id: str, error: str, retryable: bool) -> None:
         self.core.loop.call(lambda e: e.release(request_id))
-        self._push([RequestOutput(request_id, [], error, "error", retryable=retryable)])
+        self.outbox.push([RequestOutput(request_id, [], error, "error", retryable=retryable)])
 
     async def _reap_leases(self) -> None:
         while True:

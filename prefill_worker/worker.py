@@ -20,6 +20,7 @@ import ray
 from engine.config import EngineConfig
 from engine.faults import FaultConfig, Faults
 from engine.messages import PrefillResult, PrefillTask, TransferFailed, WorkerInfo, WorkerStats
+from engine.outbox import Outbox
 from engine.request import RequestOutput
 from engine.worker_core import WorkerCore
 from kv_transfer import KVSender, KVTransferConfig
@@ -45,14 +46,13 @@ class PrefillWorker:
         self._sending: set[str] = set()  # requests whose KV is on the wire (blocks must stay)
         self._channel_locks: dict[str, asyncio.Lock] = {}
         self._peers: dict[str, object] = {}  # decode worker name -> actor handle
-        self._events: list[TransferFailed] = []
-        self._event: asyncio.Event | None = None
+        self.outbox: Outbox[TransferFailed] = Outbox()  # failed sends, for the router's poll
         self._tasks: set[asyncio.Task] = set()
         self._aborted: dict[str, float] = {}  # request id -> when; a late prefill is refused
 
     async def ready(self) -> WorkerInfo:
         self.core.bind()
-        self._event = asyncio.Event()
+        self.outbox.bind()
         return self.core.info()
 
     async def prefill(self, task: PrefillTask, decode_actor=None) -> PrefillResult:
@@ -135,8 +135,7 @@ class PrefillWorker:
         if error is None:
             return
         log.warning("KV transfer of %s to %s failed: %s", request_id, decode_name, error)
-        self._events.append(TransferFailed(request_id, error))
-        self._event.set()
+        self.outbox.push([TransferFailed(request_id, error)])
         peer = self._peers.get(decode_name)
         if peer is not None:
             self._track(self._tell_decode(peer, request_id, error))
@@ -154,14 +153,7 @@ class PrefillWorker:
 
     async def poll(self, timeout_s: float = 1.0) -> list[TransferFailed]:
         """Failed sends since the last poll; waits up to `timeout_s` for at least one."""
-        if not self._events:
-            self._event.clear()
-            try:
-                await asyncio.wait_for(self._event.wait(), timeout_s)
-            except TimeoutError:
-                return []
-        events, self._events = self._events, []
-        return events
+        return await self.outbox.poll(timeout_s)
 
     # ---- admin ----------------------------------------------------------------------
     async def abort(self, request_id: str) -> None:

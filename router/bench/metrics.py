@@ -1,4 +1,4 @@
-"""What users feel, computed from client-side timestamps (definitions: METRICS.md).
+"""What users feel, computed from client-side timestamps (definitions: docs/metrics.md).
 
 Pure functions over `RequestRecord`s: TTFT, ITL (pooled over requests), TPOT, E2E,
 numpy-style linear percentiles, throughput, goodput and SLO attainment. A streamed message

@@ -1,4 +1,4 @@
-"""Named workloads (METRICS.md): steady, morning-burst, long-context, shared-prefix, conversation.
+"""Named workloads (docs/metrics.md): steady, morning-burst, long-context, shared-prefix, conversation.
 
 `build_workload(WorkloadOptions)` is the one entry point: a preset supplies defaults, every
 option the user gave overrides them, and the same options + seed give the same requests.
