@@ -37,6 +37,7 @@ class Action(enum.Enum):
 class Slot:
     blocks: list[int]
     expires_at: float
+    cached: int = 0  # leading blocks already holding the KV (prefix cache): the push starts after them
     landing: bool = False  # the receiver is writing into the blocks
     landed: bool = False
     cancelled: bool = False
@@ -60,27 +61,32 @@ class HandoffTable:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def add(self, request_id: str, blocks: list[int], lease_s: float, now: float | None = None) -> bool:
-        """Record a reservation; False if the request was already ended (the caller frees)."""
+    def add(self, request_id: str, blocks: list[int], lease_s: float, now: float | None = None,
+            cached: int = 0) -> bool:
+        """Record a reservation whose first `cached` blocks already hold their KV; False if the
+        request was already ended (the caller frees)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             if request_id in self._ended or request_id in self._slots:
                 return False
-            self._slots[request_id] = Slot(list(blocks), now + lease_s)
+            self._slots[request_id] = Slot(list(blocks), now + lease_s, cached)
             return True
 
     def is_ended(self, request_id: str) -> bool:
         with self._lock:
             return request_id in self._ended
 
-    def resolve(self, request_id: str, num_blocks: int) -> list[int] | None:
-        """The receiver asks where a transfer's payload goes; None refuses it."""
+    def resolve(self, request_id: str, num_blocks: int, first_block: int = 0) -> list[int] | None:
+        """The receiver asks where a transfer's payload (the request's blocks from `first_block`)
+        goes; None refuses it. The payload must start exactly after the cached blocks: a sender
+        that skipped blocks this worker does not hold would leave holes in the KV."""
         with self._lock:
             slot = self._slots.get(request_id)
-            if slot is None or slot.cancelled or slot.landed or num_blocks > len(slot.blocks):
+            if (slot is None or slot.cancelled or slot.landed or first_block != slot.cached
+                    or first_block + num_blocks > len(slot.blocks)):
                 return None
             slot.landing = True
-            return slot.blocks[:num_blocks]
+            return slot.blocks[first_block:first_block + num_blocks]
 
     def landed(self, request_id: str, error: BaseException | None) -> Outcome:
         with self._lock:

@@ -19,11 +19,11 @@ import ray
 from decode_worker.handoff import Action, HandoffTable, Outcome
 from engine.config import EngineConfig
 from engine.faults import FaultConfig, Faults
-from engine.messages import Reservation, StartDecode, WorkerInfo, WorkerStats
+from engine.messages import Reservation, Reserved, StartDecode, WorkerInfo, WorkerStats
 from engine.outbox import Outbox
 from engine.request import RequestOutput, SamplingParams
 from engine.worker_core import WorkerCore
-from kv_transfer import KVReceiver, KVTransferConfig
+from kv_transfer import KVReceiver, KVTransferConfig, Rendezvous
 
 REAP_EVERY_S = 0.1
 
@@ -75,18 +75,20 @@ class DecodeWorker:
                                                     emitted_chars=emitted_chars))
 
     # ---- disaggregated --------------------------------------------------------------
-    async def reserve(self, r: Reservation) -> list[int] | None:
-        """Blocks for `r.num_tokens`, or None when they don't fit (or the request was cancelled)."""
+    async def reserve(self, r: Reservation) -> Reserved | None:
+        """Blocks for `r.num_tokens`, the leading ones from the prefix cache where it holds
+        `r.token_ids`' blocks; None when they don't fit (or the request was cancelled)."""
         if self.handoffs.is_ended(r.request_id):
             return None
-        blocks = await self.core.run(lambda e: e.reserve(r.request_id, r.num_tokens))
-        if blocks is None:
+        got = await self.core.run(lambda e: e.reserve(r.request_id, r.num_tokens, list(r.token_ids) or None))
+        if got is None:
             return None
-        if not self.handoffs.add(r.request_id, blocks, r.lease_s):  # cancelled while reserving
+        blocks, cached = got
+        if not self.handoffs.add(r.request_id, blocks, r.lease_s, cached=cached):  # cancelled while reserving
             await self.core.run(lambda e: e.release(r.request_id))
             return None
         self.faults.maybe_kill("decode.after_reserve")
-        return blocks
+        return Reserved(len(blocks), cached)
 
     async def start(self, msg: StartDecode) -> None:
         """Raises ReservationGone when the reservation ended: the router places the request again."""
@@ -97,15 +99,16 @@ class DecodeWorker:
         """The prefill side could not send this request's KV."""
         self._act(request_id, self.handoffs.transfer_failed(request_id, reason))
 
-    async def open_channel(self, peer: str) -> tuple[str, int]:
+    async def open_channel(self, peer: str) -> Rendezvous:
+        """(host, port, secret) of a fresh channel for `peer`; Ray carries it to that peer only."""
         return await asyncio.to_thread(self.receiver.open_channel, peer)
 
     async def close_channel(self, peer: str) -> None:
         if self.receiver is not None:
             await asyncio.to_thread(self.receiver.close_channel, peer)
 
-    def _resolve_blocks(self, request_id: str, num_blocks: int) -> list[int] | None:
-        blocks = self.handoffs.resolve(request_id, num_blocks)
+    def _resolve_blocks(self, request_id: str, num_blocks: int, first_block: int = 0) -> list[int] | None:
+        blocks = self.handoffs.resolve(request_id, num_blocks, first_block)
         if blocks is not None:
             self._landing_since[request_id] = time.perf_counter()
         return blocks
@@ -151,8 +154,9 @@ class DecodeWorker:
             return
         await self.core.run(lambda e: e.abort(request_id))
 
-    async def stats(self) -> WorkerStats:
-        return await self.core.stats(self.receiver.num_channels if self.receiver else 0)
+    async def stats(self, resync: bool = False) -> WorkerStats:
+        """Load, block counts and the prefix-cache changes since the last call (all of it if `resync`)."""
+        return await self.core.stats(self.receiver.num_channels if self.receiver else 0, resync)
 
     async def check(self) -> dict:
         return await self.core.check()

@@ -6,6 +6,10 @@ for KV that another worker will push; a `prefill_only` request keeps its blocks 
 first token until `release` (its KV is being sent). A request can resume from outputs made
 elsewhere (`add_request(output_token_ids=...)`, `add_prefilled`). An error while sampling or
 detokenizing one request ends only that one, with finish reason "error".
+
+Prefix caching: blocks are reference counted (engine/kv_cache.py). After each step every block a
+request just filled is registered under its content hash; admission (scheduler) and `reserve`
+reuse registered blocks, so a shared prefix is computed, or pushed, once.
 """
 
 from __future__ import annotations
@@ -13,18 +17,20 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
+from engine.block_hash import block_hashes
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import BlockAllocator
 from engine.model_runner import ModelRunner, ScheduledItem
 from engine.request import InvalidRequest, Request, RequestOutput, SamplingParams, Status
 from engine.sampler import sample_isolated
-from engine.scheduler import Scheduler
+from engine.scheduler import PrefixStats, Scheduler
 from engine.validation import RequestValidator, validate_request_id
 
 log = logging.getLogger(__name__)
@@ -55,7 +61,7 @@ class LLMEngine:
         self.max_model_len = config.max_model_len or hf.max_position_embeddings
         self.eos_token_ids = _eos_ids(config.model_path, hf, self.tokenizer)
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len)
-        self.allocator = BlockAllocator(self.runner.num_blocks)
+        self.allocator = BlockAllocator(self.runner.num_blocks, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.allocator)
         self.requests: dict[str, Request] = {}
         self.reserved: dict[str, list[int]] = {}
@@ -113,20 +119,39 @@ class LLMEngine:
 
     def _finish_at_admission(self, req: Request, reason: str) -> None:
         self._finish(req, reason)
-        self._ready.append(RequestOutput(req.request_id, [], req.detokenizer.take_delta(final=True), reason,
-                                         req.num_prompt_tokens, len(req.output_token_ids)))
+        self._ready.append(self._output(req, [], req.detokenizer.take_delta(final=True), reason))
 
     # ---- disaggregation: blocks that another worker fills --------------------------------
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 
-    def reserve(self, request_id: str, num_tokens: int) -> list[int] | None:
-        """Set aside blocks for `num_tokens` of pushed KV; None if they don't fit. Refuses an id in use."""
+    def reserve(self, request_id: str, num_tokens: int,
+                token_ids: list[int] | None = None) -> tuple[list[int], int] | None:
+        """Set aside blocks for `num_tokens` of pushed KV: (all the block ids, how many leading ones
+        already hold cached KV), or None if they don't fit. Refuses an id in use.
+
+        `token_ids`: the tokens whose KV will be pushed. Cached blocks of their leading full blocks
+        (all but the last token's) come first and the pushing side sends only the blocks after them.
+        """
         self._check_free_id(request_id)
-        ids = self.allocator.allocate(self.blocks_for(num_tokens), request_id)
-        if ids is not None:
-            self.reserved[request_id] = ids
-        return ids
+        total = self.blocks_for(num_tokens)
+        hits = self._cached_blocks(token_ids)[:total] if token_ids else []
+        if not self.allocator.fits(total - len(hits), hits):
+            return None
+        self.allocator.acquire(hits)
+        ids = self.allocator.allocate(total - len(hits), request_id)
+        assert ids is not None, "blocks that fit were not allocated"
+        self.reserved[request_id] = hits + ids
+        if token_ids:
+            self.prefix_stats.query_tokens += len(token_ids)
+            self.prefix_stats.hit_tokens += len(hits) * self.config.block_size
+        return hits + ids, len(hits)
+
+    def _cached_blocks(self, token_ids: list[int]) -> list[int]:
+        if not self.allocator.enable_caching:
+            return []
+        bs = self.config.block_size
+        return self.allocator.match(block_hashes(token_ids[:(len(token_ids) - 1) // bs * bs], bs))
 
     def release(self, request_id: str) -> None:
         """Free a reservation, or the blocks a finished prefill-only request kept."""
@@ -137,7 +162,7 @@ class LLMEngine:
                 return  # nothing held outside the scheduler (a running request frees via abort)
             del self.requests[request_id]
             ids, req.block_ids = req.block_ids, []
-        self.allocator.free(ids)
+        self.allocator.free(ids[::-1])
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                       sampling: SamplingParams, emitted_chars: int = 0) -> Request:
@@ -147,6 +172,7 @@ class LLMEngine:
         input. The first `emitted_chars` characters of the outputs' text were already streamed. If
         the outputs already finish the request (a stop, or max_tokens reached), its blocks are
         freed now and its final output comes with the next `step()`. On error the reservation stays.
+        The full blocks the pushed KV covers join the prefix cache.
         """
         if not output_token_ids:
             raise ValueError("add_prefilled needs at least the first output token")
@@ -158,9 +184,12 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} reserved {len(blocks)} blocks, too few for {num_computed} tokens")
         self.validator.check(len(prompt_token_ids), sampling)
         self.validator.check_token_ids("output_token_ids", output_token_ids)
+        num_cached = self._cached_reserved_blocks(request_id, list(prompt_token_ids) + list(output_token_ids))
         request = self._build(request_id, list(prompt_token_ids), sampling, prefill_only=False)
+        request.num_cached_tokens = num_cached * self.config.block_size
         reason = self._replay(request, output_token_ids, emitted_chars)
         request.block_ids = self.reserved.pop(request_id)
+        self._register(request, 0, min(num_computed, request.num_tokens))  # a stop may have cut the outputs
         if reason is not None:
             self._finish_at_admission(request, reason)
             return request
@@ -168,6 +197,25 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.admit_running(request)
         return request
+
+    def _cached_reserved_blocks(self, request_id: str, token_ids: list[int]) -> int:
+        """How many reserved blocks came from the cache (until the KV lands, no other reserved
+        block has a hash). They must hold these tokens' KV: reserve's token_ids must have been a
+        prefix of them."""
+        cached = [h for h in map(self.allocator.hash_of, self.reserved[request_id]) if h is not None]
+        bs = self.config.block_size
+        if cached != block_hashes(token_ids[:len(cached) * bs], bs):
+            raise ValueError(f"request {request_id!r}: its reserved cached blocks hold other tokens' KV")
+        return len(cached)
+
+    def _register(self, req: Request, start: int, end: int) -> None:
+        """Cache the blocks whose last slot lies in [start, end): their KV was just written."""
+        bs = self.config.block_size
+        first, last = start // bs, end // bs
+        if last > first and self.allocator.enable_caching:
+            hashes = req.hashes(bs, end)
+            for i in range(first, last):
+                self.allocator.cache(req.block_ids[i], hashes[i])
 
     # ---- the step ------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -188,6 +236,7 @@ class LLMEngine:
         t2 = time.perf_counter()
         sampling = [it.request for it in items if it.samples]
         for it in items:
+            self._register(it.request, it.start, it.end)
             it.request.num_computed_tokens += it.num_tokens
         tokens = sample_isolated(logits, sampling, self._generator)
         outputs = [self._emit(req, tok) for req, tok in zip(sampling, tokens, strict=True)]
@@ -222,8 +271,11 @@ class LLMEngine:
         text = req.detokenizer.take_delta(final=reason not in (None, "prefilled"))
         if reason is not None:
             self._finish(req, reason)
-        return RequestOutput(req.request_id, [token], text, reason, req.num_prompt_tokens,
-                             len(req.output_token_ids))
+        return self._output(req, [token], text, reason)
+
+    def _output(self, req: Request, token_ids: list[int], text: str, reason: str | None) -> RequestOutput:
+        return RequestOutput(req.request_id, token_ids, text, reason, req.num_prompt_tokens,
+                             len(req.output_token_ids), num_cached_tokens=req.num_cached_tokens)
 
     def _append_token(self, req: Request, token: int) -> str | None:
         """Record one output token; the finish reason ("stop" or "length") it causes, if any."""
@@ -246,7 +298,7 @@ class LLMEngine:
     def _fail(self, req: Request, error: str) -> RequestOutput:
         """End `req` with finish reason "error" (its blocks freed); `error` is the output's text."""
         self._finish(req, "error")
-        return RequestOutput(req.request_id, [], error, "error", req.num_prompt_tokens, len(req.output_token_ids))
+        return self._output(req, [], error, "error")
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Drop a request wherever it is; frees its blocks. None if unknown."""
@@ -260,7 +312,7 @@ class LLMEngine:
             self.release(request_id)
             return None
         self._finish(req, "abort")
-        return RequestOutput(request_id, [], "", "abort", req.num_prompt_tokens, len(req.output_token_ids))
+        return self._output(req, [], "", "abort")
 
     def fail_all(self, reason: str) -> list[RequestOutput]:
         """End every waiting or running request with finish reason "error", freeing its blocks."""
@@ -276,11 +328,19 @@ class LLMEngine:
     def num_waiting(self) -> int:
         return len(self.scheduler.waiting)
 
+    @property
+    def prefix_stats(self) -> PrefixStats:
+        return self.scheduler.prefix_stats
+
     def check(self) -> None:
-        """Block accounting holds: the allocator's integrity, and every owned block is accounted for."""
+        """Block accounting holds: the allocator's integrity, and each block's refcount is the
+        number of its holders (requests' block tables and reservations)."""
         self.allocator.check()
-        held = sum(len(r.block_ids) for r in self.requests.values()) + sum(map(len, self.reserved.values()))
-        assert held == self.allocator.num_used, f"requests hold {held} blocks, allocator says {self.allocator.num_used}"
+        holders = Counter(b for r in self.requests.values() for b in r.block_ids)
+        holders.update(b for ids in self.reserved.values() for b in ids)
+        for b in range(self.allocator.num_blocks):
+            refs = self.allocator.refcount(b)
+            assert refs == holders[b], f"block {b} has refcount {refs} but {holders[b]} holders"
 
     def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams | None = None) -> list[list[int]]:
         """Run prompts to completion; output token ids per prompt (for tests and benchmarks)."""

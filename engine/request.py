@@ -1,7 +1,8 @@
 """One request as it flows scheduler -> block allocator -> model runner -> sampler.
 
-`Request` carries explicit counters (`num_computed_tokens`, `block_ids`); everything else is
-derived. `SamplingParams.validate` turns bad user input into `InvalidRequest`.
+`Request` carries explicit counters (`num_computed_tokens`, `block_ids`) and the content hashes
+of its full blocks (prompt and output tokens alike: a later turn's prompt holds earlier
+outputs); everything else is derived. `SamplingParams.validate` turns bad user input into `InvalidRequest`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.block_hash import extend_hashes
 from engine.limits import (
     FLOAT32_SMALLEST_NORMAL,
     MAX_STOP_STRING_CHARS,
@@ -97,6 +99,7 @@ class RequestOutput:
     kv_transfer_s: float = 0.0  # set by a decode worker on the last output of a pushed request
     kv_transfer_bytes: int = 0
     retryable: bool = False  # set by workers on an error another worker may retry; never by the engine
+    num_cached_tokens: int = 0  # prompt (+ resumed output) tokens whose KV the prefix cache supplied
 
     @property
     def finished(self) -> bool:
@@ -119,6 +122,8 @@ class Request:
     finish_reason: str | None = None
     generator: torch.Generator | None = None  # a seeded request's own; the sampler re-seeds it per draw
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # tokens found in the prefix cache at the first admission
+    block_hashes: list[bytes] = field(default_factory=list)  # of the leading full blocks; grown lazily
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -137,4 +142,13 @@ class Request:
         return self.num_uncomputed_tokens > 1
 
     def token_slice(self, start: int, end: int) -> list[int]:
-        return (self.prompt_token_ids + self.output_token_ids)[start:end]
+        p = self.prompt_token_ids
+        if end <= len(p):  # no copy of the whole sequence: a decode step slices one token
+            return p[start:end]
+        return p[start:] + self.output_token_ids[max(start - len(p), 0):end - len(p)]
+
+    def hashes(self, block_size: int, upto_tokens: int) -> list[bytes]:
+        """The block hashes, extended to cover the full blocks among the first `upto_tokens` tokens."""
+        if len(self.block_hashes) < upto_tokens // block_size:
+            extend_hashes(self.block_hashes, self.prompt_token_ids + self.output_token_ids, block_size, upto_tokens)
+        return self.block_hashes

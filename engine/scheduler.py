@@ -5,16 +5,29 @@ next chunk), then waiting requests are admitted FIFO while budget, sequence slot
 blocks last. A running request that cannot get a block preempts the most recently admitted
 one, which frees its blocks and is recomputed later. The returned items list decodes
 first (by context length), then prefill chunks.
+
+Prefix caching: a request admitted with nothing computed first takes the cached blocks of its
+leading full blocks (at most all but its last token's, so the step always computes and samples
+at least one token, and writes only into fresh blocks) and starts computing after them.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.kv_cache import BlockAllocator
 from engine.model_runner import ScheduledItem
 from engine.request import Request, Status
+
+
+@dataclass
+class PrefixStats:
+    """Cumulative prefix cache lookups: tokens looked up and tokens whose KV was found."""
+
+    query_tokens: int = 0
+    hit_tokens: int = 0
 
 
 class Scheduler:
@@ -24,6 +37,7 @@ class Scheduler:
         self.block_size = config.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.prefix_stats = PrefixStats()
 
     def add(self, request: Request) -> None:
         self.waiting.append(request)
@@ -45,16 +59,16 @@ class Scheduler:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self._chunk(req, budget)
+            n = self._chunk(req.num_uncomputed_tokens, budget)
             if self._grow(req, n, items):
                 items.append(ScheduledItem(req, n))
                 budget -= n
         budget = self._admit_waiting(budget, items)
         return sorted(items, key=lambda it: (not it.is_decode, it.end if it.is_decode else 0))
 
-    def _chunk(self, req: Request, budget: int) -> int:
-        n = min(req.num_uncomputed_tokens, budget)
-        if req.is_prefilling and self.config.chunk_size is not None:
+    def _chunk(self, uncomputed: int, budget: int) -> int:
+        n = min(uncomputed, budget)
+        if uncomputed > 1 and self.config.chunk_size is not None:  # still prefilling
             n = min(n, self.config.chunk_size)
         return n
 
@@ -78,7 +92,7 @@ class Scheduler:
     def _preempt(self, req: Request, items: list[ScheduledItem]) -> None:
         self.running.remove(req)
         items[:] = [it for it in items if it.request is not req]
-        self.allocator.free(req.block_ids)
+        self.allocator.free(req.block_ids[::-1])
         req.block_ids = []
         req.num_computed_tokens = 0
         req.num_preemptions += 1
@@ -88,17 +102,43 @@ class Scheduler:
     def _admit_waiting(self, budget: int, items: list[ScheduledItem]) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            n = self._chunk(req, budget)
-            ids = self.allocator.allocate(self._blocks_needed(req, n), req.request_id)
-            if ids is None:
+            n = self._take_blocks(req, budget)
+            if n is None:
                 break  # head-of-line waits for blocks; FIFO keeps arrival order fair
             self.waiting.popleft()
-            req.block_ids.extend(ids)
             req.status = Status.RUNNING
             self.running.append(req)
             items.append(ScheduledItem(req, n))
             budget -= n
         return budget
+
+    def _take_blocks(self, req: Request, budget: int) -> int | None:
+        """Give a waiting request its cached prefix and blocks for its next chunk, all or nothing;
+        the chunk's size, or None if the blocks don't fit."""
+        assert not req.block_ids and req.num_computed_tokens == 0, "a waiting request holds no KV"
+        hits = self._cached_prefix(req)
+        start = len(hits) * self.block_size
+        n = self._chunk(req.num_tokens - start, budget)
+        need = -(-(start + n) // self.block_size) - len(hits)
+        if not self.allocator.fits(need, hits):
+            return None
+        self.allocator.acquire(hits)
+        ids = self.allocator.allocate(need, req.request_id)
+        assert ids is not None, "blocks that fit were not allocated"
+        req.block_ids, req.num_computed_tokens = hits + ids, start
+        if req.num_preemptions == 0:  # first admission: what the cache saved this request
+            req.num_cached_tokens = start
+            self.prefix_stats.query_tokens += req.num_tokens
+            self.prefix_stats.hit_tokens += start
+        return n
+
+    def _cached_prefix(self, req: Request) -> list[int]:
+        """Cached blocks of the request's leading full blocks, all but its last token's: that
+        one is always computed, so the step samples and writes only into a fresh block."""
+        if not self.allocator.enable_caching:
+            return []
+        limit = (req.num_tokens - 1) // self.block_size
+        return self.allocator.match(req.hashes(self.block_size, limit * self.block_size)[:limit])
 
     def finish(self, req: Request, keep_blocks: bool = False) -> None:
         if req in self.running:
@@ -107,5 +147,5 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = Status.FINISHED
         if not keep_blocks:
-            self.allocator.free(req.block_ids)
+            self.allocator.free(req.block_ids[::-1])
             req.block_ids = []

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.faults import Faults
 from engine.llm_engine import LLMEngine
 from engine.loop import EngineLoop
-from engine.messages import WorkerInfo, WorkerStats
+from engine.messages import CacheDelta, WorkerInfo, WorkerStats
 from engine.request import RequestOutput
 
 
@@ -37,6 +37,7 @@ class WorkerCore:
         slow = faults.slow_step if faults is not None and faults.config.step_delay_s > 0 else None
         self.loop = EngineLoop(self.engine, on_outputs, name=name, before_step=slow)
         self.served = 0
+        self.cache_seq = 0  # of the last CacheDelta sent
         self.aio: asyncio.AbstractEventLoop | None = None
 
     def bind(self) -> None:
@@ -49,14 +50,27 @@ class WorkerCore:
 
     def info(self) -> WorkerInfo:
         e = self.engine
-        return WorkerInfo(self.name, self.pool, self.node_ip, e.allocator.num_blocks, e.config.block_size, self.cpu)
+        kv = e.runner.kv  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        return WorkerInfo(self.name, self.pool, self.node_ip, e.allocator.num_blocks, e.config.block_size, self.cpu,
+                          prefix_caching=e.allocator.enable_caching, block_bytes=kv[:, :, 0].numel() * kv.element_size())
 
-    async def stats(self, channels: int) -> WorkerStats:
+    async def stats(self, channels: int, resync: bool = False) -> WorkerStats:
+        """Counts, and the prefix cache events since the previous call: one consumer should call
+        this, as each call drains them; `resync` sends a snapshot of every cached hash instead."""
         def read(e: LLMEngine) -> WorkerStats:
-            a = e.allocator
+            a, p = e.allocator, e.prefix_stats
             return WorkerStats(self.name, e.num_running, e.num_waiting, a.num_used, a.num_free, a.num_blocks,
-                               channels, self.served)
+                               channels, self.served, a.num_cached, p.query_tokens, p.hit_tokens, self._delta(e, resync))
         return await self.run(read)
+
+    def _delta(self, e: LLMEngine, resync: bool) -> CacheDelta | None:
+        if not e.allocator.enable_caching:
+            return None
+        stored, removed = e.allocator.drain_events()
+        self.cache_seq += 1
+        if resync:
+            return CacheDelta(self.cache_seq, tuple(e.allocator.cached_hashes()), (), snapshot=True)
+        return CacheDelta(self.cache_seq, tuple(stored), tuple(removed))
 
     async def check(self) -> dict:
         """Integrity of the KV pool; returns the block counts for the caller to compare."""

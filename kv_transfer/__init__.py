@@ -7,13 +7,13 @@ global init_process_group), so workers join and leave while the cluster runs.
 
 Decode side (owns the destination blocks):
     receiver = KVReceiver(kv, host, config, resolve_blocks, on_complete)
-    host, port = receiver.open_channel(prefill_id)   # returns at once; hand it to the peer
+    host, port, secret = receiver.open_channel(prefill_id)   # a Rendezvous, at once; to the peer via Ray
     receiver.close_channel(prefill_id, wait=False); receiver.shutdown(wait=True)
     receiver.num_channels
   `host` is the decode worker's reachable address (e.g. ray.util.get_node_ip_address());
   each channel binds its own port (port 0, read back while held) until it closes.
-  resolve_blocks(request_id, num_blocks) -> list[int] | None: the blocks reserved for the
-    request; None (unknown / cancelled) rejects the transfer and the sender's future fails.
+  resolve_blocks(request_id, num_blocks, first_block) -> list[int] | None: where the
+    request's blocks [first_block, first_block + num_blocks) go; None (unknown / cancelled) rejects the transfer and the sender's future fails.
   on_complete(request_id, dst_block_ids, error): exactly once per list resolve_blocks
     returned, on the channel thread, BEFORE the sender's future resolves. error is None when
     the KV has fully landed; otherwise a KVTransferError and the owner frees the blocks.
@@ -25,8 +25,12 @@ Decode side (owns the destination blocks):
 
 Prefill side (owns the source blocks):
     sender = KVSender(kv, config)
-    sender.connect(decode_id, host, port)        # blocks until the handshake is done
-    future = sender.send(decode_id, request_id, src_block_ids)   # Future[TransferResult]
+    sender.connect(decode_id, host, port, secret)   # blocks until the handshake is done
+  The secret (random, one per channel) is what keeps strangers off the channel: the rendezvous
+  keys hide under a prefix derived from it and each side proves it with an HMAC in the handshake
+  before any header or payload is read (handshake.py; the trust boundary: docs/security.md).
+    future = sender.send(decode_id, request_id, src_block_ids, first_block=0)   # Future[TransferResult]
+  first_block > 0 sends only the tail of a request whose leading blocks the receiver holds.
     sender.is_connected(decode_id); sender.backend(decode_id)    # "gloo" | "nccl" | None
     sender.close_channel(decode_id, wait=False); sender.shutdown(wait=True); sender.num_channels
   TransferResult: request_id, dst_block_ids, num_bytes, seconds (on the wire),
@@ -55,6 +59,7 @@ from kv_transfer.config import (
     KVTransferError,
     TransferResult,
 )
+from kv_transfer.handshake import Rendezvous
 from kv_transfer.layout import KVLayout
 from kv_transfer.receiver import KVReceiver
 from kv_transfer.sender import KVSender
@@ -66,5 +71,6 @@ __all__ = [
     "KVSender",
     "KVTransferConfig",
     "KVTransferError",
+    "Rendezvous",
     "TransferResult",
 ]

@@ -20,6 +20,10 @@ class KVTransferConfig:
     staging_bytes: int = 64 << 20    # per channel and side, split into `staging_slots` slots
     staging_slots: int = 4           # pipeline depth: chunks in flight while the next is copied
     heartbeat_s: float = 1.0         # idle sender pings; bounds how fast an idle receiver can close
+    # network interface the channels use on every node (e.g. "eth1"): the store and the gloo
+    # pair bind its IPv4 address and GLOO_/NCCL_SOCKET_IFNAME name it; None = the address the
+    # caller gives the receiver (the Ray node IP) and the route towards it on the sender
+    interface: str | None = None
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):
@@ -32,6 +36,10 @@ class KVTransferConfig:
             raise ValueError(f"kv_transfer.staging_slots must be >= 2, not {self.staging_slots}")
         if self.staging_bytes < self.staging_slots:
             raise ValueError(f"kv_transfer.staging_bytes too small: {self.staging_bytes}")
+        if self.interface is not None and not 0 < len(self.interface) < 16 \
+                or any(c.isspace() or c == "/" for c in self.interface or ""):
+            raise ValueError(f"kv_transfer.interface must be a network interface name (1-15 "
+                             f"characters, no spaces or '/'), not {self.interface!r}")
 
     @property
     def slot_bytes(self) -> int:

@@ -21,7 +21,7 @@ import torch
 from kv_transfer.layout import DTYPES, KVLayout
 
 MAGIC = b"PDKV"
-VERSION = 1
+VERSION = 2
 TAG_HANDSHAKE, TAG_CONTROL, TAG_REPLY, TAG_TRAILER, TAG_DATA = 1, 2, 3, 4, 5
 HEADER_BYTES = 512
 REPLY_FIXED_BYTES = 512
@@ -30,9 +30,9 @@ MAX_REQUEST_ID_BYTES = 256
 _DTYPE_CODES = {name: code for code, name in enumerate(sorted(DTYPES), start=1)}
 _DTYPE_NAMES = {code: name for name, code in _DTYPE_CODES.items()}
 
-# magic, version, kind, dtype code, checksum, seq, num_blocks, chunk_blocks,
+# magic, version, kind, dtype code, checksum, seq, num_blocks, chunk_blocks, first_block,
 # layers, block_size, kv_heads, head_dim, request-id length
-_HEADER = struct.Struct("<4sBBBBQIIIIIIH")
+_HEADER = struct.Struct("<4sBBBBQIIIIIIIH")
 # magic, version, status, seq, num_blocks, message length
 _REPLY = struct.Struct("<4sBBQIH")
 
@@ -63,6 +63,9 @@ class Header:
     chunk_blocks: int = 0
     checksum: bool = False
     layout: KVLayout | None = None
+    # the payload is the request's blocks [first_block, first_block + num_blocks): the
+    # receiver already holds the leading ones (prefix cache), so they are not sent
+    first_block: int = 0
 
     def encode_into(self, frame: torch.Tensor) -> None:
         rid = self.request_id.encode()
@@ -72,20 +75,20 @@ class Header:
         dtype_code = _DTYPE_CODES[lay.dtype] if lay else 0
         buffer = frame.numpy()   # shares the tensor's memory: packed in place, no copies
         _HEADER.pack_into(buffer, 0, MAGIC, VERSION, self.kind, dtype_code, self.checksum,
-                          self.seq, self.num_blocks, self.chunk_blocks, *dims, len(rid))
+                          self.seq, self.num_blocks, self.chunk_blocks, self.first_block, *dims, len(rid))
         buffer[_HEADER.size:_HEADER.size + len(rid)] = memoryview(rid)
 
     @classmethod
     def decode(cls, frame: torch.Tensor) -> Header:
         buffer = frame.numpy()
-        (magic, version, kind, dtype_code, checksum, seq, num_blocks, chunk_blocks,
+        (magic, version, kind, dtype_code, checksum, seq, num_blocks, chunk_blocks, first_block,
          layers, block_size, kv_heads, head_dim, rid_len) = _HEADER.unpack_from(buffer)
         _check_magic(magic, version)
         rid = buffer[_HEADER.size:_HEADER.size + rid_len].tobytes().decode()
         layout = None
         if dtype_code:
             layout = KVLayout(layers, block_size, kv_heads, head_dim, _DTYPE_NAMES[dtype_code])
-        return cls(Kind(kind), seq, rid, num_blocks, chunk_blocks, bool(checksum), layout)
+        return cls(Kind(kind), seq, rid, num_blocks, chunk_blocks, bool(checksum), layout, first_block)
 
 
 @dataclass(frozen=True)

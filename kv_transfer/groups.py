@@ -5,12 +5,20 @@ store.port); rank 1 is the sender (prefill). The control group is always gloo (C
 idle waits that must not trip a NCCL watchdog); the data group is the same gloo group, or a
 ProcessGroupNCCL when both ends hold CUDA pools on distinct GPUs. Only the groups' own
 send/recv are used. Whoever owns a ChannelGroups closes it (shutdown, or abort when broken).
+
+Addresses: the store and the receiver's gloo pair listen on the receiver's host only (the
+address it advertises); the sender's pair binds the address it reaches that host from. With
+`interface` set (kv_transfer.interface), both sides use that interface's IPv4 address and
+GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME name it, so NCCL's own sockets follow it too.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
+import os
 import socket
+import struct
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -58,9 +66,20 @@ def resolve_backend(sender: str, receiver: str, sender_dev: DeviceInfo,
 
 
 def open_store(host: str, timeout_s: float) -> dist.TCPStore:
-    """Receiver side: a store listening on a port the OS picked and we now hold (store.port)."""
-    return dist.TCPStore(host, 0, None, True, timedelta(seconds=timeout_s),
-                         wait_for_workers=False)
+    """Receiver side: a store listening on `host` only (not every address of the node), on a
+    port the OS picked and we now hold (store.port)."""
+    family, kind, _, _, address = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    with socket.socket(family, kind) as listener:
+        listener.bind(address)
+        listener.listen(socket.SOMAXCONN)
+        port = listener.getsockname()[1]
+        fd = listener.detach()   # the store owns the socket from here on
+    try:
+        return dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s),
+                             wait_for_workers=False, master_listen_fd=fd)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def join_store(host: str, port: int, timeout_s: float) -> dist.TCPStore:
@@ -73,6 +92,34 @@ def local_address_towards(host: str, port: int) -> str:
     with socket.socket(family, socket.SOCK_DGRAM) as probe:
         probe.connect(address)   # UDP: picks the route, sends nothing
         return probe.getsockname()[0]
+
+
+def interface_address(name: str) -> str:
+    """The IPv4 address of this node's network interface `name`; ValueError listing the
+    interfaces (and their addresses) the node does have when it has no such one."""
+    address = _ipv4_of(name)
+    if address is None:
+        have = ", ".join(f"{n} {_ipv4_of(n) or '(no IPv4)'}" for _, n in socket.if_nameindex())
+        raise ValueError(f"kv_transfer.interface {name!r} has no IPv4 address on this node "
+                         f"(its interfaces: {have})")
+    return address
+
+
+def _ipv4_of(name: str) -> str | None:
+    siocgifaddr = 0x8915   # Linux ioctl: an interface's IPv4 address
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+        try:
+            request = struct.pack("256s", name.encode()[:15])
+            return socket.inet_ntoa(fcntl.ioctl(probe.fileno(), siocgifaddr, request)[20:24])
+        except OSError:
+            return None
+
+
+def use_interface(name: str | None) -> None:
+    """Point gloo's and NCCL's own interface choice at kv_transfer.interface (the config wins
+    over the environment: it is what the operator wrote for this cluster)."""
+    if name is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = os.environ["NCCL_SOCKET_IFNAME"] = name
 
 
 def gloo_group(store: dist.Store, rank: int, local_host: str,
@@ -100,7 +147,7 @@ def wait_for(work: dist.Work, deadline: float, what: str) -> None:
     try:
         work.wait(timedelta(seconds=remaining))
     except RuntimeError as err:
-        reason = _short(err)
+        reason = short_error(err)
         if "timed out" in reason.lower() or "timeout" in reason.lower():
             reason = f"timed out after {remaining:.1f}s"
         raise ChannelBroken(f"{what}: {reason}") from err
@@ -117,7 +164,7 @@ def wait_on_device(work: dist.Work, deadline: float, what: str) -> None:
     try:
         work.wait()   # raises the communicator's error, if any; orders the current stream
     except RuntimeError as err:
-        raise ChannelBroken(f"{what}: {_short(err)}") from err
+        raise ChannelBroken(f"{what}: {short_error(err)}") from err
 
 
 @dataclass
@@ -150,14 +197,14 @@ class ChannelGroups:
         try:
             return group.send([tensor], self.peer_rank, tag)
         except RuntimeError as err:
-            raise ChannelBroken(f"posting a send: {_short(err)}") from err
+            raise ChannelBroken(f"posting a send: {short_error(err)}") from err
 
     def recv(self, tensor: torch.Tensor, tag: int, *, data: bool = False) -> dist.Work:
         group = self.data if data else self.control
         try:
             return group.recv([tensor], self.peer_rank, tag)
         except RuntimeError as err:
-            raise ChannelBroken(f"posting a receive: {_short(err)}") from err
+            raise ChannelBroken(f"posting a receive: {short_error(err)}") from err
 
     def wait_data(self, work: dist.Work, deadline: float, what: str) -> None:
         """Wait for a data-plane send/recv, on the host (gloo) or on the device (NCCL)."""
@@ -173,10 +220,10 @@ class ChannelGroups:
                 group.abort() if broken else group.shutdown()
             except RuntimeError as err:
                 logger.warning("kv_transfer: closing a %s group failed: %s", self.backend,
-                               _short(err))
+                               short_error(err))
 
 
-def _short(err: BaseException) -> str:
+def short_error(err: BaseException) -> str:
     """First line of a c10d error, without the '[/path/file.cc:123] ' prefix."""
     line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
     if line.startswith("[") and "] " in line:

@@ -41,13 +41,13 @@ from kv_transfer.groups import (
     gloo_group,
     wait_for,
 )
-from kv_transfer.handshake import Agreement, Hello, answer_hello
+from kv_transfer.handshake import Agreement, Hello, answer_hello, rendezvous_prefix
 from kv_transfer.layout import Digest, KVLayout
 from kv_transfer.pipeline import DataPath, local_slot_blocks, recv_chunks
 
 logger = logging.getLogger(__name__)
 
-ResolveBlocks = Callable[[str, int], "list[int] | None"]
+ResolveBlocks = Callable[[str, int, int], "list[int] | None"]  # (request id, num_blocks, first_block)
 OnComplete = Callable[[str, "list[int]", "BaseException | None"], None]
 _JOIN_POLL_S = 0.01
 
@@ -65,8 +65,9 @@ class Owner:
 
 class ReceiverChannel:
     def __init__(self, peer_id: str, store: dist.TCPStore, owner: Owner,
-                 on_closed: Callable[[ReceiverChannel], None]) -> None:
+                 on_closed: Callable[[ReceiverChannel], None], secret: bytes) -> None:
         self.peer_id = peer_id
+        self._secret = secret   # the peer proves it in the handshake (handshake.py)
         self.port = store.port
         self._store: dist.TCPStore | None = store
         self._owner = owner
@@ -110,7 +111,9 @@ class ReceiverChannel:
             self._on_closed(self)
 
     def _rendezvous(self) -> ChannelGroups | None:
-        config, store = self._owner.config, self._store
+        config = self._owner.config
+        # only the peer knows where its keys go: a stranger's keys elsewhere in the store are ignored
+        store = dist.PrefixStore(rendezvous_prefix(self._secret), self._store)
         deadline = time.monotonic() + config.timeout_s
         while not store.check([JOINED_KEY]):
             if self._closing.is_set():
@@ -131,7 +134,7 @@ class ReceiverChannel:
         deadline = time.monotonic() + config.timeout_s
         hello = Hello(self._layout, DeviceInfo.of(kv.device), config.backend,
                       local_slot_blocks(kv, config), config.checksum, config.heartbeat_s)
-        agreement = answer_hello(groups, hello, self.peer_id, deadline)
+        agreement = answer_hello(groups, hello, self.peer_id, deadline, self._secret)
         groups.attach_data(agreement.backend, RECEIVER_RANK, config.timeout_s, kv.device,
                            deadline)
         self._path = DataPath.build(kv, agreement.backend, agreement.slot_blocks, config)
@@ -168,7 +171,7 @@ class ReceiverChannel:
         self._check_framing(header, agreement)
         deadline = time.monotonic() + self._owner.config.timeout_s
         request_id, num_blocks = header.request_id, header.num_blocks
-        resolved = self._resolve(request_id, num_blocks)
+        resolved = self._resolve(request_id, num_blocks, header.first_block)
         refusal = self._refusal(resolved, num_blocks)
         try:
             corruption = self._land(groups, header, None if refusal else resolved, deadline)
@@ -205,14 +208,14 @@ class ReceiverChannel:
         if header.checksum != agreement.checksum:
             raise ChannelBroken("header checksum flag differs from the handshake")
 
-    def _resolve(self, request_id: str, num_blocks: int) -> list[int] | None:
+    def _resolve(self, request_id: str, num_blocks: int, first_block: int) -> list[int] | None:
         if self._closing.is_set():
             return None
         try:
-            resolved = self._owner.resolve_blocks(request_id, num_blocks)
+            resolved = self._owner.resolve_blocks(request_id, num_blocks, first_block)
         except Exception:   # the owner's bug must not break the channel: log, then refuse
-            logger.exception("kv_transfer: resolve_blocks(%r, %d) raised", request_id,
-                             num_blocks)
+            logger.exception("kv_transfer: resolve_blocks(%r, %d, %d) raised", request_id,
+                             num_blocks, first_block)
             return None
         return None if resolved is None else [int(block) for block in resolved]
 

@@ -44,6 +44,7 @@ class TransferJob:
     future: Future[TransferResult]
     enqueued: float
     ready: torch.cuda.Event | None   # the caller's stream had written the KV at this event
+    first_block: int = 0   # index of block_ids[0] in the request (the receiver holds the rest)
 
 
 class _PeerClosing(Exception):
@@ -149,7 +150,7 @@ class SenderChannel:
                                          self._agreement.slot_blocks)
         self._seq += 1
         Header(Kind.TRANSFER, self._seq, job.request_id, num_blocks, chunk_blocks, checksum,
-               self._path.copier.layout).encode_into(self._header)
+               self._path.copier.layout, job.first_block).encode_into(self._header)
         header_sent = groups.send(self._header, TAG_CONTROL)
         reply_frame = self._reply_frame(num_blocks)
         reply_in = groups.recv(reply_frame, TAG_REPLY)   # posted early: no wake-up lag

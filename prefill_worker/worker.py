@@ -71,10 +71,10 @@ class PrefillWorker:
         if not out.token_ids:  # the outputs it resumed from had already ended it: a router bug
             raise PrefillFailed(f"{task.request_id} was already finished ({out.finish_reason}) when resumed")
         if out.finish_reason == "prefilled":
-            self._push_kv(task.request_id, task.decode_name)
+            self._push_kv(task.request_id, task.decode_name, task.skip_blocks)
             self.core.aio.call_later(KILL_DELAY_S, self.faults.maybe_kill, "prefill.after_first_token")
         return PrefillResult(task.request_id, out.token_ids[0], out.text, out.finish_reason,
-                             time.perf_counter() - arrived)
+                             time.perf_counter() - arrived, out.num_cached_tokens)
 
     async def _first_token(self, task: PrefillTask) -> RequestOutput:
         fut = self.core.aio.create_future()
@@ -93,8 +93,8 @@ class PrefillWorker:
             if self.sender.is_connected(decode_name):
                 return
             ref = decode_actor.open_channel.remote(self.core.name)
-            host, port = await asyncio.wait_for(ref, self._timeout_s)
-            await asyncio.to_thread(self.sender.connect, decode_name, host, port)
+            rendezvous = await asyncio.wait_for(ref, self._timeout_s)  # host, port and the channel's secret
+            await asyncio.to_thread(self.sender.connect, decode_name, *rendezvous)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
         for out in outputs:
@@ -103,21 +103,22 @@ class PrefillWorker:
                 self.core.aio.call_soon_threadsafe(_resolve, waiter, out)
 
     # ---- the KV push ----------------------------------------------------------------
-    def _push_kv(self, request_id: str, decode_name: str) -> None:
+    def _push_kv(self, request_id: str, decode_name: str, skip_blocks: int) -> None:
         self._sending.add(request_id)  # blocks stay until the transfer ends
         if self.faults.fail_transfer():
             self._transfer_ended(request_id, decode_name, "injected transfer failure")
             return
         delay = self.faults.transfer_delay()
         if delay:
-            self.core.aio.call_later(delay, self._send, request_id, decode_name)
+            self.core.aio.call_later(delay, self._send, request_id, decode_name, skip_blocks)
         else:
-            self._send(request_id, decode_name)
+            self._send(request_id, decode_name, skip_blocks)
 
-    def _send(self, request_id: str, decode_name: str) -> None:
+    def _send(self, request_id: str, decode_name: str, skip_blocks: int) -> None:
+        """Push the request's blocks after the `skip_blocks` the decode worker holds already."""
         blocks = self.core.engine.requests[request_id].block_ids  # read-only; held until the end
         try:
-            fut = self.sender.send(decode_name, request_id, list(blocks))
+            fut = self.sender.send(decode_name, request_id, list(blocks[skip_blocks:]), first_block=skip_blocks)
         except ValueError as e:
             self._transfer_ended(request_id, decode_name, str(e))
             return
@@ -170,8 +171,9 @@ class PrefillWorker:
         self._peers.pop(decode_name, None)
         await asyncio.to_thread(self.sender.close_channel, decode_name)
 
-    async def stats(self) -> WorkerStats:
-        return await self.core.stats(self.sender.num_channels)
+    async def stats(self, resync: bool = False) -> WorkerStats:
+        """Load, block counts and the prefix-cache changes since the last call (all of it if `resync`)."""
+        return await self.core.stats(self.sender.num_channels, resync)
 
     async def check(self) -> dict:
         return await self.core.check()

@@ -14,14 +14,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator
 
-from engine.messages import PrefillTask, Reservation, StartDecode
+from engine.messages import PrefillTask, Reservation, Reserved, StartDecode
 from engine.request import RequestOutput
 from router.admission import Admission
 from router.calls import call
 from router.config import ClusterConfig
 from router.lifecycle import Phase, RequestLife
 from router.metrics import RouterMetrics
-from router.placement import WorkerView, decode_candidates, pick_prefill
+from router.placement import WorkerView
 from router.pool import PoolManager
 from router.stream import Chunk, InternalError, Retry, Unavailable, merge_outputs
 
@@ -35,6 +35,7 @@ class Attempts:
         self.admission = admission
         self.metrics = metrics
         self.accepting = accepting  # () -> bool
+        self.placer = pools.placer
 
     async def run(self, life: RequestLife) -> AsyncIterator[Chunk]:
         runner = self._colocated if self.config.mode == "colocated" else self._disaggregated
@@ -49,15 +50,18 @@ class Attempts:
         aid = life.attempt_id
         life.to(Phase.PREFILLING)
         task = PrefillTask(aid, life.prompt_token_ids, life.sampling, decode.name, list(life.output_token_ids),
-                           life.emitted_chars)
+                           life.emitted_chars, skip_blocks=life.usage.get("kv_cached_blocks", 0))
         handle = None if decode.name in prefill.peers else decode.actor  # travels once per pair
         try:
             res = await call(prefill, prefill.actor.prefill.remote(task, handle), self.rc.prefill_timeout_s, "prefill")
         finally:
             prefill.inflight.discard(aid)
+            prefill.prefill_tokens.pop(aid, None)
         prefill.peers.add(decode.name)
         life.usage["prefill_ms"] = life.usage.get("prefill_ms", 0.0) + res.prefill_s * 1e3
+        life.usage["cached_tokens"] = res.cached_tokens
         self.metrics.observe_prefill(res.prefill_s)
+        self.metrics.observe_prefix("prefill", life.num_context_tokens(), res.cached_tokens)
         finish = None if res.finish_reason == "prefilled" else res.finish_reason
         life.to(Phase.FINISHED if finish else Phase.HANDOFF)
         chunk = self.chunk(life, RequestOutput(aid, [res.token_id], res.text, finish))
@@ -77,25 +81,45 @@ class Attempts:
             yield chunk
 
     async def _place_pair(self, life: RequestLife) -> tuple[WorkerView, WorkerView] | None:
-        prefill = pick_prefill(self._ready_or_wait("prefill"), self.rc.max_prefill_inflight)
+        prefill_ready = self._ready_or_wait("prefill")
         decode_ready = self._ready_or_wait("decode")
-        if prefill is None or not decode_ready:
+        if not prefill_ready or not decode_ready:
             return None
-        num_tokens = life.num_context_tokens() + 1  # the KV pushed, plus the next token
-        needed = -(-num_tokens // decode_ready[0].info.block_size)
+        bs = decode_ready[0].info.block_size
+        hashes = life.context_hashes(bs)
+        context = life.num_context_tokens()
+        prefill = self.placer.pick_prefill(prefill_ready, hashes, context, self.rc.max_prefill_inflight)
+        if prefill is None:
+            return None
+        num_tokens = context + 1  # the KV pushed, plus the next token
+        needed = -(-num_tokens // bs)
         lease_s = self.rc.prefill_timeout_s + self.config.kv_transfer.timeout_s + self.rc.call_timeout_s
-        for decode in decode_candidates(decode_ready, needed):
+        pushed = tuple(life.context_token_ids())
+        for decode in self.placer.decode_candidates(decode_ready, hashes, needed):
             self._hold(life, decode, Phase.RESERVING)
-            ref = decode.actor.reserve.remote(Reservation(life.attempt_id, num_tokens, lease_s))
-            blocks = await call(decode, ref, self.rc.call_timeout_s, "reserve")
-            if blocks is not None:
-                decode.free_blocks -= len(blocks)
-                life.prefill = prefill
-                prefill.inflight.add(life.attempt_id)
+            ref = decode.actor.reserve.remote(Reservation(life.attempt_id, num_tokens, lease_s, pushed))
+            reserved = await call(decode, ref, self.rc.call_timeout_s, "reserve")
+            if reserved is not None:
+                self._reserved(life, prefill, decode, reserved, hashes)
                 return prefill, decode
             self._unhold(life, decode)
             decode.free_blocks = min(decode.free_blocks, needed - 1)
         return None
+
+    def _reserved(self, life: RequestLife, prefill: WorkerView, decode: WorkerView, reserved: Reserved,
+                  hashes: list[bytes]) -> None:
+        decode.free_blocks -= reserved.num_blocks - reserved.cached_blocks
+        life.usage["kv_cached_blocks"] = reserved.cached_blocks
+        context = life.num_context_tokens()
+        self.metrics.observe_prefix("decode", context, reserved.cached_blocks * decode.info.block_size)
+        self.metrics.observe_kv_saved(reserved.cached_blocks * decode.info.block_bytes)
+        life.prefill = prefill
+        prefill.inflight.add(life.attempt_id)
+        held = self.placer.matched_blocks("prefill", hashes, [prefill])[prefill.name]
+        prefill.prefill_tokens[life.attempt_id] = context - min(held, (context - 1) // decode.info.block_size) * \
+            decode.info.block_size
+        self.placer.placed(prefill, hashes)
+        self.placer.placed(decode, hashes)
 
     # ---- colocated ------------------------------------------------------------------------
     async def _colocated(self, life: RequestLife) -> AsyncIterator[Chunk]:
@@ -110,10 +134,13 @@ class Attempts:
 
     async def _place_colocated(self, life: RequestLife) -> WorkerView | None:
         limit = self.config.scheduler.max_num_seqs + self.rc.max_prefill_inflight
-        ready = decode_candidates(self._ready_or_wait("decode"), 0, limit)
+        workers = self._ready_or_wait("decode")
+        hashes = life.context_hashes(workers[0].info.block_size) if workers else []
+        ready = self.placer.decode_candidates(workers, hashes, 0, limit)
         if not ready:
             return None
         self._hold(life, ready[0], Phase.DECODING)
+        self.placer.placed(ready[0], hashes)
         return ready[0]
 
     # ---- shared -------------------------------------------------------------------------
@@ -162,8 +189,13 @@ class Attempts:
             if life.phase is Phase.HANDOFF:  # the KV landed: the prefill worker holds nothing now
                 life.to(Phase.DECODING)
                 life.prefill = None
+            if self.config.mode == "colocated" and "cached_tokens" not in life.usage:
+                life.usage["cached_tokens"] = outputs[0].num_cached_tokens
+                self.metrics.observe_prefix("decode", life.num_context_tokens(), outputs[0].num_cached_tokens)
             chunk = self.chunk(life, merge_outputs(outputs))
             if chunk.finish_reason is not None:
+                # the worker caches the finished context: a next turn of the conversation finds it
+                self.placer.placed(w, life.context_hashes(w.info.block_size))
                 life.to(Phase.FINISHED)
                 life.decode = None  # a finished request freed its blocks on the worker
                 w.inflight.discard(life.attempt_id)

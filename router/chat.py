@@ -12,12 +12,13 @@ import sys
 from typing import TextIO
 
 from router import client
+from router.credentials import Target
 
 EXIT = "/exit"
 PROMPT = ">>> "
 
 
-def run(address: str, sampling: dict, system: str | None = None, stdin: TextIO | None = None,
+def run(address: Target | str, sampling: dict, system: str | None = None, stdin: TextIO | None = None,
         stdout: TextIO | None = None, stderr: TextIO | None = None) -> int:
     """Chat until /exit or end of input; returns the exit status (1: the router is unreachable)."""
     stdin, stdout, stderr = stdin or sys.stdin, stdout or sys.stdout, stderr or sys.stderr
@@ -52,7 +53,7 @@ def _read(stdin: TextIO, interactive: bool) -> str | None:
     return line.rstrip("\n") if line else None
 
 
-def _reply(address: str, messages: list[dict], sampling: dict, stdout: TextIO, stderr: TextIO) -> str | None:
+def _reply(address: Target | str, messages: list[dict], sampling: dict, stdout: TextIO, stderr: TextIO) -> str | None:
     """Stream one reply; its text, or None when the RPC failed or the user interrupted it."""
     parts: list[str] = []
     finish = ""

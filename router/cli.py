@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from router import chat, client, model_convert
+from router import chat, client, credentials, model_convert
 from router import plan as plan_cli
 from router.bench import cli as bench_cli
 from router.config import ClusterConfig, ConfigError, load_config
@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return args.func(args)
-    except (UsageError, ConfigError, ConvertError) as e:
+    except (UsageError, ConfigError, ConvertError, credentials.CredentialsError) as e:
         print(f"pdserve: error: {e}", file=sys.stderr)
         return 2
     except client.RouterError as e:
@@ -61,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _router_flag(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router", metavar="HOST:PORT", help="a running router (default: the config's router)")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="cluster.yaml, for the default router address")
+    credentials.add_flags(p)
 
 
 def router_address(args: argparse.Namespace) -> str:
@@ -70,12 +71,18 @@ def router_address(args: argparse.Namespace) -> str:
     return f"{cfg.router.host}:{cfg.router.port}"
 
 
+def router_target(args: argparse.Namespace) -> credentials.Target:
+    return credentials.target_from_args(router_address(args), args)
+
+
 # ---- serve --------------------------------------------------------------------------
 def _add_serve(sub) -> None:
     p = sub.add_parser("serve", help="start the cluster in the foreground (Ctrl-C to stop)")
     p.add_argument("--config", default=DEFAULT_CONFIG, help="cluster.yaml (default: %(default)s)")
     p.add_argument("--port", type=int, help="override router.port")
     p.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING or ERROR (default: %(default)s)")
+    p.add_argument("--insecure", action="store_true",
+                   help="listen beyond loopback without authentication (no router.auth tokens, no mutual TLS)")
     p.set_defaults(func=_serve)
 
 
@@ -89,6 +96,14 @@ def _serve(args: argparse.Namespace) -> int:
                           "checkpoint directory); for the default model run `pdserve convert-gguf --smollm2 "
                           f"{cfg.model.path}` or `bash scripts/run.sh`")
 
+    from router.security import describe, exposure_refusal
+
+    refusal = exposure_refusal(cfg)
+    if refusal is not None and not args.insecure:
+        raise UsageError(f"{refusal}; or pass --insecure to serve it open anyway")
+    if refusal is not None:
+        print(f"pdserve: warning: {refusal}: serving it open (--insecure)", file=sys.stderr, flush=True)
+
     # heavy (torch, transformers, ray): imported once the config is known to be good
     from router.launcher import serve_forever
 
@@ -99,12 +114,13 @@ def _serve(args: argparse.Namespace) -> int:
     def ready(cluster) -> None:
         shape = (f"{cfg.prefill.replicas} prefill + {cfg.decode.replicas} decode" if cfg.mode == "disaggregated"
                  else f"{cfg.decode.replicas} colocated")
+        scheme = "https" if cfg.router.tls.enabled else "http"
         metrics = f", metrics on :{cluster.metrics_port}/metrics" if cluster.metrics_port else ""
-        metrics += f", OpenAI API on http://{cfg.router.host}:{cluster.http_port}/v1" if cluster.http_port else ""
+        metrics += f", OpenAI API on {scheme}://{cfg.router.host}:{cluster.http_port}/v1" if cluster.http_port else ""
         print(f"pdserve: ready in {time.perf_counter() - t0:.1f} s; router listening on {cluster.server.address} "
-              f"({cfg.mode}: {shape} workers{metrics})", flush=True)
+              f"({cfg.mode}: {shape} workers{metrics}; {describe(cfg)})", flush=True)
 
-    serve_forever(cfg, ready)
+    serve_forever(cfg, ready, insecure=args.insecure)
     print("pdserve: stopped", flush=True)
     return 0
 
@@ -144,7 +160,7 @@ def _generate(args: argparse.Namespace) -> int:
     sampling = _sampling(args)
     prompt = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {"prompt": args.prompt}
     last = None
-    for msg in client.generate(router_address(args), **prompt, **sampling):
+    for msg in client.generate(router_target(args), **prompt, **sampling):
         sys.stdout.write(msg.text)
         sys.stdout.flush()
         last = msg
@@ -168,7 +184,7 @@ def _add_chat(sub) -> None:
 
 
 def _chat(args: argparse.Namespace) -> int:
-    return chat.run(router_address(args), _sampling(args), system=args.system)
+    return chat.run(router_target(args), _sampling(args), system=args.system)
 
 
 def _add_status(sub) -> None:
@@ -178,7 +194,7 @@ def _add_status(sub) -> None:
 
 
 def _status(args: argparse.Namespace) -> int:
-    print(client.format_status(client.status(router_address(args))))
+    print(client.format_status(client.status(router_target(args))))
     return 0
 
 
@@ -194,7 +210,7 @@ def _scale(args: argparse.Namespace) -> int:
     if args.replicas < 1:
         raise UsageError("replicas must be >= 1")
     t0 = time.perf_counter()
-    resp = client.scale(router_address(args), args.pool, args.replicas)
+    resp = client.scale(router_target(args), args.pool, args.replicas)
     changes = [f"started {', '.join(resp.started)}"] if resp.started else []
     changes += [f"drained and stopped {', '.join(resp.stopped)}"] if resp.stopped else []
     print(f"{resp.pool} pool has {resp.replicas} workers ({'; '.join(changes) or 'no change'}) "

@@ -2,12 +2,16 @@
 
 `load_config(path)` reads YAML into frozen dataclasses and refuses, with one message naming
 the key, any unknown key, wrong type or impossible value (`ConfigError`; the CLI exits 2).
-Sizes accept "512MiB"-style strings. Relative `model.path` is relative to the file.
+Sizes accept "512MiB"-style strings. Relative `model.path` is relative to the file, and so are
+the router.tls / router.auth files, read and checked at load (the certificate matches its key,
+the tokens are well formed): a bad one is a config error, not a failure once the cluster runs.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
+import ssl
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,10 +24,14 @@ from engine.config import EngineConfig
 from engine.faults import FaultConfig
 from engine.limits import DEFAULT_MAX_PROMPT_BYTES
 from engine.memory import PlanError, parse_bytes
+from router.auth import TokenFileError, read_tokens
 
 
 class ConfigError(ValueError):
     """A bad cluster.yaml; the message names the key and the reason."""
+
+
+Policy = Literal["cache_aware", "load", "round_robin"]
 
 
 @dataclass(frozen=True)
@@ -33,6 +41,37 @@ class ModelSection:
     # create the embedded tiny model at `path` when it is absent (the default cluster does)
     create_tiny: Literal["off", "llama", "qwen2"] = "off"
     max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class TLSSection:
+    """TLS on the gRPC, HTTP and metrics ports (docs/security.md); files are PEM, relative to cluster.yaml."""
+
+    cert_file: str | None = None  # the router's certificate chain; with key_file turns TLS on
+    key_file: str | None = None
+    client_ca_file: str | None = None  # mutual TLS: clients must show a certificate this CA signed
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+
+StatusAccess = Literal["loopback", "admin", "traffic"]
+
+
+@dataclass(frozen=True)
+class AuthSection:
+    """Bearer tokens (docs/security.md); each file holds one token per line, re-read on SIGHUP."""
+
+    tokens_file: str | None = None  # traffic: Generation, /v1/...
+    admin_tokens_file: str | None = None  # Admin/Scale (anything that changes the cluster); traffic too
+    # who may read Admin/Status, reflection and /metrics: loopback (no token from this machine,
+    # else an admin token) | admin (an admin token) | traffic (any token)
+    status_access: StatusAccess = "loopback"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tokens_file or self.admin_tokens_file)
 
 
 @dataclass(frozen=True)
@@ -53,6 +92,17 @@ class RouterSection:
     unresponsive_s: float = 30.0  # a worker that answers no stats call for this long is replaced
     restart_backoff_s: float = 1.0  # first delay before replacing a dead worker; doubles, max 30 s
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # refused before tokenizing
+    # placement (router/placement.py): cache_aware weighs the prefix a worker holds against its
+    # load; load = least loaded; round_robin = in turn. The per-pool keys override `policy`.
+    policy: Policy = "cache_aware"
+    prefill_policy: Policy | None = None
+    decode_policy: Policy | None = None
+    tls: TLSSection = field(default_factory=TLSSection)
+    auth: AuthSection = field(default_factory=AuthSection)
+
+    def policy_for(self, pool: str) -> str:
+        own = self.prefill_policy if pool == "prefill" else self.decode_policy
+        return own or self.policy
 
 
 @dataclass(frozen=True)
@@ -60,7 +110,11 @@ class PoolSection:
     replicas: int = 1
     num_cpus: float = 1.0
     num_gpus: float = 0.0
+    # where the pool's workers may run (docs/deploy.md): each worker takes this much of these Ray
+    # custom resources (e.g. {prefill_node: 1}: only nodes started with that resource) and runs
+    # only on a node whose Ray labels match the selector ({role: decode}, {zone: "in(a,b)"}, "!x")
     resources: dict[str, float] = field(default_factory=dict)
+    label_selector: dict[str, str] = field(default_factory=dict)
     torch_threads: int = 1
     # pin the pool's workers to these CPU cores, one core per worker in turn (null = no pinning)
     cpus: list[int] | None = None
@@ -73,6 +127,7 @@ class KVCacheSection:
     memory: str | None = None  # e.g. "512MiB" per worker; else memory_fraction of the device
     memory_fraction: float = 0.1
     runtime_overhead: str = "256MiB"
+    prefix_caching: bool = True  # reuse the KV of full blocks other requests computed (engine/kv_cache.py)
 
 
 @dataclass(frozen=True)
@@ -87,6 +142,9 @@ class KVTransferSection:
     backend: Literal["auto", "gloo", "nccl"] = "auto"
     timeout_s: float = 30.0
     checksum: bool = False
+    # the NIC the KV channels use on every node (its IPv4 address is bound and advertised;
+    # GLOO_/NCCL_SOCKET_IFNAME follow it); null = each node's Ray node IP
+    interface: str | None = None
 
 
 @dataclass(frozen=True)
@@ -117,7 +175,7 @@ class ClusterConfig:
             memory_fraction=kv.memory_fraction, runtime_overhead=parse_bytes(kv.runtime_overhead),
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens, chunk_size=self.scheduler.chunk_size,
             max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.model.max_model_len,
-            torch_threads=pool.torch_threads)
+            torch_threads=pool.torch_threads, enable_prefix_caching=kv.prefix_caching)
 
 
 def load_config(path: str | Path) -> ClusterConfig:
@@ -128,17 +186,60 @@ def load_config(path: str | Path) -> ClusterConfig:
         raise ConfigError(f"{path}: cannot read: {e.strerror}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"{path}: not valid YAML: {e}") from None
-    cfg = parse_config(raw, where=str(path))
+    cfg = parse_config(raw, where=str(path), base_dir=path.parent)
     model_path = Path(cfg.model.path)
     if not model_path.is_absolute():
         model_path = (path.parent / model_path).resolve()
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_path)))
 
 
-def parse_config(raw: Any, where: str = "cluster.yaml") -> ClusterConfig:
+def parse_config(raw: Any, where: str = "cluster.yaml", base_dir: Path | None = None) -> ClusterConfig:
+    """`base_dir`: what relative router.tls / router.auth files are relative to (default: the cwd)."""
     cfg = _build(ClusterConfig, raw, prefix="", where=where)
     _check_values(cfg, where)
-    return cfg
+    return _security_files(cfg, base_dir or Path.cwd(), where)
+
+
+def _security_files(cfg: ClusterConfig, base: Path, where: str) -> ClusterConfig:
+    """router.tls and router.auth with their files made absolute, each read and checked now."""
+    def resolve(section) -> Any:
+        files = {f.name: str(base / v) for f in dataclasses.fields(section)
+                 if f.name.endswith("_file") and (v := getattr(section, f.name)) is not None}
+        return dataclasses.replace(section, **files)
+
+    tls, auth = resolve(cfg.router.tls), resolve(cfg.router.auth)
+    for key, path in [*(("tls." + k, getattr(tls, k)) for k in ("cert_file", "key_file", "client_ca_file")),
+                      *(("auth." + k, getattr(auth, k)) for k in ("tokens_file", "admin_tokens_file"))]:
+        try:
+            if path is not None and key.startswith("auth."):
+                read_tokens(path)
+            elif path is not None:
+                Path(path).read_bytes()
+        except (OSError, TokenFileError) as e:
+            reason = e if isinstance(e, TokenFileError) else f"{path}: cannot read: {e.strerror}"
+            raise ConfigError(f"{where}: router.{key}: {reason}") from None
+    _check_tls(tls, where)
+    return dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, tls=tls, auth=auth))
+
+
+def _check_tls(tls: TLSSection, where: str) -> None:
+    if (tls.cert_file is None) != (tls.key_file is None):
+        missing = "key_file" if tls.key_file is None else "cert_file"
+        raise ConfigError(f"{where}: router.tls.{missing}: TLS needs both cert_file and key_file")
+    if tls.client_ca_file is not None and tls.cert_file is None:
+        raise ConfigError(f"{where}: router.tls.client_ca_file: mutual TLS needs cert_file and key_file too")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        if tls.cert_file is not None:
+            context.load_cert_chain(tls.cert_file, tls.key_file)
+    except ssl.SSLError as e:
+        raise ConfigError(f"{where}: router.tls.cert_file: not a PEM certificate chain whose key is "
+                          f"router.tls.key_file ({e.reason or e})") from None
+    try:
+        if tls.client_ca_file is not None:
+            context.load_verify_locations(tls.client_ca_file)
+    except ssl.SSLError as e:
+        raise ConfigError(f"{where}: router.tls.client_ca_file: not PEM CA certificates ({e.reason or e})") from None
 
 
 def _build(cls, raw: Any, prefix: str, where: str):
@@ -167,8 +268,12 @@ def _coerce(hint, value: Any, key: str, where: str):
     raise ConfigError(f"{where}: {key}: expected {_describe(hint)}, got {value!r}")
 
 
+def _is_union(hint) -> bool:
+    return isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union  # X | None, Literal | None
+
+
 def _allows_none(hint) -> bool:
-    return isinstance(hint, types.UnionType) and type(None) in hint.__args__
+    return _is_union(hint) and type(None) in hint.__args__
 
 
 def _literal_values(hint) -> tuple:
@@ -176,14 +281,15 @@ def _literal_values(hint) -> tuple:
 
 
 def _matches(hint, value: Any) -> bool:
-    if isinstance(hint, types.UnionType):
+    if _is_union(hint):
         return any(_matches(h, value) for h in hint.__args__)
     if hint is type(None):
         return value is None
     if typing.get_origin(hint) is Literal:
         return value in hint.__args__
     if typing.get_origin(hint) is dict:
-        return isinstance(value, dict) and all(isinstance(k, str) and _matches(float, v) for k, v in value.items())
+        return isinstance(value, dict) and all(isinstance(k, str) and _matches(typing.get_args(hint)[1], v)
+                                               for k, v in value.items())
     if typing.get_origin(hint) is list:
         return isinstance(value, list) and all(_matches(int, v) for v in value)
     if hint is float:
@@ -194,14 +300,14 @@ def _matches(hint, value: Any) -> bool:
 
 
 def _describe(hint) -> str:
-    if isinstance(hint, types.UnionType):
+    if _is_union(hint):
         return " or ".join(_describe(h) for h in hint.__args__)
     if hint is type(None):
         return "null"
     if typing.get_origin(hint) is Literal:
         return "one of " + ", ".join(repr(v) for v in hint.__args__)
     if typing.get_origin(hint) is dict:
-        return "a mapping of resource name to number"
+        return f"a mapping of name to {_describe(typing.get_args(hint)[1])}"
     if typing.get_origin(hint) is list:
         return "a list of integers"
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, str(hint))
@@ -245,9 +351,13 @@ def _check_values(cfg: ClusterConfig, where: str) -> None:
          "must be >= 1, or off"),
         ("scheduler.max_num_seqs", cfg.scheduler.max_num_seqs >= 1, "must be >= 1"),
         ("kv_transfer.timeout_s", cfg.kv_transfer.timeout_s > 0, "must be > 0"),
+        ("kv_transfer.interface",
+         cfg.kv_transfer.interface is None or bool(_IFNAME.fullmatch(cfg.kv_transfer.interface)),
+         "must be a network interface name (1-15 characters, no spaces or '/'), e.g. eth1"),
         ("model.max_model_len", cfg.model.max_model_len is None or cfg.model.max_model_len >= 2, "must be >= 2"),
     ]
     rules += [(f"faults.{key}", False, reason) for key, reason in cfg.faults.problems()]
+    rules += _placement_rules("prefill", cfg.prefill) + _placement_rules("decode", cfg.decode)
     for key, ok, reason in rules:
         if not ok:
             raise ConfigError(f"{where}: {key}: {reason}")
@@ -258,3 +368,24 @@ def _check_values(cfg: ClusterConfig, where: str) -> None:
                 parse_bytes(text)
             except PlanError as e:
                 raise ConfigError(f"{where}: {key}: {e}") from None
+
+
+# Ray's label syntax (Kubernetes-style): a name of alphanumerics with -_. inside, an optional
+# DNS prefix before a "/"; a selector value is a label value, "!value", "in(a,b)" or "!in(a,b)".
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?"
+_LABEL_KEY = re.compile(rf"({_LABEL}(\.{_LABEL})*/)?{_LABEL}")
+_LABEL_SELECTOR = re.compile(rf"!?({_LABEL}|in\({_LABEL}(, ?{_LABEL})*\))")
+_IFNAME = re.compile(r"[^\s/]{1,15}")
+
+
+def _placement_rules(pool: str, sec: PoolSection) -> list[tuple[str, bool, str]]:
+    rules = [(f"{pool}.resources.{name}", name not in ("CPU", "GPU"), f"use {pool}.num_cpus / {pool}.num_gpus")
+             for name in sec.resources]
+    rules += [(f"{pool}.resources.{name}", amount > 0, "must be > 0") for name, amount in sec.resources.items()]
+    rules += [(f"{pool}.label_selector.{key}", bool(_LABEL_KEY.fullmatch(key)),
+               "is not a Ray label key (alphanumerics and -_. inside, at most 63, optional prefix/)")
+              for key in sec.label_selector]
+    rules += [(f"{pool}.label_selector.{key}", bool(_LABEL_SELECTOR.fullmatch(value)),
+               f"{value!r} is not a label selector: a value, !value, in(a,b) or !in(a,b)")
+              for key, value in sec.label_selector.items()]
+    return rules

@@ -41,7 +41,8 @@ def usage_to_proto(u: dict) -> pb.Usage:
                     ttft_ms=u.get("ttft_ms", 0.0), queue_ms=u.get("queue_ms", 0.0),
                     prefill_worker=u.get("prefill_worker", ""), decode_worker=u.get("decode_worker", ""),
                     prefill_ms=u.get("prefill_ms", 0.0), kv_transfer_ms=u.get("kv_transfer_ms", 0.0),
-                    kv_transfer_bytes=u.get("kv_transfer_bytes", 0), migrations=u.get("migrations", 0))
+                    kv_transfer_bytes=u.get("kv_transfer_bytes", 0), migrations=u.get("migrations", 0),
+                    cached_tokens=u.get("cached_tokens", 0), kv_cached_blocks=u.get("kv_cached_blocks", 0))
 
 
 def pool_status_to_proto(p: PoolView) -> pb.PoolStatus:

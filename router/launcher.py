@@ -13,14 +13,17 @@ import logging
 import os
 import signal
 import threading
+import typing
 from pathlib import Path
 
 import ray
 
 from engine.memory import parse_bytes
-from router.config import ClusterConfig
+from router.config import ClusterConfig, ConfigError, Policy
+from router.guard import Refusals, start_metrics_server
 from router.metrics import RouterMetrics
 from router.openai_api import OpenAIServer
+from router.security import open_gate, server_ssl_context
 from router.server import RouterServer
 from router.service import Router
 
@@ -44,7 +47,17 @@ def init_ray(cfg: ClusterConfig) -> bool:
     if ray.is_initialized():
         return False
     if cfg.ray.address:
-        ray.init(address=cfg.ray.address, log_to_driver=True)
+        try:
+            ray.init(address=cfg.ray.address, log_to_driver=True)
+        except (ConnectionError, RuntimeError) as e:  # Ray retries for a while before this
+            reason = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+            raise ConfigError(f"ray.address: cannot join the Ray cluster at {cfg.ray.address}: {reason} (is "
+                              "`ray start` running on this machine? a cluster with token authentication also "
+                              "needs RAY_AUTH_MODE=token and its token here; see docs/deploy.md)") from None
+        for node in ray.nodes():  # which node can take which pool: the operator's first question
+            if node["Alive"]:
+                log.info("Ray node %s: %s, labels %s", node["NodeManagerAddress"], node["Resources"],
+                         node.get("Labels") or {})
         return False
     needed = cfg.prefill.replicas * cfg.prefill.num_cpus + cfg.decode.replicas * cfg.decode.num_cpus
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(needed) + 4)
@@ -56,15 +69,17 @@ def init_ray(cfg: ClusterConfig) -> bool:
 class RunningCluster:
     """A router, its servers and its pools inside one asyncio loop."""
 
-    def __init__(self, cfg: ClusterConfig):
+    def __init__(self, cfg: ClusterConfig, insecure: bool = False):
         self.cfg = cfg
+        self.gate, self.refusals = open_gate(cfg, insecure), Refusals()  # refuses an open listener first
         self.metrics = RouterMetrics()
         self.router = Router(cfg, self.metrics)
-        self.server = RouterServer(self.router, cfg.router.host, cfg.router.port)
+        r = cfg.router
+        self.server = RouterServer(self.router, r.host, r.port, self.gate, r.tls, self.refusals)
         self.metrics_server = None
         self.metrics_port: int | None = None
-        self.http = None if cfg.router.http_port is None else OpenAIServer(self.router, cfg.router.host,
-                                                                             cfg.router.http_port)
+        self.http = None if r.http_port is None else OpenAIServer(self.router, r.host, r.http_port, self.gate,
+                                                                   r.tls, self.refusals)
         self.http_port: int | None = None if self.http is None else self.http.port
         self._health: asyncio.Task | None = None
 
@@ -74,8 +89,10 @@ class RunningCluster:
         if self.http is not None:  # up while the pools start: /health says 503, requests get 503
             await self.http.start()
         await self.router.start()
-        if self.cfg.router.metrics_port is not None:
-            self.metrics_server = self.metrics.start_http_server(self.cfg.router.host, self.cfg.router.metrics_port)
+        r = self.cfg.router
+        if r.metrics_port is not None:  # the same TLS and gate as the other ports
+            self.metrics_server = start_metrics_server(self.metrics.registry, r.host, r.metrics_port, self.gate,
+                                                       self.refusals, server_ssl_context(r.tls) if r.tls.enabled else None)
             self.metrics_port = self.metrics_server.port
         await self.server.set_serving(self.router.serving)
         self._health = asyncio.get_running_loop().create_task(self.server.follow_health())
@@ -91,9 +108,13 @@ class RunningCluster:
         if self.metrics_server is not None:
             self.metrics_server.close()
 
+    def reload_tokens(self) -> bool:
+        """Re-read router.auth's token files (SIGHUP); False when they were kept as they were."""
+        return self.gate.reload()
 
-async def _serve(cfg: ClusterConfig, on_ready, stop: asyncio.Event) -> None:
-    cluster = RunningCluster(cfg)
+
+async def _serve(cfg: ClusterConfig, on_ready, stop: asyncio.Event, insecure: bool = False) -> None:
+    cluster = RunningCluster(cfg, insecure)
     try:
         await cluster.start()
         on_ready(cluster)
@@ -102,8 +123,9 @@ async def _serve(cfg: ClusterConfig, on_ready, stop: asyncio.Event) -> None:
         await cluster.stop()
 
 
-def serve_forever(cfg: ClusterConfig, on_ready) -> None:
-    """Run until SIGINT/SIGTERM; then drain within the grace period and stop what we started."""
+def serve_forever(cfg: ClusterConfig, on_ready, insecure: bool = False) -> None:
+    """Run until SIGINT/SIGTERM; then drain within the grace period and stop what we started.
+    SIGHUP re-reads the token files. `insecure`: serve beyond loopback without authentication."""
     ensure_model(cfg)
     started_ray = init_ray(cfg)
 
@@ -112,7 +134,12 @@ def serve_forever(cfg: ClusterConfig, on_ready) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await _serve(cfg, on_ready, stop)
+
+        def ready(cluster: RunningCluster) -> None:
+            loop.add_signal_handler(signal.SIGHUP, cluster.reload_tokens)
+            on_ready(cluster)
+
+        await _serve(cfg, ready, stop, insecure)
 
     try:
         asyncio.run(main())
@@ -124,8 +151,9 @@ def serve_forever(cfg: ClusterConfig, on_ready) -> None:
 class LocalCluster:
     """`with LocalCluster(cfg) as c: c.address` — a whole cluster on a background thread."""
 
-    def __init__(self, cfg: ClusterConfig, start_timeout_s: float = 120.0):
+    def __init__(self, cfg: ClusterConfig, start_timeout_s: float = 120.0, insecure: bool = False):
         self.cfg = cfg
+        self.insecure = insecure
         self.timeout = start_timeout_s
         self.cluster: RunningCluster | None = None
         self._ready = threading.Event()
@@ -145,8 +173,8 @@ class LocalCluster:
     @property
     def http_url(self) -> str | None:
         """The OpenAI-compatible API's base URL (`.../v1`), or None when router.http_port is off."""
-        port = self.cluster.http_port
-        return None if port is None else f"http://{self.cfg.router.host}:{port}/v1"
+        port, scheme = self.cluster.http_port, "https" if self.cfg.router.tls.enabled else "http"
+        return None if port is None else f"{scheme}://{self.cfg.router.host}:{port}/v1"
 
     def __enter__(self) -> LocalCluster:
         ensure_model(self.cfg)
@@ -163,6 +191,10 @@ class LocalCluster:
             self._loop.call_soon_threadsafe(self._stop.set)
         self._thread.join(timeout=60)
 
+    def reload_tokens(self) -> bool:
+        """What SIGHUP does to `pdserve serve`: re-read the token files."""
+        return self.cluster.reload_tokens()
+
     def call(self, coro, timeout: float = 60.0):
         """Run a coroutine on the cluster's loop (for tests: router internals, status)."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(timeout)
@@ -171,7 +203,7 @@ class LocalCluster:
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
-            await _serve(self.cfg, self._on_ready, self._stop)
+            await _serve(self.cfg, self._on_ready, self._stop, self.insecure)
 
         try:
             asyncio.run(main())
@@ -203,3 +235,22 @@ def arrangement_config(base: ClusterConfig, name: str, total_workers: int, pin_c
         prefill=dataclasses.replace(base.prefill, replicas=prefill_n, cpus=prefill_cpus),
         decode=dataclasses.replace(base.decode, replicas=total_workers - prefill_n, cpus=decode_cpus),
         scheduler=dataclasses.replace(base.scheduler, chunk_size=chunk))
+
+
+def policy_config(base: ClusterConfig, policy: str, prefill_workers: int, decode_workers: int,
+                  pin_cpus: bool = False) -> ClusterConfig:
+    """`base` as a disaggregated cluster of `prefill_workers` + `decode_workers` whose router
+    places requests in both pools by `policy` (per-pool overrides cleared); with `pin_cpus`,
+    the prefill workers get cores 0.. and the decode workers the cores after them."""
+    if policy not in typing.get_args(Policy):
+        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(typing.get_args(Policy))}")
+    if prefill_workers < 1 or decode_workers < 1:
+        raise ValueError("a disaggregated cluster needs at least 1 prefill and 1 decode worker")
+    total = prefill_workers + decode_workers
+    return dataclasses.replace(
+        base, mode="disaggregated",
+        router=dataclasses.replace(base.router, policy=policy, prefill_policy=None, decode_policy=None),
+        prefill=dataclasses.replace(base.prefill, replicas=prefill_workers,
+                                    cpus=list(range(prefill_workers)) if pin_cpus else base.prefill.cpus),
+        decode=dataclasses.replace(base.decode, replicas=decode_workers,
+                                   cpus=list(range(prefill_workers, total)) if pin_cpus else base.decode.cpus))

@@ -5,7 +5,8 @@
     any live phase -> QUEUED (a failed attempt: the request moves, `migrations` += 1)
     any live phase -> FAILED | CANCELLED
 
-Each attempt has its own id (`attempt_id`): what the workers know the request by. Events
+Each attempt has its own id (`attempt_id`, `<key>.<attempt>.<nonce>`: the random nonce makes it
+unguessable on the KV network and the workers' logs): what the workers know the request by. Events
 from an earlier attempt carry its old id and are ignored, so a late token or failure from a
 worker the request left can never reach the client. `holders` are the workers that may hold
 state of the current attempt: on a cancel or a failed attempt each gets an `abort`.
@@ -15,8 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import secrets
 from dataclasses import dataclass, field
 
+from engine.block_hash import extend_hashes
 from engine.request import SamplingParams
 
 
@@ -64,10 +67,12 @@ class RequestLife:
     usage: dict = field(default_factory=dict)
     first_token_at: float | None = None
     last_token_at: float | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # of the context's full blocks, grown lazily
+    nonce: str = field(default_factory=lambda: secrets.token_hex(16))
 
     @property
     def attempt_id(self) -> str:
-        return f"{self.key}.{self.attempt}"
+        return f"{self.key}.{self.attempt}.{self.nonce}"
 
     @property
     def ended(self) -> bool:
@@ -118,3 +123,13 @@ class RequestLife:
 
     def num_context_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def context_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def context_hashes(self, block_size: int) -> list[bytes]:
+        """Block hashes of prompt + outputs so far (what placement matches against the caches)."""
+        n = self.num_context_tokens()
+        if len(self.block_hashes) < n // block_size:
+            extend_hashes(self.block_hashes, self.context_token_ids(), block_size, n)
+        return self.block_hashes[:n // block_size]

@@ -89,6 +89,22 @@ class RouterMetrics:
                                   registry=reg)
         self.worker_failures = Counter("pdserve_worker_failures", "Workers that died or hung, by pool.",
                                        ["pool"], registry=reg)
+        self.prefix_query_tokens = Counter("pdserve_prefix_cache_query_tokens",
+                                           "Context tokens looked up in a worker's prefix cache, by pool.",
+                                           ["pool"], registry=reg)
+        self.prefix_hit_tokens = Counter("pdserve_prefix_cache_hit_tokens",
+                                         "Context tokens found in a worker's prefix cache (KV reused), by pool.",
+                                         ["pool"], registry=reg)
+        self.prefix_hit_rate = Gauge("pdserve_prefix_cache_hit_rate",
+                                     "Hit tokens / query tokens since the router started, by pool.",
+                                     ["pool"], registry=reg)
+        self.kv_transfer_saved = Counter("pdserve_kv_transfer_saved_bytes",
+                                         "KV bytes not sent because the decode worker already held the blocks.",
+                                         registry=reg)
+        self.kv_blocks_cached = Gauge("pdserve_kv_blocks_cached",
+                                      "KV blocks holding a reusable prefix (in use or evictable).", ["worker"],
+                                      registry=reg)
+        self._prefix_totals: dict[str, list[int]] = {}  # pool -> [query, hit]
 
     def observe_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
@@ -118,11 +134,25 @@ class RouterMetrics:
     def observe_migration(self) -> None:
         self.migrations.inc()
 
+    def observe_prefix(self, pool: str, query_tokens: int, hit_tokens: int) -> None:
+        """One lookup of `query_tokens` context tokens in a `pool` worker's prefix cache."""
+        self.prefix_query_tokens.labels(pool=pool).inc(query_tokens)
+        self.prefix_hit_tokens.labels(pool=pool).inc(hit_tokens)
+        totals = self._prefix_totals.setdefault(pool, [0, 0])
+        totals[0] += query_tokens
+        totals[1] += hit_tokens
+        if totals[0]:
+            self.prefix_hit_rate.labels(pool=pool).set(totals[1] / totals[0])
+
+    def observe_kv_saved(self, num_bytes: int) -> None:
+        self.kv_transfer_saved.inc(num_bytes)
+
     def observe_worker_failure(self, pool: str) -> None:
         self.worker_failures.labels(pool=pool).inc()
 
     def set_worker_gauges(self, worker: str, running: int, waiting: int,
-                          kv_blocks_used: int, kv_blocks_free: int) -> None:
+                          kv_blocks_used: int, kv_blocks_free: int, kv_blocks_cached: int = 0) -> None:
+        self.kv_blocks_cached.labels(worker=worker).set(kv_blocks_cached)
         self.running.labels(worker=worker).set(running)
         self.waiting.labels(worker=worker).set(waiting)
         self.kv_blocks_used.labels(worker=worker).set(kv_blocks_used)
@@ -133,7 +163,7 @@ class RouterMetrics:
 
     def remove_worker(self, name: str) -> None:
         """Drops a stopped worker's series so dashboards don't show it frozen."""
-        for gauge in (self.running, self.waiting, self.kv_blocks_used, self.kv_blocks_free):
+        for gauge in (self.running, self.waiting, self.kv_blocks_used, self.kv_blocks_free, self.kv_blocks_cached):
             try:
                 gauge.remove(name)
             except KeyError:

@@ -3,7 +3,8 @@
 - one long-poll per worker: decode workers send every request's outputs, prefill workers
   their failed KV sends; each event goes to the request's current attempt (stale ones drop).
 - stats every 0.5 s with a deadline; a worker silent for `router.unresponsive_s` is
-  declared failed like a dead one.
+  declared failed like a dead one. Each reply carries the worker's prefix-cache changes,
+  which keep the placer's index current (router/prefix_index.py).
 - a failed worker is killed and taken out of its pool, every request holding state on it is
   told to move (`Retry`), and `heal` starts its replacement with backoff.
 """
@@ -104,7 +105,7 @@ class Monitor:
 
     async def refresh(self) -> None:
         workers = [w for w in self.pools.all() if w.state != "stopped"]
-        results = await asyncio.gather(*(asyncio.wait_for(w.actor.stats.remote(), self.call_timeout_s)
+        results = await asyncio.gather(*(asyncio.wait_for(w.actor.stats.remote(w.cache_resync), self.call_timeout_s)
                                          for w in workers), return_exceptions=True)
         now = time.monotonic()
         for w, stats in zip(workers, results, strict=True):
@@ -114,9 +115,10 @@ class Monitor:
                 if now - w.last_seen > self.unresponsive_s:
                     self.lost(w, f"no answer for {now - w.last_seen:.0f} s")
             else:
-                w.observe(stats)
+                self.pools.placer.observe(w, stats)
                 self.metrics.set_worker_gauges(w.name, stats.running, stats.waiting, stats.blocks_used,
-                                               stats.blocks_free)
+                                               stats.blocks_free, stats.blocks_cached)
+        self.pools.placer.prune()
         self._on_change()
 
     async def _heal_loop(self) -> None:

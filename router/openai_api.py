@@ -5,7 +5,9 @@ POST /v1/completions and /v1/chat/completions (server-sent events, or one JSON b
 OpenAI error objects: 400 (the validator's sentence), 429 (queue full), 503 (no worker can
 serve, starting, shutting down), 500 (the engine failed on the request). A client that goes
 away closes the request's generator, which aborts it on every worker. `OpenAIServer` runs
-uvicorn as a task without signal handlers: the process's owner (serve_forever) keeps them.
+uvicorn as a task without signal handlers: the process's owner (serve_forever) keeps them; with
+router.tls it is HTTPS, with router.auth a missing or wrong bearer token gets 401 from
+router/guard.py before a request reaches the app.
 """
 
 from __future__ import annotations
@@ -31,7 +33,11 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.request import InvalidRequest, SamplingParams
+from router.auth import Gate
+from router.config import TLSSection
+from router.guard import HttpGuard, Refusals
 from router.lifecycle import RequestLife
+from router.security import uvicorn_tls
 from router.service import Router
 from router.stream import CannotPlace, Chunk, InternalError, QueueFull, Unavailable
 
@@ -199,7 +205,8 @@ class _Reply:
 def _usage(chunk: Chunk | None) -> dict[str, int]:
     u = chunk.usage if chunk is not None and chunk.usage else {}
     prompt, completion = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)}}
 
 
 def _sse_json(body: dict) -> str:
@@ -366,9 +373,11 @@ class _Server(uvicorn.Server):
 
 
 class OpenAIServer:
-    """`OpenAIApi` served by uvicorn as a task on the running loop; `port` is the bound port."""
+    """`OpenAIApi` served by uvicorn as a task on the running loop; `port` is the bound port.
+    With a `gate` that has tokens every path but /health needs one; with `tls` it is HTTPS."""
 
-    def __init__(self, router: Router, host: str, port: int):
+    def __init__(self, router: Router, host: str, port: int, gate: Gate | None = None,
+                 tls: TLSSection | None = None, refusals: Refusals | None = None):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self.socket = socket.socket(family, socket.SOCK_STREAM)
         self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -378,8 +387,11 @@ class OpenAIServer:
             self.socket.close()
             raise OSError(f"cannot listen on {host}:{port} (router.http_port): {e.strerror}") from None
         self.port = self.socket.getsockname()[1]
-        config = uvicorn.Config(OpenAIApi(router).app(), lifespan="off", log_config=None, log_level="warning",
-                                access_log=False, ws="none", timeout_graceful_shutdown=STOP_GRACE_S)
+        app = OpenAIApi(router).app()
+        if gate is not None and gate.enabled:
+            app = HttpGuard(app, gate, refusals or Refusals())
+        config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", access_log=False,
+                                ws="none", timeout_graceful_shutdown=STOP_GRACE_S, **uvicorn_tls(tls or TLSSection()))
         self.server = _Server(config)
         self._task: asyncio.Task | None = None
 

@@ -1,18 +1,38 @@
-"""Placement policy: pure functions over the router's view of each worker.
+"""Placement: which prefill worker computes a request, which decode workers may hold it.
 
-Decode: most free KV blocks (ties: fewest running). Prefill: shortest queue (requests the
-router has sent and not yet got a first token for), at most `limit` per worker. Draining
-workers take nothing new; a worker whose last call timed out is skipped for a while.
+The router's view of each worker is a `WorkerView`; `Placer` chooses per pool by the pool's
+policy (`router.policy`, or `router.prefill_policy` / `router.decode_policy`):
+
+- `load`: prefill = fewest requests in flight; decode = most free KV blocks, then fewest running.
+- `round_robin`: in turn, skipping workers that cannot take the request.
+- `cache_aware`: uses the `PrefixIndex` of each pool (which worker holds which block hashes).
+  Prefill: the worker where this prefill would finish first, estimated in tokens: the tokens
+  the router has queued there and not yet seen finish, plus this prompt's tokens that worker
+  does NOT hold. A long cached prefix wins unless that worker is far behind; on an idle pool
+  the longest prefix wins; with no prefix anywhere it is least-loaded (in tokens, not
+  requests). No tuning weight: both terms are work in the same unit.
+  Decode: among workers that fit, the most leading blocks already held (they cross no wire and
+  take no new memory), unless the load spread (running + in flight) is wide, when the least
+  loaded go first: decode steps slow with batch size, and a worker that hoards every
+  conversation would set everyone's inter-token latency.
+
+Draining workers take nothing new; a worker whose last call timed out is skipped for a while.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.messages import WorkerInfo, WorkerStats
+from router.prefix_index import PrefixIndex
 
 SUSPECT_S = 5.0  # how long a worker whose call timed out gets no new requests
+POLICIES = ("cache_aware", "load", "round_robin")
+# decode: a load spread above max(BALANCE_ABS, BALANCE_REL * least load) puts balance before reuse
+BALANCE_ABS = 4
+BALANCE_REL = 0.5
 
 
 @dataclass(eq=False)
@@ -24,10 +44,12 @@ class WorkerView:
     running: int = 0
     waiting: int = 0
     inflight: set[str] = field(default_factory=set)  # attempt ids placed here and not yet left
+    prefill_tokens: dict[str, int] = field(default_factory=dict)  # prefill: attempt id -> tokens to compute
     peers: set[str] = field(default_factory=set)  # prefill: decode workers it holds a handle of
     stats: WorkerStats | None = None
     last_seen: float = field(default_factory=time.monotonic)  # last answered call
     suspect_until: float = 0.0
+    cache_resync: bool = True  # ask for the whole prefix cache on the next stats call
 
     @property
     def name(self) -> str:
@@ -36,6 +58,10 @@ class WorkerView:
     @property
     def accepting(self) -> bool:
         return self.state == "ready" and time.monotonic() >= self.suspect_until
+
+    @property
+    def load(self) -> int:
+        return self.running + len(self.inflight)
 
     def observe(self, stats: WorkerStats) -> None:
         self.stats = stats
@@ -48,13 +74,77 @@ class WorkerView:
         self.suspect_until = time.monotonic() + SUSPECT_S
 
 
-def decode_candidates(workers: list[WorkerView], blocks_needed: int = 0, limit: int | None = None) -> list[WorkerView]:
-    """Accepting decode workers that look able to hold `blocks_needed`, best first."""
-    fits = [w for w in workers if w.accepting and w.free_blocks >= blocks_needed
-            and (limit is None or len(w.inflight) < limit)]
-    return sorted(fits, key=lambda w: (-w.free_blocks, w.running + len(w.inflight), w.name))
+class Placer:
+    def __init__(self, policies: dict[str, str]):
+        unknown = {p for p in policies.values() if p not in POLICIES}
+        assert not unknown, f"unknown placement policies {unknown}"
+        self.policies = policies
+        self.index = {pool: PrefixIndex() for pool in ("prefill", "decode")}
+        self._turn = dict.fromkeys(("prefill", "decode"), 0)
 
+    # ---- the workers' cache events ------------------------------------------------------
+    def observe(self, w: WorkerView, stats: WorkerStats) -> None:
+        """A stats reply: its prefix-cache changes go into the pool's index."""
+        w.observe(stats)
+        if stats.cache is not None:
+            w.cache_resync = not self.index[w.info.pool].apply(w.name, stats.cache)
 
-def pick_prefill(workers: list[WorkerView], limit: int | None = None) -> WorkerView | None:
-    ready = [w for w in workers if w.accepting and (limit is None or len(w.inflight) < limit)]
-    return min(ready, key=lambda w: (len(w.inflight), w.name), default=None)
+    def forget(self, w: WorkerView) -> None:
+        self.index[w.info.pool].forget(w.name)
+
+    def prune(self) -> None:
+        for index in self.index.values():
+            index.prune()
+
+    def placed(self, w: WorkerView, hashes: Sequence[bytes]) -> None:
+        """`w` will hold these blocks: let the next placement know before its events say so."""
+        if self.policies[w.info.pool] == "cache_aware":
+            self.index[w.info.pool].predict(w.name, hashes)
+
+    def matched_blocks(self, pool: str, hashes: Sequence[bytes], workers: Sequence[WorkerView]) -> dict[str, int]:
+        return self.index[pool].match(hashes, [w.name for w in workers])
+
+    # ---- choices ---------------------------------------------------------------------------
+    def pick_prefill(self, workers: list[WorkerView], hashes: Sequence[bytes], num_tokens: int,
+                     limit: int | None = None) -> WorkerView | None:
+        ready = [w for w in workers if w.accepting and (limit is None or len(w.inflight) < limit)]
+        if not ready:
+            return None
+        policy = self.policies["prefill"]
+        if policy == "round_robin":
+            return self._rotate("prefill", ready)[0]
+        if policy == "load":
+            return min(ready, key=lambda w: (len(w.inflight), w.name))
+        bs = ready[0].info.block_size
+        hits = self.matched_blocks("prefill", hashes, ready)
+        cap = (num_tokens - 1) // bs  # the engine always computes the last token itself
+
+        def finish_estimate(w: WorkerView) -> tuple:
+            new_tokens = num_tokens - min(hits[w.name], cap) * bs
+            return sum(w.prefill_tokens.values()) + new_tokens, len(w.inflight), w.name
+        return min(ready, key=finish_estimate)
+
+    def decode_candidates(self, workers: list[WorkerView], hashes: Sequence[bytes] = (), blocks_needed: int = 0,
+                          limit: int | None = None) -> list[WorkerView]:
+        """Accepting decode workers that look able to hold `blocks_needed`, best first."""
+        policy = self.policies["decode"]
+        live = [w for w in workers if w.accepting and (limit is None or len(w.inflight) < limit)]
+        hits = self.matched_blocks("decode", hashes, live) if policy == "cache_aware" and hashes else {}
+        fits = [w for w in live if w.free_blocks + hits.get(w.name, 0) >= blocks_needed]
+        if policy == "round_robin":
+            return self._rotate("decode", fits)
+        by_load = sorted(fits, key=lambda w: (-w.free_blocks, w.load, w.name))
+        if policy == "load" or not fits:
+            return by_load
+        least = min(w.load for w in fits)
+        if max(w.load for w in fits) - least > max(BALANCE_ABS, BALANCE_REL * least):
+            return sorted(fits, key=lambda w: (w.load, -hits.get(w.name, 0), -w.free_blocks, w.name))
+        return sorted(fits, key=lambda w: (-hits.get(w.name, 0), w.load, -w.free_blocks, w.name))
+
+    def _rotate(self, pool: str, workers: list[WorkerView]) -> list[WorkerView]:
+        if not workers:
+            return []
+        ordered = sorted(workers, key=lambda w: w.name)
+        k = self._turn[pool] % len(ordered)
+        self._turn[pool] += 1
+        return ordered[k:] + ordered[:k]

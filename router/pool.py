@@ -1,8 +1,10 @@
 """The two worker pools as Ray actors: start, replace the dead, scale, drain.
 
-Each pool has a target size. `heal()` (called every few hundred ms) starts a replacement for
-each missing worker, with a backoff that doubles after each failed start (max 30 s). A scale
-that Ray cannot place is refused up front, naming the missing resource. Scaling down drains:
+Each pool has a target size and a placement (`resources`, `label_selector` in cluster.yaml):
+Ray starts its workers only on nodes that offer those custom resources and match those labels.
+`heal()` (called every few hundred ms) starts a replacement for each missing worker, with a
+backoff that doubles after each failed start (max 30 s). A scale that Ray cannot place is
+refused up front, naming the missing resource or label. Scaling down drains:
 the chosen workers take nothing new; once nothing the router placed there is in flight (or
 `drain_timeout_s` passed and `on_drain_timeout` moved the rest away) their channels close on
 every peer and they stop. Every call to a worker has a deadline.
@@ -22,7 +24,7 @@ from decode_worker.worker import DecodeWorker
 from kv_transfer import KVTransferConfig
 from prefill_worker.worker import PrefillWorker
 from router.config import ClusterConfig, PoolSection
-from router.placement import WorkerView
+from router.placement import Placer, WorkerView
 from router.stream import CannotPlace
 
 log = logging.getLogger(__name__)
@@ -51,7 +53,8 @@ class PoolManager:
     def __init__(self, config: ClusterConfig):
         self.config = config
         kt = config.kv_transfer
-        self.transfer = KVTransferConfig(backend=kt.backend, timeout_s=kt.timeout_s, checksum=kt.checksum)
+        self.transfer = KVTransferConfig(backend=kt.backend, timeout_s=kt.timeout_s, checksum=kt.checksum,
+                                         interface=kt.interface)
         self.faults = config.faults.with_env()
         self.workers: dict[str, list[WorkerView]] = {"prefill": [], "decode": []}
         prefill_n = config.prefill.replicas if config.mode == "disaggregated" else 0
@@ -59,6 +62,7 @@ class PoolManager:
         self._ids = itertools.count()
         self._scale_lock = asyncio.Lock()
         self._dead_pending: dict[str, int] = {"prefill": 0, "decode": 0}  # deaths not yet replaced
+        self.placer = Placer({pool: config.router.policy_for(pool) for pool in ("prefill", "decode")})
         self.on_started = None  # callback(view): the router starts polling it
         self.on_drain_timeout = None  # callback(view): the router moves its requests away
 
@@ -95,8 +99,7 @@ class PoolManager:
         health.starting += 1
         try:
             actor = ray.remote(cls).options(
-                name=None, num_cpus=sec.num_cpus, num_gpus=sec.num_gpus, resources=dict(sec.resources) or None,
-                max_concurrency=1000, max_restarts=0,
+                name=None, max_concurrency=1000, max_restarts=0, **_placement(sec),
             ).remote(name, self.config.engine_config(sec, device="cuda" if sec.num_gpus else "cpu"), transfer,
                      self._next_cpu(pool), self.faults)
             try:
@@ -129,6 +132,7 @@ class PoolManager:
             return False
         log.error("%s failed: %s", w.name, reason)
         w.state = "stopped"
+        self.placer.forget(w)
         if w in self.workers[w.info.pool]:
             self.workers[w.info.pool].remove(w)
         health = self.health[w.info.pool]
@@ -187,6 +191,11 @@ class PoolManager:
             if each > 0 and need > have:
                 raise CannotPlace(f"cannot start {count} more {pool} worker(s): they need {need:g} {resource} "
                                   f"but the Ray cluster has {have:g} {resource} available")
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        if sec.label_selector and not any(labels_match(sec.label_selector, n.get("Labels") or {}) for n in nodes):
+            raise CannotPlace(f"cannot start {count} more {pool} worker(s): no live Ray node has labels matching "
+                              f"{pool}.label_selector {sec.label_selector} (nodes: "
+                              + "; ".join(f"{n['NodeManagerAddress']} {_shown_labels(n)}" for n in nodes) + ")")
 
     async def _drain_and_stop(self, w: WorkerView) -> None:
         deadline = time.monotonic() + self.config.router.drain_timeout_s
@@ -207,10 +216,10 @@ class PoolManager:
         if w.inflight or w.state == "stopped":
             return w.state == "stopped"
         try:
-            stats = await asyncio.wait_for(w.actor.stats.remote(), self.config.router.call_timeout_s)
+            stats = await asyncio.wait_for(w.actor.stats.remote(w.cache_resync), self.config.router.call_timeout_s)
         except (TimeoutError, ray.exceptions.RayError):
             return True  # nothing of ours is in flight and it cannot answer: stop it
-        w.observe(stats)
+        self.placer.observe(w, stats)
         return stats.running == 0 and stats.waiting == 0 and stats.blocks_used == 0
 
     async def stop_worker(self, w: WorkerView) -> None:
@@ -223,6 +232,7 @@ class PoolManager:
         except (TimeoutError, ray.exceptions.RayError) as e:
             log.warning("%s did not shut down cleanly: %s", w.name, _short(e))
         w.state = "stopped"  # before the kill, so its poll loop ends quietly
+        self.placer.forget(w)
         ray.kill(w.actor, no_restart=True)
         if w in self.workers[w.info.pool]:
             self.workers[w.info.pool].remove(w)
@@ -234,6 +244,29 @@ class PoolManager:
         for w in list(self.all()):
             w.state = "draining"
         await asyncio.gather(*(self.stop_worker(w) for w in list(self.all())), return_exceptions=True)
+
+
+def _placement(sec: PoolSection) -> dict:
+    """The Ray options that say where a pool's workers may run."""
+    options = {"num_cpus": sec.num_cpus, "num_gpus": sec.num_gpus, "resources": dict(sec.resources) or None}
+    if sec.label_selector:  # passed only when set: older Rays have no such option
+        options["label_selector"] = dict(sec.label_selector)
+    return options
+
+
+def _shown_labels(node: dict) -> dict[str, str]:
+    return {k: v for k, v in (node.get("Labels") or {}).items() if k != "ray.io/node-id"}  # ids only add noise
+
+
+def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    """Ray's label-selector semantics: each key's node label is `value`, not `!value`, one of
+    `in(a,b)`, or none of `!in(a,b)`."""
+    for key, want in selector.items():
+        negate, want = want.startswith("!"), want.removeprefix("!")
+        values = {v.strip() for v in want[3:-1].split(",")} if want.startswith("in(") else {want}
+        if (labels.get(key) in values) == negate:
+            return False
+    return True
 
 
 def _short(err: BaseException) -> str:

@@ -3,7 +3,8 @@ health service and server reflection. Errors become statuses with a readable mes
 INVALID_ARGUMENT (bad request), RESOURCE_EXHAUSTED (queue full; a scale Ray cannot place),
 UNAVAILABLE (shutting down, no worker can serve, failures beyond the migration limit),
 INTERNAL (the engine failed on this request); a client that goes away cancels its request on
-every worker. Health is SERVING only while every pool the mode needs has a ready worker."""
+every worker. Health is SERVING only while every pool the mode needs has a ready worker, and
+stays reachable without a token (load balancers); the rest is gated (router/guard.py)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,11 @@ from grpc_reflection.v1alpha import reflection
 from engine.request import InvalidRequest
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from router.auth import Gate
+from router.config import TLSSection
 from router.convert import pool_status_to_proto, sampling_from_proto, usage_to_proto
+from router.guard import GrpcGuard, Refusals
+from router.security import grpc_server_credentials
 from router.service import Router
 from router.stream import CannotPlace, Chunk, InternalError, QueueFull, Unavailable
 
@@ -80,6 +85,8 @@ class AdminService(pb_grpc.AdminServicer):
         if s is not None:
             msg.running, msg.waiting, msg.channels, msg.requests_served = s.running, s.waiting, s.channels, s.served
             msg.kv_blocks_used, msg.kv_blocks_free = s.blocks_used, s.blocks_free
+            msg.kv_blocks_cached = s.blocks_cached
+            msg.prefix_query_tokens, msg.prefix_hit_tokens = s.prefix_query_tokens, s.prefix_hit_tokens
         return msg
 
     async def Scale(self, request: pb.ScaleRequest, context) -> pb.ScaleResponse:
@@ -93,18 +100,25 @@ class AdminService(pb_grpc.AdminServicer):
 
 
 class RouterServer:
-    """The grpc.aio server; `port` is the bound port (config port 0 = pick a free one)."""
+    """The grpc.aio server; `port` is the bound port (config port 0 = pick a free one). With a
+    `gate` that has tokens every call passes router/guard.py's interceptor; with `tls` the port
+    speaks only TLS (mutual when tls.client_ca_file)."""
 
-    def __init__(self, router: Router, host: str, port: int):
+    def __init__(self, router: Router, host: str, port: int, gate: Gate | None = None,
+                 tls: TLSSection | None = None, refusals: Refusals | None = None):
         self.router = router
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        guard = [GrpcGuard(gate, refusals or Refusals())] if gate is not None and gate.enabled else []
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=guard)
         pb_grpc.add_GenerationServicer_to_server(GenerationService(router), self.server)
         pb_grpc.add_AdminServicer_to_server(AdminService(router), self.server)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [pb.DESCRIPTOR.services_by_name[n].full_name for n in ("Generation", "Admin")]
         reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
-        self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if tls is not None and tls.enabled:
+            self.port = self.server.add_secure_port(f"{host}:{port}", grpc_server_credentials(tls))
+        else:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
         if self.port == 0:
             raise OSError(f"cannot listen on {host}:{port}")
         self.address = f"{host}:{self.port}"

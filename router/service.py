@@ -14,8 +14,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import secrets
 import time
-import uuid
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -99,7 +99,7 @@ class Router:
         if not decode:
             raise Unavailable("the decode pool has no worker")
         self.validator.check(len(ids), sampling, max(w.info.num_blocks for w in decode), decode[0].info.block_size)
-        request_id = request_id or f"req-{uuid.uuid4().hex[:16]}"
+        request_id = request_id or f"req-{secrets.token_hex(16)}"  # unguessable
         if request_id in self._client_ids:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
         return RequestLife(request_id, next(self._keys), ids, sampling, time.perf_counter())
@@ -144,6 +144,7 @@ class Router:
     def _abort_all(self, workers: list[WorkerView], attempt_id: str) -> None:
         for w in workers:
             w.inflight.discard(attempt_id)
+            w.prefill_tokens.pop(attempt_id, None)
             if w.state != "stopped":
                 self.monitor.spawn(self._abort(w, attempt_id))
 

@@ -51,4 +51,5 @@ def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:
     last = outputs[-1]
     return RequestOutput(last.request_id, [t for o in outputs for t in o.token_ids], "".join(o.text for o in outputs),
                          last.finish_reason, last.num_prompt_tokens, last.num_output_tokens,
-                         sum(o.kv_transfer_s for o in outputs), sum(o.kv_transfer_bytes for o in outputs))
+                         sum(o.kv_transfer_s for o in outputs), sum(o.kv_transfer_bytes for o in outputs),
+                         num_cached_tokens=outputs[0].num_cached_tokens)

@@ -8,18 +8,25 @@ time: client TTFT minus the engine's in-process prefill time for the same prompt
 median <= 10 ms), split with the router's own Usage timings (queue, prefill, TTFT) into
 gRPC, router + Ray, and worker-side overhead.
 
+`--compare-auth` measures instead what token authentication (router.auth) adds to idle TTFT:
+two clusters of the same config side by side, one with a tokens file, K single requests sent to
+each in turn (the order alternating per prompt, so drift and noise fall on both alike), and the
+median of the per-prompt differences; plus the gate's own cost per call, in-process.
+
 Equal CPU footing per engine: workers run with `torch_threads` 1 (the pool default), so the
 in-process engine also gets one torch thread (`torch.set_num_threads(1)`); both use the
 scheduler and KV pool of `cfg.engine_config(cfg.decode)`. Disaggregated, the prefill and the
 decode engine can run on two cores at once; the client and the router share this process.
 
     python -m scripts.bench_cluster [--requests 64] [--mode colocated] [--prefill 1 --decode 1] [--json]
+    python -m scripts.bench_cluster --compare-auth [--ttft-samples 60] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import gc
 import json
 import os
@@ -40,10 +47,12 @@ from engine import LLMEngine, SamplingParams  # noqa: E402
 from engine.tiny_model import ensure_model  # noqa: E402
 from proto import pdserve_pb2 as pb  # noqa: E402
 from proto import pdserve_pb2_grpc as pb_grpc  # noqa: E402
+from router.auth import Gate, Need  # noqa: E402
 from router.bench.client import replay  # noqa: E402
 from router.bench.metrics import Slo, summarize_run  # noqa: E402
 from router.bench.workload import RequestSpec, make_workload  # noqa: E402
 from router.config import ClusterConfig, parse_config  # noqa: E402
+from router.credentials import Target  # noqa: E402
 from router.launcher import LocalCluster  # noqa: E402
 
 TARGET_RATIO, TARGET_TTFT_OVERHEAD_MS = 0.8, 10.0
@@ -119,12 +128,12 @@ async def cluster_ttfts(address: str, prompts: list[list[int]]) -> list[dict]:
         return [await _one_ttft(stub, prompt) for prompt in prompts]
 
 
-async def _one_ttft(stub: pb_grpc.GenerationStub, prompt: list[int]) -> dict:
+async def _one_ttft(stub: pb_grpc.GenerationStub, prompt: list[int], metadata=()) -> dict:
     request = pb.GenerateRequest(prompt_token_ids=prompt,
                                  sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True))
     t0 = time.perf_counter()
     first, last = None, None
-    async for message in stub.Generate(request, timeout=60):
+    async for message in stub.Generate(request, timeout=60, metadata=metadata):
         if first is None and message.token_ids:
             first = time.perf_counter() - t0
         last = message
@@ -133,10 +142,81 @@ async def _one_ttft(stub: pb_grpc.GenerationStub, prompt: list[int]) -> dict:
             "prefill_ms": u.prefill_ms, "kv_transfer_ms": u.kv_transfer_ms}
 
 
-async def warm_up(address: str, specs: list[RequestSpec]) -> None:
+async def warm_up(address: str | Target, specs: list[RequestSpec]) -> None:
     """Opens the KV channels and the gRPC connection; first calls pay one-off costs."""
     short = [RequestSpec(f"warm-{s.request_id}", 0.0, s.prompt_token_ids[:16], 4) for s in specs]
     await replay(address, make_workload("warm-up", short, None, {}), "warm-up", show_progress=False)
+
+
+# ---- (d) what token authentication adds to idle TTFT ---------------------------------------------
+TARGET_AUTH_MS = 1.0
+BENCH_TOKEN = "bench-cluster-token-0123456789"
+
+
+async def alternating_ttfts(targets: list[Target], prompts: list[list[int]]) -> list[list[float]]:
+    """Client TTFT (ms) of each prompt on each target, one request at a time, alternating who goes first."""
+    channels = [t.aio_channel() for t in targets]
+    stubs = [pb_grpc.GenerationStub(c) for c in channels]
+    out: list[list[float]] = [[] for _ in targets]
+    try:
+        for i, prompt in enumerate(prompts):
+            order = range(len(targets)) if i % 2 == 0 else reversed(range(len(targets)))
+            for k in order:
+                out[k].append((await _one_ttft(stubs[k], prompt, targets[k].metadata))["client_ttft_ms"])
+    finally:
+        for channel in channels:
+            await channel.close()
+    return out
+
+
+def gate_cost_us(tokens_file: str, calls: int = 20000) -> float:
+    """One allowed token check in-process: what the gRPC interceptor adds on top of its call."""
+    gate, header = Gate(tokens_file), f"Bearer {BENCH_TOKEN}"
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        gate.check(Need.TRAFFIC, header)
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def compare_auth(cfg: ClusterConfig, specs: list[RequestSpec], prompts: list[list[int]]) -> dict:
+    with tempfile.TemporaryDirectory() as d:
+        tokens = Path(d) / "tokens.txt"
+        tokens.write_text(BENCH_TOKEN + "\n")
+        with_auth = dataclasses.replace(cfg, router=dataclasses.replace(
+            cfg.router, auth=dataclasses.replace(cfg.router.auth, tokens_file=str(tokens))))
+        needed = 2 * (cfg.prefill.replicas * cfg.prefill.num_cpus + cfg.decode.replicas * cfg.decode.num_cpus)
+        ray.init(num_cpus=max(4, int(needed)), include_dashboard=False, object_store_memory=128 << 20,
+                 log_to_driver=False)
+        try:
+            with LocalCluster(cfg) as off, LocalCluster(with_auth) as on:
+                targets = [Target(off.address), Target(on.address, BENCH_TOKEN)]
+                for target in targets:
+                    asyncio.run(warm_up(target, specs[:8]))
+                off_ms, on_ms = asyncio.run(alternating_ttfts(targets, prompts))
+        finally:
+            ray.shutdown()
+        gate_us = gate_cost_us(str(tokens))
+    diffs = [b - a for a, b in zip(off_ms, on_ms, strict=True)]
+    return {"samples": len(prompts), "off_ms": statistics.median(off_ms), "on_ms": statistics.median(on_ms),
+            "difference_ms": statistics.median(diffs), "p90_off_ms": _p90(off_ms), "p90_on_ms": _p90(on_ms),
+            "gate_us": gate_us, "target_ms": TARGET_AUTH_MS}
+
+
+def _p90(values: list[float]) -> float:
+    return statistics.quantiles(values, n=10)[-1]
+
+
+def print_auth(r: dict) -> None:
+    print(f"idle TTFT, token authentication off vs on, {r['samples']} single requests to each (alternating), "
+          f"medians in ms:")
+    print(f"{'auth off (p90)':48}{r['off_ms']:8.2f} ({r['p90_off_ms']:.2f})")
+    print(f"{'auth on, router.auth.tokens_file (p90)':48}{r['on_ms']:8.2f} ({r['p90_on_ms']:.2f})")
+    worst = max(r["difference_ms"], r["on_ms"] - r["off_ms"])
+    verdict = "met" if worst <= r["target_ms"] else "missed"
+    print(f"{'on - off, median of per-prompt differences':48}{r['difference_ms']:8.2f}")
+    print(f"{'on - off, difference of the medians':48}{r['on_ms'] - r['off_ms']:8.2f}   target <= "
+          f"{r['target_ms']:g} ms: {verdict}")
+    print(f"{'the gate alone, one allowed check (us)':48}{r['gate_us']:8.2f}")
 
 
 # ---- the report ----------------------------------------------------------------------------
@@ -222,6 +302,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", help="checkpoint dir (default: the tiny model, created if absent)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--compare-auth", action="store_true",
+                    help="measure what token authentication adds to idle TTFT instead (two clusters, alternating)")
     return ap.parse_args(argv)
 
 
@@ -258,6 +340,13 @@ def main(argv: list[str] | None = None) -> None:
     specs = make_specs(args.requests, args.seed, args.prompt, args.output, vocab)
     ttft_specs = make_specs(args.ttft_samples, args.seed + 1, args.prompt, (2, 2), vocab)
     prompts = [list(s.prompt_token_ids) for s in ttft_specs]
+    if args.compare_auth:
+        auth = compare_auth(cfg, specs, prompts)
+        if args.json:
+            print(json.dumps(auth))
+        else:
+            print_auth(auth)
+        return
     engine, engine_prefill_ms = run_engine(cfg, specs, prompts)
     gc.collect()
     cluster, ttfts = run_cluster(cfg, specs, prompts)

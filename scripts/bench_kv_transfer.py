@@ -9,6 +9,13 @@ waits for a 1-byte ack. Ratio = channel / raw. Latency: one-block transfer vs ra
 
     python -m scripts.bench_kv_transfer                     # table, up to 1 GiB (~1 min)
     python -m scripts.bench_kv_transfer --max-bytes 64MiB --json
+
+Across machines: join a running Ray cluster and put each end on a node that offers a custom
+resource (each end takes 0.01 of it); --link-gbit adds, per payload, the time the link's rate
+alone would take (bytes / rate) and measured / that, to judge a shaped or slow network:
+
+    python -m scripts.bench_kv_transfer --address HEAD:6379 --sender-resource prefill_node \
+        --receiver-resource decode_node --link veth --link-gbit 1 --max-bytes 64MiB
 """
 
 from __future__ import annotations
@@ -25,11 +32,18 @@ import ray
 import torch
 
 from kv_transfer import KVReceiver, KVSender, KVTransferConfig
-from kv_transfer.groups import gloo_group, join_store, local_address_towards, nccl_group, open_store
+from kv_transfer.groups import (
+    gloo_group,
+    interface_address,
+    join_store,
+    local_address_towards,
+    nccl_group,
+    open_store,
+)
 from kv_transfer.layout import BlockCopier, KVLayout
 
 GIB, MIB = 1 << 30, 1 << 20
-TARGET_RATIO, TARGET_LATENCY = 0.9, 2.0
+TARGET_RATIO, TARGET_LATENCY, TARGET_LINK_SLACK = 0.9, 2.0, 0.2
 
 
 @dataclass(frozen=True)
@@ -53,7 +67,8 @@ class Endpoint:
     def __init__(self, shape: Shape, num_blocks: int, config: KVTransferConfig, device: str,
                  sender: bool) -> None:
         self.kv = shape.pool(num_blocks, device, fill=sender)
-        self.host = ray.util.get_node_ip_address()
+        self.host = (interface_address(config.interface) if config.interface
+                     else ray.util.get_node_ip_address())
         self.config, self.device = config, device
         self.destinations: dict[int, list[int]] = {}
         self.copier = BlockCopier(self.kv, self.kv.device, 0)
@@ -64,14 +79,17 @@ class Endpoint:
                                        lambda *_: None)
         self.raw = None
 
-    def _resolve(self, request_id: str, num_blocks: int) -> list[int]:
+    def node(self) -> str:
+        return self.host
+
+    def _resolve(self, request_id: str, num_blocks: int, first_block: int = 0) -> list[int]:
         return self.destinations[num_blocks]
 
-    def open_channel(self, peer_id: str) -> tuple[str, int]:
+    def open_channel(self, peer_id: str) -> tuple[str, int, bytes]:
         return self.receiver.open_channel(peer_id)
 
-    def connect(self, peer_id: str, host: str, port: int) -> str | None:
-        self.sender.connect(peer_id, host, port)
+    def connect(self, peer_id: str, host: str, port: int, secret: bytes) -> str | None:
+        self.sender.connect(peer_id, host, port, secret)
         return self.sender.backend(peer_id)
 
     def set_destination(self, block_ids: list[int]) -> None:
@@ -179,13 +197,20 @@ def payload_blocks(bytes_per_block: int, max_bytes: int) -> list[int]:
 
 def start_pair(args, shape: Shape, num_blocks: int, config: KVTransferConfig):
     options = dict(num_cpus=0, num_gpus=1 if args.device == "cuda" else 0)
-    prefill = Endpoint.options(**options).remote(shape, num_blocks, config, args.device, True)
-    decode = Endpoint.options(**options).remote(shape, num_blocks, config, args.device, False)
-    host, port = ray.get(decode.open_channel.remote("prefill"))
-    backend = ray.get(prefill.connect.remote("decode", host, port))
+    prefill = Endpoint.options(**options, **_on(args.sender_resource)).remote(
+        shape, num_blocks, config, args.device, True)
+    decode = Endpoint.options(**options, **_on(args.receiver_resource)).remote(
+        shape, num_blocks, config, args.device, False)
+    host, port, secret = ray.get(decode.open_channel.remote("prefill"))
+    backend = ray.get(prefill.connect.remote("decode", host, port, secret))
     port = ray.get(decode.raw_open.remote())
     ray.get([prefill.raw_join.remote(host, port, backend), decode.raw_accept.remote(backend)])
     return prefill, decode, backend
+
+
+def _on(resource: str | None) -> dict:
+    """Ray options that put an endpoint on a node offering `resource` (a sliver of it)."""
+    return {"resources": {resource: 0.01}} if resource else {}
 
 
 def raw_times(prefill, decode, nbytes: int, repeats: int) -> list[float]:
@@ -212,14 +237,19 @@ def compare(prefill, decode, num_blocks: int, bytes_per_block: int, pool_blocks:
 
 
 def throughput_rows(prefill, decode, blocks: list[int], bytes_per_block: int, pool_blocks: int,
-                    repeats: int) -> list[dict]:
+                    repeats: int, link_gbit: float | None = None) -> list[dict]:
     rows = []
     for num_blocks in blocks:
         nbytes = num_blocks * bytes_per_block
         channel, raw = compare(prefill, decode, num_blocks, bytes_per_block, pool_blocks,
                                repeats)
-        rows.append({"bytes": nbytes, "blocks": num_blocks, "channel_gbps": nbytes / channel / 1e9,
-                     "raw_gbps": nbytes / raw / 1e9, "ratio": raw / channel})
+        row = {"bytes": nbytes, "blocks": num_blocks, "channel_s": channel,
+               "channel_gbps": nbytes / channel / 1e9, "raw_gbps": nbytes / raw / 1e9,
+               "ratio": raw / channel}
+        if link_gbit:   # what the link's rate alone allows: the floor for this payload
+            row["link_s"] = nbytes * 8 / (link_gbit * 1e9)
+            row["vs_link"] = channel / row["link_s"]
+        rows.append(row)
     return rows
 
 
@@ -253,18 +283,23 @@ def ray_row(prefill, decode, num_blocks: int, bytes_per_block: int, pool_blocks:
 
 def print_table(report: dict) -> None:
     config = report["config"]
-    print(f"kv_transfer benchmark: backend {config['backend']}, device {config['device']}, "
+    where = f"{config['link']} link, {config['sender_node']} -> {config['receiver_node']}, "
+    print(f"kv_transfer benchmark: {where}backend {config['backend']}, device {config['device']}, "
           f"{config['shape']['layers']} layers x {config['shape']['kv_heads']} kv heads x "
           f"{config['shape']['head_dim']} dims, {config['shape']['dtype']}, "
           f"{config['shape']['block_size']}-token blocks of {human(config['block_bytes'])}, "
           f"median of {config['repeats']}; block gather on this host "
           f"{config['host_gather_gbps']:.1f} GB/s")
+    link = config.get("link_gbit")
     print(f"{'payload':>10} {'blocks':>7} {'channel GB/s':>13} {'raw GB/s':>9} {'ratio':>6}  "
-          f"target")
+          "target" + (f"  {'channel ms':>10} {'bytes/rate ms':>13} {'vs rate':>7}" if link
+                      else ""))
     for row in report["throughput"]:
         target = f">= {TARGET_RATIO}" if row["bytes"] >= 16 * MIB else "-"
+        shaped = (f"  {row['channel_s'] * 1e3:>10.1f} {row['link_s'] * 1e3:>13.1f} "
+                  f"{row['vs_link']:>7.2f}") if link else ""
         print(f"{human(row['bytes']):>10} {row['blocks']:>7} {row['channel_gbps']:>13.2f} "
-              f"{row['raw_gbps']:>9.2f} {row['ratio']:>6.2f}  {target}")
+              f"{row['raw_gbps']:>9.2f} {row['ratio']:>6.2f}  {target:<6}{shaped}".rstrip())
     lat = report["latency"]
     print(f"single-block latency ({human(lat['block_bytes'])}): channel p50 "
           f"{lat['channel_ms_p50']:.2f} ms, raw round trip p50 {lat['raw_round_trip_ms_p50']:.2f}"
@@ -285,26 +320,38 @@ def main() -> None:
     parser.add_argument("--latency-repeats", type=int, default=30)
     parser.add_argument("--no-ray-row", action="store_true", help="skip the object store row")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--address", help="join this Ray cluster (HOST:PORT), don't start one")
+    parser.add_argument("--sender-resource", help="put the sending end on a node offering this")
+    parser.add_argument("--receiver-resource", help="put the receiving end on a node offering this")
+    parser.add_argument("--interface", help="kv_transfer.interface: the NIC both ends use")
+    parser.add_argument("--link", default="local", help="the link's name in the table (e.g. veth)")
+    parser.add_argument("--link-gbit", type=float, help="the link's rate: adds bytes / rate rows")
     args = parser.parse_args()
 
     shape = Shape(block_size=args.block_size)
-    config = KVTransferConfig(backend=args.backend, timeout_s=120.0)
+    config = KVTransferConfig(backend=args.backend, timeout_s=120.0, interface=args.interface)
     bytes_per_block = KVLayout.of(shape.pool(1, "cpu", fill=False)).bytes_per_block
     blocks = payload_blocks(bytes_per_block, parse_bytes(args.max_bytes))
     pool_blocks = max(blocks)   # pools hold just the largest payload: 2 x 1 GiB at most
     store_bytes = max(200 * MIB, int(1.5 * pool_blocks * bytes_per_block))
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    ray.init(num_cpus=2, num_gpus=torch.cuda.device_count(), include_dashboard=False,
-             object_store_memory=store_bytes, log_to_driver=False)
+    if args.address:
+        ray.init(address=args.address, log_to_driver=False)
+    else:
+        ray.init(num_cpus=2, num_gpus=torch.cuda.device_count(), include_dashboard=False,
+                 object_store_memory=store_bytes, log_to_driver=False)
     prefill, decode, backend = start_pair(args, shape, pool_blocks, config)
     report = {
         "config": {"backend": backend, "device": args.device, "shape": asdict(shape),
+                   "link": args.link, "link_gbit": args.link_gbit,
+                   "sender_node": ray.get(prefill.node.remote()),
+                   "receiver_node": ray.get(decode.node.remote()),
                    "block_bytes": bytes_per_block, "repeats": args.repeats,
                    "staging_bytes": config.staging_bytes,
                    "host_gather_gbps": ray.get(prefill.copy_gbps.remote(
                        min(pool_blocks, max(1, 64 * MIB // bytes_per_block))))},
         "throughput": throughput_rows(prefill, decode, blocks, bytes_per_block, pool_blocks,
-                                      args.repeats),
+                                      args.repeats, args.link_gbit),
         "latency": latency_row(prefill, decode, bytes_per_block, pool_blocks,
                                args.latency_repeats),
     }
@@ -317,6 +364,9 @@ def main() -> None:
         else None,   # no payload of 16 MiB or more in this run
         "latency_le_2x_raw": report["latency"]["ratio"] <= TARGET_LATENCY,
     }
+    if args.link_gbit:   # a shaped link: the channel should take bytes / rate, within 20%
+        report["targets_met"]["within_20pct_of_link_rate_from_16MiB"] = all(
+            abs(row["vs_link"] - 1) <= TARGET_LINK_SLACK for row in big) if big else None
     ray.shutdown()
     print(json.dumps(report)) if args.json else print_table(report)
 

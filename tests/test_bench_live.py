@@ -179,13 +179,15 @@ def test_status_shows_the_same_live_figures_as_prometheus(cluster):
     samples = _scrape(cluster)  # Status refreshed the gauges; nothing has run since
 
     assert sorted(rows) == sorted(w.name for w in status.workers) and len(rows) == 2
-    for name, (pool, state, running, waiting, used, free, total, *_rest) in rows.items():
+    for name, (pool, state, running, waiting, used, free, total, cached, *_rest) in rows.items():
         assert name.startswith(pool) and state == "ready"
         assert (int(used), int(free), int(total)) == (0, NUM_BLOCKS, NUM_BLOCKS), rows[name]
         gauges = {g: samples[(f"pdserve_{g}", (("worker", name),))]
                   for g in ("kv_blocks_used", "kv_blocks_free", "requests_running", "requests_waiting")}
         assert gauges == {"kv_blocks_used": int(used), "kv_blocks_free": int(free),
                           "requests_running": int(running), "requests_waiting": int(waiting)}
+        # every prompt had full blocks, which both workers keep cached (evictable) when idle
+        assert int(cached) > 0 and samples[("pdserve_kv_blocks_cached", (("worker", name),))] == int(cached)
     finished = sum(v for (name, _), v in samples.items() if name == "pdserve_requests_total")
     assert status.requests_total == finished >= 4
     assert f"{status.requests_total} requests accepted so far" in router_client.format_status(status)

@@ -1,5 +1,6 @@
-"""Bench metrics on hand-made timestamps, the client + report against a real gRPC server, the
-rolling p99 and per-arrangement panels of the ITL chart, progress lines, and option help.
+"""Bench metrics on hand-made timestamps, prefix-cache figures on hand-made prompts and usage, the
+client + report against a real gRPC server, the rolling p99 and per-arrangement panels of the
+ITL chart, progress lines, and option help.
 
 The router double is a small `Generation` servicer on a free port that streams `max_tokens`
 tokens: grpc.aio on the client's own loop for client tests; a thread-pool server for the CLI,
@@ -29,20 +30,23 @@ from router.bench.metrics import (
     RequestRecord,
     Slo,
     e2e,
+    ideal_hit_rate,
     itls,
     latency_stats_ms,
     meets_slo,
     parse_slo,
+    prefix_cache_summary,
     rolling_percentile,
     summarize_run,
     tpot,
     ttft,
 )
-from router.bench.report import build_summary, summarize_arrangements, write_report
+from router.bench.report import build_summary, format_report, summarize_arrangements, write_report
 from router.bench.workload import RequestSpec, make_workload
 
 SUMMARY_KEYS = {"ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "output_tok_per_s",
-                "goodput_req_per_s", "slo_attainment"}
+                "goodput_req_per_s", "slo_attainment", "prompt_tokens", "prefix_hit_rate",
+                "ideal_hit_rate", "prefill_tokens_computed", "kv_transfer_bytes"}
 
 
 def _record(send, times, counts, error=None, rid="r") -> RequestRecord:
@@ -147,6 +151,56 @@ def _replay(workload, servicer: _StreamingGeneration) -> list[RequestRecord]:
             await server.stop(None)
 
     return asyncio.run(main())
+
+
+A = list(range(1, 11))  # 10 tokens: with block size 4, full blocks [1..4], [5..8]
+
+
+def test_ideal_hit_rate_reuses_leading_blocks_seen_before_and_computes_the_last_token():
+    prompts = [
+        A,                            # nothing seen: 0
+        A[:8] + [50, 51],             # both of A's blocks: 8
+        A[:4] + [60] * 4,             # A's first block, then a new one: 4
+        A[:8],                        # 2 full blocks seen, but its last token is computed: 4
+        [99] + A[:8],                 # the same tokens one position later: 0
+        A[4:8] + A[:4] + [0],         # A's second block first: a different prefix, 0
+    ]
+    assert ideal_hit_rate(prompts, 4) == pytest.approx((8 + 4 + 4) / (10 + 10 + 8 + 8 + 9 + 9))
+    assert ideal_hit_rate([A, A, A], 4) == pytest.approx(16 / 30)
+    assert ideal_hit_rate([A, A], 16) == 0.0  # no full block
+    assert ideal_hit_rate([], 4) == 0.0
+
+
+def _cache_record(prompt: int, usage: dict, error: str | None = None) -> RequestRecord:
+    return RequestRecord("r", "test", 0.0, (0.1,), (1,), prompt, 1, "length", error, usage)
+
+
+def test_prefix_cache_summary_counts_successful_requests_and_tolerates_absent_fields():
+    records = [_cache_record(40, {"cached_tokens": 32, "kv_transfer_bytes": 100}),
+               _cache_record(20, {"cached_tokens": 0, "kv_transfer_bytes": 50}),
+               _cache_record(30, {}),  # no cached_tokens: counts 0
+               _cache_record(10, {"prompt_tokens_details": {"cached_tokens": 8}}),  # OpenAI's place
+               _cache_record(99, {"cached_tokens": 99}, error="UNAVAILABLE: gone")]
+    assert prefix_cache_summary(records) == {
+        "prompt_tokens": 100, "prefix_hit_rate": 0.4, "prefill_tokens_computed": 60, "kv_transfer_bytes": 150}
+    assert prefix_cache_summary([_cache_record(40, {})]) == {
+        "prompt_tokens": 40, "prefix_hit_rate": None, "prefill_tokens_computed": None, "kv_transfer_bytes": None}
+
+
+def test_every_run_is_summarized_with_the_cache_figures_and_keyed_by_kind():
+    records = {name: [_cache_record(64, {"cached_tokens": cached, "kv_transfer_bytes": 0})]
+               for name, cached in (("cache_aware", 48), ("round_robin", 16))}
+    summaries = summarize_arrangements(records, parse_slo(""), ideal_hit_rate=0.75)
+    assert all(SUMMARY_KEYS <= set(s) and s["ideal_hit_rate"] == 0.75 for s in summaries.values())
+    assert [s["prefill_tokens_computed"] for s in summaries.values()] == [16, 48]
+    doc = build_summary(summaries, _workload([1]), parse_slo(""), {}, kind="policies")
+    assert list(doc["policies"]) == ["cache_aware", "round_robin"] and "arrangements" not in doc
+    table = format_report(summaries, "policy", {"shared_fraction": 0.75}).splitlines()
+    assert table[table.index("prefix cache (tokens)") + 1].split() == [
+        "policy", "prompt", "computed", "hit", "rate", "ideal", "KV", "MiB"]
+    assert [line.split()[1:5] for line in table if line.startswith(("cache_aware ", "round_robin "))][-2:] == [
+        ["64", "16", "75.0%", "75.0%"], ["64", "48", "25.0%", "75.0%"]]
+    assert table[-1] == "workload: a shared prefix makes up 75.0% of the prompt tokens"
 
 
 def _workload(max_tokens: list[int], concurrency: int | None = None, gap: float = 0.02):

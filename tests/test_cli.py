@@ -36,6 +36,11 @@ def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     ({"routr": {"port": 1}}, "routr: unknown key"),
     ({"kv_cache": {"memory": "lots"}}, "kv_cache.memory: cannot read 'lots' as a size"),
     ({"mode": "sideways"}, "mode: expected one of 'disaggregated', 'colocated', got 'sideways'"),
+    ({"router": {"policy": "fastest"}},
+     "router.policy: expected one of 'cache_aware', 'load', 'round_robin', got 'fastest'"),
+    ({"router": {"decode_policy": 3}}, "router.decode_policy: expected one of 'cache_aware', 'load', 'round_robin' "
+                                       "or null, got 3"),
+    ({"kv_cache": {"prefix_caching": "yes"}}, "kv_cache.prefix_caching: expected true or false, got 'yes'"),
 ])
 def test_malformed_config_is_one_line_and_exit_2(tmp_path, content, message):
     bad = tmp_path / "cluster.yaml"

@@ -194,7 +194,7 @@ def _hand_off(engine: LLMEngine, prompt: list[int], sampling: SamplingParams) ->
     engine.add_request("pre", prompt_token_ids=prompt, sampling=sampling, prefill_only=True)
     (prefilled,) = engine.step()
     assert prefilled.finish_reason == "prefilled"
-    dst = engine.reserve("dec", len(prompt) + sampling.max_tokens)
+    dst, _ = engine.reserve("dec", len(prompt) + sampling.max_tokens)
     src = engine.requests["pre"].block_ids
     n = engine.blocks_for(len(prompt))
     kv = engine.runner.kv  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
@@ -244,7 +244,7 @@ def test_add_prefilled_refusals_keep_the_reservation(llama_dir):
     engine = _engine(llama_dir, block_size=4)
     with pytest.raises(KeyError, match="no KV reservation"):
         engine.add_prefilled("none", [5, 6], [7], SamplingParams())
-    blocks = engine.reserve("r", 8)  # 2 blocks
+    blocks, _ = engine.reserve("r", 8)  # 2 blocks
     with pytest.raises(ValueError, match="reserved 2 blocks, too few for 9 tokens"):
         engine.add_prefilled("r", list(range(5, 13)), [20, 21], SamplingParams())
     with pytest.raises(ValueError, match="at least the first output token"):

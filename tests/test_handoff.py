@@ -139,3 +139,17 @@ def test_a_landing_slot_never_expires(table):
 
 def test_duplicate_reservation_is_refused(table):
     assert not table.add(RID, [6], lease_s=1.0)
+
+
+def test_a_push_must_start_right_after_the_cached_blocks():
+    """The decode worker held 2 of 5 blocks (prefix cache): only a payload for blocks 2.. fits;
+    one that skips more (holes) or fewer (would overwrite shared blocks) is refused."""
+    t = HandoffTable()
+    assert t.add(RID, [7, 8, 4, 5, 6], lease_s=10.0, now=0.0, cached=2)
+    assert t.resolve(RID, 3, first_block=0) is None
+    assert t.resolve(RID, 2, first_block=3) is None
+    assert t.resolve(RID, 4, first_block=2) is None  # more blocks than reserved after the cached ones
+    assert t.resolve(RID, 3, first_block=2) == [4, 5, 6]
+    assert t.landed(RID, None).action is Action.WAIT
+    out = t.start(_start(), now=1.0)
+    assert out.action is Action.ADMIT and out.slot.blocks == [7, 8, 4, 5, 6]

@@ -16,7 +16,6 @@ def test_allocates_lowest_ids_then_reuses_in_free_order():
     a.free([3, 2])
     assert a.allocate(3, "c") == [5, 3, 2]
     assert (a.num_free, a.num_used) == (0, 6)
-    assert sorted(a.owned_by("c")) == [2, 3, 5]
     a.check()
 
 
@@ -32,6 +31,6 @@ def test_double_free_is_caught():
 def test_check_detects_corruption():
     a = BlockAllocator(3)
     a.allocate(1, "x")
-    a._free.append(0)  # simulate a bug: block 0 both owned and free
+    a._free.append(0)  # simulate a bug: block 0 both in use and free
     with pytest.raises(AssertionError):
         a.check()

@@ -43,7 +43,7 @@ class DecodeActor:
         self.receiver = KVReceiver(self.kv, ray.util.get_node_ip_address(), config,
                                    self._resolve, self._on_complete)
 
-    def _resolve(self, request_id: str, num_blocks: int) -> list[int] | None:
+    def _resolve(self, request_id: str, num_blocks: int, first_block: int = 0) -> list[int] | None:
         self.resolving.append(request_id)
         self.released.wait(timeout=60)
         with self.lock:
@@ -72,7 +72,7 @@ class DecodeActor:
         """hold=True parks the next transfers after their header (mid-transfer)."""
         self.released.clear() if hold else self.released.set()
 
-    def open_channel(self, peer_id: str) -> tuple[str, int]:
+    def open_channel(self, peer_id: str) -> tuple[str, int, bytes]:
         return self.receiver.open_channel(peer_id)
 
     def pool(self) -> torch.Tensor:
@@ -99,8 +99,8 @@ class PrefillActor:
         self.futures = {}
         self.done_order: dict[str, list[str]] = {}
 
-    def connect(self, peer_id: str, host: str, port: int) -> None:
-        self.sender.connect(peer_id, host, port)
+    def connect(self, peer_id: str, host: str, port: int, secret: bytes) -> None:
+        self.sender.connect(peer_id, host, port, secret)
 
     def start(self, peer_id: str, request_id: str, block_ids: list[int]) -> None:
         self.held[request_id] = block_ids
@@ -163,8 +163,7 @@ def start_prefill(seed, num_blocks=400, dtype="float32", config=CONFIG):
 
 
 def link(prefill, prefill_id: str, decode, decode_id: str) -> None:
-    host, port = ray.get(decode.open_channel.remote(prefill_id))
-    ray.get(prefill.connect.remote(decode_id, host, port))
+    ray.get(prefill.connect.remote(decode_id, *ray.get(decode.open_channel.remote(prefill_id))))
 
 
 @pytest.fixture(scope="module")

@@ -32,10 +32,13 @@ class Owner:
         self.reserved = reserved
         self.resolve_delay_s = resolve_delay_s
         self.completed: list[tuple[str, list[int], BaseException | None]] = []
+        self.first_blocks: dict[str, int] = {}
 
-    def resolve(self, request_id: str, num_blocks: int) -> list[int] | None:
+    def resolve(self, request_id: str, num_blocks: int, first_block: int = 0) -> list[int] | None:
         time.sleep(self.resolve_delay_s)
-        return self.reserved.get(request_id)
+        self.first_blocks[request_id] = first_block
+        blocks = self.reserved.get(request_id)
+        return None if blocks is None else blocks[first_block:first_block + num_blocks]
 
     def complete(self, request_id: str, blocks: list[int], error: BaseException | None):
         self.completed.append((request_id, blocks, error))
@@ -53,8 +56,7 @@ def loopback():
         receiver = KVReceiver(dst, "127.0.0.1", receiver_config, owner.resolve, owner.complete)
         sender = KVSender(src, sender_config)
         made.append((receiver, sender))
-        host, port = receiver.open_channel("p")
-        return receiver, sender, host, port
+        return receiver, sender, *receiver.open_channel("p")   # host, port, secret
 
     yield build
     for receiver, sender in made:
@@ -63,10 +65,10 @@ def loopback():
 
 
 def test_handshake_refuses_layout_mismatch(loopback):
-    receiver, sender, host, port = loopback(
+    receiver, sender, host, port, secret = loopback(
         Owner({}), src=make_pool(8, torch.bfloat16, seed=0, layers=2))
     with pytest.raises(HandshakeMismatch) as refused:
-        sender.connect("d", host, port)
+        sender.connect("d", host, port, secret)
     message = str(refused.value)
     assert "'d'" in message
     assert "num_layers: receiver 3 != sender 2" in message
@@ -77,15 +79,15 @@ def test_handshake_refuses_layout_mismatch(loopback):
 
 def test_handshake_refuses_backend_conflict(loopback):
     nccl = KVTransferConfig(backend="nccl", timeout_s=5.0)
-    _, sender, host, port = loopback(Owner({}), sender_config=nccl)
+    _, sender, host, port, secret = loopback(Owner({}), sender_config=nccl)
     with pytest.raises(HandshakeMismatch, match="backend nccl needs CUDA pools"):
-        sender.connect("d", host, port)
+        sender.connect("d", host, port, secret)
 
 
 def test_rejected_request_keeps_channel_in_sync(loopback):
     owner = Owner({"ok": [5, 9], "short": [1]})
-    receiver, sender, host, port = loopback(owner)
-    sender.connect("d", host, port)
+    receiver, sender, host, port, secret = loopback(owner)
+    sender.connect("d", host, port, secret)
     unknown = sender.send("d", "cancelled", [1, 2, 3])
     short = sender.send("d", "short", [1, 2])
     good = sender.send("d", "ok", [10, 20])
@@ -98,10 +100,28 @@ def test_rejected_request_keeps_channel_in_sync(loopback):
         ("short", [1], False), ("ok", [5, 9], True)]   # once per list resolve_blocks returned
 
 
+def test_tail_transfer_lands_after_the_blocks_the_receiver_holds(loopback):
+    """A prefix-cache hit on the decode side: only the request's blocks [2:] travel."""
+    src = make_pool(64, torch.float32, seed=0)
+    dst = make_pool(64, torch.float32)
+    owner = Owner({"tail": [40, 41, 42, 43, 44]})
+    _, sender, host, port, secret = loopback(owner, src=src, dst=dst)
+    sender.connect("d", host, port, secret)
+    before = dst[:, :, [40, 41]].clone()
+    result = sender.send("d", "tail", [7, 8, 9], first_block=2).result(10)
+    assert owner.first_blocks == {"tail": 2}
+    assert result.dst_block_ids == [42, 43, 44]
+    assert result.num_bytes == 3 * dst[:, :, 0].numel() * dst.element_size()
+    assert torch.equal(dst[:, :, [42, 43, 44]], src[:, :, [7, 8, 9]])
+    assert torch.equal(dst[:, :, [40, 41]], before)  # the held blocks are not touched
+    with pytest.raises(ValueError, match="first_block -1"):
+        sender.send("d", "tail", [7], first_block=-1)
+
+
 def test_transfer_cancelled_while_queued_is_skipped(loopback):
     owner = Owner({"first": [1], "cancelled": [2], "third": [3]}, resolve_delay_s=0.3)
-    _, sender, host, port = loopback(owner)
-    sender.connect("d", host, port)
+    _, sender, host, port, secret = loopback(owner)
+    sender.connect("d", host, port, secret)
     first = sender.send("d", "first", [10])
     cancelled = sender.send("d", "cancelled", [11])
     third = sender.send("d", "third", [12])
@@ -115,8 +135,8 @@ def test_checksum_requested_by_receiver_only(loopback):
     src = make_pool(64, torch.float32, seed=1)
     dst = make_pool(64, torch.float32)
     with_checksum = KVTransferConfig(timeout_s=5.0, checksum=True, staging_bytes=8 << 10)
-    _, sender, host, port = loopback(owner, src=src, dst=dst, receiver_config=with_checksum)
-    sender.connect("d", host, port)
+    _, sender, host, port, secret = loopback(owner, src=src, dst=dst, receiver_config=with_checksum)
+    sender.connect("d", host, port, secret)
     assert sender.send("d", "r", [7, 0, 63]).result(10).dst_block_ids == [3, 4, 60]
     assert torch.equal(dst[:, :, [3, 4, 60]], src[:, :, [7, 0, 63]])
 
@@ -141,8 +161,8 @@ def test_corrupted_payload_fails_both_sides_and_channel_stays_usable(loopback, m
     src = make_pool(64, torch.float32, seed=1)
     dst = make_pool(64, torch.float32)
     with_checksum = KVTransferConfig(timeout_s=5.0, checksum=True, staging_bytes=8 << 10)
-    receiver, sender, host, port = loopback(owner, src=src, dst=dst, receiver_config=with_checksum)
-    sender.connect("d", host, port)
+    receiver, sender, host, port, secret = loopback(owner, src=src, dst=dst, receiver_config=with_checksum)
+    sender.connect("d", host, port, secret)
     with pytest.raises(KVTransferError, match="failed by the receiver: checksum mismatch"):
         sender.send("d", "bad", [7, 0, 63]).result(10)
     assert not _CorruptingDigest.armed, "the payload was never corrupted"
@@ -158,8 +178,8 @@ def test_corrupted_payload_fails_both_sides_and_channel_stays_usable(loopback, m
 def test_timeout_fails_both_sides_and_tears_down(loopback):
     fast = KVTransferConfig(timeout_s=1.0, heartbeat_s=0.5)
     owner = Owner({"slow": [1, 2]}, resolve_delay_s=1.5)
-    receiver, sender, host, port = loopback(owner, receiver_config=fast, sender_config=fast)
-    sender.connect("d", host, port)
+    receiver, sender, host, port, secret = loopback(owner, receiver_config=fast, sender_config=fast)
+    sender.connect("d", host, port, secret)
     started = time.monotonic()
     future = sender.send("d", "slow", [3, 4])
     with pytest.raises(KVTransferError, match="request 'slow' with peer 'd'.*timed out"):
@@ -181,8 +201,8 @@ def test_send_without_channel_fails_future():
 
 
 def test_close_releases_port_and_tells_the_sender(loopback):
-    receiver, sender, host, port = loopback(Owner({}))
-    sender.connect("d", host, port)
+    receiver, sender, host, port, secret = loopback(Owner({}))
+    sender.connect("d", host, port, secret)
     receiver.shutdown(wait=True)   # idle channel: closes on the next heartbeat
     assert receiver.num_channels == 0
     wait_until(lambda: not sender.is_connected("d"), 3 * CONFIG.heartbeat_s + 2,
@@ -195,8 +215,8 @@ def test_close_releases_port_and_tells_the_sender(loopback):
 
 
 def test_sender_close_ends_receiver_channel(loopback):
-    receiver, sender, host, port = loopback(Owner({}))
-    sender.connect("d", host, port)
+    receiver, sender, host, port, secret = loopback(Owner({}))
+    sender.connect("d", host, port, secret)
     assert receiver.num_channels == 1 and sender.num_channels == 1
     sender.close_channel("d", wait=True)
     wait_until(lambda: receiver.num_channels == 0, 2, "the receiver to see CLOSE")
@@ -242,7 +262,7 @@ def test_chunking_and_runs():
 def test_frames_round_trip():
     layout = KVLayout.of(make_pool(2, torch.float16))
     frame = torch.empty(512, dtype=torch.uint8)
-    header = Header(Kind.TRANSFER, 7, "req-é", 300, 16, True, layout)
+    header = Header(Kind.TRANSFER, 7, "req-é", 300, 16, True, layout, first_block=41)
     header.encode_into(frame)
     assert Header.decode(frame) == header
     reply_frame = torch.empty(Reply.frame_bytes(3), dtype=torch.uint8)

@@ -218,6 +218,10 @@ def test_greedy_completion_is_transformers_token_for_token(client, chat_dir):
     assert choice.text == AutoTokenizer.from_pretrained(chat_dir).decode(choice.token_ids)
     assert choice.finish_reason == "length" and resp.model == "tiny" and resp.object == "text_completion"
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == (20, 12, 32)
+    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    assert again.choices[0].token_ids == choice.token_ids
+    assert again.usage.prompt_tokens_details.cached_tokens == 16  # its one full block came from the prefix cache
 
 
 def test_streaming_carries_the_same_tokens_and_usage_last(client):

@@ -1,4 +1,5 @@
-"""Bench workloads: seeded arrivals and lengths, presets, Mooncake trace replay and scaling."""
+"""Bench workloads: seeded arrivals and lengths, presets, Mooncake trace replay (a hash id is the
+same tokens everywhere) and scaling."""
 
 from __future__ import annotations
 
@@ -100,6 +101,8 @@ def test_shared_prefix_requests_share_their_groups_prefix():
     assert len(groups) == workload.metadata["num_prefixes"]
     assert all(len(prefixes) == 1 for prefixes in groups.values())
     assert len({next(iter(p)) for p in groups.values()}) == len(groups)
+    fixed = build_workload(WorkloadOptions(preset="shared-prefix", input_len=64, range_ratio=0.0))
+    assert fixed.describe()["shared_fraction"] == 0.75 and fixed.metadata["prefix_tokens"] == 48
 
 
 def test_trace_scaling_window_and_shared_prefix_tokens(tmp_path):
@@ -116,6 +119,30 @@ def test_trace_scaling_window_and_shared_prefix_tokens(tmp_path):
     assert c.prompt_token_ids[64:75] != a.prompt_token_ids[64:75]
     assert workload.metadata["scaling"]["block_tokens"] == 64
     assert workload.metadata["scaling"]["length_scale"] == 8
+
+
+def test_a_hash_id_is_the_same_tokens_in_every_request_and_run(tmp_path):
+    lines = [{"timestamp": 0, "input_length": 1100, "output_length": 8, "hash_ids": [1, 2, 3]},
+             {"timestamp": 10, "input_length": 700, "output_length": 8, "hash_ids": [4, 2]},
+             {"timestamp": 20, "input_length": 1536, "output_length": 8, "hash_ids": [5, 3, 2]},
+             {"timestamp": 30, "input_length": 40, "output_length": 8, "hash_ids": [1]}]
+    records = read_trace(_write_trace(tmp_path / "t.jsonl", lines))
+    scaling = TraceScaling(length_scale=8)  # 64-token blocks
+
+    def blocks() -> list[list[tuple[int, ...]]]:
+        workload = trace_workload(records, scaling, max_context=4096, vocab=(16, 256), seed=3)
+        return [[r.prompt_token_ids[i:i + 64] for i in range(0, r.num_prompt_tokens, 64)]
+                for r in workload.requests]
+
+    a, b, c, d = blocks()
+    assert blocks() == [a, b, c, d]  # every run
+    assert len(a[2]) == 10 and len(b[1]) == 24 and len(d[0]) == 5  # partial last blocks
+    assert b[1] == a[1][:24] and c[2] == a[1]  # hash id 2, wherever it stands
+    assert len(c[1]) == 64 and c[1][:10] == a[2]  # hash id 3: whole in c, cut short in a
+    assert d[0] == a[0][:5]
+    assert len({a[0], b[0], c[0]}) == 3
+    other = trace_workload(records, scaling, max_context=4096, vocab=(16, 256), seed=4)
+    assert other.requests[0].prompt_token_ids != tuple(t for block in a for t in block)
 
 
 def test_trace_prompts_are_clipped_to_the_context(tmp_path):

@@ -1,9 +1,12 @@
-"""`pdserve bench`: replay one seeded workload and report TTFT, ITL, TPOT, E2E and goodput.
+"""`pdserve bench`: replay one seeded workload and report TTFT, ITL, TPOT, E2E, goodput and
+the prefix cache's hit rate against the ideal.
 
 Measure a running router (`--router HOST:PORT`, gRPC), any OpenAI-compatible server
-(`--endpoint openai:URL`: streaming /v1/completions), or start each arrangement of `--config`
-in turn at the same total worker count (`--arrangements`), replay the same requests against
-it and stop it. Input and connection problems exit 2 with one line.
+(`--endpoint openai:URL`: streaming /v1/completions), or start clusters of `--config` one
+after another, replay the same requests against each and stop it: each arrangement at the
+same total worker count (`--arrangements`), or the disaggregated cluster once per placement
+policy at the same prefill + decode workers (`--policies`), every one with cold caches.
+Input and connection problems exit 2 with one line.
 """
 
 from __future__ import annotations
@@ -13,20 +16,24 @@ import asyncio
 import dataclasses
 import json
 import sys
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from router import credentials
 from router.bench.client import fetch_status, replay
 from router.bench.errors import BenchError, WorkloadError
-from router.bench.metrics import RequestRecord, parse_slo
+from router.bench.metrics import RequestRecord, ideal_hit_rate, parse_slo
 from router.bench.openai_client import DEFAULT_EXTRA_BODY, Endpoint, parse_endpoint, replay_openai
 from router.bench.presets import PRESETS, WorkloadOptions, build_workload
 from router.bench.report import build_summary, format_report, summarize_arrangements, write_report
 from router.bench.trace import parse_window
 from router.bench.workload import DEFAULT_VOCAB, Workload
+from router.config import Policy
 
 ARRANGEMENTS = ("colocated", "colocated-chunked", "disaggregated", "disaggregated-chunked")
+POLICIES: tuple[str, ...] = typing.get_args(Policy)
 FALLBACK_MAX_CONTEXT = 2048
 
 
@@ -55,20 +62,36 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     target.add_argument("--router", metavar="HOST:PORT", help="measure this running router over gRPC")
     target.add_argument("--endpoint", metavar="openai:URL",
                         help="measure this OpenAI-compatible server, e.g. openai:http://127.0.0.1:8000/v1")
-    target.add_argument("--config", metavar="YAML", help="start each arrangement of this cluster")
-    parser.add_argument("--arrangements", default=",".join(ARRANGEMENTS),
-                        help="comma-separated, with --config (default: all four)")
-    parser.add_argument("--workers", type=_positive_int, default=2,
-                        help="total workers of every arrangement (default 2)")
-    parser.add_argument("--pin-cpus", action="store_true",
-                        help="with --arrangements: pin worker i of each arrangement to CPU core i")
+    target.add_argument("--config", metavar="YAML", help="start each arrangement (or policy) of this cluster")
+    _add_cluster_options(parser)
     parser.add_argument("--label", help="the name in the report for --router / --endpoint "
                                         "(default: router / endpoint)")
     _add_endpoint_options(parser)
+    credentials.add_flags(parser)
     _add_workload_options(parser)
     _add_report_options(parser)
     parser.set_defaults(func=run)
     return parser
+
+
+def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("clusters of --config")
+    group.add_argument("--arrangements", metavar="NAMES",
+                       help=f"comma-separated, of {', '.join(ARRANGEMENTS)} (default: all four)")
+    group.add_argument("--policies", metavar="NAMES",
+                       help=f"comma-separated placement policies, of {', '.join(POLICIES)}: the "
+                            "disaggregated cluster once per policy, instead of --arrangements")
+    group.add_argument("--workers", type=_positive_int, default=2,
+                       help="total workers of every arrangement; with --policies split evenly "
+                            "between prefill and decode (default 2)")
+    group.add_argument("--prefill-workers", type=_positive_int,
+                       help="with --policies: prefill workers (default: half of --workers)")
+    group.add_argument("--decode-workers", type=_positive_int,
+                       help="with --policies: decode workers (default: the rest of --workers)")
+    group.add_argument("--prefix-caching", choices=("on", "off"),
+                       help="set kv_cache.prefix_caching of every cluster (default: the config's)")
+    group.add_argument("--pin-cpus", action="store_true",
+                       help="pin worker i of each cluster to CPU core i (prefill workers first)")
 
 
 def _add_endpoint_options(parser: argparse.ArgumentParser) -> None:
@@ -129,8 +152,10 @@ def _add_report_options(parser: argparse.ArgumentParser) -> None:
                                                   "(seconds or ms; keys ttft, tpot, e2e)")
     group.add_argument("--out", default="bench-out",
                        help="directory for summary.json, requests.jsonl and charts (default: %(default)s)")
+    group.add_argument("--json", action="store_true",
+                       help="print summary.json on stdout instead of the tables")
     group.add_argument("--plot", action="store_true",
-                       help="also write PNG charts: TTFT and ITL CDFs, ITL over time (a panel per arrangement)")
+                       help="also write PNG charts: TTFT and ITL CDFs, ITL over time (a panel per run)")
     group.add_argument("--connect-timeout", type=_positive_float, default=10.0,
                        help="seconds to wait for each router or server (default 10)")
     group.add_argument("--no-progress", action="store_true",
@@ -138,18 +163,24 @@ def _add_report_options(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Builds the workload, measures, prints the tables, writes the report; 2 on bad input."""
+    """Builds the workload, measures, prints the tables (or summary.json with `--json`), writes
+    the report; 2 on bad input. The ideal hit rate needs the block size, so only with --config."""
     try:
         slo = parse_slo(args.slo)
+        runs = _cluster_runs(args)
         base = _load_base_config(args.config) if args.config else None
         workload = build_workload(_workload_options(args, _model_limits(base)))
-        records, cluster = _measure(args, workload, base)
+        records, cluster = _measure(args, workload, base, runs)
     except BenchError as err:
         print(f"pdserve bench: {err}", file=sys.stderr)
         return 2
-    summaries = summarize_arrangements(records, slo, workload.describe().get("burst"))
-    print(format_report(summaries))
-    summary = build_summary(summaries, workload, slo, cluster)
+    described, by_policy = workload.describe(), args.policies is not None
+    ideal = None if base is None else ideal_hit_rate(
+        (r.prompt_token_ids for r in workload.requests), base.kv_cache.block_size)
+    summaries = summarize_arrangements(records, slo, described.get("burst"), ideal)
+    summary = build_summary(summaries, workload, slo, cluster, "policies" if by_policy else "arrangements")
+    print(json.dumps(summary, indent=2) if args.json
+          else format_report(summaries, "policy" if by_policy else "arrangement", described))
     for path in write_report(Path(args.out), summary, records, args.plot):
         print(f"wrote {path}", file=sys.stderr)
     return 0
@@ -204,49 +235,98 @@ def _model_limits(base: Any) -> tuple[int | None, int | None]:
     return max_context, config.get("vocab_size")
 
 
-def _measure(args: argparse.Namespace, workload: Workload,
-             base: Any) -> tuple[dict[str, list[RequestRecord]], dict[str, Any]]:
+def _names(flag: str, text: str, known: tuple[str, ...]) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if unknown or twice or not names:
+        problem = f"unknown {unknown}" if unknown else f"twice {twice}" if twice else "none given"
+        raise BenchError(f"{flag}: {problem}; choose from {', '.join(known)}")
+    return names
+
+
+def _cluster_runs(args: argparse.Namespace) -> list[str]:
+    """The arrangements or policies to start, checked before anything starts; [] without --config."""
+    given = [flag for flag, value in (("--arrangements", args.arrangements), ("--policies", args.policies),
+                                      ("--prefix-caching", args.prefix_caching)) if value is not None]
+    if args.policies is None and (args.prefill_workers or args.decode_workers):
+        raise BenchError("--prefill-workers and --decode-workers size the --policies clusters "
+                         "(--arrangements uses --workers)")
+    if not args.config:
+        if given:
+            raise BenchError(f"{given[0]} needs --config: the bench starts the clusters it compares")
+        return []
+    if args.policies is not None:
+        if args.arrangements is not None:
+            raise BenchError("--policies and --arrangements exclude each other: give one")
+        return _names("--policies", args.policies, POLICIES)
+    return _names("--arrangements", args.arrangements or ",".join(ARRANGEMENTS), ARRANGEMENTS)
+
+
+def _measure(args: argparse.Namespace, workload: Workload, base: Any,
+             runs: list[str]) -> tuple[dict[str, list[RequestRecord]], dict[str, Any]]:
     if args.router:
         label = args.label or "router"
         records, status = asyncio.run(_measure_address(args, args.router, label, workload))
         return {label: records}, {"router": args.router, "status": status}
     if args.endpoint:
         label = args.label or "endpoint"
-        endpoint = Endpoint(parse_endpoint(args.endpoint), args.model, args.extra_body, args.tokenizer)
+        url = parse_endpoint(args.endpoint)
+        endpoint = Endpoint(url, args.model, args.extra_body, args.tokenizer, credentials.target_from_args(url, args))
         records, server = asyncio.run(replay_openai(endpoint, workload, label,
                                                     connect_timeout_s=args.connect_timeout,
                                                     show_progress=not args.no_progress))
         return {label: records}, server
-    return _measure_arrangements(args, workload, base)
+    return _measure_clusters(args, workload, *_cluster_configs(args, base, runs))
 
 
 async def _measure_address(args: argparse.Namespace, address: str, label: str,
                            workload: Workload) -> tuple[list[RequestRecord], dict[str, Any]]:
-    records = await replay(address, workload, label, connect_timeout_s=args.connect_timeout,
+    target = credentials.target_from_args(address, args)
+    records = await replay(target, workload, label, connect_timeout_s=args.connect_timeout,
                            show_progress=not args.no_progress)
-    return records, await fetch_status(address)
+    return records, await fetch_status(target)
 
 
-def _measure_arrangements(args: argparse.Namespace, workload: Workload,
-                          base: Any) -> tuple[dict[str, list[RequestRecord]], dict[str, Any]]:
-    """Each arrangement: start it, replay the same requests, stop it."""
-    from router.launcher import LocalCluster, arrangement_config
+def _cluster_configs(args: argparse.Namespace, base: Any,
+                     runs: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The config of every cluster to start (each on its own free port, so a `pdserve serve`
+    of the same config can keep running), and what the report says about them."""
+    from router.launcher import arrangement_config, policy_config
 
-    names = [name.strip() for name in args.arrangements.split(",") if name.strip()]
-    unknown = sorted(set(names) - set(ARRANGEMENTS))
-    if unknown or not names:
-        raise BenchError(f"--arrangements: unknown {unknown}; choose from {', '.join(ARRANGEMENTS)}")
+    if args.prefix_caching is not None:
+        base = dataclasses.replace(base, kv_cache=dataclasses.replace(
+            base.kv_cache, prefix_caching=args.prefix_caching == "on"))
+    info = {"config": args.config, "block_size": base.kv_cache.block_size,
+            "prefix_caching": base.kv_cache.prefix_caching}
+    if args.policies is not None:
+        prefill = args.prefill_workers or args.workers // 2
+        decode = args.decode_workers or max(1, args.workers - prefill)
+        info |= {"prefill_workers": prefill, "decode_workers": decode}
+        flag, make = "--policies", lambda name: policy_config(base, name, prefill, decode, args.pin_cpus)
+    else:
+        info |= {"workers": args.workers}
+        flag, make = "--arrangements", lambda name: arrangement_config(base, name, args.workers, args.pin_cpus)
+    configs = {}
+    for name in runs:
+        try:
+            cfg = make(name)
+        except ValueError as err:
+            raise BenchError(f"{flag} {name}: {err}") from err
+        configs[name] = dataclasses.replace(cfg, router=dataclasses.replace(
+            cfg.router, port=0, metrics_port=None, http_port=None))
+    return configs, info
+
+
+def _measure_clusters(args: argparse.Namespace, workload: Workload, configs: dict[str, Any],
+                      info: dict[str, Any]) -> tuple[dict[str, list[RequestRecord]], dict[str, Any]]:
+    """Each cluster in turn: start it (cold caches), replay the same requests, stop it."""
+    from router.launcher import LocalCluster
+
     records: dict[str, list[RequestRecord]] = {}
     statuses: dict[str, Any] = {}
-    for name in names:
-        try:
-            cfg = arrangement_config(base, name, args.workers, pin_cpus=args.pin_cpus)
-        except ValueError as err:
-            raise BenchError(f"--arrangements {name}: {err}") from err
-        # its own free port, so a `pdserve serve` of the same config can keep running
-        cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, port=0, metrics_port=None,
-                                                                  http_port=None))
+    for name, cfg in configs.items():
         with LocalCluster(cfg) as cluster:
             records[name], statuses[name] = asyncio.run(
                 _measure_address(args, cluster.address, name, workload))
-    return records, {"config": args.config, "workers": args.workers, "status": statuses}
+    return records, info | {"status": statuses}

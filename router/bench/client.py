@@ -3,7 +3,8 @@
 Each request is sent at its arrival offset (or as soon as a concurrency slot frees; see
 router/bench/dispatch.py), with ignore_eos, greedy sampling and its exact `max_tokens`; the
 arrival time and token count of every streamed message is recorded. A router that does not
-accept a connection within the timeout raises `RouterUnreachable` before anything is sent.
+accept a connection within the timeout raises `RouterUnreachable` before anything is sent. A
+`Target` (router/credentials.py) adds TLS and the bearer token to the channel and every call.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from router.bench.dispatch import PROGRESS_EVERY_S, Progress, dispatch
 from router.bench.errors import RouterUnreachable
 from router.bench.metrics import RequestRecord
 from router.bench.workload import RequestSpec, Workload
+from router.credentials import Target, as_target
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
 
@@ -37,24 +39,26 @@ async def wait_for_router(channel: grpc.aio.Channel, address: str, timeout_s: fl
         ) from err
 
 
-async def replay(address: str, workload: Workload, arrangement: str, *, connect_timeout_s: float = 10.0,
+async def replay(address: Target | str, workload: Workload, arrangement: str, *, connect_timeout_s: float = 10.0,
                  show_progress: bool = True, progress_every_s: float = PROGRESS_EVERY_S) -> list[RequestRecord]:
-    """Sends every request of `workload` to the router at `address`; one record each."""
-    async with grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS) as channel:
-        await wait_for_router(channel, address, connect_timeout_s)
+    """Sends every request of `workload` to the router at `address` (with its TLS and token); one record each."""
+    target = as_target(address)
+    async with target.aio_channel(options=_CHANNEL_OPTIONS) as channel:
+        await wait_for_router(channel, str(target), connect_timeout_s)
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         progress = Progress(len(workload.requests), arrangement, sys.stderr if show_progress else None,
                             progress_every_s)
-        run = _Run(stub, arrangement, uuid.uuid4().hex[:8], time.perf_counter())
+        run = _Run(stub, arrangement, uuid.uuid4().hex[:8], time.perf_counter(), target.metadata)
         return await dispatch(workload, run.send, run.now, progress)
 
 
-async def fetch_status(address: str, timeout_s: float = 5.0) -> dict[str, Any]:
+async def fetch_status(address: Target | str, timeout_s: float = 5.0) -> dict[str, Any]:
     """The router's Admin/Status as a dict (mode, model, workers) for the report."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    target = as_target(address)
+    async with target.aio_channel() as channel:
         stub = pdserve_pb2_grpc.AdminStub(channel)
         try:
-            reply = await stub.Status(pdserve_pb2.StatusRequest(), timeout=timeout_s)
+            reply = await stub.Status(pdserve_pb2.StatusRequest(), timeout=timeout_s, metadata=target.metadata)
         except grpc.aio.AioRpcError as err:
             return {"error": f"{err.code().name}: {err.details()}"}
         return MessageToDict(reply, preserving_proto_field_name=True,
@@ -69,6 +73,7 @@ class _Run:
     arrangement: str
     nonce: str
     t0: float
+    metadata: tuple[tuple[str, str], ...] = ()  # the bearer token, if any
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -81,7 +86,7 @@ class _Run:
         finish, error, usage = "", None, {}
         send_s = self.now()
         try:
-            async for message in self.stub.Generate(request):
+            async for message in self.stub.Generate(request, metadata=self.metadata):
                 arrived = self.now()
                 if message.token_ids:
                     times.append(arrived)

@@ -3,7 +3,9 @@
 Pure functions over `RequestRecord`s: TTFT, ITL (pooled over requests), TPOT, E2E,
 numpy-style linear percentiles, throughput, goodput and SLO attainment. A streamed message
 that carries k tokens delivers all k at its arrival time (k-1 inter-token gaps of 0 s).
-Times are seconds; `summarize_run` reports latencies in milliseconds.
+Times are seconds; `summarize_run` reports latencies in milliseconds. Prefix caching: the
+hit rate the server reports (`prefix_cache_summary`) against what an unbounded cache would
+reach on the same prompts (`ideal_hit_rate`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.block_hash import block_hashes
 from router.bench.errors import SloError
 
 PERCENTILES = (50, 95, 99)
@@ -177,7 +180,7 @@ def summarize_run(records: Sequence[RequestRecord], slo: Slo,
         "slo_attainment": good / len(records) if records else 0.0,
         "slo": slo.as_dict(),
         "server_ms": _server_breakdown(done),
-    }
+    } | prefix_cache_summary(done)
 
 
 def _server_breakdown(records: Sequence[RequestRecord]) -> dict[str, float | None]:
@@ -188,3 +191,44 @@ def _server_breakdown(records: Sequence[RequestRecord]) -> dict[str, float | Non
         values = [float(r.usage[key]) for r in records if key in r.usage]
         means[f"mean_{key}"] = float(np.mean(values)) if values else None
     return means
+
+
+def cached_tokens(usage: Mapping[str, Any]) -> int | None:
+    """Prompt tokens the server's prefix cache supplied: pdserve's `Usage.cached_tokens`, or
+    OpenAI's `prompt_tokens_details.cached_tokens`; None when the server does not say."""
+    details = usage.get("prompt_tokens_details")
+    if "cached_tokens" not in usage and isinstance(details, Mapping):
+        usage = details
+    return int(usage["cached_tokens"]) if "cached_tokens" in usage else None
+
+
+def prefix_cache_summary(records: Sequence[RequestRecord]) -> dict[str, Any]:
+    """Over the successful requests: prompt tokens, the share the prefix caches served
+    (`prefix_hit_rate`), the prompt tokens prefill computed, and the KV bytes pushed to decode.
+    A figure no request's usage reports is None (a request without it counts 0 where others do)."""
+    done = [r for r in records if r.ok]
+    prompt = sum(r.prompt_tokens for r in done)
+    cached = [c for r in done if (c := cached_tokens(r.usage)) is not None]
+    pushed = [int(r.usage["kv_transfer_bytes"]) for r in done if "kv_transfer_bytes" in r.usage]
+    return {
+        "prompt_tokens": prompt,
+        "prefix_hit_rate": (sum(cached) / prompt if prompt else 0.0) if cached else None,
+        "prefill_tokens_computed": prompt - sum(cached) if cached else None,
+        "kv_transfer_bytes": sum(pushed) if pushed else None,
+    }
+
+
+def ideal_hit_rate(prompts: Iterable[Sequence[int]], block_size: int) -> float:
+    """The prefix hit rate of one unbounded cache that every prompt, in this order, could use:
+    each reuses its longest leading run of full blocks some earlier prompt had (a chained block
+    hash names its whole prefix), at most (n - 1) // block_size blocks because the engine always
+    computes a prompt's last token itself; hit tokens over all prompt tokens."""
+    seen: set[bytes] = set()
+    hit = total = 0
+    for tokens in prompts:
+        hashes = block_hashes(tokens, block_size)
+        reusable = hashes[:(len(tokens) - 1) // block_size]
+        hit += block_size * next((i for i, h in enumerate(reusable) if h not in seen), len(reusable))
+        total += len(tokens)
+        seen.update(hashes)
+    return hit / total if total else 0.0

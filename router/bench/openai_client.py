@@ -25,6 +25,7 @@ from router.bench.dispatch import PROGRESS_EVERY_S, Progress, dispatch
 from router.bench.errors import BenchError, RouterUnreachable
 from router.bench.metrics import RequestRecord
 from router.bench.workload import RequestSpec, Workload
+from router.credentials import Target
 
 DEFAULT_EXTRA_BODY: Mapping[str, Any] = {"ignore_eos": True}
 REQUEST_TIMEOUT_S = 300.0  # the longest wait for one request's next byte
@@ -45,6 +46,7 @@ class Endpoint:
     model: str | None = None  # None: the first model of GET /v1/models
     extra_body: Mapping[str, Any] = field(default_factory=lambda: dict(DEFAULT_EXTRA_BODY))
     tokenizer: str | None = None  # decodes prompt ids to text for a server that refuses ids
+    security: Target | None = None  # the bearer token (api key) and TLS files; the address is base_url
 
 
 async def replay_openai(endpoint: Endpoint, workload: Workload, arrangement: str, *, connect_timeout_s: float = 10.0,
@@ -52,7 +54,10 @@ async def replay_openai(endpoint: Endpoint, workload: Workload, arrangement: str
                         request_timeout_s: float = REQUEST_TIMEOUT_S) -> tuple[list[RequestRecord], dict[str, Any]]:
     """One record per request, and what the report says about the server (url, model, prompt format)."""
     timeout = httpx2.Timeout(request_timeout_s, connect=connect_timeout_s)
-    async with httpx2.AsyncClient(timeout=timeout, limits=httpx2.Limits(max_connections=None)) as http:
+    security = endpoint.security or Target(endpoint.base_url)
+    tls = security.ssl_context()
+    async with httpx2.AsyncClient(timeout=timeout, limits=httpx2.Limits(max_connections=None),
+                                  headers=security.headers, verify=True if tls is None else tls) as http:
         model = await _model(http, endpoint, connect_timeout_s)
         prompts, prompt_format = await _prompt_format(http, endpoint, model, workload)
         run = _Run(http, endpoint, model, prompts, arrangement, time.perf_counter())

@@ -122,7 +122,8 @@ def _open_loop(opts: WorkloadOptions, d: PresetDefaults) -> Workload:
 
 
 def _shared_prefix(opts: WorkloadOptions, d: PresetDefaults) -> Workload:
-    """Each request opens with one of a few long prefixes (KV that a prefix cache can reuse)."""
+    """Each request opens with one of a few long prefixes (KV that a prefix cache can reuse);
+    `shared_fraction` in the metadata is the share of all prompt tokens those prefixes make up."""
     r = _resolved(opts, d)
     rng = np.random.default_rng(opts.seed)
     prefix_len = max(1, r["input_len"] * 3 // 4)
@@ -133,8 +134,9 @@ def _shared_prefix(opts: WorkloadOptions, d: PresetDefaults) -> Workload:
     for group, size in enumerate(group_sizes):
         group_opts = r | {"num_requests": int(size)}
         specs += _synthetic(opts, group_opts, f"prefix{group}", rng, prefixes[group])
-    meta = _metadata(opts, r) | {"num_prefixes": NUM_SHARED_PREFIXES,
-                                 "prefix_tokens": prefix_len}
+    shared = sum(min(prefix_len, s.num_prompt_tokens) for s in specs)
+    meta = _metadata(opts, r) | {"num_prefixes": NUM_SHARED_PREFIXES, "prefix_tokens": prefix_len,
+                                 "shared_fraction": shared / max(1, sum(s.num_prompt_tokens for s in specs))}
     return make_workload(opts.preset, _interleave(specs, r, opts, rng), opts.concurrency, meta)
 
 

@@ -1,9 +1,11 @@
-"""The bench report: a table per arrangement on stdout, and files under `--out DIR`.
+"""The bench report: a table per run on stdout (or, with `--json`, summary.json), and files under `--out DIR`.
 
-`summary.json`: {"workload": ..., "slo": ..., "cluster": ..., "arrangements": {name: summary}}
-where each summary has ttft_ms/itl_ms/tpot_ms/e2e_ms (mean, p50, p95, p99),
-output_tok_per_s, goodput_req_per_s and slo_attainment. `requests.jsonl`: one line per
-request and arrangement with its timestamps. `--plot` adds PNG charts (router.bench.plot).
+`summary.json`: {"workload": ..., "slo": ..., "cluster": ..., KIND: {name: summary}} where KIND
+is "policies" (`--policies`) or "arrangements" (every other mode) and each summary has
+ttft_ms/itl_ms/tpot_ms/e2e_ms (mean, p50, p95, p99), output_tok_per_s, goodput_req_per_s,
+slo_attainment, and the prefix-cache figures prompt_tokens, prefix_hit_rate, ideal_hit_rate,
+prefill_tokens_computed, kv_transfer_bytes. `requests.jsonl`: one line per request and run with
+its timestamps. `--plot` adds PNG charts (router.bench.plot).
 """
 
 from __future__ import annotations
@@ -35,13 +37,15 @@ BURST_TAIL_S = 3.0  # how long after the burst's last arrival its prefills can s
 
 
 def summarize_arrangements(records: Mapping[str, Sequence[RequestRecord]], slo: Slo,
-                           burst: Mapping[str, Any] | None = None) -> dict[str, dict[str, Any]]:
-    """One `summarize_run` per arrangement, in the order they ran; where the workload mixes
-    request groups (the id's prefix: "stream", "burst"), each group is summarized too, and
-    with a burst the other groups' ITL while it lands (`during_burst_itl_ms`)."""
+                           burst: Mapping[str, Any] | None = None,
+                           ideal_hit_rate: float | None = None) -> dict[str, dict[str, Any]]:
+    """One `summarize_run` per run (arrangement or policy), in the order they ran, with the
+    workload's `ideal_hit_rate`; where the workload mixes request groups (the id's prefix:
+    "stream", "burst"), each group is summarized too, and with a burst the other groups' ITL
+    while it lands (`during_burst_itl_ms`)."""
     summaries = {}
     for name, runs in records.items():
-        summary = summarize_run(runs, slo)
+        summary = summarize_run(runs, slo) | {"ideal_hit_rate": ideal_hit_rate}
         groups: dict[str, list[RequestRecord]] = {}
         for r in runs:
             groups.setdefault(r.request_id.split("-")[0], []).append(r)
@@ -57,14 +61,14 @@ def summarize_arrangements(records: Mapping[str, Sequence[RequestRecord]], slo: 
 
 
 def build_summary(summaries: Mapping[str, Mapping[str, Any]], workload: Workload, slo: Slo,
-                  cluster: Mapping[str, Any]) -> dict[str, Any]:
-    """The whole summary.json document."""
+                  cluster: Mapping[str, Any], kind: str = "arrangements") -> dict[str, Any]:
+    """The whole summary.json document; `kind` ("arrangements" | "policies") keys the runs."""
     return {
         "created_unix_s": time.time(),
         "workload": workload.describe(),
         "slo": slo.as_dict(),
         "cluster": dict(cluster),
-        "arrangements": {name: dict(summary) for name, summary in summaries.items()},
+        kind: {name: dict(summary) for name, summary in summaries.items()},
     }
 
 
@@ -72,8 +76,16 @@ def _ms(value: float | None) -> str:
     return f"{value:9.1f}" if value is not None else f"{'-':>9}"
 
 
+def _percent(value: float | None) -> str:
+    return f"{value:9.1%}" if value is not None else f"{'-':>9}"
+
+
+def _count(value: int | None, scale: int = 1, digits: int = 0) -> str:
+    return f"{value / scale:12,.{digits}f}" if value is not None else f"{'-':>12}"
+
+
 def format_arrangement(name: str, summary: Mapping[str, Any]) -> str:
-    """A block: latency rows (ms) then throughput, goodput and SLO attainment."""
+    """A block: latency rows (ms), throughput, goodput and SLO attainment, then the prefix cache."""
     lines = [f"== {name}: {summary['num_requests']} requests, {summary['num_errors']} failed, "
              f"{summary['wall_s']:.1f} s ==",
              f"{'(ms)':<6}" + "".join(f"{stat:>9}" for stat in _STATS)]
@@ -84,12 +96,18 @@ def format_arrangement(name: str, summary: Mapping[str, Any]) -> str:
                  f"{summary['request_per_s']:.2f} req/s, "
                  f"goodput {summary['goodput_req_per_s']:.2f} req/s "
                  f"({summary['slo_attainment']:.1%} met {slo or 'no SLO: success only'})")
+    hit, ideal = summary.get("prefix_hit_rate"), summary.get("ideal_hit_rate")
+    if hit is not None or ideal is not None:
+        served = f"{hit:.1%}" if hit is not None else "an unreported share"
+        lines.append(f"prefix cache served {served} of {summary['prompt_tokens']:,} prompt tokens"
+                     + (f" (ideal {ideal:.1%})" if ideal is not None else "")
+                     + (f", {summary['prefill_tokens_computed']:,} computed" if hit is not None else ""))
     return "\n".join(lines)
 
 
-def format_comparison(summaries: Mapping[str, Mapping[str, Any]]) -> str:
-    """One row per arrangement: the numbers that decide between them."""
-    header = (f"{'arrangement':<24}{'TTFT p50':>9}{'TTFT p99':>9}{'ITL p50':>9}{'ITL p99':>9}"
+def format_comparison(summaries: Mapping[str, Mapping[str, Any]], label: str = "arrangement") -> str:
+    """One row per run: the numbers that decide between them."""
+    header = (f"{label:<24}{'TTFT p50':>9}{'TTFT p99':>9}{'ITL p50':>9}{'ITL p99':>9}"
               f"{'TPOT':>9}{'tok/s':>9}{'goodput':>9}")
     rows = [header]
     for name, s in summaries.items():
@@ -100,9 +118,19 @@ def format_comparison(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def format_groups(summaries: Mapping[str, Mapping[str, Any]]) -> str:
+def format_cache(summaries: Mapping[str, Mapping[str, Any]], label: str = "arrangement") -> str:
+    """One row per run: prompt tokens, those prefill computed, the hit rate against the ideal, KV pushed."""
+    rows = [f"{label:<24}{'prompt':>12}{'computed':>12}{'hit rate':>9}{'ideal':>9}{'KV MiB':>12}"]
+    for name, s in summaries.items():
+        rows.append(f"{name:<24}{_count(s['prompt_tokens'])}{_count(s['prefill_tokens_computed'])}"
+                    f"{_percent(s['prefix_hit_rate'])}{_percent(s['ideal_hit_rate'])}"
+                    f"{_count(s['kv_transfer_bytes'], 1 << 20, 1)}")
+    return "\n".join(rows)
+
+
+def format_groups(summaries: Mapping[str, Mapping[str, Any]], label: str = "arrangement") -> str:
     """Per request group (e.g. the streaming users apart from the burst): TTFT and ITL."""
-    rows = [f"{'arrangement':<24}{'group':<10}{'n':>5}{'TTFT p50':>9}{'TTFT p99':>9}{'ITL p50':>9}"
+    rows = [f"{label:<24}{'group':<10}{'n':>5}{'TTFT p50':>9}{'TTFT p99':>9}{'ITL p50':>9}"
             f"{'ITL p95':>9}{'ITL p99':>9}"]
     for name, s in summaries.items():
         for group, g in s.get("groups", {}).items():
@@ -112,9 +140,9 @@ def format_groups(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def format_burst(summaries: Mapping[str, Mapping[str, Any]]) -> str:
+def format_burst(summaries: Mapping[str, Mapping[str, Any]], label: str = "arrangement") -> str:
     """ITL of everyone but the burst, from the burst's first arrival to BURST_TAIL_S after its last."""
-    rows = [f"ITL of the other requests while the burst lands (ms)\n{'arrangement':<24}"
+    rows = [f"ITL of the other requests while the burst lands (ms)\n{label:<24}"
             + "".join(f"{stat:>9}" for stat in _STATS)]
     for name, s in summaries.items():
         stats = s.get("during_burst_itl_ms")
@@ -123,20 +151,28 @@ def format_burst(summaries: Mapping[str, Mapping[str, Any]]) -> str:
     return "\n".join(rows)
 
 
-def format_report(summaries: Mapping[str, Mapping[str, Any]]) -> str:
-    """A block per arrangement, then a side-by-side comparison when there are several."""
+def format_report(summaries: Mapping[str, Mapping[str, Any]], label: str = "arrangement",
+                  workload: Mapping[str, Any] | None = None) -> str:
+    """A block per run, then side-by-side comparisons (`label` names the column: arrangement or
+    policy) when there are several; with a shared-prefix workload, the share of its prompts the
+    prefixes make up (what a prefix cache can at best save)."""
     blocks = [format_arrangement(name, s) for name, s in summaries.items()]
     if len(summaries) > 1:
-        blocks.append("latencies in ms, goodput in req/s\n" + format_comparison(summaries))
+        blocks.append("latencies in ms, goodput in req/s\n" + format_comparison(summaries, label))
+        if any(s["prefix_hit_rate"] is not None or s["ideal_hit_rate"] is not None
+               for s in summaries.values()):
+            blocks.append("prefix cache (tokens)\n" + format_cache(summaries, label))
     if any("groups" in s for s in summaries.values()):
-        blocks.append("by request group (ms)\n" + format_groups(summaries))
+        blocks.append("by request group (ms)\n" + format_groups(summaries, label))
     if any("during_burst_itl_ms" in s for s in summaries.values()):
-        blocks.append(format_burst(summaries))
+        blocks.append(format_burst(summaries, label))
+    if workload is not None and "shared_fraction" in workload:
+        blocks.append(f"workload: a shared prefix makes up {workload['shared_fraction']:.1%} of the prompt tokens")
     return "\n\n".join(blocks)
 
 
 def record_to_json(record: RequestRecord) -> dict[str, Any]:
-    """One requests.jsonl line (seconds since the arrangement's run started)."""
+    """One requests.jsonl line (seconds since its run started; `arrangement`: the run's name)."""
     first, last = ttft(record), e2e(record)
     return {
         "arrangement": record.arrangement,

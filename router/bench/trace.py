@@ -1,10 +1,13 @@
 """Mooncake request traces (JSONL: timestamp ms, input_length, output_length, hash_ids).
 
 Each hash id names a 512-token prompt block; requests whose hash ids agree at the start
-share that much prompt. Replay builds every prompt as the concatenation of one seeded token
-block per hash id, so shared prefixes are really shared token ids. `TraceScaling` fits an
-hour of production traffic onto a small model: lengths (and the block size with them) are
-divided by `length_scale`, timestamps by `time_scale`, and only `window` is kept.
+share that much prompt. Replay builds every prompt as the concatenation of one token block per
+hash id, seeded by (seed, hash id) alone, so a hash id is the same tokens in every request and
+every run and shared prefixes are really shared token ids; a prompt that ends inside a block
+takes that block's leading tokens, and one longer than its blocks is padded with tokens of its
+own. Prefix caching sees the reuse the trace records. `TraceScaling` fits an hour of
+production traffic onto a small model: lengths (and the block size with them) are divided by
+`length_scale`, timestamps by `time_scale`, and only `window` is kept.
 """
 
 from __future__ import annotations

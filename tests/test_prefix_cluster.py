@@ -1,0 +1,111 @@
+"""Prefix caching through the real cluster: Ray actors, gRPC, KV channels.
+
+A repeated prefix is computed once per worker, the decode worker that holds it receives only
+the new blocks, cache-aware placement sends a conversation back to the workers that hold it,
+tokens stay identical to transformers' generate, and no block leaks.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import ray
+
+from router.launcher import LocalCluster
+from tests.cluster_util import Client, cluster_config
+from tests.reference import hf_greedy
+
+pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
+BS = 16
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(10, 2000) for _ in range(n)]
+
+
+def _assert_whole(cluster: LocalCluster) -> None:
+    """No request holds a block; cached blocks are free to evict (free + used == total)."""
+    for w in cluster.router.pools.all():
+        counts = ray.get(w.actor.check.remote())
+        assert counts["used"] == 0 and counts["free"] == counts["total"], f"{w.name}: {counts}"
+
+
+def _usage(client: Client, prompt: list[int], max_tokens: int = 6) -> tuple[list[int], object]:
+    tokens, last = client.tokens(prompt, max_tokens=max_tokens, ignore_eos=True)
+    return tokens, last.usage
+
+
+@pytest.fixture(scope="module")
+def cache_aware(llama_dir):
+    cfg = cluster_config(llama_dir, prefill={"replicas": 2}, decode={"replicas": 2},
+                         router={"policy": "cache_aware"})
+    with LocalCluster(cfg) as c:
+        yield c
+
+
+def test_repeated_prefix_is_computed_once_and_only_new_blocks_move(cache_aware, llama_dir):
+    client = Client(cache_aware.address)
+    system = _tokens(5 * BS, seed=1)  # a shared "system prompt" of 5 full blocks
+    first = system + _tokens(7, seed=2)
+    second = system + _tokens(9, seed=3)
+    t1, u1 = _usage(client, first)
+    t2, u2 = _usage(client, second)
+    assert t1 == hf_greedy(llama_dir, first, 6, ignore_eos=True)
+    assert t2 == hf_greedy(llama_dir, second, 6, ignore_eos=True)
+    assert u1.cached_tokens == 0 and u1.kv_cached_blocks == 0
+    # the same prefill and decode workers: 5 blocks reused there, only the 6th block is sent
+    assert (u2.prefill_worker, u2.decode_worker) == (u1.prefill_worker, u1.decode_worker)
+    assert u2.cached_tokens == 5 * BS
+    assert u2.kv_cached_blocks == 5
+    block_bytes = u1.kv_transfer_bytes // 6  # the first request sent all of its 6 blocks
+    assert u2.kv_transfer_bytes == 1 * block_bytes
+    _assert_whole(cache_aware)
+    client.close()
+
+
+def test_a_conversation_returns_to_the_workers_that_hold_it(cache_aware, llama_dir):
+    """Turn 2 = turn 1's prompt + its answer + a new message: the earlier turn is cached."""
+    client = Client(cache_aware.address)
+    turn1 = _tokens(3 * BS + 5, seed=10)
+    answer, u1 = _usage(client, turn1, max_tokens=20)
+    turn2 = turn1 + answer + _tokens(6, seed=11)
+    t2, u2 = _usage(client, turn2)
+    assert t2 == hf_greedy(llama_dir, turn2, 6, ignore_eos=True)
+    assert u2.prefill_worker == u1.prefill_worker and u2.decode_worker == u1.decode_worker
+    assert u2.cached_tokens == 3 * BS  # the prompt's full blocks (the answer's were never on prefill)
+    # the decode worker computed the answer too: every full block of turn 1 + answer is there
+    assert u2.kv_cached_blocks == (len(turn1) + len(answer) - 1) // BS
+    status = client.status()
+    cached = {w.name: w.kv_blocks_cached for w in status.workers}
+    assert cached[u1.prefill_worker] >= 3 and cached[u1.decode_worker] >= u2.kv_cached_blocks
+    metrics = cache_aware.router.metrics.render().decode()
+    assert 'pdserve_prefix_cache_hit_tokens_total{pool="prefill"}' in metrics
+    assert "pdserve_kv_transfer_saved_bytes_total" in metrics
+    _assert_whole(cache_aware)
+    client.close()
+
+
+def test_concurrent_requests_sharing_a_new_prefix_stay_exact(cache_aware, llama_dir):
+    client = Client(cache_aware.address)
+    shared = _tokens(4 * BS, seed=20)
+    prompts = [shared + _tokens(3 + i, seed=30 + i) for i in range(6)]
+    got = client.many(prompts, max_tokens=8, ignore_eos=True)
+    assert got == [hf_greedy(llama_dir, p, 8, ignore_eos=True) for p in prompts]
+    _assert_whole(cache_aware)
+    client.close()
+
+
+def test_caching_off_computes_everything(llama_dir):
+    cfg = cluster_config(llama_dir, kv_cache={"prefix_caching": False}, router={"policy": "round_robin"})
+    with LocalCluster(cfg) as cluster:
+        client = Client(cluster.address)
+        prompt = _tokens(4 * BS + 3, seed=40)
+        for _ in range(2):
+            tokens, usage = _usage(client, prompt)
+            assert tokens == hf_greedy(llama_dir, prompt, 6, ignore_eos=True)
+            assert usage.cached_tokens == 0 and usage.kv_cached_blocks == 0
+        assert all(w.kv_blocks_cached == 0 for w in client.status().workers)
+        _assert_whole(cluster)
+        client.close()
