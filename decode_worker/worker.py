@@ -22,6 +22,7 @@ from engine.faults import FaultConfig, Faults
 from engine.messages import Reservation, Reserved, StartDecode, WorkerInfo, WorkerStats
 from engine.outbox import Outbox
 from engine.request import RequestOutput, SamplingParams
+from engine.telemetry import StepRecord
 from engine.worker_core import WorkerCore
 from kv_transfer import KVReceiver, KVTransferConfig, Rendezvous
 
@@ -70,9 +71,10 @@ class DecodeWorker:
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                        output_token_ids: list[int] | None = None, emitted_chars: int = 0) -> None:
         """Prefill and decode here; `output_token_ids`: tokens an earlier attempt streamed."""
+        arrived = time.perf_counter()
         await self.core.run(lambda e: e.add_request(request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
                                                     output_token_ids=output_token_ids or None,
-                                                    emitted_chars=emitted_chars))
+                                                    emitted_chars=emitted_chars, arrived_at=arrived))
 
     # ---- disaggregated --------------------------------------------------------------
     async def reserve(self, r: Reservation) -> Reserved | None:
@@ -157,6 +159,10 @@ class DecodeWorker:
     async def stats(self, resync: bool = False) -> WorkerStats:
         """Load, block counts and the prefix-cache changes since the last call (all of it if `resync`)."""
         return await self.core.stats(self.receiver.num_channels if self.receiver else 0, resync)
+
+    async def telemetry(self, since: int = 0) -> list[StepRecord]:
+        """Per-step records after `since`, for `pdserve bench`'s bottleneck report."""
+        return await self.core.telemetry(since)
 
     async def check(self) -> dict:
         return await self.core.check()

@@ -31,6 +31,7 @@ from engine.model_runner import ModelRunner, ScheduledItem
 from engine.request import InvalidRequest, Request, RequestOutput, SamplingParams, Status
 from engine.sampler import sample_isolated
 from engine.scheduler import PrefixStats, Scheduler
+from engine.telemetry import StepLog, TokenKind
 from engine.validation import RequestValidator, validate_request_id
 
 log = logging.getLogger(__name__)
@@ -69,12 +70,16 @@ class LLMEngine:
         self._generator = torch.Generator().manual_seed(config.seed)
         self._ready: list[RequestOutput] = []  # final outputs of requests that ended at admission
         self.stats = StepStats()
+        self.telemetry = StepLog()  # per-step records for `pdserve bench`'s bottleneck report
+        self._preemptions_logged = 0
 
     # ---- admission -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
                     sampling: SamplingParams | None = None, prefill_only: bool = False,
-                    output_token_ids: list[int] | None = None, emitted_chars: int = 0) -> Request:
-        """Validate (raises InvalidRequest) and queue a request.
+                    output_token_ids: list[int] | None = None, emitted_chars: int = 0,
+                    arrived_at: float | None = None) -> Request:
+        """Validate (raises InvalidRequest) and queue a request. `arrived_at` (perf_counter): when
+        its worker received it, so its TTFT split counts waiting for the engine thread as queueing.
 
         A resumed request brings the `output_token_ids` it already produced elsewhere, the text of
         whose first `emitted_chars` characters reached the client: prompt + outputs are computed as
@@ -89,6 +94,10 @@ class LLMEngine:
         if outputs:
             self.validator.check_resumed(outputs, sampling)
         req = self._build(request_id, ids, sampling, prefill_only)
+        if outputs:  # its first token here follows a move from another worker
+            req.timing.next_kind = TokenKind.MIGRATED
+        if arrived_at is not None:
+            req.timing.added_at = arrived_at
         reason = self._replay(req, outputs, emitted_chars)
         if reason is not None:
             self._finish_at_admission(req, reason)
@@ -187,6 +196,7 @@ class LLMEngine:
         num_cached = self._cached_reserved_blocks(request_id, list(prompt_token_ids) + list(output_token_ids))
         request = self._build(request_id, list(prompt_token_ids), sampling, prefill_only=False)
         request.num_cached_tokens = num_cached * self.config.block_size
+        request.timing.next_kind = TokenKind.KV_HANDOFF
         reason = self._replay(request, output_token_ids, emitted_chars)
         request.block_ids = self.reserved.pop(request_id)
         self._register(request, 0, min(num_computed, request.num_tokens))  # a stop may have cut the outputs
@@ -240,7 +250,13 @@ class LLMEngine:
             it.request.num_computed_tokens += it.num_tokens
         tokens = sample_isolated(logits, sampling, self._generator)
         outputs = [self._emit(req, tok) for req, tok in zip(sampling, tokens, strict=True)]
+        step_kind = TokenKind.DECODE if all(it.is_decode for it in items) else TokenKind.INTERFERENCE
         self._record(items, t0, t1, t2, time.perf_counter())
+        for req, out in zip(sampling, outputs, strict=True):
+            if out.token_ids:  # after _record: a first token's prefill compute includes this step
+                out.step_kind = req.timing.take_kind(step_kind)
+                if out.step_kind == TokenKind.FIRST:
+                    out.prefill_timing = req.timing.first_token()
         return outputs
 
     def _record(self, items: list[ScheduledItem], t0: float, t1: float, t2: float, t3: float) -> None:
@@ -253,6 +269,15 @@ class LLMEngine:
             s.decode_step_s += t3 - t0
             s.decode_forward_s += t2 - t1
             s.batch_sizes.append(len(items))
+        chunks = [it for it in items if not it.is_decode]
+        for it in chunks:
+            it.request.timing.compute_s += t3 - t0
+        preempted = self.scheduler.num_preemptions - self._preemptions_logged
+        self._preemptions_logged = self.scheduler.num_preemptions
+        self.telemetry.append(wall_s=t3 - t0, decode_rows=len(items) - len(chunks), prefill_rows=len(chunks),
+                              prefill_tokens=sum(it.num_tokens for it in chunks),
+                              blocks_used=self.allocator.num_used, blocks_free=self.allocator.num_free,
+                              preemptions=preempted, waiting=self.num_waiting)
 
     def _emit(self, req: Request, token: int | Exception) -> RequestOutput:
         if isinstance(token, Exception):

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from engine.request import SamplingParams
+from engine.telemetry import PrefillTiming
 
 
 @dataclass(frozen=True)
@@ -101,6 +102,8 @@ class PrefillResult:
     finish_reason: str | None  # "prefilled" = KV is on its way to the decode worker
     prefill_s: float  # worker-side time from arrival to first token (queueing + compute)
     cached_tokens: int = 0  # context tokens whose KV came from the prefill worker's prefix cache
+    step_kind: str = "F"  # engine.telemetry.TokenKind of the token: F, or M after a migration
+    timing: PrefillTiming | None = None  # where the engine's time to this first token went
 
 
 @dataclass(frozen=True)

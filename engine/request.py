@@ -19,6 +19,7 @@ from engine.limits import (
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
 )
+from engine.telemetry import PrefillTiming, RequestTiming
 
 if TYPE_CHECKING:
     import torch
@@ -100,6 +101,8 @@ class RequestOutput:
     kv_transfer_bytes: int = 0
     retryable: bool = False  # set by workers on an error another worker may retry; never by the engine
     num_cached_tokens: int = 0  # prompt (+ resumed output) tokens whose KV the prefix cache supplied
+    step_kind: str = ""  # one engine.telemetry.TokenKind per token in token_ids
+    prefill_timing: PrefillTiming | None = None  # on the output carrying a request's first token
 
     @property
     def finished(self) -> bool:
@@ -124,6 +127,7 @@ class Request:
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # tokens found in the prefix cache at the first admission
     block_hashes: list[bytes] = field(default_factory=list)  # of the leading full blocks; grown lazily
+    timing: RequestTiming = field(default_factory=RequestTiming)  # TTFT split and the next token's kind
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -20,6 +20,7 @@ from engine.config import EngineConfig
 from engine.kv_cache import BlockAllocator
 from engine.model_runner import ScheduledItem
 from engine.request import Request, Status
+from engine.telemetry import KVWaitClock
 
 
 @dataclass
@@ -38,8 +39,11 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.prefix_stats = PrefixStats()
+        self.num_preemptions = 0  # since start (engine/telemetry.py: per step)
+        self.kv_clock = KVWaitClock()  # how long admission stood still for want of KV blocks
 
     def add(self, request: Request) -> None:
+        request.timing.waiting(self.kv_clock)
         self.waiting.append(request)
 
     def admit_running(self, request: Request) -> None:
@@ -96,20 +100,26 @@ class Scheduler:
         req.block_ids = []
         req.num_computed_tokens = 0
         req.num_preemptions += 1
+        self.num_preemptions += 1
+        req.timing.preempted(self.kv_clock)
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 
     def _admit_waiting(self, budget: int, items: list[ScheduledItem]) -> int:
+        blocked = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
             n = self._take_blocks(req, budget)
             if n is None:
+                blocked = True
                 break  # head-of-line waits for blocks; FIFO keeps arrival order fair
             self.waiting.popleft()
+            req.timing.admitted(self.kv_clock)
             req.status = Status.RUNNING
             self.running.append(req)
             items.append(ScheduledItem(req, n))
             budget -= n
+        self.kv_clock.set_blocked(blocked)
         return budget
 
     def _take_blocks(self, req: Request, budget: int) -> int | None:

@@ -20,6 +20,7 @@ from engine.llm_engine import LLMEngine
 from engine.loop import EngineLoop
 from engine.messages import CacheDelta, WorkerInfo, WorkerStats
 from engine.request import RequestOutput
+from engine.telemetry import StepRecord
 
 
 class WorkerCore:
@@ -71,6 +72,10 @@ class WorkerCore:
         if resync:
             return CacheDelta(self.cache_seq, tuple(e.allocator.cached_hashes()), (), snapshot=True)
         return CacheDelta(self.cache_seq, tuple(stored), tuple(removed))
+
+    async def telemetry(self, since: int = 0) -> list[StepRecord]:
+        """The engine's step records numbered after `since` (engine/telemetry.py)."""
+        return await self.run(lambda e: e.telemetry.since(since))
 
     async def check(self) -> dict:
         """Integrity of the KV pool; returns the block counts for the caller to compare."""

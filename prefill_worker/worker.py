@@ -22,6 +22,7 @@ from engine.faults import FaultConfig, Faults
 from engine.messages import PrefillResult, PrefillTask, TransferFailed, WorkerInfo, WorkerStats
 from engine.outbox import Outbox
 from engine.request import RequestOutput
+from engine.telemetry import StepRecord
 from engine.worker_core import WorkerCore
 from kv_transfer import KVSender, KVTransferConfig
 
@@ -65,7 +66,7 @@ class PrefillWorker:
         arrived = time.perf_counter()
         if task.request_id in self._aborted:
             raise asyncio.CancelledError(f"{task.request_id} was cancelled")
-        out = await self._first_token(task)
+        out = await self._first_token(task, arrived)
         if out.finish_reason == "error":
             raise PrefillFailed(f"prefill failed on {self.core.name}: {out.text}")
         if not out.token_ids:  # the outputs it resumed from had already ended it: a router bug
@@ -74,15 +75,15 @@ class PrefillWorker:
             self._push_kv(task.request_id, task.decode_name, task.skip_blocks)
             self.core.aio.call_later(KILL_DELAY_S, self.faults.maybe_kill, "prefill.after_first_token")
         return PrefillResult(task.request_id, out.token_ids[0], out.text, out.finish_reason,
-                             time.perf_counter() - arrived, out.num_cached_tokens)
+                             time.perf_counter() - arrived, out.num_cached_tokens, out.step_kind, out.prefill_timing)
 
-    async def _first_token(self, task: PrefillTask) -> RequestOutput:
+    async def _first_token(self, task: PrefillTask, arrived: float) -> RequestOutput:
         fut = self.core.aio.create_future()
         self._waiters[task.request_id] = fut
         try:
             await self.core.run(lambda e: e.add_request(
                 task.request_id, prompt_token_ids=task.prompt_token_ids, sampling=task.sampling, prefill_only=True,
-                output_token_ids=task.output_token_ids or None, emitted_chars=task.emitted_chars))
+                output_token_ids=task.output_token_ids or None, emitted_chars=task.emitted_chars, arrived_at=arrived))
             return await fut
         finally:
             self._waiters.pop(task.request_id, None)
@@ -174,6 +175,10 @@ class PrefillWorker:
     async def stats(self, resync: bool = False) -> WorkerStats:
         """Load, block counts and the prefix-cache changes since the last call (all of it if `resync`)."""
         return await self.core.stats(self.sender.num_channels, resync)
+
+    async def telemetry(self, since: int = 0) -> list[StepRecord]:
+        """Per-step records after `since`, for `pdserve bench`'s bottleneck report."""
+        return await self.core.telemetry(since)
 
     async def check(self) -> dict:
         return await self.core.check()

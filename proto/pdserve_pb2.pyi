@@ -49,7 +49,7 @@ class GenerateRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "completion_tokens", "ttft_ms", "queue_ms", "prefill_worker", "decode_worker", "prefill_ms", "kv_transfer_ms", "kv_transfer_bytes", "migrations", "cached_tokens", "kv_cached_blocks")
+    __slots__ = ("prompt_tokens", "completion_tokens", "ttft_ms", "queue_ms", "prefill_worker", "decode_worker", "prefill_ms", "kv_transfer_ms", "kv_transfer_bytes", "migrations", "cached_tokens", "kv_cached_blocks", "kv_wait_ms", "prefill_queue_ms", "prefill_compute_ms", "token_steps")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TTFT_MS_FIELD_NUMBER: _ClassVar[int]
@@ -62,6 +62,10 @@ class Usage(_message.Message):
     MIGRATIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_WAIT_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_QUEUE_MS_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_COMPUTE_MS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_STEPS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     completion_tokens: int
     ttft_ms: float
@@ -74,7 +78,11 @@ class Usage(_message.Message):
     migrations: int
     cached_tokens: int
     kv_cached_blocks: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., migrations: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ...) -> None: ...
+    kv_wait_ms: float
+    prefill_queue_ms: float
+    prefill_compute_ms: float
+    token_steps: str
+    def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., ttft_ms: _Optional[float] = ..., queue_ms: _Optional[float] = ..., prefill_worker: _Optional[str] = ..., decode_worker: _Optional[str] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., kv_transfer_bytes: _Optional[int] = ..., migrations: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., kv_cached_blocks: _Optional[int] = ..., kv_wait_ms: _Optional[float] = ..., prefill_queue_ms: _Optional[float] = ..., prefill_compute_ms: _Optional[float] = ..., token_steps: _Optional[str] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "token_ids", "text", "finish_reason", "usage")

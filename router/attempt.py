@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator
 
 from engine.messages import PrefillTask, Reservation, Reserved, StartDecode
 from engine.request import RequestOutput
+from engine.telemetry import PrefillTiming
 from router.admission import Admission
 from router.calls import call
 from router.config import ClusterConfig
@@ -44,9 +45,10 @@ class Attempts:
 
     # ---- disaggregated ------------------------------------------------------------------
     async def _disaggregated(self, life: RequestLife) -> AsyncIterator[Chunk]:
-        (prefill, decode), waited = await self.admission.place(lambda: self._place_pair(life), self.accepting,
-                                                               self.rc.queue_timeout_s)
-        self._observe_queue(life, waited)
+        waits = QueueWaits()
+        (prefill, decode), waited = await self.admission.place(lambda: self._place_pair(life, waits),
+                                                               self.accepting, self.rc.queue_timeout_s)
+        self._observe_queue(life, waited, waits)
         aid = life.attempt_id
         life.to(Phase.PREFILLING)
         task = PrefillTask(aid, life.prompt_token_ids, life.sampling, decode.name, list(life.output_token_ids),
@@ -60,6 +62,7 @@ class Attempts:
         prefill.peers.add(decode.name)
         life.usage["prefill_ms"] = life.usage.get("prefill_ms", 0.0) + res.prefill_s * 1e3
         life.usage["cached_tokens"] = res.cached_tokens
+        _observe_first_token(life, res.step_kind, res.timing)
         self.metrics.observe_prefill(res.prefill_s)
         self.metrics.observe_prefix("prefill", life.num_context_tokens(), res.cached_tokens)
         finish = None if res.finish_reason == "prefilled" else res.finish_reason
@@ -80,17 +83,17 @@ class Attempts:
         async for chunk in self._stream(life, decode):
             yield chunk
 
-    async def _place_pair(self, life: RequestLife) -> tuple[WorkerView, WorkerView] | None:
+    async def _place_pair(self, life: RequestLife, waits: QueueWaits) -> tuple[WorkerView, WorkerView] | None:
         prefill_ready = self._ready_or_wait("prefill")
         decode_ready = self._ready_or_wait("decode")
         if not prefill_ready or not decode_ready:
-            return None
+            return waits.failed("workers")
         bs = decode_ready[0].info.block_size
         hashes = life.context_hashes(bs)
         context = life.num_context_tokens()
         prefill = self.placer.pick_prefill(prefill_ready, hashes, context, self.rc.max_prefill_inflight)
         if prefill is None:
-            return None
+            return waits.failed("prefill")
         num_tokens = context + 1  # the KV pushed, plus the next token
         needed = -(-num_tokens // bs)
         lease_s = self.rc.prefill_timeout_s + self.config.kv_transfer.timeout_s + self.rc.call_timeout_s
@@ -104,7 +107,7 @@ class Attempts:
                 return prefill, decode
             self._unhold(life, decode)
             decode.free_blocks = min(decode.free_blocks, needed - 1)
-        return None
+        return waits.failed("kv")
 
     def _reserved(self, life: RequestLife, prefill: WorkerView, decode: WorkerView, reserved: Reserved,
                   hashes: list[bytes]) -> None:
@@ -123,22 +126,23 @@ class Attempts:
 
     # ---- colocated ------------------------------------------------------------------------
     async def _colocated(self, life: RequestLife) -> AsyncIterator[Chunk]:
-        w, waited = await self.admission.place(lambda: self._place_colocated(life), self.accepting,
+        waits = QueueWaits()
+        w, waited = await self.admission.place(lambda: self._place_colocated(life, waits), self.accepting,
                                                self.rc.queue_timeout_s)
-        self._observe_queue(life, waited)
+        self._observe_queue(life, waited, waits)
         ref = w.actor.generate.remote(life.attempt_id, life.prompt_token_ids, life.sampling,
                                       list(life.output_token_ids), life.emitted_chars)
         await call(w, ref, self.rc.call_timeout_s, "generate")
         async for chunk in self._stream(life, w):
             yield chunk
 
-    async def _place_colocated(self, life: RequestLife) -> WorkerView | None:
+    async def _place_colocated(self, life: RequestLife, waits: QueueWaits) -> WorkerView | None:
         limit = self.config.scheduler.max_num_seqs + self.rc.max_prefill_inflight
         workers = self._ready_or_wait("decode")
         hashes = life.context_hashes(workers[0].info.block_size) if workers else []
         ready = self.placer.decode_candidates(workers, hashes, 0, limit)
-        if not ready:
-            return None
+        if not ready:  # every worker has its fill of requests: a turn, like a prefill slot
+            return waits.failed("prefill" if workers else "workers")
         self._hold(life, ready[0], Phase.DECODING)
         self.placer.placed(ready[0], hashes)
         return ready[0]
@@ -164,8 +168,14 @@ class Attempts:
         life.decode = None
         w.inflight.discard(life.attempt_id)
 
-    def _observe_queue(self, life: RequestLife, waited: float) -> None:
+    def _observe_queue(self, life: RequestLife, waited: float, waits: QueueWaits) -> None:
         life.usage["queue_ms"] = life.usage.get("queue_ms", 0.0) + waited * 1e3
+        # the TTFT split (docs/metrics.md): a prefill slot is prefill queueing, anything else KV capacity
+        waits.failed(None)
+        prefill_s = min(waited, waits.spent.get("prefill", 0.0))
+        if not life.output_token_ids:
+            _add_ms(life, "prefill_queue_ms", prefill_s)
+            _add_ms(life, "kv_wait_ms", max(0.0, waited - prefill_s))
         self.metrics.observe_queue(waited)
         if life.decode is not None:
             life.usage["decode_worker"] = life.decode.name
@@ -186,6 +196,8 @@ class Attempts:
                     raise Retry(f"{w.name}: {out.text}") if out.retryable else InternalError(out.text)
             if not outputs:
                 continue
+            for out in outputs:
+                _observe_first_token(life, out.step_kind, out.prefill_timing)
             if life.phase is Phase.HANDOFF:  # the KV landed: the prefill worker holds nothing now
                 life.to(Phase.DECODING)
                 life.prefill = None
@@ -234,6 +246,37 @@ class Attempts:
                          completion_tokens=len(life.output_token_ids), migrations=life.migrations,
                          ttft_ms=((life.first_token_at or now) - life.accepted) * 1e3)
         return Chunk(out.token_ids, out.text, out.finish_reason, usage)
+
+
+class QueueWaits:
+    """What one request waited for in the router's queue: each failed placement names its reason,
+    and the time until the next try is charged to it (`spent`, seconds per reason)."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+        self._reason: str | None = None
+        self._since = 0.0
+
+    def failed(self, reason: str | None, now: float | None = None) -> None:
+        """A placement failed for `reason` (None: it succeeded; the last wait ends)."""
+        now = time.perf_counter() if now is None else now
+        if self._reason is not None:
+            self.spent[self._reason] = self.spent.get(self._reason, 0.0) + now - self._since
+        self._reason, self._since = reason, now
+
+
+def _add_ms(life: RequestLife, key: str, seconds: float) -> None:
+    life.usage[key] = life.usage.get(key, 0.0) + seconds * 1e3
+
+
+def _observe_first_token(life: RequestLife, kind: str, timing: PrefillTiming | None) -> None:
+    """Appends the kinds of the tokens about to stream (engine/telemetry.py); before the
+    request's first token, adds where the worker's time to it went."""
+    life.usage["token_steps"] = life.usage.get("token_steps", "") + kind
+    if timing is not None and not life.output_token_ids:
+        _add_ms(life, "kv_wait_ms", timing.kv_wait_s)
+        _add_ms(life, "prefill_queue_ms", timing.queue_s)
+        _add_ms(life, "prefill_compute_ms", timing.compute_s)
 
 
 def _queued_failure(life: RequestLife) -> Exception | None:

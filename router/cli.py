@@ -1,4 +1,4 @@
-"""`pdserve` command line: serve, generate, chat, status, scale, convert-gguf, bench, plan.
+"""`pdserve` command line: serve, generate, chat, status, scale, convert-gguf, bench, plan, inspect.
 
 The CLI only maps flags onto the config and the gRPC API. Usage and config errors print one
 line naming the problem and exit 2; a failed RPC prints its status and exits 1.
@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from router import chat, client, credentials, model_convert
+from router import chat, client, credentials, inspect_workload, model_convert
 from router import plan as plan_cli
 from router.bench import cli as bench_cli
 from router.config import ClusterConfig, ConfigError, load_config
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_convert(sub)
     bench_cli.add_parser(sub)
     plan_cli.add_parser(sub)
+    inspect_workload.add_parser(sub)  # not router/inspect.py: that name would shadow the stdlib's
     return parser
 
 

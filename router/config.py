@@ -97,6 +97,11 @@ class RouterSection:
     policy: Policy = "cache_aware"
     prefill_policy: Policy | None = None
     decode_policy: Policy | None = None
+    # append one JSON line per finished request (router/request_log.py): timings, lengths and
+    # 512-token block hashes, a Mooncake-format trace for `pdserve inspect` and `pdserve bench
+    # --trace`; relative to cluster.yaml; null = off. Prompts only with request_log_prompts.
+    request_log: str | None = None
+    request_log_prompts: bool = False
     tls: TLSSection = field(default_factory=TLSSection)
     auth: AuthSection = field(default_factory=AuthSection)
 
@@ -190,6 +195,9 @@ def load_config(path: str | Path) -> ClusterConfig:
     model_path = Path(cfg.model.path)
     if not model_path.is_absolute():
         model_path = (path.parent / model_path).resolve()
+    if cfg.router.request_log is not None:
+        cfg = dataclasses.replace(cfg, router=dataclasses.replace(
+            cfg.router, request_log=str((path.parent / cfg.router.request_log).resolve())))
     return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_path)))
 
 

@@ -42,7 +42,9 @@ def usage_to_proto(u: dict) -> pb.Usage:
                     prefill_worker=u.get("prefill_worker", ""), decode_worker=u.get("decode_worker", ""),
                     prefill_ms=u.get("prefill_ms", 0.0), kv_transfer_ms=u.get("kv_transfer_ms", 0.0),
                     kv_transfer_bytes=u.get("kv_transfer_bytes", 0), migrations=u.get("migrations", 0),
-                    cached_tokens=u.get("cached_tokens", 0), kv_cached_blocks=u.get("kv_cached_blocks", 0))
+                    cached_tokens=u.get("cached_tokens", 0), kv_cached_blocks=u.get("kv_cached_blocks", 0),
+                    kv_wait_ms=u.get("kv_wait_ms", 0.0), prefill_queue_ms=u.get("prefill_queue_ms", 0.0),
+                    prefill_compute_ms=u.get("prefill_compute_ms", 0.0), token_steps=u.get("token_steps", ""))
 
 
 def pool_status_to_proto(p: PoolView) -> pb.PoolStatus:

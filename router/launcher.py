@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import os
 import signal
+import socket
 import threading
 import typing
 from pathlib import Path
@@ -47,6 +48,7 @@ def init_ray(cfg: ClusterConfig) -> bool:
     if ray.is_initialized():
         return False
     if cfg.ray.address:
+        _check_answers(cfg.ray.address)
         try:
             ray.init(address=cfg.ray.address, log_to_driver=True)
         except (ConnectionError, RuntimeError) as e:  # Ray retries for a while before this
@@ -64,6 +66,18 @@ def init_ray(cfg: ClusterConfig) -> bool:
     ray.init(num_cpus=num_cpus, include_dashboard=False,
              object_store_memory=parse_bytes(cfg.ray.object_store_memory), log_to_driver=True)
     return True
+
+
+def _check_answers(address: str) -> None:
+    """A head address nothing answers at fails here in seconds, not after Ray's minutes of retries."""
+    host, _, port = address.rpartition(":")
+    if not host or "://" in host or not port.isdigit():
+        return  # "auto", ray://...: Ray resolves those itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=5).close()
+    except OSError as e:
+        raise ConfigError(f"ray.address: nothing answers at {address} ({e.strerror or e}); is the Ray head "
+                          "running there (`ray start --head`, see docs/deploy.md)?") from None
 
 
 class RunningCluster:

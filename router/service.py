@@ -32,6 +32,7 @@ from router.metrics import RouterMetrics
 from router.monitor import Monitor
 from router.placement import WorkerView
 from router.pool import PoolManager
+from router.request_log import RequestLog
 from router.stream import CannotPlace, Chunk, Retry, Unavailable
 
 log = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Router:
                                           config.router.max_prompt_bytes)
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # one: the tokenizer is not re-entrant
         self.pools = PoolManager(config)
+        self.request_log = RequestLog.open(config.router)  # None unless router.request_log is set
         self.admission = Admission(config.router.max_queue)
         self.lives: dict[int, RequestLife] = {}
         self._client_ids: set[str] = set()
@@ -77,6 +79,8 @@ class Router:
         self.monitor.stop()
         await self.pools.stop_all()
         self._tokenize.shutdown(wait=False, cancel_futures=True)
+        if self.request_log is not None:
+            self.request_log.close()
 
     @property
     def serving(self) -> bool:
@@ -115,6 +119,8 @@ class Router:
             while True:
                 try:
                     async for chunk in self.attempts.run(life):
+                        if chunk.finish_reason is not None and self.request_log is not None:
+                            self.request_log.write(life, chunk.finish_reason, chunk.usage or {})
                         yield chunk
                     self._abort_all(life.release(), life.attempt_id)
                     return

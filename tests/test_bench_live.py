@@ -79,12 +79,12 @@ class _SlowFirstMessage:
         self._delayed = delayed
         self._sent = 0
 
-    def Generate(self, request):
+    def Generate(self, request, metadata=()):
         delay_s = SLOW_FIRST_S if self._sent % 2 == 0 else 0.0
         self._sent += 1
         if delay_s:
             self._delayed.add(request.request_id.rsplit("-", 1)[0])  # "<spec id>-<run nonce>"
-        return self._stream(self._stub.Generate(request), delay_s)
+        return self._stream(self._stub.Generate(request, metadata=metadata), delay_s)
 
     @staticmethod
     async def _stream(call, delay_s: float):

@@ -6,7 +6,10 @@ Measure a running router (`--router HOST:PORT`, gRPC), any OpenAI-compatible ser
 after another, replay the same requests against each and stop it: each arrangement at the
 same total worker count (`--arrangements`), or the disaggregated cluster once per placement
 policy at the same prefill + decode workers (`--policies`), every one with cold caches.
-Input and connection problems exit 2 with one line.
+The report names what limits each run's p99 TTFT and ITL, ranks the runs at equal worker count
+(goodput, SLO attainment, tokens per worker-second, cost with --cost-per-worker-hour) and
+recommends one; `--report FILE.html` writes it as one page. Input and connection problems exit
+2 with one line.
 """
 
 from __future__ import annotations
@@ -16,13 +19,16 @@ import asyncio
 import dataclasses
 import json
 import sys
+import time
 import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from router import credentials
+from router.bench.bottleneck import collect_steps
 from router.bench.client import fetch_status, replay
+from router.bench.decision import rank, worker_counts
 from router.bench.errors import BenchError, WorkloadError
 from router.bench.metrics import RequestRecord, ideal_hit_rate, parse_slo
 from router.bench.openai_client import DEFAULT_EXTRA_BODY, Endpoint, parse_endpoint, replay_openai
@@ -31,10 +37,12 @@ from router.bench.report import build_summary, format_report, summarize_arrangem
 from router.bench.trace import parse_window
 from router.bench.workload import DEFAULT_VOCAB, Workload
 from router.config import Policy
+from router.request_log import block_ids
 
 ARRANGEMENTS = ("colocated", "colocated-chunked", "disaggregated", "disaggregated-chunked")
 POLICIES: tuple[str, ...] = typing.get_args(Policy)
 FALLBACK_MAX_CONTEXT = 2048
+DEFAULT_BLOCK_SIZE = 16  # requests.jsonl's block ids without --config: kv_cache.block_size's default
 
 
 def _typed(kind: Callable[[str], Any], check: Callable[[Any], bool], what: str) -> Callable:
@@ -160,6 +168,12 @@ def _add_report_options(parser: argparse.ArgumentParser) -> None:
                        help="seconds to wait for each router or server (default 10)")
     group.add_argument("--no-progress", action="store_true",
                        help="no progress on stderr (a bar on a terminal, else a line every few seconds)")
+    group.add_argument("--cost-per-worker-hour", type=_positive_float, metavar="USD",
+                       help="price of one worker for an hour: the ranking adds the cost per million output "
+                            "tokens (all, and of requests that met the SLO)")
+    group.add_argument("--report", metavar="FILE.html",
+                       help="also write one self-contained HTML page: recommendation, ranking, limits, "
+                            "latency tables and charts (charts need matplotlib)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -170,18 +184,28 @@ def run(args: argparse.Namespace) -> int:
         runs = _cluster_runs(args)
         base = _load_base_config(args.config) if args.config else None
         workload = build_workload(_workload_options(args, _model_limits(base)))
-        records, cluster = _measure(args, workload, base, runs)
+        records, cluster, steps = _measure(args, workload, base, runs)
     except BenchError as err:
         print(f"pdserve bench: {err}", file=sys.stderr)
         return 2
     described, by_policy = workload.describe(), args.policies is not None
-    ideal = None if base is None else ideal_hit_rate(
-        (r.prompt_token_ids for r in workload.requests), base.kv_cache.block_size)
-    summaries = summarize_arrangements(records, slo, described.get("burst"), ideal)
+    block_size = base.kv_cache.block_size if base is not None else None
+    ideal = None if block_size is None else ideal_hit_rate((r.prompt_token_ids for r in workload.requests), block_size)
+    summaries = summarize_arrangements(records, slo, described.get("burst"), ideal, steps)
     summary = build_summary(summaries, workload, slo, cluster, "policies" if by_policy else "arrangements")
-    print(json.dumps(summary, indent=2) if args.json
-          else format_report(summaries, "policy" if by_policy else "arrangement", described))
-    for path in write_report(Path(args.out), summary, records, args.plot):
+    workers = worker_counts(cluster, list(summaries), by_config=args.config is not None)
+    summary["decision"] = rank(summaries, workers, args.cost_per_worker_hour, summary["slo"])
+    label = "policy" if by_policy else "arrangement"
+    print(json.dumps(summary, indent=2) if args.json else format_report(summaries, label, described,
+                                                                          summary["decision"]))
+    blocks = block_size or DEFAULT_BLOCK_SIZE
+    prompt_blocks = (blocks, {r.request_id: block_ids(r.prompt_token_ids, blocks) for r in workload.requests})
+    written = write_report(Path(args.out), summary, records, args.plot, steps, prompt_blocks)
+    if args.report:
+        from router.bench.html_report import write_html  # matplotlib (charts) is slow to import
+
+        written.append(write_html(Path(args.report), summary, records, steps, label))
+    for path in written:
         print(f"wrote {path}", file=sys.stderr)
     return 0
 
@@ -263,12 +287,14 @@ def _cluster_runs(args: argparse.Namespace) -> list[str]:
     return _names("--arrangements", args.arrangements or ",".join(ARRANGEMENTS), ARRANGEMENTS)
 
 
-def _measure(args: argparse.Namespace, workload: Workload, base: Any,
-             runs: list[str]) -> tuple[dict[str, list[RequestRecord]], dict[str, Any]]:
+def _measure(args: argparse.Namespace, workload: Workload, base: Any, runs: list[str]
+             ) -> tuple[dict[str, list[RequestRecord]], dict[str, Any], dict[str, dict[str, Any]]]:
+    """(records per run, what the report says about the server, step records per run and worker:
+    only for clusters the bench starts itself)."""
     if args.router:
         label = args.label or "router"
         records, status = asyncio.run(_measure_address(args, args.router, label, workload))
-        return {label: records}, {"router": args.router, "status": status}
+        return {label: records}, {"router": args.router, "status": status}, {}
     if args.endpoint:
         label = args.label or "endpoint"
         url = parse_endpoint(args.endpoint)
@@ -276,7 +302,7 @@ def _measure(args: argparse.Namespace, workload: Workload, base: Any,
         records, server = asyncio.run(replay_openai(endpoint, workload, label,
                                                     connect_timeout_s=args.connect_timeout,
                                                     show_progress=not args.no_progress))
-        return {label: records}, server
+        return {label: records}, server, {}
     return _measure_clusters(args, workload, *_cluster_configs(args, base, runs))
 
 
@@ -318,15 +344,20 @@ def _cluster_configs(args: argparse.Namespace, base: Any,
     return configs, info
 
 
-def _measure_clusters(args: argparse.Namespace, workload: Workload, configs: dict[str, Any],
-                      info: dict[str, Any]) -> tuple[dict[str, list[RequestRecord]], dict[str, Any]]:
-    """Each cluster in turn: start it (cold caches), replay the same requests, stop it."""
+def _measure_clusters(args: argparse.Namespace, workload: Workload, configs: dict[str, Any], info: dict[str, Any]
+                      ) -> tuple[dict[str, list[RequestRecord]], dict[str, Any], dict[str, dict[str, Any]]]:
+    """Each cluster in turn: start it (cold caches), replay the same requests, collect its
+    workers' step records, stop it."""
     from router.launcher import LocalCluster
 
     records: dict[str, list[RequestRecord]] = {}
     statuses: dict[str, Any] = {}
+    steps: dict[str, dict[str, Any]] = {}
     for name, cfg in configs.items():
         with LocalCluster(cfg) as cluster:
+            started = time.time()  # the replay's clock starts within the channel's setup (ms) of this
             records[name], statuses[name] = asyncio.run(
                 _measure_address(args, cluster.address, name, workload))
-    return records, info | {"status": statuses}
+            steps[name] = collect_steps(cluster, started)
+    return records, info | {"status": statuses}, steps
+

@@ -11,7 +11,7 @@ reach on the same prompts (`ideal_hit_rate`).
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -177,6 +177,7 @@ def summarize_run(records: Sequence[RequestRecord], slo: Slo,
         "output_tok_per_s": _per_second(sum(r.output_tokens for r in done), wall),
         "request_per_s": _per_second(len(done), wall),
         "goodput_req_per_s": _per_second(good, wall),
+        "good_output_tokens": sum(r.output_tokens for r in records if meets_slo(r, slo)),
         "slo_attainment": good / len(records) if records else 0.0,
         "slo": slo.as_dict(),
         "server_ms": _server_breakdown(done),
@@ -223,12 +224,19 @@ def ideal_hit_rate(prompts: Iterable[Sequence[int]], block_size: int) -> float:
     each reuses its longest leading run of full blocks some earlier prompt had (a chained block
     hash names its whole prefix), at most (n - 1) // block_size blocks because the engine always
     computes a prompt's last token itself; hit tokens over all prompt tokens."""
-    seen: set[bytes] = set()
+    return ideal_hit_rate_blocks(((block_hashes(list(tokens), block_size), len(tokens)) for tokens in prompts),
+                                 block_size)
+
+
+def ideal_hit_rate_blocks(prompts: Iterable[tuple[Sequence[Hashable], int]], block_size: int) -> float:
+    """`ideal_hit_rate` over (ids of a prompt's blocks, its length in tokens): chained block
+    hashes, or a Mooncake trace's hash_ids (512-token blocks), where an equal id at an equal
+    position means an equal prefix. Ids past the prompt's full blocks are ignored."""
+    seen: set[Hashable] = set()
     hit = total = 0
-    for tokens in prompts:
-        hashes = block_hashes(tokens, block_size)
-        reusable = hashes[:(len(tokens) - 1) // block_size]
+    for ids, length in prompts:
+        reusable = list(ids[:(length - 1) // block_size]) if length > 0 else []
         hit += block_size * next((i for i, h in enumerate(reusable) if h not in seen), len(reusable))
-        total += len(tokens)
-        seen.update(hashes)
+        total += length
+        seen.update(ids[:length // block_size])
     return hit / total if total else 0.0

@@ -1,11 +1,14 @@
 """The bench report: a table per run on stdout (or, with `--json`, summary.json), and files under `--out DIR`.
 
-`summary.json`: {"workload": ..., "slo": ..., "cluster": ..., KIND: {name: summary}} where KIND
-is "policies" (`--policies`) or "arrangements" (every other mode) and each summary has
-ttft_ms/itl_ms/tpot_ms/e2e_ms (mean, p50, p95, p99), output_tok_per_s, goodput_req_per_s,
-slo_attainment, and the prefix-cache figures prompt_tokens, prefix_hit_rate, ideal_hit_rate,
-prefill_tokens_computed, kv_transfer_bytes. `requests.jsonl`: one line per request and run with
-its timestamps. `--plot` adds PNG charts (router.bench.plot).
+`summary.json`: {"workload": ..., "slo": ..., "cluster": ..., KIND: {name: summary}, "decision":
+...} where KIND is "policies" (`--policies`) or "arrangements" (every other mode) and each summary
+has ttft_ms/itl_ms/tpot_ms/e2e_ms (mean, p50, p95, p99), output_tok_per_s, goodput_req_per_s,
+slo_attainment, the prefix-cache figures prompt_tokens, prefix_hit_rate, ideal_hit_rate,
+prefill_tokens_computed, kv_transfer_bytes, and `bottleneck` (router/bench/bottleneck.py);
+"decision" is the ranking and recommendation (router/bench/decision.py). `requests.jsonl`: one
+line per request and run with its timestamps and its prompt's block ids; `steps.jsonl`: the
+workers' step records (clusters of --config). `--plot` adds PNG charts (router.bench.plot),
+`--report FILE` one self-contained HTML page (router.bench.html_report).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from router.bench.bottleneck import analyze, step_summary
 from router.bench.metrics import (
     RequestRecord,
     Slo,
@@ -38,11 +42,13 @@ BURST_TAIL_S = 3.0  # how long after the burst's last arrival its prefills can s
 
 def summarize_arrangements(records: Mapping[str, Sequence[RequestRecord]], slo: Slo,
                            burst: Mapping[str, Any] | None = None,
-                           ideal_hit_rate: float | None = None) -> dict[str, dict[str, Any]]:
+                           ideal_hit_rate: float | None = None,
+                           steps: Mapping[str, Mapping[str, Any]] | None = None) -> dict[str, dict[str, Any]]:
     """One `summarize_run` per run (arrangement or policy), in the order they ran, with the
     workload's `ideal_hit_rate`; where the workload mixes request groups (the id's prefix:
     "stream", "burst"), each group is summarized too, and with a burst the other groups' ITL
-    while it lands (`during_burst_itl_ms`)."""
+    while it lands (`during_burst_itl_ms`). `bottleneck`: the limits of p99 TTFT and ITL, with
+    the run's worker step records (`steps`: run -> worker -> {"pool", "blocks_total", "steps"})."""
     summaries = {}
     for name, runs in records.items():
         summary = summarize_run(runs, slo) | {"ideal_hit_rate": ideal_hit_rate}
@@ -56,6 +62,9 @@ def summarize_arrangements(records: Mapping[str, Sequence[RequestRecord]], slo: 
             gaps = [itls_between(r, *window) for r in runs if r.ok and not r.request_id.startswith("burst")]
             summary["during_burst_itl_ms"] = latency_stats_ms(np.concatenate(gaps) if gaps else [])
             summary["during_burst_window_s"] = list(window)
+        workers = (steps or {}).get(name)
+        summary["bottleneck"] = analyze(runs, step_summary(workers, summary["wall_s"]) if workers else None,
+                                        tuple(summary["during_burst_window_s"]) if burst is not None else None)
         summaries[name] = summary
     return summaries
 
@@ -152,7 +161,7 @@ def format_burst(summaries: Mapping[str, Mapping[str, Any]], label: str = "arran
 
 
 def format_report(summaries: Mapping[str, Mapping[str, Any]], label: str = "arrangement",
-                  workload: Mapping[str, Any] | None = None) -> str:
+                  workload: Mapping[str, Any] | None = None, decision: Mapping[str, Any] | None = None) -> str:
     """A block per run, then side-by-side comparisons (`label` names the column: arrangement or
     policy) when there are several; with a shared-prefix workload, the share of its prompts the
     prefixes make up (what a prefix cache can at best save)."""
@@ -168,11 +177,41 @@ def format_report(summaries: Mapping[str, Mapping[str, Any]], label: str = "arra
         blocks.append(format_burst(summaries, label))
     if workload is not None and "shared_fraction" in workload:
         blocks.append(f"workload: a shared prefix makes up {workload['shared_fraction']:.1%} of the prompt tokens")
+    if any((s.get("bottleneck") or {}).get("itl_p99") or (s.get("bottleneck") or {}).get("ttft_p99")
+           for s in summaries.values()):
+        blocks.append(format_bottlenecks(summaries))
+    if decision is not None:
+        blocks.append(format_decision(decision, label))
     return "\n\n".join(blocks)
 
 
-def record_to_json(record: RequestRecord) -> dict[str, Any]:
-    """One requests.jsonl line (seconds since its run started; `arrangement`: the run's name)."""
+def format_bottlenecks(summaries: Mapping[str, Mapping[str, Any]]) -> str:
+    """Per run: the sentence naming the limit of p99 TTFT, of p99 ITL (and while a burst lands)."""
+    lines = ["what limits each run (router/bench/bottleneck.py)"]
+    for name, s in summaries.items():
+        found = s.get("bottleneck") or {}
+        sentences = [found[k]["sentence"] for k in ("ttft_p99", "itl_p99", "itl_during_burst") if found.get(k)]
+        lines += [f"{name}:"] + [f"  {text}" for text in sentences or ["the server reported no timings"]]
+    return "\n".join(lines)
+
+
+def format_decision(decision: Mapping[str, Any], label: str = "arrangement") -> str:
+    """The ranking at equal worker count, then the recommendation sentence."""
+    rows = [f"ranking at equal worker count\n{'#':<3}{label:<24}{'workers':>8}{'goodput':>9}{'SLO met':>9}"
+            f"{'tok/s/wkr':>10}{'$/M tok':>9}{'$/M good':>9}{'TTFT p99':>9}{'ITL p99':>9}"]
+    for r in decision["ranking"]:
+        money = "".join(f"{v:9.2f}" if v is not None else f"{'-':>9}"
+                        for v in (r["usd_per_million_tokens"], r["usd_per_million_good_tokens"]))
+        per_worker = f"{r['tok_per_worker_s']:10.2f}" if r["tok_per_worker_s"] is not None else f"{'-':>10}"
+        rows.append(f"{r['rank']:<3}{r['name']:<24}{r['workers'] or '-':>8}{r['goodput_req_per_s']:9.2f}"
+                    f"{r['slo_attainment']:9.1%}{per_worker}{money}{_ms(r['ttft_p99_ms'])}{_ms(r['itl_p99_ms'])}")
+    return "\n".join(rows) + "\n" + decision["recommendation"]
+
+
+def record_to_json(record: RequestRecord, hash_ids: Sequence[int] | None = None,
+                   block_size: int | None = None) -> dict[str, Any]:
+    """One requests.jsonl line (seconds since its run started; `arrangement`: the run's name;
+    `hash_ids`: ids of the prompt's full blocks of `block_size` tokens, for `pdserve inspect`)."""
     first, last = ttft(record), e2e(record)
     return {
         "arrangement": record.arrangement,
@@ -188,12 +227,15 @@ def record_to_json(record: RequestRecord) -> dict[str, Any]:
         "ttft_ms": first * 1000 if first is not None else None,
         "e2e_ms": last * 1000 if last is not None else None,
         "usage": dict(record.usage),
-    }
+    } | ({"block_size": block_size, "hash_ids": list(hash_ids)} if hash_ids is not None else {})
 
 
-def write_report(out_dir: Path, summary: Mapping[str, Any],
-                 records: Mapping[str, Sequence[RequestRecord]], plot: bool) -> list[Path]:
-    """Writes summary.json, requests.jsonl (and PNGs with `plot`); returns the paths."""
+def write_report(out_dir: Path, summary: Mapping[str, Any], records: Mapping[str, Sequence[RequestRecord]],
+                 plot: bool, steps: Mapping[str, Mapping[str, Any]] | None = None,
+                 prompt_blocks: tuple[int, Mapping[str, Sequence[int]]] | None = None) -> list[Path]:
+    """Writes summary.json, requests.jsonl (each line with its prompt's block ids: `prompt_blocks`
+    = (block size, request id -> ids)), steps.jsonl when there are step records (and PNGs with
+    `plot`); returns the paths."""
     out_dir.mkdir(parents=True, exist_ok=True)
     summary_path = out_dir / "summary.json"
     summary_path.write_text(json.dumps(summary, indent=2) + "\n")
@@ -201,10 +243,19 @@ def write_report(out_dir: Path, summary: Mapping[str, Any],
     with requests_path.open("w") as handle:
         for runs in records.values():
             for record in runs:
-                handle.write(json.dumps(record_to_json(record)) + "\n")
+                block_size, ids = prompt_blocks or (None, {})
+                handle.write(json.dumps(record_to_json(record, ids.get(record.request_id), block_size)) + "\n")
     written = [summary_path, requests_path]
+    if steps:
+        steps_path = out_dir / "steps.jsonl"
+        with steps_path.open("w") as handle:
+            for run, workers in steps.items():
+                for worker, w in workers.items():
+                    for step in w["steps"]:
+                        handle.write(json.dumps({"arrangement": run, "worker": worker, "pool": w["pool"]} | step) + "\n")
+        written.append(steps_path)
     if plot:
         from router.bench.plot import write_plots  # matplotlib is optional and slow to import
 
-        written += write_plots(out_dir, records, summary["workload"].get("burst"))
+        written += write_plots(out_dir, records, summary["workload"].get("burst"), steps)
     return written

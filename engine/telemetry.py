@@ -1,0 +1,128 @@
+"""What each engine step did, and what each output token and first token waited for.
+
+`StepLog` keeps the last `capacity` `StepRecord`s of one engine in a ring: when a step ended
+(wall clock, so the records of several workers and a client on one host line up), its wall
+time, decode rows, prefill chunks and tokens, KV blocks used and free after it, and the
+preemptions its scheduling made. `since(seq)` returns the records after `seq`, so a poller
+that remembers the last seq it saw never gets one twice (a jump in seq says the ring overflowed).
+
+Every output token carries one character (`TokenKind`) naming what the gap before it was made
+of, decided where it is known, in the step that sampled it. Every first token carries a
+`PrefillTiming`: where the time from the engine accepting the request to that token went.
+The router joins both into the request's usage (router/attempt.py); `pdserve bench` turns them
+into the bottleneck report (router/bench/bottleneck.py).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+
+class TokenKind:
+    """One character per output token: what the gap before the token was made of."""
+
+    FIRST = "F"  # the request's first token: no gap (its wait is TTFT)
+    DECODE = "D"  # a step of decodes only
+    INTERFERENCE = "I"  # a decode step that also computed prefill chunks of other requests
+    KV_HANDOFF = "K"  # a decode worker's first token: it waited for the KV transfer and `start`
+    PREEMPTED = "P"  # the first token after a preemption: the request's context was recomputed
+    MIGRATED = "M"  # the first token on another worker after a failure moved the request
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    seq: int
+    end_unix: float  # time.time() when the step ended
+    wall_s: float  # scheduling + forward + sampling
+    decode_rows: int
+    prefill_rows: int  # prefill chunks (of any length) computed in this step
+    prefill_tokens: int
+    blocks_used: int  # after the step
+    blocks_free: int
+    preemptions: int  # requests preempted while scheduling this step
+    waiting: int  # requests left waiting for admission
+
+
+class StepLog:
+    """A bounded ring of step records, numbered from 1."""
+
+    def __init__(self, capacity: int = 100_000):
+        self._records: deque[StepRecord] = deque(maxlen=capacity)
+        self.last_seq = 0
+
+    def append(self, **fields) -> StepRecord:
+        self.last_seq += 1
+        record = StepRecord(self.last_seq, time.time(), **fields)
+        self._records.append(record)
+        return record
+
+    def since(self, seq: int) -> list[StepRecord]:
+        """The records numbered after `seq`, oldest first (those still in the ring)."""
+        newer = self.last_seq - seq
+        if newer <= 0:
+            return []
+        return list(self._records)[-min(newer, len(self._records)):]
+
+
+class KVWaitClock:
+    """Cumulative seconds during which admission stood still because the head of the waiting
+    queue could not get KV blocks. A request's wait for KV is how much `total()` grew while it
+    waited: everyone behind a blocked head waits for those blocks too (FIFO)."""
+
+    def __init__(self) -> None:
+        self._total = 0.0
+        self._since: float | None = None
+
+    def total(self, now: float | None = None) -> float:
+        now = time.perf_counter() if now is None else now
+        return self._total + (now - self._since if self._since is not None else 0.0)
+
+    def set_blocked(self, blocked: bool, now: float | None = None) -> None:
+        now = time.perf_counter() if now is None else now
+        if blocked and self._since is None:
+            self._since = now
+        elif not blocked and self._since is not None:
+            self._total += now - self._since
+            self._since = None
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTiming:
+    """Engine accepted -> first token, split: kv_wait_s (admission blocked on KV blocks),
+    compute_s (wall time of the steps that computed the request's prompt chunks) and queue_s
+    (the rest: waiting behind other requests, and between chunks while other work ran)."""
+
+    queue_s: float
+    kv_wait_s: float
+    compute_s: float
+
+
+@dataclass
+class RequestTiming:
+    """One request's counters for its `PrefillTiming` and the kind of its next token."""
+
+    added_at: float = field(default_factory=time.perf_counter)
+    kv_mark: float = 0.0  # the KV clock's total when the request last started waiting
+    kv_wait_s: float = 0.0
+    compute_s: float = 0.0
+    next_kind: str = TokenKind.FIRST  # "" once a token was made here: the step decides
+
+    def waiting(self, clock: KVWaitClock) -> None:
+        self.kv_mark = clock.total()
+
+    def admitted(self, clock: KVWaitClock) -> None:
+        self.kv_wait_s += clock.total() - self.kv_mark
+
+    def preempted(self, clock: KVWaitClock) -> None:
+        self.waiting(clock)
+        self.next_kind = self.next_kind or TokenKind.PREEMPTED
+
+    def take_kind(self, step_kind: str) -> str:
+        kind, self.next_kind = self.next_kind or step_kind, ""
+        return kind
+
+    def first_token(self) -> PrefillTiming:
+        total = time.perf_counter() - self.added_at
+        return PrefillTiming(max(0.0, total - self.kv_wait_s - self.compute_s), self.kv_wait_s, self.compute_s)
