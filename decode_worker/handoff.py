@@ -5,6 +5,8 @@ channel) and `StartDecode` (from the router) — and is admitted once it has bot
 early, freeing its blocks, when the router cancels it, the transfer fails (reported by the
 receiver or by the prefill side), or its lease runs out. Blocks are never freed while the
 receiver writes into them: an end that comes then is deferred until the write finishes.
+The KV may come in pieces (a streamed prefill): the slot knows how many blocks to expect and
+takes pieces only contiguous and in order; it counts as landed once the last one has.
 Pure and thread-safe (channel threads and the actor's loop call it); the worker carries out
 the `Action` each call returns. Ended ids are remembered for a while so a late `reserve`
 for a cancelled request is refused instead of leaking.
@@ -38,8 +40,10 @@ class Slot:
     blocks: list[int]
     expires_at: float
     cached: int = 0  # leading blocks already holding the KV (prefix cache): the push starts after them
-    landing: bool = False  # the receiver is writing into the blocks
-    landed: bool = False
+    expected: int = 0  # blocks the push brings, after the cached ones
+    received: int = 0  # of those, blocks whose piece has landed
+    landing: int = 0  # blocks of the piece the receiver is writing now (0: none)
+    landed: bool = False  # all `expected` blocks have landed
     cancelled: bool = False
     failure: str | None = None  # a failure that came while landing
     start: StartDecode | None = None
@@ -62,14 +66,17 @@ class HandoffTable:
         return len(self._slots)
 
     def add(self, request_id: str, blocks: list[int], lease_s: float, now: float | None = None,
-            cached: int = 0) -> bool:
-        """Record a reservation whose first `cached` blocks already hold their KV; False if the
-        request was already ended (the caller frees)."""
+            cached: int = 0, expected: int | None = None) -> bool:
+        """Record a reservation whose first `cached` blocks already hold their KV and whose next
+        `expected` (default: all the rest) will be pushed; False if the request was already ended
+        (the caller frees)."""
         now = time.monotonic() if now is None else now
+        expected = len(blocks) - cached if expected is None else expected
+        assert 0 < expected <= len(blocks) - cached, f"{request_id}: {expected} blocks expected of {len(blocks)}"
         with self._lock:
             if request_id in self._ended or request_id in self._slots:
                 return False
-            self._slots[request_id] = Slot(list(blocks), now + lease_s, cached)
+            self._slots[request_id] = Slot(list(blocks), now + lease_s, cached, expected)
             return True
 
     def is_ended(self, request_id: str) -> bool:
@@ -78,14 +85,15 @@ class HandoffTable:
 
     def resolve(self, request_id: str, num_blocks: int, first_block: int = 0) -> list[int] | None:
         """The receiver asks where a transfer's payload (the request's blocks from `first_block`)
-        goes; None refuses it. The payload must start exactly after the cached blocks: a sender
-        that skipped blocks this worker does not hold would leave holes in the KV."""
+        goes; None refuses it. A piece must start exactly after the blocks held so far (cached,
+        then landed) and stay within the expected ones: anything else would leave holes."""
         with self._lock:
             slot = self._slots.get(request_id)
-            if (slot is None or slot.cancelled or slot.landed or first_block != slot.cached
-                    or first_block + num_blocks > len(slot.blocks)):
+            if (slot is None or slot.cancelled or slot.landed or slot.landing or num_blocks < 1
+                    or first_block != slot.cached + slot.received
+                    or first_block + num_blocks > slot.cached + slot.expected):
                 return None
-            slot.landing = True
+            slot.landing = num_blocks
             return slot.blocks[first_block:first_block + num_blocks]
 
     def landed(self, request_id: str, error: BaseException | None) -> Outcome:
@@ -93,12 +101,15 @@ class HandoffTable:
             slot = self._slots.get(request_id)
             if slot is None:
                 return Outcome(Action.WAIT)
-            slot.landing = False
+            piece, slot.landing = slot.landing, 0
             if slot.cancelled:
                 return self._end(request_id, Action.FREE)
             if error is not None or slot.failure is not None:
                 return self._end(request_id, Action.FAIL, slot.failure or f"KV transfer failed: {error}")
-            slot.landed = True
+            slot.received += piece
+            slot.landed = slot.received == slot.expected
+            if not slot.landed:
+                return Outcome(Action.WAIT, slot)
             return self._end(request_id, Action.ADMIT) if slot.start else Outcome(Action.WAIT, slot)
 
     def start(self, msg: StartDecode, now: float | None = None) -> Outcome:

@@ -86,7 +86,8 @@ class DecodeWorker:
         if got is None:
             return None
         blocks, cached = got
-        if not self.handoffs.add(r.request_id, blocks, r.lease_s, cached=cached):  # cancelled while reserving
+        pushed = self.core.engine.blocks_for(r.num_tokens - 1) - cached  # all but the next token's KV
+        if not self.handoffs.add(r.request_id, blocks, r.lease_s, cached=cached, expected=pushed):  # cancelled while reserving
             await self.core.run(lambda e: e.release(r.request_id))
             return None
         self.faults.maybe_kill("decode.after_reserve")
@@ -117,8 +118,10 @@ class DecodeWorker:
 
     def _on_landed(self, request_id: str, dst_block_ids: list[int], error: BaseException | None) -> None:
         since = self._landing_since.pop(request_id, None)
-        if error is None and since is not None:
-            self._transfers[request_id] = (time.perf_counter() - since, len(dst_block_ids) * self._block_bytes)
+        if error is None and since is not None:  # summed over the pieces of a streamed push
+            seconds, nbytes = self._transfers.get(request_id, (0.0, 0))
+            self._transfers[request_id] = (seconds + time.perf_counter() - since,
+                                           nbytes + len(dst_block_ids) * self._block_bytes)
         self._act(request_id, self.handoffs.landed(request_id, error))
 
     def _act(self, request_id: str, outcome: Outcome) -> None:

@@ -66,6 +66,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.allocator)
         self.requests: dict[str, Request] = {}
         self.reserved: dict[str, list[int]] = {}
+        self.pinned: Counter[int] = Counter()  # references held by KV sends reading the blocks
         self._arrivals = itertools.count()
         self._generator = torch.Generator().manual_seed(config.seed)
         self._ready: list[RequestOutput] = []  # final outputs of requests that ended at admission
@@ -172,6 +173,17 @@ class LLMEngine:
             del self.requests[request_id]
             ids, req.block_ids = req.block_ids, []
         self.allocator.free(ids[::-1])
+
+    def pin(self, block_ids: list[int]) -> None:
+        """One more reference to each block while a KV send reads it: a preemption, abort or
+        finish of its request then cannot hand the block to anyone else until `unpin`."""
+        self.allocator.acquire(block_ids)
+        self.pinned.update(block_ids)
+
+    def unpin(self, block_ids: list[int]) -> None:
+        self.pinned.subtract(block_ids)
+        self.pinned = +self.pinned  # drop zero counts
+        self.allocator.free(block_ids[::-1])
 
     def add_prefilled(self, request_id: str, prompt_token_ids: list[int], output_token_ids: list[int],
                       sampling: SamplingParams, emitted_chars: int = 0) -> Request:
@@ -359,10 +371,11 @@ class LLMEngine:
 
     def check(self) -> None:
         """Block accounting holds: the allocator's integrity, and each block's refcount is the
-        number of its holders (requests' block tables and reservations)."""
+        number of its holders (requests' block tables, reservations and pins)."""
         self.allocator.check()
         holders = Counter(b for r in self.requests.values() for b in r.block_ids)
         holders.update(b for ids in self.reserved.values() for b in ids)
+        holders.update(self.pinned)
         for b in range(self.allocator.num_blocks):
             refs = self.allocator.refcount(b)
             assert refs == holders[b], f"block {b} has refcount {refs} but {holders[b]} holders"

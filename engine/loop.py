@@ -4,7 +4,9 @@ The engine is not thread-safe, so every touch (add, reserve, abort, ...) is queu
 `call(fn)` and runs on the loop thread between two steps; the caller gets a
 `concurrent.futures.Future`. Each step's outputs go to `on_outputs` (on the loop thread).
 `before_step`, if given, runs on the loop thread before every step (fault injection hooks in
-there); if it raises, that step fails like a failed forward.
+there); if it raises, that step fails like a failed forward. `after_step`, if given, runs on
+the loop thread after every step, before `on_outputs` (the prefill worker streams the KV
+blocks the step filled from there).
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ log = logging.getLogger(__name__)
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None], name: str = "engine",
-                 before_step: Callable[[], None] | None = None):
+                 before_step: Callable[[], None] | None = None,
+                 after_step: Callable[[LLMEngine], None] | None = None):
         self.engine = engine
         self._on_outputs = on_outputs
         self._before_step = before_step
+        self._after_step = after_step
         self._inbox: list[tuple[Callable[[LLMEngine], Any], Future]] = []
         self._wake = threading.Condition()
         self._stopped = False
@@ -61,6 +65,8 @@ class EngineLoop:
                 self._apply(fn, fut)
             if self.engine.has_unfinished():
                 outputs = self._step()
+                if self._after_step is not None:
+                    self._hook(self._after_step)
                 if outputs:
                     self._on_outputs(outputs)
 
@@ -78,3 +84,9 @@ class EngineLoop:
             fut.set_result(fn(self.engine))
         except Exception as e:  # handed to the caller, who turns it into a status
             fut.set_exception(e)
+
+    def _hook(self, fn: Callable[[LLMEngine], None]) -> None:
+        try:
+            fn(self.engine)
+        except Exception:  # no caller to hand it to: logged, and the loop goes on
+            log.exception("after_step hook failed")

@@ -26,7 +26,8 @@ from engine.telemetry import StepRecord
 class WorkerCore:
     def __init__(self, name: str, pool: str, config: EngineConfig,
                  on_outputs: Callable[[list[RequestOutput]], None], cpu: int | None = None,
-                 faults: Faults | None = None, node_ip: str = "127.0.0.1"):
+                 faults: Faults | None = None, node_ip: str = "127.0.0.1",
+                 after_step: Callable[[LLMEngine], None] | None = None):
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})  # before torch starts its thread pool
         torch.set_num_threads(config.torch_threads or 1)
@@ -36,7 +37,7 @@ class WorkerCore:
         self.node_ip = node_ip  # where peers reach this worker's channels
         self.engine = LLMEngine(config)
         slow = faults.slow_step if faults is not None and faults.config.step_delay_s > 0 else None
-        self.loop = EngineLoop(self.engine, on_outputs, name=name, before_step=slow)
+        self.loop = EngineLoop(self.engine, on_outputs, name=name, before_step=slow, after_step=after_step)
         self.served = 0
         self.cache_seq = 0  # of the last CacheDelta sent
         self.aio: asyncio.AbstractEventLoop | None = None

@@ -24,6 +24,9 @@ class KVTransferConfig:
     # pair bind its IPv4 address and GLOO_/NCCL_SOCKET_IFNAME name it; None = the address the
     # caller gives the receiver (the Ray node IP) and the route towards it on the sender
     interface: str | None = None
+    # the prefill worker sends each prefill chunk's full blocks while the next chunk computes
+    # (prefill_worker/push.py); False = the whole prompt's KV after the first token
+    stream_chunks: bool = True
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):

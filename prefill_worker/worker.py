@@ -2,8 +2,9 @@
 
 `prefill(task)` queues prompt + outputs-so-far as a `prefill_only` request; when its next
 token is sampled the call returns it at once (that is the user's TTFT) while the KV blocks
-stream to the decode worker on the channel for that pair, opened on first use. The blocks
-are freed when the transfer ends, landed or failed. Every failed send is reported twice: to
+go to the decode worker on the channel for that pair, opened on first use: chunk by chunk as
+the prefill computes, the rest after the first token (prefill_worker/push.py). The blocks
+are freed when the last piece's send ended, landed or failed. Every failure is reported twice: to
 the decode worker (`transfer_failed`, which frees its reservation) and to the router (`poll`
 returns `TransferFailed` events, so the request moves elsewhere without waiting for a lease).
 """
@@ -13,18 +14,19 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import Future
 
 import ray
 
 from engine.config import EngineConfig
 from engine.faults import FaultConfig, Faults
+from engine.llm_engine import LLMEngine
 from engine.messages import PrefillResult, PrefillTask, TransferFailed, WorkerInfo, WorkerStats
 from engine.outbox import Outbox
 from engine.request import RequestOutput
 from engine.telemetry import StepRecord
 from engine.worker_core import WorkerCore
 from kv_transfer import KVSender, KVTransferConfig
+from prefill_worker.push import KVPusher
 
 log = logging.getLogger(__name__)
 KILL_DELAY_S = 0.05  # a kill "after the first token" lets the result leave first
@@ -40,11 +42,12 @@ class PrefillWorker:
                  faults: FaultConfig | None = None):
         self.faults = Faults(faults, name)
         self.core = WorkerCore(name, "prefill", config, self._on_outputs, cpu, self.faults,
-                               node_ip=ray.util.get_node_ip_address())
+                               node_ip=ray.util.get_node_ip_address(), after_step=self._after_step)
         self.sender = KVSender(self.core.engine.runner.kv, transfer)
+        self.pusher = KVPusher(self.core.loop, self.sender, self.faults, transfer.stream_chunks,
+                               on_failed=self._push_failed, on_ended=self._push_ended)
         self._timeout_s = transfer.timeout_s
         self._waiters: dict[str, asyncio.Future] = {}
-        self._sending: set[str] = set()  # requests whose KV is on the wire (blocks must stay)
         self._channel_locks: dict[str, asyncio.Lock] = {}
         self._peers: dict[str, object] = {}  # decode worker name -> actor handle
         self.outbox: Outbox[TransferFailed] = Outbox()  # failed sends, for the router's poll
@@ -71,8 +74,7 @@ class PrefillWorker:
             raise PrefillFailed(f"prefill failed on {self.core.name}: {out.text}")
         if not out.token_ids:  # the outputs it resumed from had already ended it: a router bug
             raise PrefillFailed(f"{task.request_id} was already finished ({out.finish_reason}) when resumed")
-        if out.finish_reason == "prefilled":
-            self._push_kv(task.request_id, task.decode_name, task.skip_blocks)
+        if out.finish_reason == "prefilled":  # the KV's last piece is on its way already
             self.core.aio.call_later(KILL_DELAY_S, self.faults.maybe_kill, "prefill.after_first_token")
         return PrefillResult(task.request_id, out.token_ids[0], out.text, out.finish_reason,
                              time.perf_counter() - arrived, out.num_cached_tokens, out.step_kind, out.prefill_timing)
@@ -81,12 +83,16 @@ class PrefillWorker:
         fut = self.core.aio.create_future()
         self._waiters[task.request_id] = fut
         try:
-            await self.core.run(lambda e: e.add_request(
-                task.request_id, prompt_token_ids=task.prompt_token_ids, sampling=task.sampling, prefill_only=True,
-                output_token_ids=task.output_token_ids or None, emitted_chars=task.emitted_chars, arrived_at=arrived))
+            await self.core.run(lambda e: self._add(e, task, arrived))
             return await fut
         finally:
             self._waiters.pop(task.request_id, None)
+
+    def _add(self, e: LLMEngine, task: PrefillTask, arrived: float) -> None:
+        e.add_request(task.request_id, prompt_token_ids=task.prompt_token_ids, sampling=task.sampling,
+                      prefill_only=True, output_token_ids=task.output_token_ids or None,
+                      emitted_chars=task.emitted_chars, arrived_at=arrived)
+        self.pusher.open(task.request_id, task.decode_name, task.skip_blocks)
 
     async def _ensure_channel(self, decode_name: str, decode_actor) -> None:
         lock = self._channel_locks.setdefault(decode_name, asyncio.Lock())
@@ -103,40 +109,18 @@ class PrefillWorker:
             if waiter is not None:
                 self.core.aio.call_soon_threadsafe(_resolve, waiter, out)
 
-    # ---- the KV push ----------------------------------------------------------------
-    def _push_kv(self, request_id: str, decode_name: str, skip_blocks: int) -> None:
-        self._sending.add(request_id)  # blocks stay until the transfer ends
-        if self.faults.fail_transfer():
-            self._transfer_ended(request_id, decode_name, "injected transfer failure")
-            return
-        delay = self.faults.transfer_delay()
-        if delay:
-            self.core.aio.call_later(delay, self._send, request_id, decode_name, skip_blocks)
-        else:
-            self._send(request_id, decode_name, skip_blocks)
+    # ---- the KV push (prefill_worker/push.py) ----------------------------------------
+    def _after_step(self, e: LLMEngine) -> None:
+        self.pusher.after_step(e)
 
-    def _send(self, request_id: str, decode_name: str, skip_blocks: int) -> None:
-        """Push the request's blocks after the `skip_blocks` the decode worker holds already."""
-        blocks = self.core.engine.requests[request_id].block_ids  # read-only; held until the end
-        try:
-            fut = self.sender.send(decode_name, request_id, list(blocks[skip_blocks:]), first_block=skip_blocks)
-        except ValueError as e:
-            self._transfer_ended(request_id, decode_name, str(e))
-            return
-        fut.add_done_callback(lambda f: self.core.aio.call_soon_threadsafe(self._sent, request_id, decode_name, f))
+    def _push_failed(self, request_id: str, decode_name: str, error: str) -> None:
+        """Loop thread: a piece failed; the router moves the request, the decode side frees."""
+        self.core.aio.call_soon_threadsafe(self._report_failure, request_id, decode_name, error)
 
-    def _sent(self, request_id: str, decode_name: str, fut: Future) -> None:
-        err = fut.exception()
-        self._transfer_ended(request_id, decode_name, None if err is None else str(err))
+    def _push_ended(self, request_id: str) -> None:
+        self.core.served += 1  # read by stats() on the loop thread too
 
-    def _transfer_ended(self, request_id: str, decode_name: str, error: str | None) -> None:
-        """On the actor's loop: free the blocks; report a failure to both sides."""
-        self._sending.discard(request_id)
-        self.core.loop.call(lambda e: e.release(request_id))
-        self.core.served += 1
-        if error is None:
-            return
-        log.warning("KV transfer of %s to %s failed: %s", request_id, decode_name, error)
+    def _report_failure(self, request_id: str, decode_name: str, error: str) -> None:
         self.outbox.push([TransferFailed(request_id, error)])
         peer = self._peers.get(decode_name)
         if peer is not None:
@@ -165,8 +149,7 @@ class PrefillWorker:
         waiter = self._waiters.pop(request_id, None)
         if waiter is not None and not waiter.done():
             waiter.cancel()
-        if request_id not in self._sending:  # else the blocks are freed when the transfer ends
-            await self.core.run(lambda e: e.abort(request_id))
+        await self.core.run(lambda e: (self.pusher.abandon(e, request_id), e.abort(request_id)))
 
     async def close_channel(self, decode_name: str) -> None:
         self._peers.pop(decode_name, None)

@@ -150,6 +150,9 @@ class KVTransferSection:
     # the NIC the KV channels use on every node (its IPv4 address is bound and advertised;
     # GLOO_/NCCL_SOCKET_IFNAME follow it); null = each node's Ray node IP
     interface: str | None = None
+    # send each prefill chunk's finished blocks while the next chunk computes (false: all after
+    # the first token)
+    stream_chunks: bool = True
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ class PoolManager:
         self.config = config
         kt = config.kv_transfer
         self.transfer = KVTransferConfig(backend=kt.backend, timeout_s=kt.timeout_s, checksum=kt.checksum,
-                                         interface=kt.interface)
+                                         interface=kt.interface, stream_chunks=kt.stream_chunks)
         self.faults = config.faults.with_env()
         self.workers: dict[str, list[WorkerView]] = {"prefill": [], "decode": []}
         prefill_n = config.prefill.replicas if config.mode == "disaggregated" else 0

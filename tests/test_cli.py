@@ -182,7 +182,8 @@ def test_serve_generate_status_scale_then_sigterm_leaves_nothing(tmp_path, llama
         assert scaled.returncode == 0 and "decode pool has 2 workers" in scaled.stdout
         status = _run("status", "--router", router)
         assert status.returncode == 0
-        assert status.stdout.count("decode-") == 2 and status.stdout.count("prefill-") == 1
+        rows = [line.split()[0] for line in status.stdout.splitlines() if line.startswith(("decode-", "prefill-"))]
+        assert sorted(r.split("-")[0] for r in rows) == ["decode", "decode", "prefill"], status.stdout
         started |= _descendants(server.pid)
     finally:
         server.send_signal(signal.SIGTERM)

@@ -153,3 +153,60 @@ def test_a_push_must_start_right_after_the_cached_blocks():
     assert t.landed(RID, None).action is Action.WAIT
     out = t.start(_start(), now=1.0)
     assert out.action is Action.ADMIT and out.slot.blocks == [7, 8, 4, 5, 6]
+
+
+def _streamed(expected: int = 4) -> HandoffTable:
+    """6 blocks reserved, 1 cached, `expected` pushed in pieces (the 6th is for the next token)."""
+    t = HandoffTable()
+    assert t.add(RID, [7, 8, 4, 5, 6, 3], lease_s=10.0, now=0.0, cached=1, expected=expected)
+    return t
+
+
+def test_pieces_land_in_order_and_admit_after_the_last():
+    t = _streamed()
+    t.start(_start(), now=0.5)
+    assert t.resolve(RID, 2, first_block=1) == [8, 4]
+    assert t.landed(RID, None).action is Action.WAIT  # 2 of 4 blocks: started, but not admitted
+    assert t.resolve(RID, 2, first_block=4) is None  # a gap: block 3 would be a hole
+    assert t.resolve(RID, 1, first_block=2) is None  # overlaps what landed
+    assert t.resolve(RID, 3, first_block=3) is None  # past the expected blocks (the 6th is not pushed)
+    assert t.resolve(RID, 1, first_block=3) == [5]
+    assert t.landed(RID, None).action is Action.WAIT
+    assert t.resolve(RID, 1, first_block=4) == [6]
+    out = t.landed(RID, None)
+    assert out.action is Action.ADMIT and out.slot.received == 4
+
+
+def test_a_piece_cannot_resolve_while_another_lands():
+    t = _streamed()
+    assert t.resolve(RID, 1, first_block=1) == [8]
+    assert t.resolve(RID, 1, first_block=2) is None
+
+
+def test_a_failed_piece_fails_the_hand_off_after_earlier_ones_landed():
+    t = _streamed()
+    t.resolve(RID, 2, first_block=1)
+    t.landed(RID, None)
+    t.resolve(RID, 1, first_block=3)
+    out = t.landed(RID, RuntimeError("connection closed"))
+    assert out.action is Action.FAIL and "connection closed" in out.reason
+    assert t.resolve(RID, 1, first_block=4) is None  # a later piece finds nothing
+
+
+def test_failure_reported_between_pieces_ends_the_slot_and_one_mid_piece_waits():
+    t = _streamed()
+    t.resolve(RID, 2, first_block=1)
+    t.landed(RID, None)
+    assert t.transfer_failed(RID, "injected").action is Action.FAIL  # partly landed: freed now
+    t = _streamed()
+    t.resolve(RID, 2, first_block=1)
+    assert t.transfer_failed(RID, "injected").action is Action.WAIT  # landing: never freed under it
+    assert t.landed(RID, None).action is Action.FAIL
+
+
+def test_cancel_mid_stream_frees_once_the_landing_piece_ends():
+    t = _streamed()
+    t.resolve(RID, 2, first_block=1)
+    assert t.cancel(RID).action is Action.WAIT
+    assert t.landed(RID, None).action is Action.FREE
+    assert t.resolve(RID, 2, first_block=3) is None

@@ -110,3 +110,14 @@ def test_bad_files_exit_2_with_one_line(tmp_path, capsys, text, message):
     path.write_text(text)
     code, out, err = _inspect(capsys, str(path))
     assert code == 2 and out == "" and message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("command", ["inspect", "plan", "bench"])
+def test_every_option_has_a_help_line(command):
+    import argparse
+
+    from router.cli import build_parser
+
+    (subcommands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
+    missing = [a.option_strings or a.dest for a in subcommands.choices[command]._actions if not a.help]
+    assert not missing, f"pdserve {command}: options without help: {missing}"

@@ -160,8 +160,8 @@ def _add_step_evidence(result: dict[str, Any]) -> None:
         return
     plain, mixed = decode["step_ms_decode_only"]["p50"], decode["step_ms_with_prefill"]["p50"]
     if itl["limit"] == "interference" and plain is not None and mixed is not None:
-        itl["evidence"] = (f"decode-pool steps that ran prefill chunks took {mixed:.0f} ms at p50, "
-                           f"decode-only steps {plain:.0f} ms ({decode['share_with_prefill']:.0%} of steps ran prefill)")
+        itl["evidence"] = (f"decode-pool steps that ran prefill chunks took {mixed:.0f} ms at p50, decode-only "
+                           f"steps {plain:.0f} ms; {decode['share_with_prefill']:.0%} of steps ran prefill")
     elif itl["limit"] == "decode" and plain is not None:
         itl["evidence"] = (f"decode-only steps took {plain:.0f} ms at p50 with {decode['mean_decode_rows']:.1f} "
                            f"decode rows on average; the decode pool was busy {decode['busy']:.0%} of the run")

@@ -104,10 +104,16 @@ def _engines(summaries: Mapping[str, Mapping[str, Any]], label: str) -> str:
     return _table(header, rows, text_columns=2)
 
 
+def _value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:,.1f}" if value >= 10 else f"{value:g}"
+    return f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) else str(value)
+
+
 def _workload(workload: Mapping[str, Any]) -> str:
     keys = ("preset", "description", "num_requests", "rate", "input_len", "output_len", "duration_s",
             "prompt_tokens_total", "output_tokens_total", "seed")
-    rows = [[_e(k.replace("_", " ")), _e(workload[k])] for k in keys if workload.get(k) is not None]
+    rows = [[_e(k.replace("_", " ")), _e(_value(workload[k]))] for k in keys if workload.get(k) is not None]
     if workload.get("burst"):
         b = workload["burst"]
         rows.append(["burst", _e(f"{b['num_requests']} requests of ~{b['prompt_tokens']} prompt tokens "

@@ -37,7 +37,7 @@ _LATENCY_ROWS = (("TTFT", "ttft_ms"), ("ITL", "itl_ms"), ("TPOT", "tpot_ms"), ("
 _STATS = ("mean", "p50", "p95", "p99")
 
 
-BURST_TAIL_S = 3.0  # how long after the burst's last arrival its prefills can still stall streams
+BURST_TAIL_S = 3.0  # how long after the burst's last arrival (or first token) its work can still stall streams
 
 
 def summarize_arrangements(records: Mapping[str, Sequence[RequestRecord]], slo: Slo,
@@ -58,7 +58,10 @@ def summarize_arrangements(records: Mapping[str, Sequence[RequestRecord]], slo: 
         if len(groups) > 1:
             summary["groups"] = {g: summarize_run(rs, slo, wall_s=summary["wall_s"]) for g, rs in groups.items()}
         if burst is not None:
-            window = (burst["start_s"], burst["end_s"] + BURST_TAIL_S)
+            # it lands until its last prefill is done: on a saturated cluster that is long after it arrived
+            landed = max((r.message_times_s[0] for r in runs if r.request_id.startswith("burst") and r.ok),
+                         default=burst["end_s"])
+            window = (burst["start_s"], max(burst["end_s"], landed) + BURST_TAIL_S)
             gaps = [itls_between(r, *window) for r in runs if r.ok and not r.request_id.startswith("burst")]
             summary["during_burst_itl_ms"] = latency_stats_ms(np.concatenate(gaps) if gaps else [])
             summary["during_burst_window_s"] = list(window)
@@ -150,7 +153,8 @@ def format_groups(summaries: Mapping[str, Mapping[str, Any]], label: str = "arra
 
 
 def format_burst(summaries: Mapping[str, Mapping[str, Any]], label: str = "arrangement") -> str:
-    """ITL of everyone but the burst, from the burst's first arrival to BURST_TAIL_S after its last."""
+    """ITL of everyone but the burst while it lands: from its first arrival to BURST_TAIL_S after the
+    later of its last arrival and its last first token (its prefills are done)."""
     rows = [f"ITL of the other requests while the burst lands (ms)\n{label:<24}"
             + "".join(f"{stat:>9}" for stat in _STATS)]
     for name, s in summaries.items():

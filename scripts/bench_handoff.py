@@ -1,0 +1,165 @@
+"""The hand-off's cost on the second token: KV streamed chunk by chunk vs sent after the prefill.
+
+Two 1 prefill + 1 decode clusters side by side, identical but for `kv_transfer.stream_chunks`
+(true: each prefill chunk's full blocks leave while the next chunk computes; false: the whole
+prompt's KV leaves after the first token). For prompts of 1k, 4k and 8k tokens, one request at
+a time to each cluster in turn (the order alternating per sample, so drift falls on both), the
+client times first token -> second token; the second token needs the KV landed on the decode
+worker. Reported per length: medians of both and the ratio streamed / after-prefill
+(`second_token_ratio_8k` is the headline). The bench model (engine/tiny_model.py, size
+"bench") is used with max_position_embeddings raised to 16k (RoPE needs no other change), in a
+sibling directory whose weight files are links to the original.
+
+    python -m scripts.bench_handoff [--samples 3] [--lengths 1024,4096,8192] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import grpc  # noqa: E402
+import ray  # noqa: E402
+
+from engine.tiny_model import ensure_model  # noqa: E402
+from proto import pdserve_pb2 as pb  # noqa: E402
+from proto import pdserve_pb2_grpc as pb_grpc  # noqa: E402
+from router.config import ClusterConfig, parse_config  # noqa: E402
+from router.launcher import LocalCluster  # noqa: E402
+
+LONG_POSITIONS = 16384
+FIRST_TOKEN_ID = 3  # ids 0-2 are the tokenizer's special tokens
+
+
+def long_context_model(base: Path) -> Path:
+    """The bench model with max_position_embeddings LONG_POSITIONS, next to `base`."""
+    src = ensure_model(base, size="bench")
+    dst = src.with_name(src.name + "-16k")
+    if not (dst / "config.json").exists():
+        dst.mkdir(exist_ok=True)
+        for f in src.iterdir():
+            if f.name != "config.json" and not (dst / f.name).exists():
+                (dst / f.name).symlink_to(f.resolve())
+        config = json.loads((src / "config.json").read_text())
+        config["max_position_embeddings"] = LONG_POSITIONS
+        (dst / "config.json").write_text(json.dumps(config, indent=2))
+    return dst
+
+
+def cluster_config(model: Path, stream: bool, num_blocks: int) -> ClusterConfig:
+    return parse_config({
+        "model": {"path": str(model)},
+        "router": {"host": "127.0.0.1", "port": 0, "metrics_port": None, "prefill_timeout_s": 300},
+        "prefill": {"replicas": 1, "num_cpus": 1, "torch_threads": 1},
+        "decode": {"replicas": 1, "num_cpus": 1, "torch_threads": 1},
+        "kv_cache": {"block_size": 16, "num_blocks": num_blocks},
+        "kv_transfer": {"stream_chunks": stream, "timeout_s": 120},
+    }, where="bench_handoff")
+
+
+async def one_request(stub: pb_grpc.GenerationStub, prompt: list[int]) -> dict:
+    """Client times (ms) of the first and the second token, and the KV transfer's usage."""
+    request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True))
+    t0, seen, times, last = time.perf_counter(), 0, [], None
+    async for message in stub.Generate(request, timeout=600):
+        for _ in message.token_ids:
+            seen += 1
+            times.append(1e3 * (time.perf_counter() - t0))
+        last = message
+    assert seen == 2, f"expected 2 tokens, got {seen}"
+    return {"ttft_ms": times[0], "second_ms": times[1] - times[0], "kv_transfer_ms": last.usage.kv_transfer_ms}
+
+
+async def measure(addresses: list[str], prompts: dict[int, list[list[int]]]) -> dict[int, list[list[dict]]]:
+    channels = [grpc.aio.insecure_channel(a) for a in addresses]
+    stubs = [pb_grpc.GenerationStub(c) for c in channels]
+    try:
+        for stub in stubs:  # opens the KV channels; first calls pay one-off costs
+            await one_request(stub, prompts[min(prompts)][0][:64])
+        out: dict[int, list[list[dict]]] = {}
+        for length, samples in prompts.items():
+            out[length] = [[] for _ in stubs]
+            for i, prompt in enumerate(samples):
+                order = range(len(stubs)) if i % 2 == 0 else reversed(range(len(stubs)))
+                for k in order:
+                    out[length][k].append(await one_request(stubs[k], prompt))
+        return out
+    finally:
+        for channel in channels:
+            await channel.close()
+
+
+def summarize(raw: dict[int, list[list[dict]]]) -> dict:
+    rows = {}
+    for length, (streamed, after) in raw.items():
+        def med(runs: list[dict], key: str) -> float:
+            return statistics.median(r[key] for r in runs)
+        rows[length] = {"streamed_second_ms": med(streamed, "second_ms"), "after_second_ms": med(after, "second_ms"),
+                        "streamed_ttft_ms": med(streamed, "ttft_ms"), "after_ttft_ms": med(after, "ttft_ms"),
+                        "streamed_kv_ms": med(streamed, "kv_transfer_ms"), "after_kv_ms": med(after, "kv_transfer_ms")}
+        rows[length]["ratio"] = rows[length]["streamed_second_ms"] / rows[length]["after_second_ms"]
+    return rows
+
+
+def print_table(r: dict) -> None:
+    print(f"first token -> second token, {r['samples']} samples per length and mode (alternating), medians in ms; "
+          f"model {r['model']}, {os.cpu_count()} CPUs (load average {r['load_average']:.1f})")
+    print(f"{'prompt':>8}{'streamed':>11}{'after':>9}{'ratio':>8}{'TTFT str.':>11}{'TTFT aft.':>11}"
+          f"{'KV ms str.':>12}{'KV ms aft.':>12}")
+    for length, row in r["rows"].items():
+        print(f"{length:>8}{row['streamed_second_ms']:>11.1f}{row['after_second_ms']:>9.1f}{row['ratio']:>8.2f}"
+              f"{row['streamed_ttft_ms']:>11.0f}{row['after_ttft_ms']:>11.0f}{row['streamed_kv_ms']:>12.1f}"
+              f"{row['after_kv_ms']:>12.1f}")
+    print("KV ms: the decode worker's landing time summed over a request's pieces (usage.kv_transfer_ms)")
+
+
+def _lengths(text: str) -> list[int]:
+    values = [int(v) for v in text.split(",")]
+    if not values or any(v < 32 or v > LONG_POSITIONS - 8 for v in values):
+        raise argparse.ArgumentTypeError(f"{text!r}: lengths must lie in [32, {LONG_POSITIONS - 8}]")
+    return values
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--samples", type=int, default=3, help="requests per length and mode")
+    ap.add_argument("--lengths", type=_lengths, default=[1024, 4096, 8192], help="prompt lengths, comma-separated")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    load = os.getloadavg()[0]
+    model = long_context_model(Path(tempfile.gettempdir()) / "pdserve-bench-llama")
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    rng = random.Random(args.seed)
+    prompts = {n: [[rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(n)] for _ in range(args.samples)]
+               for n in args.lengths}
+    num_blocks = max(args.lengths) // 16 + 64
+    ray.init(num_cpus=4, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
+    try:
+        with LocalCluster(cluster_config(model, True, num_blocks)) as streamed, \
+                LocalCluster(cluster_config(model, False, num_blocks)) as after:
+            raw = asyncio.run(measure([streamed.address, after.address], prompts))
+    finally:
+        ray.shutdown()
+    rows = summarize(raw)
+    longest = max(args.lengths)
+    result = {"model": str(model), "load_average": load, "samples": args.samples, "rows": rows,
+              f"second_token_ratio_{longest // 1024}k": rows[longest]["ratio"]}
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result)
+
+
+if __name__ == "__main__":
+    main()
