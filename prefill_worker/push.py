@@ -114,7 +114,7 @@ class KVPusher:
             self._send(e, stream, first, ids)
 
     def _send(self, e: LLMEngine, stream: KVStream, first: int, ids: list[int]) -> None:
-        if stream.error is not None:
+        if stream.error is not None or stream.abandoned:  # nothing of it will be used
             self._piece_ended(e, stream, ids, None)
             return
         try:

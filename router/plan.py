@@ -168,7 +168,7 @@ def format_measured(m: dict) -> str:
                  f"reading every weight tensor took {m['weight_read_ms']:,.1f} ms (floor {off:+.0%})")
     steps = "; ".join(f"batch {b}: {ms:,.1f} ms (floor {m['engine_floor_ms'][b]:,.1f} ms, "
                       f"{ms / m['engine_floor_ms'][b]:.2f}x)" for b, ms in m["engine_decode_ms"].items())
-    lines.append(f"{'engine decode':<14} {steps}")
+    lines.append(f"{'engine decode':<14} fastest step, {steps}")
     return "\n".join(lines)
 
 

@@ -4,9 +4,11 @@ On the tiny model, in one run: (a) `LLMEngine` in this process serves N requests
 once (`ignore_eos`, exact lengths) -> output tok/s; (b) the same requests, all sent at once
 over gRPC to a `LocalCluster` (router + Ray pools + KV channels) -> output tok/s, and the
 ratio cluster / engine (target >= 0.8); (c) on the idle cluster, K single requests one at a
-time: client TTFT minus the engine's in-process prefill time for the same prompt (target
-median <= 10 ms), split with the router's own Usage timings (queue, prefill, TTFT) into
-gRPC, router + Ray, and worker-side overhead.
+time: client TTFT minus the engine's in-process prefill time for the same prompt, measured
+just before it (side by side: a shared machine's load drifts on both alike; target median
+<= 10 ms, JSON key `idle_ttft_overhead_ms`), split with the router's own Usage timings (queue,
+prefill, TTFT) into gRPC, router + Ray, and worker-side overhead, the latter into waiting for
+the engine thread, the worker's step wall time over the in-process prefill, and the return.
 
 `--compare-auth` measures instead what token authentication (router.auth) adds to idle TTFT:
 two clusters of the same config side by side, one with a tokens file, K single requests sent to
@@ -121,11 +123,17 @@ async def cluster_throughput(address: str, specs: list[RequestSpec]) -> dict:
             "errors_sample": [r.error for r in records if r.error][:3]}
 
 
-async def cluster_ttfts(address: str, prompts: list[list[int]]) -> list[dict]:
-    """One request at a time: client TTFT (ms) and the last message's Usage, per prompt."""
+async def cluster_ttfts(address: str, prompts: list[list[int]], engine: LLMEngine) -> list[dict]:
+    """One request at a time: client TTFT (ms) and the last message's Usage, per prompt, each
+    right after the in-process engine's prefill of the same prompt (`engine_prefill_ms`): side
+    by side, so the load of a shared machine drifts on both alike."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        return [await _one_ttft(stub, prompt) for prompt in prompts]
+        out = []
+        for i, prompt in enumerate(prompts):
+            engine_ms = 1e3 * engine_prefill_s(engine, f"ttft-{i}", prompt)
+            out.append(await _one_ttft(stub, prompt) | {"engine_prefill_ms": engine_ms})
+        return out
 
 
 async def _one_ttft(stub: pb_grpc.GenerationStub, prompt: list[int], metadata=()) -> dict:
@@ -139,7 +147,8 @@ async def _one_ttft(stub: pb_grpc.GenerationStub, prompt: list[int], metadata=()
         last = message
     u = last.usage
     return {"client_ttft_ms": first * 1e3, "router_ttft_ms": u.ttft_ms, "queue_ms": u.queue_ms,
-            "prefill_ms": u.prefill_ms, "kv_transfer_ms": u.kv_transfer_ms}
+            "prefill_ms": u.prefill_ms, "kv_transfer_ms": u.kv_transfer_ms,
+            "prefill_queue_ms": u.prefill_queue_ms, "prefill_compute_ms": u.prefill_compute_ms}
 
 
 async def warm_up(address: str | Target, specs: list[RequestSpec]) -> None:
@@ -237,6 +246,11 @@ def ttft_breakdown(engine_ms: list[float], cluster: list[dict], colocated: bool)
         out |= {"prefill_ms": None, "worker_overhead_ms": None, "router_and_ray_ms": statistics.median(router)}
     else:
         out |= {"prefill_ms": med("prefill_ms"), "worker_overhead_ms": statistics.median(worker),
+                "worker_queue_ms": med("prefill_queue_ms"),  # arrival -> its first step (engine thread's pickup)
+                "worker_compute_over_engine_ms": statistics.median(  # its steps' wall time vs in-process
+                    c["prefill_compute_ms"] - e for c, e in zip(cluster, engine_ms, strict=True)),
+                "worker_after_token_ms": statistics.median(  # first token -> the prefill call returns
+                    c["prefill_ms"] - c["prefill_queue_ms"] - c["prefill_compute_ms"] for c in cluster),
                 "router_and_ray_ms": statistics.median(c["router_ttft_ms"] - c["queue_ms"] - c["prefill_ms"]
                                                        for c in cluster)}
     return out
@@ -266,6 +280,9 @@ def print_table(r: dict) -> None:
             (router_row, t["router_and_ray_ms"]),
             ("  router queue (decode reservation)", t["queue_ms"]),
             ("  worker side (worker prefill - engine)", t["worker_overhead_ms"]),
+            ("    before its first step (usage.prefill_queue_ms)", t.get("worker_queue_ms")),
+            ("    its steps' wall time - engine prefill", t.get("worker_compute_over_engine_ms")),
+            ("    first token -> prefill call returns", t.get("worker_after_token_ms")),
             ("router TTFT (usage.ttft_ms)", t["router_ttft_ms"]),
             ("worker prefill (usage.prefill_ms)", t["prefill_ms"]),
             ("KV transfer, after the first token (usage)", t["kv_transfer_ms"])]
@@ -307,17 +324,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def run_engine(cfg: ClusterConfig, specs: list[RequestSpec],
-               prompts: list[list[int]]) -> tuple[dict, list[float]]:
+def run_engine(cfg: ClusterConfig, specs: list[RequestSpec]) -> tuple[dict, LLMEngine]:
+    """The throughput of (a); the engine stays for the idle TTFT's side-by-side reference."""
     torch.set_num_threads(1)  # the workers' torch_threads (LLMEngine sets it too, from the config)
     engine = LLMEngine(cfg.engine_config(cfg.decode))
-    throughput = engine_throughput(engine, specs)
-    prefill_ms = [1e3 * engine_prefill_s(engine, f"ttft-{i}", p) for i, p in enumerate(prompts)]
-    return throughput, prefill_ms
+    return engine_throughput(engine, specs), engine
 
 
-def run_cluster(cfg: ClusterConfig, specs: list[RequestSpec],
-                prompts: list[list[int]]) -> tuple[dict, list[dict]]:
+def run_cluster(cfg: ClusterConfig, specs: list[RequestSpec], prompts: list[list[int]],
+                engine: LLMEngine) -> tuple[dict, list[dict]]:
     needed = cfg.prefill.replicas * cfg.prefill.num_cpus + cfg.decode.replicas * cfg.decode.num_cpus
     ray.init(num_cpus=max(4, int(needed)), include_dashboard=False, object_store_memory=128 << 20,
              log_to_driver=False)
@@ -325,7 +340,7 @@ def run_cluster(cfg: ClusterConfig, specs: list[RequestSpec],
         with LocalCluster(cfg) as cluster:
             asyncio.run(warm_up(cluster.address, specs[:8]))
             throughput = asyncio.run(cluster_throughput(cluster.address, specs))
-            ttfts = asyncio.run(cluster_ttfts(cluster.address, prompts))
+            ttfts = asyncio.run(cluster_ttfts(cluster.address, prompts, engine))
     finally:
         ray.shutdown()
     return throughput, ttfts
@@ -347,14 +362,16 @@ def main(argv: list[str] | None = None) -> None:
         else:
             print_auth(auth)
         return
-    engine, engine_prefill_ms = run_engine(cfg, specs, prompts)
+    engine, reference = run_engine(cfg, specs)
     gc.collect()
-    cluster, ttfts = run_cluster(cfg, specs, prompts)
+    cluster, ttfts = run_cluster(cfg, specs, prompts, reference)
+    engine_prefill_ms = [t["engine_prefill_ms"] for t in ttfts]
     result = {"model": model, "load_average": load, "mode": args.mode,
               "prefill": cfg.prefill.replicas, "decode": cfg.decode.replicas,
               "requests": args.requests, "prompt": list(args.prompt), "output": list(args.output),
               "engine": engine, "cluster": cluster, "ratio": cluster["tok_per_s"] / engine["tok_per_s"],
               "ttft": ttft_breakdown(engine_prefill_ms, ttfts, args.mode == "colocated")}
+    result["idle_ttft_overhead_ms"] = result["ttft"]["overhead_ms"]
     if args.json:
         print(json.dumps(result))
     else:

@@ -6,7 +6,8 @@ prompt's KV leaves after the first token). For prompts of 1k, 4k and 8k tokens, 
 a time to each cluster in turn (the order alternating per sample, so drift falls on both), the
 client times first token -> second token; the second token needs the KV landed on the decode
 worker. Reported per length: medians of both and the ratio streamed / after-prefill
-(`second_token_ratio_8k` is the headline). The bench model (engine/tiny_model.py, size
+(`second_token_ratio_8k` is the headline), and the gap second -> third token (one decode step at
+that context: the floor under the second token's wait in either mode). The bench model (engine/tiny_model.py, size
 "bench") is used with max_position_embeddings raised to 16k (RoPE needs no other change), in a
 sibling directory whose weight files are links to the original.
 
@@ -68,16 +69,17 @@ def cluster_config(model: Path, stream: bool, num_blocks: int) -> ClusterConfig:
 
 
 async def one_request(stub: pb_grpc.GenerationStub, prompt: list[int]) -> dict:
-    """Client times (ms) of the first and the second token, and the KV transfer's usage."""
-    request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=2, ignore_eos=True))
+    """Client times (ms) of the first three tokens' gaps, and the KV transfer's usage."""
+    request = pb.GenerateRequest(prompt_token_ids=prompt, sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
     t0, seen, times, last = time.perf_counter(), 0, [], None
     async for message in stub.Generate(request, timeout=600):
         for _ in message.token_ids:
             seen += 1
             times.append(1e3 * (time.perf_counter() - t0))
         last = message
-    assert seen == 2, f"expected 2 tokens, got {seen}"
-    return {"ttft_ms": times[0], "second_ms": times[1] - times[0], "kv_transfer_ms": last.usage.kv_transfer_ms}
+    assert seen == 3, f"expected 3 tokens, got {seen}"
+    return {"ttft_ms": times[0], "second_ms": times[1] - times[0], "third_ms": times[2] - times[1],
+            "kv_transfer_ms": last.usage.kv_transfer_ms}
 
 
 async def measure(addresses: list[str], prompts: dict[int, list[list[int]]]) -> dict[int, list[list[dict]]]:
@@ -106,7 +108,8 @@ def summarize(raw: dict[int, list[list[dict]]]) -> dict:
             return statistics.median(r[key] for r in runs)
         rows[length] = {"streamed_second_ms": med(streamed, "second_ms"), "after_second_ms": med(after, "second_ms"),
                         "streamed_ttft_ms": med(streamed, "ttft_ms"), "after_ttft_ms": med(after, "ttft_ms"),
-                        "streamed_kv_ms": med(streamed, "kv_transfer_ms"), "after_kv_ms": med(after, "kv_transfer_ms")}
+                        "streamed_kv_ms": med(streamed, "kv_transfer_ms"), "after_kv_ms": med(after, "kv_transfer_ms"),
+                        "decode_step_ms": med(streamed + after, "third_ms")}
         rows[length]["ratio"] = rows[length]["streamed_second_ms"] / rows[length]["after_second_ms"]
     return rows
 
@@ -114,13 +117,15 @@ def summarize(raw: dict[int, list[list[dict]]]) -> dict:
 def print_table(r: dict) -> None:
     print(f"first token -> second token, {r['samples']} samples per length and mode (alternating), medians in ms; "
           f"model {r['model']}, {os.cpu_count()} CPUs (load average {r['load_average']:.1f})")
-    print(f"{'prompt':>8}{'streamed':>11}{'after':>9}{'ratio':>8}{'TTFT str.':>11}{'TTFT aft.':>11}"
+    print(f"{'prompt':>8}{'streamed':>11}{'after':>9}{'ratio':>8}{'2nd->3rd':>10}{'TTFT str.':>11}{'TTFT aft.':>11}"
           f"{'KV ms str.':>12}{'KV ms aft.':>12}")
     for length, row in r["rows"].items():
         print(f"{length:>8}{row['streamed_second_ms']:>11.1f}{row['after_second_ms']:>9.1f}{row['ratio']:>8.2f}"
+              f"{row['decode_step_ms']:>10.1f}"
               f"{row['streamed_ttft_ms']:>11.0f}{row['after_ttft_ms']:>11.0f}{row['streamed_kv_ms']:>12.1f}"
               f"{row['after_kv_ms']:>12.1f}")
-    print("KV ms: the decode worker's landing time summed over a request's pieces (usage.kv_transfer_ms)")
+    print("2nd->3rd: one decode step at that context, both modes (the floor under either 2nd-token wait); "
+          "KV ms: the decode worker's landing time summed over a request's pieces (usage.kv_transfer_ms)")
 
 
 def _lengths(text: str) -> list[int]:

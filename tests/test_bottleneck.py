@@ -24,6 +24,7 @@ from router.bench.bottleneck import (
 from router.bench.decision import rank
 from router.bench.metrics import RequestRecord
 from router.bench.trace import read_trace
+from router.cli import main as pdserve
 
 
 def _engine(path: str, **kw) -> LLMEngine:
@@ -140,7 +141,9 @@ def test_ttft_tail_split_into_its_parts():
     slow = _rec("slow", 30, [0.01], "FD", ttft_s=1.0, kv_wait_ms=100.0, prefill_queue_ms=600.0,
                 prefill_compute_ms=200.0)
     assert ttft_parts_ms(slow) == pytest.approx({"kv_capacity": 100.0, "prefill_queue": 600.0,
-                                                 "prefill_compute": 200.0, "transfer": 100.0})
+                                                 "prefill_compute": 200.0, "transfer": 100.0, "retry": 0.0})
+    moved = _rec("moved", 40, [0.01], "FD", ttft_s=1.0, prefill_compute_ms=200.0, migrations=1)
+    assert ttft_parts_ms(moved)["retry"] == pytest.approx(800.0)  # the failed attempt's time is in it
     found = ttft_limit(fast + [slow])
     assert found["tail_requests"] == 1 and found["limit"] == "prefill_queue"
     assert found["shares"]["prefill_queue"] == pytest.approx(0.6)
@@ -194,7 +197,7 @@ def logged_cluster(llama_dir, tmp_path_factory, ray_instance):
         yield cluster, log
 
 
-def test_usage_log_and_step_records_through_a_live_cluster(logged_cluster, tmp_path):
+def test_usage_log_and_step_records_through_a_live_cluster(logged_cluster, capsys):
     from tests.cluster_util import Client
 
     cluster, log = logged_cluster
@@ -221,3 +224,7 @@ def test_usage_log_and_step_records_through_a_live_cluster(logged_cluster, tmp_p
     trace = read_trace(log)  # Mooncake format: pdserve bench --trace replays it
     assert [r.input_length for r in trace] == [600, 640, 40]
     assert trace[0].timestamp_ms <= trace[1].timestamp_ms <= trace[2].timestamp_ms
+    capsys.readouterr()
+    assert pdserve(["inspect", str(log), "--model", cluster.cfg.model.path, "--json"]) == 0
+    seen = json.loads(capsys.readouterr().out)
+    assert (seen["kind"], seen["num_requests"], seen["durations"]) == ("request log", 3, "measured")

@@ -98,7 +98,9 @@ def test_has_seed_is_gone_and_reserved():
 def test_usage_to_proto_copies_every_key():
     usage = {"prompt_tokens": 11, "completion_tokens": 5, "ttft_ms": 1.5, "queue_ms": 0.25,
              "prefill_worker": "prefill-0", "decode_worker": "decode-1", "prefill_ms": 2.5,
-             "kv_transfer_ms": 0.75, "kv_transfer_bytes": 4096, "migrations": 2}
+             "kv_transfer_ms": 0.75, "kv_transfer_bytes": 4096, "migrations": 2, "cached_tokens": 32,
+             "kv_cached_blocks": 2, "kv_wait_ms": 0.5, "prefill_queue_ms": 1.25, "prefill_compute_ms": 3.5,
+             "token_steps": "FKDI"}
     msg = usage_to_proto(usage)
     assert {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields} == usage
     assert usage_to_proto({}) == pb.Usage()

@@ -7,6 +7,8 @@ TTFT of one request splits into (docs/metrics.md, "Bottlenecks"):
   prefill_compute  the engine steps that computed its prompt
   transfer         the rest of the client's TTFT: the hops client -> router -> worker -> client
                    (gRPC, Ray) and the router's placement round trips (a decode `reserve`)
+  retry            that rest instead, when an attempt failed before the first token and the request
+                   moved: the failed attempt's time is in it
 p99 TTFT's limit is the component with the largest share of the time of the requests at or
 above the p95 TTFT (the tail that sets p99). Each inter-token gap takes the kind of the token
 that ends it (decode, interference, kv_transfer, preemption, migration); p99 ITL's limit is
@@ -24,7 +26,7 @@ import numpy as np
 
 from router.bench.metrics import RequestRecord, itls, token_times, ttft
 
-TTFT_PARTS = ("kv_capacity", "prefill_queue", "prefill_compute", "transfer")
+TTFT_PARTS = ("kv_capacity", "prefill_queue", "prefill_compute", "transfer", "retry")
 GAP_KINDS = {"D": "decode", "I": "interference", "K": "kv_transfer", "P": "preemption", "M": "migration"}
 LIMITS = {
     "kv_capacity": ("waiting for KV capacity", "KV memory"),
@@ -32,6 +34,7 @@ LIMITS = {
     "prefill_compute": ("prefill compute", "prefill compute"),
     "transfer": ("moving the request and its first token between client, router and workers "
                  "(RPC hops, placement round trips)", "request transfer and placement overhead"),
+    "retry": ("spent in attempts that failed before the first token", "worker failures and timeouts"),
     "decode": ("plain decode steps", "decode step time (HBM bandwidth and batch size)"),
     "interference": ("steps that also ran prefill chunks", "scheduling interference"),
     "kv_transfer": ("the second token's wait for the KV transfer", "KV transfer"),
@@ -42,14 +45,15 @@ TAIL_PERCENTILE = 95
 
 
 def ttft_parts_ms(record: RequestRecord) -> dict[str, float] | None:
-    """The four TTFT components of one request (ms), or None when its usage lacks the timings."""
+    """The TTFT components of one request (ms), or None when its usage lacks the timings."""
     first, u = ttft(record), record.usage
     if first is None or not record.ok or "prefill_compute_ms" not in u or not u.get("token_steps"):
         return None
     parts = {"kv_capacity": float(u["kv_wait_ms"]), "prefill_queue": float(u["prefill_queue_ms"]),
              "prefill_compute": float(u["prefill_compute_ms"])}
-    parts["transfer"] = max(0.0, first * 1e3 - sum(parts.values()))
-    return parts
+    rest = max(0.0, first * 1e3 - sum(parts.values()))
+    moved = u.get("migrations", 0) > 0 and u["token_steps"][0] == "F"  # it moved before its first token
+    return parts | {"transfer": 0.0 if moved else rest, "retry": rest if moved else 0.0}
 
 
 def ttft_limit(records: Sequence[RequestRecord]) -> dict[str, Any] | None:
