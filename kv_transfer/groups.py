@@ -75,8 +75,10 @@ def open_store(host: str, timeout_s: float) -> dist.TCPStore:
         port = listener.getsockname()[1]
         fd = listener.detach()   # the store owns the socket from here on
     try:
+        # the libuv server never closes a socket handed in by fd: the port would stay bound
+        # (and connectable) after the channel ends, one leaked listener per channel
         return dist.TCPStore(host, port, None, True, timedelta(seconds=timeout_s),
-                             wait_for_workers=False, master_listen_fd=fd)
+                             wait_for_workers=False, master_listen_fd=fd, use_libuv=False)
     except BaseException:
         os.close(fd)
         raise
