@@ -118,9 +118,7 @@ class Attempts:
         self.metrics.observe_kv_saved(reserved.cached_blocks * decode.info.block_bytes)
         life.prefill = prefill
         prefill.inflight.add(life.attempt_id)
-        held = self.placer.matched_blocks("prefill", hashes, [prefill])[prefill.name]
-        prefill.prefill_tokens[life.attempt_id] = context - min(held, (context - 1) // decode.info.block_size) * \
-            decode.info.block_size
+        prefill.prefill_tokens[life.attempt_id] = self.placer.prefill_work(prefill, hashes, context)
         self.placer.placed(prefill, hashes)
         self.placer.placed(decode, hashes)
 

@@ -74,6 +74,12 @@ class WorkerView:
         self.suspect_until = time.monotonic() + SUSPECT_S
 
 
+def uncached_tokens(num_tokens: int, held_blocks: int, block_size: int) -> int:
+    """What a worker holding `held_blocks` leading blocks computes: the engine reuses at most
+    (num_tokens - 1) // block_size of them, as it always computes the last token itself."""
+    return num_tokens - min(held_blocks, (num_tokens - 1) // block_size) * block_size
+
+
 class Placer:
     def __init__(self, policies: dict[str, str]):
         unknown = {p for p in policies.values() if p not in POLICIES}
@@ -115,14 +121,17 @@ class Placer:
             return self._rotate("prefill", ready)[0]
         if policy == "load":
             return min(ready, key=lambda w: (len(w.inflight), w.name))
-        bs = ready[0].info.block_size
         hits = self.matched_blocks("prefill", hashes, ready)
-        cap = (num_tokens - 1) // bs  # the engine always computes the last token itself
 
         def finish_estimate(w: WorkerView) -> tuple:
-            new_tokens = num_tokens - min(hits[w.name], cap) * bs
+            new_tokens = uncached_tokens(num_tokens, hits[w.name], w.info.block_size)
             return sum(w.prefill_tokens.values()) + new_tokens, len(w.inflight), w.name
         return min(ready, key=finish_estimate)
+
+    def prefill_work(self, w: WorkerView, hashes: Sequence[bytes], num_tokens: int) -> int:
+        """Tokens `w` must compute for this context: those after the prefix it holds."""
+        held = self.matched_blocks("prefill", hashes, [w])[w.name]
+        return uncached_tokens(num_tokens, held, w.info.block_size)
 
     def decode_candidates(self, workers: list[WorkerView], hashes: Sequence[bytes] = (), blocks_needed: int = 0,
                           limit: int | None = None) -> list[WorkerView]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import OrderedDict
 from collections.abc import Sequence
 
 from engine.messages import CacheDelta
@@ -31,6 +32,9 @@ class PrefixIndex:
         self._holders: dict[bytes, dict[str, float]] = {}  # hash -> worker -> valid until
         self._held: dict[str, set[bytes]] = {}  # worker -> hashes (to drop a worker at once)
         self._seq: dict[str, int] = {}  # worker -> last delta applied
+        # unconfirmed predictions, oldest first (one TTL: insertion order is expiry order), so
+        # pruning touches only the expired ones, never the whole index
+        self._pending: OrderedDict[tuple[str, bytes], float] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._holders)
@@ -59,6 +63,8 @@ class PrefixIndex:
         for h in hashes:
             if self._holders.get(h, {}).get(worker, 0.0) < until:
                 self._add(worker, h, until)
+                self._pending[(worker, h)] = until
+                self._pending.move_to_end((worker, h))
 
     def match(self, hashes: Sequence[bytes], workers: Sequence[str], now: float | None = None) -> dict[str, int]:
         """For each of `workers`, how many leading blocks of `hashes` it holds."""
@@ -77,16 +83,18 @@ class PrefixIndex:
     def prune(self, now: float | None = None) -> None:
         """Drop predictions that expired unconfirmed (called with each stats round)."""
         now = time.monotonic() if now is None else now
-        for worker, held in self._held.items():
-            stale = [h for h in held if self._holders[h][worker] <= now]
-            for h in stale:
-                held.discard(h)
-                self._drop_holder(h, worker)
+        while self._pending:
+            (worker, h), until = next(iter(self._pending.items()))
+            if until > now:
+                return
+            del self._pending[(worker, h)]
+            self._remove(worker, h)
 
     def forget(self, worker: str) -> None:
         """The worker left the pool: nothing it held is reachable any more."""
         for h in self._held.pop(worker, set()):
             self._drop_holder(h, worker)
+            self._pending.pop((worker, h), None)
         self._seq.pop(worker, None)
 
     def _replace(self, worker: str, hashes: Sequence[bytes]) -> None:
@@ -100,8 +108,11 @@ class PrefixIndex:
     def _add(self, worker: str, h: bytes, until: float) -> None:
         self._holders.setdefault(h, {})[worker] = until
         self._held.setdefault(worker, set()).add(h)
+        if until == CONFIRMED:
+            self._pending.pop((worker, h), None)
 
     def _remove(self, worker: str, h: bytes) -> None:
+        self._pending.pop((worker, h), None)
         held = self._held.get(worker)
         if held is not None:
             held.discard(h)
