@@ -130,6 +130,8 @@ class Router:
             if not life.ended:  # GeneratorExit and CancelledError are not Exceptions
                 phase = Phase.FAILED if isinstance(e, Exception) else Phase.CANCELLED
                 self._abort_all(life.end(phase), life.attempt_id)
+                if phase is Phase.CANCELLED:  # failures are counted by status in pdserve_request_errors
+                    self.metrics.observe_finish("cancelled", time.perf_counter() - life.accepted)
             raise
         finally:
             self.lives.pop(life.key, None)
