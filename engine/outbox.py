@@ -11,6 +11,8 @@ import asyncio
 import threading
 from typing import Generic, TypeVar
 
+from engine.deadline import within
+
 T = TypeVar("T")
 
 
@@ -35,7 +37,7 @@ class Outbox(Generic[T]):
         if not self._items:
             self._event.clear()
             try:
-                await asyncio.wait_for(self._event.wait(), timeout_s)
+                await within(self._event.wait(), timeout_s)
             except TimeoutError:
                 return []
         with self._lock:

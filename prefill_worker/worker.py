@@ -18,6 +18,7 @@ import time
 import ray
 
 from engine.config import EngineConfig
+from engine.deadline import within
 from engine.faults import FaultConfig, Faults
 from engine.llm_engine import LLMEngine
 from engine.messages import PrefillResult, PrefillTask, TransferFailed, WorkerInfo, WorkerStats
@@ -100,7 +101,7 @@ class PrefillWorker:
             if self.sender.is_connected(decode_name):
                 return
             ref = decode_actor.open_channel.remote(self.core.name)
-            rendezvous = await asyncio.wait_for(ref, self._timeout_s)  # host, port and the channel's secret
+            rendezvous = await within(ref, self._timeout_s)  # host, port and the channel's secret
             await asyncio.to_thread(self.sender.connect, decode_name, *rendezvous)
 
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -128,7 +129,7 @@ class PrefillWorker:
 
     async def _tell_decode(self, peer, request_id: str, error: str) -> None:
         try:
-            await asyncio.wait_for(peer.transfer_failed.remote(request_id, error), self._timeout_s)
+            await within(peer.transfer_failed.remote(request_id, error), self._timeout_s)
         except Exception as e:  # a dead or hung decode worker: its lease and the router cover it
             log.warning("could not tell the decode worker that %s failed: %s", request_id, e)
 

@@ -14,6 +14,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from engine.deadline import within
 from router.stream import QueueFull, Unavailable
 
 T = TypeVar("T")
@@ -51,7 +52,7 @@ class Admission:
                     waited_since = waited_since or time.perf_counter()
                     self._capacity.clear()
                     try:
-                        await asyncio.wait_for(self._capacity.wait(), timeout=TICK_S)
+                        await within(self._capacity.wait(), TICK_S)
                     except TimeoutError:
                         pass
         finally:

@@ -10,10 +10,10 @@ state on them, so a cancel at any moment reaches every worker that may hold some
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import AsyncIterator
 
+from engine.deadline import within
 from engine.messages import PrefillTask, Reservation, Reserved, StartDecode
 from engine.request import RequestOutput
 from engine.telemetry import PrefillTiming
@@ -215,7 +215,7 @@ class Attempts:
 
     async def _next_event(self, life: RequestLife, w: WorkerView):
         try:
-            return await asyncio.wait_for(life.events.get(), self.rc.prefill_timeout_s)
+            return await within(life.events.get(), self.rc.prefill_timeout_s)
         except TimeoutError:
             raise Retry(f"no progress from {w.name} for {self.rc.prefill_timeout_s:g} s") from None
 

@@ -10,10 +10,9 @@ the request should do next.
 
 from __future__ import annotations
 
-import asyncio
-
 import ray
 
+from engine.deadline import within
 from prefill_worker.worker import PrefillFailed
 from router.placement import WorkerView
 from router.stream import InternalError, Retry
@@ -21,7 +20,7 @@ from router.stream import InternalError, Retry
 
 async def call(w: WorkerView, ref, timeout_s: float, what: str):
     try:
-        return await asyncio.wait_for(ref, timeout_s)
+        return await within(ref, timeout_s)
     except TimeoutError:
         w.suspect()
         raise Retry(f"{what} on {w.name} timed out after {timeout_s:g} s") from None

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import ray
 
+from engine.deadline import within
 from engine.messages import TransferFailed
 from router.calls import short
 from router.metrics import RouterMetrics
@@ -78,7 +79,7 @@ class Monitor:
     async def _poll_loop(self, w: WorkerView) -> None:
         while w.state != "stopped":
             try:
-                events = await asyncio.wait_for(w.actor.poll.remote(POLL_WAIT_S), POLL_WAIT_S + self.call_timeout_s)
+                events = await within(w.actor.poll.remote(POLL_WAIT_S), POLL_WAIT_S + self.call_timeout_s)
             except TimeoutError:
                 continue  # the stats loop decides when a silent worker is gone
             except ray.exceptions.RayError as e:
@@ -105,7 +106,7 @@ class Monitor:
 
     async def refresh(self) -> None:
         workers = [w for w in self.pools.all() if w.state != "stopped"]
-        results = await asyncio.gather(*(asyncio.wait_for(w.actor.stats.remote(w.cache_resync), self.call_timeout_s)
+        results = await asyncio.gather(*(within(w.actor.stats.remote(w.cache_resync), self.call_timeout_s)
                                          for w in workers), return_exceptions=True)
         now = time.monotonic()
         for w, stats in zip(workers, results, strict=True):

@@ -32,6 +32,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
+from engine.deadline import within
 from engine.request import InvalidRequest, SamplingParams
 from router.auth import Gate
 from router.config import TLSSection
@@ -409,7 +410,7 @@ class OpenAIServer:
             return
         self.server.should_exit = True
         try:
-            await asyncio.wait_for(self._task, STOP_GRACE_S + 3)
+            await within(self._task, STOP_GRACE_S + 3)
         except TimeoutError:
             log.warning("the HTTP server did not stop within %.0f s; cancelled", STOP_GRACE_S + 3)
         except Exception as e:  # it failed while serving; the rest of the cluster still stops

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import ray
 
 from decode_worker.worker import DecodeWorker
+from engine.deadline import within
 from kv_transfer import KVTransferConfig
 from prefill_worker.worker import PrefillWorker
 from router.config import ClusterConfig, PoolSection
@@ -103,7 +104,7 @@ class PoolManager:
             ).remote(name, self.config.engine_config(sec, device="cuda" if sec.num_gpus else "cpu"), transfer,
                      self._next_cpu(pool), self.faults)
             try:
-                info = await asyncio.wait_for(actor.ready.remote(), self.config.router.worker_start_timeout_s)
+                info = await within(actor.ready.remote(), self.config.router.worker_start_timeout_s)
             except BaseException:
                 ray.kill(actor, no_restart=True)
                 raise
@@ -216,7 +217,7 @@ class PoolManager:
         if w.inflight or w.state == "stopped":
             return w.state == "stopped"
         try:
-            stats = await asyncio.wait_for(w.actor.stats.remote(w.cache_resync), self.config.router.call_timeout_s)
+            stats = await within(w.actor.stats.remote(w.cache_resync), self.config.router.call_timeout_s)
         except (TimeoutError, ray.exceptions.RayError):
             return True  # nothing of ours is in flight and it cannot answer: stop it
         self.placer.observe(w, stats)
@@ -225,10 +226,10 @@ class PoolManager:
     async def stop_worker(self, w: WorkerView) -> None:
         timeout = self.config.router.call_timeout_s
         peers = self.workers["decode" if w.info.pool == "prefill" else "prefill"]
-        await asyncio.gather(*(asyncio.wait_for(p.actor.close_channel.remote(w.name), timeout)
+        await asyncio.gather(*(within(p.actor.close_channel.remote(w.name), timeout)
                                for p in peers if p.state != "stopped"), return_exceptions=True)
         try:
-            await asyncio.wait_for(w.actor.shutdown.remote(), timeout)
+            await within(w.actor.shutdown.remote(), timeout)
         except (TimeoutError, ray.exceptions.RayError) as e:
             log.warning("%s did not shut down cleanly: %s", w.name, _short(e))
         w.state = "stopped"  # before the kill, so its poll loop ends quietly

@@ -21,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from transformers import AutoConfig, AutoTokenizer
 
+from engine.deadline import within
 from engine.request import InvalidRequest, SamplingParams
 from engine.validation import RequestValidator, validate_request_id
 from router.admission import Admission
@@ -158,7 +159,7 @@ class Router:
 
     async def _abort(self, w: WorkerView, attempt_id: str) -> None:
         try:
-            await asyncio.wait_for(w.actor.abort.remote(attempt_id), self.config.router.call_timeout_s)
+            await within(w.actor.abort.remote(attempt_id), self.config.router.call_timeout_s)
         except Exception as e:  # a dead worker holds nothing; a hung one is replaced by the monitor
             log.warning("abort of %s on %s failed: %s", attempt_id, w.name, short(e))
 

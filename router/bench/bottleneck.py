@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from engine.deadline import within
 from router.bench.metrics import RequestRecord, itls, token_times, ttft
 
 TTFT_PARTS = ("kv_capacity", "prefill_queue", "prefill_compute", "transfer", "retry")
@@ -185,7 +186,7 @@ def collect_steps(cluster: Any, started_unix: float) -> dict[str, Any]:
     a worker that does not answer is left out (its requests still count)."""
     async def fetch() -> dict[str, Any]:
         workers = [w for w in cluster.router.pools.all() if w.state != "stopped"]
-        replies = await asyncio.gather(*(asyncio.wait_for(w.actor.telemetry.remote(0), 30) for w in workers),
+        replies = await asyncio.gather(*(within(w.actor.telemetry.remote(0), 30) for w in workers),
                                        return_exceptions=True)
         return {w.name: {"pool": w.info.pool, "blocks_total": w.info.num_blocks,
                          "steps": step_records_to_dicts(reply, started_unix)}

@@ -9,7 +9,6 @@ accept a connection within the timeout raises `RouterUnreachable` before anythin
 
 from __future__ import annotations
 
-import asyncio
 import sys
 import time
 import uuid
@@ -19,6 +18,7 @@ from typing import Any
 import grpc
 from google.protobuf.json_format import MessageToDict
 
+from engine.deadline import within
 from proto import pdserve_pb2, pdserve_pb2_grpc
 from router.bench.dispatch import PROGRESS_EVERY_S, Progress, dispatch
 from router.bench.errors import RouterUnreachable
@@ -32,8 +32,8 @@ _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 64 * 1024 * 1024)]
 async def wait_for_router(channel: grpc.aio.Channel, address: str, timeout_s: float) -> None:
     """Raises `RouterUnreachable` unless the channel is ready within `timeout_s`."""
     try:
-        await asyncio.wait_for(channel.channel_ready(), timeout_s)
-    except asyncio.TimeoutError as err:
+        await within(channel.channel_ready(), timeout_s)
+    except TimeoutError as err:
         raise RouterUnreachable(
             f"router {address} not reachable within {timeout_s:g} s (is `pdserve serve` up?)"
         ) from err
