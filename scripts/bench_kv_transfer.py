@@ -103,19 +103,29 @@ class Endpoint:
             times.append(time.perf_counter() - start)
         return times
 
-    def copy_gbps(self, num_blocks: int) -> float:
-        """This host's gather bandwidth (pool blocks -> contiguous), the copies a channel adds."""
-        block_ids = random.Random(0).sample(range(self.kv.shape[2]), num_blocks)
+    def copy_gbps(self, num_blocks: int) -> dict[str, float]:
+        """This host's copy bandwidths (GB/s) for `num_blocks` blocks' bytes: a plain contiguous
+        memcpy (the ceiling), the channel's gather (random pool blocks -> contiguous) and its
+        scatter (contiguous -> random pool blocks): the copies a channel adds to the wire."""
+        rng = random.Random(0)
+        src = rng.sample(range(self.kv.shape[2]), num_blocks)
+        dst = rng.sample(range(self.kv.shape[2]), num_blocks)
         out = torch.empty(num_blocks * KVLayout.of(self.kv).bytes_per_block, dtype=torch.uint8,
                           device=self.kv.device)
+        flat = self.kv.view(-1).view(torch.uint8)[:out.numel()]
+        return {"memcpy": self._gbps(lambda: out.copy_(flat), out.numel()),
+                "gather": self._gbps(lambda: self.copier.gather(src, out), out.numel()),
+                "scatter": self._gbps(lambda: self.copier.scatter(out, dst), out.numel())}
+
+    def _gbps(self, copy, nbytes: int) -> float:
         times = []
-        for _ in range(4):
+        for _ in range(5):
             start = time.perf_counter()
-            self.copier.gather(block_ids, out)
+            copy()
             if self.kv.is_cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - start)
-        return out.numel() / statistics.median(times[1:]) / 1e9
+        return nbytes / statistics.median(times[1:]) / 1e9
 
     def raw_open(self) -> int:
         self._store = open_store(self.host, self.config.timeout_s)
@@ -281,6 +291,17 @@ def ray_row(prefill, decode, num_blocks: int, bytes_per_block: int, pool_blocks:
     return {"bytes": nbytes, "blocks": num_blocks, "gbps": nbytes / seconds / 1e9}
 
 
+def host_limits(copy: dict[str, float], largest: dict) -> dict[str, float]:
+    """What the host allows a gather -> wire -> scatter pipeline, against the measured channel."""
+    stages = (copy["gather"], largest["raw_gbps"], copy["scatter"])
+    overlapped, serial = min(stages), 1 / sum(1 / g for g in stages)
+    channel = largest["channel_gbps"]
+    return {"memcpy_gbps": copy["memcpy"], "gather_gbps": copy["gather"], "scatter_gbps": copy["scatter"],
+            "wire_gbps": largest["raw_gbps"], "overlapped_gbps": overlapped, "serial_gbps": serial,
+            "channel_gbps": channel, "channel_vs_overlapped": channel / overlapped,
+            "channel_vs_serial": channel / serial}
+
+
 def print_table(report: dict) -> None:
     config = report["config"]
     where = f"{config['link']} link, {config['sender_node']} -> {config['receiver_node']}, "
@@ -288,8 +309,7 @@ def print_table(report: dict) -> None:
           f"{config['shape']['layers']} layers x {config['shape']['kv_heads']} kv heads x "
           f"{config['shape']['head_dim']} dims, {config['shape']['dtype']}, "
           f"{config['shape']['block_size']}-token blocks of {human(config['block_bytes'])}, "
-          f"median of {config['repeats']}; block gather on this host "
-          f"{config['host_gather_gbps']:.1f} GB/s")
+          f"median of {config['repeats']}")
     link = config.get("link_gbit")
     print(f"{'payload':>10} {'blocks':>7} {'channel GB/s':>13} {'raw GB/s':>9} {'ratio':>6}  "
           "target" + (f"  {'channel ms':>10} {'bytes/rate ms':>13} {'vs rate':>7}" if link
@@ -304,6 +324,13 @@ def print_table(report: dict) -> None:
     print(f"single-block latency ({human(lat['block_bytes'])}): channel p50 "
           f"{lat['channel_ms_p50']:.2f} ms, raw round trip p50 {lat['raw_round_trip_ms_p50']:.2f}"
           f" ms, ratio {lat['ratio']:.2f} (target <= {TARGET_LATENCY})")
+    lim = report["host_limits"]
+    print(f"this host's limits: memcpy {lim['memcpy_gbps']:.2f} GB/s, block gather {lim['gather_gbps']:.2f}, "
+          f"block scatter {lim['scatter_gbps']:.2f}, wire (raw send/recv, largest payload) {lim['wire_gbps']:.2f}")
+    print(f"  a channel must gather, send and scatter: {lim['overlapped_gbps']:.2f} GB/s if the three overlap "
+          f"perfectly (the slowest sets the pace), {lim['serial_gbps']:.2f} GB/s if they run one after another")
+    print(f"  largest payload: channel {lim['channel_gbps']:.2f} GB/s = {lim['channel_vs_overlapped']:.2f} of the "
+          f"overlapped bound, {lim['channel_vs_serial']:.2f} of the serial one")
     if report.get("ray_object_store"):
         row = report["ray_object_store"]
         print(f"ray object store ({human(row['bytes'])}, put + get incl. gather/scatter): "
@@ -348,7 +375,7 @@ def main() -> None:
                    "receiver_node": ray.get(decode.node.remote()),
                    "block_bytes": bytes_per_block, "repeats": args.repeats,
                    "staging_bytes": config.staging_bytes,
-                   "host_gather_gbps": ray.get(prefill.copy_gbps.remote(
+                   "host_copy_gbps": ray.get(prefill.copy_gbps.remote(
                        min(pool_blocks, max(1, 64 * MIB // bytes_per_block))))},
         "throughput": throughput_rows(prefill, decode, blocks, bytes_per_block, pool_blocks,
                                       args.repeats, args.link_gbit),
@@ -358,6 +385,7 @@ def main() -> None:
     if not args.no_ray_row:
         report["ray_object_store"] = ray_row(prefill, decode, pool_blocks, bytes_per_block,
                                              pool_blocks, args.repeats)
+    report["host_limits"] = host_limits(report["config"]["host_copy_gbps"], report["throughput"][-1])
     big = [row for row in report["throughput"] if row["bytes"] >= 16 * MIB]
     report["targets_met"] = {
         "ratio_ge_0.9_from_16MiB": all(row["ratio"] >= TARGET_RATIO for row in big) if big
