@@ -168,7 +168,8 @@ def _generate(args: argparse.Namespace) -> int:
     print()
     if args.usage and last is not None:
         u = last.usage
-        print(f"[{last.finish_reason}] prompt {u.prompt_tokens} tokens, completion {u.completion_tokens} tokens, "
+        print(f"[{last.finish_reason}] prompt {u.prompt_tokens} tokens ({u.cached_tokens} from the prefix cache), "
+              f"completion {u.completion_tokens} tokens, "
               f"TTFT {u.ttft_ms:.1f} ms, queue {u.queue_ms:.1f} ms, prefill {u.prefill_worker or '-'}, "
               f"decode {u.decode_worker}", file=sys.stderr)
     return 0

@@ -7,7 +7,9 @@ a time to each cluster in turn (the order alternating per sample, so drift falls
 client times first token -> second token; the second token needs the KV landed on the decode
 worker. Reported per length: medians of both and the ratio streamed / after-prefill
 (`second_token_ratio_8k` is the headline), and the gap second -> third token (one decode step at
-that context: the floor under the second token's wait in either mode). The bench model (engine/tiny_model.py, size
+that context: the floor under the second token's wait in either mode), with the lowest ratio that
+floor allows (`second_token_floor_8k`) and the hand-off's own share of the wait, streamed over after
+(`handoff_wait_ratio_8k`). The bench model (engine/tiny_model.py, size
 "bench") is used with max_position_embeddings raised to 16k (RoPE needs no other change), in a
 sibling directory whose weight files are links to the original.
 
@@ -110,22 +112,32 @@ def summarize(raw: dict[int, list[list[dict]]]) -> dict:
                         "streamed_ttft_ms": med(streamed, "ttft_ms"), "after_ttft_ms": med(after, "ttft_ms"),
                         "streamed_kv_ms": med(streamed, "kv_transfer_ms"), "after_kv_ms": med(after, "kv_transfer_ms"),
                         "decode_step_ms": med(streamed + after, "third_ms")}
-        rows[length]["ratio"] = rows[length]["streamed_second_ms"] / rows[length]["after_second_ms"]
+        row = rows[length]
+        row["ratio"] = row["streamed_second_ms"] / row["after_second_ms"]
+        # the second token waits for the hand-off and then one decode step: what is left of the wait
+        # once that step is taken out, and the lowest ratio any hand-off could reach at this step time
+        streamed_wait = max(0.0, row["streamed_second_ms"] - row["decode_step_ms"])
+        after_wait = row["after_second_ms"] - row["decode_step_ms"]
+        row["handoff_wait_ratio"] = streamed_wait / after_wait if after_wait > 0 else None
+        row["floor_ratio"] = row["decode_step_ms"] / row["after_second_ms"]
     return rows
 
 
 def print_table(r: dict) -> None:
     print(f"first token -> second token, {r['samples']} samples per length and mode (alternating), medians in ms; "
           f"model {r['model']}, {os.cpu_count()} CPUs (load average {r['load_average']:.1f})")
-    print(f"{'prompt':>8}{'streamed':>11}{'after':>9}{'ratio':>8}{'2nd->3rd':>10}{'TTFT str.':>11}{'TTFT aft.':>11}"
-          f"{'KV ms str.':>12}{'KV ms aft.':>12}")
+    print(f"{'prompt':>8}{'streamed':>11}{'after':>9}{'ratio':>8}{'2nd->3rd':>10}{'floor':>7}{'hand-off':>10}"
+          f"{'TTFT str.':>11}{'TTFT aft.':>11}{'KV ms str.':>12}{'KV ms aft.':>12}")
     for length, row in r["rows"].items():
+        handoff = "n/a" if row["handoff_wait_ratio"] is None else f"{row['handoff_wait_ratio']:.2f}"
         print(f"{length:>8}{row['streamed_second_ms']:>11.1f}{row['after_second_ms']:>9.1f}{row['ratio']:>8.2f}"
-              f"{row['decode_step_ms']:>10.1f}"
+              f"{row['decode_step_ms']:>10.1f}{row['floor_ratio']:>7.2f}{handoff:>10}"
               f"{row['streamed_ttft_ms']:>11.0f}{row['after_ttft_ms']:>11.0f}{row['streamed_kv_ms']:>12.1f}"
               f"{row['after_kv_ms']:>12.1f}")
-    print("2nd->3rd: one decode step at that context, both modes (the floor under either 2nd-token wait); "
-          "KV ms: the decode worker's landing time summed over a request's pieces (usage.kv_transfer_ms)")
+    print("2nd->3rd: one decode step at that context, both modes (the floor under either 2nd-token wait); floor: "
+          "2nd->3rd / after, the lowest ratio any hand-off reaches at this step time; hand-off: (streamed - "
+          "2nd->3rd) / (after - 2nd->3rd), the wait the hand-off itself adds, streamed over after; KV ms: the "
+          "decode worker's landing time summed over a request's pieces (usage.kv_transfer_ms)")
 
 
 def _lengths(text: str) -> list[int]:
@@ -159,7 +171,9 @@ def main(argv: list[str] | None = None) -> None:
     rows = summarize(raw)
     longest = max(args.lengths)
     result = {"model": str(model), "load_average": load, "samples": args.samples, "rows": rows,
-              f"second_token_ratio_{longest // 1024}k": rows[longest]["ratio"]}
+              f"second_token_ratio_{longest // 1024}k": rows[longest]["ratio"],
+              f"second_token_floor_{longest // 1024}k": rows[longest]["floor_ratio"],
+              f"handoff_wait_ratio_{longest // 1024}k": rows[longest]["handoff_wait_ratio"]}
     if args.json:
         print(json.dumps(result))
     else:

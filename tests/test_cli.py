@@ -178,6 +178,7 @@ def test_serve_generate_status_scale_then_sigterm_leaves_nothing(tmp_path, llama
         started = _descendants(server.pid)   # what this serve started: Ray's head and workers
         gen = _run("generate", "hello world", "--max-tokens", "8", "--router", router, "--usage")
         assert gen.returncode == 0 and "[length] prompt" in gen.stderr
+        assert "tokens (0 from the prefix cache)" in gen.stderr  # a prompt shorter than one block
         scaled = _run("scale", "decode", "2", "--router", router, timeout=120)
         assert scaled.returncode == 0 and "decode pool has 2 workers" in scaled.stdout
         status = _run("status", "--router", router)
