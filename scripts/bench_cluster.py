@@ -4,11 +4,14 @@ On the tiny model, in one run: (a) `LLMEngine` in this process serves N requests
 once (`ignore_eos`, exact lengths) -> output tok/s; (b) the same requests, all sent at once
 over gRPC to a `LocalCluster` (router + Ray pools + KV channels) -> output tok/s, and the
 ratio cluster / engine (target >= 0.8); (c) on the idle cluster, K single requests one at a
-time: client TTFT minus the engine's in-process prefill time for the same prompt, measured
-just before it (side by side: a shared machine's load drifts on both alike; target median
-<= 10 ms, JSON key `idle_ttft_overhead_ms`), split with the router's own Usage timings (queue,
-prefill, TTFT) into gRPC, router + Ray, and worker-side overhead, the latter into waiting for
-the engine thread, the worker's step wall time over the in-process prefill, and the return.
+time: client TTFT minus the prefill time of the engine alone, in a process of its own (a Ray
+actor with no cluster around it, like a worker's), for the same prompt, measured just before it
+(side by side: a shared machine's load drifts on both alike; target median <= 10 ms, JSON key
+`idle_ttft_overhead_ms`), split with the router's own Usage timings (queue, prefill, TTFT) into
+gRPC, router + Ray, and worker-side overhead, the latter into waiting for the engine thread, the
+worker's step wall time over the reference prefill, and the return. The same engine's prefill in
+this process is shown too: it shares the process (and its GIL) with the router's threads, which
+makes it slower than a worker's, so it is not the reference.
 
 `--compare-auth` measures instead what token authentication (router.auth) adds to idle TTFT:
 two clusters of the same config side by side, one with a tokens file, K single requests sent to
@@ -123,16 +126,35 @@ async def cluster_throughput(address: str, specs: list[RequestSpec]) -> dict:
             "errors_sample": [r.error for r in records if r.error][:3]}
 
 
-async def cluster_ttfts(address: str, prompts: list[list[int]], engine: LLMEngine) -> list[dict]:
+@ray.remote
+class ReferenceEngine:
+    """The engine alone in a process of its own, like a worker's but with no cluster around it:
+    the idle-TTFT reference. (An engine in the bench process shares it, and its GIL, with the
+    router's threads, which slows its Python-heavy steps: too generous a reference.)"""
+
+    def __init__(self, config) -> None:
+        torch.set_num_threads(config.torch_threads or 1)
+        self.engine = LLMEngine(config)
+        self.calls = 0
+
+    def prefill_ms(self, prompt: list[int]) -> float:
+        self.calls += 1
+        return 1e3 * engine_prefill_s(self.engine, f"ref-{self.calls}", prompt)
+
+
+async def cluster_ttfts(address: str, prompts: list[list[int]], engine: LLMEngine, reference) -> list[dict]:
     """One request at a time: client TTFT (ms) and the last message's Usage, per prompt, each
-    right after the in-process engine's prefill of the same prompt (`engine_prefill_ms`): side
-    by side, so the load of a shared machine drifts on both alike."""
+    right after the reference engine's prefill of the same prompt in its own process
+    (`engine_prefill_ms`) and in this one (`in_process_prefill_ms`): side by side, so the load of
+    a shared machine drifts on all alike."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationStub(channel)
+        await reference.prefill_ms.remote(prompts[0])  # warm: first calls pay one-off costs
         out = []
         for i, prompt in enumerate(prompts):
-            engine_ms = 1e3 * engine_prefill_s(engine, f"ttft-{i}", prompt)
-            out.append(await _one_ttft(stub, prompt) | {"engine_prefill_ms": engine_ms})
+            own_ms = await reference.prefill_ms.remote(prompt)
+            here_ms = 1e3 * engine_prefill_s(engine, f"ttft-{i}", prompt)
+            out.append(await _one_ttft(stub, prompt) | {"engine_prefill_ms": own_ms, "in_process_prefill_ms": here_ms})
         return out
 
 
@@ -238,6 +260,7 @@ def ttft_breakdown(engine_ms: list[float], cluster: list[dict], colocated: bool)
     worker = [c["prefill_ms"] - e for c, e in zip(cluster, engine_ms, strict=True)]
     out = {"samples": len(cluster), "client_ttft_ms": med("client_ttft_ms"),
            "engine_prefill_ms": statistics.median(engine_ms), "overhead_ms": statistics.median(diffs),
+           "in_process_prefill_ms": med("in_process_prefill_ms"),
            "router_ttft_ms": med("router_ttft_ms"), "queue_ms": med("queue_ms"),
            "kv_transfer_ms": None if colocated else med("kv_transfer_ms"),
            "grpc_and_client_ms": statistics.median(c["client_ttft_ms"] - c["router_ttft_ms"] for c in cluster)}
@@ -274,7 +297,8 @@ def print_table(r: dict) -> None:
     router_row = ("  router + Ray + worker (router TTFT - engine)" if r["mode"] == "colocated"
                   else "  router + Ray (router TTFT - queue - prefill)")
     print(f"\nidle TTFT, {t['samples']} single requests (max_tokens 2), medians in ms:")
-    rows = [("client TTFT", t["client_ttft_ms"]), ("engine prefill (in-process)", t["engine_prefill_ms"]),
+    rows = [("client TTFT", t["client_ttft_ms"]), ("engine prefill (own process, reference)", t["engine_prefill_ms"]),
+            ("engine prefill (this process, beside the router)", t["in_process_prefill_ms"]),
             ("overhead: client - engine", t["overhead_ms"]),
             ("  gRPC + client (client - router TTFT)", t["grpc_and_client_ms"]),
             (router_row, t["router_and_ray_ms"]),
@@ -340,7 +364,10 @@ def run_cluster(cfg: ClusterConfig, specs: list[RequestSpec], prompts: list[list
         with LocalCluster(cfg) as cluster:
             asyncio.run(warm_up(cluster.address, specs[:8]))
             throughput = asyncio.run(cluster_throughput(cluster.address, specs))
-            ttfts = asyncio.run(cluster_ttfts(cluster.address, prompts, engine))
+            reference = ReferenceEngine.options(num_cpus=0).remote(cfg.engine_config(cfg.prefill if cfg.prefill.replicas
+                                                                                    else cfg.decode))
+            ttfts = asyncio.run(cluster_ttfts(cluster.address, prompts, engine, reference))
+            ray.kill(reference)
     finally:
         ray.shutdown()
     return throughput, ttfts
