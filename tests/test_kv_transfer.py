@@ -163,6 +163,9 @@ def start_prefill(seed, num_blocks=400, dtype="float32", config=CONFIG):
 
 
 def link(prefill, prefill_id: str, decode, decode_id: str) -> None:
+    # Both actors up first: the rendezvous waits timeout_s for the sender, and a new actor's
+    # process start (imports included) can take longer than that on a loaded machine.
+    ray.get([prefill.state.remote(), decode.state.remote()])
     ray.get(prefill.connect.remote(decode_id, *ray.get(decode.open_channel.remote(prefill_id))))
 
 
