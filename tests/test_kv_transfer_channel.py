@@ -107,13 +107,13 @@ def test_tail_transfer_lands_after_the_blocks_the_receiver_holds(loopback):
     owner = Owner({"tail": [40, 41, 42, 43, 44]})
     _, sender, host, port, secret = loopback(owner, src=src, dst=dst)
     sender.connect("d", host, port, secret)
-    before = dst[:, :, [40, 41]].clone()
+    before = dst[[40, 41]].clone()
     result = sender.send("d", "tail", [7, 8, 9], first_block=2).result(10)
     assert owner.first_blocks == {"tail": 2}
     assert result.dst_block_ids == [42, 43, 44]
-    assert result.num_bytes == 3 * dst[:, :, 0].numel() * dst.element_size()
-    assert torch.equal(dst[:, :, [42, 43, 44]], src[:, :, [7, 8, 9]])
-    assert torch.equal(dst[:, :, [40, 41]], before)  # the held blocks are not touched
+    assert result.num_bytes == 3 * dst[0].numel() * dst.element_size()
+    assert torch.equal(dst[[42, 43, 44]], src[[7, 8, 9]])
+    assert torch.equal(dst[[40, 41]], before)  # the held blocks are not touched
     with pytest.raises(ValueError, match="first_block -1"):
         sender.send("d", "tail", [7], first_block=-1)
 
@@ -138,7 +138,7 @@ def test_checksum_requested_by_receiver_only(loopback):
     _, sender, host, port, secret = loopback(owner, src=src, dst=dst, receiver_config=with_checksum)
     sender.connect("d", host, port, secret)
     assert sender.send("d", "r", [7, 0, 63]).result(10).dst_block_ids == [3, 4, 60]
-    assert torch.equal(dst[:, :, [3, 4, 60]], src[:, :, [7, 0, 63]])
+    assert torch.equal(dst[[3, 4, 60]], src[[7, 0, 63]])
 
 
 class _CorruptingDigest(Digest):
@@ -172,7 +172,7 @@ def test_corrupted_payload_fails_both_sides_and_channel_stays_usable(loopback, m
     assert sender.is_connected("d") and receiver.num_channels == 1
     assert sender.send("d", "good", [5, 6]).result(10).dst_block_ids == [10, 11]
     assert [(r, e is None) for r, _, e in owner.completed] == [("bad", False), ("good", True)]
-    assert torch.equal(as_bits(dst[:, :, [10, 11]]), as_bits(src[:, :, [5, 6]]))
+    assert torch.equal(as_bits(dst[[10, 11]]), as_bits(src[[5, 6]]))
 
 
 def test_timeout_fails_both_sides_and_tears_down(loopback):
@@ -236,16 +236,16 @@ def test_backend_resolution():
 
 
 def test_digest_sees_reordered_and_flipped_blocks():
-    chunk = make_pool(4, torch.float32, seed=2).view(6, 4, -1)   # [slabs, blocks, elems]
+    chunk = make_pool(4, torch.float32, seed=2).view(4, -1)   # [blocks, elems]: block-major
 
     def digest(tensor: torch.Tensor) -> int:
-        d = Digest(slabs=6)
+        d = Digest()
         d.update(tensor.contiguous().view(torch.uint8).view(-1), 4)
         return d.value
 
-    swapped = chunk[:, [1, 0, 2, 3]]
+    swapped = chunk[[1, 0, 2, 3]]
     flipped = chunk.clone()
-    flipped[5, 3, 7] += 1
+    flipped[3, 7] += 1
     assert len({digest(chunk), digest(swapped), digest(flipped)}) == 3
 
 
