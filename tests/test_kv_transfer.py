@@ -162,6 +162,9 @@ def start_prefill(seed, num_blocks=400, dtype="float32", config=CONFIG):
     return PrefillActor.options(num_cpus=0).remote(num_blocks, dtype, seed, config)
 
 
+SLACK_S = 5.0  # over a transfer's deadline, for a loaded CI machine; a hang would take far longer
+
+
 def link(prefill, prefill_id: str, decode, decode_id: str) -> None:
     # Both actors up first: the rendezvous waits timeout_s for the sender, and a new actor's
     # process start (imports included) can take longer than that on a loaded machine.
@@ -287,8 +290,8 @@ def test_prefill_killed_mid_transfer(pool):
     killed = kill_and_wait(victim)
     ray.get(decode.hold_transfers.remote(False))   # the payload it now waits for never comes
     state = wait_until(lambda: "k1" in (s := ray.get(decode.state.remote()))["failed"] and s,
-                       CONFIG.timeout_s + 2, "the decode side to fail the transfer")
-    assert time.monotonic() - killed < CONFIG.timeout_s + 1.0
+                       CONFIG.timeout_s + 10, "the decode side to fail the transfer")
+    assert time.monotonic() - killed < CONFIG.timeout_s + SLACK_S  # within its deadline: no hang
     assert "'k1'" in state["failed"]["k1"] and "'victim'" in state["failed"]["k1"]
     assert state["free"] == state["total"] and state["used"] == 0
     wait_until(lambda: ray.get(decode.state.remote())["channels"] == channels, 5,
@@ -313,7 +316,7 @@ def test_decode_killed_mid_transfer(pool):
     wait_until(lambda: "k3" in ray.get(victim.state.remote())["resolving"], 10, "the header")
     killed = kill_and_wait(victim)
     outcome = ray.get(prefill.outcome.remote("k3"))
-    assert time.monotonic() - killed < CONFIG.timeout_s + 1.0
+    assert time.monotonic() - killed < CONFIG.timeout_s + SLACK_S
     assert outcome["peer"] == "victim" and outcome["request"] == "k3", outcome
     assert "k3" not in ray.get(prefill.state.remote())["held"]   # source blocks freed
     assert not ray.get(prefill.is_connected.remote("victim"))
