@@ -75,6 +75,10 @@ def local_slot_blocks(kv: torch.Tensor, config: KVTransferConfig) -> int:
 
 
 def plan_chunk_blocks(num_blocks: int, bytes_per_block: int, slot_blocks: int) -> int:
+    """Blocks per chunk: one when a block alone is a worthwhile message (each then moves in place,
+    whatever the ids), else enough for MIN_CHUNK_BYTES and about PIPELINE_CHUNKS chunks."""
+    if bytes_per_block >= MIN_CHUNK_BYTES:
+        return 1
     smallest = math.ceil(MIN_CHUNK_BYTES / bytes_per_block)
     return max(1, min(slot_blocks, max(math.ceil(num_blocks / PIPELINE_CHUNKS), smallest)))
 
