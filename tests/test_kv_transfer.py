@@ -279,13 +279,16 @@ def kill_and_wait(actor) -> float:
 
 def test_prefill_killed_mid_transfer(pool):
     """The decode side fails the transfer, frees its blocks, and accepts the restarted peer."""
-    decode = pool[1]["d1"]
+    # A payload far bigger than the sockets can buffer (about 24 MiB): a small one may land
+    # whole before the kill, and then there is no failure to see.
+    big = 8000
+    decode = start_decode(num_blocks=big)
     channels = ray.get(decode.state.remote())["channels"]
-    victim = start_prefill(seed=3)
+    victim = start_prefill(seed=3, num_blocks=big)
     link(victim, "victim", decode, "d1")
     ray.get(decode.hold_transfers.remote(True))
-    ray.get(decode.reserve.remote("k1", 40, 0))
-    ray.get(victim.start.remote("d1", "k1", list(range(0, 80, 2))))
+    ray.get(decode.reserve.remote("k1", big, 0))
+    ray.get(victim.start.remote("d1", "k1", list(range(big))))
     wait_until(lambda: "k1" in ray.get(decode.state.remote())["resolving"], 10, "the header")
     killed = kill_and_wait(victim)
     ray.get(decode.hold_transfers.remote(False))   # the payload it now waits for never comes
@@ -302,6 +305,7 @@ def test_prefill_killed_mid_transfer(pool):
     transfer_and_compare(restarted, decode, "d1", "k2", 9, seed=5)
     ray.get(restarted.sender_shutdown.remote())
     ray.kill(restarted)
+    ray.kill(decode)
 
 
 def test_decode_killed_mid_transfer(pool):
