@@ -40,7 +40,7 @@ class DecodeWorker:
         self._transfers: dict[str, tuple[float, int]] = {}  # request id -> (seconds, bytes) of its KV
         self._landing_since: dict[str, float] = {}
         kv = self.core.engine.runner.kv
-        self._block_bytes = kv[:, :, 0].numel() * kv.element_size()
+        self._block_bytes = kv[0].numel() * kv.element_size()
         self.receiver = None
         if transfer is not None:
             self.receiver = KVReceiver(kv, self.core.node_ip, transfer,

@@ -24,8 +24,8 @@ ATTN_IMPLEMENTATION = "pdserve_paged"
 class PrefillChunk:
     start: int  # query range [start, end) in the flattened row
     end: int
-    ctx_slots: torch.Tensor | None  # [ctx] slots of all keys; None = fresh prompt (keys == chunk)
-    mask: torch.Tensor | None  # [q, ctx] bool, True = attend; None = plain causal
+    ctx_blocks: torch.Tensor | None  # [ceil(ctx / bs)] blocks holding all keys; None = fresh prompt (keys == chunk)
+    mask: torch.Tensor | None  # [q, ctx_blocks * bs] bool, True = attend; None = plain causal
 
 
 @dataclass
@@ -34,14 +34,15 @@ class DecodeGroup:
 
     start: int
     end: int
-    slots: torch.Tensor  # [B, max_ctx] context slots, padded
-    mask: torch.Tensor  # [B, 1, 1, max_ctx] bool, True = real key
+    blocks: torch.Tensor  # [B, max_blocks] each row's block table, padded
+    mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool, True = real key
 
 
 @dataclass
 class StepMetadata:
-    kv: torch.Tensor  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
-    slot_mapping: torch.Tensor  # [T] slot of each new token (block * block_size + offset)
+    kv: torch.Tensor  # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
+    slot_blocks: torch.Tensor  # [T] block of each new token
+    slot_offsets: torch.Tensor  # [T] its position in that block
     decode_groups: list[DecodeGroup]  # decode tokens come first in the row, by context length
     prefills: list[PrefillChunk]
 
@@ -51,11 +52,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     assert paged is not None, "paged attention needs the step's metadata (`paged=` in forward)"
     # query [1, H, T, D]; key/value [1, KVH, T, D]
     _, num_heads, num_tokens, head_dim = query.shape
-    num_kv_heads = key.shape[1]
-    k_cache = paged.kv[module.layer_idx, 0].view(-1, num_kv_heads, head_dim)  # [slots, KVH, D]
-    v_cache = paged.kv[module.layer_idx, 1].view(-1, num_kv_heads, head_dim)
-    k_cache.index_copy_(0, paged.slot_mapping, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_copy_(0, paged.slot_mapping, value[0].transpose(0, 1).to(v_cache.dtype))
+    k_cache = paged.kv[:, module.layer_idx, 0]  # [blocks, block_size, KVH, D], a strided view
+    v_cache = paged.kv[:, module.layer_idx, 1]
+    where = (paged.slot_blocks, paged.slot_offsets)
+    k_cache.index_put_(where, key[0].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_put_(where, value[0].transpose(0, 1).to(v_cache.dtype))
 
     out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
     for group in paged.decode_groups:
@@ -68,12 +69,12 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
 def _decode(query, k_cache, v_cache, group: DecodeGroup, scaling, out) -> None:
     n = group.end - group.start
     num_heads, head_dim = query.shape[1], query.shape[3]
-    num_kv_heads = k_cache.shape[1]
+    num_kv_heads = k_cache.shape[2]
     # one query per head; heads sharing a KV head ride together as a [G, D] "query block" so
     # the gathered K/V is never expanded to all heads (GQA without repeat_kv)
     q = query[0, :, group.start:group.end].transpose(0, 1)
     q = q.reshape(n, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, KVH, G, D]
-    flat = group.slots.view(-1)
+    flat = group.blocks.view(-1)  # whole blocks: one contiguous copy each
     k = k_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, KVH, ctx, D]
     v = v_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)  # [B, KVH, G, D]
@@ -82,12 +83,13 @@ def _decode(query, k_cache, v_cache, group: DecodeGroup, scaling, out) -> None:
 
 def _prefill(query, key, value, k_cache, v_cache, chunk: PrefillChunk, scaling, out) -> None:
     q = query[:, :, chunk.start:chunk.end]  # [1, H, q, D]
-    if chunk.ctx_slots is None:
+    if chunk.ctx_blocks is None:
         k = key[:, :, chunk.start:chunk.end]  # [1, KVH, q, D]
         v = value[:, :, chunk.start:chunk.end]
     else:
-        k = k_cache[chunk.ctx_slots].transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
-        v = v_cache[chunk.ctx_slots].transpose(0, 1).unsqueeze(0)
+        kvh, d = k_cache.shape[2], k_cache.shape[3]
+        k = k_cache.index_select(0, chunk.ctx_blocks).view(-1, kvh, d).transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
+        v = v_cache.index_select(0, chunk.ctx_blocks).view(-1, kvh, d).transpose(0, 1).unsqueeze(0)
     o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
                                        scale=scaling, enable_gqa=True)
     out[chunk.start:chunk.end] = o[0].transpose(0, 1)

@@ -1,6 +1,6 @@
 """The paged KV pool and its reference-counted block allocator with a prefix cache.
 
-Pool layout: one tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]` (2 = K, V).
+Pool layout: one tensor `[num_blocks, layers, 2, block_size, kv_heads, head_dim]` (2 = K, V), block-major.
 A block id is the unit of allocation, of sharing and of transfer.
 
 Allocator protocol: `allocate` hands out fresh blocks (refcount 1) or None when they don't fit;
@@ -170,5 +170,6 @@ def allocate_kv_pool(
     num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
     dtype: torch.dtype, device: str | torch.device,
 ) -> torch.Tensor:
-    # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
-    return torch.zeros(num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    # [num_blocks, layers, 2, block_size, kv_heads, head_dim]: block-major, so each block is one
+    # contiguous run of bytes that a KV channel sends and receives in place
+    return torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)

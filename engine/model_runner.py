@@ -94,7 +94,8 @@ class ModelRunner:
         """Flatten `items` (decodes first, as the scheduler orders them) into one row."""
         ids: list[int] = []
         pos: list[int] = []
-        slots: list[int] = []
+        slot_blocks: list[int] = []
+        slot_offsets: list[int] = []
         sample_rows: list[int] = []
         chunks: list[attention.PrefillChunk] = []
         num_decodes = sum(1 for it in items if it.is_decode)
@@ -104,30 +105,33 @@ class ModelRunner:
                 chunks.append(self._chunk(it, len(ids)))
             ids.extend(it.request.token_slice(it.start, it.end))
             pos.extend(range(it.start, it.end))
-            slots.extend(self._slots(it.request, it.start, it.end))
+            self._slots(it.request, it.start, it.end, slot_blocks, slot_offsets)
             if it.samples:
                 sample_rows.append(len(ids) - 1)
         dev = self.device
-        meta = attention.StepMetadata(kv=self.kv, slot_mapping=torch.tensor(slots, device=dev),
+        meta = attention.StepMetadata(kv=self.kv, slot_blocks=torch.tensor(slot_blocks, device=dev),
+                                      slot_offsets=torch.tensor(slot_offsets, device=dev),
                                       decode_groups=self._decode_groups(items[:num_decodes]), prefills=chunks)
         return (torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev))
 
-    def _slots(self, req: Request, start: int, end: int) -> list[int]:
-        # plain ints: per step this runs once per request, mostly for one decode token, where
-        # building tensors costs more than the arithmetic
+    def _slots(self, req: Request, start: int, end: int, blocks: list[int], offsets: list[int]) -> None:
+        """Append the (block, offset) of positions [start, end) of `req`. Plain ints: per step this
+        runs once per request, mostly for one decode token, where tensors cost more than the arithmetic."""
         bs, table = self.block_size, req.block_ids
-        return [table[p // bs] * bs + p % bs for p in range(start, end)]
+        for p in range(start, end):
+            blocks.append(table[p // bs])
+            offsets.append(p % bs)
 
     def _chunk(self, it: ScheduledItem, row: int) -> attention.PrefillChunk:
         q = it.num_tokens
         if it.start == 0:
             return attention.PrefillChunk(row, row + q, None, None)
-        ctx = it.end
-        ctx_slots = torch.tensor(self._slots(it.request, 0, ctx), device=self.device)
-        # query i sits at position start + i and may see keys 0 .. start + i
-        mask = torch.arange(ctx)[None, :] <= (torch.arange(q) + it.start)[:, None]  # [q, ctx]
-        return attention.PrefillChunk(row, row + q, ctx_slots, mask.to(self.device))
+        num_blocks = -(-it.end // self.block_size)  # the keys: whole blocks, the last one partly filled
+        ctx_blocks = torch.tensor(it.request.block_ids[:num_blocks], device=self.device)
+        # query i sits at position start + i and may see keys 0 .. start + i (never the unwritten tail)
+        mask = torch.arange(num_blocks * self.block_size)[None, :] <= (torch.arange(q) + it.start)[:, None]
+        return attention.PrefillChunk(row, row + q, ctx_blocks, mask.to(self.device))
 
     def _decode_groups(self, decodes: list[ScheduledItem]) -> list[attention.DecodeGroup]:
         """Split the decode rows (sorted by context length) where padding to the group's
@@ -147,10 +151,9 @@ class ModelRunner:
         rows = [it.request.block_ids[:max_blocks] for it in decodes]
         table = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows])  # [B, max_blocks]
         ctx_lens = torch.tensor(lens)  # [B]
-        positions = torch.arange(max_ctx)  # [max_ctx]
-        slots = table[:, positions // bs] * bs + positions % bs  # [B, max_ctx]
-        mask = (positions[None, :] < ctx_lens[:, None])[:, None, None, :]  # [B, 1, 1, max_ctx]
-        return attention.DecodeGroup(start, start + len(decodes), slots.to(self.device), mask.to(self.device))
+        positions = torch.arange(max_blocks * bs)  # the keys of whole blocks
+        mask = (positions[None, :] < ctx_lens[:, None])[:, None, None, :]  # [B, 1, 1, max_blocks * bs]
+        return attention.DecodeGroup(start, start + len(decodes), table.to(self.device), mask.to(self.device))
 
 
 def device_memory(device: torch.device) -> int:

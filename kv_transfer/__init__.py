@@ -1,6 +1,6 @@
 """KV transfer: block-granular prefill -> decode channels over torch.distributed.
 
-Each worker's KV pool is ONE tensor [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+Each worker's KV pool is ONE tensor [num_blocks, layers, 2, block_size, kv_heads, head_dim]
 (float32 / bfloat16 / float16, cpu or cuda). A channel joins one prefill and one decode
 worker through its own 2-rank process group built on a TCPStore the decode side hosts (no
 global init_process_group), so workers join and leave while the cluster runs.

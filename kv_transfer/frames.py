@@ -21,7 +21,7 @@ import torch
 from kv_transfer.layout import DTYPES, KVLayout
 
 MAGIC = b"PDKV"
-VERSION = 2
+VERSION = 3
 TAG_HANDSHAKE, TAG_CONTROL, TAG_REPLY, TAG_TRAILER, TAG_DATA = 1, 2, 3, 4, 5
 HEADER_BYTES = 512
 REPLY_FIXED_BYTES = 512

@@ -1,9 +1,11 @@
 """The KV pool's layout, and block gather/scatter between the pool and a staging slot.
 
-The pool is ONE tensor `[layers, 2, num_blocks, block_size, kv_heads, head_dim]`, so one block
-is `2 * layers` separate slabs. On the wire a chunk of k blocks is the contiguous tensor
-`[layers * 2, k, block_size * kv_heads * head_dim]` (slab-major), written into and read from a
-preallocated staging slot: no transfer allocates its payload.
+The pool is ONE tensor `[num_blocks, layers, 2, block_size, kv_heads, head_dim]` (block-major),
+so one block is one contiguous run of `bytes_per_block` bytes and a run of consecutive block ids
+is one contiguous run too. On the wire a chunk of k blocks is those k blocks' bytes, one after
+another. A run of consecutive ids is sent from, or received into, the pool in place; any other
+chunk is gathered into (scattered from) a preallocated staging slot: no transfer allocates its
+payload.
 """
 
 from __future__ import annotations
@@ -29,22 +31,27 @@ class KVLayout:
 
     @classmethod
     def of(cls, kv: torch.Tensor) -> KVLayout:
-        if kv.dim() != 6 or kv.shape[1] != 2:
+        if kv.dim() != 6 or kv.shape[2] != 2:
             raise ValueError(
-                "KV pool must be [layers, 2, num_blocks, block_size, kv_heads, head_dim], "
+                "KV pool must be [num_blocks, layers, 2, block_size, kv_heads, head_dim], "
                 f"got shape {tuple(kv.shape)}")
         if not kv.is_contiguous():
             raise ValueError("KV pool must be one contiguous tensor")
         dtype = str(kv.dtype).removeprefix("torch.")
         if dtype not in DTYPES:
             raise ValueError(f"KV pool dtype must be one of {sorted(DTYPES)}, got {dtype}")
-        layers, _, _, block_size, kv_heads, head_dim = kv.shape
+        _, layers, _, block_size, kv_heads, head_dim = kv.shape
         return cls(layers, block_size, kv_heads, head_dim, dtype)
 
     @property
     def block_elems(self) -> int:
         """Elements of one block in one (layer, k|v) slab."""
         return self.block_size * self.kv_heads * self.head_dim
+
+    @property
+    def block_row_elems(self) -> int:
+        """Elements of one whole block (every layer's K and V)."""
+        return 2 * self.num_layers * self.block_elems
 
     @property
     def bytes_per_block(self) -> int:
@@ -70,24 +77,32 @@ class BlockCopier:
 
     def __init__(self, kv: torch.Tensor, wire_device: torch.device, slot_bytes: int) -> None:
         self.layout = KVLayout.of(kv)
-        self.num_blocks = kv.shape[2]
-        # [layers * 2, num_blocks, block_elems]: one row per slab, a block is one [row, col]
-        self._pool = kv.view(2 * self.layout.num_layers, self.num_blocks, self.layout.block_elems)
+        self.num_blocks = kv.shape[0]
+        self._pool = kv.view(self.num_blocks, self.layout.block_row_elems)  # one row per block
+        self._bytes = kv.view(-1).view(torch.uint8)
         self._bounce = None
         if wire_device != kv.device:
             self._bounce = torch.empty(slot_bytes, dtype=torch.uint8, device=kv.device)
 
+    def in_place(self, block_ids: list[int]) -> torch.Tensor | None:
+        """The pool's own bytes of `block_ids` when they are consecutive ids and the wire reads
+        the pool's device (nothing to copy); None otherwise."""
+        if self._bounce is not None or any(b != block_ids[0] + i for i, b in enumerate(block_ids)):
+            return None
+        size = self.layout.bytes_per_block
+        return self._bytes[block_ids[0] * size:(block_ids[0] + len(block_ids)) * size]
+
     def chunk_view(self, slot: torch.Tensor, num_blocks: int) -> torch.Tensor:
-        """The first `num_blocks` blocks' worth of `slot`, typed: [layers * 2, k, block_elems]."""
+        """The first `num_blocks` blocks' worth of `slot`, typed: [k, block_row_elems]."""
         nbytes = num_blocks * self.layout.bytes_per_block
-        return slot[:nbytes].view(self._pool.dtype).view(self._pool.shape[0], num_blocks, -1)
+        return slot[:nbytes].view(self._pool.dtype).view(num_blocks, -1)
 
     def gather(self, block_ids: list[int], slot: torch.Tensor) -> torch.Tensor:
         """Copy `block_ids` into `slot`; returns the filled bytes of the slot (flat uint8)."""
         nbytes = len(block_ids) * self.layout.bytes_per_block
         target = slot if self._bounce is None else self._bounce
         index = torch.tensor(block_ids, dtype=torch.long, device=self._pool.device)
-        torch.index_select(self._pool, 1, index, out=self.chunk_view(target, len(block_ids)))
+        torch.index_select(self._pool, 0, index, out=self.chunk_view(target, len(block_ids)))
         if self._bounce is not None:
             slot[:nbytes].copy_(self._bounce[:nbytes])
         return slot[:nbytes]
@@ -102,13 +117,12 @@ class BlockCopier:
         chunk = self.chunk_view(source, len(block_ids))
         if self._pool.is_cuda:
             index = torch.tensor(block_ids, dtype=torch.long, device=self._pool.device)
-            self._pool.index_copy_(1, index, chunk)
+            self._pool.index_copy_(0, index, chunk)
             return
         # CPU index_copy_ runs at a third of memcpy speed; copying runs of consecutive ids
         # (what a fresh allocator hands out) as slices is memcpy-bound.
         for dst_start, src_start, length in contiguous_runs(block_ids):
-            self._pool[:, dst_start:dst_start + length].copy_(
-                chunk[:, src_start:src_start + length])
+            self._pool[dst_start:dst_start + length].copy_(chunk[src_start:src_start + length])
 
 
 def contiguous_runs(block_ids: list[int]) -> list[tuple[int, int, int]]:
@@ -132,15 +146,14 @@ class Digest:
 
     _MODULUS = (1 << 61) - 1
 
-    def __init__(self, slabs: int) -> None:
-        self.slabs = slabs
+    def __init__(self) -> None:
         self.value = 0
 
     def update(self, chunk: torch.Tensor, num_blocks: int) -> None:
-        # [nbytes] uint8 -> [slabs, k, words]; a block is 2 * layers * elems * itemsize bytes,
-        # always a multiple of 4
+        # [nbytes] uint8 -> [k, words]; a block is 2 * layers * elems * itemsize bytes, always a
+        # multiple of 4
         assert chunk.numel() % 4 == 0, f"chunk of {chunk.numel()} bytes is not word-aligned"
-        words = chunk.view(torch.int32).view(self.slabs, num_blocks, -1)
-        block_sums = torch.sum(words, dim=(0, 2), dtype=torch.int64).tolist()
+        words = chunk.view(torch.int32).view(num_blocks, -1)
+        block_sums = torch.sum(words, dim=1, dtype=torch.int64).tolist()
         for block_sum in block_sums:
             self.value = (self.value * 1_000_003 + block_sum) % self._MODULUS

@@ -1,9 +1,11 @@
-"""Pipelined payload movement: blocks -> staging slots -> data group -> staging slots -> blocks.
+"""Pipelined payload movement: pool blocks -> data group -> pool blocks, staged only when needed.
 
 A transfer of n blocks goes as ceil(n / chunk_blocks) chunks, each one message on TAG_DATA.
-Both ends derive the same chunk list from (num_blocks, chunk_blocks) in the header. Up to
-`len(slots)` chunks are in flight, so gathering chunk i+1 (sender) and scattering chunk i-1
-(receiver) overlap the wire. Staging is allocated once per channel, never per transfer.
+Both ends derive the same chunk list from (num_blocks, chunk_blocks) in the header. Each end
+decides alone how to move a chunk: blocks with consecutive ids (one block always is) go from
+the pool, or into it, in place — no copy; others are gathered into, or scattered from, a
+staging slot. Up to `len(slots)` chunks are in flight, so gathering chunk i+1 (sender) and
+scattering chunk i-1 (receiver) overlap the wire. Staging is allocated once per channel.
 """
 
 from __future__ import annotations
@@ -69,10 +71,14 @@ class DataPath:
 def local_slot_blocks(kv: torch.Tensor, config: KVTransferConfig) -> int:
     """Blocks per staging slot this side offers: at least one (even for huge blocks), at most
     the pool (a small pool does not get staging bigger than itself)."""
-    return max(1, min(config.slot_bytes // KVLayout.of(kv).bytes_per_block, kv.shape[2]))
+    return max(1, min(config.slot_bytes // KVLayout.of(kv).bytes_per_block, kv.shape[0]))
 
 
 def plan_chunk_blocks(num_blocks: int, bytes_per_block: int, slot_blocks: int) -> int:
+    """Blocks per chunk: one when a block alone is a worthwhile message (each then moves in place,
+    whatever the ids), else enough for MIN_CHUNK_BYTES and about PIPELINE_CHUNKS chunks."""
+    if bytes_per_block >= MIN_CHUNK_BYTES:
+        return 1
     smallest = math.ceil(MIN_CHUNK_BYTES / bytes_per_block)
     return max(1, min(slot_blocks, max(math.ceil(num_blocks / PIPELINE_CHUNKS), smallest)))
 
@@ -92,8 +98,10 @@ def send_chunks(groups: ChannelGroups, staging: Staging, copier: BlockCopier,
     for index, (start, count) in enumerate(chunk_spans(len(block_ids), chunk_blocks)):
         if len(in_flight) == len(staging.slots):   # the slot we are about to refill
             groups.wait_data(in_flight.popleft(), deadline, "sending a payload chunk")
-        slot = staging.slots[index % len(staging.slots)]
-        payload = copier.gather(block_ids[start:start + count], slot)
+        ids = block_ids[start:start + count]
+        payload = copier.in_place(ids)
+        if payload is None:
+            payload = copier.gather(ids, staging.slots[index % len(staging.slots)])
         if digest is not None:
             digest.update(payload, count)
         in_flight.append(groups.send(payload, TAG_DATA, data=True))
@@ -109,18 +117,21 @@ def recv_chunks(groups: ChannelGroups, staging: Staging, copier: BlockCopier,
     posted: deque[tuple[dist.Work, torch.Tensor]] = deque()
 
     def post(index: int) -> None:
-        nbytes = spans[index][1] * copier.layout.bytes_per_block
-        view = staging.slots[index % num_slots][:nbytes]
-        posted.append((groups.recv(view, TAG_DATA, data=True), view))
+        start, count = spans[index]
+        view = None if dst_block_ids is None else copier.in_place(dst_block_ids[start:start + count])
+        landed = view is not None  # straight into the pool: nothing to scatter
+        if view is None:
+            view = staging.slots[index % num_slots][:count * copier.layout.bytes_per_block]
+        posted.append((groups.recv(view, TAG_DATA, data=True), view, landed))
 
     for index in range(min(num_slots, len(spans))):
         post(index)
     for index, (start, count) in enumerate(spans):
-        work, view = posted.popleft()
+        work, view, landed = posted.popleft()
         groups.wait_data(work, deadline, "receiving a payload chunk")
         if digest is not None:
             digest.update(view, count)
-        if dst_block_ids is not None:
+        if dst_block_ids is not None and not landed:
             copier.scatter(view, dst_block_ids[start:start + count])
         if index + num_slots < len(spans):
             post(index + num_slots)

@@ -191,7 +191,7 @@ class ReceiverChannel:
     def _land(self, groups: ChannelGroups, header: Header, blocks: list[int] | None,
               deadline: float) -> str | None:
         """Receive the payload into `blocks` (None drains it); returns a corruption reason."""
-        digest = Digest(2 * self._layout.num_layers) if header.checksum else None
+        digest = Digest() if header.checksum else None
         with self._path.on_stream():
             recv_chunks(groups, self._path.staging, self._path.copier, header.num_blocks,
                         blocks, header.chunk_blocks, deadline, digest)
@@ -226,7 +226,7 @@ class ReceiverChannel:
             return "request unknown to the receiver (never reserved, cancelled or finished)"
         if len(resolved) != num_blocks:
             return f"receiver reserved {len(resolved)} blocks, sender sent {num_blocks}"
-        pool_blocks = self._owner.kv.shape[2]
+        pool_blocks = self._owner.kv.shape[0]
         if any(not 0 <= block < pool_blocks for block in resolved):
             return f"reserved block ids outside [0, {pool_blocks})"
         if len(set(resolved)) != num_blocks:

@@ -104,7 +104,7 @@ class KVSender(ChannelTable[SenderChannel]):
             raise ValueError(f"request {request_id!r}: no blocks to send")
         if len(request_id.encode()) > MAX_REQUEST_ID_BYTES:
             raise ValueError(f"request id longer than {MAX_REQUEST_ID_BYTES} bytes")
-        num_blocks = self._kv.shape[2]
+        num_blocks = self._kv.shape[0]
         bad = [b for b in src_block_ids if not 0 <= b < num_blocks]
         if bad:
             raise ValueError(f"request {request_id!r}: block ids {bad[:8]} outside "

@@ -154,7 +154,7 @@ class SenderChannel:
         header_sent = groups.send(self._header, TAG_CONTROL)
         reply_frame = self._reply_frame(num_blocks)
         reply_in = groups.recv(reply_frame, TAG_REPLY)   # posted early: no wake-up lag
-        digest = Digest(2 * self._path.copier.layout.num_layers) if checksum else None
+        digest = Digest() if checksum else None
         with self._path.on_stream():
             if job.ready is not None:
                 self._path.stream.wait_event(job.ready)

@@ -55,7 +55,7 @@ class Shape:
     dtype: str = "bfloat16"
 
     def pool(self, num_blocks: int, device: str, fill: bool) -> torch.Tensor:
-        dims = (self.layers, 2, num_blocks, self.block_size, self.kv_heads, self.head_dim)
+        dims = (num_blocks, self.layers, 2, self.block_size, self.kv_heads, self.head_dim)
         kv = torch.empty(dims, dtype=getattr(torch, self.dtype), device=device)
         return kv.normal_() if fill else kv.zero_()
 
@@ -108,8 +108,8 @@ class Endpoint:
         memcpy (the ceiling), the channel's gather (random pool blocks -> contiguous) and its
         scatter (contiguous -> random pool blocks): the copies a channel adds to the wire."""
         rng = random.Random(0)
-        src = rng.sample(range(self.kv.shape[2]), num_blocks)
-        dst = rng.sample(range(self.kv.shape[2]), num_blocks)
+        src = rng.sample(range(self.kv.shape[0]), num_blocks)
+        dst = rng.sample(range(self.kv.shape[0]), num_blocks)
         out = torch.empty(num_blocks * KVLayout.of(self.kv).bytes_per_block, dtype=torch.uint8,
                           device=self.kv.device)
         flat = self.kv.view(-1).view(torch.uint8)[:out.numel()]

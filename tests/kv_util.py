@@ -15,7 +15,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 def make_pool(num_blocks: int, dtype: torch.dtype, seed: int | None = None,
               layers: int = SHAPE["layers"]) -> torch.Tensor:
-    shape = (layers, 2, num_blocks, SHAPE["block_size"], SHAPE["kv_heads"], SHAPE["head_dim"])
+    shape = (num_blocks, layers, 2, SHAPE["block_size"], SHAPE["kv_heads"], SHAPE["head_dim"])
     if seed is None:
         return torch.zeros(shape, dtype=dtype)
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed)).to(dtype)

@@ -197,8 +197,8 @@ def _hand_off(engine: LLMEngine, prompt: list[int], sampling: SamplingParams) ->
     dst, _ = engine.reserve("dec", len(prompt) + sampling.max_tokens)
     src = engine.requests["pre"].block_ids
     n = engine.blocks_for(len(prompt))
-    kv = engine.runner.kv  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
-    kv[:, :, dst[:n]] = kv[:, :, src[:n]]
+    kv = engine.runner.kv  # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
+    kv[dst[:n]] = kv[src[:n]]
     engine.release("pre")
     engine.add_prefilled("dec", prompt, prefilled.token_ids, sampling, emitted_chars=len(prefilled.text))
     return prefilled, _outputs_to_end(engine)["dec"]

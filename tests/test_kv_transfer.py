@@ -81,7 +81,7 @@ class DecodeActor:
     def state(self) -> dict:
         with self.lock:
             used = sum(len(blocks) for blocks in self.reserved.values())
-            return {"free": len(self.free), "used": used, "total": self.kv.shape[2],
+            return {"free": len(self.free), "used": used, "total": self.kv.shape[0],
                     "landed": dict(self.landed), "failed": dict(self.failed),
                     "resolving": list(self.resolving),
                     "channels": self.receiver.num_channels}
@@ -187,15 +187,15 @@ def transfer_and_compare(prefill, decode, decode_id: str, request_id: str, num_b
                          seed: int) -> None:
     """Random non-contiguous source blocks -> random non-contiguous reserved blocks."""
     src_kv, before = ray.get([prefill.pool.remote(), decode.pool.remote()])
-    src = random.Random(seed).sample(range(src_kv.shape[2]), num_blocks)
+    src = random.Random(seed).sample(range(src_kv.shape[0]), num_blocks)
     dst = ray.get(decode.reserve.remote(request_id, num_blocks, seed))
     ray.get(prefill.start.remote(decode_id, request_id, src))
     outcome = ray.get(prefill.outcome.remote(request_id))
     assert outcome.get("dst") == dst, outcome
     after = ray.get(decode.pool.remote())
-    assert torch.equal(as_bits(after[:, :, dst]), as_bits(src_kv[:, :, src]))
-    others = sorted(set(range(after.shape[2])) - set(dst))
-    assert torch.equal(as_bits(after[:, :, others]), as_bits(before[:, :, others])), \
+    assert torch.equal(as_bits(after[dst]), as_bits(src_kv[src]))
+    others = sorted(set(range(after.shape[0])) - set(dst))
+    assert torch.equal(as_bits(after[others]), as_bits(before[others])), \
         "a block outside the reservation changed"
     ray.get(decode.finish.remote(request_id))
 
@@ -242,8 +242,8 @@ def test_concurrent_transfers_land_exactly_once(pool):
     src_pools = {p: ray.get(actor.pool.remote()) for p, actor in prefills.items()}
     dst_pools = {d: ray.get(actor.pool.remote()) for d, actor in decodes.items()}
     for request_id, (prefill_id, src, decode_id, dst) in expected.items():
-        assert torch.equal(as_bits(dst_pools[decode_id][:, :, dst]),
-                           as_bits(src_pools[prefill_id][:, :, src])), request_id
+        assert torch.equal(as_bits(dst_pools[decode_id][dst]),
+                           as_bits(src_pools[prefill_id][src])), request_id
     for prefill_id, actor in prefills.items():   # one channel = one ordered queue
         state = ray.get(actor.state.remote())
         assert not state["held"]
@@ -279,13 +279,16 @@ def kill_and_wait(actor) -> float:
 
 def test_prefill_killed_mid_transfer(pool):
     """The decode side fails the transfer, frees its blocks, and accepts the restarted peer."""
-    decode = pool[1]["d1"]
+    # A payload far bigger than the sockets can buffer (about 24 MiB): a small one may land
+    # whole before the kill, and then there is no failure to see.
+    big = 8000
+    decode = start_decode(num_blocks=big)
     channels = ray.get(decode.state.remote())["channels"]
-    victim = start_prefill(seed=3)
+    victim = start_prefill(seed=3, num_blocks=big)
     link(victim, "victim", decode, "d1")
     ray.get(decode.hold_transfers.remote(True))
-    ray.get(decode.reserve.remote("k1", 40, 0))
-    ray.get(victim.start.remote("d1", "k1", list(range(0, 80, 2))))
+    ray.get(decode.reserve.remote("k1", big, 0))
+    ray.get(victim.start.remote("d1", "k1", list(range(big))))
     wait_until(lambda: "k1" in ray.get(decode.state.remote())["resolving"], 10, "the header")
     killed = kill_and_wait(victim)
     ray.get(decode.hold_transfers.remote(False))   # the payload it now waits for never comes
@@ -302,6 +305,7 @@ def test_prefill_killed_mid_transfer(pool):
     transfer_and_compare(restarted, decode, "d1", "k2", 9, seed=5)
     ray.get(restarted.sender_shutdown.remote())
     ray.kill(restarted)
+    ray.kill(decode)
 
 
 def test_decode_killed_mid_transfer(pool):

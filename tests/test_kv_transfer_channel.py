@@ -20,7 +20,7 @@ from kv_transfer import (
 )
 from kv_transfer.frames import Header, Kind, Reply, Status
 from kv_transfer.groups import DeviceInfo, resolve_backend
-from kv_transfer.layout import Digest, KVLayout, contiguous_runs
+from kv_transfer.layout import BlockCopier, Digest, KVLayout, contiguous_runs
 from kv_transfer.pipeline import chunk_spans, plan_chunk_blocks
 from tests.kv_util import CONFIG, as_bits, make_pool, wait_until
 
@@ -107,13 +107,13 @@ def test_tail_transfer_lands_after_the_blocks_the_receiver_holds(loopback):
     owner = Owner({"tail": [40, 41, 42, 43, 44]})
     _, sender, host, port, secret = loopback(owner, src=src, dst=dst)
     sender.connect("d", host, port, secret)
-    before = dst[:, :, [40, 41]].clone()
+    before = dst[[40, 41]].clone()
     result = sender.send("d", "tail", [7, 8, 9], first_block=2).result(10)
     assert owner.first_blocks == {"tail": 2}
     assert result.dst_block_ids == [42, 43, 44]
-    assert result.num_bytes == 3 * dst[:, :, 0].numel() * dst.element_size()
-    assert torch.equal(dst[:, :, [42, 43, 44]], src[:, :, [7, 8, 9]])
-    assert torch.equal(dst[:, :, [40, 41]], before)  # the held blocks are not touched
+    assert result.num_bytes == 3 * dst[0].numel() * dst.element_size()
+    assert torch.equal(dst[[42, 43, 44]], src[[7, 8, 9]])
+    assert torch.equal(dst[[40, 41]], before)  # the held blocks are not touched
     with pytest.raises(ValueError, match="first_block -1"):
         sender.send("d", "tail", [7], first_block=-1)
 
@@ -138,7 +138,7 @@ def test_checksum_requested_by_receiver_only(loopback):
     _, sender, host, port, secret = loopback(owner, src=src, dst=dst, receiver_config=with_checksum)
     sender.connect("d", host, port, secret)
     assert sender.send("d", "r", [7, 0, 63]).result(10).dst_block_ids == [3, 4, 60]
-    assert torch.equal(dst[:, :, [3, 4, 60]], src[:, :, [7, 0, 63]])
+    assert torch.equal(dst[[3, 4, 60]], src[[7, 0, 63]])
 
 
 class _CorruptingDigest(Digest):
@@ -172,7 +172,7 @@ def test_corrupted_payload_fails_both_sides_and_channel_stays_usable(loopback, m
     assert sender.is_connected("d") and receiver.num_channels == 1
     assert sender.send("d", "good", [5, 6]).result(10).dst_block_ids == [10, 11]
     assert [(r, e is None) for r, _, e in owner.completed] == [("bad", False), ("good", True)]
-    assert torch.equal(as_bits(dst[:, :, [10, 11]]), as_bits(src[:, :, [5, 6]]))
+    assert torch.equal(as_bits(dst[[10, 11]]), as_bits(src[[5, 6]]))
 
 
 def test_timeout_fails_both_sides_and_tears_down(loopback):
@@ -207,11 +207,20 @@ def test_close_releases_port_and_tells_the_sender(loopback):
     assert receiver.num_channels == 0
     wait_until(lambda: not sender.is_connected("d"), 3 * CONFIG.heartbeat_s + 2,
                "the sender to see CLOSING")
-    with socket.socket() as probe:   # nobody listens on the rendezvous port any more
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # ignore TIME_WAIT
-        probe.bind(("127.0.0.1", port))
+    # nobody listens on the rendezvous port any more (once the store's last reference is gone)
+    wait_until(lambda: _bindable(port), 5, "the rendezvous port to be released")
     with pytest.raises(ConnectionRefusedError):
         socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)   # ignore TIME_WAIT
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+        return True
 
 
 def test_sender_close_ends_receiver_channel(loopback):
@@ -236,16 +245,16 @@ def test_backend_resolution():
 
 
 def test_digest_sees_reordered_and_flipped_blocks():
-    chunk = make_pool(4, torch.float32, seed=2).view(6, 4, -1)   # [slabs, blocks, elems]
+    chunk = make_pool(4, torch.float32, seed=2).view(4, -1)   # [blocks, elems]: block-major
 
     def digest(tensor: torch.Tensor) -> int:
-        d = Digest(slabs=6)
+        d = Digest()
         d.update(tensor.contiguous().view(torch.uint8).view(-1), 4)
         return d.value
 
-    swapped = chunk[:, [1, 0, 2, 3]]
+    swapped = chunk[[1, 0, 2, 3]]
     flipped = chunk.clone()
-    flipped[5, 3, 7] += 1
+    flipped[3, 7] += 1
     assert len({digest(chunk), digest(swapped), digest(flipped)}) == 3
 
 
@@ -253,10 +262,26 @@ def test_chunking_and_runs():
     assert contiguous_runs([4, 5, 6, 9, 2, 3]) == [(4, 0, 3), (9, 3, 1), (2, 4, 2)]
     assert chunk_spans(7, 3) == [(0, 3), (3, 3), (6, 1)]
     assert plan_chunk_blocks(1, 1 << 20, slot_blocks=16) == 1
-    assert plan_chunk_blocks(512, 2 << 20, slot_blocks=8) == 8       # capped by the slot
+    assert plan_chunk_blocks(512, 2 << 20, slot_blocks=8) == 1       # a 2 MiB block moves alone, in place
+    assert plan_chunk_blocks(512, 64 << 10, slot_blocks=8) == 8      # small blocks: capped by the slot
     assert plan_chunk_blocks(64, 1 << 10, slot_blocks=4096) == 1024  # >= 1 MiB per message
     layout = KVLayout.of(make_pool(2, torch.bfloat16))
     assert layout.bytes_per_block == 3 * 2 * 4 * 2 * 16 * 2
+
+
+def test_consecutive_blocks_move_in_place_and_others_through_staging():
+    kv = make_pool(8, torch.float32, seed=3)
+    copier = BlockCopier(kv, kv.device, 4 * KVLayout.of(kv).bytes_per_block)
+    run = copier.in_place([2, 3, 4])
+    assert run is not None and run.data_ptr() == kv[2].data_ptr()  # the pool's own bytes: no copy
+    assert torch.equal(run, kv[2:5].contiguous().view(-1).view(torch.uint8))
+    assert copier.in_place([2, 4]) is None and copier.in_place([5, 4]) is None
+    slot = torch.empty(4 * KVLayout.of(kv).bytes_per_block, dtype=torch.uint8)
+    gathered = copier.gather([6, 1], slot)
+    assert torch.equal(gathered.view(torch.float32).view(2, -1), kv[[6, 1]].reshape(2, -1))
+    other = make_pool(8, torch.float32)
+    BlockCopier(other, other.device, slot.numel()).scatter(gathered, [0, 7])
+    assert torch.equal(other[[0, 7]], kv[[6, 1]]) and not other[1:7].any()
 
 
 def test_frames_round_trip():

@@ -85,7 +85,7 @@ def test_a_scale_no_node_can_take_is_refused_naming_the_selector(monkeypatch):
 
 
 def test_an_unreachable_peer_names_both_ends():
-    kv = torch.zeros(2, 2, 4, 4, 2, 8)  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+    kv = torch.zeros(4, 2, 2, 4, 2, 8)  # [blocks, layers, 2, block_size, kv_heads, head_dim]
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))
         port = closed.getsockname()[1]  # bound, never listening: connections are refused
@@ -99,7 +99,7 @@ def test_an_unreachable_peer_names_both_ends():
 def test_the_interface_picks_the_channel_address(monkeypatch):
     for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
         monkeypatch.setenv(name, "unset")  # restored afterwards: the receiver sets them
-    kv = torch.zeros(2, 2, 4, 4, 2, 8)
+    kv = torch.zeros(4, 2, 2, 4, 2, 8)
     receiver = KVReceiver(kv, "10.255.255.1", KVTransferConfig(interface="lo"), lambda *_: None, lambda *_: None)
     try:
         assert receiver.open_channel("prefill-0")[0] == "127.0.0.1"  # not the host it was given

@@ -331,8 +331,8 @@ def _hand_off(src: LLMEngine, dst: LLMEngine, prompt: list[int], sampling: Sampl
     src.check()
     dst_blocks, n = dst.reserve("dec", len(prompt) + sampling.max_tokens, token_ids=prompt)
     k = src.blocks_for(len(prompt))
-    # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
-    dst.runner.kv[:, :, dst_blocks[n:k]] = src.runner.kv[:, :, src.requests["pre"].block_ids[n:k]]
+    # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
+    dst.runner.kv[dst_blocks[n:k]] = src.runner.kv[src.requests["pre"].block_ids[n:k]]
     src.release("pre")
     dst.add_prefilled("dec", prompt, pre.token_ids, sampling)
     dst.check()
@@ -379,7 +379,7 @@ def test_worker_stats_carry_numbered_cache_deltas(llama_dir):
 
 async def _stats_checks(core: WorkerCore) -> None:
     info = core.info()
-    kv = core.engine.runner.kv  # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+    kv = core.engine.runner.kv  # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
     assert info.prefix_caching and info.block_bytes == kv.numel() * kv.element_size() // 32
     prompt = _prompt(16, 9)
     await core.run(lambda e: e.generate([prompt], SamplingParams(max_tokens=2, ignore_eos=True)))
