@@ -149,7 +149,9 @@ class ModelRunner:
         max_ctx = max(lens)
         max_blocks = (max_ctx + bs - 1) // bs
         rows = [it.request.block_ids[:max_blocks] for it in decodes]
-        table = torch.tensor([r + [0] * (max_blocks - len(r)) for r in rows])  # [B, max_blocks]
+        # padded with the row's own first block, never written while the row runs (block 0 may be
+        # landing a KV transfer right now); the mask hides the padding either way
+        table = torch.tensor([r + r[:1] * (max_blocks - len(r)) for r in rows])  # [B, max_blocks]
         ctx_lens = torch.tensor(lens)  # [B]
         positions = torch.arange(max_blocks * bs)  # the keys of whole blocks
         mask = (positions[None, :] < ctx_lens[:, None])[:, None, None, :]  # [B, 1, 1, max_blocks * bs]
