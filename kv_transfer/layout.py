@@ -87,7 +87,7 @@ class BlockCopier:
     def in_place(self, block_ids: list[int]) -> torch.Tensor | None:
         """The pool's own bytes of `block_ids` when they are consecutive ids and the wire reads
         the pool's device (nothing to copy); None otherwise."""
-        if self._bounce is not None or any(b != block_ids[0] + i for i, b in enumerate(block_ids)):
+        if self._bounce is not None or len(contiguous_runs(block_ids)) != 1:
             return None
         size = self.layout.bytes_per_block
         return self._bytes[block_ids[0] * size:(block_ids[0] + len(block_ids)) * size]
