@@ -8,6 +8,8 @@ half-written checkpoint is never served. The engine then loads it like any check
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib.util
 import os
 import shutil
@@ -78,8 +80,9 @@ def convert(gguf: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype
     gguf, out = Path(gguf), Path(out_dir)
     if dtype not in DTYPES:
         raise ConvertError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
-    check_convertible(gguf, out)
-    tokenizer, model = _load(gguf, dtype)
+    with _parse_once():
+        check_convertible(gguf, out)
+        tokenizer, model = _load(gguf, dtype)
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
     try:
@@ -89,6 +92,36 @@ def convert(gguf: str | os.PathLike[str], out_dir: str | os.PathLike[str], dtype
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return out
+
+
+@contextlib.contextmanager
+def _parse_once():
+    """Within: one parse of each GGUF file, one gguf tensor-name map per (arch, layers).
+
+    Converting reads the file four times (its architecture here; transformers' tokenizer, config
+    and weights loaders), each parse walking every vocabulary string, and transformers rebuilds
+    the tensor-name map once per module: about 40 of 55 s for SmolLM2. Both are pure functions
+    of their arguments and the loaders only read what they return, so memoizing changes nothing
+    else. Without gguf, or where a gguf release lacks either name, the block simply runs unpatched."""
+    try:
+        import gguf
+        real_reader, real_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    except (ImportError, AttributeError):
+        yield
+        return
+    readers = {}
+
+    def reader(path, mode="r"):
+        key = (os.path.realpath(path), mode)
+        if key not in readers:
+            readers[key] = real_reader(path, mode)
+        return readers[key]
+
+    gguf.GGUFReader, gguf.get_tensor_name_map = reader, functools.cache(real_map)
+    try:
+        yield
+    finally:
+        gguf.GGUFReader, gguf.get_tensor_name_map = real_reader, real_map
 
 
 def _publish(staging: Path, out: Path) -> None:
