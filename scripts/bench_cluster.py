@@ -9,9 +9,13 @@ actor with no cluster around it, like a worker's), for the same prompt, measured
 (side by side: a shared machine's load drifts on both alike; target median <= 10 ms, JSON key
 `idle_ttft_overhead_ms`), split with the router's own Usage timings (queue, prefill, TTFT) into
 gRPC, router + Ray, and worker-side overhead, the latter into waiting for the engine thread, the
-worker's step wall time over the reference prefill, and the return. The same engine's prefill in
-this process is shown too: it shares the process (and its GIL) with the router's threads, which
-makes it slower than a worker's, so it is not the reference.
+worker's step wall time over the reference prefill, and the return. Two more figures say how far
+to trust that: the same prefill in a second, identical reference process (two identical engines
+differ by this much: on a shared 2-core host, tens of ms on a real model's 0.5-1 s prefill), and
+the time outside the forward passes (client TTFT - the worker's own step time), which holds the
+cluster's fixed costs without the compute noise. The same engine's prefill in this process is
+shown too: it shares the process (and its GIL) with the router's threads, which makes it slower
+than a worker's, so it is not the reference.
 
 `--compare-auth` measures instead what token authentication (router.auth) adds to idle TTFT:
 two clusters of the same config side by side, one with a tokens file, K single requests sent to
@@ -142,19 +146,23 @@ class ReferenceEngine:
         return 1e3 * engine_prefill_s(self.engine, f"ref-{self.calls}", prompt)
 
 
-async def cluster_ttfts(address: str, prompts: list[list[int]], engine: LLMEngine, reference) -> list[dict]:
+async def cluster_ttfts(address: str, prompts: list[list[int]], engine: LLMEngine, reference, twin) -> list[dict]:
     """One request at a time: client TTFT (ms) and the last message's Usage, per prompt, each
     right after the reference engine's prefill of the same prompt in its own process
-    (`engine_prefill_ms`) and in this one (`in_process_prefill_ms`): side by side, so the load of
-    a shared machine drifts on all alike."""
+    (`engine_prefill_ms`), in a second identical process (`twin_prefill_ms`: how far two
+    identical engines differ, the resolution of the overhead) and in this one
+    (`in_process_prefill_ms`): side by side, so the load of a shared machine drifts on all alike."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub = pb_grpc.GenerationStub(channel)
-        await reference.prefill_ms.remote(prompts[0])  # warm: first calls pay one-off costs
+        # warm: first calls pay one-off costs
+        await asyncio.gather(reference.prefill_ms.remote(prompts[0]), twin.prefill_ms.remote(prompts[0]))
         out = []
         for i, prompt in enumerate(prompts):
             own_ms = await reference.prefill_ms.remote(prompt)
+            twin_ms = await twin.prefill_ms.remote(prompt)
             here_ms = 1e3 * engine_prefill_s(engine, f"ttft-{i}", prompt)
-            out.append(await _one_ttft(stub, prompt) | {"engine_prefill_ms": own_ms, "in_process_prefill_ms": here_ms})
+            out.append(await _one_ttft(stub, prompt) | {"engine_prefill_ms": own_ms, "twin_prefill_ms": twin_ms,
+                                                        "in_process_prefill_ms": here_ms})
         return out
 
 
@@ -258,8 +266,12 @@ def ttft_breakdown(engine_ms: list[float], cluster: list[dict], colocated: bool)
 
     diffs = [c["client_ttft_ms"] - e for c, e in zip(cluster, engine_ms, strict=True)]
     worker = [c["prefill_ms"] - e for c, e in zip(cluster, engine_ms, strict=True)]
+    twins = [c["twin_prefill_ms"] - e for c, e in zip(cluster, engine_ms, strict=True)]
     out = {"samples": len(cluster), "client_ttft_ms": med("client_ttft_ms"),
            "engine_prefill_ms": statistics.median(engine_ms), "overhead_ms": statistics.median(diffs),
+           # two identical engines in processes of their own: the overhead cannot be read finer than this
+           "twin_difference_ms": statistics.median(twins),
+           "twin_abs_difference_ms": statistics.median(abs(d) for d in twins),
            "in_process_prefill_ms": med("in_process_prefill_ms"),
            "router_ttft_ms": med("router_ttft_ms"), "queue_ms": med("queue_ms"),
            "kv_transfer_ms": None if colocated else med("kv_transfer_ms"),
@@ -275,7 +287,10 @@ def ttft_breakdown(engine_ms: list[float], cluster: list[dict], colocated: bool)
                 "worker_after_token_ms": statistics.median(  # first token -> the prefill call returns
                     c["prefill_ms"] - c["prefill_queue_ms"] - c["prefill_compute_ms"] for c in cluster),
                 "router_and_ray_ms": statistics.median(c["router_ttft_ms"] - c["queue_ms"] - c["prefill_ms"]
-                                                       for c in cluster)}
+                                                       for c in cluster),
+                # what the cluster adds outside the forward passes: client TTFT - the worker's own steps
+                "outside_forward_ms": statistics.median(c["client_ttft_ms"] - c["prefill_compute_ms"]
+                                                        for c in cluster)}
     return out
 
 
@@ -300,6 +315,9 @@ def print_table(r: dict) -> None:
     rows = [("client TTFT", t["client_ttft_ms"]), ("engine prefill (own process, reference)", t["engine_prefill_ms"]),
             ("engine prefill (this process, beside the router)", t["in_process_prefill_ms"]),
             ("overhead: client - engine", t["overhead_ms"]),
+            ("  (a second engine process - the reference)", t["twin_difference_ms"]),
+            ("  (the same, median |difference|)", t["twin_abs_difference_ms"]),
+            ("outside the forward: client - worker's steps", t.get("outside_forward_ms")),
             ("  gRPC + client (client - router TTFT)", t["grpc_and_client_ms"]),
             (router_row, t["router_and_ray_ms"]),
             ("  router queue (decode reservation)", t["queue_ms"]),
@@ -364,10 +382,11 @@ def run_cluster(cfg: ClusterConfig, specs: list[RequestSpec], prompts: list[list
         with LocalCluster(cfg) as cluster:
             asyncio.run(warm_up(cluster.address, specs[:8]))
             throughput = asyncio.run(cluster_throughput(cluster.address, specs))
-            reference = ReferenceEngine.options(num_cpus=0).remote(cfg.engine_config(cfg.prefill if cfg.prefill.replicas
-                                                                                    else cfg.decode))
-            ttfts = asyncio.run(cluster_ttfts(cluster.address, prompts, engine, reference))
+            engine_cfg = cfg.engine_config(cfg.prefill if cfg.prefill.replicas else cfg.decode)
+            reference, twin = (ReferenceEngine.options(num_cpus=0).remote(engine_cfg) for _ in range(2))
+            ttfts = asyncio.run(cluster_ttfts(cluster.address, prompts, engine, reference, twin))
             ray.kill(reference)
+            ray.kill(twin)
     finally:
         ray.shutdown()
     return throughput, ttfts

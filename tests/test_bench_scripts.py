@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from scripts.bench_cluster import ttft_breakdown
 from scripts.bench_handoff import summarize
 from scripts.bench_kv_transfer import host_limits
 
@@ -30,3 +31,17 @@ def test_kv_channel_bounds_are_the_slowest_stage_and_the_stages_in_series():
     assert lim["serial_gbps"] == pytest.approx(1 / (1 / 4 + 1 / 1 + 1 / 2))
     assert lim["channel_vs_overlapped"] == 0.5
     assert lim["channel_vs_serial"] == pytest.approx(0.5 / lim["serial_gbps"])
+
+
+def test_idle_ttft_rows_come_with_the_twin_engines_spread_and_the_time_outside_the_forward():
+    def sample(client: float, twin: float, compute: float) -> dict:
+        return {"client_ttft_ms": client, "twin_prefill_ms": twin, "in_process_prefill_ms": 0.0,
+                "router_ttft_ms": client - 4, "queue_ms": 0.0, "kv_transfer_ms": 1.0, "prefill_ms": compute + 2,
+                "prefill_queue_ms": 0.5, "prefill_compute_ms": compute}
+    engine = [100.0, 200.0, 300.0]
+    cluster = [sample(130, 90, 110), sample(225, 215, 205), sample(318, 300, 296)]
+    t = ttft_breakdown(engine, cluster, colocated=False)
+    assert t["overhead_ms"] == 25                                   # 30, 25, 18
+    assert t["twin_difference_ms"] == 0 and t["twin_abs_difference_ms"] == 10   # -10, 15, 0
+    assert t["outside_forward_ms"] == 20                            # 20, 20, 22: no compute noise in it
+    assert t["router_and_ray_ms"] == 14 and t["grpc_and_client_ms"] == 4   # (client - 4) - (compute + 2)
