@@ -23,11 +23,32 @@ def llama_dir(model_dirs) -> str:
     return model_dirs["llama"]
 
 
+RAY_OPTIONS = dict(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
+
+
 @pytest.fixture(scope="module")
-def ray_instance():
-    """One local Ray per test module that asks for it: the module's clusters share it."""
+def ray_instance(_ray_at_exit):
+    """One local Ray for the whole session, started by the first module that asks for it: the
+    modules' clusters come and go on it (a Ray start costs about 7 s here). Workers are unnamed
+    actors, so a module's leftovers cannot collide with the next module's."""
     import ray
 
-    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
+    if not ray.is_initialized():
+        ray.init(**RAY_OPTIONS)
     yield
+
+
+@pytest.fixture(scope="session")
+def _ray_at_exit():
+    yield
+    import ray
+
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def no_shared_ray():
+    """For a module that starts Ray nodes of its own: the shared instance stops first."""
+    import ray
+
     ray.shutdown()

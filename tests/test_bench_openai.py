@@ -12,7 +12,6 @@ import threading
 import time
 
 import pytest
-import ray
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -45,13 +44,9 @@ def test_endpoint_urls():
 
 # ---- against pdserve's HTTP front door ------------------------------------------------------
 @pytest.fixture(scope="module")
-def cluster(llama_dir):
-    ray.init(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
-    try:
-        with LocalCluster(cluster_config(llama_dir, router={"http_port": 0})) as c:
-            yield c
-    finally:
-        ray.shutdown()
+def cluster(llama_dir, ray_instance):
+    with LocalCluster(cluster_config(llama_dir, router={"http_port": 0})) as c:
+        yield c
 
 
 def test_client_replays_token_id_prompts_with_exact_lengths(cluster):

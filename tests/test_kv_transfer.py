@@ -145,13 +145,10 @@ class PrefillActor:
 
 
 @pytest.fixture(scope="module")
-def ray_cluster():
+def ray_cluster(ray_instance):
     # The actors live in this test module, which workers cannot import: ship them by value.
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    ray.init(num_cpus=2, num_gpus=torch.cuda.device_count(), include_dashboard=False,
-             object_store_memory=100 << 20, log_to_driver=False)
     yield
-    ray.shutdown()
 
 
 def start_decode(num_blocks=800, dtype="float32", config=CONFIG):

@@ -288,7 +288,7 @@ def _wait_gone(pids: list[int], timeout_s: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def host(tmp_path_factory):
+def host(tmp_path_factory, no_shared_ray):
     if os.geteuid() != 0:
         pytest.skip("needs root: it makes a network namespace and a veth pair")
     if shutil.which("ip") is None:
