@@ -80,7 +80,7 @@ class DecodeWorker:
     async def reserve(self, r: Reservation) -> Reserved | None:
         """Blocks for `r.num_tokens`, the leading ones from the prefix cache where it holds
         `r.token_ids`' blocks; None when they don't fit (or the request was cancelled)."""
-        if self.handoffs.is_ended(r.request_id):
+        if self.handoffs.is_ended(r.request_id) or self.faults.refuse_reserve():
             return None
         got = await self.core.run(lambda e: e.reserve(r.request_id, r.num_tokens, list(r.token_ids) or None))
         if got is None:

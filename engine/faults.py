@@ -5,6 +5,8 @@ Each worker gets a `Faults` with its own seeded RNG. Hooks, each a no-op when it
   fail_transfer()      a KV send fails before its header reaches the decode worker
   transfer_delay()     seconds to wait before a KV send (a slow link)
   slow_step()          sleeps `step_delay_s` before each engine step (a slow worker)
+  refuse_reserve()     a decode reservation answers "no room" though the blocks fit (the
+                       router's view of free blocks gone stale)
   maybe_kill(point)    the worker process exits at a named lifecycle point (see KILL_POINTS)
 `PDSERVE_FAULTS="transfer_fail_rate=0.1,kill_at=decode.after_start,kill_rate=0.5"` overrides
 the config's values key by key.
@@ -33,13 +35,14 @@ class FaultConfig:
     transfer_delay_rate: float = 0.0  # fraction of KV sends delayed by transfer_delay_s
     transfer_delay_s: float = 0.0
     step_delay_s: float = 0.0         # added before every engine step
+    reserve_refuse_rate: float = 0.0  # fraction of decode reservations refused though they fit
     kill_at: str = ""                 # one of KILL_POINTS; "" = never
     kill_rate: float = 0.0            # probability of exiting at each pass through kill_at
 
     def problems(self) -> list[tuple[str, str]]:
         """(key, reason) for each impossible value."""
-        out = [(k, "must be in [0, 1]") for k in ("transfer_fail_rate", "transfer_delay_rate", "kill_rate")
-               if not 0.0 <= getattr(self, k) <= 1.0]
+        out = [(k, "must be in [0, 1]") for k in ("transfer_fail_rate", "transfer_delay_rate", "kill_rate",
+                                                  "reserve_refuse_rate") if not 0.0 <= getattr(self, k) <= 1.0]
         out += [(k, "must be >= 0") for k in ("transfer_delay_s", "step_delay_s") if getattr(self, k) < 0]
         if self.kill_at and self.kill_at not in KILL_POINTS:
             out.append(("kill_at", f"must be one of {', '.join(KILL_POINTS)} (or empty)"))
@@ -77,6 +80,9 @@ class Faults:
 
     def fail_transfer(self) -> bool:
         return self._hit(self.config.transfer_fail_rate)
+
+    def refuse_reserve(self) -> bool:
+        return self._hit(self.config.reserve_refuse_rate)
 
     def transfer_delay(self) -> float:
         return self.config.transfer_delay_s if self._hit(self.config.transfer_delay_rate) else 0.0

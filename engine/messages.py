@@ -91,7 +91,9 @@ class PrefillTask:
     decode_name: str  # where the KV goes
     output_token_ids: list[int] = field(default_factory=list)
     emitted_chars: int = 0  # characters of text already streamed to the client
-    skip_blocks: int = 0  # leading blocks the decode worker already holds: not sent
+    # leading blocks the decode worker already holds: not sent. None: its reservation is still in
+    # flight (the prefill computes meanwhile); the router says it with `aim` and nothing leaves before
+    skip_blocks: int | None = 0
 
 
 @dataclass(frozen=True)

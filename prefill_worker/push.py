@@ -4,6 +4,8 @@ each one transfer with its own first_block, in order on the pair's channel.
 Streamed (kv_transfer.stream_chunks): after every engine step the full blocks a prefill-only
 request has filled leave at once while its next chunk computes; the rest (the last, partial
 block included) once its first token is sampled. Not streamed: all of it then, in one piece.
+A stream opened before its decode reservation came back (skip_blocks None) cuts nothing until
+`aim` says how many leading blocks the decode side holds; the computing goes on meanwhile.
 Everything here runs on the engine loop thread (`after_step`, and `loop.call` for a piece's
 end), so it reads the engine directly. A piece's blocks are pinned (engine.pin) from its cut
 until its send ended: a preemption, abort or finish never frees blocks on the wire. A stream
@@ -36,7 +38,7 @@ OnFailed = Callable[[str, str, str], None]  # (request id, decode worker, reason
 class KVStream:
     request_id: str
     decode_name: str
-    next_block: int  # the first block of the request not yet cut into a piece
+    next_block: int | None  # the first block of the request not yet cut into a piece; None: not aimed yet
     in_flight: int = 0  # pieces cut whose send has not ended (held back or on the wire)
     complete: bool = False  # no piece will be cut any more
     abandoned: bool = False  # the request ended without a hand-off: failures are quiet
@@ -56,9 +58,21 @@ class KVPusher:
         self._on_ended = on_ended
         self._streams: dict[str, KVStream] = {}  # loop thread only
 
-    def open(self, request_id: str, decode_name: str, skip_blocks: int) -> None:
-        """Loop thread, right after the request was added: `skip_blocks` the decode side holds."""
+    def open(self, request_id: str, decode_name: str, skip_blocks: int | None) -> None:
+        """Loop thread, right after the request was added: `skip_blocks` the decode side holds
+        (None: not known yet; `aim` tells it)."""
         self._streams[request_id] = KVStream(request_id, decode_name, skip_blocks)
+
+    def aim(self, e: LLMEngine, request_id: str, skip_blocks: int) -> bool:
+        """Loop thread: the decode side holds the first `skip_blocks` blocks; what is ready leaves
+        now (all of it if the prefill is already done). False if the stream is gone (aborted)."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.abandoned:
+            return False
+        if stream.next_block is None:
+            stream.next_block = skip_blocks
+            self.after_step(e)
+        return True
 
     def abandon(self, e: LLMEngine, request_id: str) -> None:
         """Loop thread: the request was cancelled; send nothing more, report nothing."""
@@ -75,6 +89,8 @@ class KVPusher:
 
     def _advance(self, e: LLMEngine, stream: KVStream) -> None:
         req = e.requests.get(stream.request_id)
+        if req is not None and stream.next_block is None:  # not aimed yet: its blocks wait
+            return
         if req is None:  # ended without a hand-off: stopped at its first token, failed, aborted
             stream.abandoned = stream.complete = True
         elif req.status is Status.FINISHED:  # prefilled: the rest, the partial block included

@@ -95,6 +95,11 @@ class PrefillWorker:
                       emitted_chars=task.emitted_chars, arrived_at=arrived)
         self.pusher.open(task.request_id, task.decode_name, task.skip_blocks)
 
+    async def aim(self, request_id: str, skip_blocks: int) -> bool:
+        """The decode reservation of a prefill sent before it came back: the decode side holds the
+        first `skip_blocks` blocks; the KV may leave now. False if the request is gone (aborted)."""
+        return await self.core.run(lambda e: self.pusher.aim(e, request_id, skip_blocks))
+
     async def _ensure_channel(self, decode_name: str, decode_actor) -> None:
         lock = self._channel_locks.setdefault(decode_name, asyncio.Lock())
         async with lock:

@@ -2,7 +2,12 @@
 
 Disaggregated: wait (FIFO, bounded) for a prefill slot and a decode reservation -> prefill
 prompt + tokens already streamed -> stream the next token at once -> `start` on the decode
-worker -> its tokens. Colocated: wait for a decode-pool worker with room -> `generate` there.
+worker -> its tokens. With router.prefill_during_reserve, the prefill of a pair that already
+has a channel starts while the reservation is in flight; the prefill worker holds the KV back
+until `aim` tells it how many leading blocks the reservation found cached. If that reservation
+finds no room after all, the prefill is aborted and the request placed again (`Respin`; once:
+after that its reservations come first again). Colocated: wait for a decode-pool worker with
+room -> `generate` there.
 Any failure another worker may not have raises `Retry`; the router then starts the next
 attempt (router/service.py). Workers are recorded as holders BEFORE a call that may leave
 state on them, so a cancel at any moment reaches every worker that may hold some.
@@ -10,6 +15,7 @@ state on them, so a cancel at any moment reaches every worker that may hold some
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import AsyncIterator
 
@@ -24,7 +30,7 @@ from router.lifecycle import Phase, RequestLife
 from router.metrics import RouterMetrics
 from router.placement import WorkerView
 from router.pool import PoolManager
-from router.stream import Chunk, InternalError, Retry, Unavailable, merge_outputs
+from router.stream import Chunk, InternalError, Respin, Retry, Unavailable, merge_outputs
 
 
 class Attempts:
@@ -37,6 +43,7 @@ class Attempts:
         self.metrics = metrics
         self.accepting = accepting  # () -> bool
         self.placer = pools.placer
+        self._dropped: set[asyncio.Task] = set()  # results of aborted early prefills, being collected
 
     async def run(self, life: RequestLife) -> AsyncIterator[Chunk]:
         runner = self._colocated if self.config.mode == "colocated" else self._disaggregated
@@ -46,16 +53,22 @@ class Attempts:
     # ---- disaggregated ------------------------------------------------------------------
     async def _disaggregated(self, life: RequestLife) -> AsyncIterator[Chunk]:
         waits = QueueWaits()
-        (prefill, decode), waited = await self.admission.place(lambda: self._place_pair(life, waits),
-                                                               self.accepting, self.rc.queue_timeout_s)
+        (prefill, decode, early), waited = await self.admission.place(lambda: self._place_pair(life, waits),
+                                                                      self.accepting, self.rc.queue_timeout_s)
         self._observe_queue(life, waited, waits)
         aid = life.attempt_id
         life.to(Phase.PREFILLING)
-        task = PrefillTask(aid, life.prompt_token_ids, life.sampling, decode.name, list(life.output_token_ids),
-                           life.emitted_chars, skip_blocks=life.usage.get("kv_cached_blocks", 0))
-        handle = None if decode.name in prefill.peers else decode.actor  # travels once per pair
+        skip = life.usage.get("kv_cached_blocks", 0)
         try:
-            res = await call(prefill, prefill.actor.prefill.remote(task, handle), self.rc.prefill_timeout_s, "prefill")
+            if early is None:
+                handle = None if decode.name in prefill.peers else decode.actor  # travels once per pair
+                ref = prefill.actor.prefill.remote(self._prefill_task(life, decode, skip), handle)
+            else:  # computing already: the KV may leave now
+                ref = early
+                aimed = await self._aim(prefill, early, aid, skip)
+            res = await call(prefill, ref, self.rc.prefill_timeout_s, "prefill")
+            if early is not None and not aimed and res.finish_reason == "prefilled":
+                raise Retry(f"{prefill.name} prefilled {aid} but had no KV stream for it when aimed")
         finally:
             prefill.inflight.discard(aid)
             prefill.prefill_tokens.pop(aid, None)
@@ -98,16 +111,69 @@ class Attempts:
         needed = -(-num_tokens // bs)
         lease_s = self.rc.prefill_timeout_s + self.config.kv_transfer.timeout_s + self.rc.call_timeout_s
         pushed = tuple(life.context_token_ids())
-        for decode in self.placer.decode_candidates(decode_ready, hashes, needed):
+        for i, decode in enumerate(self.placer.decode_candidates(decode_ready, hashes, needed)):
             self._hold(life, decode, Phase.RESERVING)
             ref = decode.actor.reserve.remote(Reservation(life.attempt_id, num_tokens, lease_s, pushed))
-            reserved = await call(decode, ref, self.rc.call_timeout_s, "reserve")
+            early = self._prefill_early(life, prefill, decode, hashes) if i == 0 else None
+            try:
+                reserved = await call(decode, ref, self.rc.call_timeout_s, "reserve")
+            except BaseException:  # the service aborts both holders; the prefill's result is collected
+                if early is not None:
+                    self._drop(early)
+                raise
             if reserved is not None:
                 self._reserved(life, prefill, decode, reserved, hashes)
-                return prefill, decode
-            self._unhold(life, decode)
+                return prefill, decode, early
             decode.free_blocks = min(decode.free_blocks, needed - 1)
+            if early is not None:  # the service aborts the prefill and places the request again
+                self.metrics.observe_early_prefill("dropped")
+                self._drop(early)
+                raise Respin(f"{decode.name} had no room for the KV after all; the prefill started on "
+                             f"{prefill.name} meanwhile is dropped")
+            self._unhold(life, decode)
         return waits.failed("kv")
+
+    def _prefill_early(self, life: RequestLife, prefill: WorkerView, decode: WorkerView, hashes: list[bytes]):
+        """The prefill call, sent while `decode`'s reservation is in flight, or None: only where
+        the pair has its channel already (no handle to ship, no connect on the path), and not
+        after a Respin (each attempt that was not a migration was one)."""
+        respun = life.attempt > life.migrations
+        if not self.rc.prefill_during_reserve or decode.name not in prefill.peers or respun:
+            return None
+        self._claim_prefill(life, prefill, hashes)  # a holder before the call: a cancel reaches it
+        return prefill.actor.prefill.remote(self._prefill_task(life, decode, None), None)
+
+    @staticmethod
+    def _prefill_task(life: RequestLife, decode: WorkerView, skip_blocks: int | None) -> PrefillTask:
+        return PrefillTask(life.attempt_id, life.prompt_token_ids, life.sampling, decode.name,
+                           list(life.output_token_ids), life.emitted_chars, skip_blocks=skip_blocks)
+
+    async def _aim(self, prefill: WorkerView, early, aid: str, skip: int) -> bool:
+        """Tell the prefill worker its reservation's answer. False: its KV stream had ended, as
+        it does for a request that finished at its first token (its result says so)."""
+        try:
+            aimed = await call(prefill, prefill.actor.aim.remote(aid, skip), self.rc.call_timeout_s, "aim")
+        except BaseException:
+            self._drop(early)
+            raise
+        self.metrics.observe_early_prefill("aimed")
+        return aimed
+
+    def _drop(self, ref) -> None:
+        """An aborted early prefill's result is collected (it fails), never left unread."""
+        async def collect():
+            try:
+                await within(ref, self.rc.call_timeout_s + self.rc.prefill_timeout_s)
+            except Exception:  # cancelled by the abort, as intended; a dead worker is the monitor's
+                pass
+        task = asyncio.get_running_loop().create_task(collect())
+        self._dropped.add(task)
+        task.add_done_callback(self._dropped.discard)
+
+    def _claim_prefill(self, life: RequestLife, prefill: WorkerView, hashes: list[bytes]) -> None:
+        life.prefill = prefill
+        prefill.inflight.add(life.attempt_id)
+        prefill.prefill_tokens[life.attempt_id] = self.placer.prefill_work(prefill, hashes, life.num_context_tokens())
 
     def _reserved(self, life: RequestLife, prefill: WorkerView, decode: WorkerView, reserved: Reserved,
                   hashes: list[bytes]) -> None:
@@ -116,9 +182,8 @@ class Attempts:
         context = life.num_context_tokens()
         self.metrics.observe_prefix("decode", context, reserved.cached_blocks * decode.info.block_size)
         self.metrics.observe_kv_saved(reserved.cached_blocks * decode.info.block_bytes)
-        life.prefill = prefill
-        prefill.inflight.add(life.attempt_id)
-        prefill.prefill_tokens[life.attempt_id] = self.placer.prefill_work(prefill, hashes, context)
+        if life.prefill is None:
+            self._claim_prefill(life, prefill, hashes)
         self.placer.placed(prefill, hashes)
         self.placer.placed(decode, hashes)
 

@@ -84,6 +84,9 @@ class RouterSection:
     shutdown_grace_s: float = 10.0
     max_prefill_inflight: int = 8  # requests on one prefill worker (or colocated worker) at once
     migration_limit: int = 3  # times a request moves to another worker after a failure
+    # start the prefill while the decode reservation is in flight (its KV leaves once the
+    # reservation is back): one router -> worker round trip less in TTFT (router/attempt.py)
+    prefill_during_reserve: bool = True
     call_timeout_s: float = 10.0  # deadline of every short router -> worker call
     prefill_timeout_s: float = 60.0  # deadline of one prefill, queueing on the worker included
     queue_timeout_s: float = 120.0  # longest wait for capacity before UNAVAILABLE

@@ -91,12 +91,13 @@ class RequestLife:
         self.output_token_ids.extend(token_ids)
         self.emitted_chars += len(text)
 
-    def retry(self, reason: str) -> list:
-        """End this attempt (back to QUEUED under a new attempt id); returns its holders to abort."""
+    def retry(self, reason: str, migrated: bool = True) -> list:
+        """End this attempt (back to QUEUED under a new attempt id); returns its holders to abort.
+        `migrated`: the attempt failed (not so for a Respin)."""
         held = self.holders
         self.to(Phase.QUEUED)
         self.attempt += 1
-        self.migrations += 1
+        self.migrations += migrated
         self.last_failure = reason
         self.prefill = self.decode = None
         return held

@@ -87,6 +87,10 @@ class RouterMetrics:
         self.migrations = Counter("pdserve_request_migrations",
                                   "Attempts that failed and moved their request to another worker.",
                                   registry=reg)
+        self.early_prefills = Counter("pdserve_early_prefills",
+                                      "Prefills started while their decode reservation was in flight, by "
+                                      "outcome: aimed (the reservation held) or dropped (it found no room).",
+                                      ["outcome"], registry=reg)
         self.worker_failures = Counter("pdserve_worker_failures", "Workers that died or hung, by pool.",
                                        ["pool"], registry=reg)
         self.prefix_query_tokens = Counter("pdserve_prefix_cache_query_tokens",
@@ -133,6 +137,9 @@ class RouterMetrics:
 
     def observe_migration(self) -> None:
         self.migrations.inc()
+
+    def observe_early_prefill(self, outcome: str) -> None:
+        self.early_prefills.labels(outcome=outcome).inc()
 
     def observe_prefix(self, pool: str, query_tokens: int, hit_tokens: int) -> None:
         """One lookup of `query_tokens` context tokens in a `pool` worker's prefix cache."""

@@ -34,7 +34,7 @@ from router.monitor import Monitor
 from router.placement import WorkerView
 from router.pool import PoolManager
 from router.request_log import RequestLog
-from router.stream import CannotPlace, Chunk, Retry, Unavailable
+from router.stream import CannotPlace, Chunk, Respin, Retry, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -140,9 +140,13 @@ class Router:
             self.admission.notify()
 
     def _retry(self, life: RequestLife, e: Retry) -> None:
+        old = life.attempt_id
+        if isinstance(e, Respin):
+            self._abort_all(life.retry(str(e), migrated=False), old)
+            log.info("request %s is placed again (attempt %d): %s", life.client_id, life.attempt, e)
+            return
         if e.worker is not None:
             self.monitor.lost(e.worker, str(e))
-        old = life.attempt_id
         self._abort_all(life.retry(str(e)), old)
         self.metrics.observe_migration()
         if life.migrations > self.config.router.migration_limit:

@@ -37,6 +37,11 @@ class Retry(Exception):
         self.worker = worker
 
 
+class Respin(Retry):
+    """Place the request again under a new attempt id, though nothing failed: a prefill started
+    during a reservation that then found no room (not a migration)."""
+
+
 @dataclass
 class Chunk:
     token_ids: list[int]

@@ -17,6 +17,9 @@ cluster's fixed costs without the compute noise. The same engine's prefill in th
 shown too: it shares the process (and its GIL) with the router's threads, which makes it slower
 than a worker's, so it is not the reference.
 
+`--compare-early-prefill` measures instead what router.prefill_during_reserve takes off idle
+TTFT: the same two-cluster, alternating method as `--compare-auth`.
+
 `--compare-auth` measures instead what token authentication (router.auth) adds to idle TTFT:
 two clusters of the same config side by side, one with a tokens file, K single requests sent to
 each in turn (the order alternating per prompt, so drift and noise fall on both alike), and the
@@ -29,6 +32,7 @@ decode engine can run on two cores at once; the client and the router share this
 
     python -m scripts.bench_cluster [--requests 64] [--mode colocated] [--prefill 1 --decode 1] [--json]
     python -m scripts.bench_cluster --compare-auth [--ttft-samples 60] [--json]
+    python -m scripts.bench_cluster --compare-early-prefill [--ttft-samples 60] [--json]
 """
 
 from __future__ import annotations
@@ -217,23 +221,39 @@ def gate_cost_us(tokens_file: str, calls: int = 20000) -> float:
     return (time.perf_counter() - t0) / calls * 1e6
 
 
+def two_clusters(cfg_a: ClusterConfig, cfg_b: ClusterConfig, specs: list[RequestSpec], prompts: list[list[int]],
+                 token_b: str | None = None) -> tuple[list[float], list[float]]:
+    """Client TTFTs (ms) of the prompts on two clusters side by side, alternating who goes first."""
+    needed = 2 * (cfg_a.prefill.replicas * cfg_a.prefill.num_cpus + cfg_a.decode.replicas * cfg_a.decode.num_cpus)
+    ray.init(num_cpus=max(4, int(needed)), include_dashboard=False, object_store_memory=128 << 20,
+             log_to_driver=False)
+    try:
+        with LocalCluster(cfg_a) as a, LocalCluster(cfg_b) as b:
+            targets = [Target(a.address), Target(b.address, token_b)]
+            for target in targets:
+                asyncio.run(warm_up(target, specs[:8]))
+            a_ms, b_ms = asyncio.run(alternating_ttfts(targets, prompts))
+    finally:
+        ray.shutdown()
+    return a_ms, b_ms
+
+
+def compare_early_prefill(cfg: ClusterConfig, specs: list[RequestSpec], prompts: list[list[int]]) -> dict:
+    """router.prefill_during_reserve off vs on (the prefill sent with the reservation in flight)."""
+    after = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, prefill_during_reserve=False))
+    after_ms, during_ms = two_clusters(after, cfg, specs, prompts)
+    return {"samples": len(prompts), "after_reserve_ms": statistics.median(after_ms),
+            "during_reserve_ms": statistics.median(during_ms),
+            "difference_ms": statistics.median(b - a for a, b in zip(after_ms, during_ms, strict=True))}
+
+
 def compare_auth(cfg: ClusterConfig, specs: list[RequestSpec], prompts: list[list[int]]) -> dict:
     with tempfile.TemporaryDirectory() as d:
         tokens = Path(d) / "tokens.txt"
         tokens.write_text(BENCH_TOKEN + "\n")
         with_auth = dataclasses.replace(cfg, router=dataclasses.replace(
             cfg.router, auth=dataclasses.replace(cfg.router.auth, tokens_file=str(tokens))))
-        needed = 2 * (cfg.prefill.replicas * cfg.prefill.num_cpus + cfg.decode.replicas * cfg.decode.num_cpus)
-        ray.init(num_cpus=max(4, int(needed)), include_dashboard=False, object_store_memory=128 << 20,
-                 log_to_driver=False)
-        try:
-            with LocalCluster(cfg) as off, LocalCluster(with_auth) as on:
-                targets = [Target(off.address), Target(on.address, BENCH_TOKEN)]
-                for target in targets:
-                    asyncio.run(warm_up(target, specs[:8]))
-                off_ms, on_ms = asyncio.run(alternating_ttfts(targets, prompts))
-        finally:
-            ray.shutdown()
+        off_ms, on_ms = two_clusters(cfg, with_auth, specs, prompts, token_b=BENCH_TOKEN)
         gate_us = gate_cost_us(str(tokens))
     diffs = [b - a for a, b in zip(off_ms, on_ms, strict=True)]
     return {"samples": len(prompts), "off_ms": statistics.median(off_ms), "on_ms": statistics.median(on_ms),
@@ -361,6 +381,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", help="checkpoint dir (default: the tiny model, created if absent)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--compare-early-prefill", action="store_true",
+                    help="idle TTFT with router.prefill_during_reserve off vs on (two clusters, alternating)")
     ap.add_argument("--compare-auth", action="store_true",
                     help="measure what token authentication adds to idle TTFT instead (two clusters, alternating)")
     return ap.parse_args(argv)
@@ -401,6 +423,13 @@ def main(argv: list[str] | None = None) -> None:
     specs = make_specs(args.requests, args.seed, args.prompt, args.output, vocab)
     ttft_specs = make_specs(args.ttft_samples, args.seed + 1, args.prompt, (2, 2), vocab)
     prompts = [list(s.prompt_token_ids) for s in ttft_specs]
+    if args.compare_early_prefill:
+        early = compare_early_prefill(cfg, specs, prompts)
+        print(json.dumps(early) if args.json else
+              f"idle TTFT, {early['samples']} single requests to each (alternating), medians in ms: prefill after "
+              f"the reservation {early['after_reserve_ms']:.2f}, during it {early['during_reserve_ms']:.2f}; "
+              f"median per-prompt difference {early['difference_ms']:+.2f}")
+        return
     if args.compare_auth:
         auth = compare_auth(cfg, specs, prompts)
         if args.json:

@@ -292,6 +292,31 @@ def test_failed_transfers_end_in_unavailable_not_a_hang(llama_dir):
         client.close()
 
 
+def test_a_refused_reservation_under_an_early_prefill_places_the_request_again(llama_dir):
+    """router.prefill_during_reserve: the prefill starts while the decode reservation is in flight.
+    A reservation refused though the router saw room (the fault stands in for a stale view) aborts
+    that prefill and places the request again: not a migration, exact tokens, no block held."""
+    cfg = cluster_config(llama_dir, faults={"reserve_refuse_rate": 0.5, "seed": 5})
+    with LocalCluster(cfg) as cluster:
+        client = Client(cluster.address)
+        registry = cluster.router.metrics.registry
+        for i in range(8):
+            prompt = _prompt(90 + i, n=40)
+            tokens, last = client.tokens(prompt, max_tokens=6, ignore_eos=True)
+            assert tokens == hf_greedy(llama_dir, prompt, 6, ignore_eos=True)
+            assert last.usage.migrations == 0
+            # done at its first token: the stream ends before the reservation's answer reaches it
+            tokens, last = client.tokens(prompt, max_tokens=1)
+            assert tokens == hf_greedy(llama_dir, prompt, 1) and last.finish_reason == "length"
+            assert last.usage.migrations == 0
+        early = {o: registry.get_sample_value("pdserve_early_prefills_total", {"outcome": o}) or 0
+                 for o in ("aimed", "dropped")}
+        assert early["dropped"] >= 1 and early["aimed"] >= 1, early
+        assert (registry.get_sample_value("pdserve_request_migrations_total") or 0) == 0
+        _no_leaks(cluster)
+        client.close()
+
+
 def test_saturated_prefill_pool_answers_resource_exhausted(llama_dir):
     cfg = cluster_config(llama_dir, router={"max_prefill_inflight": 1, "max_queue": 1},
                          scheduler={"chunk_size": 32, "max_num_batched_tokens": 32}, faults={"step_delay_s": 0.1})

@@ -56,7 +56,7 @@ class Harness:
                                on_failed=lambda rid, _, why: self.failed.append((rid, why)),
                                on_ended=self.ended.append)
 
-    def add(self, n: int = 100, skip: int = 0) -> None:
+    def add(self, n: int = 100, skip: int | None = 0) -> None:
         prompt = [random.Random(n).randrange(10, 2000) for _ in range(n)]
         self.engine.add_request(RID, prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=4),
                                 prefill_only=True)
@@ -158,3 +158,39 @@ def test_preemption_mid_stream_sends_only_blocks_not_yet_sent(h):
     assert h.firsts() == [0, 2, 4, 6]
     h.finish_pieces()
     assert h.engine.allocator.num_used == 0 and h.ended == [RID]
+
+
+def test_a_stream_opened_before_its_reservation_sends_nothing_until_aimed(h):
+    h.add(100, skip=None)  # the reservation is still in flight: the prefill computes all the same
+    h.step()
+    h.step()
+    assert h.firsts() == []
+    assert h.pusher.aim(h.engine, RID, 3)  # the decode side holds 3 blocks: what is full leaves at once
+    assert h.firsts() == [3]
+    assert h.pusher.aim(h.engine, RID, 0) and h.firsts() == [3]  # a second aim changes nothing
+    h.step()
+    assert h.step()[0].finish_reason == "prefilled" and h.firsts() == [3, 4, 6]
+    h.finish_pieces()
+    assert h.engine.allocator.num_used == 0 and h.ended == [RID] and not h.failed
+
+
+def test_aimed_after_the_first_token_sends_everything_at_once(h):
+    h.add(100, skip=None)
+    for _ in range(3):
+        h.step()
+    assert h.step()[0].finish_reason == "prefilled" and h.firsts() == []
+    assert h.engine.allocator.num_used == 7  # held for the reservation
+    assert h.pusher.aim(h.engine, RID, 0)
+    assert h.firsts() == [0] and len(h.sender.pieces[0][1]) == 7
+    h.finish_pieces()
+    assert h.engine.allocator.num_used == 0 and h.ended == [RID]
+
+
+def test_an_unaimed_stream_aborted_sends_nothing_and_frees_everything(h):
+    h.add(100, skip=None)
+    h.step()
+    h.pusher.abandon(h.engine, RID)
+    h.engine.abort(RID)
+    assert not h.pusher.aim(h.engine, RID, 0)  # the router's aim, late: refused, nothing leaves
+    h.engine.check()
+    assert h.firsts() == [] and h.engine.allocator.num_used == 0 and not h.failed and h.ended == []
