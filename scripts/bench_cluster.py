@@ -88,7 +88,8 @@ def cluster_config(args: argparse.Namespace, model: str) -> ClusterConfig:
     prefill = args.prefill if args.mode == "disaggregated" else 0
     return parse_config({
         "model": {"path": model}, "mode": args.mode,
-        "router": {"host": "127.0.0.1", "port": 0, "metrics_port": None},
+        "router": {"host": "127.0.0.1", "port": 0, "metrics_port": None,
+                   "prefill_during_reserve": not args.prefill_after_reserve},
         "prefill": {"replicas": prefill, "num_cpus": 1, "torch_threads": 1},
         "decode": {"replicas": args.decode, "num_cpus": 1, "torch_threads": 1},
         "kv_cache": {"block_size": 16, "num_blocks": args.num_blocks},
@@ -381,6 +382,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--model", help="checkpoint dir (default: the tiny model, created if absent)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--prefill-after-reserve", action="store_true",
+                    help="router.prefill_during_reserve off: each prefill waits for its decode reservation")
     ap.add_argument("--compare-early-prefill", action="store_true",
                     help="idle TTFT with router.prefill_during_reserve off vs on (two clusters, alternating)")
     ap.add_argument("--compare-auth", action="store_true",
