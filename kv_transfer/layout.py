@@ -55,7 +55,7 @@ class KVLayout:
 
     @property
     def bytes_per_block(self) -> int:
-        return 2 * self.num_layers * self.block_elems * DTYPES[self.dtype].itemsize
+        return self.block_row_elems * DTYPES[self.dtype].itemsize
 
     def to_dict(self) -> dict[str, int | str]:
         return asdict(self)

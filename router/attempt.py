@@ -43,7 +43,7 @@ class Attempts:
         self.metrics = metrics
         self.accepting = accepting  # () -> bool
         self.placer = pools.placer
-        self._dropped: set[asyncio.Task] = set()  # results of aborted early prefills, being collected
+        self._early: set[asyncio.Task] = set()  # early prefill calls in flight (the loop keeps tasks weakly)
 
     async def run(self, life: RequestLife) -> AsyncIterator[Chunk]:
         runner = self._colocated if self.config.mode == "colocated" else self._disaggregated
@@ -63,9 +63,10 @@ class Attempts:
             if early is None:
                 handle = None if decode.name in prefill.peers else decode.actor  # travels once per pair
                 ref = prefill.actor.prefill.remote(self._prefill_task(life, decode, skip), handle)
-            else:  # computing already: the KV may leave now
-                ref = early
-                aimed = await self._aim(prefill, early, aid, skip)
+            else:  # computing already: the KV may leave now. False: its stream had ended, as it does
+                ref = early  # for a request finished at its first token (its result says so)
+                aimed = await call(prefill, prefill.actor.aim.remote(aid, skip), self.rc.call_timeout_s, "aim")
+                self.metrics.observe_early_prefill("aimed")
             res = await call(prefill, ref, self.rc.prefill_timeout_s, "prefill")
             if early is not None and not aimed and res.finish_reason == "prefilled":
                 raise Retry(f"{prefill.name} prefilled {aid} but had no KV stream for it when aimed")
@@ -96,7 +97,8 @@ class Attempts:
         async for chunk in self._stream(life, decode):
             yield chunk
 
-    async def _place_pair(self, life: RequestLife, waits: QueueWaits) -> tuple[WorkerView, WorkerView] | None:
+    async def _place_pair(self, life: RequestLife,
+                          waits: QueueWaits) -> tuple[WorkerView, WorkerView, asyncio.Task | None] | None:
         prefill_ready = self._ready_or_wait("prefill")
         decode_ready = self._ready_or_wait("decode")
         if not prefill_ready or not decode_ready:
@@ -115,60 +117,43 @@ class Attempts:
             self._hold(life, decode, Phase.RESERVING)
             ref = decode.actor.reserve.remote(Reservation(life.attempt_id, num_tokens, lease_s, pushed))
             early = self._prefill_early(life, prefill, decode, hashes) if i == 0 else None
-            try:
-                reserved = await call(decode, ref, self.rc.call_timeout_s, "reserve")
-            except BaseException:  # the service aborts both holders; the prefill's result is collected
-                if early is not None:
-                    self._drop(early)
-                raise
+            reserved = await call(decode, ref, self.rc.call_timeout_s, "reserve")  # raises: both are aborted
             if reserved is not None:
                 self._reserved(life, prefill, decode, reserved, hashes)
                 return prefill, decode, early
             decode.free_blocks = min(decode.free_blocks, needed - 1)
             if early is not None:  # the service aborts the prefill and places the request again
                 self.metrics.observe_early_prefill("dropped")
-                self._drop(early)
                 raise Respin(f"{decode.name} had no room for the KV after all; the prefill started on "
                              f"{prefill.name} meanwhile is dropped")
             self._unhold(life, decode)
         return waits.failed("kv")
 
-    def _prefill_early(self, life: RequestLife, prefill: WorkerView, decode: WorkerView, hashes: list[bytes]):
-        """The prefill call, sent while `decode`'s reservation is in flight, or None: only where
-        the pair has its channel already (no handle to ship, no connect on the path), and not
-        after a Respin (each attempt that was not a migration was one)."""
+    def _prefill_early(self, life: RequestLife, prefill: WorkerView, decode: WorkerView,
+                       hashes: list[bytes]) -> asyncio.Task | None:
+        """The prefill call, sent while `decode`'s reservation is in flight, as a task whose outcome
+        is read even when nobody awaits it (an early prefill dropped by a failed reservation fails
+        after its abort); or None: only where the pair has its channel already (no handle to ship,
+        no connect on the path), and not after a Respin (each attempt not a migration was one)."""
         respun = life.attempt > life.migrations
         if not self.rc.prefill_during_reserve or decode.name not in prefill.peers or respun:
             return None
         self._claim_prefill(life, prefill, hashes)  # a holder before the call: a cancel reaches it
-        return prefill.actor.prefill.remote(self._prefill_task(life, decode, None), None)
+        ref = prefill.actor.prefill.remote(self._prefill_task(life, decode, None), None)
+        task = asyncio.get_running_loop().create_task(within(ref, self.rc.prefill_timeout_s + self.rc.call_timeout_s))
+        self._early.add(task)
+        task.add_done_callback(self._early_done)
+        return task
+
+    def _early_done(self, task: asyncio.Task) -> None:
+        self._early.discard(task)
+        if not task.cancelled():
+            task.exception()  # read: an abandoned one's failure is expected, an awaited one's is raised there
 
     @staticmethod
     def _prefill_task(life: RequestLife, decode: WorkerView, skip_blocks: int | None) -> PrefillTask:
         return PrefillTask(life.attempt_id, life.prompt_token_ids, life.sampling, decode.name,
                            list(life.output_token_ids), life.emitted_chars, skip_blocks=skip_blocks)
-
-    async def _aim(self, prefill: WorkerView, early, aid: str, skip: int) -> bool:
-        """Tell the prefill worker its reservation's answer. False: its KV stream had ended, as
-        it does for a request that finished at its first token (its result says so)."""
-        try:
-            aimed = await call(prefill, prefill.actor.aim.remote(aid, skip), self.rc.call_timeout_s, "aim")
-        except BaseException:
-            self._drop(early)
-            raise
-        self.metrics.observe_early_prefill("aimed")
-        return aimed
-
-    def _drop(self, ref) -> None:
-        """An aborted early prefill's result is collected (it fails), never left unread."""
-        async def collect():
-            try:
-                await within(ref, self.rc.call_timeout_s + self.rc.prefill_timeout_s)
-            except Exception:  # cancelled by the abort, as intended; a dead worker is the monitor's
-                pass
-        task = asyncio.get_running_loop().create_task(collect())
-        self._dropped.add(task)
-        task.add_done_callback(self._dropped.discard)
 
     def _claim_prefill(self, life: RequestLife, prefill: WorkerView, hashes: list[bytes]) -> None:
         life.prefill = prefill
