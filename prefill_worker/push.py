@@ -6,6 +6,8 @@ request has filled leave at once while its next chunk computes; the rest (the la
 block included) once its first token is sampled. Not streamed: all of it then, in one piece.
 A stream opened before its decode reservation came back (skip_blocks None) cuts nothing until
 `aim` says how many leading blocks the decode side holds; the computing goes on meanwhile.
+Ray does not keep an async actor's calls in order, so an `aim` may come before its prefill has
+opened the stream: it is kept (EARLY_AIM_MEMORY_S at most) and taken when the stream opens.
 Everything here runs on the engine loop thread (`after_step`, and `loop.call` for a piece's
 end), so it reads the engine directly. A piece's blocks are pinned (engine.pin) from its cut
 until its send ended: a preemption, abort or finish never frees blocks on the wire. A stream
@@ -19,7 +21,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections import deque
+import time
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -32,6 +35,7 @@ from kv_transfer import KVSender
 
 log = logging.getLogger(__name__)
 OnFailed = Callable[[str, str, str], None]  # (request id, decode worker, reason), once per stream
+EARLY_AIM_MEMORY_S = 120.0  # an aim that found no stream and none opened (it had ended already) is dropped
 
 
 @dataclass
@@ -57,25 +61,40 @@ class KVPusher:
         self._on_failed = on_failed
         self._on_ended = on_ended
         self._streams: dict[str, KVStream] = {}  # loop thread only
+        self._early_aims: OrderedDict[str, tuple[int, float]] = OrderedDict()  # id -> (skip_blocks, when)
 
     def open(self, request_id: str, decode_name: str, skip_blocks: int | None) -> None:
         """Loop thread, right after the request was added: `skip_blocks` the decode side holds
-        (None: not known yet; `aim` tells it)."""
+        (None: not known yet; `aim` tells it, or told it already)."""
+        aimed = self._early_aims.pop(request_id, None)
+        if skip_blocks is None and aimed is not None:
+            skip_blocks = aimed[0]
         self._streams[request_id] = KVStream(request_id, decode_name, skip_blocks)
 
     def aim(self, e: LLMEngine, request_id: str, skip_blocks: int) -> bool:
         """Loop thread: the decode side holds the first `skip_blocks` blocks; what is ready leaves
-        now (all of it if the prefill is already done). False if the stream is gone (aborted)."""
+        now (all of it if the prefill is already done). No stream: kept for when it opens (the
+        prefill call has not reached the engine yet). False if the stream was abandoned (aborted)."""
         stream = self._streams.get(request_id)
-        if stream is None or stream.abandoned:
+        if stream is None:
+            self._keep_early_aim(request_id, skip_blocks)
+            return True
+        if stream.abandoned:
             return False
         if stream.next_block is None:
             stream.next_block = skip_blocks
             self.after_step(e)
         return True
 
+    def _keep_early_aim(self, request_id: str, skip_blocks: int) -> None:
+        now = time.monotonic()
+        while self._early_aims and now - next(iter(self._early_aims.values()))[1] > EARLY_AIM_MEMORY_S:
+            self._early_aims.popitem(last=False)
+        self._early_aims[request_id] = (skip_blocks, now)
+
     def abandon(self, e: LLMEngine, request_id: str) -> None:
         """Loop thread: the request was cancelled; send nothing more, report nothing."""
+        self._early_aims.pop(request_id, None)
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.abandoned = stream.complete = True

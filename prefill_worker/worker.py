@@ -98,6 +98,8 @@ class PrefillWorker:
     async def aim(self, request_id: str, skip_blocks: int) -> bool:
         """The decode reservation of a prefill sent before it came back: the decode side holds the
         first `skip_blocks` blocks; the KV may leave now. False if the request is gone (aborted)."""
+        if request_id in self._aborted:  # its stream may be gone already, or never open
+            return False
         return await self.core.run(lambda e: self.pusher.aim(e, request_id, skip_blocks))
 
     async def _ensure_channel(self, decode_name: str, decode_actor) -> None:

@@ -63,8 +63,8 @@ class Attempts:
             if early is None:
                 handle = None if decode.name in prefill.peers else decode.actor  # travels once per pair
                 ref = prefill.actor.prefill.remote(self._prefill_task(life, decode, skip), handle)
-            else:  # computing already: the KV may leave now. False: its stream had ended, as it does
-                ref = early  # for a request finished at its first token (its result says so)
+            else:  # computing already: the KV may leave now (Ray may deliver `aim` first: it is kept)
+                ref = early  # False: the worker had it aborted
                 aimed = await call(prefill, prefill.actor.aim.remote(aid, skip), self.rc.call_timeout_s, "aim")
                 self.metrics.observe_early_prefill("aimed")
             res = await call(prefill, ref, self.rc.prefill_timeout_s, "prefill")

@@ -191,6 +191,19 @@ def test_an_unaimed_stream_aborted_sends_nothing_and_frees_everything(h):
     h.step()
     h.pusher.abandon(h.engine, RID)
     h.engine.abort(RID)
-    assert not h.pusher.aim(h.engine, RID, 0)  # the router's aim, late: refused, nothing leaves
+    h.pusher.aim(h.engine, RID, 0)  # the router's aim, late (the worker refuses it first): nothing leaves
     h.engine.check()
     assert h.firsts() == [] and h.engine.allocator.num_used == 0 and not h.failed and h.ended == []
+
+
+def test_an_aim_before_its_stream_opens_is_taken_when_it_opens(h):
+    # Ray may run the router's `aim` before the prefill call it follows
+    assert h.pusher.aim(h.engine, RID, 2)
+    h.add(100, skip=None)
+    h.step()
+    h.step()
+    assert h.firsts() == [2]  # aimed from the start: the full blocks past the held two leave at once
+    h.step()
+    assert h.step()[0].finish_reason == "prefilled" and h.firsts() == [2, 4, 6]
+    h.finish_pieces()
+    assert h.engine.allocator.num_used == 0 and h.ended == [RID] and not h.failed
