@@ -30,7 +30,8 @@ from router.config import ConfigError, parse_config
 from router.launcher import LocalCluster
 from router.lifecycle import RequestLife
 from router.metrics import RouterMetrics
-from router.openai_api import ApiError, OpenAIApi, parse_request
+from router.openai_api import OpenAIApi
+from router.openai_request import ApiError, parse_request
 from router.stream import Chunk, InternalError, QueueFull, Unavailable
 from tests.cluster_util import Client, cluster_config, free_port
 from tests.reference import hf_greedy
