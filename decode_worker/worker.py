@@ -39,11 +39,10 @@ class DecodeWorker:
         self.handoffs = HandoffTable()
         self._transfers: dict[str, tuple[float, int]] = {}  # request id -> (seconds, bytes) of its KV
         self._landing_since: dict[str, float] = {}
-        kv = self.core.engine.runner.kv
-        self._block_bytes = kv[0].numel() * kv.element_size()
+        self._block_bytes = self.core.engine.runner.block_bytes
         self.receiver = None
         if transfer is not None:
-            self.receiver = KVReceiver(kv, self.core.node_ip, transfer,
+            self.receiver = KVReceiver(self.core.engine.runner.kv, self.core.node_ip, transfer,
                                        resolve_blocks=self._resolve_blocks, on_complete=self._on_landed)
         self._reaper: asyncio.Task | None = None
 

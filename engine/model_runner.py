@@ -67,6 +67,11 @@ class ModelRunner:
         self.kv = allocate_kv_pool(self.shape.num_layers, self.num_blocks, self.block_size,
                                    self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
 
+    @property
+    def block_bytes(self) -> int:
+        """The bytes of one KV block, every layer's K and V."""
+        return self.kv[0].numel() * self.kv.element_size()
+
     def _num_blocks(self) -> int:
         cfg = self.config
         if cfg.num_blocks is not None:

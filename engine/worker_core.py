@@ -52,9 +52,8 @@ class WorkerCore:
 
     def info(self) -> WorkerInfo:
         e = self.engine
-        kv = e.runner.kv  # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
         return WorkerInfo(self.name, self.pool, self.node_ip, e.allocator.num_blocks, e.config.block_size, self.cpu,
-                          prefix_caching=e.allocator.enable_caching, block_bytes=kv[0].numel() * kv.element_size())
+                          prefix_caching=e.allocator.enable_caching, block_bytes=e.runner.block_bytes)
 
     async def stats(self, channels: int, resync: bool = False) -> WorkerStats:
         """Counts, and the prefix cache events since the previous call: one consumer should call
