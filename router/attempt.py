@@ -53,8 +53,13 @@ class Attempts:
     # ---- disaggregated ------------------------------------------------------------------
     async def _disaggregated(self, life: RequestLife) -> AsyncIterator[Chunk]:
         waits = QueueWaits()
-        (prefill, decode, early), waited = await self.admission.place(lambda: self._place_pair(life, waits),
-                                                                      self.accepting, self.rc.queue_timeout_s)
+        try:
+            (prefill, decode, early), waited = await self.admission.place(lambda: self._place_pair(life, waits),
+                                                                          self.accepting, self.rc.queue_timeout_s)
+        except Respin:  # placed again next: the wait so far stays in its usage
+            waits.failed(None)
+            self._observe_queue(life, sum(waits.spent.values()), waits)
+            raise
         self._observe_queue(life, waited, waits)
         aid = life.attempt_id
         life.to(Phase.PREFILLING)
