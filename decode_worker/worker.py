@@ -70,6 +70,8 @@ class DecodeWorker:
     async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
                        output_token_ids: list[int] | None = None, emitted_chars: int = 0) -> None:
         """Prefill and decode here; `output_token_ids`: tokens an earlier attempt streamed."""
+        if self.handoffs.is_ended(request_id):  # its abort ran first (Ray need not keep the order)
+            return
         arrived = time.perf_counter()
         await self.core.run(lambda e: e.add_request(request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
                                                     output_token_ids=output_token_ids or None,
