@@ -89,3 +89,12 @@ def test_an_abort_that_overtakes_its_colocated_generate_leaves_nothing_running(w
     ray.get(decode.generate.remote("c.0", _prompt(3), GREEDY), timeout=30)
     counts = _idle(decode)
     assert counts["used"] == 0 and counts["requests"] == 0 and counts["reserved"] == 0
+
+
+def test_an_abort_that_overtakes_its_reservation_refuses_it(workers):
+    _, decode = workers
+    ray.get(decode.abort.remote("d.0"), timeout=30)
+    prompt = _prompt(4)
+    assert ray.get(decode.reserve.remote(Reservation("d.0", len(prompt) + 1, 60.0, tuple(prompt))), timeout=30) is None
+    counts = _idle(decode)
+    assert counts["used"] == 0 and counts["reserved"] == 0
