@@ -44,6 +44,12 @@ from kv_transfer.layout import BlockCopier, KVLayout
 
 GIB, MIB = 1 << 30, 1 << 20
 TARGET_RATIO, TARGET_LATENCY, TARGET_LINK_SLACK = 0.9, 2.0, 0.2
+CALL_TIMEOUT_S = 600.0  # the longest one actor call may take (a whole 256 MiB sweep on a slow host)
+
+
+def _get(refs):
+    """ray.get with the deadline every cross-process wait has."""
+    return ray.get(refs, timeout=CALL_TIMEOUT_S)
 
 
 @dataclass(frozen=True)
@@ -179,7 +185,7 @@ class Endpoint:
 
     def ray_get(self, refs: list[ray.ObjectRef], block_ids: list[int]) -> float:
         start = time.perf_counter()
-        payload = torch.from_numpy(ray.get(refs[0]))   # zero-copy view of the shared object
+        payload = torch.from_numpy(_get(refs[0]))   # zero-copy view of the shared object
         self.copier.scatter(payload.to(self.kv.device), block_ids)
         if self.kv.is_cuda:
             torch.cuda.synchronize()
@@ -211,10 +217,10 @@ def start_pair(args, shape: Shape, num_blocks: int, config: KVTransferConfig):
         shape, num_blocks, config, args.device, True)
     decode = Endpoint.options(**options, **_on(args.receiver_resource)).remote(
         shape, num_blocks, config, args.device, False)
-    host, port, secret = ray.get(decode.open_channel.remote("prefill"))
-    backend = ray.get(prefill.connect.remote("decode", host, port, secret))
-    port = ray.get(decode.raw_open.remote())
-    ray.get([prefill.raw_join.remote(host, port, backend), decode.raw_accept.remote(backend)])
+    host, port, secret = _get(decode.open_channel.remote("prefill"))
+    backend = _get(prefill.connect.remote("decode", host, port, secret))
+    port = _get(decode.raw_open.remote())
+    _get([prefill.raw_join.remote(host, port, backend), decode.raw_accept.remote(backend)])
     return prefill, decode, backend
 
 
@@ -226,7 +232,7 @@ def _on(resource: str | None) -> dict:
 def raw_times(prefill, decode, nbytes: int, repeats: int) -> list[float]:
     mine = prefill.raw_round_trips.remote(nbytes, repeats, True)
     theirs = decode.raw_round_trips.remote(nbytes, repeats, False)
-    return ray.get([mine, theirs])[0]
+    return _get([mine, theirs])[0]
 
 
 def compare(prefill, decode, num_blocks: int, bytes_per_block: int, pool_blocks: int,
@@ -234,11 +240,11 @@ def compare(prefill, decode, num_blocks: int, bytes_per_block: int, pool_blocks:
     """Median seconds of (channel, raw) for one payload; runs interleave so that load from
     elsewhere on the host hits both alike. One untimed warm-up of each first."""
     rng = random.Random(num_blocks)
-    ray.get(decode.set_destination.remote(rng.sample(range(pool_blocks), num_blocks)))
+    _get(decode.set_destination.remote(rng.sample(range(pool_blocks), num_blocks)))
     src = rng.sample(range(pool_blocks), num_blocks)
     channel, raw = [], []
     for attempt in range(repeats + 1):
-        channel_s = ray.get(prefill.channel_times.remote("decode", src, 1))
+        channel_s = _get(prefill.channel_times.remote("decode", src, 1))
         raw_s = raw_times(prefill, decode, num_blocks * bytes_per_block, 1)
         if attempt:
             channel += channel_s
@@ -265,9 +271,9 @@ def throughput_rows(prefill, decode, blocks: list[int], bytes_per_block: int, po
 
 def latency_row(prefill, decode, bytes_per_block: int, pool_blocks: int, repeats: int) -> dict:
     rng = random.Random(1)
-    ray.get(decode.set_destination.remote(rng.sample(range(pool_blocks), 1)))
+    _get(decode.set_destination.remote(rng.sample(range(pool_blocks), 1)))
     src = rng.sample(range(pool_blocks), 1)
-    channel = ray.get(prefill.channel_times.remote("decode", src, repeats + 1))[1:]
+    channel = _get(prefill.channel_times.remote("decode", src, repeats + 1))[1:]
     raw = raw_times(prefill, decode, bytes_per_block, repeats + 1)[1:]
     channel_ms, raw_ms = statistics.median(channel) * 1e3, statistics.median(raw) * 1e3
     return {"block_bytes": bytes_per_block, "channel_ms_p50": channel_ms,
@@ -282,8 +288,8 @@ def ray_row(prefill, decode, num_blocks: int, bytes_per_block: int, pool_blocks:
         src, dst = rng.sample(range(pool_blocks), num_blocks), rng.sample(range(pool_blocks),
                                                                             num_blocks)
         start = time.perf_counter()
-        refs, _ = ray.get(prefill.ray_put.remote(src))
-        ray.get(decode.ray_get.remote(refs, dst))
+        refs, _ = _get(prefill.ray_put.remote(src))
+        _get(decode.ray_get.remote(refs, dst))
         times.append(time.perf_counter() - start)
         del refs
     seconds = statistics.median(times[1:])
@@ -371,11 +377,11 @@ def main() -> None:
     report = {
         "config": {"backend": backend, "device": args.device, "shape": asdict(shape),
                    "link": args.link, "link_gbit": args.link_gbit,
-                   "sender_node": ray.get(prefill.node.remote()),
-                   "receiver_node": ray.get(decode.node.remote()),
+                   "sender_node": _get(prefill.node.remote()),
+                   "receiver_node": _get(decode.node.remote()),
                    "block_bytes": bytes_per_block, "repeats": args.repeats,
                    "staging_bytes": config.staging_bytes,
-                   "host_copy_gbps": ray.get(prefill.copy_gbps.remote(
+                   "host_copy_gbps": _get(prefill.copy_gbps.remote(
                        min(pool_blocks, max(1, 64 * MIB // bytes_per_block))))},
         "throughput": throughput_rows(prefill, decode, blocks, bytes_per_block, pool_blocks,
                                       args.repeats, args.link_gbit),
