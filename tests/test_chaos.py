@@ -13,7 +13,7 @@ pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the mo
 
 
 def test_soak_with_kills_and_transfer_faults_meets_every_target(llama_dir):
-    report = chaos.run(llama_dir, chaos.ChaosOptions(duration_s=30, seed=1, kill_every_s=10))
+    report = chaos.run(llama_dir, chaos.ChaosOptions(duration_s=20, seed=1, kill_every_s=7))
     print(chaos.format_table(report))
     assert report.sent > 0 and report.kills, "the soak sent nothing or killed nothing"
     assert report.hung == 0

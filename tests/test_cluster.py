@@ -33,25 +33,33 @@ def _assert_no_leaks(cluster: LocalCluster) -> None:
         assert counts["used"] == 0 and counts["free"] == counts["total"], f"{w.name}: {counts}"
 
 
-@pytest.mark.parametrize("mode, replicas", [("disaggregated", 1), ("disaggregated", 2), ("colocated", 2)])
+def _assert_tokens_match_generate(cluster: LocalCluster, llama_dir: str, num_workers: int, seed: int) -> None:
+    prompts = _prompts(16, seed=seed)
+    client = Client(cluster.address)
+    got = client.many(prompts, max_tokens=12, ignore_eos=True)
+    assert got == [hf_greedy(llama_dir, p, 12, ignore_eos=True) for p in prompts]
+    assert len({w.name for w in client.status().workers}) == num_workers
+    _assert_no_leaks(cluster)
+    client.close()
+
+
+@pytest.mark.parametrize("mode, replicas", [("disaggregated", 2), ("colocated", 2)])
 def test_grpc_tokens_match_generate(llama_dir, mode, replicas):
     cfg = cluster_config(llama_dir, mode=mode, prefill={"replicas": replicas if mode == "disaggregated" else 0},
                          decode={"replicas": replicas})
-    prompts = _prompts(16, seed=replicas)
     with LocalCluster(cfg) as cluster:
-        client = Client(cluster.address)
-        got = client.many(prompts, max_tokens=12, ignore_eos=True)
-        assert got == [hf_greedy(llama_dir, p, 12, ignore_eos=True) for p in prompts]
-        workers = {w.name for w in client.status().workers}
-        assert len(workers) == (2 * replicas if mode == "disaggregated" else replicas)
-        _assert_no_leaks(cluster)
-        client.close()
+        _assert_tokens_match_generate(cluster, llama_dir, 2 * replicas if mode == "disaggregated" else replicas,
+                                      seed=replicas)
 
 
 @pytest.fixture(scope="module")
 def cluster(llama_dir):
     with LocalCluster(cluster_config(llama_dir)) as c:
         yield c
+
+
+def test_grpc_tokens_match_generate_on_one_prefill_and_one_decode_worker(cluster, llama_dir):
+    _assert_tokens_match_generate(cluster, llama_dir, 2, seed=1)
 
 
 def test_bad_requests_get_their_status_and_good_ones_still_finish(cluster, llama_dir):
