@@ -56,9 +56,8 @@ class Attempts:
         try:
             (prefill, decode, early), waited = await self.admission.place(lambda: self._place_pair(life, waits),
                                                                           self.accepting, self.rc.queue_timeout_s)
-        except Respin:  # placed again next: the wait so far stays in its usage
-            waits.failed(None)
-            self._observe_queue(life, sum(waits.spent.values()), waits)
+        except Respin:  # placed again next: the wait so far stays in its usage split
+            self._charge_queue(life, waits.close(), waits)
             raise
         self._observe_queue(life, waited, waits)
         aid = life.attempt_id
@@ -68,13 +67,11 @@ class Attempts:
             if early is None:
                 handle = None if decode.name in prefill.peers else decode.actor  # travels once per pair
                 ref = prefill.actor.prefill.remote(self._prefill_task(life, decode, skip), handle)
-            else:  # computing already: the KV may leave now (Ray may deliver `aim` first: it is kept)
-                ref = early  # False: the worker had it aborted
-                aimed = await call(prefill, prefill.actor.aim.remote(aid, skip), self.rc.call_timeout_s, "aim")
+            else:  # computing already: the KV may leave now (an `aim` Ray delivers first is kept)
+                ref = early
+                await call(prefill, prefill.actor.aim.remote(aid, skip), self.rc.call_timeout_s, "aim")
                 self.metrics.observe_early_prefill("aimed")
             res = await call(prefill, ref, self.rc.prefill_timeout_s, "prefill")
-            if early is not None and not aimed and res.finish_reason == "prefilled":
-                raise Retry(f"{prefill.name} prefilled {aid} but had no KV stream for it when aimed")
         finally:
             prefill.inflight.discard(aid)
             prefill.prefill_tokens.pop(aid, None)
@@ -222,18 +219,23 @@ class Attempts:
         w.inflight.discard(life.attempt_id)
 
     def _observe_queue(self, life: RequestLife, waited: float, waits: QueueWaits) -> None:
-        life.usage["queue_ms"] = life.usage.get("queue_ms", 0.0) + waited * 1e3
-        # the TTFT split (docs/metrics.md): a prefill slot is prefill queueing, anything else KV capacity
-        waits.failed(None)
-        prefill_s = min(waited, waits.spent.get("prefill", 0.0))
-        if not life.output_token_ids:
-            _add_ms(life, "prefill_queue_ms", prefill_s)
-            _add_ms(life, "kv_wait_ms", max(0.0, waited - prefill_s))
+        waits.close()
+        self._charge_queue(life, waited, waits)
         self.metrics.observe_queue(waited)
         if life.decode is not None:
             life.usage["decode_worker"] = life.decode.name
         if life.prefill is not None:
             life.usage["prefill_worker"] = life.prefill.name
+
+    @staticmethod
+    def _charge_queue(life: RequestLife, waited: float, waits: QueueWaits) -> None:
+        """`waited` into the usage, split as docs/metrics.md says: a prefill slot is prefill
+        queueing, anything else KV capacity (`waits` closed)."""
+        life.usage["queue_ms"] = life.usage.get("queue_ms", 0.0) + waited * 1e3
+        prefill_s = min(waited, waits.spent.get("prefill", 0.0))
+        if not life.output_token_ids:
+            _add_ms(life, "prefill_queue_ms", prefill_s)
+            _add_ms(life, "kv_wait_ms", max(0.0, waited - prefill_s))
 
     async def _stream(self, life: RequestLife, w: WorkerView) -> AsyncIterator[Chunk]:
         """Tokens of this attempt from decode worker `w` until it finishes; failures raise."""
@@ -316,6 +318,11 @@ class QueueWaits:
         if self._reason is not None:
             self.spent[self._reason] = self.spent.get(self._reason, 0.0) + now - self._since
         self._reason, self._since = reason, now
+
+    def close(self) -> float:
+        """End the last wait; the seconds waited in all."""
+        self.failed(None)
+        return sum(self.spent.values())
 
 
 def _add_ms(life: RequestLife, key: str, seconds: float) -> None:
