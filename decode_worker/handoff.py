@@ -19,7 +19,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from engine.messages import StartDecode
+from protocol.messages import StartDecode
 
 TOMBSTONE_S = 120.0
 

@@ -1,6 +1,6 @@
 """The decode worker, a Ray async actor.
 
-Protocol with the router (disaggregated; see engine/messages.py): `reserve` a lease on blocks
+Protocol with the router (disaggregated; see protocol/messages.py): `reserve` a lease on blocks
 -> a prefill worker pushes the KV into them over `kv_transfer` -> `start` hands over the
 tokens so far; the request joins the running batch once both the KV has landed and `start`
 came (decode_worker/handoff.py keeps that state). Colocated: `generate` prefills and decodes
@@ -18,13 +18,14 @@ import ray
 
 from decode_worker.handoff import Action, HandoffTable, Outcome
 from engine.config import EngineConfig
-from engine.faults import FaultConfig, Faults
-from engine.messages import Reservation, Reserved, StartDecode, WorkerInfo, WorkerStats
-from engine.outbox import Outbox
-from engine.request import RequestOutput, SamplingParams
-from engine.telemetry import StepRecord
-from engine.worker_core import WorkerCore
 from kv_transfer import KVReceiver, KVTransferConfig, Rendezvous
+from protocol.messages import Reservation, Reserved, StartDecode, WorkerInfo, WorkerStats
+from protocol.outputs import RequestOutput
+from protocol.sampling import SamplingParams
+from protocol.telemetry import StepRecord
+from worker_runtime.core import WorkerCore
+from worker_runtime.faults import FaultConfig, Faults
+from worker_runtime.outbox import Outbox
 
 REAP_EVERY_S = 0.1
 

@@ -20,7 +20,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512  # the per-step token budget
     chunk_size: int | None = 256  # longest prefill chunk; None = whole prompts (no chunking)
     max_num_seqs: int = 64
-    enable_prefix_caching: bool = True  # reuse the KV of full blocks seen before (engine/block_hash.py)
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks seen before (protocol/block_hash.py)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0  # generator for sampled requests that carry no seed of their own
     torch_threads: int | None = None

@@ -12,7 +12,7 @@ output ids into a fresh detokenizer and calls `mark_emitted` with what was alrea
 
 from __future__ import annotations
 
-from engine.request import InvalidRequest
+from protocol.errors import InvalidRequest
 
 _WINDOW = 6  # tokens of left context; byte-level BPE merges never reach further back
 

@@ -5,7 +5,7 @@ A block id is the unit of allocation, of sharing and of transfer.
 
 Allocator protocol: `allocate` hands out fresh blocks (refcount 1) or None when they don't fit;
 `match` + `acquire` share cached blocks (refcount + 1); `free` decrements. A full block whose KV
-is complete is registered under its content hash (`cache`, see engine/block_hash.py); at
+is complete is registered under its content hash (`cache`, see protocol/block_hash.py); at
 refcount 0 it stays cached but evictable, in LRU order, until `allocate` needs it. Never-cached
 blocks are handed out first, lowest ids first, then in the order they were freed. Whoever holds
 a reference frees it; a shared block is never written (only its holders' later blocks are).

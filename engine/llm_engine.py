@@ -23,16 +23,20 @@ from dataclasses import dataclass, field
 import torch
 from transformers import AutoTokenizer, GenerationConfig
 
-from engine.block_hash import block_hashes
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import BlockAllocator
 from engine.model_runner import ModelRunner, ScheduledItem
-from engine.request import InvalidRequest, Request, RequestOutput, SamplingParams, Status
+from engine.request import Request, Status
 from engine.sampler import sample_isolated
 from engine.scheduler import PrefixStats, Scheduler
-from engine.telemetry import StepLog, TokenKind
-from engine.validation import RequestValidator, validate_request_id
+from engine.telemetry import StepLog
+from protocol.block_hash import block_hashes
+from protocol.errors import InvalidRequest
+from protocol.outputs import RequestOutput
+from protocol.sampling import SamplingParams
+from protocol.telemetry import TokenKind
+from protocol.validation import RequestValidator, validate_request_id
 
 log = logging.getLogger(__name__)
 

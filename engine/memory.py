@@ -8,11 +8,11 @@ KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per valu
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from decimal import Decimal, InvalidOperation
 from typing import Any
+
+from protocol.sizes import PlanError, format_bytes
 
 DTYPE_BYTES: dict[str, int] = {
     "float32": 4, "fp32": 4, "float": 4,
@@ -20,18 +20,8 @@ DTYPE_BYTES: dict[str, int] = {
     "float8": 1, "fp8": 1, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1,
 }
 
-_UNITS: dict[str, int] = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2,
-    "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2,
-    "gi": 1024**3, "gib": 1024**3, "ti": 1024**4, "tib": 1024**4,
-}
-_BYTES_RE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*$")
 
 
-class PlanError(ValueError):
-    """The inputs describe a budget that cannot work (or cannot be parsed)."""
 
 
 @dataclass(frozen=True)
@@ -216,25 +206,5 @@ def plan_memory(
                       weights, kv_bytes_per_token(shape, size), block_size, blocks, context_tokens)
 
 
-def parse_bytes(text: str | int) -> int:
-    """"80GiB", "512MiB", "1.5GB", "1024" -> bytes (binary units for Ki/Mi/Gi/Ti)."""
-    if isinstance(text, int):
-        return text
-    match = _BYTES_RE.match(text)
-    unit = match.group(2).lower() if match else ""
-    if match is None or unit not in _UNITS:
-        raise PlanError(f"cannot read {text!r} as a size; use e.g. 80GiB, 512MiB, 1.5GB, 1024")
-    try:
-        return int(Decimal(match.group(1)) * _UNITS[unit])
-    except InvalidOperation as err:
-        raise PlanError(f"cannot read {text!r} as a size") from err
 
 
-def format_bytes(num_bytes: int | float) -> str:
-    """Binary-unit rendering: 131072 -> '128.00 KiB'."""
-    value = float(num_bytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024:
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    return f"{value:.2f} TiB"

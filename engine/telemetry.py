@@ -9,8 +9,8 @@ that remembers the last seq it saw never gets one twice (a jump in seq says the 
 Every output token carries one character (`TokenKind`) naming what the gap before it was made
 of, decided where it is known, in the step that sampled it. Every first token carries a
 `PrefillTiming`: where the time from the engine accepting the request to that token went.
-The router joins both into the request's usage (router/attempt.py); `pdserve bench` turns them
-into the bottleneck report (router/bench/bottleneck.py).
+The router joins both into the request's usage (router/lifecycle/attempt.py); `pdserve bench` turns them
+into the bottleneck report (bench/bottleneck.py).
 """
 
 from __future__ import annotations
@@ -19,30 +19,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-
-class TokenKind:
-    """One character per output token: what the gap before the token was made of."""
-
-    FIRST = "F"  # the request's first token: no gap (its wait is TTFT)
-    DECODE = "D"  # a step of decodes only
-    INTERFERENCE = "I"  # a decode step that also computed prefill chunks of other requests
-    KV_HANDOFF = "K"  # a decode worker's first token: it waited for the KV transfer and `start`
-    PREEMPTED = "P"  # the first token after a preemption: the request's context was recomputed
-    MIGRATED = "M"  # the first token on another worker after a failure moved the request
-
-
-@dataclass(frozen=True, slots=True)
-class StepRecord:
-    seq: int
-    end_unix: float  # time.time() when the step ended
-    wall_s: float  # scheduling + forward + sampling
-    decode_rows: int
-    prefill_rows: int  # prefill chunks (of any length) computed in this step
-    prefill_tokens: int
-    blocks_used: int  # after the step
-    blocks_free: int
-    preemptions: int  # requests preempted while scheduling this step
-    waiting: int  # requests left waiting for admission
+from protocol.telemetry import PrefillTiming, StepRecord, TokenKind
 
 
 class StepLog:
@@ -88,15 +65,6 @@ class KVWaitClock:
             self._since = None
 
 
-@dataclass(frozen=True, slots=True)
-class PrefillTiming:
-    """Engine accepted -> first token, split: kv_wait_s (admission blocked on KV blocks),
-    compute_s (wall time of the steps that computed the request's prompt chunks) and queue_s
-    (the rest: waiting behind other requests, and between chunks while other work ran)."""
-
-    queue_s: float
-    kv_wait_s: float
-    compute_s: float
 
 
 @dataclass

@@ -27,11 +27,11 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 
-from engine.faults import Faults
 from engine.llm_engine import LLMEngine
-from engine.loop import EngineLoop
 from engine.request import Status
 from kv_transfer import KVSender
+from worker_runtime.engine_loop import EngineLoop
+from worker_runtime.faults import Faults
 
 log = logging.getLogger(__name__)
 OnFailed = Callable[[str, str, str], None]  # (request id, decode worker, reason), once per stream

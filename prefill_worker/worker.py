@@ -18,16 +18,16 @@ import time
 import ray
 
 from engine.config import EngineConfig
-from engine.deadline import within
-from engine.faults import FaultConfig, Faults
 from engine.llm_engine import LLMEngine
-from engine.messages import PrefillResult, PrefillTask, TransferFailed, WorkerInfo, WorkerStats
-from engine.outbox import Outbox
-from engine.request import RequestOutput
-from engine.telemetry import StepRecord
-from engine.worker_core import WorkerCore
 from kv_transfer import KVSender, KVTransferConfig
 from prefill_worker.push import KVPusher
+from protocol.deadline import within
+from protocol.messages import PrefillResult, PrefillTask, TransferFailed, WorkerInfo, WorkerStats
+from protocol.outputs import RequestOutput
+from protocol.telemetry import StepRecord
+from worker_runtime.core import WorkerCore
+from worker_runtime.faults import FaultConfig, Faults
+from worker_runtime.outbox import Outbox
 
 log = logging.getLogger(__name__)
 KILL_DELAY_S = 0.05  # a kill "after the first token" lets the result leave first

@@ -55,14 +55,16 @@ import grpc  # noqa: E402
 import ray  # noqa: E402
 import torch  # noqa: E402
 
-from engine import LLMEngine, SamplingParams  # noqa: E402
-from engine.tiny_model import ensure_model  # noqa: E402
+from bench.client import replay  # noqa: E402
+from bench.metrics import Slo, summarize_run  # noqa: E402
+from bench.workload import RequestSpec, make_workload  # noqa: E402
+from checkpoints.tiny import ensure_model  # noqa: E402
+from engine import SamplingParams  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
 from proto import pdserve_pb2_grpc as pb_grpc  # noqa: E402
-from router.bench.client import replay  # noqa: E402
-from router.bench.metrics import Slo, summarize_run  # noqa: E402
-from router.bench.workload import RequestSpec, make_workload  # noqa: E402
-from router.config import ClusterConfig, parse_config  # noqa: E402
-from router.launcher import LocalCluster  # noqa: E402
+from router.config.loader import parse_config  # noqa: E402
+from router.config.schema import ClusterConfig  # noqa: E402
+from router.launch import LocalCluster  # noqa: E402
 from scripts.bench_pairs import compare_auth, compare_early_prefill, one_ttft, print_auth, warm_up  # noqa: E402
 
 TARGET_RATIO, TARGET_TTFT_OVERHEAD_MS = 0.8, 10.0

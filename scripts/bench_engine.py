@@ -20,8 +20,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.tiny_model import ensure_model
+from checkpoints.tiny import ensure_model
+from engine import EngineConfig, SamplingParams
+from engine.llm_engine import LLMEngine
 
 
 def make_requests(n: int, seed: int, prompt_range, output_range, vocab: int) -> list[tuple[list[int], int]]:

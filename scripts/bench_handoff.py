@@ -9,7 +9,7 @@ worker. Reported per length: medians of both and the ratio streamed / after-pref
 (`second_token_ratio_8k` is the headline), and the gap second -> third token (one decode step at
 that context: the floor under the second token's wait in either mode), with the lowest ratio that
 floor allows (`second_token_floor_8k`) and the hand-off's own share of the wait, streamed over after
-(`handoff_wait_ratio_8k`). The bench model (engine/tiny_model.py, size
+(`handoff_wait_ratio_8k`). The bench model (checkpoints/tiny.py, size
 "bench") is used with max_position_embeddings raised to 16k (RoPE needs no other change), in a
 sibling directory whose weight files are links to the original.
 
@@ -34,11 +34,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import grpc  # noqa: E402
 import ray  # noqa: E402
 
-from engine.tiny_model import ensure_model  # noqa: E402
+from checkpoints.tiny import ensure_model  # noqa: E402
 from proto import pdserve_pb2 as pb  # noqa: E402
 from proto import pdserve_pb2_grpc as pb_grpc  # noqa: E402
-from router.config import ClusterConfig, parse_config  # noqa: E402
-from router.launcher import LocalCluster  # noqa: E402
+from router.config.loader import parse_config  # noqa: E402
+from router.config.schema import ClusterConfig  # noqa: E402
+from router.launch import LocalCluster  # noqa: E402
 
 LONG_POSITIONS = 16384
 FIRST_TOKEN_ID = 3  # ids 0-2 are the tokenizer's special tokens

@@ -15,14 +15,14 @@ from pathlib import Path
 
 import ray
 
+from bench.client import replay
+from bench.workload import RequestSpec, make_workload
+from client.credentials import Target
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from router.auth import Gate, Need
-from router.bench.client import replay
-from router.bench.workload import RequestSpec, make_workload
-from router.config import ClusterConfig
-from router.credentials import Target
-from router.launcher import LocalCluster
+from router.config.schema import ClusterConfig
+from router.frontdoor.access import Gate, Need
+from router.launch import LocalCluster
 
 
 async def one_ttft(stub: pb_grpc.GenerationStub, prompt: list[int], metadata=()) -> dict:

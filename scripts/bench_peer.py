@@ -5,7 +5,7 @@ pdserve colocated (2 workers, cores 0 and 1) and `transformers serve --continuou
 (transformers' own OpenAI server, pinned to cores 0 and 1 with 2 torch threads). Each gets a
 short warm-up, then one closed-loop workload — 16 concurrent streams, prompts of 128-512
 tokens, 64 output tokens (EOS ignored), 32 requests — replayed through the same client
-(router/bench/openai_client.py: streaming /v1/completions). Prompts are random token ids made
+(bench/openai_client.py: streaming /v1/completions). Prompts are random token ids made
 stable under decode/encode, so pdserve (token ids) and the peer (their text) see the same
 tokens. Prints one table (output tok/s, TTFT p50/p99, ITL p50/p99) and pdserve's ratios to the
 peer (tok/s: > 1 is better; latencies: < 1 is better); `--json`: {"rows": [...], "ratios": {...}}.
@@ -37,12 +37,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import yaml  # noqa: E402
 from transformers import AutoConfig, AutoTokenizer  # noqa: E402
 
-from router.bench.metrics import RequestRecord, Slo, summarize_run  # noqa: E402
-from router.bench.openai_client import Endpoint, replay_openai  # noqa: E402
-from router.bench.presets import WorkloadOptions, build_workload  # noqa: E402
-from router.bench.workload import RequestSpec, Workload, make_workload  # noqa: E402
-from router.config import parse_config  # noqa: E402
-from router.launcher import ARRANGEMENTS, arrangement_config  # noqa: E402
+from bench.arrangements import ARRANGEMENTS, arrangement_config  # noqa: E402
+from bench.metrics import RequestRecord, Slo, summarize_run  # noqa: E402
+from bench.openai_client import Endpoint, replay_openai  # noqa: E402
+from bench.presets import WorkloadOptions, build_workload  # noqa: E402
+from bench.workload import RequestSpec, Workload, make_workload  # noqa: E402
+from router.config.loader import parse_config  # noqa: E402
 
 PEER = "transformers"
 SERVERS = ("pdserve-disaggregated", "pdserve-colocated", PEER)
@@ -234,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _write(out: Path, records: dict[str, list[RequestRecord]], workload: Workload) -> None:
-    from router.bench.report import build_summary, summarize_arrangements, write_report
+    from bench.report import build_summary, summarize_arrangements, write_report
 
     summary = build_summary(summarize_arrangements(records, Slo()), workload, Slo(), {"bench": "bench_peer"})
     for path in write_report(out, summary, records, plot=True):

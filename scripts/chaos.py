@@ -32,11 +32,12 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import grpc  # noqa: E402
 import ray  # noqa: E402
 
-from engine.tiny_model import make_tiny_model  # noqa: E402
+from checkpoints.tiny import make_tiny_model  # noqa: E402
 from proto import pdserve_pb2 as pb  # noqa: E402
 from proto import pdserve_pb2_grpc as pb_grpc  # noqa: E402
-from router.config import ClusterConfig, parse_config  # noqa: E402
-from router.launcher import LocalCluster  # noqa: E402
+from router.config.loader import parse_config  # noqa: E402
+from router.config.schema import ClusterConfig  # noqa: E402
+from router.launch import LocalCluster  # noqa: E402
 from scripts.chaos_requests import Outcome, Spec, make_specs, mismatch, to_proto  # noqa: E402
 
 TARGET_COMPLETION = 0.99

@@ -8,9 +8,9 @@ import random
 from dataclasses import dataclass, field
 
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
 from proto import pdserve_pb2 as pb
-from router.config import ClusterConfig
+from protocol.sampling import SamplingParams
+from router.config.schema import ClusterConfig
 
 NUM_SPECS = 192  # distinct requests; the soak cycles through them under fresh request ids
 REFERENCE_BATCH = 16  # 16 x (120 + 48) tokens fit the 256-block pool: no preemption in the reference

@@ -1,4 +1,4 @@
-"""Write a deterministic random-weight checkpoint with its tokenizer; see engine/tiny_model.py.
+"""Write a deterministic random-weight checkpoint with its tokenizer; see checkpoints/tiny.py.
 
     python -m scripts.make_tiny_model --arch llama --size tiny --out models/tiny-llama
 """
@@ -9,7 +9,7 @@ import argparse
 import sys
 import time
 
-from engine.tiny_model import ARCHS, SIZES, make_tiny_model
+from checkpoints.tiny import ARCHS, SIZES, make_tiny_model
 
 
 def main() -> int:

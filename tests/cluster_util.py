@@ -10,7 +10,8 @@ import grpc
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from router.config import ClusterConfig, parse_config
+from router.config.loader import parse_config
+from router.config.schema import ClusterConfig
 
 
 def free_port() -> int:

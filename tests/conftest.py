@@ -12,7 +12,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 @pytest.fixture(scope="session")
 def model_dirs(tmp_path_factory) -> dict[str, str]:
-    from engine.tiny_model import make_tiny_model
+    from checkpoints.tiny import make_tiny_model
 
     root = tmp_path_factory.mktemp("models")
     return {arch: str(make_tiny_model(root / arch, arch=arch, size="tiny", seed=0)) for arch in ("llama", "qwen2")}

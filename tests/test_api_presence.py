@@ -10,7 +10,7 @@ import grpc
 import pytest
 
 from proto import pdserve_pb2 as pb
-from router.launcher import LocalCluster
+from router.launch import LocalCluster
 from tests.cluster_util import Client, cluster_config
 from tests.reference import hf_greedy
 

@@ -18,11 +18,11 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from bench import client as bench_client
+from cli.main import main as pdserve
+from client import grpc_client as router_client
 from proto import pdserve_pb2_grpc
-from router import client as router_client
-from router.bench import client as bench_client
-from router.cli import main as pdserve
-from router.launcher import LocalCluster
+from router.launch import LocalCluster
 from tests.cluster_util import Client, cluster_config
 
 NUM_REQUESTS, OUTPUT_LEN, BLOCK_SIZE, NUM_BLOCKS = 12, 8, 16, 256

@@ -22,11 +22,10 @@ import grpc
 import numpy as np
 import pytest
 
-from proto import pdserve_pb2, pdserve_pb2_grpc
-from router.bench import cli as bench_cli
-from router.bench.client import replay
-from router.bench.errors import RouterUnreachable, SloError
-from router.bench.metrics import (
+from bench import cli as bench_cli
+from bench.client import replay
+from bench.errors import RouterUnreachable, SloError
+from bench.metrics import (
     RequestRecord,
     Slo,
     e2e,
@@ -41,8 +40,9 @@ from router.bench.metrics import (
     tpot,
     ttft,
 )
-from router.bench.report import build_summary, format_report, summarize_arrangements, write_report
-from router.bench.workload import RequestSpec, make_workload
+from bench.report import build_summary, format_report, summarize_arrangements, write_report
+from bench.workload import RequestSpec, make_workload
+from proto import pdserve_pb2, pdserve_pb2_grpc
 
 SUMMARY_KEYS = {"ttft_ms", "itl_ms", "tpot_ms", "e2e_ms", "output_tok_per_s",
                 "goodput_req_per_s", "slo_attainment", "prompt_tokens", "prefix_hit_rate",
@@ -322,7 +322,7 @@ def test_cli_rejects_unknown_arrangements(monkeypatch, tmp_path, capsys):
 
 
 def test_request_groups_are_summarized_apart():
-    from router.bench.report import format_report, summarize_arrangements
+    from bench.report import format_report, summarize_arrangements
 
     stream = [_record(0.0, [0.1, 0.2, 0.3], [1, 1, 1], rid=f"stream-{i}") for i in range(3)]
     burst = [_record(1.0, [1.5, 2.5], [1, 1], rid="burst-0")]
@@ -335,7 +335,7 @@ def test_request_groups_are_summarized_apart():
 
 
 def test_itl_while_a_burst_lands_leaves_the_burst_out():
-    from router.bench.report import BURST_TAIL_S, summarize_arrangements
+    from bench.report import BURST_TAIL_S, summarize_arrangements
 
     # stream gaps end at 0.1, 0.2 (before), 5.0 (inside [4, 5 + tail]) and 20.0 (after)
     stream = _record(0.0, [0.05, 0.1, 0.2, 5.0, 20.0], [1, 1, 1, 1, 1], rid="stream-0")
@@ -358,7 +358,7 @@ def test_rolling_percentile_looks_back_one_window():
 
 
 def test_itl_over_time_has_a_panel_per_arrangement_with_p99_and_burst():
-    from router.bench.plot import itl_over_time_figure
+    from bench.plot import itl_over_time_figure
 
     records = {name: [_record(0.0, [0.1, 0.2, 0.5, 0.6], [1, 1, 1, 1], rid=f"stream-{i}") for i in range(3)]
                for name in ("colocated", "disaggregated", "peer")}

@@ -19,11 +19,11 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from transformers import AutoTokenizer
 
-from router.bench.errors import BenchError
-from router.bench.openai_client import Endpoint, parse_endpoint, replay_openai
-from router.bench.workload import RequestSpec, make_workload
-from router.cli import main as pdserve
-from router.launcher import LocalCluster
+from bench.errors import BenchError
+from bench.openai_client import Endpoint, parse_endpoint, replay_openai
+from bench.workload import RequestSpec, make_workload
+from cli.main import main as pdserve
+from router.launch import LocalCluster
 from tests.cluster_util import cluster_config
 
 

@@ -14,10 +14,10 @@ import json
 
 import pytest
 
-from router.bench import cli as bench_cli
-from router.cli import main as pdserve
-from router.config import parse_config
-from router.launcher import policy_config
+from bench import cli as bench_cli
+from bench.arrangements import policy_config
+from cli.main import main as pdserve
+from router.config.loader import parse_config
 
 NUM_REQUESTS, INPUT_LEN, PREFIX_LEN, BLOCK_SIZE = 8, 64, 48, 16
 

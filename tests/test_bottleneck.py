@@ -10,10 +10,7 @@ import json
 import numpy as np
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
-from engine.telemetry import KVWaitClock, StepLog, TokenKind
-from router.attempt import QueueWaits
-from router.bench.bottleneck import (
+from bench.bottleneck import (
     analyze,
     collect_steps,
     itl_limit,
@@ -21,10 +18,15 @@ from router.bench.bottleneck import (
     ttft_limit,
     ttft_parts_ms,
 )
-from router.bench.decision import rank
-from router.bench.metrics import RequestRecord
-from router.bench.trace import read_trace
-from router.cli import main as pdserve
+from bench.decision import rank
+from bench.metrics import RequestRecord
+from bench.trace import read_trace
+from cli.main import main as pdserve
+from engine import EngineConfig, SamplingParams
+from engine.llm_engine import LLMEngine
+from engine.telemetry import KVWaitClock, StepLog
+from protocol.telemetry import TokenKind
+from router.lifecycle.attempt import QueueWaits
 
 
 def _engine(path: str, **kw) -> LLMEngine:
@@ -188,7 +190,7 @@ def test_ranking_at_equal_workers_and_the_sentence_citing_its_numbers():
 # ---- end to end through a live cluster ---------------------------------------------------------
 @pytest.fixture(scope="module")
 def logged_cluster(llama_dir, tmp_path_factory, ray_instance):
-    from router.launcher import LocalCluster
+    from router.launch import LocalCluster
     from tests.cluster_util import cluster_config
 
     log = tmp_path_factory.mktemp("log") / "requests.jsonl"

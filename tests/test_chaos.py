@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.request import SamplingParams
+from protocol.sampling import SamplingParams
 from scripts import chaos
 
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)

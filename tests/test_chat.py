@@ -13,10 +13,10 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
+from cli.main import main as pdserve
+from client import chat
 from proto import pdserve_pb2 as pb
-from router import chat
-from router.cli import main as pdserve
-from router.launcher import LocalCluster
+from router.launch import LocalCluster
 from tests.cluster_util import Client, cluster_config, free_port
 from tests.reference import hf_greedy
 
@@ -82,7 +82,7 @@ def test_chat_with_piped_stdin_keeps_the_conversation(cluster, client):
     first = _reply(client, [HELLO], max_tokens=8)
     second = _reply(client, [HELLO, {"role": "assistant", "content": first}, MORE], max_tokens=8)
     assert first and second != _reply(client, [MORE], max_tokens=8), "the second turn sees the first"
-    proc = subprocess.run([sys.executable, "-m", "router.cli", "chat", "--max-tokens", "8", "--router",
+    proc = subprocess.run([sys.executable, "-m", "cli", "chat", "--max-tokens", "8", "--router",
                            cluster.address], input=f"{HELLO['content']}\n\n{MORE['content']}\n/exit\nnever sent\n",
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr

@@ -17,13 +17,13 @@ import grpc
 import pytest
 import yaml
 
+from cli.main import build_parser
+from cli.main import main as pdserve
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from router.cli import build_parser
-from router.cli import main as pdserve
 from tests.cluster_util import free_port
 
-PDSERVE = [sys.executable, "-m", "router.cli"]
+PDSERVE = [sys.executable, "-m", "cli"]
 
 
 def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

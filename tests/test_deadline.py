@@ -1,4 +1,4 @@
-"""engine.deadline.within: a deadline that never loses a cancellation (what a client's leave relies on)."""
+"""protocol.deadline.within: a deadline that never loses a cancellation (what a client's leave relies on)."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 
-from engine.deadline import within
+from protocol.deadline import within
 
 
 def _cancel_as_the_result_lands(wait) -> str:

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.detokenizer import IncrementalDetokenizer
-from engine.request import InvalidRequest
+from protocol.errors import InvalidRequest
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen2"])

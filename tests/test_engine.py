@@ -8,7 +8,8 @@ import random
 
 import pytest
 
-from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
+from engine import EngineConfig, RequestOutput, SamplingParams
+from engine.llm_engine import LLMEngine
 from tests.reference import hf_greedy
 
 

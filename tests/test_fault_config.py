@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from engine.faults import FaultConfig, Faults
-from router.config import ConfigError, parse_config
+from router.config.loader import parse_config
+from router.config.typed_yaml import ConfigError
+from worker_runtime.faults import FaultConfig, Faults
 
 
 def test_faults_are_off_by_default():

@@ -18,8 +18,8 @@ import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from proto import pdserve_pb2 as pb
-from router.launcher import LocalCluster
-from router.lifecycle import Phase
+from router.launch import LocalCluster
+from router.lifecycle.life import Phase
 from tests.cluster_util import Client, cluster_config
 from tests.reference import hf_greedy
 

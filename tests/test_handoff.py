@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from decode_worker.handoff import Action, HandoffTable, ReservationGone
-from engine.messages import StartDecode
-from engine.request import SamplingParams
+from protocol.messages import StartDecode
+from protocol.sampling import SamplingParams
 
 RID = "7.0"
 

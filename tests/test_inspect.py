@@ -8,10 +8,10 @@ import json
 
 import pytest
 
+from bench.metrics import RequestRecord
+from bench.report import record_to_json
+from cli.main import main as pdserve
 from engine.memory import BUILTIN_SHAPES, plan_memory
-from router.bench.metrics import RequestRecord
-from router.bench.report import record_to_json
-from router.cli import main as pdserve
 
 GIB = 1024**3
 
@@ -116,7 +116,7 @@ def test_bad_files_exit_2_with_one_line(tmp_path, capsys, text, message):
 def test_every_option_has_a_help_line(command):
     import argparse
 
-    from router.cli import build_parser
+    from cli.main import build_parser
 
     (subcommands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     missing = [a.option_strings or a.dest for a in subcommands.choices[command]._actions if not a.help]

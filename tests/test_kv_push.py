@@ -10,10 +10,10 @@ from concurrent.futures import Future
 import pytest
 
 from engine.config import EngineConfig
-from engine.faults import FaultConfig, Faults
 from engine.llm_engine import LLMEngine
-from engine.request import SamplingParams
 from prefill_worker.push import KVPusher
+from protocol.sampling import SamplingParams
+from worker_runtime.faults import FaultConfig, Faults
 
 RID = "r1"
 

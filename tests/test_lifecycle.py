@@ -1,12 +1,12 @@
-"""The router's per-request state (router/lifecycle.py): allowed transitions, who holds state
+"""The router's per-request state (router/lifecycle/life.py): allowed transitions, who holds state
 in each phase, and that events of an earlier attempt never reach the client."""
 
 from __future__ import annotations
 
 import pytest
 
-from engine.request import SamplingParams
-from router.lifecycle import TRANSITIONS, Phase, RequestLife
+from protocol.sampling import SamplingParams
+from router.lifecycle.life import TRANSITIONS, Phase, RequestLife
 
 
 def _life() -> RequestLife:

@@ -15,10 +15,10 @@ from gguf import GGUFWriter
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from checkpoints import gguf as model_convert
+from cli.main import main as pdserve
 from proto import pdserve_pb2 as pb
-from router import model_convert
-from router.cli import main as pdserve
-from router.launcher import LocalCluster
+from router.launch import LocalCluster
 from tests.cluster_util import Client, cluster_config
 from tests.reference import hf_greedy
 

@@ -33,12 +33,13 @@ import ray
 import torch
 import yaml
 
+from client.grpc_client import format_status
 from kv_transfer import KVReceiver, KVSender, KVTransferConfig, KVTransferError
 from proto import pdserve_pb2 as pb
-from router.client import format_status
-from router.config import ConfigError, parse_config
-from router.pool import PoolManager, labels_match
-from router.stream import CannotPlace
+from router.config.loader import parse_config
+from router.config.typed_yaml import ConfigError
+from router.lifecycle.outcomes import CannotPlace
+from router.pools.manager import PoolManager, labels_match
 from tests.cluster_util import Client, free_port
 from tests.reference import hf_greedy
 

@@ -26,13 +26,14 @@ import ray
 import yaml
 from transformers import AutoTokenizer
 
-from router.config import ConfigError, parse_config
-from router.launcher import LocalCluster
-from router.lifecycle import RequestLife
-from router.metrics import RouterMetrics
-from router.openai_api import OpenAIApi
-from router.openai_request import ApiError, parse_request
-from router.stream import Chunk, InternalError, QueueFull, Unavailable
+from router.config.loader import parse_config
+from router.config.typed_yaml import ConfigError
+from router.frontdoor.openai_request import ApiError, parse_request
+from router.frontdoor.openai_server import OpenAIApi
+from router.launch import LocalCluster
+from router.lifecycle.life import RequestLife
+from router.lifecycle.outcomes import Chunk, InternalError, QueueFull, Unavailable
+from router.observability.metrics import RouterMetrics
 from tests.cluster_util import Client, cluster_config, free_port
 from tests.reference import hf_greedy
 

@@ -1,4 +1,4 @@
-"""Memory budget (engine.memory) and `pdserve plan`: the seed's figures, byte for byte."""
+"""Memory budget (engine/memory.py, protocol/sizes.py) and `pdserve plan`: the seed's figures, byte for byte."""
 
 from __future__ import annotations
 
@@ -8,17 +8,16 @@ import struct
 
 import pytest
 
+from bench import plan as plan_cli
 from engine.memory import (
     BUILTIN_SHAPES,
     ModelShape,
-    PlanError,
     estimate_num_params,
     kv_bytes_per_token,
     num_kv_blocks,
-    parse_bytes,
     plan_memory,
 )
-from router import plan as plan_cli
+from protocol.sizes import PlanError, parse_bytes
 
 GIB = 1024**3
 LLAMA_8B_CONFIG = {

@@ -10,9 +10,10 @@ import json
 
 import pytest
 
-from engine.memory import BUILTIN_SHAPES, PlanError
-from router import plan as plan_cli
-from router.roofline import DEVICES, Roofline, parse_rate
+from bench import plan as plan_cli
+from bench.roofline import DEVICES, Roofline, parse_rate
+from engine.memory import BUILTIN_SHAPES
+from protocol.sizes import PlanError
 
 PARAMS = BUILTIN_SHAPES["llama-3.1-8b"].num_params
 

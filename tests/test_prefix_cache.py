@@ -10,12 +10,13 @@ import random
 import pytest
 import torch
 
-from engine import EngineConfig, LLMEngine, RequestOutput, SamplingParams
-from engine.block_hash import ROOT, block_hashes, extend_hashes
+from engine import EngineConfig, RequestOutput, SamplingParams
 from engine.kv_cache import BlockAllocator
-from engine.messages import CacheDelta
-from engine.worker_core import WorkerCore
+from engine.llm_engine import LLMEngine
+from protocol.block_hash import ROOT, block_hashes, extend_hashes
+from protocol.messages import CacheDelta
 from tests.reference import hf_greedy
+from worker_runtime.core import WorkerCore
 
 H = [bytes([i]) * 16 for i in range(8)]  # stand-in hashes for the allocator tests
 

@@ -12,7 +12,7 @@ import random
 import pytest
 import ray
 
-from router.launcher import LocalCluster
+from router.launch import LocalCluster
 from tests.cluster_util import Client, cluster_config
 from tests.reference import hf_greedy
 

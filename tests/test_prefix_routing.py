@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from engine.block_hash import block_hashes
-from engine.messages import CacheDelta, WorkerInfo
-from router.placement import Placer, WorkerView
-from router.prefix_index import PrefixIndex
+from protocol.block_hash import block_hashes
+from protocol.messages import CacheDelta, WorkerInfo
+from router.pools.placement import Placer
+from router.pools.prefix_index import PrefixIndex
+from router.pools.worker_view import WorkerView
 
 BS = 4
 

@@ -1,4 +1,4 @@
-"""The committed generated gRPC modules match proto/pdserve.proto, and router/convert.py maps
+"""The committed generated gRPC modules match proto/pdserve.proto, and router/frontdoor/grpc_convert.py maps
 the messages with presence: unset -> documented default, set -> used (and validated) as given."""
 
 from __future__ import annotations
@@ -11,9 +11,10 @@ from types import SimpleNamespace
 import pytest
 from google.protobuf import descriptor_pb2
 
-from engine.request import InvalidRequest, SamplingParams
 from proto import pdserve_pb2 as pb
-from router.convert import pool_status_to_proto, sampling_from_proto, usage_to_proto
+from protocol.errors import InvalidRequest
+from protocol.sampling import SamplingParams
+from router.frontdoor.grpc_convert import pool_status_to_proto, sampling_from_proto, usage_to_proto
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -15,8 +15,8 @@ from concurrent import futures
 import grpc
 import pytest
 
+from cli.main import main as pdserve
 from proto import pdserve_pb2, pdserve_pb2_grpc
-from router.cli import main as pdserve
 
 BROWSERS = ("chromium-headless-shell", "chromium", "chromium-browser", "google-chrome")
 HEADER_RGB = (220, 230, 243)  # the tables' header background (#dce6f3)

@@ -9,11 +9,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine import EngineConfig, InvalidRequest, LLMEngine, RequestOutput, SamplingParams
+from engine import EngineConfig, InvalidRequest, RequestOutput, SamplingParams
 from engine import sampler as sampler_module
-from engine.loop import EngineLoop
+from engine.llm_engine import LLMEngine
 from engine.request import Request
 from engine.sampler import sample
+from worker_runtime.engine_loop import EngineLoop
 
 
 @pytest.fixture(scope="module")

@@ -25,19 +25,21 @@ import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from cli.main import main as pdserve
+from client.credentials import Target
 from kv_transfer import HandshakeMismatch, KVReceiver, KVSender, KVTransferConfig, KVTransferError
 from kv_transfer import sender as kv_sender
 from kv_transfer.groups import gloo_group, join_store
 from kv_transfer.handshake import new_secret, proof, proves, rendezvous_prefix
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
-from router.auth import Gate, Need, Verdict, grpc_peer_is_loopback
-from router.cli import main as pdserve
-from router.config import ConfigError, load_config, parse_config
-from router.credentials import Target
-from router.guard import Refusals, guard_wsgi
-from router.launcher import LocalCluster
-from router.security import exposure_refusal, open_gate
+from router.config.loader import load_config, parse_config
+from router.config.typed_yaml import ConfigError
+from router.frontdoor.access import Gate, Need, Verdict, grpc_peer_is_loopback
+from router.frontdoor.guards import Refusals
+from router.frontdoor.tls import exposure_refusal, open_gate
+from router.launch import LocalCluster
+from router.observability.metrics_server import guard_wsgi
 from tests.cluster_util import cluster_config, free_port
 from tests.kv_util import CONFIG, make_pool, wait_until
 
@@ -295,7 +297,7 @@ def test_serve_rotates_tokens_on_sighup_and_the_cli_speaks_tls(llama_dir, pki, t
                    "auth": {"tokens_file": "traffic.txt", "admin_tokens_file": "admin.txt"}}}))
     log = tmp_path / "serve.log"
     with log.open("w") as stderr:
-        server = subprocess.Popen([sys.executable, "-m", "router.cli", "serve", "--config", str(config)],
+        server = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--config", str(config)],
                                   stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
     router = ["--router", f"127.0.0.1:{port}", "--ca-file", str(pki / "ca.pem")]
     try:

@@ -11,7 +11,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.tiny_model import BOS_ID, EOS_ID, PAD_ID, build_config, ensure_model, make_tiny_model
+from checkpoints.tiny import BOS_ID, EOS_ID, PAD_ID, build_config, ensure_model, make_tiny_model
 
 ARCHS = ("llama", "qwen2")
 MIXED = "Hello, wörld! naïve café — 東京で寿司を食べた。中文测试 한국어 Привет مرحبا 🚀👩‍💻🇯🇵\tx  y\n\n}"

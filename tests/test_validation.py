@@ -7,9 +7,10 @@ import re
 import pytest
 from transformers import AutoTokenizer
 
-from engine.limits import DEFAULT_MAX_PROMPT_BYTES, MAX_REQUEST_ID_CHARS
-from engine.request import InvalidRequest, SamplingParams
-from engine.validation import RequestValidator, validate_request_id
+from protocol.errors import InvalidRequest
+from protocol.limits import DEFAULT_MAX_PROMPT_BYTES, MAX_REQUEST_ID_CHARS
+from protocol.sampling import SamplingParams
+from protocol.validation import RequestValidator, validate_request_id
 
 VOCAB, CONTEXT = 2048, 256
 

@@ -10,10 +10,10 @@ import pytest
 import ray
 
 from decode_worker.worker import DecodeWorker
-from engine.messages import PrefillTask, Reservation, StartDecode
-from engine.request import SamplingParams
 from kv_transfer import KVTransferConfig
 from prefill_worker.worker import PrefillWorker
+from protocol.messages import PrefillTask, Reservation, StartDecode
+from protocol.sampling import SamplingParams
 from tests.cluster_util import cluster_config
 from tests.reference import hf_greedy
 

@@ -9,11 +9,11 @@ import json
 import numpy as np
 import pytest
 
-from router.bench import cli as bench_cli
-from router.bench.errors import TraceError, WorkloadError
-from router.bench.presets import CONVERSATION_WINDOW, PRESETS, WorkloadOptions, build_workload
-from router.bench.trace import TraceScaling, parse_window, read_trace, trace_workload
-from router.bench.workload import arrival_times, clip_lengths
+from bench import cli as bench_cli
+from bench.errors import TraceError, WorkloadError
+from bench.presets import CONVERSATION_WINDOW, PRESETS, WorkloadOptions, build_workload
+from bench.trace import TraceScaling, parse_window, read_trace, trace_workload
+from bench.workload import arrival_times, clip_lengths
 
 TRACE_LINES = [
     {"timestamp": 0, "input_length": 1024, "output_length": 64, "hash_ids": [1, 2]},

@@ -1,0 +1,48 @@
+"""The arrangements `pdserve bench` compares at equal worker count, and the policy variants of a cluster."""
+
+from __future__ import annotations
+
+import dataclasses
+import typing
+
+from router.config.schema import ClusterConfig, Policy
+
+ARRANGEMENTS = ("colocated", "colocated-chunked", "disaggregated", "disaggregated-chunked")
+
+
+def arrangement_config(base: ClusterConfig, name: str, total_workers: int, pin_cpus: bool = False) -> ClusterConfig:
+    """`base` rearranged as `name` with the same total worker count (equal cost); with
+    `pin_cpus`, worker i of the arrangement gets core i to itself."""
+    if name not in ARRANGEMENTS:
+        raise ValueError(f"unknown arrangement {name!r}; choose from {', '.join(ARRANGEMENTS)}")
+    disagg = name.startswith("disaggregated")
+    if disagg and total_workers < 2:
+        raise ValueError("a disaggregated arrangement needs at least 2 workers")
+    chunk = (base.scheduler.chunk_size or 64) if name.endswith("chunked") else None
+    prefill_n = max(1, total_workers // 2) if disagg else 0
+    prefill_cpus = list(range(prefill_n)) if pin_cpus else base.prefill.cpus
+    decode_cpus = list(range(prefill_n, total_workers)) if pin_cpus else base.decode.cpus
+    return dataclasses.replace(
+        base, mode="disaggregated" if disagg else "colocated",
+        prefill=dataclasses.replace(base.prefill, replicas=prefill_n, cpus=prefill_cpus),
+        decode=dataclasses.replace(base.decode, replicas=total_workers - prefill_n, cpus=decode_cpus),
+        scheduler=dataclasses.replace(base.scheduler, chunk_size=chunk))
+
+
+def policy_config(base: ClusterConfig, policy: str, prefill_workers: int, decode_workers: int,
+                  pin_cpus: bool = False) -> ClusterConfig:
+    """`base` as a disaggregated cluster of `prefill_workers` + `decode_workers` whose router
+    places requests in both pools by `policy` (per-pool overrides cleared); with `pin_cpus`,
+    the prefill workers get cores 0.. and the decode workers the cores after them."""
+    if policy not in typing.get_args(Policy):
+        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(typing.get_args(Policy))}")
+    if prefill_workers < 1 or decode_workers < 1:
+        raise ValueError("a disaggregated cluster needs at least 1 prefill and 1 decode worker")
+    total = prefill_workers + decode_workers
+    return dataclasses.replace(
+        base, mode="disaggregated",
+        router=dataclasses.replace(base.router, policy=policy, prefill_policy=None, decode_policy=None),
+        prefill=dataclasses.replace(base.prefill, replicas=prefill_workers,
+                                    cpus=list(range(prefill_workers)) if pin_cpus else base.prefill.cpus),
+        decode=dataclasses.replace(base.decode, replicas=decode_workers,
+                                   cpus=list(range(prefill_workers, total)) if pin_cpus else base.decode.cpus))

@@ -1,0 +1,363 @@
+"""`pdserve bench`: replay one seeded workload and report TTFT, ITL, TPOT, E2E, goodput and
+the prefix cache's hit rate against the ideal.
+
+Measure a running router (`--router HOST:PORT`, gRPC), any OpenAI-compatible server
+(`--endpoint openai:URL`: streaming /v1/completions), or start clusters of `--config` one
+after another, replay the same requests against each and stop it: each arrangement at the
+same total worker count (`--arrangements`), or the disaggregated cluster once per placement
+policy at the same prefill + decode workers (`--policies`), every one with cold caches.
+The report names what limits each run's p99 TTFT and ITL, ranks the runs at equal worker count
+(goodput, SLO attainment, tokens per worker-second, cost with --cost-per-worker-hour) and
+recommends one; `--report FILE.html` writes it as one page. Input and connection problems exit
+2 with one line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import sys
+import time
+import typing
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench.bottleneck import collect_steps
+from bench.client import fetch_status, replay
+from bench.decision import rank, worker_counts
+from bench.errors import BenchError, WorkloadError
+from bench.metrics import RequestRecord, ideal_hit_rate, parse_slo
+from bench.openai_client import DEFAULT_EXTRA_BODY, Endpoint, parse_endpoint, replay_openai
+from bench.presets import PRESETS, WorkloadOptions, build_workload
+from bench.report import build_summary, format_report, summarize_arrangements, write_report
+from bench.trace import parse_window
+from bench.workload import DEFAULT_VOCAB, Workload
+from client import credentials
+from router.config.schema import Policy
+from router.observability.request_log import block_ids
+
+ARRANGEMENTS = ("colocated", "colocated-chunked", "disaggregated", "disaggregated-chunked")
+POLICIES: tuple[str, ...] = typing.get_args(Policy)
+FALLBACK_MAX_CONTEXT = 2048
+DEFAULT_BLOCK_SIZE = 16  # requests.jsonl's block ids without --config: kv_cache.block_size's default
+
+
+def _typed(kind: Callable[[str], Any], check: Callable[[Any], bool], what: str) -> Callable:
+    def parse(text: str) -> Any:
+        try:
+            value = kind(text)
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from err
+        if not check(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
+        return value
+    return parse
+
+
+_positive_int = _typed(int, lambda v: v > 0, "a positive integer")
+_positive_float = _typed(float, lambda v: v > 0, "a positive number")
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Registers `bench` on the `pdserve` subcommand parser."""
+    parser = subparsers.add_parser(
+        "bench", help="replay a workload, report TTFT/ITL/TPOT/E2E and goodput",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    target = parser.add_mutually_exclusive_group(required=True)
+    target.add_argument("--router", metavar="HOST:PORT", help="measure this running router over gRPC")
+    target.add_argument("--endpoint", metavar="openai:URL",
+                        help="measure this OpenAI-compatible server, e.g. openai:http://127.0.0.1:8000/v1")
+    target.add_argument("--config", metavar="YAML", help="start each arrangement (or policy) of this cluster")
+    _add_cluster_options(parser)
+    parser.add_argument("--label", help="the name in the report for --router / --endpoint "
+                                        "(default: router / endpoint)")
+    _add_endpoint_options(parser)
+    credentials.add_flags(parser)
+    _add_workload_options(parser)
+    _add_report_options(parser)
+    parser.set_defaults(func=run)
+    return parser
+
+
+def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("clusters of --config")
+    group.add_argument("--arrangements", metavar="NAMES",
+                       help=f"comma-separated, of {', '.join(ARRANGEMENTS)} (default: all four)")
+    group.add_argument("--policies", metavar="NAMES",
+                       help=f"comma-separated placement policies, of {', '.join(POLICIES)}: the "
+                            "disaggregated cluster once per policy, instead of --arrangements")
+    group.add_argument("--workers", type=_positive_int, default=2,
+                       help="total workers of every arrangement; with --policies split evenly "
+                            "between prefill and decode (default 2)")
+    group.add_argument("--prefill-workers", type=_positive_int,
+                       help="with --policies: prefill workers (default: half of --workers)")
+    group.add_argument("--decode-workers", type=_positive_int,
+                       help="with --policies: decode workers (default: the rest of --workers)")
+    group.add_argument("--prefix-caching", choices=("on", "off"),
+                       help="set kv_cache.prefix_caching of every cluster (default: the config's)")
+    group.add_argument("--pin-cpus", action="store_true",
+                       help="pin worker i of each cluster to CPU core i (prefill workers first)")
+
+
+def _add_endpoint_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("OpenAI endpoint (--endpoint)")
+    group.add_argument("--model", help="the request's model field (default: the first of GET /v1/models)")
+    group.add_argument("--tokenizer", metavar="DIR",
+                       help="the server's tokenizer: prompts go as its text when the server refuses token ids")
+    group.add_argument("--extra-body", type=_json_object, default=dict(DEFAULT_EXTRA_BODY), metavar="JSON",
+                       help=f"fields added to every request (default: {json.dumps(DEFAULT_EXTRA_BODY)}: exact "
+                            "output lengths on pdserve, vLLM, SGLang)")
+
+
+def _json_object(text: str) -> dict:
+    try:
+        value = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {err}") from err
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
+    return value
+
+
+def _add_workload_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("workload")
+    group.add_argument("--preset", choices=list(PRESETS), default="steady",
+                       help="; ".join(f"{name}: {p.description}" for name, p in PRESETS.items())
+                       .replace("%", "%%") + " (default: %(default)s)")
+    group.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace to replay")
+    group.add_argument("--length-scale", type=_positive_float,
+                       help="trace lengths divided by this (conversation preset: 16)")
+    group.add_argument("--time-scale", type=_positive_float,
+                       help="trace timestamps divided by this (>1 replays faster)")
+    group.add_argument("--window", default="0:", metavar="START:END",
+                       help="seconds of the trace to replay (default all)")
+    group.add_argument("--num-requests", type=_positive_int, help="requests to send (default: the preset's)")
+    group.add_argument("--rate", type=_positive_float,
+                       help="requests/s, Poisson or gamma (default: the preset's; none with --concurrency)")
+    group.add_argument("--burstiness", type=_positive_float, default=1.0,
+                       help="gamma shape; 1 = Poisson, < 1 burstier (default 1)")
+    group.add_argument("--concurrency", type=_positive_int,
+                       help="max requests in flight; without --rate: closed loop")
+    group.add_argument("--input-len", type=_positive_int, help="mean prompt tokens (default: the preset's)")
+    group.add_argument("--output-len", type=_positive_int,
+                       help="output tokens of every request, exact (default: the preset's)")
+    group.add_argument("--range-ratio", type=_typed(float, lambda v: 0 <= v < 1, "in [0, 1)"),
+                       help="prompt lengths uniform in mean*(1 +- r) (default: the preset's)")
+    group.add_argument("--max-context", type=_positive_int,
+                       help="prompt + output limit (default: the model's, else 2048)")
+    group.add_argument("--vocab-range", default=None, metavar="LOW:HIGH",
+                       help=f"prompt token ids (default {DEFAULT_VOCAB[0]}:{DEFAULT_VOCAB[1]})")
+    group.add_argument("--seed", type=int, default=0,
+                       help="seeds arrivals, lengths and prompt tokens (default 0)")
+
+
+def _add_report_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("report")
+    group.add_argument("--slo", default="", help="per-request objectives for goodput, e.g. ttft=1.0,tpot=50ms "
+                                                  "(seconds or ms; keys ttft, tpot, e2e)")
+    group.add_argument("--out", default="bench-out",
+                       help="directory for summary.json, requests.jsonl and charts (default: %(default)s)")
+    group.add_argument("--json", action="store_true",
+                       help="print summary.json on stdout instead of the tables")
+    group.add_argument("--plot", action="store_true",
+                       help="also write PNG charts: TTFT and ITL CDFs, ITL over time (a panel per run)")
+    group.add_argument("--connect-timeout", type=_positive_float, default=10.0,
+                       help="seconds to wait for each router or server (default 10)")
+    group.add_argument("--no-progress", action="store_true",
+                       help="no progress on stderr (a bar on a terminal, else a line every few seconds)")
+    group.add_argument("--cost-per-worker-hour", type=_positive_float, metavar="USD",
+                       help="price of one worker for an hour: the ranking adds the cost per million output "
+                            "tokens (all, and of requests that met the SLO)")
+    group.add_argument("--report", metavar="FILE.html",
+                       help="also write one self-contained HTML page: recommendation, ranking, limits, "
+                            "latency tables and charts (charts need matplotlib)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """Builds the workload, measures, prints the tables (or summary.json with `--json`), writes
+    the report; 2 on bad input. The ideal hit rate needs the block size, so only with --config."""
+    try:
+        slo = parse_slo(args.slo)
+        runs = _cluster_runs(args)
+        base = _load_base_config(args.config) if args.config else None
+        workload = build_workload(_workload_options(args, _model_limits(base)))
+        records, cluster, steps = _measure(args, workload, base, runs)
+    except BenchError as err:
+        print(f"pdserve bench: {err}", file=sys.stderr)
+        return 2
+    described, by_policy = workload.describe(), args.policies is not None
+    block_size = base.kv_cache.block_size if base is not None else None
+    ideal = None if block_size is None else ideal_hit_rate((r.prompt_token_ids for r in workload.requests), block_size)
+    summaries = summarize_arrangements(records, slo, described.get("burst"), ideal, steps)
+    summary = build_summary(summaries, workload, slo, cluster, "policies" if by_policy else "arrangements")
+    workers = worker_counts(cluster, list(summaries), by_config=args.config is not None)
+    summary["decision"] = rank(summaries, workers, args.cost_per_worker_hour, summary["slo"])
+    label = "policy" if by_policy else "arrangement"
+    print(json.dumps(summary, indent=2) if args.json else format_report(summaries, label, described,
+                                                                          summary["decision"]))
+    blocks = block_size or DEFAULT_BLOCK_SIZE
+    prompt_blocks = (blocks, {r.request_id: block_ids(r.prompt_token_ids, blocks) for r in workload.requests})
+    written = write_report(Path(args.out), summary, records, args.plot, steps, prompt_blocks)
+    if args.report:
+        from bench.html_report import write_html  # matplotlib (charts) is slow to import
+
+        written.append(write_html(Path(args.report), summary, records, steps, label))
+    for path in written:
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _parse_vocab(text: str | None, model_vocab: int | None) -> tuple[int, int]:
+    if text is None:
+        low, high = DEFAULT_VOCAB
+        return low, min(high, model_vocab) if model_vocab else high
+    low, sep, high = (part.strip() for part in text.partition(":"))
+    if not (sep and low.isdigit() and high.isdigit()):
+        raise WorkloadError(f"--vocab-range {text!r}: expected LOW:HIGH token ids")
+    return int(low), int(high)
+
+
+def _workload_options(args: argparse.Namespace,
+                      limits: tuple[int | None, int | None]) -> WorkloadOptions:
+    max_positions, model_vocab = limits
+    return WorkloadOptions(
+        preset=args.preset, num_requests=args.num_requests, rate=args.rate,
+        burstiness=args.burstiness, concurrency=args.concurrency, input_len=args.input_len,
+        output_len=args.output_len, range_ratio=args.range_ratio,
+        max_context=args.max_context or max_positions or FALLBACK_MAX_CONTEXT,
+        vocab=_parse_vocab(args.vocab_range, model_vocab), seed=args.seed, trace=args.trace,
+        length_scale=args.length_scale, time_scale=args.time_scale,
+        window=parse_window(args.window),
+    )
+
+
+def _load_base_config(path: str) -> Any:
+    from router.config.loader import load_config
+
+    try:
+        return load_config(path)
+    except (OSError, ValueError) as err:
+        raise BenchError(f"--config {path}: {err}") from err
+
+
+def _model_limits(base: Any) -> tuple[int | None, int | None]:
+    """(max context, vocab size) of the cluster's model: `model.max_model_len`, else its
+    config.json (creating the embedded tiny model first when the config asks for it)."""
+    if base is None:
+        return None, None
+    from router.launch import ensure_model
+
+    try:
+        ensure_model(base)
+        config = json.loads((Path(base.model.path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as err:
+        raise BenchError(f"model {base.model.path}: {err}") from err
+    max_context = base.model.max_model_len or config.get("max_position_embeddings")
+    return max_context, config.get("vocab_size")
+
+
+def _names(flag: str, text: str, known: tuple[str, ...]) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = [name for name in names if name not in known]
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if unknown or twice or not names:
+        problem = f"unknown {unknown}" if unknown else f"twice {twice}" if twice else "none given"
+        raise BenchError(f"{flag}: {problem}; choose from {', '.join(known)}")
+    return names
+
+
+def _cluster_runs(args: argparse.Namespace) -> list[str]:
+    """The arrangements or policies to start, checked before anything starts; [] without --config."""
+    given = [flag for flag, value in (("--arrangements", args.arrangements), ("--policies", args.policies),
+                                      ("--prefix-caching", args.prefix_caching)) if value is not None]
+    if args.policies is None and (args.prefill_workers or args.decode_workers):
+        raise BenchError("--prefill-workers and --decode-workers size the --policies clusters "
+                         "(--arrangements uses --workers)")
+    if not args.config:
+        if given:
+            raise BenchError(f"{given[0]} needs --config: the bench starts the clusters it compares")
+        return []
+    if args.policies is not None:
+        if args.arrangements is not None:
+            raise BenchError("--policies and --arrangements exclude each other: give one")
+        return _names("--policies", args.policies, POLICIES)
+    return _names("--arrangements", args.arrangements or ",".join(ARRANGEMENTS), ARRANGEMENTS)
+
+
+def _measure(args: argparse.Namespace, workload: Workload, base: Any, runs: list[str]
+             ) -> tuple[dict[str, list[RequestRecord]], dict[str, Any], dict[str, dict[str, Any]]]:
+    """(records per run, what the report says about the server, step records per run and worker:
+    only for clusters the bench starts itself)."""
+    if args.router:
+        label = args.label or "router"
+        records, status = asyncio.run(_measure_address(args, args.router, label, workload))
+        return {label: records}, {"router": args.router, "status": status}, {}
+    if args.endpoint:
+        label = args.label or "endpoint"
+        url = parse_endpoint(args.endpoint)
+        endpoint = Endpoint(url, args.model, args.extra_body, args.tokenizer, credentials.target_from_args(url, args))
+        records, server = asyncio.run(replay_openai(endpoint, workload, label,
+                                                    connect_timeout_s=args.connect_timeout,
+                                                    show_progress=not args.no_progress))
+        return {label: records}, server, {}
+    return _measure_clusters(args, workload, *_cluster_configs(args, base, runs))
+
+
+async def _measure_address(args: argparse.Namespace, address: str, label: str,
+                           workload: Workload) -> tuple[list[RequestRecord], dict[str, Any]]:
+    target = credentials.target_from_args(address, args)
+    records = await replay(target, workload, label, connect_timeout_s=args.connect_timeout,
+                           show_progress=not args.no_progress)
+    return records, await fetch_status(target)
+
+
+def _cluster_configs(args: argparse.Namespace, base: Any,
+                     runs: list[str]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The config of every cluster to start (each on its own free port, so a `pdserve serve`
+    of the same config can keep running), and what the report says about them."""
+    from bench.arrangements import arrangement_config, policy_config
+
+    if args.prefix_caching is not None:
+        base = dataclasses.replace(base, kv_cache=dataclasses.replace(
+            base.kv_cache, prefix_caching=args.prefix_caching == "on"))
+    info = {"config": args.config, "block_size": base.kv_cache.block_size,
+            "prefix_caching": base.kv_cache.prefix_caching}
+    if args.policies is not None:
+        prefill = args.prefill_workers or args.workers // 2
+        decode = args.decode_workers or max(1, args.workers - prefill)
+        info |= {"prefill_workers": prefill, "decode_workers": decode}
+        flag, make = "--policies", lambda name: policy_config(base, name, prefill, decode, args.pin_cpus)
+    else:
+        info |= {"workers": args.workers}
+        flag, make = "--arrangements", lambda name: arrangement_config(base, name, args.workers, args.pin_cpus)
+    configs = {}
+    for name in runs:
+        try:
+            cfg = make(name)
+        except ValueError as err:
+            raise BenchError(f"{flag} {name}: {err}") from err
+        configs[name] = dataclasses.replace(cfg, router=dataclasses.replace(
+            cfg.router, port=0, metrics_port=None, http_port=None))
+    return configs, info
+
+
+def _measure_clusters(args: argparse.Namespace, workload: Workload, configs: dict[str, Any], info: dict[str, Any]
+                      ) -> tuple[dict[str, list[RequestRecord]], dict[str, Any], dict[str, dict[str, Any]]]:
+    """Each cluster in turn: start it (cold caches), replay the same requests, collect its
+    workers' step records, stop it."""
+    from router.launch import LocalCluster
+
+    records: dict[str, list[RequestRecord]] = {}
+    statuses: dict[str, Any] = {}
+    steps: dict[str, dict[str, Any]] = {}
+    for name, cfg in configs.items():
+        with LocalCluster(cfg) as cluster:
+            started = time.time()  # the replay's clock starts within the channel's setup (ms) of this
+            records[name], statuses[name] = asyncio.run(
+                _measure_address(args, cluster.address, name, workload))
+            steps[name] = collect_steps(cluster, started)
+    return records, info | {"status": statuses}, steps
+

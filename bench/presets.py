@@ -1,0 +1,187 @@
+"""Named workloads (docs/metrics.md): steady, morning-burst, long-context, shared-prefix, conversation.
+
+`build_workload(WorkloadOptions)` is the one entry point: a preset supplies defaults, every
+option the user gave overrides them, and the same options + seed give the same requests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.errors import WorkloadError
+from bench.trace import TraceScaling, read_trace, trace_workload
+from bench.workload import (
+    DEFAULT_VOCAB,
+    RequestSpec,
+    Workload,
+    arrival_times,
+    make_workload,
+    random_tokens,
+    sample_lengths,
+    synthetic_requests,
+)
+
+CONVERSATION_WINDOW = Path(__file__).parent / "data" / "conversation_window.jsonl"
+BURST_WINDOW_S = 1.0
+NUM_SHARED_PREFIXES = 4
+
+
+@dataclass(frozen=True)
+class PresetDefaults:
+    """What a preset sends when the user gives no override (input_len None: near context)."""
+
+    description: str
+    num_requests: int
+    rate: float | None
+    input_len: int | None
+    output_len: int
+    range_ratio: float
+
+
+PRESETS: dict[str, PresetDefaults] = {
+    "steady": PresetDefaults("short chat at a steady Poisson rate", 200, 4.0, 128, 64, 0.5),
+    "morning-burst": PresetDefaults(
+        "streaming chat users; a burst of long prompts lands together 40% into the run",
+        120, 2.0, 128, 256, 0.25),
+    "long-context": PresetDefaults("prompts near the model's context", 32, 0.5, None, 64, 0.05),
+    "shared-prefix": PresetDefaults(
+        f"requests share one of {NUM_SHARED_PREFIXES} long prefixes (3/4 of the prompt)",
+        200, 4.0, 512, 64, 0.25),
+    "conversation": PresetDefaults(
+        "a window of Mooncake's conversation trace, lengths / 16", 0, None, None, 0, 0.0),
+}
+
+
+@dataclass(frozen=True)
+class WorkloadOptions:
+    """Everything that decides a workload; None means "the preset's default"."""
+
+    preset: str = "steady"
+    num_requests: int | None = None
+    rate: float | None = None
+    burstiness: float = 1.0
+    concurrency: int | None = None
+    input_len: int | None = None
+    output_len: int | None = None
+    range_ratio: float | None = None
+    max_context: int = 2048
+    vocab: tuple[int, int] = DEFAULT_VOCAB
+    seed: int = 0
+    trace: str | None = None
+    length_scale: float | None = None
+    time_scale: float | None = None
+    window: tuple[float, float | None] = (0.0, None)
+
+
+def build_workload(opts: WorkloadOptions) -> Workload:
+    """The preset's requests with the user's overrides; a trace path wins over any preset."""
+    if opts.trace is not None or opts.preset == "conversation":
+        return _trace(opts)
+    if opts.preset not in PRESETS:
+        raise WorkloadError(f"unknown preset {opts.preset!r}; known: {', '.join(PRESETS)}")
+    builders = {"steady": _open_loop, "long-context": _open_loop,
+                "morning-burst": _morning_burst, "shared-prefix": _shared_prefix}
+    return builders[opts.preset](opts, PRESETS[opts.preset])
+
+
+def _resolved(opts: WorkloadOptions, d: PresetDefaults) -> dict[str, Any]:
+    output_len = opts.output_len or d.output_len
+    near_context = int(opts.max_context * 0.9) - output_len
+    return {
+        "num_requests": d.num_requests if opts.num_requests is None else opts.num_requests,
+        "rate": opts.rate if opts.rate is not None else (None if opts.concurrency else d.rate),
+        "input_len": opts.input_len or d.input_len or max(1, near_context),
+        "output_len": output_len,
+        "range_ratio": d.range_ratio if opts.range_ratio is None else opts.range_ratio,
+    }
+
+
+def _metadata(opts: WorkloadOptions, r: dict[str, Any]) -> dict[str, Any]:
+    return {"preset": opts.preset, "description": PRESETS[opts.preset].description,
+            "seed": opts.seed, "burstiness": opts.burstiness, "max_context": opts.max_context,
+            "vocab": list(opts.vocab)} | r
+
+
+def _synthetic(opts: WorkloadOptions, r: dict[str, Any], prefix: str,
+               rng: np.random.Generator, shared: tuple[int, ...] = ()) -> list[RequestSpec]:
+    arrivals = arrival_times(r["num_requests"], r["rate"], opts.burstiness, rng)
+    prompt_lens = sample_lengths(r["num_requests"], r["input_len"], r["range_ratio"], rng)
+    output_lens = np.full(r["num_requests"], r["output_len"])
+    return synthetic_requests(prefix, arrivals, prompt_lens, output_lens, opts.max_context,
+                              opts.vocab, rng, shared)
+
+
+def _open_loop(opts: WorkloadOptions, d: PresetDefaults) -> Workload:
+    r = _resolved(opts, d)
+    specs = _synthetic(opts, r, "req", np.random.default_rng(opts.seed))
+    return make_workload(opts.preset, specs, opts.concurrency, _metadata(opts, r))
+
+
+def _shared_prefix(opts: WorkloadOptions, d: PresetDefaults) -> Workload:
+    """Each request opens with one of a few long prefixes (KV that a prefix cache can reuse);
+    `shared_fraction` in the metadata is the share of all prompt tokens those prefixes make up."""
+    r = _resolved(opts, d)
+    rng = np.random.default_rng(opts.seed)
+    prefix_len = max(1, r["input_len"] * 3 // 4)
+    prefixes = [random_tokens(prefix_len, opts.vocab, rng) for _ in range(NUM_SHARED_PREFIXES)]
+    group_sizes = np.bincount(rng.integers(NUM_SHARED_PREFIXES, size=r["num_requests"]),
+                              minlength=NUM_SHARED_PREFIXES)
+    specs: list[RequestSpec] = []
+    for group, size in enumerate(group_sizes):
+        group_opts = r | {"num_requests": int(size)}
+        specs += _synthetic(opts, group_opts, f"prefix{group}", rng, prefixes[group])
+    shared = sum(min(prefix_len, s.num_prompt_tokens) for s in specs)
+    meta = _metadata(opts, r) | {"num_prefixes": NUM_SHARED_PREFIXES, "prefix_tokens": prefix_len,
+                                 "shared_fraction": shared / max(1, sum(s.num_prompt_tokens for s in specs))}
+    return make_workload(opts.preset, _interleave(specs, r, opts, rng), opts.concurrency, meta)
+
+
+def _interleave(specs: list[RequestSpec], r: dict[str, Any], opts: WorkloadOptions,
+                rng: np.random.Generator) -> list[RequestSpec]:
+    """One arrival process for all groups: re-time the specs in a random order."""
+    arrivals = arrival_times(len(specs), r["rate"], opts.burstiness, rng)
+    order = rng.permutation(len(specs))
+    return [RequestSpec(specs[i].request_id, float(arrivals[rank]), specs[i].prompt_token_ids,
+                        specs[i].max_tokens) for rank, i in enumerate(order)]
+
+
+def _morning_burst(opts: WorkloadOptions, d: PresetDefaults) -> Workload:
+    """Streaming users at a steady rate; long prompts land together 40% into the run."""
+    r = _resolved(opts, d)
+    if r["rate"] is None:
+        raise WorkloadError("morning-burst replays arrivals over time: give --rate, "
+                            "not only --concurrency")
+    rng = np.random.default_rng(opts.seed)
+    specs = _synthetic(opts, r, "stream", rng)
+    burst_start = round(0.4 * r["num_requests"] / r["rate"], 3)
+    burst = {"num_requests": max(4, r["num_requests"] // 8), "rate": None, "input_len": int(opts.max_context * 0.75),
+             "output_len": 16, "range_ratio": 0.1}
+    burst_specs = [RequestSpec(s.request_id, burst_start + float(offset), s.prompt_token_ids,
+                               s.max_tokens)
+                   for s, offset in zip(_synthetic(opts, burst, "burst", rng),
+                                        np.sort(rng.uniform(0, BURST_WINDOW_S, burst["num_requests"])),
+                                        strict=True)]
+    window = {"start_s": burst_start, "end_s": burst_start + BURST_WINDOW_S,
+              "num_requests": burst["num_requests"], "prompt_tokens": burst["input_len"]}
+    meta = _metadata(opts, r) | {"burst": window}
+    return make_workload(opts.preset, specs + burst_specs, opts.concurrency, meta)
+
+
+def _trace(opts: WorkloadOptions) -> Workload:
+    path = Path(opts.trace) if opts.trace is not None else CONVERSATION_WINDOW
+    conversation = opts.preset == "conversation"
+    default_scale = 16.0 if conversation else 1.0
+    scaling = TraceScaling(
+        length_scale=opts.length_scale or default_scale,
+        time_scale=opts.time_scale or 1.0,
+        window_start_s=opts.window[0],
+        window_end_s=opts.window[1],
+    )
+    name = "conversation" if conversation else "trace"
+    return trace_workload(read_trace(path), scaling, max_context=opts.max_context,
+                          vocab=opts.vocab, seed=opts.seed, num_requests=opts.num_requests,
+                          concurrency=opts.concurrency, name=name, source=str(path))

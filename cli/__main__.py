@@ -1,0 +1,7 @@
+"""`python -m cli ...` is `pdserve ...`."""
+
+import sys
+
+from cli.main import main
+
+sys.exit(main())

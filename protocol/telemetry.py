@@ -1,0 +1,41 @@
+"""Timing records that cross processes: the per-token gap kind, a step's record, a first token's timing split."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class TokenKind:
+    """One character per output token: what the gap before the token was made of."""
+
+    FIRST = "F"  # the request's first token: no gap (its wait is TTFT)
+    DECODE = "D"  # a step of decodes only
+    INTERFERENCE = "I"  # a decode step that also computed prefill chunks of other requests
+    KV_HANDOFF = "K"  # a decode worker's first token: it waited for the KV transfer and `start`
+    PREEMPTED = "P"  # the first token after a preemption: the request's context was recomputed
+    MIGRATED = "M"  # the first token on another worker after a failure moved the request
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    seq: int
+    end_unix: float  # time.time() when the step ended
+    wall_s: float  # scheduling + forward + sampling
+    decode_rows: int
+    prefill_rows: int  # prefill chunks (of any length) computed in this step
+    prefill_tokens: int
+    blocks_used: int  # after the step
+    blocks_free: int
+    preemptions: int  # requests preempted while scheduling this step
+    waiting: int  # requests left waiting for admission
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillTiming:
+    """Engine accepted -> first token, split: kv_wait_s (admission blocked on KV blocks),
+    compute_s (wall time of the steps that computed the request's prompt chunks) and queue_s
+    (the rest: waiting behind other requests, and between chunks while other work ran)."""
+
+    queue_s: float
+    kv_wait_s: float
+    compute_s: float

@@ -1,0 +1,106 @@
+"""Request validation shared by the engine and the router (which has no model loaded).
+
+Every refusal is an `InvalidRequest` whose message is meant for the person who sent it.
+Cheap size checks run before any work that grows with the input (tokenizing, vocab scans).
+"""
+
+from __future__ import annotations
+
+from protocol.errors import InvalidRequest
+from protocol.limits import DEFAULT_MAX_PROMPT_BYTES, MAX_REQUEST_ID_CHARS
+from protocol.sampling import SamplingParams
+
+CHAT_ROLES = ("system", "user", "assistant")
+
+
+def validate_request_id(request_id: str) -> None:
+    """At most MAX_REQUEST_ID_CHARS printable ASCII characters without whitespace; empty is allowed."""
+    if len(request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidRequest(f"request_id is {len(request_id)} characters; at most {MAX_REQUEST_ID_CHARS} "
+                             "are allowed")
+    for i, ch in enumerate(request_id):
+        if not "\x21" <= ch <= "\x7e":
+            raise InvalidRequest("request_id may contain only printable ASCII characters without spaces "
+                                 f"(found {ch!r} at {i})")
+
+
+class RequestValidator:
+    def __init__(self, tokenizer, vocab_size: int, max_model_len: int,
+                 max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES):
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.max_model_len = max_model_len
+        self.max_prompt_bytes = max_prompt_bytes
+
+    def prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
+                   messages: list[dict] | None = None) -> list[int]:
+        """The prompt as token ids: exactly one of `prompt` / `prompt_token_ids` / `messages` (a chat,
+        rendered with the checkpoint's chat template), non-empty, in vocab."""
+        if messages:
+            if prompt or prompt_token_ids:
+                raise InvalidRequest("give either messages or a prompt / prompt_token_ids, not both")
+            return self.chat_ids(messages)
+        if prompt and prompt_token_ids:
+            raise InvalidRequest("give either a prompt or prompt_token_ids, not both")
+        if prompt_token_ids:
+            if len(prompt_token_ids) > self.max_model_len:
+                raise InvalidRequest(f"prompt_token_ids has {len(prompt_token_ids)} tokens; the model's context "
+                                     f"is {self.max_model_len} tokens")
+            ids = list(prompt_token_ids)
+            self.check_token_ids("prompt_token_ids", ids)
+            return ids
+        ids = self._encode(prompt or "")
+        if not ids:
+            raise InvalidRequest("the prompt is empty: give a non-empty prompt or prompt_token_ids")
+        return ids
+
+    def chat_ids(self, messages: list[dict]) -> list[int]:
+        """A chat ([{"role", "content"}, ...]) rendered with the chat template, ready for the reply."""
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequest("this model has no chat template: send a prompt instead of messages")
+        for i, m in enumerate(messages):
+            if m.get("role") not in CHAT_ROLES:
+                raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}")
+            if not isinstance(m.get("content"), str):
+                raise InvalidRequest(f"messages[{i}].content must be text")
+        size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
+        if size > self.max_prompt_bytes:
+            raise InvalidRequest(f"the messages are {size} bytes; at most {self.max_prompt_bytes} are allowed")
+        text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                                  add_generation_prompt=True, tokenize=False)
+        return self._encode(text)
+
+    def _encode(self, prompt: str) -> list[int]:
+        try:
+            size = len(prompt.encode("utf-8"))
+        except UnicodeEncodeError as e:
+            raise InvalidRequest(f"the prompt is not valid Unicode text (a lone surrogate at {e.start})") from None
+        if size > self.max_prompt_bytes:
+            raise InvalidRequest(f"the prompt is {size} bytes; at most {self.max_prompt_bytes} are allowed")
+        return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def check_token_ids(self, name: str, ids: list[int] | tuple[int, ...]) -> None:
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"{name} has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+
+    def check(self, num_prompt_tokens: int, sampling: SamplingParams, pool_blocks: int | None = None,
+              block_size: int = 16) -> None:
+        """Sampling values in range, and prompt + max_tokens fits the context (and a whole KV pool)."""
+        sampling.validate()
+        self.check_token_ids("stop_token_ids", sampling.stop_token_ids)
+        total = num_prompt_tokens + sampling.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequest(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({sampling.max_tokens}) = "
+                                 f"{total} exceeds the model's context of {self.max_model_len} tokens")
+        blocks = -(-total // block_size)
+        if pool_blocks is not None and blocks > pool_blocks:
+            raise InvalidRequest(f"the request needs {blocks} KV blocks but the largest worker KV pool has "
+                                 f"{pool_blocks}; lower max_tokens or the prompt length")
+
+    def check_resumed(self, output_token_ids: list[int], sampling: SamplingParams) -> None:
+        """Outputs a resumed request already produced: in vocab, and max_tokens leaves one more to make."""
+        self.check_token_ids("output_token_ids", output_token_ids)
+        if len(output_token_ids) >= sampling.max_tokens:
+            raise InvalidRequest(f"the request already has {len(output_token_ids)} output tokens; max_tokens "
+                                 f"({sampling.max_tokens}) leaves none to generate")

@@ -1,0 +1,139 @@
+"""The checks of a cluster.yaml that its types cannot say: ranges, Ray placement syntax,
+interface names, sizes, and the router's TLS / auth files (read and verified at load, so a
+bad file is a config error rather than a failure once the cluster runs).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import ssl
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from protocol.sizes import PlanError, parse_bytes
+from router.config.typed_yaml import ConfigError
+from router.frontdoor.access import TokenFileError, read_tokens
+
+if TYPE_CHECKING:
+    from router.config.schema import ClusterConfig, PoolSection, TLSSection
+
+
+def check_values(cfg: ClusterConfig, where: str) -> None:
+    rules = [
+        ("router.port", 0 <= cfg.router.port <= 65535, "must be a port number 0-65535"),
+        ("router.metrics_port", cfg.router.metrics_port is None or 0 <= cfg.router.metrics_port <= 65535,
+         "must be a port number 0-65535"),
+        ("router.http_port", cfg.router.http_port is None or 0 <= cfg.router.http_port <= 65535,
+         "must be a port number 0-65535"),
+        ("router.max_queue", cfg.router.max_queue >= 1, "must be >= 1"),
+        ("router.shutdown_grace_s", cfg.router.shutdown_grace_s >= 0, "must be >= 0"),
+        ("router.max_prefill_inflight", cfg.router.max_prefill_inflight >= 1, "must be >= 1"),
+        ("router.migration_limit", cfg.router.migration_limit >= 0, "must be >= 0"),
+        ("router.call_timeout_s", cfg.router.call_timeout_s > 0, "must be > 0"),
+        ("router.prefill_timeout_s", cfg.router.prefill_timeout_s > 0, "must be > 0"),
+        ("router.queue_timeout_s", cfg.router.queue_timeout_s > 0, "must be > 0"),
+        ("router.drain_timeout_s", cfg.router.drain_timeout_s >= 0, "must be >= 0"),
+        ("router.worker_start_timeout_s", cfg.router.worker_start_timeout_s > 0, "must be > 0"),
+        ("router.unresponsive_s", cfg.router.unresponsive_s > 0, "must be > 0"),
+        ("router.restart_backoff_s", cfg.router.restart_backoff_s > 0, "must be > 0"),
+        ("router.max_prompt_bytes", cfg.router.max_prompt_bytes >= 1, "must be >= 1"),
+        ("prefill.replicas", cfg.prefill.replicas >= (1 if cfg.mode == "disaggregated" else 0),
+         "must be >= 1 in disaggregated mode (>= 0 in colocated)"),
+        ("decode.replicas", cfg.decode.replicas >= 1, "must be >= 1"),
+        ("prefill.num_cpus", cfg.prefill.num_cpus >= 0, "must be >= 0"),
+        ("decode.num_cpus", cfg.decode.num_cpus >= 0, "must be >= 0"),
+        ("prefill.num_gpus", cfg.prefill.num_gpus >= 0, "must be >= 0"),
+        ("decode.num_gpus", cfg.decode.num_gpus >= 0, "must be >= 0"),
+        ("prefill.torch_threads", cfg.prefill.torch_threads >= 1, "must be >= 1"),
+        ("decode.torch_threads", cfg.decode.torch_threads >= 1, "must be >= 1"),
+        ("prefill.cpus", not cfg.prefill.cpus or min(cfg.prefill.cpus) >= 0, "core numbers must be >= 0"),
+        ("decode.cpus", not cfg.decode.cpus or min(cfg.decode.cpus) >= 0, "core numbers must be >= 0"),
+        ("kv_cache.block_size", cfg.kv_cache.block_size >= 1, "must be >= 1"),
+        ("kv_cache.num_blocks", cfg.kv_cache.num_blocks is None or cfg.kv_cache.num_blocks >= 1, "must be >= 1"),
+        ("kv_cache.memory_fraction", 0 < cfg.kv_cache.memory_fraction <= 1, "must be in (0, 1]"),
+        ("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens >= 1, "must be >= 1"),
+        ("scheduler.chunk_size", cfg.scheduler.chunk_size is None or cfg.scheduler.chunk_size >= 1,
+         "must be >= 1, or off"),
+        ("scheduler.max_num_seqs", cfg.scheduler.max_num_seqs >= 1, "must be >= 1"),
+        ("kv_transfer.timeout_s", cfg.kv_transfer.timeout_s > 0, "must be > 0"),
+        ("kv_transfer.interface",
+         cfg.kv_transfer.interface is None or bool(_IFNAME.fullmatch(cfg.kv_transfer.interface)),
+         "must be a network interface name (1-15 characters, no spaces or '/'), e.g. eth1"),
+        ("model.max_model_len", cfg.model.max_model_len is None or cfg.model.max_model_len >= 2, "must be >= 2"),
+    ]
+    rules += [(f"faults.{key}", False, reason) for key, reason in cfg.faults.problems()]
+    rules += _placement_rules("prefill", cfg.prefill) + _placement_rules("decode", cfg.decode)
+    for key, ok, reason in rules:
+        if not ok:
+            raise ConfigError(f"{where}: {key}: {reason}")
+    for key, text in (("kv_cache.memory", cfg.kv_cache.memory), ("kv_cache.runtime_overhead", cfg.kv_cache.runtime_overhead),
+                      ("ray.object_store_memory", cfg.ray.object_store_memory)):
+        if text is not None:
+            try:
+                parse_bytes(text)
+            except PlanError as e:
+                raise ConfigError(f"{where}: {key}: {e}") from None
+
+
+# Ray's label syntax (Kubernetes-style): a name of alphanumerics with -_. inside, an optional
+# DNS prefix before a "/"; a selector value is a label value, "!value", "in(a,b)" or "!in(a,b)".
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9_.-]{0,61}[A-Za-z0-9])?"
+_LABEL_KEY = re.compile(rf"({_LABEL}(\.{_LABEL})*/)?{_LABEL}")
+_LABEL_SELECTOR = re.compile(rf"!?({_LABEL}|in\({_LABEL}(, ?{_LABEL})*\))")
+_IFNAME = re.compile(r"[^\s/]{1,15}")
+
+
+def _placement_rules(pool: str, sec: PoolSection) -> list[tuple[str, bool, str]]:
+    rules = [(f"{pool}.resources.{name}", name not in ("CPU", "GPU"), f"use {pool}.num_cpus / {pool}.num_gpus")
+             for name in sec.resources]
+    rules += [(f"{pool}.resources.{name}", amount > 0, "must be > 0") for name, amount in sec.resources.items()]
+    rules += [(f"{pool}.label_selector.{key}", bool(_LABEL_KEY.fullmatch(key)),
+               "is not a Ray label key (alphanumerics and -_. inside, at most 63, optional prefix/)")
+              for key in sec.label_selector]
+    rules += [(f"{pool}.label_selector.{key}", bool(_LABEL_SELECTOR.fullmatch(value)),
+               f"{value!r} is not a label selector: a value, !value, in(a,b) or !in(a,b)")
+              for key, value in sec.label_selector.items()]
+    return rules
+
+
+def security_files(cfg: ClusterConfig, base: Path, where: str) -> ClusterConfig:
+    """router.tls and router.auth with their files made absolute, each read and checked now."""
+    def resolve(section) -> Any:
+        files = {f.name: str(base / v) for f in dataclasses.fields(section)
+                 if f.name.endswith("_file") and (v := getattr(section, f.name)) is not None}
+        return dataclasses.replace(section, **files)
+
+    tls, auth = resolve(cfg.router.tls), resolve(cfg.router.auth)
+    for key, path in [*(("tls." + k, getattr(tls, k)) for k in ("cert_file", "key_file", "client_ca_file")),
+                      *(("auth." + k, getattr(auth, k)) for k in ("tokens_file", "admin_tokens_file"))]:
+        try:
+            if path is not None and key.startswith("auth."):
+                read_tokens(path)
+            elif path is not None:
+                Path(path).read_bytes()
+        except (OSError, TokenFileError) as e:
+            reason = e if isinstance(e, TokenFileError) else f"{path}: cannot read: {e.strerror}"
+            raise ConfigError(f"{where}: router.{key}: {reason}") from None
+    _check_tls(tls, where)
+    return dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, tls=tls, auth=auth))
+
+
+def _check_tls(tls: TLSSection, where: str) -> None:
+    if (tls.cert_file is None) != (tls.key_file is None):
+        missing = "key_file" if tls.key_file is None else "cert_file"
+        raise ConfigError(f"{where}: router.tls.{missing}: TLS needs both cert_file and key_file")
+    if tls.client_ca_file is not None and tls.cert_file is None:
+        raise ConfigError(f"{where}: router.tls.client_ca_file: mutual TLS needs cert_file and key_file too")
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    try:
+        if tls.cert_file is not None:
+            context.load_cert_chain(tls.cert_file, tls.key_file)
+    except ssl.SSLError as e:
+        raise ConfigError(f"{where}: router.tls.cert_file: not a PEM certificate chain whose key is "
+                          f"router.tls.key_file ({e.reason or e})") from None
+    try:
+        if tls.client_ca_file is not None:
+            context.load_verify_locations(tls.client_ca_file)
+    except ssl.SSLError as e:
+        raise ConfigError(f"{where}: router.tls.client_ca_file: not PEM CA certificates ({e.reason or e})") from None

@@ -1,0 +1,179 @@
+"""cluster.yaml: one validated schema for the whole cluster.
+
+`load_config(path)` reads YAML into frozen dataclasses and refuses, with one message naming
+the key, any unknown key, wrong type or impossible value (`ConfigError`; the CLI exits 2).
+Sizes accept "512MiB"-style strings. Relative `model.path` is relative to the file, and so are
+the router.tls / router.auth files, read and checked at load (the certificate matches its key,
+the tokens are well formed): a bad one is a config error, not a failure once the cluster runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from engine.config import EngineConfig
+from protocol.limits import DEFAULT_MAX_PROMPT_BYTES
+from protocol.sizes import parse_bytes
+from worker_runtime.faults import FaultConfig
+
+Policy = Literal["cache_aware", "load", "round_robin"]
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    path: str = "models/tiny-llama"
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    # create the embedded tiny model at `path` when it is absent (the default cluster does)
+    create_tiny: Literal["off", "llama", "qwen2"] = "off"
+    max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class TLSSection:
+    """TLS on the gRPC, HTTP and metrics ports (docs/security.md); files are PEM, relative to cluster.yaml."""
+
+    cert_file: str | None = None  # the router's certificate chain; with key_file turns TLS on
+    key_file: str | None = None
+    client_ca_file: str | None = None  # mutual TLS: clients must show a certificate this CA signed
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert_file is not None
+
+
+StatusAccess = Literal["loopback", "admin", "traffic"]
+
+
+@dataclass(frozen=True)
+class AuthSection:
+    """Bearer tokens (docs/security.md); each file holds one token per line, re-read on SIGHUP."""
+
+    tokens_file: str | None = None  # traffic: Generation, /v1/...
+    admin_tokens_file: str | None = None  # Admin/Scale (anything that changes the cluster); traffic too
+    # who may read Admin/Status, reflection and /metrics: loopback (no token from this machine,
+    # else an admin token) | admin (an admin token) | traffic (any token)
+    status_access: StatusAccess = "loopback"
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.tokens_file or self.admin_tokens_file)
+
+
+@dataclass(frozen=True)
+class RouterSection:
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int | None = None  # Prometheus endpoint; None = off, 0 = pick a free port
+    http_port: int | None = None  # OpenAI-compatible HTTP API (router/frontdoor/openai_server.py); None = off, 0 = any free port
+    max_queue: int = 256  # requests waiting for capacity; beyond: RESOURCE_EXHAUSTED
+    shutdown_grace_s: float = 10.0
+    max_prefill_inflight: int = 8  # requests on one prefill worker (or colocated worker) at once
+    migration_limit: int = 3  # times a request moves to another worker after a failure
+    # start the prefill while the decode reservation is in flight (its KV leaves once the
+    # reservation is back): one router -> worker round trip less in TTFT (router/lifecycle/attempt.py)
+    prefill_during_reserve: bool = True
+    call_timeout_s: float = 10.0  # deadline of every short router -> worker call
+    prefill_timeout_s: float = 60.0  # deadline of one prefill, queueing on the worker included
+    queue_timeout_s: float = 120.0  # longest wait for capacity before UNAVAILABLE
+    drain_timeout_s: float = 60.0  # then a draining worker's requests migrate
+    worker_start_timeout_s: float = 180.0  # a worker that is not ready by then is killed
+    unresponsive_s: float = 30.0  # a worker that answers no stats call for this long is replaced
+    restart_backoff_s: float = 1.0  # first delay before replacing a dead worker; doubles, max 30 s
+    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # refused before tokenizing
+    # placement (router/pools/placement.py): cache_aware weighs the prefix a worker holds against its
+    # load; load = least loaded; round_robin = in turn. The per-pool keys override `policy`.
+    policy: Policy = "cache_aware"
+    prefill_policy: Policy | None = None
+    decode_policy: Policy | None = None
+    # append one JSON line per finished request (router/observability/request_log.py): timings, lengths and
+    # 512-token block hashes, a Mooncake-format trace for `pdserve inspect` and `pdserve bench
+    # --trace`; relative to cluster.yaml; null = off. Prompts only with request_log_prompts.
+    request_log: str | None = None
+    request_log_prompts: bool = False
+    tls: TLSSection = field(default_factory=TLSSection)
+    auth: AuthSection = field(default_factory=AuthSection)
+
+    def policy_for(self, pool: str) -> str:
+        own = self.prefill_policy if pool == "prefill" else self.decode_policy
+        return own or self.policy
+
+
+@dataclass(frozen=True)
+class PoolSection:
+    replicas: int = 1
+    num_cpus: float = 1.0
+    num_gpus: float = 0.0
+    # where the pool's workers may run (docs/deploy.md): each worker takes this much of these Ray
+    # custom resources (e.g. {prefill_node: 1}: only nodes started with that resource) and runs
+    # only on a node whose Ray labels match the selector ({role: decode}, {zone: "in(a,b)"}, "!x")
+    resources: dict[str, float] = field(default_factory=dict)
+    label_selector: dict[str, str] = field(default_factory=dict)
+    torch_threads: int = 1
+    # pin the pool's workers to these CPU cores, one core per worker in turn (null = no pinning)
+    cpus: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class KVCacheSection:
+    block_size: int = 16
+    num_blocks: int | None = None  # explicit pool size per worker
+    memory: str | None = None  # e.g. "512MiB" per worker; else memory_fraction of the device
+    memory_fraction: float = 0.1
+    runtime_overhead: str = "256MiB"
+    prefix_caching: bool = True  # reuse the KV of full blocks other requests computed (engine/kv_cache.py)
+
+
+@dataclass(frozen=True)
+class SchedulerSection:
+    max_num_batched_tokens: int = 512
+    chunk_size: int | None = 256  # null/off = whole prompts
+    max_num_seqs: int = 64
+
+
+@dataclass(frozen=True)
+class KVTransferSection:
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    timeout_s: float = 30.0
+    checksum: bool = False
+    # the NIC the KV channels use on every node (its IPv4 address is bound and advertised;
+    # GLOO_/NCCL_SOCKET_IFNAME follow it); null = each node's Ray node IP
+    interface: str | None = None
+    # send each prefill chunk's finished blocks while the next chunk computes (false: all after
+    # the first token)
+    stream_chunks: bool = True
+
+
+@dataclass(frozen=True)
+class RaySection:
+    address: str = ""  # "" = start a local head; "auto" or host:port = join
+    num_cpus: int | None = None
+    object_store_memory: str = "256MiB"
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    model: ModelSection = field(default_factory=ModelSection)
+    mode: Literal["disaggregated", "colocated"] = "disaggregated"
+    router: RouterSection = field(default_factory=RouterSection)
+    prefill: PoolSection = field(default_factory=PoolSection)
+    decode: PoolSection = field(default_factory=PoolSection)
+    kv_cache: KVCacheSection = field(default_factory=KVCacheSection)
+    scheduler: SchedulerSection = field(default_factory=SchedulerSection)
+    kv_transfer: KVTransferSection = field(default_factory=KVTransferSection)
+    ray: RaySection = field(default_factory=RaySection)
+    faults: FaultConfig = field(default_factory=FaultConfig)  # fault injection, off by default
+
+    def engine_config(self, pool: PoolSection, device: str = "cpu") -> EngineConfig:
+        kv = self.kv_cache
+        return EngineConfig(
+            model_path=self.model.path, dtype=self.model.dtype, device=device, block_size=kv.block_size,
+            num_blocks=kv.num_blocks, kv_cache_memory=parse_bytes(kv.memory) if kv.memory else None,
+            memory_fraction=kv.memory_fraction, runtime_overhead=parse_bytes(kv.runtime_overhead),
+            max_num_batched_tokens=self.scheduler.max_num_batched_tokens, chunk_size=self.scheduler.chunk_size,
+            max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.model.max_model_len,
+            torch_threads=pool.torch_threads, enable_prefix_caching=kv.prefix_caching)
+
+
+
+

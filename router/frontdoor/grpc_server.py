@@ -1,0 +1,146 @@
+"""gRPC front door (grpc.aio): Generation and Admin services over `Router`, plus the standard
+health service and server reflection. Errors become statuses with a readable message:
+INVALID_ARGUMENT (bad request), RESOURCE_EXHAUSTED (queue full; a scale Ray cannot place),
+UNAVAILABLE (shutting down, no worker can serve, failures beyond the migration limit),
+INTERNAL (the engine failed on this request); a client that goes away cancels its request on
+every worker. Health is SERVING only while every pool the mode needs has a ready worker, and
+stays reachable without a token (load balancers); the rest is gated (router/frontdoor/guards.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from proto import pdserve_pb2 as pb
+from proto import pdserve_pb2_grpc as pb_grpc
+from protocol.errors import InvalidRequest
+from router.config.schema import TLSSection
+from router.frontdoor.access import Gate
+from router.frontdoor.grpc_convert import pool_status_to_proto, sampling_from_proto, usage_to_proto
+from router.frontdoor.guards import GrpcGuard, Refusals
+from router.frontdoor.tls import grpc_server_credentials
+from router.lifecycle.outcomes import CannotPlace, Chunk, InternalError, QueueFull, Unavailable
+from router.lifecycle.service import Router
+
+log = logging.getLogger(__name__)
+
+_STATUS = {InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+           CannotPlace: grpc.StatusCode.RESOURCE_EXHAUSTED, Unavailable: grpc.StatusCode.UNAVAILABLE,
+           InternalError: grpc.StatusCode.INTERNAL}
+HEALTH_EVERY_S = 0.25
+
+
+class GenerationService(pb_grpc.GenerationServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        try:
+            if request.prompt and request.prompt_token_ids:
+                raise InvalidRequest("give either prompt or prompt_token_ids, not both")
+            sampling = sampling_from_proto(request.sampling)
+            messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            life = await self.router.prepare(request.request_id, request.prompt or None,
+                                             list(request.prompt_token_ids) or None, sampling,
+                                             messages=messages or None)
+            async with contextlib.aclosing(self.router.generate(life)) as chunks:
+                async for chunk in chunks:
+                    yield self._response(life.client_id, chunk)
+        except tuple(_STATUS) as e:
+            code = _STATUS[type(e)]
+            self.router.metrics.observe_error(code.name)
+            await context.abort(code, str(e))
+
+    @staticmethod
+    def _response(rid: str, chunk: Chunk) -> pb.GenerateResponse:
+        finish = {"abort": "cancelled"}.get(chunk.finish_reason, chunk.finish_reason) or ""
+        msg = pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text, finish_reason=finish)
+        if chunk.usage is not None:
+            msg.usage.CopyFrom(usage_to_proto(chunk.usage))
+        return msg
+
+
+class AdminService(pb_grpc.AdminServicer):
+    def __init__(self, router: Router):
+        self.router = router
+
+    async def Status(self, request, context) -> pb.StatusResponse:
+        workers = await self.router.status()
+        return pb.StatusResponse(
+            mode=self.router.config.mode, model=self.router.config.model.path,
+            workers=[self._worker(w) for w in workers], router_queue=self.router.queue_length,
+            router_in_flight=len(self.router.lives), requests_total=self.router.requests_total,
+            pools=[pool_status_to_proto(p) for p in self.router.pools.status()])
+
+    @staticmethod
+    def _worker(w) -> pb.WorkerStatus:
+        s = w.stats
+        msg = pb.WorkerStatus(name=w.name, pool=w.info.pool, state=w.state, node_ip=w.info.node_ip,
+                              kv_blocks_total=w.info.num_blocks)
+        if s is not None:
+            msg.running, msg.waiting, msg.channels, msg.requests_served = s.running, s.waiting, s.channels, s.served
+            msg.kv_blocks_used, msg.kv_blocks_free = s.blocks_used, s.blocks_free
+            msg.kv_blocks_cached = s.blocks_cached
+            msg.prefix_query_tokens, msg.prefix_hit_tokens = s.prefix_query_tokens, s.prefix_hit_tokens
+        return msg
+
+    async def Scale(self, request: pb.ScaleRequest, context) -> pb.ScaleResponse:
+        if request.pool not in ("prefill", "decode"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown pool {request.pool!r}: use prefill or decode")
+        try:
+            started, stopped = await self.router.scale(request.pool, request.replicas)
+        except tuple(_STATUS) as e:
+            await context.abort(_STATUS[type(e)], str(e))
+        return pb.ScaleResponse(pool=request.pool, replicas=request.replicas, started=started, stopped=stopped)
+
+
+class RouterServer:
+    """The grpc.aio server; `port` is the bound port (config port 0 = pick a free one). With a
+    `gate` that has tokens every call passes router/frontdoor/guards.py's interceptor; with `tls` the port
+    speaks only TLS (mutual when tls.client_ca_file)."""
+
+    def __init__(self, router: Router, host: str, port: int, gate: Gate | None = None,
+                 tls: TLSSection | None = None, refusals: Refusals | None = None):
+        self.router = router
+        guard = [GrpcGuard(gate, refusals or Refusals())] if gate is not None and gate.enabled else []
+        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=guard)
+        pb_grpc.add_GenerationServicer_to_server(GenerationService(router), self.server)
+        pb_grpc.add_AdminServicer_to_server(AdminService(router), self.server)
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [pb.DESCRIPTOR.services_by_name[n].full_name for n in ("Generation", "Admin")]
+        reflection.enable_server_reflection([*names, health.SERVICE_NAME, reflection.SERVICE_NAME], self.server)
+        if tls is not None and tls.enabled:
+            self.port = self.server.add_secure_port(f"{host}:{port}", grpc_server_credentials(tls))
+        else:
+            self.port = self.server.add_insecure_port(f"{host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot listen on {host}:{port}")
+        self.address = f"{host}:{self.port}"
+
+    async def start(self) -> None:
+        await self.server.start()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", "pdserve.v1.Generation"):
+            result = self.health.set(name, status)
+            if result is not None:
+                await result
+
+    async def follow_health(self) -> None:
+        """Keep the health status in step with `router.serving` (run as a task)."""
+        serving = None
+        while True:
+            if self.router.serving != serving:
+                serving = self.router.serving
+                await self.set_serving(serving)
+            await asyncio.sleep(HEALTH_EVERY_S)
+
+    async def stop(self, grace_s: float) -> None:
+        await self.server.stop(grace_s)

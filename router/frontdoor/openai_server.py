@@ -1,0 +1,308 @@
+"""OpenAI-compatible HTTP front door over the same `Router` as gRPC, on the router's own loop.
+
+POST /v1/completions and /v1/chat/completions (server-sent events, or one JSON body), GET
+/v1/models and /health. A request becomes `Router.prepare` + `Router.generate`; refusals are
+OpenAI error objects: 400 (the validator's sentence), 429 (queue full), 503 (no worker can
+serve, starting, shutting down), 500 (the engine failed on the request). A client that goes
+away closes the request's generator, which aborts it on every worker. `OpenAIServer` runs
+uvicorn as a task without signal handlers: the process's owner (serve_forever) keeps them; with
+router.tls it is HTTPS, with router.auth a missing or wrong bearer token gets 401 from
+router/frontdoor/guards.py before a request reaches the app.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import uvicorn
+from sse_starlette import EventSourceResponse
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from protocol.deadline import within
+from protocol.errors import InvalidRequest
+from router.config.schema import TLSSection
+from router.frontdoor.access import Gate
+from router.frontdoor.guards import HttpGuard, Refusals
+from router.frontdoor.openai_request import (
+    CHAT_MAX_TOKENS,
+    SAMPLING_FIELDS,
+    ApiError,
+    Parsed,
+    parse_request,
+)
+from router.frontdoor.tls import uvicorn_tls
+from router.lifecycle.life import RequestLife
+from router.lifecycle.outcomes import CannotPlace, Chunk, InternalError, QueueFull, Unavailable
+from router.lifecycle.service import Router
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 2.0  # uvicorn's wait for open responses at stop (the router has ended them by then)
+# status, OpenAI error type, error code, and the gRPC status name the error counter uses
+_FAILURES: dict[type[Exception], tuple[int, str, str, str]] = {
+    InvalidRequest: (400, "invalid_request_error", "invalid_request", "INVALID_ARGUMENT"),
+    QueueFull: (429, "rate_limit_error", "queue_full", "RESOURCE_EXHAUSTED"),
+    CannotPlace: (429, "rate_limit_error", "cannot_place", "RESOURCE_EXHAUSTED"),
+    Unavailable: (503, "server_error", "unavailable", "UNAVAILABLE"),
+    InternalError: (500, "server_error", "internal_error", "INTERNAL"),
+}
+
+
+def _api_error(e: Exception) -> ApiError:
+    status, kind, code, _ = _FAILURES[type(e)]
+    first = str(e).split(" ", 1)[0]
+    return ApiError(status, str(e), first if first in SAMPLING_FIELDS else None, kind, code)
+
+
+# ---- responses ------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class _Reply:
+    """One response's fixed parts; completions and chat differ only in these shapes."""
+
+    chat: bool
+    id: str
+    model: str
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def body(self, choices: list[dict], usage: dict | None, stream: bool) -> dict[str, Any]:
+        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
+        out = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
+        return out if usage is None and stream else out | {"usage": usage}
+
+    def choice(self, text: str, token_ids: list[int], finish: str | None, stream: bool, first: bool = False) -> dict:
+        """`token_ids` is pdserve's own addition: the ids behind `text`."""
+        if not self.chat:
+            body: dict[str, Any] = {"text": text}
+        elif stream:
+            body = {"delta": {"role": "assistant", "content": text} if first else {"content": text}}
+        else:
+            body = {"message": {"role": "assistant", "content": text}}
+        return {"index": 0, **body, "logprobs": None, "finish_reason": finish, "token_ids": token_ids}
+
+
+def _usage(chunk: Chunk | None) -> dict[str, int]:
+    u = chunk.usage if chunk is not None and chunk.usage else {}
+    prompt, completion = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)}}
+
+
+def _sse_json(body: dict) -> str:
+    return json.dumps(body, separators=(",", ":"))
+
+
+def _finish(chunk: Chunk) -> str | None:
+    return {"abort": "cancelled"}.get(chunk.finish_reason, chunk.finish_reason)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before the response started."""
+
+
+async def _until_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _unless_gone(request: Request, work_coro) -> Any:
+    """`work_coro`'s result, or ClientGone (and `work_coro` cancelled) if the client leaves first."""
+    work, gone = asyncio.ensure_future(work_coro), asyncio.ensure_future(_until_disconnect(request))
+    try:
+        await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (work, gone):
+            task.cancel()
+        await asyncio.gather(work, gone, return_exceptions=True)  # outcomes are read just below
+    if work.cancelled():
+        raise ClientGone()
+    return work.result()
+
+
+async def _collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:
+    return [chunk async for chunk in chunks]
+
+
+class _Stream(EventSourceResponse):
+    """Server-sent events that close the request's generator however the response ends."""
+
+    def __init__(self, chunks, events: AsyncIterator[dict]):
+        super().__init__(events)
+        self.chunks = chunks
+
+    async def __call__(self, scope, receive, send) -> None:
+        async with contextlib.aclosing(self.chunks):
+            await super().__call__(scope, receive, send)
+
+
+class OpenAIApi:
+    def __init__(self, router: Router):
+        self.router = router
+        self.model_id = Path(router.config.model.path).name
+        self.created = int(time.time())
+        self.max_body_bytes = 4 * router.config.router.max_prompt_bytes + (64 << 10)  # token ids as JSON text
+
+    def app(self) -> Starlette:
+        routes = [Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]), Route("/health", self.health, methods=["GET"])]
+        return Starlette(routes=routes, exception_handlers={HTTPException: self._http_error, Exception: self._bug})
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def models(self, request: Request) -> Response:
+        card = {"id": self.model_id, "object": "model", "created": self.created, "owned_by": "pdserve",
+                "max_model_len": self.router.validator.max_model_len}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def health(self, request: Request) -> Response:
+        serving = self.router.serving
+        return JSONResponse({"status": "serving" if serving else "not serving"}, 200 if serving else 503)
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        reply = _Reply(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_id)
+        try:
+            parsed = parse_request(await self._json(request), chat)
+            chunks = self.router.generate(await self._accept(reply.id, parsed))
+            if not parsed.stream:
+                async with contextlib.aclosing(chunks):
+                    return self._whole(reply, await _unless_gone(request, _collect(chunks)))
+            try:
+                first = await _unless_gone(request, anext(chunks))
+            except BaseException:
+                await chunks.aclose()
+                raise
+            return _Stream(chunks, self._events(reply, first, chunks, parsed.include_usage))
+        except ApiError as e:
+            self.router.metrics.observe_error("INVALID_ARGUMENT")
+            return JSONResponse(e.body(), e.status)
+        except tuple(_FAILURES) as e:
+            self.router.metrics.observe_error(_FAILURES[type(e)][3])
+            error = _api_error(e)
+            return JSONResponse(error.body(), error.status)
+        except ClientGone:
+            return Response(status_code=499)  # nobody reads it; the request was cancelled
+
+    async def _json(self, request: Request) -> dict:
+        size, parts = 0, []
+        async for part in request.stream():
+            size += len(part)
+            if size > self.max_body_bytes:
+                raise ApiError(413, f"the request body is over {self.max_body_bytes} bytes")
+            parts.append(part)
+        try:
+            body = json.loads(b"".join(parts))
+        except ValueError as e:
+            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    async def _accept(self, request_id: str, p: Parsed) -> RequestLife:
+        life = await self.router.prepare(request_id, p.prompt, p.prompt_ids, p.sampling, p.messages)
+        if not p.max_tokens_given:  # accepted with max_tokens 1; the default fits what is left
+            decode = self.router.pools.ready("decode") or self.router.pools.live("decode")
+            pool_tokens = max(w.info.num_blocks for w in decode) * decode[0].info.block_size
+            room = min(self.router.validator.max_model_len, pool_tokens) - len(life.prompt_token_ids)
+            life.sampling = dataclasses.replace(p.sampling, max_tokens=max(1, min(CHAT_MAX_TOKENS, room)))
+        return life
+
+    @staticmethod
+    def _whole(reply: _Reply, chunks: list[Chunk]) -> JSONResponse:
+        text, ids = "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]
+        last = chunks[-1] if chunks else None
+        choice = reply.choice(text, ids, _finish(last) if last else None, stream=False)
+        return JSONResponse(reply.body([choice], _usage(last), stream=False))
+
+    async def _events(self, reply: _Reply, chunk: Chunk | None, chunks, include_usage: bool) -> AsyncIterator[dict]:
+        first, last = True, chunk
+        try:
+            while chunk is not None:
+                choice = reply.choice(chunk.text, chunk.token_ids, _finish(chunk), stream=True, first=first)
+                yield {"data": _sse_json(reply.body([choice], None, stream=True))}
+                first, last = False, chunk
+                chunk = await anext(chunks, None)
+        except tuple(_FAILURES) as e:  # after the 200: the error goes out as an event, as OpenAI's does
+            self.router.metrics.observe_error(_FAILURES[type(e)][3])
+            yield {"data": _sse_json(_api_error(e).body())}
+        else:
+            if include_usage:
+                yield {"data": _sse_json(reply.body([], _usage(last), stream=True))}
+        yield {"data": "[DONE]"}
+
+    @staticmethod
+    async def _http_error(request: Request, e: HTTPException) -> Response:
+        return JSONResponse(ApiError(e.status_code, e.detail).body(), e.status_code)
+
+    @staticmethod
+    async def _bug(request: Request, e: Exception) -> Response:
+        """A defect: the client gets an error object; Starlette re-raises, so uvicorn logs the traceback."""
+        return JSONResponse(ApiError(500, f"internal error: {e}", kind="server_error").body(), 500)
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its SIGINT/SIGTERM handlers: whoever owns the process keeps them."""
+
+    def capture_signals(self):
+        return contextlib.nullcontext()
+
+
+class OpenAIServer:
+    """`OpenAIApi` served by uvicorn as a task on the running loop; `port` is the bound port.
+    With a `gate` that has tokens every path but /health needs one; with `tls` it is HTTPS."""
+
+    def __init__(self, router: Router, host: str, port: int, gate: Gate | None = None,
+                 tls: TLSSection | None = None, refusals: Refusals | None = None):
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self.socket = socket.socket(family, socket.SOCK_STREAM)
+        self.socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            self.socket.bind((host, port))
+        except OSError as e:
+            self.socket.close()
+            raise OSError(f"cannot listen on {host}:{port} (router.http_port): {e.strerror}") from None
+        self.port = self.socket.getsockname()[1]
+        app = OpenAIApi(router).app()
+        if gate is not None and gate.enabled:
+            app = HttpGuard(app, gate, refusals or Refusals())
+        config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", access_log=False,
+                                ws="none", timeout_graceful_shutdown=STOP_GRACE_S, **uvicorn_tls(tls or TLSSection()))
+        self.server = _Server(config)
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self.server.serve(sockets=[self.socket]))
+        while not self.server.started:
+            if self._task.done():
+                self._task.result()
+                raise OSError("the HTTP server stopped while starting")
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        if self._task is None:
+            self.socket.close()
+            return
+        self.server.should_exit = True
+        try:
+            await within(self._task, STOP_GRACE_S + 3)
+        except TimeoutError:
+            log.warning("the HTTP server did not stop within %.0f s; cancelled", STOP_GRACE_S + 3)
+        except Exception as e:  # it failed while serving; the rest of the cluster still stops
+            log.error("the HTTP server failed: %s", e)

@@ -1,0 +1,356 @@
+"""One attempt to serve a request: place it, run the hand-off, stream its tokens.
+
+Disaggregated: wait (FIFO, bounded) for a prefill slot and a decode reservation -> prefill
+prompt + tokens already streamed -> stream the next token at once -> `start` on the decode
+worker -> its tokens. With router.prefill_during_reserve, the prefill of a pair that already
+has a channel starts while the reservation is in flight; the prefill worker holds the KV back
+until `aim` tells it how many leading blocks the reservation found cached. If that reservation
+finds no room after all, the prefill is aborted and the request placed again (`Respin`; once:
+after that its reservations come first again). Colocated: wait for a decode-pool worker with
+room -> `generate` there.
+Any failure another worker may not have raises `Retry`; the router then starts the next
+attempt (router/lifecycle/service.py). Workers are recorded as holders BEFORE a call that may leave
+state on them, so a cancel at any moment reaches every worker that may hold some.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+
+from protocol.deadline import within
+from protocol.messages import PrefillTask, Reservation, Reserved, StartDecode
+from protocol.outputs import RequestOutput
+from protocol.telemetry import PrefillTiming
+from router.config.schema import ClusterConfig
+from router.lifecycle.admission import Admission
+from router.lifecycle.life import Phase, RequestLife
+from router.lifecycle.outcomes import (
+    Chunk,
+    InternalError,
+    Respin,
+    Retry,
+    Unavailable,
+    merge_outputs,
+)
+from router.lifecycle.worker_calls import call
+from router.observability.metrics import RouterMetrics
+from router.pools.manager import PoolManager
+from router.pools.worker_view import WorkerView
+
+
+class Attempts:
+    def __init__(self, config: ClusterConfig, pools: PoolManager, admission: Admission, metrics: RouterMetrics,
+                 accepting):
+        self.config = config
+        self.rc = config.router
+        self.pools = pools
+        self.admission = admission
+        self.metrics = metrics
+        self.accepting = accepting  # () -> bool
+        self.placer = pools.placer
+        self._early: set[asyncio.Task] = set()  # early prefill calls in flight (the loop keeps tasks weakly)
+
+    async def run(self, life: RequestLife) -> AsyncIterator[Chunk]:
+        runner = self._colocated if self.config.mode == "colocated" else self._disaggregated
+        async for chunk in runner(life):
+            yield chunk
+
+    # ---- disaggregated ------------------------------------------------------------------
+    async def _disaggregated(self, life: RequestLife) -> AsyncIterator[Chunk]:
+        waits = QueueWaits()
+        try:
+            (prefill, decode, early), waited = await self.admission.place(lambda: self._place_pair(life, waits),
+                                                                          self.accepting, self.rc.queue_timeout_s)
+        except Respin:  # placed again next: the wait so far stays in its usage split
+            self._charge_queue(life, waits.close(), waits)
+            raise
+        self._observe_queue(life, waited, waits)
+        aid = life.attempt_id
+        life.to(Phase.PREFILLING)
+        skip = life.usage.get("kv_cached_blocks", 0)
+        try:
+            if early is None:
+                handle = None if decode.name in prefill.peers else decode.actor  # travels once per pair
+                ref = prefill.actor.prefill.remote(self._prefill_task(life, decode, skip), handle)
+            else:  # computing already: the KV may leave now (an `aim` Ray delivers first is kept)
+                ref = early
+                await call(prefill, prefill.actor.aim.remote(aid, skip), self.rc.call_timeout_s, "aim")
+                self.metrics.observe_early_prefill("aimed")
+            res = await call(prefill, ref, self.rc.prefill_timeout_s, "prefill")
+        finally:
+            prefill.inflight.discard(aid)
+            prefill.prefill_tokens.pop(aid, None)
+        prefill.peers.add(decode.name)
+        life.usage["prefill_ms"] = life.usage.get("prefill_ms", 0.0) + res.prefill_s * 1e3
+        life.usage["cached_tokens"] = res.cached_tokens
+        _observe_first_token(life, res.step_kind, res.timing)
+        self.metrics.observe_prefill(res.prefill_s)
+        self.metrics.observe_prefix("prefill", life.num_context_tokens(), res.cached_tokens)
+        finish = None if res.finish_reason == "prefilled" else res.finish_reason
+        life.to(Phase.FINISHED if finish else Phase.HANDOFF)
+        chunk = self.chunk(life, RequestOutput(aid, [res.token_id], res.text, finish))
+        if finish:
+            life.prefill = None  # a finished prefill-only request freed its blocks; the service
+            yield chunk          # aborts the decode reservation it never needed
+            return
+        start = StartDecode(aid, life.prompt_token_ids, list(life.output_token_ids), life.sampling,
+                            life.emitted_chars, self.config.kv_transfer.timeout_s)
+        started = decode.actor.start.remote(start)
+        yield chunk  # before the decode worker confirms `start`: that round trip is not TTFT
+        try:
+            await call(decode, started, self.rc.call_timeout_s, "start")
+        except Retry as e:  # the reservation ended first: say why, when a worker told us
+            raise _queued_failure(life) or e from None
+        async for chunk in self._stream(life, decode):
+            yield chunk
+
+    async def _place_pair(self, life: RequestLife,
+                          waits: QueueWaits) -> tuple[WorkerView, WorkerView, asyncio.Task | None] | None:
+        prefill_ready = self._ready_or_wait("prefill")
+        decode_ready = self._ready_or_wait("decode")
+        if not prefill_ready or not decode_ready:
+            return waits.failed("workers")
+        bs = decode_ready[0].info.block_size
+        hashes = life.context_hashes(bs)
+        context = life.num_context_tokens()
+        prefill = self.placer.pick_prefill(prefill_ready, hashes, context, self.rc.max_prefill_inflight)
+        if prefill is None:
+            return waits.failed("prefill")
+        num_tokens = context + 1  # the KV pushed, plus the next token
+        needed = -(-num_tokens // bs)
+        lease_s = self.rc.prefill_timeout_s + self.config.kv_transfer.timeout_s + self.rc.call_timeout_s
+        pushed = tuple(life.context_token_ids())
+        for i, decode in enumerate(self.placer.decode_candidates(decode_ready, hashes, needed)):
+            self._hold(life, decode, Phase.RESERVING)
+            ref = decode.actor.reserve.remote(Reservation(life.attempt_id, num_tokens, lease_s, pushed))
+            early = self._prefill_early(life, prefill, decode, hashes) if i == 0 else None
+            reserved = await call(decode, ref, self.rc.call_timeout_s, "reserve")  # raises: both are aborted
+            if reserved is not None:
+                self._reserved(life, prefill, decode, reserved, hashes)
+                return prefill, decode, early
+            decode.free_blocks = min(decode.free_blocks, needed - 1)
+            if early is not None:  # the service aborts the prefill and places the request again
+                self.metrics.observe_early_prefill("dropped")
+                raise Respin(f"{decode.name} had no room for the KV after all; the prefill started on "
+                             f"{prefill.name} meanwhile is dropped")
+            self._unhold(life, decode)
+        return waits.failed("kv")
+
+    def _prefill_early(self, life: RequestLife, prefill: WorkerView, decode: WorkerView,
+                       hashes: list[bytes]) -> asyncio.Task | None:
+        """The prefill call, sent while `decode`'s reservation is in flight, as a task whose outcome
+        is read even when nobody awaits it (an early prefill dropped by a failed reservation fails
+        after its abort); or None: only where the pair has its channel already (no handle to ship,
+        no connect on the path), and not after a Respin (each attempt not a migration was one)."""
+        respun = life.attempt > life.migrations
+        if not self.rc.prefill_during_reserve or decode.name not in prefill.peers or respun:
+            return None
+        self._claim_prefill(life, prefill, hashes)  # a holder before the call: a cancel reaches it
+        ref = prefill.actor.prefill.remote(self._prefill_task(life, decode, None), None)
+        task = asyncio.get_running_loop().create_task(within(ref, self.rc.prefill_timeout_s + self.rc.call_timeout_s))
+        self._early.add(task)
+        task.add_done_callback(self._early_done)
+        return task
+
+    def _early_done(self, task: asyncio.Task) -> None:
+        self._early.discard(task)
+        if not task.cancelled():
+            task.exception()  # read: an abandoned one's failure is expected, an awaited one's is raised there
+
+    @staticmethod
+    def _prefill_task(life: RequestLife, decode: WorkerView, skip_blocks: int | None) -> PrefillTask:
+        return PrefillTask(life.attempt_id, life.prompt_token_ids, life.sampling, decode.name,
+                           list(life.output_token_ids), life.emitted_chars, skip_blocks=skip_blocks)
+
+    def _claim_prefill(self, life: RequestLife, prefill: WorkerView, hashes: list[bytes]) -> None:
+        life.prefill = prefill
+        prefill.inflight.add(life.attempt_id)
+        prefill.prefill_tokens[life.attempt_id] = self.placer.prefill_work(prefill, hashes, life.num_context_tokens())
+
+    def _reserved(self, life: RequestLife, prefill: WorkerView, decode: WorkerView, reserved: Reserved,
+                  hashes: list[bytes]) -> None:
+        decode.free_blocks -= reserved.num_blocks - reserved.cached_blocks
+        life.usage["kv_cached_blocks"] = reserved.cached_blocks
+        context = life.num_context_tokens()
+        self.metrics.observe_prefix("decode", context, reserved.cached_blocks * decode.info.block_size)
+        self.metrics.observe_kv_saved(reserved.cached_blocks * decode.info.block_bytes)
+        if life.prefill is None:
+            self._claim_prefill(life, prefill, hashes)
+        self.placer.placed(prefill, hashes)
+        self.placer.placed(decode, hashes)
+
+    # ---- colocated ------------------------------------------------------------------------
+    async def _colocated(self, life: RequestLife) -> AsyncIterator[Chunk]:
+        waits = QueueWaits()
+        w, waited = await self.admission.place(lambda: self._place_colocated(life, waits), self.accepting,
+                                               self.rc.queue_timeout_s)
+        self._observe_queue(life, waited, waits)
+        ref = w.actor.generate.remote(life.attempt_id, life.prompt_token_ids, life.sampling,
+                                      list(life.output_token_ids), life.emitted_chars)
+        await call(w, ref, self.rc.call_timeout_s, "generate")
+        async for chunk in self._stream(life, w):
+            yield chunk
+
+    async def _place_colocated(self, life: RequestLife, waits: QueueWaits) -> WorkerView | None:
+        limit = self.config.scheduler.max_num_seqs + self.rc.max_prefill_inflight
+        workers = self._ready_or_wait("decode")
+        hashes = life.context_hashes(workers[0].info.block_size) if workers else []
+        ready = self.placer.decode_candidates(workers, hashes, 0, limit)
+        if not ready:  # every worker has its fill of requests: a turn, like a prefill slot
+            return waits.failed("prefill" if workers else "workers")
+        self._hold(life, ready[0], Phase.DECODING)
+        self.placer.placed(ready[0], hashes)
+        return ready[0]
+
+    # ---- shared -------------------------------------------------------------------------
+    def _ready_or_wait(self, pool: str) -> list[WorkerView]:
+        """Ready workers; [] while replacements are on their way; Unavailable when none can come."""
+        ready = self.pools.ready(pool)
+        health = self.pools.health[pool]
+        if not ready and not self.pools.live(pool) and health.starting == 0 and health.failures_in_a_row > 0:
+            raise Unavailable(f"the {pool} pool has no worker and cannot start one: {health.last_failure}")
+        return ready
+
+    @staticmethod
+    def _hold(life: RequestLife, w: WorkerView, phase: Phase) -> None:
+        life.to(phase)
+        life.decode = w
+        w.inflight.add(life.attempt_id)
+
+    @staticmethod
+    def _unhold(life: RequestLife, w: WorkerView) -> None:
+        life.to(Phase.QUEUED)
+        life.decode = None
+        w.inflight.discard(life.attempt_id)
+
+    def _observe_queue(self, life: RequestLife, waited: float, waits: QueueWaits) -> None:
+        waits.close()
+        self._charge_queue(life, waited, waits)
+        self.metrics.observe_queue(waited)
+        if life.decode is not None:
+            life.usage["decode_worker"] = life.decode.name
+        if life.prefill is not None:
+            life.usage["prefill_worker"] = life.prefill.name
+
+    @staticmethod
+    def _charge_queue(life: RequestLife, waited: float, waits: QueueWaits) -> None:
+        """`waited` into the usage, split as docs/metrics.md says: a prefill slot is prefill
+        queueing, anything else KV capacity (`waits` closed)."""
+        life.usage["queue_ms"] = life.usage.get("queue_ms", 0.0) + waited * 1e3
+        prefill_s = min(waited, waits.spent.get("prefill", 0.0))
+        if not life.output_token_ids:
+            _add_ms(life, "prefill_queue_ms", prefill_s)
+            _add_ms(life, "kv_wait_ms", max(0.0, waited - prefill_s))
+
+    async def _stream(self, life: RequestLife, w: WorkerView) -> AsyncIterator[Chunk]:
+        """Tokens of this attempt from decode worker `w` until it finishes; failures raise."""
+        while True:
+            items = [await self._next_event(life, w)]
+            while not life.events.empty():  # the client was slower than decode: one message
+                items.append(life.events.get_nowait())
+            outputs = [item for aid, item in items if aid == life.attempt_id]
+            for out in outputs:
+                if isinstance(out, Exception):
+                    raise out
+                if out.finish_reason == "error":
+                    raise Retry(f"{w.name}: {out.text}") if out.retryable else InternalError(out.text)
+            if not outputs:
+                continue
+            for out in outputs:
+                _observe_first_token(life, out.step_kind, out.prefill_timing)
+            if life.phase is Phase.HANDOFF:  # the KV landed: the prefill worker holds nothing now
+                life.to(Phase.DECODING)
+                life.prefill = None
+            if self.config.mode == "colocated" and "cached_tokens" not in life.usage:
+                life.usage["cached_tokens"] = outputs[0].num_cached_tokens
+                self.metrics.observe_prefix("decode", life.num_context_tokens(), outputs[0].num_cached_tokens)
+            chunk = self.chunk(life, merge_outputs(outputs))
+            if chunk.finish_reason is not None:
+                # the worker caches the finished context: a next turn of the conversation finds it
+                self.placer.placed(w, life.context_hashes(w.info.block_size))
+                life.to(Phase.FINISHED)
+                life.decode = None  # a finished request freed its blocks on the worker
+                w.inflight.discard(life.attempt_id)
+            yield chunk
+            if chunk.finish_reason is not None:
+                return
+
+    async def _next_event(self, life: RequestLife, w: WorkerView):
+        try:
+            return await within(life.events.get(), self.rc.prefill_timeout_s)
+        except TimeoutError:
+            raise Retry(f"no progress from {w.name} for {self.rc.prefill_timeout_s:g} s") from None
+
+    def chunk(self, life: RequestLife, out: RequestOutput) -> Chunk:
+        now = time.perf_counter()
+        n = len(out.token_ids)
+        gaps = n
+        if n and life.first_token_at is None:
+            life.first_token_at = now
+            self.metrics.observe_first_token(now - life.accepted)
+            gaps = n - 1
+        if gaps and life.last_token_at is not None:
+            self.metrics.observe_token(now - life.last_token_at)
+            for _ in range(gaps - 1):
+                self.metrics.observe_token(0.0)
+        if n:
+            life.last_token_at = now
+        life.record(out.token_ids, out.text)
+        if out.kv_transfer_bytes:
+            self.metrics.observe_kv_transfer(out.kv_transfer_s, out.kv_transfer_bytes)
+            life.usage.update(kv_transfer_ms=out.kv_transfer_s * 1e3, kv_transfer_bytes=out.kv_transfer_bytes)
+        usage = None
+        if out.finish_reason is not None:
+            self.metrics.observe_finish(out.finish_reason, now - life.accepted)
+            usage = dict(life.usage, prompt_tokens=len(life.prompt_token_ids),
+                         completion_tokens=len(life.output_token_ids), migrations=life.migrations,
+                         ttft_ms=((life.first_token_at or now) - life.accepted) * 1e3)
+        return Chunk(out.token_ids, out.text, out.finish_reason, usage)
+
+
+class QueueWaits:
+    """What one request waited for in the router's queue: each failed placement names its reason,
+    and the time until the next try is charged to it (`spent`, seconds per reason)."""
+
+    def __init__(self) -> None:
+        self.spent: dict[str, float] = {}
+        self._reason: str | None = None
+        self._since = 0.0
+
+    def failed(self, reason: str | None, now: float | None = None) -> None:
+        """A placement failed for `reason` (None: it succeeded; the last wait ends)."""
+        now = time.perf_counter() if now is None else now
+        if self._reason is not None:
+            self.spent[self._reason] = self.spent.get(self._reason, 0.0) + now - self._since
+        self._reason, self._since = reason, now
+
+    def close(self) -> float:
+        """End the last wait; the seconds waited in all."""
+        self.failed(None)
+        return sum(self.spent.values())
+
+
+def _add_ms(life: RequestLife, key: str, seconds: float) -> None:
+    life.usage[key] = life.usage.get(key, 0.0) + seconds * 1e3
+
+
+def _observe_first_token(life: RequestLife, kind: str, timing: PrefillTiming | None) -> None:
+    """Appends the kinds of the tokens about to stream (engine/telemetry.py); before the
+    request's first token, adds where the worker's time to it went."""
+    life.usage["token_steps"] = life.usage.get("token_steps", "") + kind
+    if timing is not None and not life.output_token_ids:
+        _add_ms(life, "kv_wait_ms", timing.kv_wait_s)
+        _add_ms(life, "prefill_queue_ms", timing.queue_s)
+        _add_ms(life, "prefill_compute_ms", timing.compute_s)
+
+
+def _queued_failure(life: RequestLife) -> Exception | None:
+    """The first failure queued for the current attempt (the queue is emptied: the attempt is over)."""
+    found = None
+    while not life.events.empty():
+        aid, item = life.events.get_nowait()
+        if found is None and aid == life.attempt_id and isinstance(item, Exception):
+            found = item
+    return found

@@ -1,0 +1,136 @@
+"""One accepted request's life as the router keeps it: a phase with explicit transitions.
+
+    QUEUED -> RESERVING -> PREFILLING -> HANDOFF -> DECODING -> FINISHED      (disaggregated)
+    QUEUED -> DECODING -> FINISHED                                            (colocated)
+    any live phase -> QUEUED (a failed attempt: the request moves, `migrations` += 1)
+    any live phase -> FAILED | CANCELLED
+
+Each attempt has its own id (`attempt_id`, `<key>.<attempt>.<nonce>`: the random nonce makes it
+unguessable on the KV network and the workers' logs): what the workers know the request by. Events
+from an earlier attempt carry its old id and are ignored, so a late token or failure from a
+worker the request left can never reach the client. `holders` are the workers that may hold
+state of the current attempt: on a cancel or a failed attempt each gets an `abort`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import secrets
+from dataclasses import dataclass, field
+
+from protocol.block_hash import extend_hashes
+from protocol.sampling import SamplingParams
+
+
+class Phase(enum.Enum):
+    QUEUED = "queued"          # waiting for capacity (counts towards router.max_queue)
+    RESERVING = "reserving"    # reserve call in flight on a decode worker
+    PREFILLING = "prefilling"  # prefill call in flight; the reservation is held
+    HANDOFF = "handoff"        # next token streamed; the KV is moving, start sent
+    DECODING = "decoding"      # tokens come from the decode worker
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+ENDED = frozenset({Phase.FINISHED, Phase.FAILED, Phase.CANCELLED})
+_LIVE_EXITS = {Phase.QUEUED, Phase.FAILED, Phase.CANCELLED}
+TRANSITIONS: dict[Phase, frozenset[Phase]] = {
+    Phase.QUEUED: frozenset({Phase.RESERVING, Phase.DECODING} | _LIVE_EXITS),
+    Phase.RESERVING: frozenset({Phase.PREFILLING} | _LIVE_EXITS),
+    Phase.PREFILLING: frozenset({Phase.HANDOFF, Phase.FINISHED} | _LIVE_EXITS),
+    Phase.HANDOFF: frozenset({Phase.DECODING, Phase.FINISHED} | _LIVE_EXITS),
+    Phase.DECODING: frozenset({Phase.FINISHED} | _LIVE_EXITS),
+    Phase.FINISHED: frozenset(),
+    Phase.FAILED: frozenset(),
+    Phase.CANCELLED: frozenset(),
+}
+
+
+@dataclass(eq=False)
+class RequestLife:
+    client_id: str
+    key: int  # the router's own number for the request
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    accepted: float
+    phase: Phase = Phase.QUEUED
+    attempt: int = 0
+    migrations: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    emitted_chars: int = 0
+    prefill: object | None = None  # WorkerView holding prefill state of this attempt
+    decode: object | None = None   # WorkerView holding the reservation / the running request
+    last_failure: str = ""
+    events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (attempt_id, RequestOutput | Exception)
+    usage: dict = field(default_factory=dict)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    block_hashes: list[bytes] = field(default_factory=list)  # of the context's full blocks, grown lazily
+    nonce: str = field(default_factory=lambda: secrets.token_hex(16))
+
+    @property
+    def attempt_id(self) -> str:
+        return f"{self.key}.{self.attempt}.{self.nonce}"
+
+    @property
+    def ended(self) -> bool:
+        return self.phase in ENDED
+
+    @property
+    def holders(self) -> list:
+        return [w for w in (self.prefill, self.decode) if w is not None]
+
+    def to(self, phase: Phase) -> None:
+        assert phase in TRANSITIONS[self.phase], f"request {self.client_id}: {self.phase.name} -> {phase.name}"
+        self.phase = phase
+
+    def record(self, token_ids: list[int], text: str) -> None:
+        """Tokens and text that went to the client."""
+        self.output_token_ids.extend(token_ids)
+        self.emitted_chars += len(text)
+
+    def retry(self, reason: str, migrated: bool = True) -> list:
+        """End this attempt (back to QUEUED under a new attempt id); returns its holders to abort.
+        `migrated`: the attempt failed (not so for a Respin)."""
+        held = self.holders
+        self.to(Phase.QUEUED)
+        self.attempt += 1
+        self.migrations += migrated
+        self.last_failure = reason
+        self.prefill = self.decode = None
+        return held
+
+    def end(self, phase: Phase) -> list:
+        """FINISHED / FAILED / CANCELLED; returns the holders that may still hold state."""
+        held = self.holders
+        self.to(phase)
+        self.prefill = self.decode = None
+        return held
+
+    def release(self) -> list:
+        """Forget the holders (the request ended); returns them, to abort what they may hold."""
+        held = self.holders
+        self.prefill = self.decode = None
+        return held
+
+    def deliver(self, attempt_id: str, item) -> bool:
+        """Queue a worker event if it belongs to the current attempt."""
+        if attempt_id != self.attempt_id or self.ended:
+            return False
+        self.events.put_nowait((attempt_id, item))
+        return True
+
+    def num_context_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def context_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def context_hashes(self, block_size: int) -> list[bytes]:
+        """Block hashes of prompt + outputs so far (what placement matches against the caches)."""
+        n = self.num_context_tokens()
+        if len(self.block_hashes) < n // block_size:
+            extend_hashes(self.block_hashes, self.context_token_ids(), block_size, n)
+        return self.block_hashes[:n // block_size]

@@ -1,0 +1,203 @@
+"""The router's core, independent of gRPC: accept, run each request's life, scale, report.
+
+`prepare` validates a request off the event loop (tokenizing can be slow) and returns its
+`RequestLife`; `generate` is the async iterator of `Chunk`s for it. Each request runs as a
+series of attempts (router/lifecycle/attempt.py); an attempt that fails in a way another worker may
+not (a worker died, a transfer failed, a lease ended, a call timed out) moves the request —
+prompt + tokens already streamed are prefilled again — up to `router.migration_limit` times,
+so the client sees one uninterrupted stream. Cancelled or failed: every worker that may
+hold state of the request gets an `abort` (with a deadline). Background watch: router/pools/monitor.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import secrets
+import time
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+
+from transformers import AutoConfig, AutoTokenizer
+
+from protocol.deadline import within
+from protocol.errors import InvalidRequest
+from protocol.sampling import SamplingParams
+from protocol.validation import RequestValidator, validate_request_id
+from router.config.schema import ClusterConfig
+from router.lifecycle.admission import Admission
+from router.lifecycle.attempt import Attempts
+from router.lifecycle.life import Phase, RequestLife
+from router.lifecycle.outcomes import CannotPlace, Chunk, Respin, Retry, Unavailable
+from router.lifecycle.worker_calls import short
+from router.observability.metrics import RouterMetrics
+from router.observability.request_log import RequestLog
+from router.pools.manager import PoolManager
+from router.pools.monitor import Monitor
+from router.pools.worker_view import WorkerView
+
+log = logging.getLogger(__name__)
+
+
+class Router:
+    def __init__(self, config: ClusterConfig, metrics: RouterMetrics | None = None):
+        self.config = config
+        self.metrics = metrics or RouterMetrics()
+        hf = AutoConfig.from_pretrained(config.model.path)
+        self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+        self.validator = RequestValidator(self.tokenizer, hf.vocab_size,
+                                          config.model.max_model_len or hf.max_position_embeddings,
+                                          config.router.max_prompt_bytes)
+        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # one: the tokenizer is not re-entrant
+        self.pools = PoolManager(config)
+        self.request_log = RequestLog.open(config.router)  # None unless router.request_log is set
+        self.admission = Admission(config.router.max_queue)
+        self.lives: dict[int, RequestLife] = {}
+        self._client_ids: set[str] = set()
+        self.accepting = False
+        self.requests_total = 0
+        self._keys = itertools.count()
+        self.attempts = Attempts(config, self.pools, self.admission, self.metrics, lambda: self.accepting)
+        self.monitor = Monitor(self.pools, self.metrics, config.router.call_timeout_s, config.router.unresponsive_s,
+                               self._deliver, self._holding, self.admission.notify)
+        self.pools.on_started = self.monitor.watch
+        self.pools.on_drain_timeout = lambda w: self.monitor.move_requests(w, f"worker {w.name} is leaving")
+
+    # ---- lifecycle ------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.pools.start()
+        self.monitor.start()
+        self.accepting = True
+
+    async def stop(self, grace_s: float) -> None:
+        """Stop accepting, let in-flight requests finish within `grace_s`, fail the rest, stop workers."""
+        self.accepting = False
+        deadline = time.monotonic() + grace_s
+        while self.lives and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for life in list(self.lives.values()):
+            life.deliver(life.attempt_id, Unavailable("the server is shutting down"))
+        self.monitor.stop()
+        await self.pools.stop_all()
+        self._tokenize.shutdown(wait=False, cancel_futures=True)
+        if self.request_log is not None:
+            self.request_log.close()
+
+    @property
+    def serving(self) -> bool:
+        """Every pool the mode needs has a ready worker (the health service says SERVING)."""
+        pools = ("decode",) if self.config.mode == "colocated" else ("prefill", "decode")
+        return self.accepting and all(self.pools.ready(p) for p in pools)
+
+    # ---- request path -----------------------------------------------------------------
+    async def prepare(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
+                      sampling: SamplingParams, messages: list[dict] | None = None) -> RequestLife:
+        """Validate a request (raises InvalidRequest / Unavailable) and accept it. `messages`: a chat
+        ([{"role": ..., "content": ...}]) rendered with the checkpoint's chat template."""
+        if not self.accepting:
+            raise Unavailable("the server is shutting down" if self.requests_total else "the server is starting")
+        validate_request_id(request_id)
+        loop = asyncio.get_running_loop()
+        ids = await loop.run_in_executor(self._tokenize, self.validator.prompt_ids, prompt, prompt_token_ids,
+                                         messages)
+        decode = self.pools.ready("decode") or self.pools.live("decode")
+        if not decode:
+            raise Unavailable("the decode pool has no worker")
+        self.validator.check(len(ids), sampling, max(w.info.num_blocks for w in decode), decode[0].info.block_size)
+        request_id = request_id or f"req-{secrets.token_hex(16)}"  # unguessable
+        if request_id in self._client_ids:
+            raise InvalidRequest(f"request id {request_id!r} is already in flight")
+        return RequestLife(request_id, next(self._keys), ids, sampling, time.perf_counter())
+
+    async def generate(self, life: RequestLife) -> AsyncIterator[Chunk]:
+        """The request's chunks; it is tracked from the first iteration until the iterator ends."""
+        if life.client_id in self._client_ids:
+            raise InvalidRequest(f"request id {life.client_id!r} is already in flight")
+        self._client_ids.add(life.client_id)
+        self.lives[life.key] = life
+        self.requests_total += 1
+        try:
+            while True:
+                try:
+                    async for chunk in self.attempts.run(life):
+                        if chunk.finish_reason is not None and self.request_log is not None:
+                            self.request_log.write(life, chunk.finish_reason, chunk.usage or {})
+                        yield chunk
+                    self._abort_all(life.release(), life.attempt_id)
+                    return
+                except Retry as e:
+                    self._retry(life, e)
+        except BaseException as e:  # failed, or cancelled by the client (GeneratorExit / CancelledError)
+            if not life.ended:  # GeneratorExit and CancelledError are not Exceptions
+                phase = Phase.FAILED if isinstance(e, Exception) else Phase.CANCELLED
+                self._abort_all(life.end(phase), life.attempt_id)
+                if phase is Phase.CANCELLED:  # failures are counted by status in pdserve_request_errors
+                    self.metrics.observe_finish("cancelled", time.perf_counter() - life.accepted)
+            raise
+        finally:
+            self.lives.pop(life.key, None)
+            self._client_ids.discard(life.client_id)
+            self.admission.notify()
+
+    def _retry(self, life: RequestLife, e: Retry) -> None:
+        old = life.attempt_id
+        if isinstance(e, Respin):
+            self._abort_all(life.retry(str(e), migrated=False), old)
+            log.info("request %s is placed again (attempt %d): %s", life.client_id, life.attempt, e)
+            return
+        if e.worker is not None:
+            self.monitor.lost(e.worker, str(e))
+        self._abort_all(life.retry(str(e)), old)
+        self.metrics.observe_migration()
+        if life.migrations > self.config.router.migration_limit:
+            raise Unavailable(f"the request failed on {life.migrations} workers; last failure: {e}")
+        log.info("request %s moves (attempt %d after %d tokens): %s", life.client_id, life.attempt,
+                 len(life.output_token_ids), e)
+
+    def _abort_all(self, workers: list[WorkerView], attempt_id: str) -> None:
+        for w in workers:
+            w.inflight.discard(attempt_id)
+            w.prefill_tokens.pop(attempt_id, None)
+            if w.state != "stopped":
+                self.monitor.spawn(self._abort(w, attempt_id))
+
+    async def _abort(self, w: WorkerView, attempt_id: str) -> None:
+        try:
+            await within(w.actor.abort.remote(attempt_id), self.config.router.call_timeout_s)
+        except Exception as e:  # a dead worker holds nothing; a hung one is replaced by the monitor
+            log.warning("abort of %s on %s failed: %s", attempt_id, w.name, short(e))
+
+    def _deliver(self, attempt_id: str, item) -> None:
+        key = attempt_id.partition(".")[0]
+        life = self.lives.get(int(key)) if key.isdigit() else None
+        if life is not None:
+            life.deliver(attempt_id, item)
+
+    def _holding(self, w: WorkerView) -> list[RequestLife]:
+        return [life for life in self.lives.values() if w in life.holders]
+
+    # ---- admin ----------------------------------------------------------------------
+    async def status(self) -> list[WorkerView]:
+        await self.monitor.refresh()
+        return [w for w in self.pools.all() if w.state != "stopped"]
+
+    async def scale(self, pool: str, replicas: int) -> tuple[list[str], list[str]]:
+        if pool == "prefill" and self.config.mode == "colocated":
+            raise InvalidRequest("colocated mode has no prefill pool; scale the decode pool")
+        if replicas < 1:
+            raise InvalidRequest(f"a pool needs at least 1 worker, got {replicas}")
+        try:
+            started, stopped = await self.pools.scale(pool, replicas)
+        except CannotPlace:
+            raise
+        except Exception as e:  # a worker that would not start: the pool keeps trying (status shows it)
+            raise Unavailable(f"scaling the {pool} pool failed: {short(e)}") from None
+        for name in stopped:
+            self.metrics.remove_worker(name)
+        self.admission.notify()
+        return started, stopped
+
+    @property
+    def queue_length(self) -> int:
+        return self.admission.waiting

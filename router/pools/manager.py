@@ -1,0 +1,276 @@
+"""The two worker pools as Ray actors: start, replace the dead, scale, drain.
+
+Each pool has a target size and a placement (`resources`, `label_selector` in cluster.yaml):
+Ray starts its workers only on nodes that offer those custom resources and match those labels.
+`heal()` (called every few hundred ms) starts a replacement for each missing worker, with a
+backoff that doubles after each failed start (max 30 s). A scale that Ray cannot place is
+refused up front, naming the missing resource or label. Scaling down drains:
+the chosen workers take nothing new; once nothing the router placed there is in flight (or
+`drain_timeout_s` passed and `on_drain_timeout` moved the rest away) their channels close on
+every peer and they stop. Every call to a worker has a deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import ray
+
+from decode_worker.worker import DecodeWorker
+from kv_transfer import KVTransferConfig
+from prefill_worker.worker import PrefillWorker
+from protocol.deadline import within
+from router.config.schema import ClusterConfig, PoolSection
+from router.lifecycle.outcomes import CannotPlace
+from router.pools.placement import Placer
+from router.pools.worker_view import WorkerView
+
+log = logging.getLogger(__name__)
+POOLS = ("prefill", "decode")
+MAX_BACKOFF_S = 30.0
+
+
+@dataclass
+class PoolHealth:
+    pool: str
+    target: int
+    ready: int = 0
+    starting: int = 0
+    restarts: int = 0  # replacements started after a worker died
+    failures_in_a_row: int = 0  # failed starts since the last good one (sets the backoff)
+    next_start_at: float = 0.0
+    last_failure: str = ""
+    last_failure_at: float | None = None
+
+    @property
+    def last_failure_age_s(self) -> float:
+        return 0.0 if self.last_failure_at is None else time.monotonic() - self.last_failure_at
+
+
+class PoolManager:
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        kt = config.kv_transfer
+        self.transfer = KVTransferConfig(backend=kt.backend, timeout_s=kt.timeout_s, checksum=kt.checksum,
+                                         interface=kt.interface, stream_chunks=kt.stream_chunks)
+        self.faults = config.faults.with_env()
+        self.workers: dict[str, list[WorkerView]] = {"prefill": [], "decode": []}
+        prefill_n = config.prefill.replicas if config.mode == "disaggregated" else 0
+        self.health = {"prefill": PoolHealth("prefill", prefill_n), "decode": PoolHealth("decode", config.decode.replicas)}
+        self._ids = itertools.count()
+        self._scale_lock = asyncio.Lock()
+        self._dead_pending: dict[str, int] = {"prefill": 0, "decode": 0}  # deaths not yet replaced
+        self.placer = Placer({pool: config.router.policy_for(pool) for pool in ("prefill", "decode")})
+        self.on_started = None  # callback(view): the router starts polling it
+        self.on_drain_timeout = None  # callback(view): the router moves its requests away
+
+    @property
+    def targets(self) -> dict[str, int]:
+        return {pool: h.target for pool, h in self.health.items()}
+
+    def section(self, pool: str) -> PoolSection:
+        return self.config.prefill if pool == "prefill" else self.config.decode
+
+    def ready(self, pool: str) -> list[WorkerView]:
+        return [w for w in self.workers[pool] if w.accepting]
+
+    def live(self, pool: str) -> list[WorkerView]:
+        return [w for w in self.workers[pool] if w.state != "stopped"]
+
+    def all(self) -> list[WorkerView]:
+        return self.workers["prefill"] + self.workers["decode"]
+
+    def status(self) -> list[PoolHealth]:
+        for pool, h in self.health.items():
+            h.ready = sum(w.state == "ready" for w in self.workers[pool])
+        return [self.health[p] for p in POOLS if self.health[p].target or self.workers[p]]
+
+    # ---- starting ---------------------------------------------------------------------
+    async def start(self) -> None:
+        await asyncio.gather(*(self._start_one(pool) for pool, h in self.health.items() for _ in range(h.target)))
+
+    async def _start_one(self, pool: str) -> WorkerView:
+        sec, health = self.section(pool), self.health[pool]
+        name = f"{pool}-{next(self._ids)}"
+        cls = PrefillWorker if pool == "prefill" else DecodeWorker
+        transfer = self.transfer if self.config.mode == "disaggregated" else None
+        health.starting += 1
+        try:
+            actor = ray.remote(cls).options(
+                name=None, max_concurrency=1000, max_restarts=0, **_placement(sec),
+            ).remote(name, self.config.engine_config(sec, device="cuda" if sec.num_gpus else "cpu"), transfer,
+                     self._next_cpu(pool), self.faults)
+            try:
+                info = await within(actor.ready.remote(), self.config.router.worker_start_timeout_s)
+            except BaseException:
+                ray.kill(actor, no_restart=True)
+                raise
+        finally:
+            health.starting -= 1
+        view = WorkerView(info, actor, free_blocks=info.num_blocks)
+        self.workers[pool].append(view)
+        health.failures_in_a_row = 0
+        if self.on_started is not None:
+            self.on_started(view)
+        log.info("started %s on %s (%d KV blocks)", name, info.node_ip, info.num_blocks)
+        return view
+
+    def _next_cpu(self, pool: str) -> int | None:
+        cpus = self.section(pool).cpus
+        if not cpus:
+            return None
+        taken = {w.info.cpu for w in self.workers[pool] if w.state != "stopped"}
+        free = [c for c in cpus if c not in taken]
+        return (free or cpus)[0]
+
+    # ---- failures and healing ---------------------------------------------------------------
+    def worker_failed(self, w: WorkerView, reason: str) -> bool:
+        """Take a dead or hung worker out (its process is killed); False if it already was."""
+        if w.state == "stopped":
+            return False
+        log.error("%s failed: %s", w.name, reason)
+        w.state = "stopped"
+        self.placer.forget(w)
+        if w in self.workers[w.info.pool]:
+            self.workers[w.info.pool].remove(w)
+        health = self.health[w.info.pool]
+        health.last_failure, health.last_failure_at = f"{w.name}: {reason}", time.monotonic()
+        self._dead_pending[w.info.pool] += 1
+        ray.kill(w.actor, no_restart=True)
+        return True
+
+    async def heal(self) -> None:
+        """Start one replacement per missing worker whose backoff has passed."""
+        if self._scale_lock.locked():
+            return  # a scale is changing the pool; look again next time
+        for pool, health in self.health.items():
+            missing = health.target - len(self.live(pool)) - health.starting
+            if missing > 0 and time.monotonic() >= health.next_start_at:
+                await asyncio.gather(*(self._replace(pool) for _ in range(missing)), return_exceptions=True)
+
+    async def _replace(self, pool: str) -> None:
+        health = self.health[pool]
+        if self._dead_pending[pool] > 0:
+            self._dead_pending[pool] -= 1
+            health.restarts += 1
+        try:
+            await self._start_one(pool)
+        except Exception as e:  # noqa: BLE001 - any start failure backs off, is shown in status, retried
+            health.failures_in_a_row += 1
+            delay = min(MAX_BACKOFF_S, self.config.router.restart_backoff_s * 2 ** (health.failures_in_a_row - 1))
+            health.next_start_at = time.monotonic() + delay
+            health.last_failure, health.last_failure_at = f"starting a {pool} worker: {_short(e)}", time.monotonic()
+            log.error("could not start a %s worker (retry in %.1f s): %s", pool, delay, _short(e))
+
+    # ---- scaling ----------------------------------------------------------------------
+    async def scale(self, pool: str, replicas: int) -> tuple[list[str], list[str]]:
+        """Grow or drain `pool` to `replicas`; returns (started, stopped) worker names."""
+        async with self._scale_lock:
+            current = self.live(pool)
+            if replicas > len(current):
+                self._check_placeable(pool, replicas - len(current))
+                self.health[pool].target = replicas
+                views = await asyncio.gather(*(self._start_one(pool) for _ in range(replicas - len(current))))
+                return [v.name for v in views], []
+            self.health[pool].target = replicas
+            victims = sorted(current, key=lambda w: (len(w.inflight), -int(w.name.split("-")[1])))
+            victims = victims[:len(current) - replicas]
+            for w in victims:
+                w.state = "draining"
+            await asyncio.gather(*(self._drain_and_stop(w) for w in victims))
+            return [], [w.name for w in victims]
+
+    def _check_placeable(self, pool: str, count: int) -> None:
+        sec = self.section(pool)
+        wanted = {"CPU": sec.num_cpus, "GPU": sec.num_gpus, **sec.resources}
+        available = ray.available_resources()
+        for resource, each in wanted.items():
+            need, have = each * count, available.get(resource, 0.0)
+            if each > 0 and need > have:
+                raise CannotPlace(f"cannot start {count} more {pool} worker(s): they need {need:g} {resource} "
+                                  f"but the Ray cluster has {have:g} {resource} available")
+        nodes = [n for n in ray.nodes() if n["Alive"]]
+        if sec.label_selector and not any(labels_match(sec.label_selector, n.get("Labels") or {}) for n in nodes):
+            raise CannotPlace(f"cannot start {count} more {pool} worker(s): no live Ray node has labels matching "
+                              f"{pool}.label_selector {sec.label_selector} (nodes: "
+                              + "; ".join(f"{n['NodeManagerAddress']} {_shown_labels(n)}" for n in nodes) + ")")
+
+    async def _drain_and_stop(self, w: WorkerView) -> None:
+        deadline = time.monotonic() + self.config.router.drain_timeout_s
+        timed_out = False
+        while not await self._drained(w):
+            if time.monotonic() > deadline and not timed_out:
+                timed_out = True
+                log.warning("%s: drain timed out with %d requests in flight; moving them", w.name, len(w.inflight))
+                if self.on_drain_timeout is not None:
+                    self.on_drain_timeout(w)
+                deadline = time.monotonic() + self.config.router.call_timeout_s
+            elif time.monotonic() > deadline:
+                break  # they could not all be moved in time: stopping fails them over anyway
+            await asyncio.sleep(0.05)
+        await self.stop_worker(w)
+
+    async def _drained(self, w: WorkerView) -> bool:
+        if w.inflight or w.state == "stopped":
+            return w.state == "stopped"
+        try:
+            stats = await within(w.actor.stats.remote(w.cache_resync), self.config.router.call_timeout_s)
+        except (TimeoutError, ray.exceptions.RayError):
+            return True  # nothing of ours is in flight and it cannot answer: stop it
+        self.placer.observe(w, stats)
+        return stats.running == 0 and stats.waiting == 0 and stats.blocks_used == 0
+
+    async def stop_worker(self, w: WorkerView) -> None:
+        timeout = self.config.router.call_timeout_s
+        peers = self.workers["decode" if w.info.pool == "prefill" else "prefill"]
+        await asyncio.gather(*(within(p.actor.close_channel.remote(w.name), timeout)
+                               for p in peers if p.state != "stopped"), return_exceptions=True)
+        try:
+            await within(w.actor.shutdown.remote(), timeout)
+        except (TimeoutError, ray.exceptions.RayError) as e:
+            log.warning("%s did not shut down cleanly: %s", w.name, _short(e))
+        w.state = "stopped"  # before the kill, so its poll loop ends quietly
+        self.placer.forget(w)
+        ray.kill(w.actor, no_restart=True)
+        if w in self.workers[w.info.pool]:
+            self.workers[w.info.pool].remove(w)
+        log.info("stopped %s", w.name)
+
+    async def stop_all(self) -> None:
+        for h in self.health.values():
+            h.target = 0
+        for w in list(self.all()):
+            w.state = "draining"
+        await asyncio.gather(*(self.stop_worker(w) for w in list(self.all())), return_exceptions=True)
+
+
+def _placement(sec: PoolSection) -> dict:
+    """The Ray options that say where a pool's workers may run."""
+    options = {"num_cpus": sec.num_cpus, "num_gpus": sec.num_gpus, "resources": dict(sec.resources) or None}
+    if sec.label_selector:  # passed only when set: older Rays have no such option
+        options["label_selector"] = dict(sec.label_selector)
+    return options
+
+
+def _shown_labels(node: dict) -> dict[str, str]:
+    return {k: v for k, v in (node.get("Labels") or {}).items() if k != "ray.io/node-id"}  # ids only add noise
+
+
+def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    """Ray's label-selector semantics: each key's node label is `value`, not `!value`, one of
+    `in(a,b)`, or none of `!in(a,b)`."""
+    for key, want in selector.items():
+        negate, want = want.startswith("!"), want.removeprefix("!")
+        values = {v.strip() for v in want[3:-1].split(",")} if want.startswith("in(") else {want}
+        if (labels.get(key) in values) == negate:
+            return False
+    return True
+
+
+def _short(err: BaseException) -> str:
+    text = str(err).strip().splitlines()
+    return text[-1] if text else type(err).__name__

@@ -1,0 +1,128 @@
+"""The router's background watch over its workers: events in, failures out, pools healed.
+
+- one long-poll per worker: decode workers send every request's outputs, prefill workers
+  their failed KV sends; each event goes to the request's current attempt (stale ones drop).
+- stats every 0.5 s with a deadline; a worker silent for `router.unresponsive_s` is
+  declared failed like a dead one. Each reply carries the worker's prefix-cache changes,
+  which keep the placer's index current (router/pools/prefix_index.py).
+- a failed worker is killed and taken out of its pool, every request holding state on it is
+  told to move (`Retry`), and `heal` starts its replacement with backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import ray
+
+from protocol.deadline import within
+from protocol.messages import TransferFailed
+from router.lifecycle.outcomes import Retry
+from router.lifecycle.worker_calls import short
+from router.observability.metrics import RouterMetrics
+from router.pools.manager import PoolManager
+from router.pools.worker_view import WorkerView
+
+log = logging.getLogger(__name__)
+POLL_WAIT_S = 0.5
+STATS_EVERY_S = 0.5
+HEAL_EVERY_S = 0.25
+
+
+class Monitor:
+    def __init__(self, pools: PoolManager, metrics: RouterMetrics, call_timeout_s: float, unresponsive_s: float,
+                 deliver: Callable[[str, object], None], holders_of: Callable[[WorkerView], list],
+                 on_change: Callable[[], None]):
+        self.pools = pools
+        self.metrics = metrics
+        self.call_timeout_s = call_timeout_s
+        self.unresponsive_s = unresponsive_s
+        self._deliver = deliver  # (attempt id, RequestOutput | Exception)
+        self._holders_of = holders_of  # worker -> lives holding state there
+        self._on_change = on_change  # capacity may have changed
+        self._tasks: set[asyncio.Task] = set()
+
+    def spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def start(self) -> None:
+        self.spawn(self._stats_loop())
+        self.spawn(self._heal_loop())
+
+    def stop(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+
+    def watch(self, w: WorkerView) -> None:
+        """A worker started: poll it for events."""
+        self.spawn(self._poll_loop(w))
+        self._on_change()
+
+    def lost(self, w: WorkerView, reason: str) -> None:
+        """`w` died or hung: take it out and move every request that held state there."""
+        if not self.pools.worker_failed(w, reason):
+            return
+        self.metrics.remove_worker(w.name)
+        self.metrics.observe_worker_failure(w.info.pool)
+        self.move_requests(w, f"worker {w.name} failed: {reason}")
+
+    def move_requests(self, w: WorkerView, reason: str) -> None:
+        for life in self._holders_of(w):
+            life.deliver(life.attempt_id, Retry(reason))
+        self._on_change()
+
+    async def _poll_loop(self, w: WorkerView) -> None:
+        while w.state != "stopped":
+            try:
+                events = await within(w.actor.poll.remote(POLL_WAIT_S), POLL_WAIT_S + self.call_timeout_s)
+            except TimeoutError:
+                continue  # the stats loop decides when a silent worker is gone
+            except ray.exceptions.RayError as e:
+                if w.state != "stopped":
+                    self.lost(w, short(e))
+                return
+            w.last_seen = time.monotonic()
+            for event in events:
+                self._route(w, event)
+
+    def _route(self, w: WorkerView, event) -> None:
+        if isinstance(event, TransferFailed):
+            self._deliver(event.request_id, Retry(f"KV transfer from {w.name} failed: {event.reason}"))
+            return
+        self._deliver(event.request_id, event)
+        if event.finished:
+            w.inflight.discard(event.request_id)
+            self._on_change()
+
+    async def _stats_loop(self) -> None:
+        while True:
+            await self.refresh()
+            await asyncio.sleep(STATS_EVERY_S)
+
+    async def refresh(self) -> None:
+        workers = [w for w in self.pools.all() if w.state != "stopped"]
+        results = await asyncio.gather(*(within(w.actor.stats.remote(w.cache_resync), self.call_timeout_s)
+                                         for w in workers), return_exceptions=True)
+        now = time.monotonic()
+        for w, stats in zip(workers, results, strict=True):
+            if isinstance(stats, ray.exceptions.RayActorError):
+                self.lost(w, short(stats))
+            elif isinstance(stats, BaseException):
+                if now - w.last_seen > self.unresponsive_s:
+                    self.lost(w, f"no answer for {now - w.last_seen:.0f} s")
+            else:
+                self.pools.placer.observe(w, stats)
+                self.metrics.set_worker_gauges(w.name, stats.running, stats.waiting, stats.blocks_used,
+                                               stats.blocks_free, stats.blocks_cached)
+        self.pools.placer.prune()
+        self._on_change()
+
+    async def _heal_loop(self) -> None:
+        while True:
+            await self.pools.heal()
+            await asyncio.sleep(HEAL_EVERY_S)

@@ -1,0 +1,92 @@
+"""The floor plan holds: packages import only downward, no import cycles, no folder dominates.
+
+Layers, lowest first. A package may import itself and the packages its row names, nothing
+else of pdserve; `proto` (generated gRPC code) is importable by all. The router imports
+nothing from the measuring toolkit, the engine nothing from the router or the workers.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+ALLOWED: dict[str, set[str]] = {
+    "protocol": set(),
+    "kv_transfer": set(),
+    "engine": {"protocol"},
+    "checkpoints": set(),
+    "worker_runtime": {"protocol", "engine"},
+    "prefill_worker": {"protocol", "engine", "worker_runtime", "kv_transfer"},
+    "decode_worker": {"protocol", "engine", "worker_runtime", "kv_transfer"},
+    "router": {"protocol", "engine", "worker_runtime", "kv_transfer", "prefill_worker", "decode_worker",
+               "checkpoints"},
+    "client": set(),
+    "bench": {"protocol", "engine", "router", "client", "checkpoints"},
+    "cli": {"protocol", "router", "client", "bench", "checkpoints"},
+}
+PACKAGES = set(ALLOWED) | {"proto"}
+MAX_SHARE = 0.35
+
+
+def _modules() -> dict[str, Path]:
+    found = {}
+    for package in ALLOWED:
+        for path in (ROOT / package).rglob("*.py"):
+            name = ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+            found[name] = path
+    return found
+
+
+def _imports(path: Path) -> set[str]:
+    """pdserve modules `path` imports, at any depth (lazy imports count too)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+            out |= {f"{node.module}.{a.name}" for a in node.names}
+    return {m for m in out if m.split(".")[0] in PACKAGES}
+
+
+MODULES = _modules()
+GRAPH = {name: {m for m in _imports(path) if m in MODULES and m != name} for name, path in MODULES.items()}
+
+
+@pytest.mark.parametrize("package", sorted(ALLOWED))
+def test_a_package_imports_only_the_layers_below_it(package):
+    allowed = ALLOWED[package] | {package, "proto"}
+    upward = sorted(f"{name} -> {dep}" for name, path in MODULES.items() if name.split(".")[0] == package
+                    for dep in _imports(path) if dep.split(".")[0] not in allowed)
+    assert not upward, "imports against the layering:\n" + "\n".join(upward)
+
+
+def test_no_module_import_cycle():
+    state: dict[str, int] = {}  # 1 on the path, 2 done
+    cycles = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(GRAPH[node]):
+            if state.get(dep) == 1:
+                cycles.append(" -> ".join(path[path.index(dep):] + [dep]))
+            elif dep not in state:
+                visit(dep, path + [dep])
+        state[node] = 2
+
+    for name in sorted(GRAPH):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, "import cycles:\n" + "\n".join(cycles)
+
+
+def test_no_folder_holds_more_than_a_third_of_the_source():
+    lines = {package: sum(len(p.read_text().splitlines()) for p in (ROOT / package).rglob("*.py")
+                          if "_pb2" not in p.name)
+             for package in ALLOWED}
+    total = sum(lines.values())
+    shares = {package: round(n / total, 3) for package, n in lines.items()}
+    assert max(shares.values()) <= MAX_SHARE, shares

@@ -1,0 +1,89 @@
+"""What a prefill and a decode worker share: an engine on its loop thread, asyncio bridging, stats.
+
+Worker actors are Ray async actors; their methods run on the actor's event loop and reach
+the engine only through `run(fn)`, which executes `fn(engine)` on the loop thread. No Ray in
+here: the actor passes its node's address in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from protocol.messages import CacheDelta, WorkerInfo, WorkerStats
+from protocol.outputs import RequestOutput
+from protocol.telemetry import StepRecord
+from worker_runtime.engine_loop import EngineLoop
+from worker_runtime.faults import Faults
+
+
+class WorkerCore:
+    def __init__(self, name: str, pool: str, config: EngineConfig,
+                 on_outputs: Callable[[list[RequestOutput]], None], cpu: int | None = None,
+                 faults: Faults | None = None, node_ip: str = "127.0.0.1",
+                 after_step: Callable[[LLMEngine], None] | None = None):
+        if cpu is not None:
+            os.sched_setaffinity(0, {cpu})  # before torch starts its thread pool
+        torch.set_num_threads(config.torch_threads or 1)
+        self.name = name
+        self.cpu = cpu
+        self.pool = pool
+        self.node_ip = node_ip  # where peers reach this worker's channels
+        self.engine = LLMEngine(config)
+        slow = faults.slow_step if faults is not None and faults.config.step_delay_s > 0 else None
+        self.loop = EngineLoop(self.engine, on_outputs, name=name, before_step=slow, after_step=after_step)
+        self.served = 0
+        self.cache_seq = 0  # of the last CacheDelta sent
+        self.aio: asyncio.AbstractEventLoop | None = None
+
+    def bind(self) -> None:
+        """Remember the actor's event loop (call from any async method before threads use it)."""
+        if self.aio is None:
+            self.aio = asyncio.get_running_loop()
+
+    async def run(self, fn: Callable[[LLMEngine], Any]) -> Any:
+        return await asyncio.wrap_future(self.loop.call(fn))
+
+    def info(self) -> WorkerInfo:
+        e = self.engine
+        return WorkerInfo(self.name, self.pool, self.node_ip, e.allocator.num_blocks, e.config.block_size, self.cpu,
+                          prefix_caching=e.allocator.enable_caching, block_bytes=e.runner.block_bytes)
+
+    async def stats(self, channels: int, resync: bool = False) -> WorkerStats:
+        """Counts, and the prefix cache events since the previous call: one consumer should call
+        this, as each call drains them; `resync` sends a snapshot of every cached hash instead."""
+        def read(e: LLMEngine) -> WorkerStats:
+            a, p = e.allocator, e.prefix_stats
+            return WorkerStats(self.name, e.num_running, e.num_waiting, a.num_used, a.num_free, a.num_blocks,
+                               channels, self.served, a.num_cached, p.query_tokens, p.hit_tokens, self._delta(e, resync))
+        return await self.run(read)
+
+    def _delta(self, e: LLMEngine, resync: bool) -> CacheDelta | None:
+        if not e.allocator.enable_caching:
+            return None
+        stored, removed = e.allocator.drain_events()
+        self.cache_seq += 1
+        if resync:
+            return CacheDelta(self.cache_seq, tuple(e.allocator.cached_hashes()), (), snapshot=True)
+        return CacheDelta(self.cache_seq, tuple(stored), tuple(removed))
+
+    async def telemetry(self, since: int = 0) -> list[StepRecord]:
+        """The engine's step records numbered after `since` (engine/telemetry.py)."""
+        return await self.run(lambda e: e.telemetry.since(since))
+
+    async def check(self) -> dict:
+        """Integrity of the KV pool; returns the block counts for the caller to compare."""
+        def read(e: LLMEngine) -> dict:
+            e.check()
+            return {"used": e.allocator.num_used, "free": e.allocator.num_free, "total": e.allocator.num_blocks,
+                    "requests": len(e.requests), "reserved": len(e.reserved)}
+        return await self.run(read)
+
+    def stop(self) -> None:
+        self.loop.stop()

@@ -1,0 +1,92 @@
+"""Runs an `LLMEngine` on one background thread; other threads talk to it through `call`.
+
+The engine is not thread-safe, so every touch (add, reserve, abort, ...) is queued with
+`call(fn)` and runs on the loop thread between two steps; the caller gets a
+`concurrent.futures.Future`. Each step's outputs go to `on_outputs` (on the loop thread).
+`before_step`, if given, runs on the loop thread before every step (fault injection hooks in
+there); if it raises, that step fails like a failed forward. `after_step`, if given, runs on
+the loop thread after every step, before `on_outputs` (the prefill worker streams the KV
+blocks the step filled from there).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+from engine.llm_engine import LLMEngine
+from protocol.outputs import RequestOutput
+
+log = logging.getLogger(__name__)
+
+
+class EngineLoop:
+    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None], name: str = "engine",
+                 before_step: Callable[[], None] | None = None,
+                 after_step: Callable[[LLMEngine], None] | None = None):
+        self.engine = engine
+        self._on_outputs = on_outputs
+        self._before_step = before_step
+        self._after_step = after_step
+        self._inbox: list[tuple[Callable[[LLMEngine], Any], Future]] = []
+        self._wake = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
+        fut: Future = Future()
+        with self._wake:
+            if self._stopped:
+                fut.set_exception(RuntimeError("the engine loop has stopped"))
+                return fut
+            self._inbox.append((fn, fut))
+            self._wake.notify()
+        return fut
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stopped = True
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    def _run(self) -> None:
+        while True:
+            with self._wake:
+                while not self._inbox and not self.engine.has_unfinished() and not self._stopped:
+                    self._wake.wait()
+                if self._stopped:
+                    return
+                inbox, self._inbox = self._inbox, []
+            for fn, fut in inbox:
+                self._apply(fn, fut)
+            if self.engine.has_unfinished():
+                outputs = self._step()
+                if self._after_step is not None:
+                    self._hook(self._after_step)
+                if outputs:
+                    self._on_outputs(outputs)
+
+    def _step(self) -> list[RequestOutput]:
+        try:
+            if self._before_step is not None:
+                self._before_step()
+            return self.engine.step()
+        except Exception as e:  # a failed step must not leave every request hanging
+            log.exception("engine step failed; failing the requests it held")
+            return self.engine.fail_all(f"the engine step failed: {e}")
+
+    def _apply(self, fn: Callable[[LLMEngine], Any], fut: Future) -> None:
+        try:
+            fut.set_result(fn(self.engine))
+        except Exception as e:  # handed to the caller, who turns it into a status
+            fut.set_exception(e)
+
+    def _hook(self, fn: Callable[[LLMEngine], None]) -> None:
+        try:
+            fn(self.engine)
+        except Exception:  # no caller to hand it to: logged, and the loop goes on
+            log.exception("after_step hook failed")
