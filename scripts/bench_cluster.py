@@ -59,9 +59,9 @@ from bench.client import replay  # noqa: E402
 from bench.metrics import Slo, summarize_run  # noqa: E402
 from bench.workload import RequestSpec, make_workload  # noqa: E402
 from checkpoints.tiny import ensure_model  # noqa: E402
-from engine import SamplingParams  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
 from proto import pdserve_pb2_grpc as pb_grpc  # noqa: E402
+from protocol.sampling import SamplingParams  # noqa: E402
 from router.config.loader import parse_config  # noqa: E402
 from router.config.schema import ClusterConfig  # noqa: E402
 from router.launch import LocalCluster  # noqa: E402

@@ -21,8 +21,9 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from checkpoints.tiny import ensure_model
-from engine import EngineConfig, SamplingParams
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from protocol.sampling import SamplingParams
 
 
 def make_requests(n: int, seed: int, prompt_range, output_range, vocab: int) -> list[tuple[list[int], int]]:

@@ -22,9 +22,10 @@ from bench.decision import rank
 from bench.metrics import RequestRecord
 from bench.trace import read_trace
 from cli.main import main as pdserve
-from engine import EngineConfig, SamplingParams
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.telemetry import KVWaitClock, StepLog
+from protocol.sampling import SamplingParams
 from protocol.telemetry import TokenKind
 from router.lifecycle.attempt import QueueWaits
 

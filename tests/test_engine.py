@@ -8,8 +8,10 @@ import random
 
 import pytest
 
-from engine import EngineConfig, RequestOutput, SamplingParams
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from protocol.outputs import RequestOutput
+from protocol.sampling import SamplingParams
 from tests.reference import hf_greedy
 
 

@@ -10,11 +10,13 @@ import random
 import pytest
 import torch
 
-from engine import EngineConfig, RequestOutput, SamplingParams
+from engine.config import EngineConfig
 from engine.kv_cache import BlockAllocator
 from engine.llm_engine import LLMEngine
 from protocol.block_hash import ROOT, block_hashes, extend_hashes
 from protocol.messages import CacheDelta
+from protocol.outputs import RequestOutput
+from protocol.sampling import SamplingParams
 from tests.reference import hf_greedy
 from worker_runtime.core import WorkerCore
 

@@ -9,11 +9,14 @@ from dataclasses import replace
 import pytest
 import torch
 
-from engine import EngineConfig, InvalidRequest, RequestOutput, SamplingParams
 from engine import sampler as sampler_module
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import Request
 from engine.sampler import sample
+from protocol.errors import InvalidRequest
+from protocol.outputs import RequestOutput
+from protocol.sampling import SamplingParams
 from worker_runtime.engine_loop import EngineLoop
 
 
