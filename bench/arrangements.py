@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
-import typing
 
-from router.config.schema import ClusterConfig, Policy
+from router.config.schema import POLICIES, ClusterConfig
 
 ARRANGEMENTS = ("colocated", "colocated-chunked", "disaggregated", "disaggregated-chunked")
 
@@ -34,8 +33,8 @@ def policy_config(base: ClusterConfig, policy: str, prefill_workers: int, decode
     """`base` as a disaggregated cluster of `prefill_workers` + `decode_workers` whose router
     places requests in both pools by `policy` (per-pool overrides cleared); with `pin_cpus`,
     the prefill workers get cores 0.. and the decode workers the cores after them."""
-    if policy not in typing.get_args(Policy):
-        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(typing.get_args(Policy))}")
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     if prefill_workers < 1 or decode_workers < 1:
         raise ValueError("a disaggregated cluster needs at least 1 prefill and 1 decode worker")
     total = prefill_workers + decode_workers

@@ -20,11 +20,11 @@ import dataclasses
 import json
 import sys
 import time
-import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench.arrangements import ARRANGEMENTS
 from bench.bottleneck import collect_steps
 from bench.client import fetch_status, replay
 from bench.decision import rank, worker_counts
@@ -36,11 +36,9 @@ from bench.report import build_summary, format_report, summarize_arrangements, w
 from bench.trace import parse_window
 from bench.workload import DEFAULT_VOCAB, Workload
 from client import credentials
-from router.config.schema import Policy
+from router.config.schema import POLICIES
 from router.observability.request_log import block_ids
 
-ARRANGEMENTS = ("colocated", "colocated-chunked", "disaggregated", "disaggregated-chunked")
-POLICIES: tuple[str, ...] = typing.get_args(Policy)
 FALLBACK_MAX_CONTEXT = 2048
 DEFAULT_BLOCK_SIZE = 16  # requests.jsonl's block ids without --config: kv_cache.block_size's default
 

@@ -19,12 +19,12 @@ from checkpoints import gguf as model_convert
 from checkpoints.gguf import ConvertError
 from client import chat, credentials
 from client import grpc_client as client
+from protocol.limits import CHAT_MAX_TOKENS
 from router.config.loader import load_config
 from router.config.schema import ClusterConfig
 from router.config.typed_yaml import ConfigError
 
 DEFAULT_CONFIG = "cluster.yaml"
-CHAT_MAX_TOKENS = 256
 
 
 class UsageError(ValueError):

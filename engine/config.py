@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+DEFAULT_MEMORY_FRACTION = 0.1  # of the device's memory, for the KV pool, when no size is given
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -15,7 +17,7 @@ class EngineConfig:
     # `memory_fraction` of the device memory minus weights and `runtime_overhead` bytes.
     num_blocks: int | None = None
     kv_cache_memory: int | None = None
-    memory_fraction: float = 0.5
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION
     runtime_overhead: int = 256 << 20
     max_num_batched_tokens: int = 512  # the per-step token budget
     chunk_size: int | None = 256  # longest prefill chunk; None = whole prompts (no chunking)

@@ -18,7 +18,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from transformers import AutoTokenizer, GenerationConfig
@@ -51,7 +51,6 @@ class StepStats:
     decode_steps: int = 0
     decode_step_s: float = 0.0
     decode_forward_s: float = 0.0
-    batch_sizes: list[int] = field(default_factory=list)
 
 
 class LLMEngine:
@@ -284,7 +283,6 @@ class LLMEngine:
             s.decode_steps += 1
             s.decode_step_s += t3 - t0
             s.decode_forward_s += t2 - t1
-            s.batch_sizes.append(len(items))
         chunks = [it for it in items if not it.is_decode]
         for it in chunks:
             it.request.timing.compute_s += t3 - t0

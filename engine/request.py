@@ -67,10 +67,6 @@ class Request:
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
 
-    @property
-    def is_prefilling(self) -> bool:
-        return self.num_uncomputed_tokens > 1
-
     def token_slice(self, start: int, end: int) -> list[int]:
         p = self.prompt_token_ids
         if end <= len(p):  # no copy of the whole sequence: a decode step slices one token

@@ -57,10 +57,6 @@ class TransferResult:
     seconds: float          # on the wire: dequeued by the channel thread -> receiver's reply
     queued_seconds: float   # send() -> dequeued (waiting behind earlier transfers on the channel)
 
-    @property
-    def gb_per_s(self) -> float:
-        return self.num_bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-
 
 class KVTransferError(RuntimeError):
     """A transfer or channel failed; names the peer and (when there is one) the request."""

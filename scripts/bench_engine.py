@@ -37,6 +37,7 @@ def run_engine(path: str, requests, batch: int, chunk: int | None, budget: int, 
                                     max_num_batched_tokens=budget, chunk_size=chunk, torch_threads=threads))
     engine.generate([requests[0][0]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     engine.stats = type(engine.stats)()
+    seen = engine.telemetry.last_seq
     t0 = time.perf_counter()
     for i, (prompt, out_len) in enumerate(requests):
         engine.add_request(f"r{i}", prompt_token_ids=prompt, sampling=SamplingParams(max_tokens=out_len, ignore_eos=True))
@@ -45,7 +46,7 @@ def run_engine(path: str, requests, batch: int, chunk: int | None, budget: int, 
         produced += sum(len(o.token_ids) for o in engine.step())
     wall = time.perf_counter() - t0
     s = engine.stats
-    full = [i for i, b in enumerate(s.batch_sizes) if b >= batch]
+    full = [r for r in engine.telemetry.since(seen) if r.prefill_rows == 0 and r.decode_rows >= batch]
     return {
         "output_tokens": produced, "seconds": wall, "tok_per_s": produced / wall,
         "decode_steps": s.decode_steps,

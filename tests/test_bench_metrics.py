@@ -312,10 +312,10 @@ def test_cli_unreachable_router_exits_2(tmp_path, capsys):
 
 
 def test_cli_rejects_unknown_arrangements(monkeypatch, tmp_path, capsys):
-    monkeypatch.setitem(sys.modules, "router.config",
+    monkeypatch.setitem(sys.modules, "router.config.loader",
                         types.SimpleNamespace(load_config=lambda path: None))
-    monkeypatch.setitem(sys.modules, "router.launcher", types.SimpleNamespace(
-        LocalCluster=None, arrangement_config=None))
+    monkeypatch.setitem(sys.modules, "router.launch", types.SimpleNamespace(
+        LocalCluster=None, ensure_model=None))
     assert _bench("--config", "c.yaml", "--arrangements", "colocated,split",
                   "--out", str(tmp_path), "--max-context", "512") == 2
     assert "unknown ['split']" in capsys.readouterr().err

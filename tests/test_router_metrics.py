@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from router.frontdoor.access import Gate
+from router.frontdoor.guards import Refusals
+from router.lifecycle.admission import Admission
 from router.observability.metrics import RouterMetrics
+from router.observability.metrics_server import start_metrics_server
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -21,7 +26,7 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 @pytest.fixture
 def served():
     metrics = RouterMetrics()
-    server = metrics.start_http_server("127.0.0.1", 0)
+    server = start_metrics_server(metrics.registry, "127.0.0.1", 0, Gate(), Refusals())
     yield metrics, f"http://127.0.0.1:{server.port}/metrics"
     server.close()
 
@@ -92,8 +97,33 @@ def test_registries_are_private_and_render_matches_the_endpoint(served):
 
 def test_close_stops_serving():
     metrics = RouterMetrics()
-    server = metrics.start_http_server("127.0.0.1", 0)
+    server = start_metrics_server(metrics.registry, "127.0.0.1", 0, Gate(), Refusals())
     assert server.port > 0
     server.close()
     with pytest.raises(OSError):
         urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=2)
+
+
+def test_the_router_queue_gauge_follows_admission():
+    """The gauge production sets: requests waiting in the router's admission queue, 0 once placed."""
+    metrics = RouterMetrics()
+    admission = Admission(max_queue=4, on_waiting=metrics.set_router_queue)
+    queued = lambda: metrics.registry.get_sample_value("pdserve_requests_waiting", {"worker": "router"})  # noqa: E731
+
+    async def scenario() -> list[float]:
+        room = asyncio.Event()
+        seen = []
+
+        async def try_place():
+            seen.append(queued())
+            return "placed" if room.is_set() else None
+
+        task = asyncio.create_task(admission.place(try_place, lambda: True, timeout_s=10))
+        while len(seen) < 2:  # the first try found no room; the tick brought a second
+            await asyncio.sleep(0.01)
+        room.set()
+        assert (await task)[0] == "placed"
+        return seen
+
+    assert asyncio.run(scenario())[:2] == [1, 1]
+    assert queued() == 0

@@ -9,22 +9,25 @@ the tokens are well formed): a bad one is a config error, not a failure once the
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass, field
 from typing import Literal
 
-from engine.config import EngineConfig
+from checkpoints.gguf import SMOLLM2_OUT_DIR
+from engine.config import DEFAULT_MEMORY_FRACTION, EngineConfig
 from protocol.limits import DEFAULT_MAX_PROMPT_BYTES
 from protocol.sizes import parse_bytes
 from worker_runtime.faults import FaultConfig
 
 Policy = Literal["cache_aware", "load", "round_robin"]
+POLICIES: tuple[str, ...] = typing.get_args(Policy)  # the placement policies, in the order help lists them
 
 
 @dataclass(frozen=True)
 class ModelSection:
-    path: str = "models/tiny-llama"
+    path: str = str(SMOLLM2_OUT_DIR)  # where `bash scripts/run.sh` converts SmolLM2-135M-Instruct to
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # create the embedded tiny model at `path` when it is absent (the default cluster does)
+    # create a random tiny test model at `path` when it is absent (tests and benchmarks ask for it)
     create_tiny: Literal["off", "llama", "qwen2"] = "off"
     max_model_len: int | None = None
 
@@ -74,7 +77,9 @@ class RouterSection:
     # reservation is back): one router -> worker round trip less in TTFT (router/lifecycle/attempt.py)
     prefill_during_reserve: bool = True
     call_timeout_s: float = 10.0  # deadline of every short router -> worker call
-    prefill_timeout_s: float = 60.0  # deadline of one prefill, queueing on the worker included
+    # deadline of one prefill, queueing on the worker included; also how long a decode stream may
+    # send nothing (no token, finish or failure) before its request moves to another worker
+    prefill_timeout_s: float = 60.0
     queue_timeout_s: float = 120.0  # longest wait for capacity before UNAVAILABLE
     drain_timeout_s: float = 60.0  # then a draining worker's requests migrate
     worker_start_timeout_s: float = 180.0  # a worker that is not ready by then is killed
@@ -119,7 +124,7 @@ class KVCacheSection:
     block_size: int = 16
     num_blocks: int | None = None  # explicit pool size per worker
     memory: str | None = None  # e.g. "512MiB" per worker; else memory_fraction of the device
-    memory_fraction: float = 0.1
+    memory_fraction: float = DEFAULT_MEMORY_FRACTION
     runtime_overhead: str = "256MiB"
     prefix_caching: bool = True  # reuse the KV of full blocks other requests computed (engine/kv_cache.py)
 

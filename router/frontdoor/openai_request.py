@@ -14,7 +14,6 @@ from typing import Any
 from protocol.sampling import SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-CHAT_MAX_TOKENS = 256  # chat without max_tokens: the rest of the context, at most this many
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
 _OFF = {"best_of": 1, "echo": False, "suffix": "", "logprobs": False, "top_logprobs": 0, "presence_penalty": 0,
         "frequency_penalty": 0, "logit_bias": {}, "tools": [], "response_format": {"type": "text"}}

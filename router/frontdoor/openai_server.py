@@ -34,11 +34,11 @@ from starlette.routing import Route
 
 from protocol.deadline import within
 from protocol.errors import InvalidRequest
+from protocol.limits import CHAT_MAX_TOKENS
 from router.config.schema import TLSSection
 from router.frontdoor.access import Gate
 from router.frontdoor.guards import HttpGuard, Refusals
 from router.frontdoor.openai_request import (
-    CHAT_MAX_TOKENS,
     SAMPLING_FIELDS,
     ApiError,
     Parsed,

@@ -22,9 +22,10 @@ TICK_S = 0.25
 
 
 class Admission:
-    def __init__(self, max_queue: int):
+    def __init__(self, max_queue: int, on_waiting: Callable[[int], None] = lambda n: None):
         self.max_queue = max_queue
         self.waiting = 0
+        self._on_waiting = on_waiting  # told the queue length whenever it changes (the router's gauge)
         self._lock = asyncio.Lock()  # FIFO: asyncio.Lock wakes waiters in arrival order
         self._capacity = asyncio.Event()
 
@@ -36,7 +37,7 @@ class Admission:
         """The placement and the seconds spent waiting for capacity (0 when it fit at once)."""
         if self.waiting >= self.max_queue:
             raise QueueFull(f"the router queue is full ({self.max_queue} requests waiting)")
-        self.waiting += 1
+        self._count(+1)
         waited_since = None
         deadline = time.monotonic() + timeout_s
         try:
@@ -56,4 +57,8 @@ class Admission:
                     except TimeoutError:
                         pass
         finally:
-            self.waiting -= 1
+            self._count(-1)
+
+    def _count(self, change: int) -> None:
+        self.waiting += change
+        self._on_waiting(self.waiting)

@@ -52,7 +52,7 @@ class Router:
         self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # one: the tokenizer is not re-entrant
         self.pools = PoolManager(config)
         self.request_log = RequestLog.open(config.router)  # None unless router.request_log is set
-        self.admission = Admission(config.router.max_queue)
+        self.admission = Admission(config.router.max_queue, self.metrics.set_router_queue)
         self.lives: dict[int, RequestLife] = {}
         self._client_ids: set[str] = set()
         self.accepting = False

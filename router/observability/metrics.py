@@ -1,15 +1,12 @@
 """Prometheus metrics of the router, on a private registry (no global state between routers).
 
 The router calls the `observe_*` methods as a request moves (queue -> prefill -> KV transfer
--> first token -> tokens -> finish) and `set_worker_gauges` from each status poll;
-`start_http_server` serves `/metrics`, `render` returns the same text for tests and Admin.
+-> first token -> tokens -> finish), `set_worker_gauges` from each status poll and
+`set_router_queue` whenever its admission queue changes; `render` returns the exposition text
+(tests, Admin). The `/metrics` port is router/observability/metrics_server.py.
 """
 
 from __future__ import annotations
-
-import threading
-from dataclasses import dataclass
-from wsgiref.simple_server import WSGIServer
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -23,21 +20,6 @@ _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160
 _TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
                      2.5, 5.0, 10.0)
 _BYTES_BUCKETS = tuple(float(4**power * 1024) for power in range(13))  # 1 KiB .. 16 GiB
-
-
-@dataclass(frozen=True)
-class MetricsServer:
-    """A running `/metrics` endpoint; `close()` stops it and joins its thread."""
-
-    host: str
-    port: int
-    server: WSGIServer
-    thread: threading.Thread
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(timeout=5)
 
 
 class RouterMetrics:
@@ -179,9 +161,3 @@ class RouterMetrics:
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
         return prometheus_client.generate_latest(self.registry)
-
-    def start_http_server(self, host: str, port: int) -> MetricsServer:
-        """Serves `/metrics` on host:port (0 picks a free port; see `.port`)."""
-        server, thread = prometheus_client.start_http_server(port, addr=host,
-                                                             registry=self.registry)
-        return MetricsServer(host, server.server_port, server, thread)

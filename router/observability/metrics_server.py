@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from dataclasses import dataclass
 from socketserver import ThreadingMixIn
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
@@ -11,7 +12,21 @@ import prometheus_client
 
 from router.frontdoor.access import Gate, Need, Verdict, is_loopback
 from router.frontdoor.guards import Refusals
-from router.observability.metrics import MetricsServer
+
+
+@dataclass(frozen=True)
+class MetricsServer:
+    """A running `/metrics` endpoint; `close()` stops it and joins its thread."""
+
+    host: str
+    port: int
+    server: WSGIServer
+    thread: threading.Thread
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+        self.thread.join(timeout=5)
 
 
 def guard_wsgi(app, gate: Gate, refusals: Refusals):

@@ -24,10 +24,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from protocol.messages import WorkerStats
+from router.config.schema import POLICIES
 from router.pools.prefix_index import PrefixIndex
 from router.pools.worker_view import WorkerView
 
-POLICIES = ("cache_aware", "load", "round_robin")
 # decode: a load spread above max(BALANCE_ABS, BALANCE_REL * least load) puts balance before reuse
 BALANCE_ABS = 4
 BALANCE_REL = 0.5
