@@ -28,10 +28,10 @@ from protocol.telemetry import StepRecord
 from worker_runtime.core import WorkerCore
 from worker_runtime.faults import FaultConfig, Faults
 from worker_runtime.outbox import Outbox
+from worker_runtime.tombstones import Tombstones
 
 log = logging.getLogger(__name__)
 KILL_DELAY_S = 0.05  # a kill "after the first token" lets the result leave first
-ABORTED_MEMORY_S = 120.0
 
 
 class PrefillFailed(RuntimeError):
@@ -53,7 +53,7 @@ class PrefillWorker:
         self._peers: dict[str, object] = {}  # decode worker name -> actor handle
         self.outbox: Outbox[TransferFailed] = Outbox()  # failed sends, for the router's poll
         self._tasks: set[asyncio.Task] = set()
-        self._aborted: dict[str, float] = {}  # request id -> when; a late prefill is refused
+        self._aborted: Tombstones[None] = Tombstones()  # a late prefill or aim for these is refused
 
     async def ready(self) -> WorkerInfo:
         self.core.bind()
@@ -151,9 +151,7 @@ class PrefillWorker:
 
     # ---- admin ----------------------------------------------------------------------
     async def abort(self, request_id: str) -> None:
-        now = time.monotonic()
-        self._aborted = {rid: t for rid, t in self._aborted.items() if now - t < ABORTED_MEMORY_S}
-        self._aborted[request_id] = now
+        self._aborted.add(request_id)
         waiter = self._waiters.pop(request_id, None)
         if waiter is not None and not waiter.done():
             waiter.cancel()
