@@ -22,10 +22,9 @@ from engine.llm_engine import LLMEngine
 from kv_transfer import KVSender, KVTransferConfig
 from prefill_worker.push import KVPusher
 from protocol.deadline import within
-from protocol.messages import PrefillResult, PrefillTask, TransferFailed, WorkerInfo, WorkerStats
+from protocol.messages import PrefillResult, PrefillTask, TransferFailed
 from protocol.outputs import RequestOutput
-from protocol.telemetry import StepRecord
-from worker_runtime.core import WorkerCore
+from worker_runtime.core import WorkerCalls, WorkerCore
 from worker_runtime.faults import FaultConfig, Faults
 from worker_runtime.outbox import Outbox
 from worker_runtime.tombstones import Tombstones
@@ -38,7 +37,7 @@ class PrefillFailed(RuntimeError):
     """The engine failed on this request (not the worker): the router does not retry it."""
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerCalls):
     def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig, cpu: int | None = None,
                  faults: FaultConfig | None = None):
         self.faults = Faults(faults, name)
@@ -54,11 +53,6 @@ class PrefillWorker:
         self.outbox: Outbox[TransferFailed] = Outbox()  # failed sends, for the router's poll
         self._tasks: set[asyncio.Task] = set()
         self._aborted: Tombstones[None] = Tombstones()  # a late prefill or aim for these is refused
-
-    async def ready(self) -> WorkerInfo:
-        self.core.bind()
-        self.outbox.bind()
-        return self.core.info()
 
     async def prefill(self, task: PrefillTask, decode_actor=None) -> PrefillResult:
         """`decode_actor` comes with the first request for a decode worker and is kept."""
@@ -145,10 +139,6 @@ class PrefillWorker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def poll(self, timeout_s: float = 1.0) -> list[TransferFailed]:
-        """Failed sends since the last poll; waits up to `timeout_s` for at least one."""
-        return await self.outbox.poll(timeout_s)
-
     # ---- admin ----------------------------------------------------------------------
     async def abort(self, request_id: str) -> None:
         self._aborted.add(request_id)
@@ -161,16 +151,8 @@ class PrefillWorker:
         self._peers.pop(decode_name, None)
         await asyncio.to_thread(self.sender.close_channel, decode_name)
 
-    async def stats(self, resync: bool = False) -> WorkerStats:
-        """Load, block counts and the prefix-cache changes since the last call (all of it if `resync`)."""
-        return await self.core.stats(self.sender.num_channels, resync)
-
-    async def telemetry(self, since: int = 0) -> list[StepRecord]:
-        """Per-step records after `since`, for `pdserve bench`'s bottleneck report."""
-        return await self.core.telemetry(since)
-
-    async def check(self) -> dict:
-        return await self.core.check()
+    def _num_channels(self) -> int:
+        return self.sender.num_channels
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.sender.shutdown)

@@ -12,7 +12,7 @@ import ray
 from decode_worker.worker import DecodeWorker
 from kv_transfer import KVTransferConfig
 from prefill_worker.worker import PrefillWorker
-from protocol.messages import PrefillTask, Reservation, StartDecode
+from protocol.messages import GenerateTask, PrefillTask, Reservation, StartDecode
 from protocol.sampling import SamplingParams
 from tests.cluster_util import cluster_config
 from tests.reference import hf_greedy
@@ -86,7 +86,7 @@ def test_an_abort_that_overtakes_its_prefill_refuses_it(workers):
 def test_an_abort_that_overtakes_its_colocated_generate_leaves_nothing_running(workers):
     _, decode = workers
     ray.get(decode.abort.remote("c.0"), timeout=30)
-    ray.get(decode.generate.remote("c.0", _prompt(3), GREEDY), timeout=30)
+    ray.get(decode.generate.remote(GenerateTask("c.0", _prompt(3), GREEDY)), timeout=30)
     counts = _idle(decode)
     assert counts["used"] == 0 and counts["requests"] == 0 and counts["reserved"] == 0
 

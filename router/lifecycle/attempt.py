@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator
 
 from protocol.deadline import within
-from protocol.messages import PrefillTask, Reservation, Reserved, StartDecode
+from protocol.messages import GenerateTask, PrefillTask, Reservation, Reserved, StartDecode
 from protocol.outputs import RequestOutput
 from protocol.telemetry import PrefillTiming
 from router.config.schema import ClusterConfig
@@ -187,8 +187,9 @@ class Attempts:
         w, waited = await self.admission.place(lambda: self._place_colocated(life, waits), self.accepting,
                                                self.rc.queue_timeout_s)
         self._observe_queue(life, waited, waits)
-        ref = w.actor.generate.remote(life.attempt_id, life.prompt_token_ids, life.sampling,
-                                      list(life.output_token_ids), life.emitted_chars)
+        task = GenerateTask(life.attempt_id, life.prompt_token_ids, life.sampling, list(life.output_token_ids),
+                            life.emitted_chars)
+        ref = w.actor.generate.remote(task)
         await call(w, ref, self.rc.call_timeout_s, "generate")
         async for chunk in self._stream(life, w):
             yield chunk
