@@ -6,7 +6,7 @@ tokens so far; the request joins the running batch once both the KV has landed a
 came (decode_worker/handoff.py keeps that state). Colocated: `generate` prefills and decodes
 here. Tokens leave through `poll`, which returns every output since the last poll (one Ray
 call per step or more, never one per token). A hand-off that fails (transfer error, lease
-ended) leaves as an output with finish reason "error" and `retryable=True`.
+ended) leaves as an output with finish reason ERROR and `retryable=True`.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from decode_worker.handoff import Action, HandoffTable, Outcome
 from engine.config import EngineConfig
 from kv_transfer import KVReceiver, KVTransferConfig, Rendezvous
 from protocol.messages import GenerateTask, Reservation, Reserved, StartDecode, WorkerInfo
-from protocol.outputs import RequestOutput
+from protocol.outputs import FinishReason, RequestOutput
 from worker_runtime.core import WorkerCalls, WorkerCore
 from worker_runtime.faults import FaultConfig, Faults
 from worker_runtime.outbox import Outbox
@@ -136,7 +136,7 @@ class DecodeWorker(WorkerCalls):
 
     def _fail(self, request_id: str, error: str, retryable: bool) -> None:
         self.core.loop.call(lambda e: e.release(request_id))
-        self.outbox.push([RequestOutput(request_id, [], error, "error", retryable=retryable)])
+        self.outbox.push([RequestOutput(request_id, [], error, FinishReason.ERROR, retryable=retryable)])
 
     async def _reap_leases(self) -> None:
         while True:

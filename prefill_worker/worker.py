@@ -23,7 +23,7 @@ from kv_transfer import KVSender, KVTransferConfig
 from prefill_worker.push import KVPusher
 from protocol.deadline import within
 from protocol.messages import PrefillResult, PrefillTask, TransferFailed
-from protocol.outputs import RequestOutput
+from protocol.outputs import FinishReason, RequestOutput
 from worker_runtime.core import WorkerCalls, WorkerCore
 from worker_runtime.faults import FaultConfig, Faults
 from worker_runtime.outbox import Outbox
@@ -65,11 +65,11 @@ class PrefillWorker(WorkerCalls):
         if task.request_id in self._aborted:
             raise asyncio.CancelledError(f"{task.request_id} was cancelled")
         out = await self._first_token(task, arrived)
-        if out.finish_reason == "error":
+        if out.finish_reason is FinishReason.ERROR:
             raise PrefillFailed(f"prefill failed on {self.core.name}: {out.text}")
         if not out.token_ids:  # the outputs it resumed from had already ended it: a router bug
             raise PrefillFailed(f"{task.request_id} was already finished ({out.finish_reason}) when resumed")
-        if out.finish_reason == "prefilled":  # the KV's last piece is on its way already
+        if out.finish_reason is FinishReason.PREFILLED:  # the KV's last piece is on its way already
             self.core.aio.call_later(KILL_DELAY_S, self.faults.maybe_kill, "prefill.after_first_token")
         return PrefillResult(task.request_id, out.token_ids[0], out.text, out.finish_reason,
                              time.perf_counter() - arrived, out.num_cached_tokens, out.step_kind, out.prefill_timing)

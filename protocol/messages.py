@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol.outputs import FinishReason
 from protocol.sampling import SamplingParams
 from protocol.telemetry import PrefillTiming
 
@@ -104,7 +105,7 @@ class PrefillResult:
     request_id: str
     token_id: int
     text: str
-    finish_reason: str | None  # "prefilled" = KV is on its way to the decode worker
+    finish_reason: FinishReason | None  # PREFILLED: the KV is on its way to the decode worker
     prefill_s: float  # worker-side time from arrival to first token (queueing + compute)
     cached_tokens: int = 0  # context tokens whose KV came from the prefill worker's prefix cache
     step_kind: str = "F"  # protocol.telemetry.TokenKind of the token: F, or M after a migration

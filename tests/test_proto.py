@@ -13,6 +13,7 @@ from google.protobuf import descriptor_pb2
 
 from proto import pdserve_pb2 as pb
 from protocol.errors import InvalidRequest
+from protocol.outputs import FinishReason
 from protocol.sampling import SamplingParams
 from router.frontdoor.grpc_convert import pool_status_to_proto, sampling_from_proto, usage_to_proto
 
@@ -105,6 +106,11 @@ def test_usage_to_proto_copies_every_key():
     msg = usage_to_proto(usage)
     assert {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields} == usage
     assert usage_to_proto({}) == pb.Usage()
+
+
+def test_a_client_reads_each_finish_reason_as_its_text_and_an_abort_as_cancelled():
+    assert [(r.value, r.public) for r in FinishReason] == [
+        ("stop", "stop"), ("length", "length"), ("abort", "cancelled"), ("prefilled", "prefilled"), ("error", "error")]
 
 
 def test_pool_status_to_proto():

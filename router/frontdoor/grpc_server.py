@@ -58,7 +58,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     @staticmethod
     def _response(rid: str, chunk: Chunk) -> pb.GenerateResponse:
-        finish = {"abort": "cancelled"}.get(chunk.finish_reason, chunk.finish_reason) or ""
+        finish = chunk.finish_reason.public if chunk.finish_reason is not None else ""
         msg = pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text, finish_reason=finish)
         if chunk.usage is not None:
             msg.usage.CopyFrom(usage_to_proto(chunk.usage))

@@ -106,7 +106,7 @@ def _sse_json(body: dict) -> str:
 
 
 def _finish(chunk: Chunk) -> str | None:
-    return {"abort": "cancelled"}.get(chunk.finish_reason, chunk.finish_reason)
+    return chunk.finish_reason.public if chunk.finish_reason is not None else None
 
 
 class ClientGone(Exception):

@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 
 from protocol.deadline import within
 from protocol.messages import GenerateTask, PrefillTask, Reservation, Reserved, StartDecode
-from protocol.outputs import RequestOutput
+from protocol.outputs import FinishReason, RequestOutput
 from protocol.telemetry import PrefillTiming
 from router.config.schema import ClusterConfig
 from router.lifecycle.admission import Admission
@@ -88,7 +88,7 @@ class Attempts:
         _observe_first_token(life, res.step_kind, res.timing)
         self.metrics.observe_prefill(res.prefill_s)
         self.metrics.observe_prefix("prefill", life.num_context_tokens(), res.cached_tokens)
-        finish = None if res.finish_reason == "prefilled" else res.finish_reason
+        finish = None if res.finish_reason is FinishReason.PREFILLED else res.finish_reason
         life.to(Phase.FINISHED if finish else Phase.HANDOFF)
         chunk = self.chunk(life, RequestOutput(aid, [res.token_id], res.text, finish))
         if finish:
@@ -255,7 +255,7 @@ class Attempts:
             for out in outputs:
                 if isinstance(out, Exception):
                     raise out
-                if out.finish_reason == "error":
+                if out.finish_reason is FinishReason.ERROR:
                     raise Retry(f"{w.name}: {out.text}") if out.retryable else InternalError(out.text)
             if not outputs:
                 continue

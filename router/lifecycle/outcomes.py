@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.outputs import RequestOutput
+from protocol.outputs import FinishReason, RequestOutput
 
 
 class QueueFull(Exception):
@@ -46,7 +46,7 @@ class Respin(Retry):
 class Chunk:
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     usage: dict | None = None  # on the last chunk
 
 

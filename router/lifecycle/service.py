@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from protocol.deadline import within
 from protocol.errors import InvalidRequest
+from protocol.outputs import FinishReason
 from protocol.sampling import SamplingParams
 from protocol.validation import RequestValidator, validate_request_id
 from router.config.schema import ClusterConfig
@@ -132,8 +133,8 @@ class Router:
             if not life.ended:  # GeneratorExit and CancelledError are not Exceptions
                 phase = Phase.FAILED if isinstance(e, Exception) else Phase.CANCELLED
                 self._abort_all(life.end(phase), life.attempt_id)
-                if phase is Phase.CANCELLED:  # failures are counted by status in pdserve_request_errors
-                    self.metrics.observe_finish("cancelled", time.perf_counter() - life.accepted)
+                if phase is Phase.CANCELLED:  # "cancelled", as a client reads it; failures: pdserve_request_errors
+                    self.metrics.observe_finish(FinishReason.ABORT.public, time.perf_counter() - life.accepted)
             raise
         finally:
             self.lives.pop(life.key, None)

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from protocol.block_hash import block_hashes
+from protocol.outputs import FinishReason
 from router.config.schema import RouterSection
 from router.config.typed_yaml import ConfigError
 from router.lifecycle.life import RequestLife
@@ -54,7 +55,7 @@ class RequestLog:
             raise ConfigError(f"router.request_log: cannot open {section.request_log}: {e.strerror}") from None
         return cls(handle, section.request_log_prompts)
 
-    def record(self, life: RequestLife, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+    def record(self, life: RequestLife, finish_reason: FinishReason, usage: dict[str, Any]) -> dict[str, Any]:
         """The JSON object of one finished request."""
         now = time.perf_counter()
         line = {
@@ -71,7 +72,7 @@ class RequestLog:
             line["prompt_token_ids"] = list(life.prompt_token_ids)
         return line
 
-    def write(self, life: RequestLife, finish_reason: str, usage: dict[str, Any]) -> None:
+    def write(self, life: RequestLife, finish_reason: FinishReason, usage: dict[str, Any]) -> None:
         if self._handle is None:
             return
         try:
