@@ -80,7 +80,7 @@ class AdminService(pb_grpc.AdminServicer):
     @staticmethod
     def _worker(w) -> pb.WorkerStatus:
         s = w.stats
-        msg = pb.WorkerStatus(name=w.name, pool=w.info.pool, state=w.state, node_ip=w.info.node_ip,
+        msg = pb.WorkerStatus(name=w.name, pool=w.info.pool, state=w.state.value, node_ip=w.info.node_ip,
                               kv_blocks_total=w.info.num_blocks)
         if s is not None:
             msg.running, msg.waiting, msg.channels, msg.requests_served = s.running, s.waiting, s.channels, s.served

@@ -80,8 +80,7 @@ class Attempts:
                 self.metrics.observe_early_prefill("aimed")
             res = await call(prefill, ref, self.rc.prefill_timeout_s, "prefill")
         finally:
-            prefill.inflight.discard(aid)
-            prefill.prefill_tokens.pop(aid, None)
+            prefill.release(aid)
         prefill.peers.add(decode.name)
         life.usage["prefill_ms"] = life.usage.get("prefill_ms", 0.0) + res.prefill_s * 1e3
         life.usage["cached_tokens"] = res.cached_tokens
@@ -130,7 +129,7 @@ class Attempts:
             if reserved is not None:
                 self._reserved(life, prefill, decode, reserved, hashes)
                 return prefill, decode, early
-            decode.free_blocks = min(decode.free_blocks, needed - 1)
+            decode.had_no_room(needed)
             if early is not None:  # the service aborts the prefill and places the request again
                 self.metrics.observe_early_prefill("dropped")
                 raise Respin(f"{decode.name} had no room for the KV after all; the prefill started on "
@@ -166,12 +165,11 @@ class Attempts:
 
     def _claim_prefill(self, life: RequestLife, prefill: WorkerView, hashes: list[bytes]) -> None:
         life.prefill = prefill
-        prefill.inflight.add(life.attempt_id)
-        prefill.prefill_tokens[life.attempt_id] = self.placer.prefill_work(prefill, hashes, life.num_context_tokens())
+        prefill.hold(life.attempt_id, self.placer.prefill_work(prefill, hashes, life.num_context_tokens()))
 
     def _reserved(self, life: RequestLife, prefill: WorkerView, decode: WorkerView, reserved: Reserved,
                   hashes: list[bytes]) -> None:
-        decode.free_blocks -= reserved.num_blocks - reserved.cached_blocks
+        decode.took_blocks(reserved.num_blocks - reserved.cached_blocks)
         life.usage["kv_cached_blocks"] = reserved.cached_blocks
         context = life.num_context_tokens()
         self.metrics.observe_prefix("decode", context, reserved.cached_blocks * decode.info.block_size)
@@ -218,13 +216,13 @@ class Attempts:
     def _hold(life: RequestLife, w: WorkerView, phase: Phase) -> None:
         life.to(phase)
         life.decode = w
-        w.inflight.add(life.attempt_id)
+        w.hold(life.attempt_id)
 
     @staticmethod
     def _unhold(life: RequestLife, w: WorkerView) -> None:
         life.to(Phase.QUEUED)
         life.decode = None
-        w.inflight.discard(life.attempt_id)
+        w.release(life.attempt_id)
 
     def _observe_queue(self, life: RequestLife, waited: float, waits: QueueWaits) -> None:
         waits.close()
@@ -273,7 +271,7 @@ class Attempts:
                 self.placer.placed(w, life.context_hashes(w.info.block_size))
                 life.to(Phase.FINISHED)
                 life.decode = None  # a finished request freed its blocks on the worker
-                w.inflight.discard(life.attempt_id)
+                w.release(life.attempt_id)
             yield chunk
             if chunk.finish_reason is not None:
                 return

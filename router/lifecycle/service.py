@@ -158,9 +158,8 @@ class Router:
 
     def _abort_all(self, workers: list[WorkerView], attempt_id: str) -> None:
         for w in workers:
-            w.inflight.discard(attempt_id)
-            w.prefill_tokens.pop(attempt_id, None)
-            if w.state != "stopped":
+            w.release(attempt_id)
+            if not w.stopped:
                 self.monitor.spawn(self._abort(w, attempt_id))
 
     async def _abort(self, w: WorkerView, attempt_id: str) -> None:
@@ -181,7 +180,7 @@ class Router:
     # ---- admin ----------------------------------------------------------------------
     async def status(self) -> list[WorkerView]:
         await self.monitor.refresh()
-        return [w for w in self.pools.all() if w.state != "stopped"]
+        return [w for w in self.pools.all() if not w.stopped]
 
     async def scale(self, pool: str, replicas: int) -> tuple[list[str], list[str]]:
         if pool == "prefill" and self.config.mode == "colocated":
