@@ -16,6 +16,7 @@ state on them, so a cancel at any moment reaches every worker that may hold some
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
@@ -61,29 +62,28 @@ class Attempts:
     async def _disaggregated(self, life: RequestLife) -> AsyncIterator[Chunk]:
         waits = QueueWaits()
         try:
-            (prefill, decode, early), waited = await self.admission.place(lambda: self._place_pair(life, waits),
-                                                                          self.accepting, self.rc.queue_timeout_s)
+            pair, waited = await self.admission.place(lambda: self._place_pair(life, waits), self.accepting,
+                                                      self.rc.queue_timeout_s)
         except Respin:  # placed again next: the wait so far stays in its usage split
             self._charge_queue(life, waits.close(), waits)
             raise
         self._observe_queue(life, waited, waits)
-        aid = life.attempt_id
+        aid, prefill, decode, skip = life.attempt_id, pair.prefill, pair.decode, pair.cached_blocks
         life.to(Phase.PREFILLING)
-        skip = life.usage.get("kv_cached_blocks", 0)
         try:
-            if early is None:
+            if pair.early is None:
                 handle = None if decode.name in prefill.peers else decode.actor  # travels once per pair
                 ref = prefill.actor.prefill.remote(self._prefill_task(life, decode, skip), handle)
             else:  # computing already: the KV may leave now (an `aim` Ray delivers first is kept)
-                ref = early
+                ref = pair.early
                 await call(prefill, prefill.actor.aim.remote(aid, skip), self.rc.call_timeout_s, "aim")
                 self.metrics.observe_early_prefill("aimed")
             res = await call(prefill, ref, self.rc.prefill_timeout_s, "prefill")
         finally:
             prefill.release(aid)
         prefill.peers.add(decode.name)
-        life.usage["prefill_ms"] = life.usage.get("prefill_ms", 0.0) + res.prefill_s * 1e3
-        life.usage["cached_tokens"] = res.cached_tokens
+        life.usage.prefill_ms += res.prefill_s * 1e3
+        life.usage.cached_tokens = res.cached_tokens
         _observe_first_token(life, res.step_kind, res.timing)
         self.metrics.observe_prefill(res.prefill_s)
         self.metrics.observe_prefix("prefill", life.num_context_tokens(), res.cached_tokens)
@@ -105,8 +105,7 @@ class Attempts:
         async for chunk in self._stream(life, decode):
             yield chunk
 
-    async def _place_pair(self, life: RequestLife,
-                          waits: QueueWaits) -> tuple[WorkerView, WorkerView, asyncio.Task | None] | None:
+    async def _place_pair(self, life: RequestLife, waits: QueueWaits) -> Pair | None:
         prefill_ready = self._ready_or_wait("prefill")
         decode_ready = self._ready_or_wait("decode")
         if not prefill_ready or not decode_ready:
@@ -128,7 +127,7 @@ class Attempts:
             reserved = await call(decode, ref, self.rc.call_timeout_s, "reserve")  # raises: both are aborted
             if reserved is not None:
                 self._reserved(life, prefill, decode, reserved, hashes)
-                return prefill, decode, early
+                return Pair(prefill, decode, reserved.cached_blocks, early)
             decode.had_no_room(needed)
             if early is not None:  # the service aborts the prefill and places the request again
                 self.metrics.observe_early_prefill("dropped")
@@ -170,7 +169,7 @@ class Attempts:
     def _reserved(self, life: RequestLife, prefill: WorkerView, decode: WorkerView, reserved: Reserved,
                   hashes: list[bytes]) -> None:
         decode.took_blocks(reserved.num_blocks - reserved.cached_blocks)
-        life.usage["kv_cached_blocks"] = reserved.cached_blocks
+        life.usage.kv_cached_blocks = reserved.cached_blocks
         context = life.num_context_tokens()
         self.metrics.observe_prefix("decode", context, reserved.cached_blocks * decode.info.block_size)
         self.metrics.observe_kv_saved(reserved.cached_blocks * decode.info.block_bytes)
@@ -229,19 +228,19 @@ class Attempts:
         self._charge_queue(life, waited, waits)
         self.metrics.observe_queue(waited)
         if life.decode is not None:
-            life.usage["decode_worker"] = life.decode.name
+            life.usage.decode_worker = life.decode.name
         if life.prefill is not None:
-            life.usage["prefill_worker"] = life.prefill.name
+            life.usage.prefill_worker = life.prefill.name
 
     @staticmethod
     def _charge_queue(life: RequestLife, waited: float, waits: QueueWaits) -> None:
         """`waited` into the usage, split as docs/metrics.md says: a prefill slot is prefill
         queueing, anything else KV capacity (`waits` closed)."""
-        life.usage["queue_ms"] = life.usage.get("queue_ms", 0.0) + waited * 1e3
+        life.usage.queue_ms += waited * 1e3
         prefill_s = min(waited, waits.spent.get("prefill", 0.0))
         if not life.output_token_ids:
-            _add_ms(life, "prefill_queue_ms", prefill_s)
-            _add_ms(life, "kv_wait_ms", max(0.0, waited - prefill_s))
+            life.usage.prefill_queue_ms += prefill_s * 1e3
+            life.usage.kv_wait_ms += max(0.0, waited - prefill_s) * 1e3
 
     async def _stream(self, life: RequestLife, w: WorkerView) -> AsyncIterator[Chunk]:
         """Tokens of this attempt from decode worker `w` until it finishes; failures raise."""
@@ -262,8 +261,8 @@ class Attempts:
             if life.phase is Phase.HANDOFF:  # the KV landed: the prefill worker holds nothing now
                 life.to(Phase.DECODING)
                 life.prefill = None
-            if self.config.mode == "colocated" and "cached_tokens" not in life.usage:
-                life.usage["cached_tokens"] = outputs[0].num_cached_tokens
+            if self.config.mode == "colocated" and not life.output_token_ids:  # the request's first outputs
+                life.usage.cached_tokens = outputs[0].num_cached_tokens
                 self.metrics.observe_prefix("decode", life.num_context_tokens(), outputs[0].num_cached_tokens)
             chunk = self.chunk(life, merge_outputs(outputs))
             if chunk.finish_reason is not None:
@@ -299,14 +298,26 @@ class Attempts:
         life.record(out.token_ids, out.text)
         if out.kv_transfer_bytes:
             self.metrics.observe_kv_transfer(out.kv_transfer_s, out.kv_transfer_bytes)
-            life.usage.update(kv_transfer_ms=out.kv_transfer_s * 1e3, kv_transfer_bytes=out.kv_transfer_bytes)
+            life.usage.kv_transfer_ms, life.usage.kv_transfer_bytes = out.kv_transfer_s * 1e3, out.kv_transfer_bytes
         usage = None
         if out.finish_reason is not None:
             self.metrics.observe_finish(out.finish_reason, now - life.accepted)
-            usage = dict(life.usage, prompt_tokens=len(life.prompt_token_ids),
-                         completion_tokens=len(life.output_token_ids), migrations=life.migrations,
-                         ttft_ms=((life.first_token_at or now) - life.accepted) * 1e3)
+            usage = dataclasses.replace(life.usage, prompt_tokens=len(life.prompt_token_ids),
+                                        completion_tokens=len(life.output_token_ids), migrations=life.migrations,
+                                        ttft_ms=((life.first_token_at or now) - life.accepted) * 1e3)
         return Chunk(out.token_ids, out.text, out.finish_reason, usage)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """Where a disaggregated attempt was placed: its workers, the leading blocks the decode
+    reservation found cached (the prefill sends none of them), and the prefill call already sent
+    during the reservation (None: not sent yet)."""
+
+    prefill: WorkerView
+    decode: WorkerView
+    cached_blocks: int
+    early: asyncio.Task | None
 
 
 class QueueWaits:
@@ -331,18 +342,14 @@ class QueueWaits:
         return sum(self.spent.values())
 
 
-def _add_ms(life: RequestLife, key: str, seconds: float) -> None:
-    life.usage[key] = life.usage.get(key, 0.0) + seconds * 1e3
-
-
 def _observe_first_token(life: RequestLife, kind: str, timing: PrefillTiming | None) -> None:
     """Appends the kinds of the tokens about to stream (engine/telemetry.py); before the
     request's first token, adds where the worker's time to it went."""
-    life.usage["token_steps"] = life.usage.get("token_steps", "") + kind
+    life.usage.token_steps += kind
     if timing is not None and not life.output_token_ids:
-        _add_ms(life, "kv_wait_ms", timing.kv_wait_s)
-        _add_ms(life, "prefill_queue_ms", timing.queue_s)
-        _add_ms(life, "prefill_compute_ms", timing.compute_s)
+        life.usage.kv_wait_ms += timing.kv_wait_s * 1e3
+        life.usage.prefill_queue_ms += timing.queue_s * 1e3
+        life.usage.prefill_compute_ms += timing.compute_s * 1e3
 
 
 def _queued_failure(life: RequestLife) -> Exception | None:

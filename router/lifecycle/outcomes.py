@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from protocol.outputs import FinishReason, RequestOutput
+from protocol.usage import Usage
 
 
 class QueueFull(Exception):
@@ -47,7 +48,7 @@ class Chunk:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None = None
-    usage: dict | None = None  # on the last chunk
+    usage: Usage | None = None  # on the last chunk
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:

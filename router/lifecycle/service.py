@@ -123,7 +123,7 @@ class Router:
                 try:
                     async for chunk in self.attempts.run(life):
                         if chunk.finish_reason is not None and self.request_log is not None:
-                            self.request_log.write(life, chunk.finish_reason, chunk.usage or {})
+                            self.request_log.write(life, chunk.finish_reason, chunk.usage)
                         yield chunk
                     self._abort_all(life.release(), life.attempt_id)
                     return
