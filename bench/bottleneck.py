@@ -185,7 +185,7 @@ def collect_steps(cluster: Any, started_unix: float) -> dict[str, Any]:
     """Every live worker's step records (engine/telemetry.py), times relative to the run's start;
     a worker that does not answer is left out (its requests still count)."""
     async def fetch() -> dict[str, Any]:
-        workers = [w for w in cluster.router.pools.all() if w.state != "stopped"]
+        workers = [w for w in cluster.router.pools.all() if not w.stopped]
         replies = await asyncio.gather(*(within(w.actor.telemetry.remote(0), 30) for w in workers),
                                        return_exceptions=True)
         return {w.name: {"pool": w.info.pool, "blocks_total": w.info.num_blocks,

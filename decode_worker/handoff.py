@@ -8,8 +8,8 @@ receiver writes into them: an end that comes then is deferred until the write fi
 The KV may come in pieces (a streamed prefill): the slot knows how many blocks to expect and
 takes pieces only contiguous and in order; it counts as landed once the last one has.
 Pure and thread-safe (channel threads and the actor's loop call it); the worker carries out
-the `Action` each call returns. Ended ids are remembered for a while so a late `reserve`
-for a cancelled request is refused instead of leaking.
+the `Action` each call returns. Ended ids are remembered for a while (worker_runtime/tombstones.py)
+so a late `reserve` for a cancelled request is refused instead of leaking.
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import time
 from dataclasses import dataclass
 
 from protocol.messages import StartDecode
-
-TOMBSTONE_S = 120.0
+from worker_runtime.tombstones import Tombstones
 
 
 class ReservationGone(LookupError):
@@ -59,7 +58,7 @@ class Outcome:
 class HandoffTable:
     def __init__(self) -> None:
         self._slots: dict[str, Slot] = {}
-        self._ended: dict[str, tuple[float, str]] = {}  # request id -> (when it ended, why)
+        self._ended: Tombstones[str] = Tombstones()  # request id -> why it ended
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -118,7 +117,7 @@ class HandoffTable:
         with self._lock:
             slot = self._slots.get(msg.request_id)
             if slot is None or slot.cancelled:
-                why = self._ended.get(msg.request_id, (0.0, "never reserved here"))[1]
+                why = self._ended.get(msg.request_id, "never reserved here")
                 raise ReservationGone(f"no reservation for request {msg.request_id!r}: {why or 'cancelled'}")
             slot.start = msg
             if slot.landed:
@@ -130,7 +129,7 @@ class HandoffTable:
         with self._lock:
             slot = self._slots.get(request_id)
             if slot is None:
-                self._ended[request_id] = (time.monotonic(), "cancelled")
+                self._ended.add(request_id, "cancelled")
                 return Outcome(Action.WAIT)
             slot.cancelled = True
             if slot.landing:
@@ -159,15 +158,9 @@ class HandoffTable:
                 reason = ("the router's start never came" if slot.landed
                           else "no KV arrived before the reservation's lease ended")
                 out.append((rid, self._end(rid, Action.FAIL, reason)))
-            self._prune(time.monotonic())
             return out
 
     def _end(self, request_id: str, action: Action, reason: str = "") -> Outcome:
         slot = self._slots.pop(request_id)
-        self._ended[request_id] = (time.monotonic(), reason)
+        self._ended.add(request_id, reason)
         return Outcome(action, slot, reason)
-
-    def _prune(self, now: float) -> None:
-        old = [rid for rid, (t, _) in self._ended.items() if now - t > TOMBSTONE_S]
-        for rid in old:
-            del self._ended[rid]

@@ -6,7 +6,7 @@ tokens so far; the request joins the running batch once both the KV has landed a
 came (decode_worker/handoff.py keeps that state). Colocated: `generate` prefills and decodes
 here. Tokens leave through `poll`, which returns every output since the last poll (one Ray
 call per step or more, never one per token). A hand-off that fails (transfer error, lease
-ended) leaves as an output with finish reason "error" and `retryable=True`.
+ended) leaves as an output with finish reason ERROR and `retryable=True`.
 """
 
 from __future__ import annotations
@@ -19,18 +19,16 @@ import ray
 from decode_worker.handoff import Action, HandoffTable, Outcome
 from engine.config import EngineConfig
 from kv_transfer import KVReceiver, KVTransferConfig, Rendezvous
-from protocol.messages import Reservation, Reserved, StartDecode, WorkerInfo, WorkerStats
-from protocol.outputs import RequestOutput
-from protocol.sampling import SamplingParams
-from protocol.telemetry import StepRecord
-from worker_runtime.core import WorkerCore
+from protocol.messages import GenerateTask, Reservation, Reserved, StartDecode, WorkerInfo
+from protocol.outputs import FinishReason, RequestOutput
+from worker_runtime.core import WorkerCalls, WorkerCore
 from worker_runtime.faults import FaultConfig, Faults
 from worker_runtime.outbox import Outbox
 
 REAP_EVERY_S = 0.1
 
 
-class DecodeWorker:
+class DecodeWorker(WorkerCalls):
     def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig | None, cpu: int | None = None,
                  faults: FaultConfig | None = None):
         self.faults = Faults(faults, name)
@@ -48,10 +46,9 @@ class DecodeWorker:
         self._reaper: asyncio.Task | None = None
 
     async def ready(self) -> WorkerInfo:
-        self.core.bind()
-        self.outbox.bind()
+        info = await super().ready()
         self._reaper = asyncio.get_running_loop().create_task(self._reap_leases())
-        return self.core.info()
+        return info
 
     # ---- outputs ------------------------------------------------------------------
     def _on_outputs(self, outputs: list[RequestOutput]) -> None:
@@ -63,20 +60,16 @@ class DecodeWorker:
         if any(out.token_ids for out in outputs):
             self.faults.maybe_kill("decode.mid_stream")
 
-    async def poll(self, timeout_s: float = 1.0) -> list[RequestOutput]:
-        """Every output since the last poll; waits up to `timeout_s` for at least one."""
-        return await self.outbox.poll(timeout_s)
-
     # ---- colocated ----------------------------------------------------------------
-    async def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingParams,
-                       output_token_ids: list[int] | None = None, emitted_chars: int = 0) -> None:
-        """Prefill and decode here; `output_token_ids`: tokens an earlier attempt streamed."""
-        if self.handoffs.is_ended(request_id):  # its abort ran first (Ray need not keep the order)
+    async def generate(self, task: GenerateTask) -> None:
+        """Prefill and decode here, after the tokens an earlier attempt streamed."""
+        if self.handoffs.is_ended(task.request_id):  # its abort ran first (Ray need not keep the order)
             return
         arrived = time.perf_counter()
-        await self.core.run(lambda e: e.add_request(request_id, prompt_token_ids=prompt_token_ids, sampling=sampling,
-                                                    output_token_ids=output_token_ids or None,
-                                                    emitted_chars=emitted_chars, arrived_at=arrived))
+        await self.core.run(lambda e: e.add_request(task.request_id, prompt_token_ids=task.prompt_token_ids,
+                                                    sampling=task.sampling,
+                                                    output_token_ids=task.output_token_ids or None,
+                                                    emitted_chars=task.emitted_chars, arrived_at=arrived))
 
     # ---- disaggregated --------------------------------------------------------------
     async def reserve(self, r: Reservation) -> Reserved | None:
@@ -143,7 +136,7 @@ class DecodeWorker:
 
     def _fail(self, request_id: str, error: str, retryable: bool) -> None:
         self.core.loop.call(lambda e: e.release(request_id))
-        self.outbox.push([RequestOutput(request_id, [], error, "error", retryable=retryable)])
+        self.outbox.push([RequestOutput(request_id, [], error, FinishReason.ERROR, retryable=retryable)])
 
     async def _reap_leases(self) -> None:
         while True:
@@ -161,16 +154,8 @@ class DecodeWorker:
             return
         await self.core.run(lambda e: e.abort(request_id))
 
-    async def stats(self, resync: bool = False) -> WorkerStats:
-        """Load, block counts and the prefix-cache changes since the last call (all of it if `resync`)."""
-        return await self.core.stats(self.receiver.num_channels if self.receiver else 0, resync)
-
-    async def telemetry(self, since: int = 0) -> list[StepRecord]:
-        """Per-step records after `since`, for `pdserve bench`'s bottleneck report."""
-        return await self.core.telemetry(since)
-
-    async def check(self) -> dict:
-        return await self.core.check()
+    def _num_channels(self) -> int:
+        return self.receiver.num_channels if self.receiver else 0
 
     async def shutdown(self) -> None:
         if self._reaper is not None:

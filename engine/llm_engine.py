@@ -5,7 +5,7 @@ allocates and frees them for ordinary requests; `reserve`/`release` manage block
 for KV that another worker will push; a `prefill_only` request keeps its blocks after its
 first token until `release` (its KV is being sent). A request can resume from outputs made
 elsewhere (`add_request(output_token_ids=...)`, `add_prefilled`). An error while sampling or
-detokenizing one request ends only that one, with finish reason "error".
+detokenizing one request ends only that one, with finish reason ERROR.
 
 Prefix caching: blocks are reference counted (engine/kv_cache.py). After each step every block a
 request just filled is registered under its content hash; admission (scheduler) and `reserve`
@@ -33,7 +33,7 @@ from engine.scheduler import PrefixStats, Scheduler
 from engine.telemetry import StepLog
 from protocol.block_hash import block_hashes
 from protocol.errors import InvalidRequest
-from protocol.outputs import RequestOutput
+from protocol.outputs import FinishReason, RequestOutput
 from protocol.sampling import SamplingParams
 from protocol.telemetry import TokenKind
 from protocol.validation import RequestValidator, validate_request_id
@@ -119,7 +119,7 @@ class LLMEngine:
         return Request(request_id, ids, sampling, IncrementalDetokenizer(self.tokenizer, ids, sampling.stop),
                        eos_token_ids=self.eos_token_ids, prefill_only=prefill_only, arrival=next(self._arrivals))
 
-    def _replay(self, req: Request, output_token_ids: list[int], emitted_chars: int) -> str | None:
+    def _replay(self, req: Request, output_token_ids: list[int], emitted_chars: int) -> FinishReason | None:
         """Re-append outputs made elsewhere, so the detokenizer sees them as if made here; the
         finish reason they already cause, if any (later outputs are then dropped)."""
         reason = None
@@ -130,7 +130,7 @@ class LLMEngine:
         req.detokenizer.mark_emitted(emitted_chars)
         return reason
 
-    def _finish_at_admission(self, req: Request, reason: str) -> None:
+    def _finish_at_admission(self, req: Request, reason: FinishReason) -> None:
         self._finish(req, reason)
         self._ready.append(self._output(req, [], req.detokenizer.take_delta(final=True), reason))
 
@@ -305,39 +305,39 @@ class LLMEngine:
     def _emit_token(self, req: Request, token: int) -> RequestOutput:
         reason = self._append_token(req, token)
         if reason is None and req.prefill_only:
-            reason = "prefilled"
+            reason = FinishReason.PREFILLED
         # a prefilled request goes on elsewhere: hold back a partial stop string as if unfinished
-        text = req.detokenizer.take_delta(final=reason not in (None, "prefilled"))
+        text = req.detokenizer.take_delta(final=reason not in (None, FinishReason.PREFILLED))
         if reason is not None:
             self._finish(req, reason)
         return self._output(req, [token], text, reason)
 
-    def _output(self, req: Request, token_ids: list[int], text: str, reason: str | None) -> RequestOutput:
+    def _output(self, req: Request, token_ids: list[int], text: str, reason: FinishReason | None) -> RequestOutput:
         return RequestOutput(req.request_id, token_ids, text, reason, req.num_prompt_tokens,
                              len(req.output_token_ids), num_cached_tokens=req.num_cached_tokens)
 
-    def _append_token(self, req: Request, token: int) -> str | None:
-        """Record one output token; the finish reason ("stop" or "length") it causes, if any."""
+    def _append_token(self, req: Request, token: int) -> FinishReason | None:
+        """Record one output token; the finish reason (STOP or LENGTH) it causes, if any."""
         req.output_token_ids.append(token)
         hit_stop_string = req.detokenizer.add_token(token)
         p = req.sampling
         if hit_stop_string or token in p.stop_token_ids or (token in req.eos_token_ids and not p.ignore_eos):
-            return "stop"
+            return FinishReason.STOP
         if len(req.output_token_ids) >= p.max_tokens:
-            return "length"
+            return FinishReason.LENGTH
         return None
 
-    def _finish(self, req: Request, reason: str) -> None:
+    def _finish(self, req: Request, reason: FinishReason) -> None:
         req.finish_reason = reason
-        keep = reason == "prefilled"
+        keep = reason is FinishReason.PREFILLED
         self.scheduler.finish(req, keep_blocks=keep)
         if not keep:
             self.requests.pop(req.request_id, None)
 
     def _fail(self, req: Request, error: str) -> RequestOutput:
-        """End `req` with finish reason "error" (its blocks freed); `error` is the output's text."""
-        self._finish(req, "error")
-        return self._output(req, [], error, "error")
+        """End `req` with finish reason ERROR (its blocks freed); `error` is the output's text."""
+        self._finish(req, FinishReason.ERROR)
+        return self._output(req, [], error, FinishReason.ERROR)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Drop a request wherever it is; frees its blocks. None if unknown."""
@@ -350,11 +350,11 @@ class LLMEngine:
         if req.status is Status.FINISHED:
             self.release(request_id)
             return None
-        self._finish(req, "abort")
-        return self._output(req, [], "", "abort")
+        self._finish(req, FinishReason.ABORT)
+        return self._output(req, [], "", FinishReason.ABORT)
 
     def fail_all(self, reason: str) -> list[RequestOutput]:
-        """End every waiting or running request with finish reason "error", freeing its blocks."""
+        """End every waiting or running request with finish reason ERROR, freeing its blocks."""
         failed = list(self.scheduler.running) + list(self.scheduler.waiting)
         return [self._fail(req, reason) for req in failed]
 

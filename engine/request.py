@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 
 from engine.telemetry import RequestTiming
 from protocol.block_hash import extend_hashes
+from protocol.outputs import FinishReason
 from protocol.sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -48,7 +49,7 @@ class Request:
     block_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: Status = Status.WAITING
-    finish_reason: str | None = None
+    finish_reason: FinishReason | None = None
     generator: torch.Generator | None = None  # a seeded request's own; the sampler re-seeds it per draw
     num_preemptions: int = 0
     num_cached_tokens: int = 0  # tokens found in the prefix cache at the first admission

@@ -7,7 +7,7 @@ block included) once its first token is sampled. Not streamed: all of it then, i
 A stream opened before its decode reservation came back (skip_blocks None) cuts nothing until
 `aim` says how many leading blocks the decode side holds; the computing goes on meanwhile.
 Ray does not keep an async actor's calls in order, so an `aim` may come before its prefill has
-opened the stream: it is kept (EARLY_AIM_MEMORY_S at most) and taken when the stream opens.
+opened the stream: it is kept (worker_runtime/tombstones.py) and taken when the stream opens.
 Everything here runs on the engine loop thread (`after_step`, and `loop.call` for a piece's
 end), so it reads the engine directly. A piece's blocks are pinned (engine.pin) from its cut
 until its send ended: a preemption, abort or finish never frees blocks on the wire. A stream
@@ -21,8 +21,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -32,10 +31,10 @@ from engine.request import Status
 from kv_transfer import KVSender
 from worker_runtime.engine_loop import EngineLoop
 from worker_runtime.faults import Faults
+from worker_runtime.tombstones import Tombstones
 
 log = logging.getLogger(__name__)
 OnFailed = Callable[[str, str, str], None]  # (request id, decode worker, reason), once per stream
-EARLY_AIM_MEMORY_S = 120.0  # an aim that found no stream and none opened (it had ended already) is dropped
 
 
 @dataclass
@@ -61,14 +60,15 @@ class KVPusher:
         self._on_failed = on_failed
         self._on_ended = on_ended
         self._streams: dict[str, KVStream] = {}  # loop thread only
-        self._early_aims: OrderedDict[str, tuple[int, float]] = OrderedDict()  # id -> (skip_blocks, when)
+        # id -> skip_blocks of an aim that found no stream; one whose stream never opens expires
+        self._early_aims: Tombstones[int] = Tombstones()
 
     def open(self, request_id: str, decode_name: str, skip_blocks: int | None) -> None:
         """Loop thread, right after the request was added: `skip_blocks` the decode side holds
         (None: not known yet; `aim` tells it, or told it already)."""
-        aimed = self._early_aims.pop(request_id, None)
+        aimed = self._early_aims.pop(request_id)
         if skip_blocks is None and aimed is not None:
-            skip_blocks = aimed[0]
+            skip_blocks = aimed
         self._streams[request_id] = KVStream(request_id, decode_name, skip_blocks)
 
     def aim(self, e: LLMEngine, request_id: str, skip_blocks: int) -> bool:
@@ -77,7 +77,7 @@ class KVPusher:
         prefill call has not reached the engine yet). False if the stream was abandoned (aborted)."""
         stream = self._streams.get(request_id)
         if stream is None:
-            self._keep_early_aim(request_id, skip_blocks)
+            self._early_aims.add(request_id, skip_blocks)
             return True
         if stream.abandoned:
             return False
@@ -86,15 +86,9 @@ class KVPusher:
             self.after_step(e)
         return True
 
-    def _keep_early_aim(self, request_id: str, skip_blocks: int) -> None:
-        now = time.monotonic()
-        while self._early_aims and now - next(iter(self._early_aims.values()))[1] > EARLY_AIM_MEMORY_S:
-            self._early_aims.popitem(last=False)
-        self._early_aims[request_id] = (skip_blocks, now)
-
     def abandon(self, e: LLMEngine, request_id: str) -> None:
         """Loop thread: the request was cancelled; send nothing more, report nothing."""
-        self._early_aims.pop(request_id, None)
+        self._early_aims.pop(request_id)
         stream = self._streams.get(request_id)
         if stream is not None:
             stream.abandoned = stream.complete = True

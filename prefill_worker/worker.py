@@ -22,23 +22,22 @@ from engine.llm_engine import LLMEngine
 from kv_transfer import KVSender, KVTransferConfig
 from prefill_worker.push import KVPusher
 from protocol.deadline import within
-from protocol.messages import PrefillResult, PrefillTask, TransferFailed, WorkerInfo, WorkerStats
-from protocol.outputs import RequestOutput
-from protocol.telemetry import StepRecord
-from worker_runtime.core import WorkerCore
+from protocol.messages import PrefillResult, PrefillTask, TransferFailed
+from protocol.outputs import FinishReason, RequestOutput
+from worker_runtime.core import WorkerCalls, WorkerCore
 from worker_runtime.faults import FaultConfig, Faults
 from worker_runtime.outbox import Outbox
+from worker_runtime.tombstones import Tombstones
 
 log = logging.getLogger(__name__)
 KILL_DELAY_S = 0.05  # a kill "after the first token" lets the result leave first
-ABORTED_MEMORY_S = 120.0
 
 
 class PrefillFailed(RuntimeError):
     """The engine failed on this request (not the worker): the router does not retry it."""
 
 
-class PrefillWorker:
+class PrefillWorker(WorkerCalls):
     def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig, cpu: int | None = None,
                  faults: FaultConfig | None = None):
         self.faults = Faults(faults, name)
@@ -53,12 +52,7 @@ class PrefillWorker:
         self._peers: dict[str, object] = {}  # decode worker name -> actor handle
         self.outbox: Outbox[TransferFailed] = Outbox()  # failed sends, for the router's poll
         self._tasks: set[asyncio.Task] = set()
-        self._aborted: dict[str, float] = {}  # request id -> when; a late prefill is refused
-
-    async def ready(self) -> WorkerInfo:
-        self.core.bind()
-        self.outbox.bind()
-        return self.core.info()
+        self._aborted: Tombstones[None] = Tombstones()  # a late prefill or aim for these is refused
 
     async def prefill(self, task: PrefillTask, decode_actor=None) -> PrefillResult:
         """`decode_actor` comes with the first request for a decode worker and is kept."""
@@ -71,11 +65,11 @@ class PrefillWorker:
         if task.request_id in self._aborted:
             raise asyncio.CancelledError(f"{task.request_id} was cancelled")
         out = await self._first_token(task, arrived)
-        if out.finish_reason == "error":
+        if out.finish_reason is FinishReason.ERROR:
             raise PrefillFailed(f"prefill failed on {self.core.name}: {out.text}")
         if not out.token_ids:  # the outputs it resumed from had already ended it: a router bug
             raise PrefillFailed(f"{task.request_id} was already finished ({out.finish_reason}) when resumed")
-        if out.finish_reason == "prefilled":  # the KV's last piece is on its way already
+        if out.finish_reason is FinishReason.PREFILLED:  # the KV's last piece is on its way already
             self.core.aio.call_later(KILL_DELAY_S, self.faults.maybe_kill, "prefill.after_first_token")
         return PrefillResult(task.request_id, out.token_ids[0], out.text, out.finish_reason,
                              time.perf_counter() - arrived, out.num_cached_tokens, out.step_kind, out.prefill_timing)
@@ -145,15 +139,9 @@ class PrefillWorker:
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def poll(self, timeout_s: float = 1.0) -> list[TransferFailed]:
-        """Failed sends since the last poll; waits up to `timeout_s` for at least one."""
-        return await self.outbox.poll(timeout_s)
-
     # ---- admin ----------------------------------------------------------------------
     async def abort(self, request_id: str) -> None:
-        now = time.monotonic()
-        self._aborted = {rid: t for rid, t in self._aborted.items() if now - t < ABORTED_MEMORY_S}
-        self._aborted[request_id] = now
+        self._aborted.add(request_id)
         waiter = self._waiters.pop(request_id, None)
         if waiter is not None and not waiter.done():
             waiter.cancel()
@@ -163,16 +151,8 @@ class PrefillWorker:
         self._peers.pop(decode_name, None)
         await asyncio.to_thread(self.sender.close_channel, decode_name)
 
-    async def stats(self, resync: bool = False) -> WorkerStats:
-        """Load, block counts and the prefix-cache changes since the last call (all of it if `resync`)."""
-        return await self.core.stats(self.sender.num_channels, resync)
-
-    async def telemetry(self, since: int = 0) -> list[StepRecord]:
-        """Per-step records after `since`, for `pdserve bench`'s bottleneck report."""
-        return await self.core.telemetry(since)
-
-    async def check(self) -> dict:
-        return await self.core.check()
+    def _num_channels(self) -> int:
+        return self.sender.num_channels
 
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.sender.shutdown)

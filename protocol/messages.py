@@ -12,6 +12,9 @@ The disaggregated hand-off, one attempt of one request (ids are the router's att
   decode -> router   `RequestOutput`s   tokens, then finished / failed (retryable or not)
   prefill -> router  `TransferFailed`   every failed send, also told to the decode side
 
+Colocated, one attempt is one call: router -> decode `GenerateTask` (prefill and decode there),
+then `RequestOutput`s as above.
+
 Prefix cache state reaches the router as diffs: each `WorkerStats` carries a `CacheDelta` with the
 next sequence number; a gap (a lost or reordered reply) means the router's copy is stale and it
 asks for a snapshot (`stats(resync=True)`), which replaces its copy.
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from protocol.outputs import FinishReason
 from protocol.sampling import SamplingParams
 from protocol.telemetry import PrefillTiming
 
@@ -101,7 +105,7 @@ class PrefillResult:
     request_id: str
     token_id: int
     text: str
-    finish_reason: str | None  # "prefilled" = KV is on its way to the decode worker
+    finish_reason: FinishReason | None  # PREFILLED: the KV is on its way to the decode worker
     prefill_s: float  # worker-side time from arrival to first token (queueing + compute)
     cached_tokens: int = 0  # context tokens whose KV came from the prefill worker's prefix cache
     step_kind: str = "F"  # protocol.telemetry.TokenKind of the token: F, or M after a migration
@@ -119,6 +123,18 @@ class StartDecode:
     sampling: SamplingParams
     emitted_chars: int
     kv_timeout_s: float  # the KV must land within this after start, else the lease ends
+
+
+@dataclass(frozen=True)
+class GenerateTask:
+    """Colocated: prefill prompt + outputs and decode on one decode-pool worker (outputs: tokens
+    already streamed by an earlier attempt)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    output_token_ids: list[int] = field(default_factory=list)
+    emitted_chars: int = 0  # characters of text already streamed to the client
 
 
 @dataclass(frozen=True)

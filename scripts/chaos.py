@@ -38,6 +38,7 @@ from proto import pdserve_pb2_grpc as pb_grpc  # noqa: E402
 from router.config.loader import parse_config  # noqa: E402
 from router.config.schema import ClusterConfig  # noqa: E402
 from router.launch import LocalCluster  # noqa: E402
+from router.pools.worker_view import WorkerState  # noqa: E402
 from scripts.chaos_requests import Outcome, Spec, make_specs, mismatch, to_proto  # noqa: E402
 
 TARGET_COMPLETION = 0.99
@@ -206,7 +207,7 @@ class Soak:
 
 
 async def _ready_views(cluster: LocalCluster) -> list:
-    return [v for v in cluster.router.pools.all() if v.state == "ready"]
+    return [v for v in cluster.router.pools.all() if v.state is WorkerState.READY]
 
 
 # ---- after the load: pools healed, blocks freed ---------------------------------------------

@@ -58,7 +58,8 @@ def reference(engine: LLMEngine, specs: list[Spec]) -> list[Spec]:
             for o in engine.step():
                 tokens[o.request_id] += o.token_ids
                 text[o.request_id] += o.text
-                finish[o.request_id] = o.finish_reason
+                if o.finished:
+                    finish[o.request_id] = o.finish_reason.public  # as the client reads it over gRPC
         done += [Spec(s.prompt, s.sampling, tokens[rid], text[rid], finish[rid]) for rid, s in batch.items()]
     return done
 

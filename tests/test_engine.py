@@ -10,7 +10,7 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from protocol.outputs import RequestOutput
+from protocol.outputs import FinishReason, RequestOutput
 from protocol.sampling import SamplingParams
 from tests.reference import hf_greedy
 
@@ -163,7 +163,7 @@ def test_a_resumed_request_continues_as_if_uninterrupted(llama_dir, sampling):
         rest = _outputs_to_end(engine)[f"r{k}"]
         assert _tokens(rest) == tokens[k:], f"resumed after {k} outputs"
         assert sent + _text(rest) == _text(whole)
-        assert (rest[-1].finish_reason, rest[-1].num_output_tokens) == ("length", 10)
+        assert (rest[-1].finish_reason, rest[-1].num_output_tokens) == (FinishReason.LENGTH, 10)
 
 
 def test_resumed_outputs_that_already_stop_finish_at_once(llama_dir):
@@ -171,11 +171,11 @@ def test_resumed_outputs_that_already_stop_finish_at_once(llama_dir):
     sampling = SamplingParams(max_tokens=10, stop_token_ids=(500,))
     req = engine.add_request("done", prompt_token_ids=[5, 6, 7], sampling=sampling,
                              output_token_ids=[300, 500, 301], emitted_chars=0)
-    assert req.finish_reason == "stop" and req.output_token_ids == [300, 500]
+    assert req.finish_reason is FinishReason.STOP and req.output_token_ids == [300, 500]
     assert "done" not in engine.requests and engine.has_unfinished()
     out = engine.step()
     expected = engine.tokenizer.decode([300, 500], skip_special_tokens=True)
-    assert [(o.request_id, o.token_ids, o.text, o.finish_reason) for o in out] == [("done", [], expected, "stop")]
+    assert [(o.request_id, o.token_ids, o.text, o.finish_reason) for o in out] == [("done", [], expected, FinishReason.STOP)]
     assert not engine.has_unfinished() and engine.allocator.num_used == 0
 
 
@@ -196,7 +196,7 @@ def _hand_off(engine: LLMEngine, prompt: list[int], sampling: SamplingParams) ->
     blocks, admit that one with `add_prefilled`, and run it to the end."""
     engine.add_request("pre", prompt_token_ids=prompt, sampling=sampling, prefill_only=True)
     (prefilled,) = engine.step()
-    assert prefilled.finish_reason == "prefilled"
+    assert prefilled.finish_reason is FinishReason.PREFILLED
     dst, _ = engine.reserve("dec", len(prompt) + sampling.max_tokens)
     src = engine.requests["pre"].block_ids
     n = engine.blocks_for(len(prompt))
@@ -217,7 +217,7 @@ def test_hand_off_streams_every_character_once(llama_dir):
     assert prefilled.text == whole[0].text  # what an unfinished request would send: the held back part stays
     assert prefilled.token_ids + _tokens(decoded) == _tokens(whole) == hf_greedy(llama_dir, prompt, 12, ignore_eos=True)
     assert prefilled.text + _text(decoded) == _text(whole)
-    assert decoded[-1].finish_reason == "length"
+    assert decoded[-1].finish_reason is FinishReason.LENGTH
 
 
 def test_a_stop_string_across_the_hand_off_never_leaks(llama_dir):
@@ -228,17 +228,17 @@ def test_a_stop_string_across_the_hand_off_never_leaks(llama_dir):
     prefilled, decoded = _hand_off(engine, prompt, sampling)
     assert prefilled.text == deltas[0][:-1]
     assert _text(decoded) == ""  # the text ends right before the stop string: nothing more to send
-    assert len(_tokens(decoded)) == 1 and decoded[-1].finish_reason == "stop"
+    assert len(_tokens(decoded)) == 1 and decoded[-1].finish_reason is FinishReason.STOP
 
 
 def test_add_prefilled_of_a_finished_request_frees_its_blocks(llama_dir):
     engine = _engine(llama_dir)
     engine.reserve("full", 20)
     req = engine.add_prefilled("full", [5, 6, 7], [300, 301, 302], SamplingParams(max_tokens=3), emitted_chars=1)
-    assert req.finish_reason == "length" and engine.allocator.num_used == 0 and not engine.reserved
+    assert req.finish_reason is FinishReason.LENGTH and engine.allocator.num_used == 0 and not engine.reserved
     text = engine.tokenizer.decode([300, 301, 302], skip_special_tokens=True)
     assert [(o.token_ids, o.text, o.finish_reason, o.num_output_tokens) for o in engine.step()] == [
-        ([], text[1:], "length", 3)]
+        ([], text[1:], FinishReason.LENGTH, 3)]
     assert not engine.has_unfinished()
     engine.check()
 

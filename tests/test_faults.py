@@ -42,7 +42,7 @@ def _no_leaks(cluster: LocalCluster, timeout: float = 5.0) -> None:
     """Every live worker's pool is whole again (within `timeout`: aborts are asynchronous)."""
     def whole() -> bool:
         counts = [ray.get(w.actor.check.remote(), timeout=10) for w in cluster.router.pools.all()
-                  if w.state != "stopped"]
+                  if not w.stopped]
         return all(c["used"] == 0 and c["free"] == c["total"] for c in counts)
     _wait(whole, timeout, "every KV block to be free")
 

@@ -12,6 +12,7 @@ import pytest
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from prefill_worker.push import KVPusher
+from protocol.outputs import FinishReason
 from protocol.sampling import SamplingParams
 from worker_runtime.faults import FaultConfig, Faults
 
@@ -88,7 +89,7 @@ def test_each_chunk_s_full_blocks_leave_after_its_step_the_rest_after_the_first_
     h.add(100)  # 100 tokens, chunks of 32, blocks of 16: full blocks 2, 4, 6, then 7 with the partial one
     for expected in ([0], [0, 2], [0, 2, 4]):
         assert h.step() == [] and h.firsts() == expected
-    assert h.step()[0].finish_reason == "prefilled" and h.firsts() == [0, 2, 4, 6]
+    assert h.step()[0].finish_reason is FinishReason.PREFILLED and h.firsts() == [0, 2, 4, 6]
     blocks = h.engine.requests[RID].block_ids
     assert [ids for _, ids, _ in h.sender.pieces] == [blocks[0:2], blocks[2:4], blocks[4:6], blocks[6:7]]
     assert h.engine.allocator.num_used == 7 and sum(h.engine.pinned.values()) == 7
@@ -169,7 +170,7 @@ def test_a_stream_opened_before_its_reservation_sends_nothing_until_aimed(h):
     assert h.firsts() == [3]
     assert h.pusher.aim(h.engine, RID, 0) and h.firsts() == [3]  # a second aim changes nothing
     h.step()
-    assert h.step()[0].finish_reason == "prefilled" and h.firsts() == [3, 4, 6]
+    assert h.step()[0].finish_reason is FinishReason.PREFILLED and h.firsts() == [3, 4, 6]
     h.finish_pieces()
     assert h.engine.allocator.num_used == 0 and h.ended == [RID] and not h.failed
 
@@ -178,7 +179,7 @@ def test_aimed_after_the_first_token_sends_everything_at_once(h):
     h.add(100, skip=None)
     for _ in range(3):
         h.step()
-    assert h.step()[0].finish_reason == "prefilled" and h.firsts() == []
+    assert h.step()[0].finish_reason is FinishReason.PREFILLED and h.firsts() == []
     assert h.engine.allocator.num_used == 7  # held for the reservation
     assert h.pusher.aim(h.engine, RID, 0)
     assert h.firsts() == [0] and len(h.sender.pieces[0][1]) == 7
@@ -204,6 +205,6 @@ def test_an_aim_before_its_stream_opens_is_taken_when_it_opens(h):
     h.step()
     assert h.firsts() == [2]  # aimed from the start: the full blocks past the held two leave at once
     h.step()
-    assert h.step()[0].finish_reason == "prefilled" and h.firsts() == [2, 4, 6]
+    assert h.step()[0].finish_reason is FinishReason.PREFILLED and h.firsts() == [2, 4, 6]
     h.finish_pieces()
     assert h.engine.allocator.num_used == 0 and h.ended == [RID] and not h.failed

@@ -28,7 +28,7 @@ def _no_leaks(cluster: LocalCluster, timeout: float = 10.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         counts = [ray.get(w.actor.check.remote(), timeout=10) for w in cluster.router.pools.all()
-                  if w.state != "stopped"]
+                  if not w.stopped]
         if all(c["used"] == 0 and c["free"] == c["total"] for c in counts):
             return
         assert time.monotonic() < deadline, f"blocks still held: {counts}"

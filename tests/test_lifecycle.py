@@ -1,12 +1,15 @@
 """The router's per-request state (router/lifecycle/life.py): allowed transitions, who holds state
-in each phase, and that events of an earlier attempt never reach the client."""
+in each phase, and that events of an earlier attempt never reach the client; and its per-worker
+bookkeeping (router/pools/worker_view.py): state transitions, attempts held, free blocks."""
 
 from __future__ import annotations
 
 import pytest
 
+from protocol.messages import WorkerInfo
 from protocol.sampling import SamplingParams
 from router.lifecycle.life import TRANSITIONS, Phase, RequestLife
+from router.pools.worker_view import WorkerState, WorkerView
 
 
 def _life() -> RequestLife:
@@ -80,3 +83,33 @@ def test_only_listed_transitions_are_allowed(src):
 def test_ended_phases_are_final():
     for phase in (Phase.FINISHED, Phase.FAILED, Phase.CANCELLED):
         assert TRANSITIONS[phase] == frozenset()
+
+
+def _view() -> WorkerView:
+    return WorkerView(WorkerInfo("decode-0", "decode", "127.0.0.1", 100, 16), actor=None, free_blocks=40)
+
+
+def test_a_worker_drains_then_stops_and_stopped_is_final():
+    w = _view()
+    assert (w.state, w.accepting, w.stopped) == (WorkerState.READY, True, False)
+    w.drain()
+    assert (w.state, w.accepting, w.stopped) == (WorkerState.DRAINING, False, False)
+    assert w.stop() and not w.stop()  # the second caller learns someone else took it out
+    w.drain()
+    assert (w.state, w.accepting, w.stopped) == (WorkerState.STOPPED, False, True)
+
+
+def test_a_worker_counts_the_attempts_it_holds_and_estimates_free_blocks():
+    w = _view()
+    w.hold("a.0", prefill_tokens=30)
+    w.hold("b.0")
+    assert (w.inflight, w.prefill_tokens, w.load) == ({"a.0", "b.0"}, {"a.0": 30}, 2)
+    w.release("a.0")
+    w.release("a.0")  # idempotent: a cancel and a finish may both release
+    assert (w.inflight, w.prefill_tokens) == ({"b.0"}, {})
+    w.took_blocks(12)
+    assert w.free_blocks == 28
+    w.had_no_room(20)  # refused 20 blocks: at most 19 are free
+    assert w.free_blocks == 19
+    w.had_no_room(30)  # a larger refusal says nothing new
+    assert w.free_blocks == 19

@@ -65,9 +65,9 @@ def test_cache_aware_prefill_weighs_the_held_prefix_against_queued_work():
     n = len(PROMPT) + 8  # the cached prompt plus a new turn
     hashes = _hashes(PROMPT + list(range(8)))
     assert placer.pick_prefill([a, b], hashes, n) is a  # idle pool: the prefix wins
-    a.prefill_tokens["x"] = 30  # behind by less than the 36 tokens it saves
+    a.hold("x", prefill_tokens=30)  # behind by less than the 36 tokens it saves
     assert placer.pick_prefill([a, b], hashes, n) is a
-    a.prefill_tokens["y"] = 20  # behind by more: the other worker finishes first
+    a.hold("y", prefill_tokens=20)  # behind by more: the other worker finishes first
     assert placer.pick_prefill([a, b], hashes, n) is b
     fresh = _hashes(list(range(500, 540)))
     assert placer.pick_prefill([a, b], fresh, 40) is b  # no prefix anywhere: least queued tokens
@@ -79,7 +79,7 @@ def test_load_and_round_robin_ignore_the_cache():
     a, b = _view("prefill-0"), _view("prefill-1")
     for placer in (load, rr):
         placer.index["prefill"].apply(a.name, CacheDelta(1, tuple(H), (), False))
-    a.inflight.add("busy")
+    a.hold("busy")
     assert load.pick_prefill([a, b], H, len(PROMPT)) is b
     assert [rr.pick_prefill([a, b], H, len(PROMPT)).name for _ in range(4)] == ["prefill-0", "prefill-1"] * 2
     d0, d1 = _view("decode-0", "decode", free=50), _view("decode-1", "decode", free=80)

@@ -13,7 +13,9 @@ from google.protobuf import descriptor_pb2
 
 from proto import pdserve_pb2 as pb
 from protocol.errors import InvalidRequest
+from protocol.outputs import FinishReason
 from protocol.sampling import SamplingParams
+from protocol.usage import Usage
 from router.frontdoor.grpc_convert import pool_status_to_proto, sampling_from_proto, usage_to_proto
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -96,15 +98,20 @@ def test_has_seed_is_gone_and_reserved():
     assert list(declared.reserved_name) == ["has_seed"]
 
 
-def test_usage_to_proto_copies_every_key():
-    usage = {"prompt_tokens": 11, "completion_tokens": 5, "ttft_ms": 1.5, "queue_ms": 0.25,
-             "prefill_worker": "prefill-0", "decode_worker": "decode-1", "prefill_ms": 2.5,
-             "kv_transfer_ms": 0.75, "kv_transfer_bytes": 4096, "migrations": 2, "cached_tokens": 32,
-             "kv_cached_blocks": 2, "kv_wait_ms": 0.5, "prefill_queue_ms": 1.25, "prefill_compute_ms": 3.5,
-             "token_steps": "FKDI"}
-    msg = usage_to_proto(usage)
-    assert {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields} == usage
-    assert usage_to_proto({}) == pb.Usage()
+def test_usage_to_proto_copies_every_field():
+    expected = {"prompt_tokens": 11, "completion_tokens": 5, "ttft_ms": 1.5, "queue_ms": 0.25,
+                "prefill_worker": "prefill-0", "decode_worker": "decode-1", "prefill_ms": 2.5,
+                "kv_transfer_ms": 0.75, "kv_transfer_bytes": 4096, "migrations": 2, "cached_tokens": 32,
+                "kv_cached_blocks": 2, "kv_wait_ms": 0.5, "prefill_queue_ms": 1.25, "prefill_compute_ms": 3.5,
+                "token_steps": "FKDI"}
+    msg = usage_to_proto(Usage(**expected))
+    assert {f.name: getattr(msg, f.name) for f in msg.DESCRIPTOR.fields} == expected
+    assert usage_to_proto(Usage()) == pb.Usage()
+
+
+def test_a_client_reads_each_finish_reason_as_its_text_and_an_abort_as_cancelled():
+    assert [(r.value, r.public) for r in FinishReason] == [
+        ("stop", "stop"), ("length", "length"), ("abort", "cancelled"), ("prefilled", "prefilled"), ("error", "error")]
 
 
 def test_pool_status_to_proto():

@@ -1,18 +1,26 @@
-"""Router Prometheus metrics, scraped over HTTP the way Prometheus does."""
+"""Router Prometheus metrics, scraped over HTTP the way Prometheus does; the request log's lines."""
 
 from __future__ import annotations
 
 import asyncio
+import io
+import json
+import time
 import urllib.request
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from protocol.outputs import FinishReason
+from protocol.sampling import SamplingParams
+from protocol.usage import Usage
 from router.frontdoor.access import Gate
 from router.frontdoor.guards import Refusals
 from router.lifecycle.admission import Admission
+from router.lifecycle.life import RequestLife
 from router.observability.metrics import RouterMetrics
 from router.observability.metrics_server import start_metrics_server
+from router.observability.request_log import RequestLog
 
 
 def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -46,7 +54,7 @@ def test_request_latencies_and_counters_are_scraped(served):
     metrics.observe_first_token(1.7)
     for gap in (0.02, 0.03, 0.0):
         metrics.observe_token(gap)
-    metrics.observe_finish("length", 2.5)
+    metrics.observe_finish(FinishReason.LENGTH, 2.5)  # labelled with its text
     metrics.observe_error("RESOURCE_EXHAUSTED")
     samples = _scrape(url)
     assert samples[("pdserve_ttft_seconds_count", ())] == 2
@@ -127,3 +135,23 @@ def test_the_router_queue_gauge_follows_admission():
 
     assert asyncio.run(scenario())[:2] == [1, 1]
     assert queued() == 0
+
+
+def test_a_request_log_line_carries_the_finish_text_and_the_usage_figures():
+    handle = io.StringIO()
+    log = RequestLog(handle, with_prompts=False)
+    life = RequestLife("req-1", 3, list(range(20)), SamplingParams(), time.perf_counter())
+    life.record([7, 8], "ab")
+    usage = Usage(prompt_tokens=20, completion_tokens=2, ttft_ms=4.5, queue_ms=1.25, prefill_worker="prefill-0",
+                  decode_worker="decode-1", prefill_ms=3.0, kv_transfer_ms=0.5, kv_transfer_bytes=2048,
+                  migrations=1, cached_tokens=16, kv_cached_blocks=1, kv_wait_ms=0.25, prefill_queue_ms=0.75,
+                  prefill_compute_ms=2.0, token_steps="FK")
+    log.write(life, FinishReason.LENGTH, usage)
+    line = json.loads(handle.getvalue())
+    timings = {k: line.pop(k) for k in ("timestamp", "time_unix", "e2e_ms")}
+    assert all(isinstance(v, float) for v in timings.values())
+    assert line == {"input_length": 20, "output_length": 2, "hash_ids": [], "request_id": "req-1",
+                    "finish_reason": "length", "ttft_ms": 4.5, "queue_ms": 1.25, "prefill_worker": "prefill-0",
+                    "decode_worker": "decode-1", "prefill_ms": 3.0, "kv_transfer_ms": 0.5, "kv_transfer_bytes": 2048,
+                    "migrations": 1, "cached_tokens": 16, "kv_cached_blocks": 1, "kv_wait_ms": 0.25,
+                    "prefill_queue_ms": 0.75, "prefill_compute_ms": 2.0}

@@ -15,7 +15,7 @@ from engine.llm_engine import LLMEngine
 from engine.request import Request
 from engine.sampler import sample
 from protocol.errors import InvalidRequest
-from protocol.outputs import RequestOutput
+from protocol.outputs import FinishReason, RequestOutput
 from protocol.sampling import SamplingParams
 from worker_runtime.engine_loop import EngineLoop
 
@@ -89,7 +89,7 @@ def test_stop_string_cuts_text_and_never_leaks(engine):
     while engine.has_unfinished():
         for o in engine.step():
             full += o.text
-    assert req.finish_reason == "length"
+    assert req.finish_reason is FinishReason.LENGTH
     stop = full[5:8]
     assert stop and stop not in full[:5]
     engine.add_request("s1", prompt_token_ids=[21, 22, 23],
@@ -100,7 +100,7 @@ def test_stop_string_cuts_text_and_never_leaks(engine):
             texts.append(o.text)
             reasons.append(o.finish_reason)
     assert "".join(texts) == full[:full.index(stop)]
-    assert reasons[-1] == "stop"
+    assert reasons[-1] is FinishReason.STOP
     engine.check()
 
 
@@ -131,7 +131,7 @@ def test_bad_requests_are_refused_without_disturbing_others(engine, kwargs, mess
     assert set(engine.requests) == {"good"} and not engine.reserved
     while engine.has_unfinished():
         engine.step()
-    assert good.finish_reason == "length" and good.output_token_ids == undisturbed
+    assert good.finish_reason is FinishReason.LENGTH and good.output_token_ids == undisturbed
     engine.check()
     assert engine.allocator.num_used == 0
 
@@ -141,7 +141,7 @@ def test_abort_frees_blocks(engine):
     engine.step()
     assert engine.allocator.num_used > 0
     out = engine.abort("a")
-    assert out.finish_reason == "abort"
+    assert out.finish_reason is FinishReason.ABORT
     assert not engine.has_unfinished() and engine.allocator.num_used == 0
     engine.check()
 
@@ -157,7 +157,7 @@ def test_reserve_release_and_prefill_only_accounting(engine):
     outs = []
     while engine.has_unfinished():
         outs += engine.step()
-    assert [o.finish_reason for o in outs] == ["prefilled"] and len(outs[0].token_ids) == 1
+    assert [o.finish_reason for o in outs] == [FinishReason.PREFILLED] and len(outs[0].token_ids) == 1
     assert engine.allocator.num_used == len(req.block_ids) == 3  # kept for the KV push
     engine.check()
     engine.release("pre")
@@ -210,7 +210,7 @@ def _assert_only_the_victim_failed(undisturbed, outs, error: str) -> None:
         rid: uncached(o) for rid, o in undisturbed.items() if rid != "victim"}
     *before, last = outs["victim"]
     assert uncached(before) == uncached(undisturbed["victim"][:2])
-    assert (last.token_ids, last.text, last.finish_reason) == ([], error, "error")
+    assert (last.token_ids, last.text, last.finish_reason) == ([], error, FinishReason.ERROR)
 
 
 def test_a_request_whose_sampling_raises_fails_alone(engine, monkeypatch):
@@ -263,7 +263,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_lives_on(engine, monkeyp
     deadline = time.monotonic() + 10
     while not outputs and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert [(o.request_id, o.finish_reason) for o in outputs] == [("f", "error")] and "boom" in outputs[0].text
+    assert [(o.request_id, o.finish_reason) for o in outputs] == [("f", FinishReason.ERROR)] and "boom" in outputs[0].text
     monkeypatch.setattr(engine.runner, "execute", real_execute)
     assert loop.call(lambda e: e.allocator.num_used).result(10) == 0  # its blocks came back
     loop.call(lambda e: e.check()).result(10)
@@ -293,7 +293,7 @@ def test_before_step_runs_before_every_step_and_its_failure_fails_the_step(engin
         time.sleep(0.01)
     loop.stop()
     assert events == ["before", "step"] * 3 + ["before"]
-    assert [o.finish_reason for o in outputs] == [None, None, None, "error"]
+    assert [o.finish_reason for o in outputs] == [None, None, None, FinishReason.ERROR]
     assert "slow node" in outputs[-1].text
     assert engine.allocator.num_used == 0
     engine.check()

@@ -12,7 +12,8 @@ import ray
 from decode_worker.worker import DecodeWorker
 from kv_transfer import KVTransferConfig
 from prefill_worker.worker import PrefillWorker
-from protocol.messages import PrefillTask, Reservation, StartDecode
+from protocol.messages import GenerateTask, PrefillTask, Reservation, StartDecode
+from protocol.outputs import FinishReason
 from protocol.sampling import SamplingParams
 from tests.cluster_util import cluster_config
 from tests.reference import hf_greedy
@@ -67,7 +68,7 @@ def test_an_aim_that_overtakes_its_early_prefill_still_sends_the_kv(workers, lla
     assert ray.get(prefill.aim.remote("a.0", reserved.cached_blocks), timeout=30)  # before the prefill call
     task = PrefillTask("a.0", prompt, GREEDY, "decode-0", skip_blocks=None)  # as sent during the reservation
     res = ray.get(prefill.prefill.remote(task, decode), timeout=60)
-    assert res.finish_reason == "prefilled"
+    assert res.finish_reason is FinishReason.PREFILLED
     ray.get(decode.start.remote(StartDecode("a.0", prompt, [res.token_id], GREEDY, len(res.text), 30.0)), timeout=30)
     assert [res.token_id] + _tokens(decode, "a.0") == hf_greedy(llama_dir, prompt, 6, ignore_eos=True)
     assert _idle(prefill)["used"] == 0 and _idle(decode)["used"] == 0
@@ -86,7 +87,7 @@ def test_an_abort_that_overtakes_its_prefill_refuses_it(workers):
 def test_an_abort_that_overtakes_its_colocated_generate_leaves_nothing_running(workers):
     _, decode = workers
     ray.get(decode.abort.remote("c.0"), timeout=30)
-    ray.get(decode.generate.remote("c.0", _prompt(3), GREEDY), timeout=30)
+    ray.get(decode.generate.remote(GenerateTask("c.0", _prompt(3), GREEDY)), timeout=30)
     counts = _idle(decode)
     assert counts["used"] == 0 and counts["requests"] == 0 and counts["reserved"] == 0
 

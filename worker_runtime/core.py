@@ -2,7 +2,8 @@
 
 Worker actors are Ray async actors; their methods run on the actor's event loop and reach
 the engine only through `run(fn)`, which executes `fn(engine)` on the loop thread. No Ray in
-here: the actor passes its node's address in.
+here: the actor passes its node's address in. `WorkerCalls` is the part of each actor's Ray
+interface both answer alike (ready, poll, stats, telemetry, check), written once.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from protocol.outputs import RequestOutput
 from protocol.telemetry import StepRecord
 from worker_runtime.engine_loop import EngineLoop
 from worker_runtime.faults import Faults
+from worker_runtime.outbox import Outbox
 
 
 class WorkerCore:
@@ -87,3 +89,35 @@ class WorkerCore:
 
     def stop(self) -> None:
         self.loop.stop()
+
+
+class WorkerCalls:
+    """The actor calls both workers answer alike. An actor sets `core` and `outbox` (what its
+    router poll returns: a decode worker's outputs, a prefill worker's failed sends) and says
+    how many KV channels it holds."""
+
+    core: WorkerCore
+    outbox: Outbox
+
+    def _num_channels(self) -> int:
+        raise NotImplementedError
+
+    async def ready(self) -> WorkerInfo:
+        self.core.bind()
+        self.outbox.bind()
+        return self.core.info()
+
+    async def poll(self, timeout_s: float = 1.0) -> list:
+        """Everything the outbox got since the last poll; waits up to `timeout_s` for at least one."""
+        return await self.outbox.poll(timeout_s)
+
+    async def stats(self, resync: bool = False) -> WorkerStats:
+        """Load, block counts and the prefix-cache changes since the last call (all of it if `resync`)."""
+        return await self.core.stats(self._num_channels(), resync)
+
+    async def telemetry(self, since: int = 0) -> list[StepRecord]:
+        """Per-step records after `since`, for `pdserve bench`'s bottleneck report."""
+        return await self.core.telemetry(since)
+
+    async def check(self) -> dict:
+        return await self.core.check()

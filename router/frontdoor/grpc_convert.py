@@ -7,10 +7,12 @@ is passed through as given, so `SamplingParams.validate` refuses an explicit out
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
 from proto import pdserve_pb2 as pb
 from protocol.sampling import SamplingParams
+from protocol.usage import Usage
 
 _DEFAULTS = SamplingParams()  # the documented defaults: max_tokens 16, greedy, top_p 1, top_k off
 
@@ -36,15 +38,9 @@ def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
         stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
 
 
-def usage_to_proto(u: dict) -> pb.Usage:
-    return pb.Usage(prompt_tokens=u.get("prompt_tokens", 0), completion_tokens=u.get("completion_tokens", 0),
-                    ttft_ms=u.get("ttft_ms", 0.0), queue_ms=u.get("queue_ms", 0.0),
-                    prefill_worker=u.get("prefill_worker", ""), decode_worker=u.get("decode_worker", ""),
-                    prefill_ms=u.get("prefill_ms", 0.0), kv_transfer_ms=u.get("kv_transfer_ms", 0.0),
-                    kv_transfer_bytes=u.get("kv_transfer_bytes", 0), migrations=u.get("migrations", 0),
-                    cached_tokens=u.get("cached_tokens", 0), kv_cached_blocks=u.get("kv_cached_blocks", 0),
-                    kv_wait_ms=u.get("kv_wait_ms", 0.0), prefill_queue_ms=u.get("prefill_queue_ms", 0.0),
-                    prefill_compute_ms=u.get("prefill_compute_ms", 0.0), token_steps=u.get("token_steps", ""))
+def usage_to_proto(u: Usage) -> pb.Usage:
+    """Field for field: `Usage` has the proto's fields by name (tests/test_proto.py checks every one)."""
+    return pb.Usage(**dataclasses.asdict(u))
 
 
 def pool_status_to_proto(p: PoolView) -> pb.PoolStatus:

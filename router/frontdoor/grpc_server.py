@@ -58,7 +58,7 @@ class GenerationService(pb_grpc.GenerationServicer):
 
     @staticmethod
     def _response(rid: str, chunk: Chunk) -> pb.GenerateResponse:
-        finish = {"abort": "cancelled"}.get(chunk.finish_reason, chunk.finish_reason) or ""
+        finish = chunk.finish_reason.public if chunk.finish_reason is not None else ""
         msg = pb.GenerateResponse(request_id=rid, token_ids=chunk.token_ids, text=chunk.text, finish_reason=finish)
         if chunk.usage is not None:
             msg.usage.CopyFrom(usage_to_proto(chunk.usage))
@@ -80,7 +80,7 @@ class AdminService(pb_grpc.AdminServicer):
     @staticmethod
     def _worker(w) -> pb.WorkerStatus:
         s = w.stats
-        msg = pb.WorkerStatus(name=w.name, pool=w.info.pool, state=w.state, node_ip=w.info.node_ip,
+        msg = pb.WorkerStatus(name=w.name, pool=w.info.pool, state=w.state.value, node_ip=w.info.node_ip,
                               kv_blocks_total=w.info.num_blocks)
         if s is not None:
             msg.running, msg.waiting, msg.channels, msg.requests_served = s.running, s.waiting, s.channels, s.served

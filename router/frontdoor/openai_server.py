@@ -35,6 +35,7 @@ from starlette.routing import Route
 from protocol.deadline import within
 from protocol.errors import InvalidRequest
 from protocol.limits import CHAT_MAX_TOKENS
+from protocol.usage import Usage
 from router.config.schema import TLSSection
 from router.frontdoor.access import Gate
 from router.frontdoor.guards import HttpGuard, Refusals
@@ -94,11 +95,12 @@ class _Reply:
         return {"index": 0, **body, "logprobs": None, "finish_reason": finish, "token_ids": token_ids}
 
 
-def _usage(chunk: Chunk | None) -> dict[str, int]:
-    u = chunk.usage if chunk is not None and chunk.usage else {}
-    prompt, completion = u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-            "prompt_tokens_details": {"cached_tokens": u.get("cached_tokens", 0)}}
+def _usage(chunk: Chunk | None) -> dict[str, Any]:
+    """OpenAI's usage object for the request whose last chunk is `chunk` (zeros without one)."""
+    u = chunk.usage if chunk is not None and chunk.usage is not None else Usage()
+    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+            "total_tokens": u.prompt_tokens + u.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
 
 
 def _sse_json(body: dict) -> str:
@@ -106,7 +108,7 @@ def _sse_json(body: dict) -> str:
 
 
 def _finish(chunk: Chunk) -> str | None:
-    return {"abort": "cancelled"}.get(chunk.finish_reason, chunk.finish_reason)
+    return chunk.finish_reason.public if chunk.finish_reason is not None else None
 
 
 class ClientGone(Exception):

@@ -16,12 +16,13 @@ state on them, so a cancel at any moment reaches every worker that may hold some
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 
 from protocol.deadline import within
-from protocol.messages import PrefillTask, Reservation, Reserved, StartDecode
-from protocol.outputs import RequestOutput
+from protocol.messages import GenerateTask, PrefillTask, Reservation, Reserved, StartDecode
+from protocol.outputs import FinishReason, RequestOutput
 from protocol.telemetry import PrefillTiming
 from router.config.schema import ClusterConfig
 from router.lifecycle.admission import Admission
@@ -61,34 +62,32 @@ class Attempts:
     async def _disaggregated(self, life: RequestLife) -> AsyncIterator[Chunk]:
         waits = QueueWaits()
         try:
-            (prefill, decode, early), waited = await self.admission.place(lambda: self._place_pair(life, waits),
-                                                                          self.accepting, self.rc.queue_timeout_s)
+            pair, waited = await self.admission.place(lambda: self._place_pair(life, waits), self.accepting,
+                                                      self.rc.queue_timeout_s)
         except Respin:  # placed again next: the wait so far stays in its usage split
             self._charge_queue(life, waits.close(), waits)
             raise
         self._observe_queue(life, waited, waits)
-        aid = life.attempt_id
+        aid, prefill, decode, skip = life.attempt_id, pair.prefill, pair.decode, pair.cached_blocks
         life.to(Phase.PREFILLING)
-        skip = life.usage.get("kv_cached_blocks", 0)
         try:
-            if early is None:
+            if pair.early is None:
                 handle = None if decode.name in prefill.peers else decode.actor  # travels once per pair
                 ref = prefill.actor.prefill.remote(self._prefill_task(life, decode, skip), handle)
             else:  # computing already: the KV may leave now (an `aim` Ray delivers first is kept)
-                ref = early
+                ref = pair.early
                 await call(prefill, prefill.actor.aim.remote(aid, skip), self.rc.call_timeout_s, "aim")
                 self.metrics.observe_early_prefill("aimed")
             res = await call(prefill, ref, self.rc.prefill_timeout_s, "prefill")
         finally:
-            prefill.inflight.discard(aid)
-            prefill.prefill_tokens.pop(aid, None)
+            prefill.release(aid)
         prefill.peers.add(decode.name)
-        life.usage["prefill_ms"] = life.usage.get("prefill_ms", 0.0) + res.prefill_s * 1e3
-        life.usage["cached_tokens"] = res.cached_tokens
+        life.usage.prefill_ms += res.prefill_s * 1e3
+        life.usage.cached_tokens = res.cached_tokens
         _observe_first_token(life, res.step_kind, res.timing)
         self.metrics.observe_prefill(res.prefill_s)
         self.metrics.observe_prefix("prefill", life.num_context_tokens(), res.cached_tokens)
-        finish = None if res.finish_reason == "prefilled" else res.finish_reason
+        finish = None if res.finish_reason is FinishReason.PREFILLED else res.finish_reason
         life.to(Phase.FINISHED if finish else Phase.HANDOFF)
         chunk = self.chunk(life, RequestOutput(aid, [res.token_id], res.text, finish))
         if finish:
@@ -106,8 +105,7 @@ class Attempts:
         async for chunk in self._stream(life, decode):
             yield chunk
 
-    async def _place_pair(self, life: RequestLife,
-                          waits: QueueWaits) -> tuple[WorkerView, WorkerView, asyncio.Task | None] | None:
+    async def _place_pair(self, life: RequestLife, waits: QueueWaits) -> Pair | None:
         prefill_ready = self._ready_or_wait("prefill")
         decode_ready = self._ready_or_wait("decode")
         if not prefill_ready or not decode_ready:
@@ -129,8 +127,8 @@ class Attempts:
             reserved = await call(decode, ref, self.rc.call_timeout_s, "reserve")  # raises: both are aborted
             if reserved is not None:
                 self._reserved(life, prefill, decode, reserved, hashes)
-                return prefill, decode, early
-            decode.free_blocks = min(decode.free_blocks, needed - 1)
+                return Pair(prefill, decode, reserved.cached_blocks, early)
+            decode.had_no_room(needed)
             if early is not None:  # the service aborts the prefill and places the request again
                 self.metrics.observe_early_prefill("dropped")
                 raise Respin(f"{decode.name} had no room for the KV after all; the prefill started on "
@@ -166,13 +164,12 @@ class Attempts:
 
     def _claim_prefill(self, life: RequestLife, prefill: WorkerView, hashes: list[bytes]) -> None:
         life.prefill = prefill
-        prefill.inflight.add(life.attempt_id)
-        prefill.prefill_tokens[life.attempt_id] = self.placer.prefill_work(prefill, hashes, life.num_context_tokens())
+        prefill.hold(life.attempt_id, self.placer.prefill_work(prefill, hashes, life.num_context_tokens()))
 
     def _reserved(self, life: RequestLife, prefill: WorkerView, decode: WorkerView, reserved: Reserved,
                   hashes: list[bytes]) -> None:
-        decode.free_blocks -= reserved.num_blocks - reserved.cached_blocks
-        life.usage["kv_cached_blocks"] = reserved.cached_blocks
+        decode.took_blocks(reserved.num_blocks - reserved.cached_blocks)
+        life.usage.kv_cached_blocks = reserved.cached_blocks
         context = life.num_context_tokens()
         self.metrics.observe_prefix("decode", context, reserved.cached_blocks * decode.info.block_size)
         self.metrics.observe_kv_saved(reserved.cached_blocks * decode.info.block_bytes)
@@ -187,8 +184,9 @@ class Attempts:
         w, waited = await self.admission.place(lambda: self._place_colocated(life, waits), self.accepting,
                                                self.rc.queue_timeout_s)
         self._observe_queue(life, waited, waits)
-        ref = w.actor.generate.remote(life.attempt_id, life.prompt_token_ids, life.sampling,
-                                      list(life.output_token_ids), life.emitted_chars)
+        task = GenerateTask(life.attempt_id, life.prompt_token_ids, life.sampling, list(life.output_token_ids),
+                            life.emitted_chars)
+        ref = w.actor.generate.remote(task)
         await call(w, ref, self.rc.call_timeout_s, "generate")
         async for chunk in self._stream(life, w):
             yield chunk
@@ -217,32 +215,32 @@ class Attempts:
     def _hold(life: RequestLife, w: WorkerView, phase: Phase) -> None:
         life.to(phase)
         life.decode = w
-        w.inflight.add(life.attempt_id)
+        w.hold(life.attempt_id)
 
     @staticmethod
     def _unhold(life: RequestLife, w: WorkerView) -> None:
         life.to(Phase.QUEUED)
         life.decode = None
-        w.inflight.discard(life.attempt_id)
+        w.release(life.attempt_id)
 
     def _observe_queue(self, life: RequestLife, waited: float, waits: QueueWaits) -> None:
         waits.close()
         self._charge_queue(life, waited, waits)
         self.metrics.observe_queue(waited)
         if life.decode is not None:
-            life.usage["decode_worker"] = life.decode.name
+            life.usage.decode_worker = life.decode.name
         if life.prefill is not None:
-            life.usage["prefill_worker"] = life.prefill.name
+            life.usage.prefill_worker = life.prefill.name
 
     @staticmethod
     def _charge_queue(life: RequestLife, waited: float, waits: QueueWaits) -> None:
         """`waited` into the usage, split as docs/metrics.md says: a prefill slot is prefill
         queueing, anything else KV capacity (`waits` closed)."""
-        life.usage["queue_ms"] = life.usage.get("queue_ms", 0.0) + waited * 1e3
+        life.usage.queue_ms += waited * 1e3
         prefill_s = min(waited, waits.spent.get("prefill", 0.0))
         if not life.output_token_ids:
-            _add_ms(life, "prefill_queue_ms", prefill_s)
-            _add_ms(life, "kv_wait_ms", max(0.0, waited - prefill_s))
+            life.usage.prefill_queue_ms += prefill_s * 1e3
+            life.usage.kv_wait_ms += max(0.0, waited - prefill_s) * 1e3
 
     async def _stream(self, life: RequestLife, w: WorkerView) -> AsyncIterator[Chunk]:
         """Tokens of this attempt from decode worker `w` until it finishes; failures raise."""
@@ -254,7 +252,7 @@ class Attempts:
             for out in outputs:
                 if isinstance(out, Exception):
                     raise out
-                if out.finish_reason == "error":
+                if out.finish_reason is FinishReason.ERROR:
                     raise Retry(f"{w.name}: {out.text}") if out.retryable else InternalError(out.text)
             if not outputs:
                 continue
@@ -263,8 +261,8 @@ class Attempts:
             if life.phase is Phase.HANDOFF:  # the KV landed: the prefill worker holds nothing now
                 life.to(Phase.DECODING)
                 life.prefill = None
-            if self.config.mode == "colocated" and "cached_tokens" not in life.usage:
-                life.usage["cached_tokens"] = outputs[0].num_cached_tokens
+            if self.config.mode == "colocated" and not life.output_token_ids:  # the request's first outputs
+                life.usage.cached_tokens = outputs[0].num_cached_tokens
                 self.metrics.observe_prefix("decode", life.num_context_tokens(), outputs[0].num_cached_tokens)
             chunk = self.chunk(life, merge_outputs(outputs))
             if chunk.finish_reason is not None:
@@ -272,7 +270,7 @@ class Attempts:
                 self.placer.placed(w, life.context_hashes(w.info.block_size))
                 life.to(Phase.FINISHED)
                 life.decode = None  # a finished request freed its blocks on the worker
-                w.inflight.discard(life.attempt_id)
+                w.release(life.attempt_id)
             yield chunk
             if chunk.finish_reason is not None:
                 return
@@ -300,14 +298,26 @@ class Attempts:
         life.record(out.token_ids, out.text)
         if out.kv_transfer_bytes:
             self.metrics.observe_kv_transfer(out.kv_transfer_s, out.kv_transfer_bytes)
-            life.usage.update(kv_transfer_ms=out.kv_transfer_s * 1e3, kv_transfer_bytes=out.kv_transfer_bytes)
+            life.usage.kv_transfer_ms, life.usage.kv_transfer_bytes = out.kv_transfer_s * 1e3, out.kv_transfer_bytes
         usage = None
         if out.finish_reason is not None:
             self.metrics.observe_finish(out.finish_reason, now - life.accepted)
-            usage = dict(life.usage, prompt_tokens=len(life.prompt_token_ids),
-                         completion_tokens=len(life.output_token_ids), migrations=life.migrations,
-                         ttft_ms=((life.first_token_at or now) - life.accepted) * 1e3)
+            usage = dataclasses.replace(life.usage, prompt_tokens=len(life.prompt_token_ids),
+                                        completion_tokens=len(life.output_token_ids), migrations=life.migrations,
+                                        ttft_ms=((life.first_token_at or now) - life.accepted) * 1e3)
         return Chunk(out.token_ids, out.text, out.finish_reason, usage)
+
+
+@dataclasses.dataclass(frozen=True)
+class Pair:
+    """Where a disaggregated attempt was placed: its workers, the leading blocks the decode
+    reservation found cached (the prefill sends none of them), and the prefill call already sent
+    during the reservation (None: not sent yet)."""
+
+    prefill: WorkerView
+    decode: WorkerView
+    cached_blocks: int
+    early: asyncio.Task | None
 
 
 class QueueWaits:
@@ -332,18 +342,14 @@ class QueueWaits:
         return sum(self.spent.values())
 
 
-def _add_ms(life: RequestLife, key: str, seconds: float) -> None:
-    life.usage[key] = life.usage.get(key, 0.0) + seconds * 1e3
-
-
 def _observe_first_token(life: RequestLife, kind: str, timing: PrefillTiming | None) -> None:
     """Appends the kinds of the tokens about to stream (engine/telemetry.py); before the
     request's first token, adds where the worker's time to it went."""
-    life.usage["token_steps"] = life.usage.get("token_steps", "") + kind
+    life.usage.token_steps += kind
     if timing is not None and not life.output_token_ids:
-        _add_ms(life, "kv_wait_ms", timing.kv_wait_s)
-        _add_ms(life, "prefill_queue_ms", timing.queue_s)
-        _add_ms(life, "prefill_compute_ms", timing.compute_s)
+        life.usage.kv_wait_ms += timing.kv_wait_s * 1e3
+        life.usage.prefill_queue_ms += timing.queue_s * 1e3
+        life.usage.prefill_compute_ms += timing.compute_s * 1e3
 
 
 def _queued_failure(life: RequestLife) -> Exception | None:

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from protocol.block_hash import extend_hashes
 from protocol.sampling import SamplingParams
+from protocol.usage import Usage
 
 
 class Phase(enum.Enum):
@@ -64,7 +65,7 @@ class RequestLife:
     decode: object | None = None   # WorkerView holding the reservation / the running request
     last_failure: str = ""
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (attempt_id, RequestOutput | Exception)
-    usage: dict = field(default_factory=dict)
+    usage: Usage = field(default_factory=Usage)  # what the client is told at the end; never read to decide
     first_token_at: float | None = None
     last_token_at: float | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # of the context's full blocks, grown lazily

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from protocol.outputs import RequestOutput
+from protocol.outputs import FinishReason, RequestOutput
+from protocol.usage import Usage
 
 
 class QueueFull(Exception):
@@ -46,8 +47,8 @@ class Respin(Retry):
 class Chunk:
     token_ids: list[int]
     text: str
-    finish_reason: str | None = None
-    usage: dict | None = None  # on the last chunk
+    finish_reason: FinishReason | None = None
+    usage: Usage | None = None  # on the last chunk
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> RequestOutput:

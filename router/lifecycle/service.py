@@ -23,6 +23,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from protocol.deadline import within
 from protocol.errors import InvalidRequest
+from protocol.outputs import FinishReason
 from protocol.sampling import SamplingParams
 from protocol.validation import RequestValidator, validate_request_id
 from router.config.schema import ClusterConfig
@@ -122,7 +123,7 @@ class Router:
                 try:
                     async for chunk in self.attempts.run(life):
                         if chunk.finish_reason is not None and self.request_log is not None:
-                            self.request_log.write(life, chunk.finish_reason, chunk.usage or {})
+                            self.request_log.write(life, chunk.finish_reason, chunk.usage)
                         yield chunk
                     self._abort_all(life.release(), life.attempt_id)
                     return
@@ -132,8 +133,8 @@ class Router:
             if not life.ended:  # GeneratorExit and CancelledError are not Exceptions
                 phase = Phase.FAILED if isinstance(e, Exception) else Phase.CANCELLED
                 self._abort_all(life.end(phase), life.attempt_id)
-                if phase is Phase.CANCELLED:  # failures are counted by status in pdserve_request_errors
-                    self.metrics.observe_finish("cancelled", time.perf_counter() - life.accepted)
+                if phase is Phase.CANCELLED:  # "cancelled", as a client reads it; failures: pdserve_request_errors
+                    self.metrics.observe_finish(FinishReason.ABORT.public, time.perf_counter() - life.accepted)
             raise
         finally:
             self.lives.pop(life.key, None)
@@ -157,9 +158,8 @@ class Router:
 
     def _abort_all(self, workers: list[WorkerView], attempt_id: str) -> None:
         for w in workers:
-            w.inflight.discard(attempt_id)
-            w.prefill_tokens.pop(attempt_id, None)
-            if w.state != "stopped":
+            w.release(attempt_id)
+            if not w.stopped:
                 self.monitor.spawn(self._abort(w, attempt_id))
 
     async def _abort(self, w: WorkerView, attempt_id: str) -> None:
@@ -180,7 +180,7 @@ class Router:
     # ---- admin ----------------------------------------------------------------------
     async def status(self) -> list[WorkerView]:
         await self.monitor.refresh()
-        return [w for w in self.pools.all() if w.state != "stopped"]
+        return [w for w in self.pools.all() if not w.stopped]
 
     async def scale(self, pool: str, replicas: int) -> tuple[list[str], list[str]]:
         if pool == "prefill" and self.config.mode == "colocated":

@@ -4,8 +4,8 @@ Each line is a Mooncake trace record — `timestamp` (ms since the router starte
 `input_length`, `output_length`, `hash_ids` (one per full 512-token block of the prompt: the
 chained block hash of protocol/block_hash.py cut to 48 bits, so equal ids mean an equal prefix
 and any JSON reader keeps them exact) — so `pdserve inspect LOG` and `pdserve bench --trace LOG`
-read it as they read a trace; then what the router measured: the usage timings, the finish
-reason, the workers, e2e_ms. No prompt text is ever written; the prompt's token ids only with
+read it as they read a trace; then what the router measured: every `Usage` field (protocol/usage.py)
+but the token counts and token_steps, the finish reason, e2e_ms. No prompt text is ever written; the prompt's token ids only with
 `router.request_log_prompts`. Lines are appended as requests finish (line-buffered); a write
 that fails is logged and turns the log off: serving never waits on it or fails because of it.
 """
@@ -15,10 +15,13 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import fields
 from pathlib import Path
 from typing import Any, TextIO
 
 from protocol.block_hash import block_hashes
+from protocol.outputs import FinishReason
+from protocol.usage import Usage
 from router.config.schema import RouterSection
 from router.config.typed_yaml import ConfigError
 from router.lifecycle.life import RequestLife
@@ -26,9 +29,9 @@ from router.lifecycle.life import RequestLife
 log = logging.getLogger(__name__)
 
 TRACE_BLOCK_TOKENS = 512  # Mooncake's block: what bench/trace.py replays
-USAGE_KEYS = ("ttft_ms", "queue_ms", "kv_wait_ms", "prefill_queue_ms", "prefill_compute_ms", "prefill_ms",
-              "kv_transfer_ms", "kv_transfer_bytes", "cached_tokens", "kv_cached_blocks", "migrations",
-              "prefill_worker", "decode_worker")
+# usage fields a line leaves out: the token counts are input_length / output_length already, and
+# token_steps (a letter per token) would make long requests' lines long
+UNLOGGED = frozenset({"prompt_tokens", "completion_tokens", "token_steps"})
 
 
 def block_ids(token_ids: list[int] | tuple[int, ...], block_size: int = TRACE_BLOCK_TOKENS) -> list[int]:
@@ -54,7 +57,7 @@ class RequestLog:
             raise ConfigError(f"router.request_log: cannot open {section.request_log}: {e.strerror}") from None
         return cls(handle, section.request_log_prompts)
 
-    def record(self, life: RequestLife, finish_reason: str, usage: dict[str, Any]) -> dict[str, Any]:
+    def record(self, life: RequestLife, finish_reason: FinishReason, usage: Usage) -> dict[str, Any]:
         """The JSON object of one finished request."""
         now = time.perf_counter()
         line = {
@@ -66,12 +69,12 @@ class RequestLog:
             "request_id": life.client_id,
             "finish_reason": finish_reason,
             "e2e_ms": round((now - life.accepted) * 1e3, 3),
-        } | {key: usage[key] for key in USAGE_KEYS if key in usage}
+        } | {f.name: getattr(usage, f.name) for f in fields(usage) if f.name not in UNLOGGED}
         if self._with_prompts:
             line["prompt_token_ids"] = list(life.prompt_token_ids)
         return line
 
-    def write(self, life: RequestLife, finish_reason: str, usage: dict[str, Any]) -> None:
+    def write(self, life: RequestLife, finish_reason: FinishReason, usage: Usage) -> None:
         if self._handle is None:
             return
         try:

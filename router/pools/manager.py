@@ -27,7 +27,7 @@ from protocol.deadline import within
 from router.config.schema import ClusterConfig, PoolSection
 from router.lifecycle.outcomes import CannotPlace
 from router.pools.placement import Placer
-from router.pools.worker_view import WorkerView
+from router.pools.worker_view import WorkerState, WorkerView
 
 log = logging.getLogger(__name__)
 POOLS = ("prefill", "decode")
@@ -79,14 +79,14 @@ class PoolManager:
         return [w for w in self.workers[pool] if w.accepting]
 
     def live(self, pool: str) -> list[WorkerView]:
-        return [w for w in self.workers[pool] if w.state != "stopped"]
+        return [w for w in self.workers[pool] if not w.stopped]
 
     def all(self) -> list[WorkerView]:
         return self.workers["prefill"] + self.workers["decode"]
 
     def status(self) -> list[PoolHealth]:
         for pool, h in self.health.items():
-            h.ready = sum(w.state == "ready" for w in self.workers[pool])
+            h.ready = sum(w.state is WorkerState.READY for w in self.workers[pool])
         return [self.health[p] for p in POOLS if self.health[p].target or self.workers[p]]
 
     # ---- starting ---------------------------------------------------------------------
@@ -123,17 +123,16 @@ class PoolManager:
         cpus = self.section(pool).cpus
         if not cpus:
             return None
-        taken = {w.info.cpu for w in self.workers[pool] if w.state != "stopped"}
+        taken = {w.info.cpu for w in self.workers[pool] if not w.stopped}
         free = [c for c in cpus if c not in taken]
         return (free or cpus)[0]
 
     # ---- failures and healing ---------------------------------------------------------------
     def worker_failed(self, w: WorkerView, reason: str) -> bool:
         """Take a dead or hung worker out (its process is killed); False if it already was."""
-        if w.state == "stopped":
+        if not w.stop():
             return False
         log.error("%s failed: %s", w.name, reason)
-        w.state = "stopped"
         self.placer.forget(w)
         if w in self.workers[w.info.pool]:
             self.workers[w.info.pool].remove(w)
@@ -180,7 +179,7 @@ class PoolManager:
             victims = sorted(current, key=lambda w: (len(w.inflight), -int(w.name.split("-")[1])))
             victims = victims[:len(current) - replicas]
             for w in victims:
-                w.state = "draining"
+                w.drain()
             await asyncio.gather(*(self._drain_and_stop(w) for w in victims))
             return [], [w.name for w in victims]
 
@@ -215,8 +214,8 @@ class PoolManager:
         await self.stop_worker(w)
 
     async def _drained(self, w: WorkerView) -> bool:
-        if w.inflight or w.state == "stopped":
-            return w.state == "stopped"
+        if w.inflight or w.stopped:
+            return w.stopped
         try:
             stats = await within(w.actor.stats.remote(w.cache_resync), self.config.router.call_timeout_s)
         except (TimeoutError, ray.exceptions.RayError):
@@ -228,12 +227,12 @@ class PoolManager:
         timeout = self.config.router.call_timeout_s
         peers = self.workers["decode" if w.info.pool == "prefill" else "prefill"]
         await asyncio.gather(*(within(p.actor.close_channel.remote(w.name), timeout)
-                               for p in peers if p.state != "stopped"), return_exceptions=True)
+                               for p in peers if not p.stopped), return_exceptions=True)
         try:
             await within(w.actor.shutdown.remote(), timeout)
         except (TimeoutError, ray.exceptions.RayError) as e:
             log.warning("%s did not shut down cleanly: %s", w.name, _short(e))
-        w.state = "stopped"  # before the kill, so its poll loop ends quietly
+        w.stop()  # before the kill, so its poll loop ends quietly
         self.placer.forget(w)
         ray.kill(w.actor, no_restart=True)
         if w in self.workers[w.info.pool]:
@@ -244,7 +243,7 @@ class PoolManager:
         for h in self.health.values():
             h.target = 0
         for w in list(self.all()):
-            w.state = "draining"
+            w.drain()
         await asyncio.gather(*(self.stop_worker(w) for w in list(self.all())), return_exceptions=True)
 
 

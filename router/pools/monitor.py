@@ -77,16 +77,16 @@ class Monitor:
         self._on_change()
 
     async def _poll_loop(self, w: WorkerView) -> None:
-        while w.state != "stopped":
+        while not w.stopped:
             try:
                 events = await within(w.actor.poll.remote(POLL_WAIT_S), POLL_WAIT_S + self.call_timeout_s)
             except TimeoutError:
                 continue  # the stats loop decides when a silent worker is gone
             except ray.exceptions.RayError as e:
-                if w.state != "stopped":
+                if not w.stopped:
                     self.lost(w, short(e))
                 return
-            w.last_seen = time.monotonic()
+            w.answered()
             for event in events:
                 self._route(w, event)
 
@@ -96,7 +96,7 @@ class Monitor:
             return
         self._deliver(event.request_id, event)
         if event.finished:
-            w.inflight.discard(event.request_id)
+            w.release(event.request_id)
             self._on_change()
 
     async def _stats_loop(self) -> None:
@@ -105,7 +105,7 @@ class Monitor:
             await asyncio.sleep(STATS_EVERY_S)
 
     async def refresh(self) -> None:
-        workers = [w for w in self.pools.all() if w.state != "stopped"]
+        workers = [w for w in self.pools.all() if not w.stopped]
         results = await asyncio.gather(*(within(w.actor.stats.remote(w.cache_resync), self.call_timeout_s)
                                          for w in workers), return_exceptions=True)
         now = time.monotonic()

@@ -1,7 +1,13 @@
-"""The router's view of one worker: its info, last stats, in-flight work, and health marks."""
+"""The router's view of one worker: its info, last stats, in-flight work, and health marks.
+
+`WorkerState` is the worker's place in its pool: READY -> DRAINING -> STOPPED, or READY ->
+STOPPED when it fails. Other modules change a view through its methods: the state transitions,
+the attempts it holds, the estimate of its free blocks between two stats replies.
+"""
 
 from __future__ import annotations
 
+import enum
 import time
 from dataclasses import dataclass, field
 
@@ -10,11 +16,17 @@ from protocol.messages import WorkerInfo, WorkerStats
 SUSPECT_S = 5.0  # how long a worker whose call timed out gets no new requests
 
 
+class WorkerState(enum.StrEnum):  # the values are what Admin/Status reports
+    READY = "ready"        # takes new requests (unless suspected)
+    DRAINING = "draining"  # takes nothing new; stops once what it holds has finished or moved
+    STOPPED = "stopped"    # out of its pool (stopped, or failed and killed): nothing is sent to it
+
+
 @dataclass(eq=False)
 class WorkerView:
     info: WorkerInfo
     actor: object
-    state: str = "ready"  # "ready" | "draining" | "stopped"
+    state: WorkerState = WorkerState.READY
     free_blocks: int = 0  # estimate: last stats, minus reservations made since
     running: int = 0
     waiting: int = 0
@@ -31,19 +43,60 @@ class WorkerView:
         return self.info.name
 
     @property
+    def stopped(self) -> bool:
+        return self.state is WorkerState.STOPPED
+
+    @property
     def accepting(self) -> bool:
-        return self.state == "ready" and time.monotonic() >= self.suspect_until
+        return self.state is WorkerState.READY and time.monotonic() >= self.suspect_until
 
     @property
     def load(self) -> int:
         return self.running + len(self.inflight)
+
+    # ---- state -------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Take nothing new (a scale down or a shutdown chose it)."""
+        if not self.stopped:
+            self.state = WorkerState.DRAINING
+
+    def stop(self) -> bool:
+        """Out of the pool; False if it already was."""
+        if self.stopped:
+            return False
+        self.state = WorkerState.STOPPED
+        return True
+
+    def suspect(self) -> None:
+        self.suspect_until = time.monotonic() + SUSPECT_S
+
+    # ---- what it answered ----------------------------------------------------------------
+    def answered(self) -> None:
+        self.last_seen = time.monotonic()
 
     def observe(self, stats: WorkerStats) -> None:
         self.stats = stats
         self.free_blocks = stats.blocks_free
         self.running = stats.running
         self.waiting = stats.waiting
-        self.last_seen = time.monotonic()
+        self.answered()
 
-    def suspect(self) -> None:
-        self.suspect_until = time.monotonic() + SUSPECT_S
+    # ---- the router's own bookkeeping ------------------------------------------------------
+    def hold(self, attempt_id: str, prefill_tokens: int | None = None) -> None:
+        """An attempt placed here (a prefill: with the tokens it has to compute)."""
+        self.inflight.add(attempt_id)
+        if prefill_tokens is not None:
+            self.prefill_tokens[attempt_id] = prefill_tokens
+
+    def release(self, attempt_id: str) -> None:
+        """The attempt left this worker (finished, moved, cancelled); idempotent."""
+        self.inflight.discard(attempt_id)
+        self.prefill_tokens.pop(attempt_id, None)
+
+    def took_blocks(self, num_blocks: int) -> None:
+        """A reservation took `num_blocks` new blocks (until the next stats say how many are free)."""
+        self.free_blocks -= num_blocks
+
+    def had_no_room(self, num_blocks: int) -> None:
+        """A reservation of `num_blocks` was refused: fewer are free than the estimate said."""
+        self.free_blocks = min(self.free_blocks, num_blocks - 1)
