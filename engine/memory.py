@@ -21,9 +21,6 @@ DTYPE_BYTES: dict[str, int] = {
 }
 
 
-
-
-
 @dataclass(frozen=True)
 class ModelShape:
     """What the memory budget needs to know about a decoder-only model."""
@@ -204,7 +201,5 @@ def plan_memory(
         )
     return MemoryPlan(shape.name, str(dtype), size, device_memory_bytes, overhead_bytes,
                       weights, kv_bytes_per_token(shape, size), block_size, blocks, context_tokens)
-
-
 
 

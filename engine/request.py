@@ -22,18 +22,10 @@ if TYPE_CHECKING:
     from engine.detokenizer import IncrementalDetokenizer
 
 
-
-
 class Status(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-
-
-
-
 
 
 @dataclass(eq=False)

@@ -65,8 +65,6 @@ class KVWaitClock:
             self._since = None
 
 
-
-
 @dataclass
 class RequestTiming:
     """One request's counters for its `PrefillTiming` and the kind of its next token."""

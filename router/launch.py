@@ -231,5 +231,3 @@ class LocalCluster:
         self._ready.set()
 
 
-
-

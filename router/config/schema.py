@@ -180,5 +180,3 @@ class ClusterConfig:
             torch_threads=pool.torch_threads, enable_prefix_caching=kv.prefix_caching)
 
 
-
-

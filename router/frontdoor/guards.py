@@ -134,7 +134,3 @@ class HttpGuard:
         await self.app(scope, receive, send)
 
 
-
-
-
-

@@ -33,8 +33,6 @@ BALANCE_ABS = 4
 BALANCE_REL = 0.5
 
 
-
-
 def uncached_tokens(num_tokens: int, held_blocks: int, block_size: int) -> int:
     """What a worker holding `held_blocks` leading blocks computes: the engine reuses at most
     (num_tokens - 1) // block_size of them, as it always computes the last token itself."""
