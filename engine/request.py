@@ -2,7 +2,7 @@
 
 `Request` carries explicit counters (`num_computed_tokens`, `block_ids`) and the content hashes
 of its full blocks (prompt and output tokens alike: a later turn's prompt holds earlier
-outputs); everything else is derived. `SamplingParams.validate` turns bad user input into `InvalidRequest`.
+outputs); everything else is derived. What users send is validated before it gets here (protocol/sampling.py, protocol/validation.py).
 """
 
 from __future__ import annotations
