@@ -38,6 +38,7 @@ from proto import pdserve_pb2_grpc as pb_grpc  # noqa: E402
 from router.config.loader import parse_config  # noqa: E402
 from router.config.schema import ClusterConfig  # noqa: E402
 from router.launch import LocalCluster  # noqa: E402
+from router.lifecycle import worker_calls  # noqa: E402
 from router.pools.worker_view import WorkerState  # noqa: E402
 from scripts.chaos_requests import Outcome, Spec, make_specs, mismatch, to_proto  # noqa: E402
 
@@ -218,10 +219,10 @@ def probe(cluster: LocalCluster) -> tuple[dict[str, str], dict[str, dict | str]]
     for v in views:
         try:
             checks[v.name] = ray.get(v.actor.check.remote(), timeout=10)
-        except ray.exceptions.RayActorError:
-            continue  # dead: not part of the pool
-        except (ray.exceptions.RayError, TimeoutError) as e:
-            checks[v.name] = str(e).strip().splitlines()[-1]
+        except worker_calls.CALL_FAILURES as e:
+            if worker_calls.outcome(e) is worker_calls.Outcome.REPLACE:
+                continue  # dead: not part of the pool
+            checks[v.name] = worker_calls.short(e)
         pools[v.name] = v.info.pool
     return pools, checks
 

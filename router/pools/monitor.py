@@ -7,6 +7,12 @@
   which keep the placer's index current (router/pools/prefix_index.py).
 - a failed worker is killed and taken out of its pool, every request holding state on it is
   told to move (`Retry`), and `heal` starts its replacement with backoff.
+
+Failures are sorted by router/lifecycle/worker_calls.py's table. A poll or stats call that
+meets REPLACE (a dead actor, its node or process gone) fails the worker. Any other failed poll
+leaves the worker in its pool, suspected, but moves every request on it: the poll may have run
+on the worker and taken events from its outbox that never arrived, and a stream must not skip
+them. A stats call that fails otherwise only counts towards `unresponsive_s`.
 """
 
 from __future__ import annotations
@@ -16,12 +22,10 @@ import logging
 import time
 from collections.abc import Callable
 
-import ray
-
 from protocol.deadline import within
 from protocol.messages import TransferFailed
 from router.lifecycle.outcomes import Retry
-from router.lifecycle.worker_calls import short
+from router.lifecycle.worker_calls import CALL_FAILURES, Outcome, outcome, short
 from router.observability.metrics import RouterMetrics
 from router.pools.manager import PoolManager
 from router.pools.worker_view import WorkerView
@@ -80,15 +84,25 @@ class Monitor:
         while not w.stopped:
             try:
                 events = await within(w.actor.poll.remote(POLL_WAIT_S), POLL_WAIT_S + self.call_timeout_s)
-            except TimeoutError:
-                continue  # the stats loop decides when a silent worker is gone
-            except ray.exceptions.RayError as e:
+            except CALL_FAILURES as e:
                 if not w.stopped:
-                    self.lost(w, short(e))
-                return
+                    await self._poll_failed(w, e)
+                continue
             w.answered()
             for event in events:
                 self._route(w, event)
+
+    async def _poll_failed(self, w: WorkerView, err: BaseException) -> None:
+        """A dead worker is failed; otherwise its requests move (the poll's events may be lost)
+        and the next poll waits a moment, so a worker that fails every poll is not asked in a loop."""
+        timeout_s = POLL_WAIT_S + self.call_timeout_s
+        reason = f"no answer within {timeout_s:g} s" if isinstance(err, TimeoutError) else short(err)
+        if outcome(err) is Outcome.REPLACE:
+            self.lost(w, reason)
+            return
+        w.suspect()
+        self.move_requests(w, f"polling {w.name} failed: {reason}")
+        await asyncio.sleep(POLL_WAIT_S)
 
     def _route(self, w: WorkerView, event) -> None:
         if isinstance(event, TransferFailed):
@@ -110,7 +124,7 @@ class Monitor:
                                          for w in workers), return_exceptions=True)
         now = time.monotonic()
         for w, stats in zip(workers, results, strict=True):
-            if isinstance(stats, ray.exceptions.RayActorError):
+            if isinstance(stats, CALL_FAILURES) and outcome(stats) is Outcome.REPLACE:
                 self.lost(w, short(stats))
             elif isinstance(stats, BaseException):
                 if now - w.last_seen > self.unresponsive_s:
