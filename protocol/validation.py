@@ -6,6 +6,8 @@ Cheap size checks run before any work that grows with the input (tokenizing, voc
 
 from __future__ import annotations
 
+from jinja2 import TemplateError, TemplateSyntaxError
+
 from protocol.errors import InvalidRequest
 from protocol.limits import DEFAULT_MAX_PROMPT_BYTES, MAX_REQUEST_ID_CHARS
 from protocol.sampling import SamplingParams
@@ -66,9 +68,19 @@ class RequestValidator:
         size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
         if size > self.max_prompt_bytes:
             raise InvalidRequest(f"the messages are {size} bytes; at most {self.max_prompt_bytes} are allowed")
-        text = self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
-                                                  add_generation_prompt=True, tokenize=False)
-        return self._encode(text)
+        return self._encode(self._render(messages))
+
+    def _render(self, messages: list[dict]) -> str:
+        """The chat template's text for `messages`; a template that refuses them (its
+        raise_exception, e.g. roles that do not alternate) is InvalidRequest with a sentence of ours."""
+        try:
+            return self.tokenizer.apply_chat_template([{"role": m["role"], "content": m["content"]} for m in messages],
+                                                      add_generation_prompt=True, tokenize=False)
+        except TemplateSyntaxError:
+            raise  # the checkpoint's template is broken: not the request's fault
+        except TemplateError:
+            raise InvalidRequest("this model's chat template refused these messages (templates often need user "
+                                 "and assistant messages to alternate, after an optional system message)") from None
 
     def _encode(self, prompt: str) -> list[int]:
         try:

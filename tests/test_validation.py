@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import re
 
 import pytest
+from jinja2 import TemplateSyntaxError
 from transformers import AutoTokenizer
 
 from protocol.errors import InvalidRequest
@@ -128,6 +130,31 @@ def test_prompt_token_ids_longer_than_the_context_are_refused_first():
 def test_a_prompt_with_a_lone_surrogate_is_refused():
     with _refused("the prompt is not valid Unicode text (a lone surrogate at 2)"):
         RequestValidator(_NoTokenizer(), VOCAB, CONTEXT).prompt_ids("ab\ud800", None)
+
+
+# ---- chats ------------------------------------------------------------------------------
+ALTERNATING = ("{% for m in messages %}{% if (m['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+               "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+               "{% endif %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+
+
+def _with_template(validator: RequestValidator, template: str) -> RequestValidator:
+    tokenizer = copy.deepcopy(validator.tokenizer)
+    tokenizer.chat_template = template
+    return RequestValidator(tokenizer, VOCAB, CONTEXT)
+
+
+def test_a_chat_the_template_refuses_is_an_invalid_request_in_our_words(validator):
+    strict = _with_template(validator, ALTERNATING)
+    assert strict.chat_ids([{"role": "user", "content": "hi"}]) == validator.prompt_ids("user: hi\n", None)
+    with _refused("this model's chat template refused these messages (templates often need user and assistant "
+                  "messages to alternate, after an optional system message)"):
+        strict.chat_ids([{"role": "user", "content": "hi"}, {"role": "user", "content": "again"}])
+
+
+def test_a_broken_chat_template_is_not_blamed_on_the_request(validator):
+    with pytest.raises(TemplateSyntaxError):
+        _with_template(validator, "{% for m in messages %}").chat_ids([{"role": "user", "content": "hi"}])
 
 
 # ---- resumed requests -------------------------------------------------------------------
