@@ -163,6 +163,9 @@ def test_chat_renders_the_template_and_streams_a_role_first(client, chat_dir):
     ({"prompt": [5, 10**6]}, 400, "outside the vocabulary"),
     ({"prompt": [5], "max_tokens": 5000}, 400, "exceeds the model's context"),
     ({"prompt": [5], "temperature": -1, "stream": True}, 400, "temperature must be >= 0"),
+    ({"prompt": [5], "logprobs": 0}, 400, "logprobs is not supported: pdserve accepts only null"),
+    ({"prompt": [5], "extra_body": {"guided_json": {"type": "object"}}}, 400,
+     '/v1/completions has no field "guided_json" in pdserve'),
 ])
 def test_refusals_are_openai_error_objects(client, cluster, args, status, message):
     errors_before = cluster.router.metrics.registry.get_sample_value(
@@ -190,6 +193,11 @@ def test_models_health_and_malformed_bodies(client, cluster):
     assert _get(f"{root}/health") == (200, {"status": "serving"})
     status, body = _get(f"{cluster.http_url}/completions", b"{not json")
     assert status == 400 and "not valid JSON" in body["error"]["message"]
+    status, body = _get(f"{cluster.http_url}/completions", b'{"prompt": ' + b"[" * 200_000)
+    assert status == 400 and body["error"]["message"] == "the request body nests JSON more than 32 levels deep"
+    with pytest.raises(openai.NotFoundError) as err:
+        client.completions.create(model="gpt-4o", prompt=[5])
+    assert err.value.body["code"] == "model_not_found"
     status, body = _get(f"{cluster.http_url}/nowhere")
     assert status == 404 and body["error"]["type"] == "invalid_request_error"
 
@@ -235,8 +243,8 @@ def test_queue_full_429_no_chat_template_400_shutting_down_503(llama_dir, tmp_pa
     client = openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0, timeout=120)
     try:
         with pytest.raises(openai.BadRequestError, match="this model has no chat template"):
-            client.chat.completions.create(model="tiny", messages=CHAT)
-        args = {"model": "tiny", "max_tokens": 20, "stream": True, "extra_body": {"ignore_eos": True}}
+            client.chat.completions.create(model="plain", messages=CHAT)
+        args = {"model": "plain", "max_tokens": 20, "stream": True, "extra_body": {"ignore_eos": True}}
         first = iter(client.completions.create(prompt=[7] * 100, **args))  # answers once its first token is out
         second: list = []
         waiting = threading.Thread(target=lambda: second.extend(client.completions.create(prompt=[8] * 100, **args)))
@@ -252,7 +260,7 @@ def test_queue_full_429_no_chat_template_400_shutting_down_503(llama_dir, tmp_pa
         assert sum(len(c.choices[0].token_ids) for c in second if c.choices) == 20
 
         prompt = _prompt(6, n=10)
-        stream = iter(client.completions.create(prompt=prompt, model="tiny", max_tokens=100, temperature=0,
+        stream = iter(client.completions.create(prompt=prompt, model="plain", max_tokens=100, temperature=0,
                                                 stream=True, extra_body={"ignore_eos": True}))
         got = list(next(stream).choices[0].token_ids)
         stopper.start()
@@ -260,7 +268,7 @@ def test_queue_full_429_no_chat_template_400_shutting_down_503(llama_dir, tmp_pa
         while cluster.router.accepting and time.monotonic() < deadline:
             time.sleep(0.01)
         with pytest.raises(openai.InternalServerError) as err:
-            client.completions.create(model="tiny", prompt=prompt, max_tokens=5)
+            client.completions.create(model="plain", prompt=prompt, max_tokens=5)
         assert err.value.status_code == 503 and "shutting down" in err.value.body["message"]
         assert _get(f"http://127.0.0.1:{port}/health")[0] == 503
         got += [t for chunk in stream for t in chunk.choices[0].token_ids]  # in flight: still completes

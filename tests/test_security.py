@@ -152,7 +152,7 @@ def test_http_tokens_the_way_the_openai_sdk_sends_them(cluster, pki):
 
     assert cluster.http_url.startswith("https://")
     with client(TRAFFIC) as c:
-        done = c.completions.create(model="tiny", prompt=[5, 6, 7], max_tokens=3, extra_body={"ignore_eos": True})
+        done = c.completions.create(model="llama", prompt=[5, 6, 7], max_tokens=3, extra_body={"ignore_eos": True})
         assert done.usage.completion_tokens == 3
     with client("w" * 24) as c, pytest.raises(openai.AuthenticationError) as err:
         c.models.list()

@@ -1,13 +1,21 @@
 """OpenAI request bodies -> `Router.prepare` arguments: the prompt or chat messages, and sampling
 with OpenAI's defaults. Anything refused raises ApiError with the sentence the client gets
-(400, naming the field as `param`); options pdserve does not implement are refused unless
-given at their "off" value.
+(naming the field as `param`), before any work is done for the request.
+
+`load_body`: UTF-8 JSON, nested at most MAX_JSON_DEPTH deep, without NaN, Infinity or a number
+beyond a float's range (an integer field takes at most 64 bits). `parse_request`: each
+endpoint's fields are an allowlist. A field is either honoured, or one pdserve does not
+implement, accepted only at the value that asks for nothing (`n: 1`, `echo: false`,
+`presence_penalty: 0`, ...); any other field, or value, is refused with 400. `null` is the same
+as leaving a field out. A `model` other than the one served is 404 `model_not_found`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -15,8 +23,23 @@ from protocol.sampling import SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
-_OFF = {"best_of": 1, "echo": False, "suffix": "", "logprobs": False, "top_logprobs": 0, "presence_penalty": 0,
-        "frequency_penalty": 0, "logit_bias": {}, "tools": [], "response_format": {"type": "text"}}
+MAX_JSON_DEPTH = 32  # an OpenAI body nests 5 deep (messages, content parts); far below the parser's stack
+
+_HONOURED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed",
+                       "stop", "user", "top_k", "ignore_eos", "stop_token_ids"})  # the last three: extensions
+_NO_OP = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
+          "min_p": 0, "min_tokens": 0, "repetition_penalty": 1}  # the last three: vLLM's extensions
+# per endpoint (chat?): the fields honoured, and the no-op value of each field accepted only at that value
+ENDPOINTS: dict[bool, tuple[frozenset[str], dict[str, Any]]] = {
+    False: (_HONOURED | {"prompt"}, _NO_OP | {"best_of": 1, "echo": False, "suffix": "", "logprobs": None}),
+    True: (_HONOURED | {"messages", "max_completion_tokens"},
+           _NO_OP | {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none", "functions": [],
+                     "function_call": "none", "response_format": {"type": "text"}, "store": False}),
+}
+_STREAM_OPTIONS = frozenset({"include_usage"})
+_MESSAGE_FIELDS = frozenset({"role", "content"})
+_JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.S)
+_NOT_BRACKETS = re.compile(r"[^\[\]{}]++")
 
 
 class ApiError(Exception):
@@ -40,34 +63,93 @@ class Parsed:
     include_usage: bool
 
 
+# ---- the body as JSON --------------------------------------------------------------------------
+def load_body(raw: bytes) -> dict:
+    """The JSON object in `raw`; ApiError (400) for anything else, or JSON nested or numbered
+    beyond what a request can mean (see the module docstring)."""
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"the request body is not UTF-8 (byte {e.start})") from None
+    if _nested_deeper(text, MAX_JSON_DEPTH):
+        raise ApiError(400, f"the request body nests JSON more than {MAX_JSON_DEPTH} levels deep")
+    try:
+        body = json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except json.JSONDecodeError as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    except ValueError:  # Python's own limit on an integer's digits (sys.get_int_max_str_digits)
+        raise ApiError(400, "a number in the request body is too large: an integer of thousands of "
+                            "digits") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def _nested_deeper(text: str, limit: int) -> bool:
+    """Whether JSON `text` opens more than `limit` arrays/objects inside one another (brackets in
+    strings do not count); linear, and stops at the first level too deep."""
+    if text.count("[") + text.count("{") <= limit:
+        return False
+    depth = 0
+    for bracket in _NOT_BRACKETS.sub("", _JSON_STRING.sub("", text)):
+        depth += 1 if bracket in "[{" else -1
+        if depth > limit:
+            return True
+    return False
+
+
+def _no_constant(name: str) -> float:
+    raise ApiError(400, f"the request body is not valid JSON: {name} is not a number JSON allows")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ApiError(400, f"a number in the request body is too large: {text[:40]}")
+    return value
+
+
+# ---- the fields ------------------------------------------------------------------------------
 def _is_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
+    """An integer of at most 64 bits, signed or not (no field means more)."""
+    return isinstance(v, int) and not isinstance(v, bool) and -2**63 <= v < 2**64
+
+
+def _is_number(v: Any) -> bool:
+    """A float, or an integer of at most 64 bits (anything larger would not even convert to a float)."""
+    return _is_int(v) or isinstance(v, float) and math.isfinite(v)
 
 
 _KINDS: dict[str, tuple[Callable[[Any], bool], str]] = {
-    "int": (_is_int, "an integer"), "bool": (lambda v: isinstance(v, bool), "true or false"),
-    "number": (lambda v: isinstance(v, int | float) and not isinstance(v, bool), "a number"),
+    "int": (_is_int, "an integer of at most 64 bits"), "bool": (lambda v: isinstance(v, bool), "true or false"),
+    "number": (_is_number, "a number that fits in 64 bits"), "string": (lambda v: isinstance(v, str), "a string"),
     "ids": (lambda v: isinstance(v, list) and all(map(_is_int, v)), "a list of token ids")}
 
 
-def _field(body: dict, name: str, kind: str, default: Any = None) -> Any:
+def _field(body: dict, name: str, kind: str, default: Any = None, where: str = "") -> Any:
     value = body.get(name)
     if value is None:
         return default
     check, what = _KINDS[kind]
     if not check(value):
-        raise ApiError(400, f"{name} must be {what}, got {json.dumps(value)[:60]}", name)
+        raise ApiError(400, f"{where}{name} must be {what}, got {_shown(value)}", where + name)
     return value
 
 
-def parse_request(body: dict, chat: bool) -> Parsed:
-    """The body's prompt (or messages) and sampling, with OpenAI's defaults; ApiError when refused."""
+def _shown(value: Any) -> str:
+    """A value of the body as the client wrote it, cut short (its text carries no control character)."""
+    return json.dumps(value)[:60]
+
+
+def parse_request(body: dict, chat: bool, model: str) -> Parsed:
+    """The body's prompt (or messages) and sampling, with OpenAI's defaults; ApiError when refused.
+    `model`: the id of the model served (the only one a body may name)."""
+    _check_fields(body, chat)
+    _check_model(body, model)
     n = _field(body, "n", "int", 1)
     if n != 1:
         raise ApiError(400, f"n must be 1: pdserve returns one choice per request (got {n}); send {n} requests", "n")
-    for name, off in _OFF.items():
-        if body.get(name) not in (None, off):
-            raise ApiError(400, f"{name} is not supported (got {json.dumps(body[name])[:60]})", name)
+    _field(body, "user", "string")  # who the end user is: nothing to do with it
     prompt, ids, messages = (None, None, _messages(body)) if chat else (*_prompt(body), None)
     names = ("max_completion_tokens", "max_tokens") if chat else ("max_tokens",)
     given = {name: _field(body, name, "int") for name in names if body.get(name) is not None}
@@ -83,11 +165,49 @@ def parse_request(body: dict, chat: bool) -> Parsed:
         top_p=_field(body, "top_p", "number", 1.0), top_k=0 if top_k == -1 else top_k, seed=seed,
         stop=_stops(body.get("stop")), stop_token_ids=tuple(_field(body, "stop_token_ids", "ids", [])),
         ignore_eos=_field(body, "ignore_eos", "bool", False))
-    options = body.get("stream_options") or {}
+    return Parsed(prompt, ids, messages, sampling, max_tokens is not None, _field(body, "stream", "bool", False),
+                  _include_usage(body.get("stream_options")))
+
+
+def _check_fields(body: dict, chat: bool) -> None:
+    """Every field given is honoured, or given at its no-op value."""
+    honoured, no_op = ENDPOINTS[chat]
+    path = "/v1/chat/completions" if chat else "/v1/completions"
+    for name, value in body.items():
+        if name in honoured or value is None:
+            continue
+        if name not in no_op:
+            raise ApiError(400, f"{path} has no field {_shown(name)} in pdserve", name[:60])
+        if not _same(value, no_op[name]):
+            raise ApiError(400, f"{name} is not supported: pdserve accepts only {_shown(no_op[name])}, the "
+                                f"value that asks for nothing (got {_shown(value)})", name)
+
+
+def _same(value: Any, no_op: Any) -> bool:
+    """`value` is `no_op` as JSON means it: 0.0 is 0, but false is not 0 and true is not 1."""
+    if isinstance(value, bool) or isinstance(no_op, bool):
+        return value is no_op
+    return value == no_op
+
+
+def _check_model(body: dict, model: str) -> None:
+    asked = _field(body, "model", "string", model)
+    if asked != model:
+        raise ApiError(404, f"the model {_shown(asked)} does not exist: this server serves {_shown(model)} "
+                            "(GET /v1/models)", "model", code="model_not_found")
+
+
+def _include_usage(options: Any) -> bool:
+    """stream_options: an object of the options honoured (include_usage)."""
+    if options is None:
+        return False
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
-    return Parsed(prompt, ids, messages, sampling, max_tokens is not None, _field(body, "stream", "bool", False),
-                  bool(_field(options, "include_usage", "bool", False)))
+    for name, value in options.items():
+        if name not in _STREAM_OPTIONS and value is not None:
+            raise ApiError(400, f"stream_options has a field pdserve does not support: {_shown(name)}",
+                           f"stream_options.{name[:60]}")
+    return _field(options, "include_usage", "bool", False, where="stream_options.")
 
 
 def _prompt(body: dict) -> tuple[str | None, list[int] | None]:
@@ -113,12 +233,17 @@ def _stops(stop: Any) -> tuple[str, ...]:
 
 
 def _messages(body: dict) -> list[dict]:
-    """[{"role", "content"}] with text content parts joined; "developer" is the system role."""
+    """[{"role", "content"}] with text content parts joined; "developer" is the system role. A
+    message's other fields (`name`, `tool_calls`, ...) are refused unless null."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
     out = []
     for i, m in enumerate(messages):
+        extra = next((k for k, v in m.items() if k not in _MESSAGE_FIELDS and v is not None), None)
+        if extra is not None:
+            raise ApiError(400, f"messages[{i}] has a field pdserve does not support: {_shown(extra)} (a "
+                                "message is a role and a content)", "messages")
         content = m.get("content")
         if isinstance(content, list):
             if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)

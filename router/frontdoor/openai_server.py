@@ -2,9 +2,10 @@
 
 POST /v1/completions and /v1/chat/completions (server-sent events, or one JSON body), GET
 /v1/models and /health. A request becomes `Router.prepare` + `Router.generate`; refusals are
-OpenAI error objects: 400 (the validator's sentence), 429 (queue full), 503 (no worker can
-serve, starting, shutting down), 500 (the engine failed on the request). A client that goes
-away closes the request's generator, which aborts it on every worker. `OpenAIServer` runs
+OpenAI error objects: 400 (a field refused, router/frontdoor/openai_request.py, or the
+validator's sentence), 404 (a model not served), 429 (queue full), 503 (no worker can serve,
+starting, shutting down), 500 (the engine failed on the request).
+A client that goes away closes the request's generator, which aborts it on every worker. `OpenAIServer` runs
 uvicorn as a task without signal handlers: the process's owner (serve_forever) keeps them; with
 router.tls it is HTTPS, with router.auth a missing or wrong bearer token gets 401 from
 router/frontdoor/guards.py before a request reaches the app.
@@ -43,6 +44,7 @@ from router.frontdoor.openai_request import (
     SAMPLING_FIELDS,
     ApiError,
     Parsed,
+    load_body,
     parse_request,
 )
 from router.frontdoor.tls import uvicorn_tls
@@ -181,7 +183,7 @@ class OpenAIApi:
     async def _generate(self, request: Request, chat: bool) -> Response:
         reply = _Reply(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_id)
         try:
-            parsed = parse_request(await self._json(request), chat)
+            parsed = parse_request(await self._json(request), chat, self.model_id)
             chunks = self.router.generate(await self._accept(reply.id, parsed))
             if not parsed.stream:
                 async with contextlib.aclosing(chunks):
@@ -196,11 +198,15 @@ class OpenAIApi:
             self.router.metrics.observe_error("INVALID_ARGUMENT")
             return JSONResponse(e.body(), e.status)
         except tuple(_FAILURES) as e:
-            self.router.metrics.observe_error(_FAILURES[type(e)][3])
-            error = _api_error(e)
-            return JSONResponse(error.body(), error.status)
+            return self._refusal(e)
         except ClientGone:
             return Response(status_code=499)  # nobody reads it; the request was cancelled
+
+    def _refusal(self, e: Exception) -> JSONResponse:
+        """The error object of a router refusal (a `_FAILURES` key), counted by its status."""
+        self.router.metrics.observe_error(_FAILURES[type(e)][3])
+        error = _api_error(e)
+        return JSONResponse(error.body(), error.status)
 
     async def _json(self, request: Request) -> dict:
         size, parts = 0, []
@@ -209,13 +215,7 @@ class OpenAIApi:
             if size > self.max_body_bytes:
                 raise ApiError(413, f"the request body is over {self.max_body_bytes} bytes")
             parts.append(part)
-        try:
-            body = json.loads(b"".join(parts))
-        except ValueError as e:
-            raise ApiError(400, f"the request body is not valid JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
+        return load_body(b"".join(parts))
 
     async def _accept(self, request_id: str, p: Parsed) -> RequestLife:
         life = await self.router.prepare(request_id, p.prompt, p.prompt_ids, p.sampling, p.messages)
