@@ -17,6 +17,7 @@ from router.frontdoor.openai_request import MAX_JSON_DEPTH, ApiError, load_body,
 from router.frontdoor.openai_server import OpenAIApi
 from router.lifecycle.life import RequestLife
 from router.lifecycle.outcomes import Chunk, InternalError, QueueFull, Unavailable
+from router.lifecycle.service import Router
 from router.observability.metrics import RouterMetrics
 
 MODEL = "fake"  # what the stand-in Router below serves
@@ -165,13 +166,15 @@ def test_nesting_counts_brackets_outside_strings_only():
 # ---- the error mapping, over a stand-in Router (no cluster) ---------------------------------------
 class _FakeRouter:
     """The Router surface the HTTP API uses: `prepare` raises `refuse`; `generate` yields `chunks`,
-    then raises `fail`."""
+    then raises `fail`; open (accepting and serving) unless told otherwise."""
+
+    check_open = Router.check_open
 
     def __init__(self, chunks=(), fail: Exception | None = None, refuse: Exception | None = None):
         self.config = SimpleNamespace(model=SimpleNamespace(path=f"/models/{MODEL}"), router=SimpleNamespace(
             max_prompt_bytes=1024))
         self.validator, self.metrics = SimpleNamespace(max_model_len=64), RouterMetrics()
-        self.serving = True
+        self.accepting = self.started = self.serving = True
         self.chunks, self.fail, self.refuse, self.closed = list(chunks), fail, refuse, False
 
     async def prepare(self, request_id, prompt, prompt_ids, sampling, messages=None) -> RequestLife:
@@ -248,6 +251,24 @@ def _http(router: _FakeRouter, method: str, path: str, body: bytes | None = None
             response = await http.request(method, path, content=body)
             return response.status_code, response.json()
     return asyncio.run(main())
+
+
+@pytest.mark.parametrize("started, message", [(False, "the server is starting"),
+                                              (True, "the server is shutting down")])
+def test_every_v1_path_is_503_while_the_router_takes_no_requests(started, message):
+    router = _FakeRouter()
+    router.accepting, router.started, router.serving = False, started, False
+    refused = {"message": message, "type": "server_error", "param": None, "code": "unavailable"}
+    assert _http(router, "GET", "/v1/models") == (503, {"error": refused})
+    body = json.dumps({"prompt": [5]}).encode()
+    assert _http(router, "POST", "/v1/completions", body) == (503, {"error": refused})
+    assert _http(router, "POST", "/v1/chat/completions", body) == (503, {"error": refused})
+    assert _http(router, "GET", "/health") == (503, {"status": "not serving"})
+    assert router.errors("UNAVAILABLE") == 3
+    router.accepting = router.serving = True  # the pools are up: /health and /v1 agree
+    assert _http(router, "GET", "/health") == (200, {"status": "serving"})
+    status, models = _http(router, "GET", "/v1/models")
+    assert status == 200 and [m["id"] for m in models["data"]] == [MODEL]
 
 
 @pytest.mark.parametrize("raw, param, message", [

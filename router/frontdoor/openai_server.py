@@ -3,8 +3,8 @@
 POST /v1/completions and /v1/chat/completions (server-sent events, or one JSON body), GET
 /v1/models and /health. A request becomes `Router.prepare` + `Router.generate`; refusals are
 OpenAI error objects: 400 (a field refused, router/frontdoor/openai_request.py, or the
-validator's sentence), 404 (a model not served), 429 (queue full), 503 (no worker can serve,
-starting, shutting down), 500 (the engine failed on the request).
+validator's sentence), 404 (a model not served), 429 (queue full), 503 (no worker can serve;
+every /v1 path while the router starts or shuts down), 500 (the engine failed on the request).
 A client that goes away closes the request's generator, which aborts it on every worker. `OpenAIServer` runs
 uvicorn as a task without signal handlers: the process's owner (serve_forever) keeps them; with
 router.tls it is HTTPS, with router.auth a missing or wrong bearer token gets 401 from
@@ -160,10 +160,22 @@ class OpenAIApi:
         self.max_body_bytes = 4 * router.config.router.max_prompt_bytes + (64 << 10)  # token ids as JSON text
 
     def app(self) -> Starlette:
-        routes = [Route("/v1/completions", self.completions, methods=["POST"]),
-                  Route("/v1/chat/completions", self.chat, methods=["POST"]),
-                  Route("/v1/models", self.models, methods=["GET"]), Route("/health", self.health, methods=["GET"])]
+        routes = [Route("/v1/completions", self._open(self.completions), methods=["POST"]),
+                  Route("/v1/chat/completions", self._open(self.chat), methods=["POST"]),
+                  Route("/v1/models", self._open(self.models), methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"])]
         return Starlette(routes=routes, exception_handlers={HTTPException: self._http_error, Exception: self._bug})
+
+    def _open(self, endpoint):
+        """`endpoint`, answered with 503 instead while the router takes no requests: before its pools
+        have started (so /v1/models is not 200 while /health is 503) and once it is shutting down."""
+        async def gated(request: Request) -> Response:
+            try:
+                self.router.check_open()
+            except Unavailable as e:
+                return self._refusal(e)
+            return await endpoint(request)
+        return gated
 
     async def completions(self, request: Request) -> Response:
         return await self._generate(request, chat=False)

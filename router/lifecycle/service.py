@@ -57,6 +57,7 @@ class Router:
         self.lives: dict[int, RequestLife] = {}
         self._client_ids: set[str] = set()
         self.accepting = False
+        self.started = False  # the pools started once: not accepting now means shutting down
         self.requests_total = 0
         self._keys = itertools.count()
         self.attempts = Attempts(config, self.pools, self.admission, self.metrics, lambda: self.accepting)
@@ -69,7 +70,7 @@ class Router:
     async def start(self) -> None:
         await self.pools.start()
         self.monitor.start()
-        self.accepting = True
+        self.accepting = self.started = True
 
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, let in-flight requests finish within `grace_s`, fail the rest, stop workers."""
@@ -92,12 +93,17 @@ class Router:
         return self.accepting and all(self.pools.ready(p) for p in pools)
 
     # ---- request path -----------------------------------------------------------------
+    def check_open(self) -> None:
+        """Unavailable unless the router takes requests: before its pools have started, or once it is
+        shutting down."""
+        if not self.accepting:
+            raise Unavailable("the server is shutting down" if self.started else "the server is starting")
+
     async def prepare(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
                       sampling: SamplingParams, messages: list[dict] | None = None) -> RequestLife:
         """Validate a request (raises InvalidRequest / Unavailable) and accept it. `messages`: a chat
         ([{"role": ..., "content": ...}]) rendered with the checkpoint's chat template."""
-        if not self.accepting:
-            raise Unavailable("the server is shutting down" if self.requests_total else "the server is starting")
+        self.check_open()
         validate_request_id(request_id)
         loop = asyncio.get_running_loop()
         ids = await loop.run_in_executor(self._tokenize, self.validator.prompt_ids, prompt, prompt_token_ids,
