@@ -6,6 +6,7 @@ server and client certificate made with openssl for each run."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import signal
@@ -36,7 +37,7 @@ from proto import pdserve_pb2_grpc as pb_grpc
 from router.config.loader import load_config, parse_config
 from router.config.typed_yaml import ConfigError
 from router.frontdoor.access import Gate, Need, Verdict, grpc_peer_is_loopback
-from router.frontdoor.guards import Refusals
+from router.frontdoor.guards import LOGGED_CHARS, HttpGuard, Refusals
 from router.frontdoor.tls import exposure_refusal, open_gate
 from router.launch import LocalCluster
 from router.observability.metrics_server import guard_wsgi
@@ -238,6 +239,27 @@ def test_metrics_need_an_admin_token_from_elsewhere(tmp_path):
 
     assert [get("10.0.0.9"), get("10.0.0.9", TRAFFIC), get("10.0.0.9", ADMIN), get("127.0.0.1")] == [
         "401 Unauthorized", "403 Forbidden", "200 OK", "200 OK"]
+
+
+def test_a_refused_path_is_logged_escaped_on_one_line(tmp_path, caplog):
+    """uvicorn hands the app the path percent-decoded: %0A is a newline that would forge a log line."""
+    async def app(scope, receive, send):
+        raise AssertionError("a refused request reached the app")
+
+    guard = HttpGuard(app, Gate(*map(str, _token_files(tmp_path))), Refusals())
+    head = "/v1/models\n2026-01-01 WARNING auth: refused nothing\x1b[2J\u202e"
+    forged = head + "x" * 300
+    scope = {"type": "http", "path": forged, "headers": [], "client": ("10.0.0.9", 5)}
+    sent = []
+
+    async def send(message):
+        sent.append(message)
+    with caplog.at_level(logging.WARNING, logger="router.frontdoor.guards"):
+        asyncio.run(guard(scope, None, send))
+    assert sent[0]["status"] == 401
+    [line] = [r.getMessage() for r in caplog.records]
+    assert line == ("auth: refused HTTP /v1/models\\n2026-01-01 WARNING auth: refused nothing\\x1b[2J\\u202e"
+                    + "x" * (LOGGED_CHARS - len(head)) + "... from 10.0.0.9:5: missing or invalid token")
 
 
 @pytest.mark.parametrize("content, message", [

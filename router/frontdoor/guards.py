@@ -33,11 +33,13 @@ _KINDS = {"unary_unary": grpc.unary_unary_rpc_method_handler, "unary_stream": gr
           "stream_unary": grpc.stream_unary_rpc_method_handler,
           "stream_stream": grpc.stream_stream_rpc_method_handler}
 LOG_EVERY_S = 60.0
+LOGGED_CHARS = 200  # of a path or peer in a log line
 
 
 class Refusals:
     """Logs refused calls without letting a flood of them flood the log: the first at once, then
-    at most one line per LOG_EVERY_S with the count. Never the token."""
+    at most one line per LOG_EVERY_S with the count. Never the token; the path and the peer
+    escaped (a percent-encoded newline in a path would otherwise forge a log line)."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -51,7 +53,14 @@ class Refusals:
                 return
             suppressed, self._suppressed, self._quiet_until = self._suppressed, 0, now + LOG_EVERY_S
         more = f" ({suppressed} more refusals since the last line)" if suppressed else ""
-        log.warning("auth: refused %s %s from %s: %s%s", door, what, peer, verdict.value, more)
+        log.warning("auth: refused %s %s from %s: %s%s", door, loggable(what), loggable(peer), verdict.value, more)
+
+
+def loggable(text: str) -> str:
+    """`text` as one line of a log: control characters, backslashes and non-ASCII escaped as Python
+    writes them (\\n, \\x1b, \\u202e), cut after LOGGED_CHARS characters."""
+    cut = "..." if len(text) > LOGGED_CHARS else ""
+    return text[:LOGGED_CHARS].encode("unicode_escape").decode("ascii") + cut
 
 
 def grpc_need(method: str) -> Need:
