@@ -68,17 +68,22 @@ async def replay_openai(endpoint: Endpoint, workload: Workload, arrangement: str
 
 
 async def _model(http: httpx2.AsyncClient, endpoint: Endpoint, timeout_s: float) -> str:
-    """`endpoint.model`, else the first model the server lists; waits while it refuses connections."""
+    """`endpoint.model`, else the first model the server lists; waits while it refuses connections
+    or answers 503 (pdserve does until its workers have started)."""
     url, deadline = f"{endpoint.base_url}/models", time.monotonic() + timeout_s
     while True:
         try:
             response = await http.get(url)
-            break
+            if response.status_code != 503:
+                break
+            if time.monotonic() > deadline:
+                raise RouterUnreachable(f"server {endpoint.base_url} not ready within {timeout_s:g} s: HTTP 503: "
+                                        f"{_message(response.content)}")
         except httpx2.TransportError as err:
             if time.monotonic() > deadline:
                 raise RouterUnreachable(f"server {endpoint.base_url} not reachable within {timeout_s:g} s: "
                                         f"{err}") from err
-            await asyncio.sleep(0.2)
+        await asyncio.sleep(0.2)
     if endpoint.model:
         return endpoint.model
     try:

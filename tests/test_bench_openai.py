@@ -11,6 +11,7 @@ import socket
 import threading
 import time
 
+import httpx2
 import pytest
 import uvicorn
 from starlette.applications import Starlette
@@ -19,8 +20,8 @@ from starlette.responses import JSONResponse, StreamingResponse
 from starlette.routing import Route
 from transformers import AutoTokenizer
 
-from bench.errors import BenchError
-from bench.openai_client import Endpoint, parse_endpoint, replay_openai
+from bench.errors import BenchError, RouterUnreachable
+from bench.openai_client import Endpoint, _model, parse_endpoint, replay_openai
 from bench.workload import RequestSpec, make_workload
 from cli.main import main as pdserve
 from router.launch import LocalCluster
@@ -40,6 +41,25 @@ def test_endpoint_urls():
     assert parse_endpoint("openai:http://h:1/v1/") == "http://h:1/v1"
     with pytest.raises(BenchError, match="expected openai:http"):
         parse_endpoint("http://127.0.0.1:8000")
+
+
+def test_the_model_is_asked_for_until_the_server_stops_answering_503():
+    answers = [503, 503, 200]
+
+    def models(request: httpx2.Request) -> httpx2.Response:
+        status = answers.pop(0) if len(answers) > 1 else answers[0]
+        body = {"object": "list", "data": [{"id": "tiny"}]} if status == 200 else {
+            "error": {"message": "the server is starting"}}
+        return httpx2.Response(status, json=body)
+
+    async def ask(timeout_s: float) -> str:
+        async with httpx2.AsyncClient(transport=httpx2.MockTransport(models)) as http:
+            return await _model(http, Endpoint("http://pdserve/v1"), timeout_s)
+
+    assert asyncio.run(ask(10.0)) == "tiny"
+    answers[:] = [503]
+    with pytest.raises(RouterUnreachable, match="not ready within 0.3 s: HTTP 503: the server is starting"):
+        asyncio.run(ask(0.3))
 
 
 # ---- against pdserve's HTTP front door ------------------------------------------------------
