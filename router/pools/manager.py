@@ -26,6 +26,7 @@ from prefill_worker.worker import PrefillWorker
 from protocol.deadline import within
 from router.config.schema import ClusterConfig, PoolSection
 from router.lifecycle.outcomes import CannotPlace
+from router.lifecycle.worker_calls import CALL_FAILURES, short
 from router.pools.placement import Placer
 from router.pools.worker_view import WorkerState, WorkerView
 
@@ -162,8 +163,8 @@ class PoolManager:
             health.failures_in_a_row += 1
             delay = min(MAX_BACKOFF_S, self.config.router.restart_backoff_s * 2 ** (health.failures_in_a_row - 1))
             health.next_start_at = time.monotonic() + delay
-            health.last_failure, health.last_failure_at = f"starting a {pool} worker: {_short(e)}", time.monotonic()
-            log.error("could not start a %s worker (retry in %.1f s): %s", pool, delay, _short(e))
+            health.last_failure, health.last_failure_at = f"starting a {pool} worker: {short(e)}", time.monotonic()
+            log.error("could not start a %s worker (retry in %.1f s): %s", pool, delay, short(e))
 
     # ---- scaling ----------------------------------------------------------------------
     async def scale(self, pool: str, replicas: int) -> tuple[list[str], list[str]]:
@@ -218,7 +219,7 @@ class PoolManager:
             return w.stopped
         try:
             stats = await within(w.actor.stats.remote(w.cache_resync), self.config.router.call_timeout_s)
-        except (TimeoutError, ray.exceptions.RayError):
+        except CALL_FAILURES:
             return True  # nothing of ours is in flight and it cannot answer: stop it
         self.placer.observe(w, stats)
         return stats.running == 0 and stats.waiting == 0 and stats.blocks_used == 0
@@ -230,8 +231,8 @@ class PoolManager:
                                for p in peers if not p.stopped), return_exceptions=True)
         try:
             await within(w.actor.shutdown.remote(), timeout)
-        except (TimeoutError, ray.exceptions.RayError) as e:
-            log.warning("%s did not shut down cleanly: %s", w.name, _short(e))
+        except CALL_FAILURES as e:
+            log.warning("%s did not shut down cleanly: %s", w.name, short(e))
         w.stop()  # before the kill, so its poll loop ends quietly
         self.placer.forget(w)
         ray.kill(w.actor, no_restart=True)
@@ -269,7 +270,3 @@ def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
             return False
     return True
 
-
-def _short(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return text[-1] if text else type(err).__name__
