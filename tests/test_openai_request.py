@@ -292,3 +292,11 @@ def test_a_model_not_served_is_the_sdks_not_found_error():
 
     err = _over(_FakeRouter(), call)
     assert err.status_code == 404 and err.body["code"] == "model_not_found" and err.body["param"] == "model"
+
+
+def test_an_unexpected_error_is_a_500_that_echoes_none_of_its_text():
+    response = asyncio.run(OpenAIApi._bug(None, RuntimeError("/secret/path/model.bin: checksum 0xdead")))
+    body = json.loads(response.body)
+    assert response.status_code == 500
+    assert body["error"]["type"] == "server_error"
+    assert body["error"]["message"] == "internal error (RuntimeError); the server log has the details"

@@ -267,8 +267,10 @@ class OpenAIApi:
 
     @staticmethod
     async def _bug(request: Request, e: Exception) -> Response:
-        """A defect: the client gets an error object; Starlette re-raises, so uvicorn logs the traceback."""
-        return JSONResponse(ApiError(500, f"internal error: {e}", kind="server_error").body(), 500)
+        """A defect: the client gets an error object naming its kind, never the exception's text
+        (it may hold internals); Starlette re-raises, so uvicorn logs the traceback."""
+        return JSONResponse(ApiError(500, f"internal error ({type(e).__name__}); the server log has the details",
+                                     kind="server_error").body(), 500)
 
 
 class _Server(uvicorn.Server):
