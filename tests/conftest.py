@@ -1,8 +1,10 @@
-"""Shared fixtures: tiny deterministic checkpoints made once per test session."""
+"""Shared fixtures: tiny deterministic checkpoints and a test PKI, made once per test session."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+from pathlib import Path
 
 import pytest
 
@@ -52,3 +54,23 @@ def no_shared_ray():
     import ray
 
     ray.shutdown()
+
+
+def _openssl(cwd: Path, *args: str) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
+
+
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory) -> Path:
+    """ca.pem; server.pem/.key for localhost and 127.0.0.1; client.pem/.key (clientAuth)."""
+    d = tmp_path_factory.mktemp("pki")
+    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
+    _openssl(d, "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=pdserve test CA",
+             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign")
+    for name, ext in (("server", "extendedKeyUsage=serverAuth\nsubjectAltName=DNS:localhost,IP:127.0.0.1\n"),
+                      ("client", "extendedKeyUsage=clientAuth\n")):
+        _openssl(d, "req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=pdserve test {name}")
+        (d / f"{name}.ext").write_text(ext)
+        _openssl(d, "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext")
+    return d

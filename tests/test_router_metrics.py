@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import socket
+import ssl
+import threading
 import time
 import urllib.request
 
@@ -19,7 +22,7 @@ from router.frontdoor.guards import Refusals
 from router.lifecycle.admission import Admission
 from router.lifecycle.life import RequestLife
 from router.observability.metrics import RouterMetrics
-from router.observability.metrics_server import start_metrics_server
+from router.observability.metrics_server import ConnectionLimits, start_metrics_server
 from router.observability.request_log import RequestLog
 
 
@@ -155,3 +158,92 @@ def test_a_request_log_line_carries_the_finish_text_and_the_usage_figures():
                     "decode_worker": "decode-1", "prefill_ms": 3.0, "kv_transfer_ms": 0.5, "kv_transfer_bytes": 2048,
                     "migrations": 1, "cached_tokens": 16, "kv_cached_blocks": 1, "kv_wait_ms": 0.25,
                     "prefill_queue_ms": 0.75, "prefill_compute_ms": 2.0}
+
+
+# ---- hostile clients on the metrics port -------------------------------------------------------
+def _tls_server(pki) -> ssl.SSLContext:
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.load_cert_chain(str(pki / "server.pem"), str(pki / "server.key"))
+    return context
+
+
+@pytest.fixture(params=["plain", "tls"])
+def port_kind(request, pki):
+    """(server TLS context or None, the scrape URL's scheme, the client TLS context or None)."""
+    if request.param == "plain":
+        return None, "http", None
+    return _tls_server(pki), "https", ssl.create_default_context(cafile=str(pki / "ca.pem"))
+
+
+def _idle(port: int) -> socket.socket:
+    """A client that connects and sends nothing."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    time.sleep(0.2)  # accepted by now
+    return sock
+
+
+def _closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    """True when the server ends the connection within `within_s` (end of stream or reset)."""
+    sock.settimeout(within_s)
+    try:
+        return sock.recv(1) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_an_idle_connection_blocks_neither_a_scrape_nor_close(port_kind):
+    tls, scheme, client_tls = port_kind
+    metrics = RouterMetrics()
+    metrics.set_router_queue(3)
+    server = start_metrics_server(metrics.registry, "127.0.0.1", 0, Gate(), Refusals(), tls)
+    idle = [_idle(server.port) for _ in range(3)]
+    url = f"{scheme}://127.0.0.1:{server.port}/metrics"
+    with urllib.request.urlopen(url, timeout=3, context=client_tls) as response:
+        assert _samples(response.read().decode())[("pdserve_requests_waiting", (("worker", "router"),))] == 3
+    closer = threading.Thread(target=server.close, kwargs={"deadline_s": 1.0}, daemon=True)
+    started = time.monotonic()
+    closer.start()
+    closer.join(timeout=3.0)
+    assert not closer.is_alive() and time.monotonic() - started < 2.0
+    assert all(_closed_by_server(sock, 1.0) for sock in idle)  # shut, not left to hang
+    for sock in idle:
+        sock.close()
+
+
+def test_a_silent_client_is_dropped_after_its_timeout_and_a_slow_one_at_its_deadline():
+    server = start_metrics_server(RouterMetrics().registry, "127.0.0.1", 0, Gate(), Refusals(),
+                                  limits=ConnectionLimits(io_timeout_s=0.3, connection_deadline_s=60.0))
+    try:
+        silent = _idle(server.port)
+        assert _closed_by_server(silent, 2.0)
+        silent.close()
+    finally:
+        server.close()
+    server = start_metrics_server(RouterMetrics().registry, "127.0.0.1", 0, Gate(), Refusals(),
+                                  limits=ConnectionLimits(io_timeout_s=60.0, connection_deadline_s=0.5))
+    try:
+        slow = _idle(server.port)
+        slow.sendall(b"GET /metr")  # and never the rest
+        assert _closed_by_server(slow, 3.0)
+        slow.close()
+    finally:
+        server.close()
+
+
+def test_connections_beyond_the_cap_are_closed_at_once():
+    server = start_metrics_server(RouterMetrics().registry, "127.0.0.1", 0, Gate(), Refusals(),
+                                  limits=ConnectionLimits(io_timeout_s=60.0, max_connections=2))
+    try:
+        held = [_idle(server.port) for _ in range(2)]
+        extra = _idle(server.port)
+        assert _closed_by_server(extra, 1.0)
+        assert not any(_closed_by_server(sock, 0.2) for sock in held)  # the first two keep their slots
+        for sock in (*held, extra):
+            sock.close()
+        time.sleep(0.3)  # their threads see the end of stream and leave
+        with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=3) as response:
+            assert response.status == 200
+    finally:
+        server.close()
