@@ -12,7 +12,7 @@ import pytest
 import ray.exceptions as rex
 
 from prefill_worker.worker import PrefillFailed
-from protocol.messages import WorkerInfo
+from protocol.messages import CacheDelta, WorkerInfo, WorkerStats
 from protocol.sampling import SamplingParams
 from router.config.loader import parse_config
 from router.lifecycle.life import RequestLife
@@ -205,3 +205,48 @@ def test_a_failed_stats_call_fails_only_a_dead_worker(error, failed):
     monitor = _Monitor(w, _life(w))
     asyncio.run(monitor.refresh())
     assert bool(monitor.failed) is failed and w.stopped is failed
+
+
+class _NumberedStats:
+    """A worker's `stats` the way WorkerCore answers it: each call takes the next cache-delta number
+    when it runs (a snapshot when asked to resync), and a later call may answer first (here each
+    answers faster than the one before, as Ray does not keep an actor's calls in order)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.calls = 0
+        self.resyncs = 0
+
+    def remote(self, resync: bool = False):
+        self.calls += 1
+        self.resyncs += resync
+        delta = CacheDelta(self.calls, (bytes([self.calls]),), (), snapshot=resync)
+
+        async def answer() -> WorkerStats:
+            await asyncio.sleep(0.05 / self.calls)
+            return WorkerStats(self.name, 0, 0, 0, 100, 100, 0, 0, cache=delta)
+        return answer()
+
+
+def test_concurrent_status_refreshes_share_one_stats_round_and_keep_deltas_in_order():
+    workers = [_view(stats=_NumberedStats("decode-0")), _view(stats=_NumberedStats("decode-1"))]
+    workers[1].info = WorkerInfo("decode-1", "decode", "127.0.0.1", 100, 16)
+    monitor = _Monitor(workers[0], _life(workers[0]))
+    monitor.pools.workers["decode"].append(workers[1])
+
+    async def status_calls() -> None:
+        await asyncio.gather(*(monitor.refresh() for _ in range(8)))  # Admin/Status x 8 at once
+        for w in workers:
+            w.cache_resync = False  # the first round's snapshot is in: deltas from now on
+        lonely = asyncio.get_running_loop().create_task(monitor.refresh())
+        await asyncio.sleep(0)
+        lonely.cancel()  # a Status client that left: the round goes on for the others
+        await asyncio.gather(monitor.refresh(), monitor.refresh())
+        await asyncio.gather(monitor.refresh(), monitor.pools.fetch_stats(workers[0]))  # a drain's check too
+    asyncio.run(status_calls())
+    assert [w.actor.stats.calls for w in workers] == [4, 3]  # rounds 1, 2 (shared by three), 3; + the drain's
+    assert [w.actor.stats.resyncs for w in workers] == [1, 1]  # only the first call: no gap was ever seen
+    assert not any(w.cache_resync for w in workers)
+    index = monitor.pools.placer.index["decode"]
+    assert index.match([bytes([1])], ["decode-0", "decode-1"]) == {"decode-0": 1, "decode-1": 1}
+    assert index.blocks_of("decode-0") == 4 and index.blocks_of("decode-1") == 3

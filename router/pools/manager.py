@@ -24,6 +24,7 @@ from decode_worker.worker import DecodeWorker
 from kv_transfer import KVTransferConfig
 from prefill_worker.worker import PrefillWorker
 from protocol.deadline import within
+from protocol.messages import WorkerStats
 from router.config.schema import ClusterConfig, PoolSection
 from router.lifecycle.outcomes import CannotPlace
 from router.lifecycle.worker_calls import CALL_FAILURES, short
@@ -218,11 +219,19 @@ class PoolManager:
         if w.inflight or w.stopped:
             return w.stopped
         try:
-            stats = await within(w.actor.stats.remote(w.cache_resync), self.config.router.call_timeout_s)
+            stats = await self.fetch_stats(w)
         except CALL_FAILURES:
             return True  # nothing of ours is in flight and it cannot answer: stop it
-        self.placer.observe(w, stats)
         return stats.running == 0 and stats.waiting == 0 and stats.blocks_used == 0
+
+    async def fetch_stats(self, w: WorkerView) -> WorkerStats:
+        """`w`'s stats, observed (its cache delta applied to the prefix index); raises what the call
+        raised (CALL_FAILURES). One call per worker at a time, so deltas arrive in their order: a
+        caller waits for the one before, which has its own deadline, then makes its own call."""
+        async with w.stats_turn:
+            stats = await within(w.actor.stats.remote(w.cache_resync), self.config.router.call_timeout_s)
+            self.placer.observe(w, stats)
+        return stats
 
     async def stop_worker(self, w: WorkerView) -> None:
         timeout = self.config.router.call_timeout_s

@@ -4,7 +4,9 @@
   their failed KV sends; each event goes to the request's current attempt (stale ones drop).
 - stats every 0.5 s with a deadline; a worker silent for `router.unresponsive_s` is
   declared failed like a dead one. Each reply carries the worker's prefix-cache changes,
-  which keep the placer's index current (router/pools/prefix_index.py).
+  which keep the placer's index current (router/pools/prefix_index.py). A round is shared:
+  an Admin/Status call that arrives while one runs waits for it instead of starting another,
+  so no number of Status calls sends more than one stats call per worker at a time.
 - a failed worker is killed and taken out of its pool, every request holding state on it is
   told to move (`Retry`), and `heal` starts its replacement with backoff.
 
@@ -48,11 +50,13 @@ class Monitor:
         self._holders_of = holders_of  # worker -> lives holding state there
         self._on_change = on_change  # capacity may have changed
         self._tasks: set[asyncio.Task] = set()
+        self._round: asyncio.Task | None = None  # the stats round in flight
 
-    def spawn(self, coro) -> None:
+    def spawn(self, coro) -> asyncio.Task:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        return task
 
     def start(self) -> None:
         self.spawn(self._stats_loop())
@@ -119,9 +123,15 @@ class Monitor:
             await asyncio.sleep(STATS_EVERY_S)
 
     async def refresh(self) -> None:
+        """A stats round over every live worker: the one in flight if there is one, else a new one.
+        A caller that is cancelled leaves the round running for the others."""
+        if self._round is None or self._round.done():
+            self._round = self.spawn(self._stats_round())
+        await asyncio.shield(self._round)
+
+    async def _stats_round(self) -> None:
         workers = [w for w in self.pools.all() if not w.stopped]
-        results = await asyncio.gather(*(within(w.actor.stats.remote(w.cache_resync), self.call_timeout_s)
-                                         for w in workers), return_exceptions=True)
+        results = await asyncio.gather(*(self.pools.fetch_stats(w) for w in workers), return_exceptions=True)
         now = time.monotonic()
         for w, stats in zip(workers, results, strict=True):
             if isinstance(stats, CALL_FAILURES) and outcome(stats) is Outcome.REPLACE:
@@ -130,7 +140,6 @@ class Monitor:
                 if now - w.last_seen > self.unresponsive_s:
                     self.lost(w, f"no answer for {now - w.last_seen:.0f} s")
             else:
-                self.pools.placer.observe(w, stats)
                 self.metrics.set_worker_gauges(w.name, stats.running, stats.waiting, stats.blocks_used,
                                                stats.blocks_free, stats.blocks_cached)
         self.pools.placer.prune()

@@ -7,6 +7,7 @@ the attempts it holds, the estimate of its free blocks between two stats replies
 
 from __future__ import annotations
 
+import asyncio
 import enum
 import time
 from dataclasses import dataclass, field
@@ -37,6 +38,9 @@ class WorkerView:
     last_seen: float = field(default_factory=time.monotonic)  # last answered call
     suspect_until: float = 0.0
     cache_resync: bool = True  # ask for the whole prefix cache on the next stats call
+    # held across one stats call and the apply of its reply: the worker numbers its cache deltas as
+    # it answers, so one call at a time keeps them in order (router/pools/prefix_index.py)
+    stats_turn: asyncio.Lock = field(default_factory=asyncio.Lock)
 
     @property
     def name(self) -> str:
