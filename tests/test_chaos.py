@@ -12,6 +12,7 @@ from scripts import chaos
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
 
 
+@pytest.mark.slow
 def test_soak_with_kills_and_transfer_faults_meets_every_target(llama_dir):
     report = chaos.run(llama_dir, chaos.ChaosOptions(duration_s=20, seed=1, kill_every_s=7))
     print(chaos.format_table(report))

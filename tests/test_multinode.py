@@ -325,6 +325,7 @@ def _nodes(client: Client) -> dict[str, str]:
     return {w.name: w.node_ip for w in client.status().workers}
 
 
+@pytest.mark.slow
 def test_prefill_and_decode_run_on_their_nodes_and_the_kv_crosses_the_link(host, served, llama_dir):
     nodes = _nodes(served)
     assert sorted(nodes.values()) == [host.root_ip, host.ns_ip]
@@ -346,6 +347,7 @@ def test_prefill_and_decode_run_on_their_nodes_and_the_kv_crosses_the_link(host,
     assert f"node {host.root_ip}: {prefill}" in text and f"node {host.ns_ip}: decode-" in text
 
 
+@pytest.mark.slow
 def test_scaling_the_decode_pool_lands_on_the_remote_node(host, served, llama_dir):
     reply = served.admin.Scale(pb.ScaleRequest(pool="decode", replicas=2), timeout=180)
     assert len(reply.started) == 1
@@ -361,6 +363,7 @@ def test_scaling_the_decode_pool_lands_on_the_remote_node(host, served, llama_di
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "prefill_node" in err.value.details()
 
 
+@pytest.mark.slow
 def test_a_node_that_leaves_mid_stream_moves_its_requests(host, served, llama_dir):
     # a spare decode-labelled node (root namespace) joins while the streams start; it takes over
     spare = ThreadPoolExecutor(1).submit(host.ray_node, "spare", "decode", cpus=2)
@@ -403,6 +406,7 @@ def test_a_node_that_leaves_mid_stream_moves_its_requests(host, served, llama_di
     assert {w.node_ip for w in status.workers if w.pool == "decode"} == {host.root_ip}
 
 
+@pytest.mark.slow
 def test_teardown_leaves_no_namespace_link_or_ray_process(host, served):
     host.down()
     assert host.serve.returncode == 0, host.serve.returncode
