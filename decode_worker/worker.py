@@ -172,6 +172,10 @@ class DecodeWorker:
     async def check(self) -> dict:
         return await self.core.check()
 
+    async def set_faults(self, faults: FaultConfig) -> None:
+        """Fault injection changed while running (tests; worker_runtime/faults.py)."""
+        self.faults.set(faults)
+
     async def shutdown(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()

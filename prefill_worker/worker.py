@@ -174,6 +174,10 @@ class PrefillWorker:
     async def check(self) -> dict:
         return await self.core.check()
 
+    async def set_faults(self, faults: FaultConfig) -> None:
+        """Fault injection changed while running (tests; worker_runtime/faults.py)."""
+        self.faults.set(faults)
+
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.sender.shutdown)
         self.core.stop()
