@@ -1,4 +1,5 @@
-"""Shared fixtures: tiny deterministic checkpoints made once per test session."""
+"""Shared fixtures: tiny deterministic checkpoints made once per test session, one local Ray for
+the session, and the session's default cluster."""
 
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ def llama_dir(model_dirs) -> str:
 
 
 RAY_OPTIONS = dict(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
+_SHARED: dict = {}  # name -> the running LocalCluster shared by several modules
 
 
 @pytest.fixture(scope="module")
@@ -43,12 +45,52 @@ def _ray_at_exit():
     yield
     import ray
 
+    _stop_shared()
     ray.shutdown()
+
+
+def _stop_shared() -> None:
+    while _SHARED:
+        _, cluster = _SHARED.popitem()
+        cluster.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
 def no_shared_ray():
-    """For a module that starts Ray nodes of its own: the shared instance stops first."""
+    """For a module that starts Ray nodes of its own: the shared clusters and Ray stop first
+    (the next module that asks for them starts them again)."""
     import ray
 
+    _stop_shared()
     ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def served(ray_instance, llama_dir, tmp_path_factory):
+    """The session's default cluster, for every module whose tests it fits: disaggregated, 1
+    prefill + 1 decode worker, gRPC, the OpenAI HTTP API, Prometheus metrics and a request log
+    (`served.request_log`). A cluster start costs 8-10 s here, so the first module that asks
+    starts it and the others share it. A module may use it in any way that leaves it as it found
+    it: no request in flight, both workers ready, no KV block held, no fault on (checked after
+    the module; a test that kills or scales restores it first). What it cannot rely on is an
+    empty prefix cache or zero counters: it compares counters before and after."""
+    from router.launch import LocalCluster
+    from tests.cluster_util import cluster_config, wait_until, whole
+
+    cluster = _SHARED.get("default")
+    if cluster is None:
+        log = tmp_path_factory.mktemp("served") / "requests.jsonl"
+        cfg = cluster_config(llama_dir, router={"http_port": 0, "request_log": str(log)})
+        cluster = LocalCluster(cfg).__enter__()
+        cluster.request_log = log
+        _SHARED["default"] = cluster
+    yield cluster
+    from worker_runtime.faults import FaultConfig
+
+    try:
+        wait_until(lambda: whole(cluster), 30, "the shared cluster to be whole again after the module", every=0.1)
+        assert cluster.router.pools.faults == FaultConfig(), "the module left faults on"
+    except BaseException:
+        _SHARED.pop("default", None)  # the next module gets a fresh one
+        cluster.__exit__(None, None, None)
+        raise

@@ -23,8 +23,6 @@ from bench.errors import BenchError
 from bench.openai_client import Endpoint, parse_endpoint, replay_openai
 from bench.workload import RequestSpec, make_workload
 from cli.main import main as pdserve
-from router.launch import LocalCluster
-from tests.cluster_util import cluster_config
 
 
 def _workload(lengths: list[int], concurrency: int | None = 3):
@@ -44,9 +42,8 @@ def test_endpoint_urls():
 
 # ---- against pdserve's HTTP front door ------------------------------------------------------
 @pytest.fixture(scope="module")
-def cluster(llama_dir, ray_instance):
-    with LocalCluster(cluster_config(llama_dir, router={"http_port": 0})) as c:
-        yield c
+def cluster(served):  # the session's default 1 + 1 cluster (conftest), its HTTP port on
+    return served
 
 
 def test_client_replays_token_id_prompts_with_exact_lengths(cluster):

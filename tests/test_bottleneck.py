@@ -189,21 +189,18 @@ def test_ranking_at_equal_workers_and_the_sentence_citing_its_numbers():
 
 
 # ---- end to end through a live cluster ---------------------------------------------------------
-@pytest.fixture(scope="module")
-def logged_cluster(llama_dir, tmp_path_factory, ray_instance):
-    from router.launch import LocalCluster
-    from tests.cluster_util import cluster_config
-
-    log = tmp_path_factory.mktemp("log") / "requests.jsonl"
-    cfg = cluster_config(llama_dir, router={"request_log": str(log)})
-    with LocalCluster(cfg) as cluster:
-        yield cluster, log
+def _last_seqs(steps: dict) -> dict[str, int]:
+    return {name: max((s["seq"] for s in w["steps"]), default=0) for name, w in steps.items()}
 
 
-def test_usage_log_and_step_records_through_a_live_cluster(logged_cluster, capsys):
+def test_usage_log_and_step_records_through_a_live_cluster(served, capsys):
+    """On the session's shared 1 + 1 cluster (conftest), which logs every request: only the step
+    records and log lines after this test's start are its own."""
     from tests.cluster_util import Client
 
-    cluster, log = logged_cluster
+    cluster, log = served, served.request_log
+    seen_steps = _last_seqs(collect_steps(cluster, 0.0))
+    seen_lines = len(log.read_text().splitlines()) if log.exists() else 0
     client = Client(cluster.address)
     prompts = [list(range(100, 100 + 600)), list(range(100, 100 + 600)) + [5] * 40, list(range(300, 340))]
     finals = [client.tokens(p, max_tokens=6, ignore_eos=True)[1] for p in prompts]
@@ -215,19 +212,21 @@ def test_usage_log_and_step_records_through_a_live_cluster(logged_cluster, capsy
         assert u.prefill_compute_ms + u.prefill_queue_ms + u.kv_wait_ms <= u.ttft_ms + 1e-6
     steps = collect_steps(cluster, 0.0)
     assert {w["pool"] for w in steps.values()} == {"prefill", "decode"}
-    decode = next(w for w in steps.values() if w["pool"] == "decode")["steps"]
-    assert sum(s["decode_rows"] for s in decode) == 3 * 5  # every decode token came from a logged step
+    name, decode = next((n, w["steps"]) for n, w in steps.items() if w["pool"] == "decode")
+    mine = [s for s in decode if s["seq"] > seen_steps.get(name, 0)]
+    assert sum(s["decode_rows"] for s in mine) == 3 * 5  # every decode token came from a logged step
 
-    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    everything = [json.loads(line) for line in log.read_text().splitlines()]
+    lines = everything[seen_lines:]
     assert [(x["input_length"], x["output_length"], x["finish_reason"]) for x in lines] == [
         (600, 6, "length"), (640, 6, "length"), (40, 6, "length")]
     assert len(lines[0]["hash_ids"]) == 1 and lines[1]["hash_ids"] == lines[0]["hash_ids"]  # shared 512 tokens
     assert lines[2]["hash_ids"] == [] and "prompt_token_ids" not in lines[0]  # no prompts unless asked
     assert lines[0]["e2e_ms"] >= lines[0]["ttft_ms"] > 0
-    trace = read_trace(log)  # Mooncake format: pdserve bench --trace replays it
+    trace = read_trace(log)[seen_lines:]  # Mooncake format: pdserve bench --trace replays it
     assert [r.input_length for r in trace] == [600, 640, 40]
     assert trace[0].timestamp_ms <= trace[1].timestamp_ms <= trace[2].timestamp_ms
     capsys.readouterr()
     assert pdserve(["inspect", str(log), "--model", cluster.cfg.model.path, "--json"]) == 0
     seen = json.loads(capsys.readouterr().out)
-    assert (seen["kind"], seen["num_requests"], seen["durations"]) == ("request log", 3, "measured")
+    assert (seen["kind"], seen["num_requests"], seen["durations"]) == ("request log", len(everything), "measured")

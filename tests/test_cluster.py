@@ -53,9 +53,8 @@ def test_grpc_tokens_match_generate(llama_dir, mode, replicas):
 
 
 @pytest.fixture(scope="module")
-def cluster(llama_dir):
-    with LocalCluster(cluster_config(llama_dir)) as c:
-        yield c
+def cluster(served):  # the session's default 1 + 1 cluster (conftest)
+    return served
 
 
 def test_grpc_tokens_match_generate_on_one_prefill_and_one_decode_worker(cluster, llama_dir):

@@ -39,6 +39,7 @@ from tests.reference import hf_greedy
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+MODEL = "llama"  # the served model's id: its directory's name (conftest's llama_dir)
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Once upon a time"}]
 
 
@@ -60,14 +61,16 @@ def _copy_model(src: str, dst: Path, chat_template: bool) -> str:
 
 
 @pytest.fixture(scope="module")
-def chat_dir(llama_dir, tmp_path_factory) -> str:
-    return _copy_model(llama_dir, tmp_path_factory.mktemp("chat") / "tiny", chat_template=True)
+def chat_dir(served) -> str:
+    """The served tiny model; it has a chat template of its own."""
+    assert AutoTokenizer.from_pretrained(served.cfg.model.path).chat_template
+    return served.cfg.model.path
 
 
 @pytest.fixture(scope="module")
-def cluster(chat_dir):
-    with LocalCluster(cluster_config(chat_dir, router={"http_port": 0})) as c:
-        yield c
+def cluster(served):  # the session's default 1 + 1 cluster (conftest), its HTTP port on
+    assert Path(served.cfg.model.path).name == MODEL  # the id /v1/models gives
+    return served
 
 
 @pytest.fixture(scope="module")
@@ -213,14 +216,14 @@ def test_a_failure_after_the_first_token_is_an_error_event_and_closes_the_reques
 # ---- through a real cluster -------------------------------------------------------------------
 def test_greedy_completion_is_transformers_token_for_token(client, chat_dir):
     prompt = _prompt(1)
-    resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True})
     choice = resp.choices[0]
     assert choice.token_ids == hf_greedy(chat_dir, prompt, 12, ignore_eos=True)
     assert choice.text == AutoTokenizer.from_pretrained(chat_dir).decode(choice.token_ids)
-    assert choice.finish_reason == "length" and resp.model == "tiny" and resp.object == "text_completion"
+    assert choice.finish_reason == "length" and resp.model == MODEL and resp.object == "text_completion"
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == (20, 12, 32)
-    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert again.choices[0].token_ids == choice.token_ids
     assert again.usage.prompt_tokens_details.cached_tokens == 16  # its one full block came from the prefix cache
@@ -228,7 +231,7 @@ def test_greedy_completion_is_transformers_token_for_token(client, chat_dir):
 
 def test_streaming_carries_the_same_tokens_and_usage_last(client):
     prompt = _prompt(2)
-    args = {"model": "tiny", "max_tokens": 10, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    args = {"model": MODEL, "max_tokens": 10, "temperature": 0, "extra_body": {"ignore_eos": True}}
     whole = client.completions.create(prompt=prompt, **args).choices[0]
     chunks = list(client.completions.create(prompt=prompt, stream=True, stream_options={"include_usage": True},
                                             **args))
@@ -245,7 +248,7 @@ def test_seed_reproduces_and_matches_the_grpc_path(client, cluster):
     prompt = _prompt(3)
 
     def sampled(seed: int) -> list[int]:  # temperature left out: OpenAI's default 1.0 samples
-        return client.completions.create(model="tiny", prompt=prompt, max_tokens=16, seed=seed,
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, seed=seed,
                                          extra_body={"ignore_eos": True}).choices[0].token_ids
 
     first = sampled(7)
@@ -259,7 +262,7 @@ def test_chat_renders_the_template_and_streams_a_role_first(client, chat_dir):
     tok = AutoTokenizer.from_pretrained(chat_dir)
     rendered = tok.encode(tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False),
                           add_special_tokens=False)
-    args = {"model": "tiny", "temperature": 0, "extra_body": {"ignore_eos": True}}
+    args = {"model": MODEL, "temperature": 0, "extra_body": {"ignore_eos": True}}
     resp = client.chat.completions.create(messages=CHAT, max_tokens=9, **args)
     assert resp.choices[0].token_ids == hf_greedy(chat_dir, rendered, 9, ignore_eos=True)
     assert resp.choices[0].message.role == "assistant" and resp.usage.prompt_tokens == len(rendered)
@@ -282,7 +285,7 @@ def test_refusals_are_openai_error_objects(client, cluster, args, status, messag
     errors_before = cluster.router.metrics.registry.get_sample_value(
         "pdserve_request_errors_total", {"status": "INVALID_ARGUMENT"}) or 0
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="tiny", **args)
+        client.completions.create(model=MODEL, **args)
     assert err.value.status_code == status and message in err.value.body["message"]
     assert err.value.body["type"] == "invalid_request_error"
     assert cluster.router.metrics.registry.get_sample_value(
@@ -299,7 +302,7 @@ def _get(url: str, data: bytes | None = None) -> tuple[int, dict]:
 
 
 def test_models_health_and_malformed_bodies(client, cluster):
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert [m.id for m in client.models.list().data] == [MODEL]
     root = cluster.http_url.removesuffix("/v1")
     assert _get(f"{root}/health") == (200, {"status": "serving"})
     status, body = _get(f"{cluster.http_url}/completions", b"{not json")
@@ -310,7 +313,7 @@ def test_models_health_and_malformed_bodies(client, cluster):
 
 def test_a_client_that_leaves_mid_stream_frees_every_block(client, cluster):
     finished, cancelled = _finished(cluster, "length"), _finished(cluster, "cancelled")
-    stream = client.completions.create(model="tiny", prompt=_prompt(4), max_tokens=1900, stream=True,
+    stream = client.completions.create(model=MODEL, prompt=_prompt(4), max_tokens=1900, stream=True,
                                        extra_body={"ignore_eos": True})
     for i, _chunk in enumerate(stream):
         if i == 3:
@@ -326,7 +329,7 @@ def test_a_client_that_times_out_before_the_reply_frees_every_block(cluster):
     finished, cancelled = _finished(cluster, "length"), _finished(cluster, "cancelled")
     with openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0, timeout=0.5) as impatient:
         with pytest.raises(openai.APITimeoutError):
-            impatient.completions.create(model="tiny", prompt=_prompt(5), max_tokens=1900, temperature=0,
+            impatient.completions.create(model=MODEL, prompt=_prompt(5), max_tokens=1900, temperature=0,
                                          extra_body={"ignore_eos": True})
     _no_leaks(cluster, within_s=10.0)  # under CI load the disconnect can take a while to be noticed
     assert _finished(cluster, "length") == finished
@@ -349,8 +352,8 @@ def test_queue_full_429_no_chat_template_400_shutting_down_503(llama_dir, tmp_pa
     client = openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0, timeout=120)
     try:
         with pytest.raises(openai.BadRequestError, match="this model has no chat template"):
-            client.chat.completions.create(model="tiny", messages=CHAT)
-        args = {"model": "tiny", "max_tokens": 20, "stream": True, "extra_body": {"ignore_eos": True}}
+            client.chat.completions.create(model=MODEL, messages=CHAT)
+        args = {"model": MODEL, "max_tokens": 20, "stream": True, "extra_body": {"ignore_eos": True}}
         first = iter(client.completions.create(prompt=[7] * 100, **args))  # answers once its first token is out
         second: list = []
         waiting = threading.Thread(target=lambda: second.extend(client.completions.create(prompt=[8] * 100, **args)))
@@ -366,7 +369,7 @@ def test_queue_full_429_no_chat_template_400_shutting_down_503(llama_dir, tmp_pa
         assert sum(len(c.choices[0].token_ids) for c in second if c.choices) == 20
 
         prompt = _prompt(6, n=10)
-        stream = iter(client.completions.create(prompt=prompt, model="tiny", max_tokens=100, temperature=0,
+        stream = iter(client.completions.create(prompt=prompt, model=MODEL, max_tokens=100, temperature=0,
                                                 stream=True, extra_body={"ignore_eos": True}))
         got = list(next(stream).choices[0].token_ids)
         stopper.start()
@@ -374,7 +377,7 @@ def test_queue_full_429_no_chat_template_400_shutting_down_503(llama_dir, tmp_pa
         while cluster.router.accepting and time.monotonic() < deadline:
             time.sleep(0.01)
         with pytest.raises(openai.InternalServerError) as err:
-            client.completions.create(model="tiny", prompt=prompt, max_tokens=5)
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=5)
         assert err.value.status_code == 503 and "shutting down" in err.value.body["message"]
         assert _get(f"http://127.0.0.1:{port}/health")[0] == 503
         got += [t for chunk in stream for t in chunk.choices[0].token_ids]  # in flight: still completes
