@@ -6,6 +6,7 @@ and the request log is a trace `pdserve bench --trace` replays and `pdserve insp
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -52,8 +53,11 @@ def test_decodes_sharing_a_step_with_prefill_chunks_are_interference(llama_dir):
         for out in engine.step():
             kinds["stream"] = kinds.get("stream", "") + out.step_kind
     timings: dict = {}
-    engine.add_request("long", prompt_token_ids=list(range(200, 300)), sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+    added = time.perf_counter()  # "long" arrived a second before the engine got it (a router queue)
+    engine.add_request("long", prompt_token_ids=list(range(200, 300)), sampling=SamplingParams(max_tokens=2, ignore_eos=True),
+                       arrived_at=added - 1.0)
     _drain(engine, kinds, timings)
+    drained = time.perf_counter()
     # 100 prompt tokens in chunks of 32: four steps of prefill, each with one decode of "stream"
     assert kinds == {"stream": "FDD" + "IIII" + "D", "long": "FD"}
     steps = engine.telemetry.since(0)
@@ -62,7 +66,9 @@ def test_decodes_sharing_a_step_with_prefill_chunks_are_interference(llama_dir):
     long = timings["long"]
     chunk_steps = sum(s.wall_s for s in steps[3:7])
     assert long.compute_s == pytest.approx(chunk_steps)  # the four steps that computed its prompt
-    assert long.kv_wait_s == 0.0 and long.queue_s >= 0.0
+    assert long.kv_wait_s == 0.0  # blocks were free throughout
+    # queued: the second before the engine, then only the gaps between its steps
+    assert 1.0 <= long.queue_s <= 1.0 + (drained - added) - long.compute_s
 
 
 def test_preempted_handed_off_and_resumed_tokens_say_so(llama_dir):
@@ -208,10 +214,19 @@ def test_usage_log_and_step_records_through_a_live_cluster(served, capsys):
     for final in finals:
         u = final.usage
         assert u.token_steps == "FKDDDD"  # first token from prefill, then after the KV hand-off
-        assert u.prefill_compute_ms > 0 and u.prefill_queue_ms >= 0 and u.kv_wait_ms >= 0
+        assert u.prefill_queue_ms >= 0 and u.kv_wait_ms >= 0
         assert u.prefill_compute_ms + u.prefill_queue_ms + u.kv_wait_ms <= u.ttft_ms + 1e-6
     steps = collect_steps(cluster, 0.0)
     assert {w["pool"] for w in steps.values()} == {"prefill", "decode"}
+    # the prefill compute each usage reports is the wall time of the prefill steps that computed
+    # its prompt: 600 tokens in chunks of 256; the second prompt's 37 cached blocks skipped, 48
+    # tokens left; the third, 40 tokens (one request at a time: each step holds one prompt's chunk)
+    name, prefill = next((n, w["steps"]) for n, w in steps.items() if w["pool"] == "prefill")
+    chunks = [s for s in prefill if s["seq"] > seen_steps.get(name, 0) and s["prefill_rows"]]
+    assert [s["prefill_tokens"] for s in chunks] == [256, 256, 88, 48, 40]
+    assert [f.usage.cached_tokens for f in finals] == [0, 37 * 16, 0]
+    walls = [sum(s["wall_s"] for s in chunks[:3]), chunks[3]["wall_s"], chunks[4]["wall_s"]]
+    assert [f.usage.prefill_compute_ms for f in finals] == pytest.approx([w * 1e3 for w in walls], rel=1e-4)
     name, decode = next((n, w["steps"]) for n, w in steps.items() if w["pool"] == "decode")
     mine = [s for s in decode if s["seq"] > seen_steps.get(name, 0)]
     assert sum(s["decode_rows"] for s in mine) == 3 * 5  # every decode token came from a logged step
