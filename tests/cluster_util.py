@@ -4,9 +4,11 @@ on a running cluster, references."""
 from __future__ import annotations
 
 import contextlib
+import json
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
 import ray
@@ -40,6 +42,16 @@ def cluster_config(model_path: str, **overrides) -> ClusterConfig:
         else:
             raw[key] = value
     return parse_config(raw)
+
+
+def kv_bytes(model_dir: str, num_tokens: int, block_size: int) -> int:
+    """What pushing the KV of `num_tokens` costs, from the checkpoint's config.json alone:
+    whole blocks x layers x K,V x block_size x kv heads x head_dim x bytes per value."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.get("torch_dtype") or cfg["dtype"]]
+    blocks = -(-num_tokens // block_size)
+    return blocks * cfg["num_hidden_layers"] * 2 * block_size * cfg["num_key_value_heads"] * head_dim * dtype_bytes
 
 
 def set_faults(cluster, **knobs) -> None:

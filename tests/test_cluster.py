@@ -3,11 +3,9 @@ transformers' generate in every arrangement, bad requests get their status, bloc
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -15,7 +13,7 @@ import ray
 
 from proto import pdserve_pb2 as pb
 from router.launch import LocalCluster
-from tests.cluster_util import Client, cluster_config
+from tests.cluster_util import Client, cluster_config, kv_bytes
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
@@ -103,16 +101,6 @@ def test_client_disconnect_frees_blocks_within_a_second(cluster):
     client.close()
 
 
-def _kv_bytes(model_dir: str, num_tokens: int, block_size: int) -> int:
-    """What pushing the KV of `num_tokens` costs, from the checkpoint's config.json alone:
-    whole blocks x layers x K,V x block_size x kv heads x head_dim x bytes per value."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.get("torch_dtype") or cfg["dtype"]]
-    blocks = -(-num_tokens // block_size)
-    return blocks * cfg["num_hidden_layers"] * 2 * block_size * cfg["num_key_value_heads"] * head_dim * dtype_bytes
-
-
 def test_usage_reports_workers_and_timings(cluster, llama_dir):
     client = Client(cluster.address)
     prompt = _prompts(1, seed=12)[0]
@@ -123,7 +111,7 @@ def test_usage_reports_workers_and_timings(cluster, llama_dir):
     assert u.prefill_worker.startswith("prefill-") and u.decode_worker.startswith("decode-")
     assert u.ttft_ms > 0 and u.kv_transfer_ms > 0
     block_size = cluster.cfg.kv_cache.block_size
-    assert u.kv_transfer_bytes == _kv_bytes(llama_dir, len(prompt), block_size) > 0
+    assert u.kv_transfer_bytes == kv_bytes(llama_dir, len(prompt), block_size) > 0
     client.close()
 
 
