@@ -65,6 +65,14 @@ def no_shared_ray():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def pki(tmp_path_factory):
+    """A throw-away CA, a server certificate for localhost and 127.0.0.1, a client certificate."""
+    from tests.security_util import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
 @pytest.fixture(scope="module")
 def served(ray_instance, llama_dir, tmp_path_factory):
     """The session's default cluster, for every module whose tests it fits: disaggregated, 1

@@ -1,6 +1,7 @@
 """The OpenAI-compatible HTTP API end to end, with the official `openai` SDK as the client:
 tokens identical to transformers and to the gRPC path, streaming and usage, the error status of
-each refusal, a client that goes away frees every KV block, and shutdown answers 503."""
+each refusal, a client that goes away frees every KV block, and shutdown answers 503 (SIGTERM to
+`pdserve serve` with an HTTP stream in flight: tests/test_serve.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,7 @@ import asyncio
 import json
 import random
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -23,7 +21,6 @@ import httpx2
 import openai
 import pytest
 import ray
-import yaml
 from transformers import AutoTokenizer
 
 from router.config.loader import parse_config
@@ -34,7 +31,7 @@ from router.launch import LocalCluster
 from router.lifecycle.life import RequestLife
 from router.lifecycle.outcomes import Chunk, InternalError, QueueFull, Unavailable
 from router.observability.metrics import RouterMetrics
-from tests.cluster_util import Client, cluster_config, free_port
+from tests.cluster_util import Client, cluster_config, faults, set_faults, wait_until
 from tests.reference import hf_greedy
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
@@ -327,11 +324,14 @@ def test_a_client_that_leaves_mid_stream_frees_every_block(client, cluster):
 
 def test_a_client_that_times_out_before_the_reply_frees_every_block(cluster):
     finished, cancelled = _finished(cluster, "length"), _finished(cluster, "cancelled")
-    with openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0, timeout=0.5) as impatient:
-        with pytest.raises(openai.APITimeoutError):
-            impatient.completions.create(model=MODEL, prompt=_prompt(5), max_tokens=1900, temperature=0,
-                                         extra_body={"ignore_eos": True})
-    _no_leaks(cluster, within_s=10.0)  # under CI load the disconnect can take a while to be noticed
+    # slow steps: the 1900 tokens would take 38 s or more, so the reply cannot beat the client's
+    # 3 s, and 3 s is ample for the request to be accepted first (the count below proves it was)
+    with faults(cluster, step_delay_s=0.02):
+        with openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0, timeout=3) as impatient:
+            with pytest.raises(openai.APITimeoutError):
+                impatient.completions.create(model=MODEL, prompt=_prompt(5), max_tokens=1900, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        _no_leaks(cluster, within_s=10.0)  # under CI load the disconnect can take a while to be noticed
     assert _finished(cluster, "length") == finished
     assert _finished(cluster, "cancelled") == cancelled + 1
 
@@ -354,16 +354,17 @@ def test_queue_full_429_no_chat_template_400_shutting_down_503(llama_dir, tmp_pa
         with pytest.raises(openai.BadRequestError, match="this model has no chat template"):
             client.chat.completions.create(model=MODEL, messages=CHAT)
         args = {"model": MODEL, "max_tokens": 20, "stream": True, "extra_body": {"ignore_eos": True}}
+        set_faults(cluster, step_delay_s=0.1)  # the first holds its blocks for 2 s or more
         first = iter(client.completions.create(prompt=[7] * 100, **args))  # answers once its first token is out
         second: list = []
         waiting = threading.Thread(target=lambda: second.extend(client.completions.create(prompt=[8] * 100, **args)))
         waiting.start()
-        deadline = time.monotonic() + 10
-        while cluster.router.queue_length < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: cluster.router.queue_length == 1, 10, "the second request to queue")
         with pytest.raises(openai.RateLimitError) as err:
             client.completions.create(prompt=[9] * 100, **args)
         assert err.value.status_code == 429 and "queue is full" in err.value.body["message"]
+        assert cluster.router.queue_length == 1  # refused while the first still held its blocks
+        set_faults(cluster, step_delay_s=0.02)  # the next stream's 100 tokens: 2 s or more
         assert sum(len(c.choices[0].token_ids) for c in first) == 20
         waiting.join(60)
         assert sum(len(c.choices[0].token_ids) for c in second if c.choices) == 20
@@ -373,13 +374,12 @@ def test_queue_full_429_no_chat_template_400_shutting_down_503(llama_dir, tmp_pa
                                                 stream=True, extra_body={"ignore_eos": True}))
         got = list(next(stream).choices[0].token_ids)
         stopper.start()
-        deadline = time.monotonic() + 5
-        while cluster.router.accepting and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not cluster.router.accepting, 5, "the shutdown to begin", every=0.01)
         with pytest.raises(openai.InternalServerError) as err:
             client.completions.create(model=MODEL, prompt=prompt, max_tokens=5)
         assert err.value.status_code == 503 and "shutting down" in err.value.body["message"]
         assert _get(f"http://127.0.0.1:{port}/health")[0] == 503
+        assert len(cluster.router.lives) == 1, "the accepted request ended before the refusals"
         got += [t for chunk in stream for t in chunk.choices[0].token_ids]  # in flight: still completes
         assert got == hf_greedy(model, prompt, 100, ignore_eos=True)
     finally:
@@ -388,44 +388,3 @@ def test_queue_full_429_no_chat_template_400_shutting_down_503(llama_dir, tmp_pa
         stopper.join(60)
         client.close()
     assert not stopper.is_alive() and not _port_open(port)
-
-
-def _post(url: str, body: dict):
-    return urllib.request.urlopen(urllib.request.Request(url, data=json.dumps(body).encode(),
-                                                         headers={"Content-Type": "application/json"}), timeout=60)
-
-
-def test_sigterm_drains_http_streams_before_the_http_server_stops(tmp_path, llama_dir):
-    """serve_forever owns SIGTERM: the router drains (new requests 503, streams in flight finish),
-    then the HTTP server stops. Had uvicorn taken the signal, its port would close at once."""
-    http_port = free_port()
-    cfg = {"model": {"path": llama_dir},
-           "router": {"port": free_port(), "http_port": http_port, "shutdown_grace_s": 60},
-           "prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}, "kv_cache": {"num_blocks": 64},
-           "faults": {"step_delay_s": 0.02}}  # 150 tokens: 3 s or more
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    pdserve = str(Path(sys.executable).with_name("pdserve"))
-    server = subprocess.Popen([pdserve, "serve", "--config", str(path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{http_port}"
-    try:
-        assert "ready in" in server.stdout.readline()
-        assert _get(f"{url}/health") == (200, {"status": "serving"})
-        stream = _post(f"{url}/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 150, "stream": True,
-                                                  "ignore_eos": True})
-        events = [stream.readline()]
-        server.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while (status := _get(f"{url}/health")[0]) == 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert status == 503
-        status, body = _get(f"{url}/v1/completions", json.dumps({"prompt": [5], "max_tokens": 2}).encode())
-        assert status == 503 and "shutting down" in body["error"]["message"]
-        events += stream.readlines()
-        data = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
-        assert sum(len(d["choices"][0]["token_ids"]) for d in data) == 150 and b"data: [DONE]\r\n" in events
-    finally:
-        server.send_signal(signal.SIGTERM)
-        returncode = server.wait(timeout=90)
-    assert returncode == 0 and not _port_open(http_port)
