@@ -13,7 +13,7 @@ import ray
 
 from proto import pdserve_pb2 as pb
 from router.launch import LocalCluster
-from tests.cluster_util import Client, cluster_config, kv_bytes
+from tests.cluster_util import Client, cluster_config, faults, kv_bytes, set_faults, wait_until
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
@@ -83,20 +83,25 @@ def test_bad_requests_get_their_status_and_good_ones_still_finish(cluster, llama
     client.close()
 
 
-def test_client_disconnect_frees_blocks_within_a_second(cluster):
+def _finished(cluster: LocalCluster, reason: str) -> float:
+    return cluster.router.metrics.registry.get_sample_value("pdserve_requests_total", {"finish_reason": reason}) or 0
+
+
+def test_client_disconnect_frees_blocks_long_before_the_request_would_end(cluster):
     client = Client(cluster.address)
-    call = client.stream(_prompts(1, seed=11)[0], max_tokens=1500, ignore_eos=True)
-    for i, _ in enumerate(call):
-        if i == 3:
-            break
-    call.cancel()
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        used = [w.kv_blocks_used for w in client.status().workers]
-        if not any(used):
-            break
-        time.sleep(0.05)
-    assert not any(w.kv_blocks_used for w in client.status().workers)
+    cancelled, finished = _finished(cluster, "cancelled"), _finished(cluster, "length")
+    with faults(cluster, step_delay_s=0.02):  # 1500 tokens: 30 s or more if nothing stopped it
+        call = client.stream(_prompts(1, seed=11)[0], max_tokens=1500, ignore_eos=True)
+        for i, _ in enumerate(call):
+            if i == 3:
+                break
+        assert any(w.kv_blocks_used for w in client.status().workers)
+        call.cancel()
+        t0 = time.monotonic()
+        wait_until(lambda: not any(w.kv_blocks_used for w in client.status().workers), 10, "the blocks to be freed",
+                   every=0.05)
+        assert time.monotonic() - t0 < 10  # not the 30 s to the end: the cancel freed them
+    assert _finished(cluster, "cancelled") == cancelled + 1 and _finished(cluster, "length") == finished
     _assert_no_leaks(cluster)
     client.close()
 
@@ -185,16 +190,17 @@ def test_full_queue_is_resource_exhausted_and_others_finish(llama_dir):
     cfg = cluster_config(llama_dir, kv_cache={"num_blocks": 8}, router={"max_queue": 1})
     with LocalCluster(cfg) as cluster:
         client = Client(cluster.address)
+        set_faults(cluster, step_delay_s=0.1)  # the first holds its blocks for 2 s or more
         first = client.stream([7] * 100, max_tokens=20, ignore_eos=True)
         next(first)  # holds 7 of the decode worker's 8 blocks
         second = client.stream([8] * 100, max_tokens=20, ignore_eos=True)  # waits in the router queue
-        deadline = time.monotonic() + 5
-        while client.status().router_queue < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: client.status().router_queue == 1, 10, "the second request to queue")
         with pytest.raises(grpc.RpcError) as err:
             list(client.stream([9] * 100, max_tokens=20, ignore_eos=True))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "queue is full" in err.value.details()
+        assert client.status().router_queue == 1  # refused while the first still held its blocks
+        set_faults(cluster)
         assert sum(len(m.token_ids) for m in first) == 19
         assert sum(len(m.token_ids) for m in second) == 20
         _assert_no_leaks(cluster)
@@ -216,7 +222,8 @@ def test_health_and_reflection(cluster):
 
 
 def test_shutdown_finishes_in_flight_and_refuses_new(llama_dir):
-    cfg = cluster_config(llama_dir, router={"shutdown_grace_s": 30})
+    # slow steps: the 150 tokens take 3 s or more, so the request is still in flight when refused
+    cfg = cluster_config(llama_dir, router={"shutdown_grace_s": 30}, faults={"step_delay_s": 0.02})
     cluster = LocalCluster(cfg).__enter__()
     stopper = threading.Thread(target=cluster.__exit__, args=(None, None, None))
     client = Client(cluster.address)
@@ -225,12 +232,11 @@ def test_shutdown_finishes_in_flight_and_refuses_new(llama_dir):
         stream = client.stream(prompt, max_tokens=150, ignore_eos=True)
         got = list(next(stream).token_ids)
         stopper.start()
-        deadline = time.monotonic() + 5
-        while cluster.router.accepting and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not cluster.router.accepting, 5, "the shutdown to begin", every=0.01)
         with pytest.raises(grpc.RpcError) as err:
             list(client.stream(prompt, max_tokens=5))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert len(cluster.router.lives) == 1, "the accepted request ended before the refusal"
         for msg in stream:  # the accepted request still completes within the grace period
             got.extend(msg.token_ids)
         assert got == hf_greedy(llama_dir, prompt, 150, ignore_eos=True)
