@@ -73,32 +73,62 @@ def pki(tmp_path_factory):
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
+def _shared(name: str, make_config):
+    """The running shared cluster `name`, started with `make_config()` if there is none; then,
+    after the module, checked as the module must leave it: no request in flight, every pool at its
+    size with every worker ready, no KV block held, no fault on. A module that broke it fails
+    there, and the next module gets a fresh one."""
+    from router.launch import LocalCluster
+    from tests.cluster_util import wait_until, whole
+    from worker_runtime.faults import FaultConfig
+
+    cluster = _SHARED.get(name)
+    if cluster is None:
+        cluster = _SHARED[name] = LocalCluster(make_config()).__enter__()
+    yield cluster
+    try:
+        wait_until(lambda: whole(cluster), 60, f"the shared cluster {name!r} to be whole again after the module",
+                   every=0.1)
+        assert cluster.router.pools.faults == FaultConfig(), f"the module left faults on in {name!r}"
+    except BaseException:
+        _SHARED.pop(name, None)
+        cluster.__exit__(None, None, None)
+        raise
+
+
 @pytest.fixture(scope="module")
 def served(ray_instance, llama_dir, tmp_path_factory):
     """The session's default cluster, for every module whose tests it fits: disaggregated, 1
     prefill + 1 decode worker, gRPC, the OpenAI HTTP API, Prometheus metrics and a request log
-    (`served.request_log`). A cluster start costs 8-10 s here, so the first module that asks
-    starts it and the others share it. A module may use it in any way that leaves it as it found
-    it: no request in flight, both workers ready, no KV block held, no fault on (checked after
-    the module; a test that kills or scales restores it first). What it cannot rely on is an
-    empty prefix cache or zero counters: it compares counters before and after."""
-    from router.launch import LocalCluster
-    from tests.cluster_util import cluster_config, wait_until, whole
+    (`served.cfg.router.request_log`). A cluster start costs 8-10 s here, so the first module that
+    asks starts it and the others share it. A module may use it in any way that leaves it as it
+    found it (scaled back, healed, faults off: see _shared); it cannot rely on an empty prefix
+    cache or on counters at zero, so it compares counters before and after."""
+    from tests.cluster_util import cluster_config
 
-    cluster = _SHARED.get("default")
-    if cluster is None:
+    def config():
         log = tmp_path_factory.mktemp("served") / "requests.jsonl"
-        cfg = cluster_config(llama_dir, router={"http_port": 0, "request_log": str(log)})
-        cluster = LocalCluster(cfg).__enter__()
-        cluster.request_log = log
-        _SHARED["default"] = cluster
-    yield cluster
-    from worker_runtime.faults import FaultConfig
+        return cluster_config(llama_dir, router={"http_port": 0, "request_log": str(log)})
+    yield from _shared("served", config)
 
-    try:
-        wait_until(lambda: whole(cluster), 30, "the shared cluster to be whole again after the module", every=0.1)
-        assert cluster.router.pools.faults == FaultConfig(), "the module left faults on"
-    except BaseException:
-        _SHARED.pop("default", None)  # the next module gets a fresh one
-        cluster.__exit__(None, None, None)
-        raise
+
+@pytest.fixture(scope="module")
+def served_2x2(ray_instance, llama_dir):
+    """A shared disaggregated cluster of 2 prefill + 2 decode workers (placement: cache_aware),
+    quick to replace a dead worker (restart_backoff_s 0.2), with short call deadlines (3 s) and a
+    drain that moves what is left after 1 s: for the tests that place across workers, kill, drain
+    and scale (same rules as `served`)."""
+    from tests.cluster_util import cluster_config
+
+    yield from _shared("2x2", lambda: cluster_config(
+        llama_dir, prefill={"replicas": 2}, decode={"replicas": 2},
+        router={"call_timeout_s": 3, "restart_backoff_s": 0.2, "drain_timeout_s": 1}))
+
+
+@pytest.fixture(scope="module")
+def served_colocated(ray_instance, llama_dir):
+    """A shared colocated cluster of 2 workers, quick to replace a dead one (same rules as `served`)."""
+    from tests.cluster_util import cluster_config
+
+    yield from _shared("colocated", lambda: cluster_config(
+        llama_dir, mode="colocated", prefill={"replicas": 0}, decode={"replicas": 2}, router={"restart_backoff_s": 0.2}))

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -204,7 +205,7 @@ def test_usage_log_and_step_records_through_a_live_cluster(served, capsys):
     records and log lines after this test's start are its own."""
     from tests.cluster_util import Client
 
-    cluster, log = served, served.request_log
+    cluster, log = served, Path(served.cfg.router.request_log)
     seen_steps = _last_seqs(collect_steps(cluster, 0.0))
     seen_lines = len(log.read_text().splitlines()) if log.exists() else 0
     client = Client(cluster.address)

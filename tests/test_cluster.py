@@ -20,7 +20,7 @@ pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the mo
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
+    rng = random.Random(f"test_cluster-{seed}")  # its own prompts: the shared clusters' caches hold others'
     return [[rng.randrange(10, 2000) for _ in range(rng.randint(4, 60))] for _ in range(n)]
 
 
@@ -41,13 +41,12 @@ def _assert_tokens_match_generate(cluster: LocalCluster, llama_dir: str, num_wor
     client.close()
 
 
-@pytest.mark.parametrize("mode, replicas", [("disaggregated", 2), ("colocated", 2)])
-def test_grpc_tokens_match_generate(llama_dir, mode, replicas):
-    cfg = cluster_config(llama_dir, mode=mode, prefill={"replicas": replicas if mode == "disaggregated" else 0},
-                         decode={"replicas": replicas})
-    with LocalCluster(cfg) as cluster:
-        _assert_tokens_match_generate(cluster, llama_dir, 2 * replicas if mode == "disaggregated" else replicas,
-                                      seed=replicas)
+@pytest.mark.parametrize("shared, workers", [("served_2x2", 4), ("served_colocated", 2)],
+                         ids=["disaggregated-2", "colocated-2"])
+def test_grpc_tokens_match_generate(request, llama_dir, shared, workers):
+    cluster = request.getfixturevalue(shared)  # 2 + 2 disaggregated, or 2 colocated (conftest)
+    assert cluster.cfg.mode == ("colocated" if shared == "served_colocated" else "disaggregated")
+    _assert_tokens_match_generate(cluster, llama_dir, workers, seed=2)
 
 
 @pytest.fixture(scope="module")
@@ -141,13 +140,13 @@ class _Timed(threading.Thread):
         self.end_s = time.monotonic()
 
 
-def test_scale_while_streaming_loses_nothing(llama_dir):
-    cfg = cluster_config(llama_dir)
+def test_scale_while_streaming_loses_nothing(cluster, llama_dir):
+    """On the shared 1 + 1 cluster, which it scales back to 1 + 1 at the end."""
     prompts, long_prompts, long_tokens = _prompts(32, seed=21), _prompts(6, seed=22), 200
     expected = [hf_greedy(llama_dir, p, 40, ignore_eos=True) for p in prompts]
     long_expected = [hf_greedy(llama_dir, p, long_tokens, ignore_eos=True) for p in long_prompts]
-    with LocalCluster(cfg) as cluster:
-        client = Client(cluster.address)
+    client = Client(cluster.address)
+    try:
         streams = [_Timed(client, p, 40, delay_s=0.05 * i) for i, p in enumerate(prompts)]  # spread over the scaling
         for s in streams:
             s.start()
@@ -182,6 +181,9 @@ def test_scale_while_streaming_loses_nothing(llama_dir):
         assert any(s.first_s < scale_began < s.end_s for s in drained), (resp.stopped, scale_began)
         assert [s.last.usage.migrations for s in streams + long_streams] == [0] * (len(prompts) + len(long_prompts))
         _assert_no_leaks(cluster)
+    finally:
+        for pool in ("prefill", "decode"):
+            client.admin.Scale(pb.ScaleRequest(pool=pool, replicas=1), timeout=120)
         client.close()
 
 

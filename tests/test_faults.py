@@ -83,11 +83,8 @@ def _finished(cluster: LocalCluster, reason: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def cluster(llama_dir):
-    cfg = cluster_config(llama_dir, prefill={"replicas": 2}, decode={"replicas": 2},
-                         router={"call_timeout_s": 3, "restart_backoff_s": 0.2, "drain_timeout_s": 1})
-    with LocalCluster(cfg) as c:
-        yield c
+def cluster(served_2x2):  # shared (conftest): 2 + 2, call deadlines 3 s, restart backoff 0.2 s, drain timeout 1 s
+    return served_2x2
 
 
 @pytest.fixture(scope="module")
@@ -120,19 +117,17 @@ def test_decode_worker_death_mid_stream_migrates_token_exact(cluster, llama_dir,
     client.close()
 
 
-def test_colocated_worker_death_recomputes_elsewhere(llama_dir):
-    cfg = cluster_config(llama_dir, mode="colocated", prefill={"replicas": 0}, decode={"replicas": 2},
-                         router={"restart_backoff_s": 0.2})
-    with LocalCluster(cfg) as cluster:
-        client = Client(cluster.address)
-        prompt = _prompt(7)
-        args = dict(max_tokens=80, ignore_eos=True, temperature=0.75, seed=5)
-        reference, _ = client.tokens(prompt, **args)
-        tokens, last, killed = _stream_and_kill(client, cluster, prompt, kill_after=3, **args)
-        assert tokens == reference and last.usage.migrations == 1 and last.usage.decode_worker != killed
-        _wait(lambda: len(cluster.router.pools.ready("decode")) == 2, 60, "the pool to heal")
-        _no_leaks(cluster)
-        client.close()
+def test_colocated_worker_death_recomputes_elsewhere(served_colocated):
+    cluster = served_colocated  # shared (conftest): 2 colocated workers, restart backoff 0.2 s
+    client = Client(cluster.address)
+    prompt = _prompt(7)
+    args = dict(max_tokens=80, ignore_eos=True, temperature=0.75, seed=5)
+    reference, _ = client.tokens(prompt, **args)
+    tokens, last, killed = _stream_and_kill(client, cluster, prompt, kill_after=3, **args)
+    assert tokens == reference and last.usage.migrations == 1 and last.usage.decode_worker != killed
+    _wait(lambda: len(cluster.router.pools.ready("decode")) == 2, 60, "the pool to heal")
+    _no_leaks(cluster)
+    client.close()
 
 
 def test_prefill_worker_death_mid_prefill_is_retried(cluster, llama_dir):

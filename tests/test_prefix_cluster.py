@@ -22,7 +22,7 @@ BS = 16
 
 
 def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
+    rng = random.Random(f"test_prefix_cluster-{seed}")  # its own prompts: the shared clusters' caches hold others'
     return [rng.randrange(10, 2000) for _ in range(n)]
 
 
@@ -44,11 +44,9 @@ def _usages_together(client: Client, prompts: list[list[int]]) -> list[tuple[lis
 
 
 @pytest.fixture(scope="module")
-def cache_aware(llama_dir):
-    cfg = cluster_config(llama_dir, prefill={"replicas": 2}, decode={"replicas": 2},
-                         router={"policy": "cache_aware"})
-    with LocalCluster(cfg) as c:
-        yield c
+def cache_aware(served_2x2):  # the shared 2 + 2 cluster (conftest)
+    assert served_2x2.router.pools.placer.policies == {"prefill": "cache_aware", "decode": "cache_aware"}
+    return served_2x2
 
 
 def test_repeated_prefix_is_computed_once_and_only_new_blocks_move(cache_aware, llama_dir):
