@@ -157,6 +157,10 @@ class DecodeWorker(WorkerCalls):
     def _num_channels(self) -> int:
         return self.receiver.num_channels if self.receiver else 0
 
+    async def set_faults(self, faults: FaultConfig) -> None:
+        """Fault injection changed while running (tests; worker_runtime/faults.py)."""
+        self.faults.set(faults)
+
     async def shutdown(self) -> None:
         if self._reaper is not None:
             self._reaper.cancel()

@@ -154,6 +154,10 @@ class PrefillWorker(WorkerCalls):
     def _num_channels(self) -> int:
         return self.sender.num_channels
 
+    async def set_faults(self, faults: FaultConfig) -> None:
+        """Fault injection changed while running (tests; worker_runtime/faults.py)."""
+        self.faults.set(faults)
+
     async def shutdown(self) -> None:
         await asyncio.to_thread(self.sender.shutdown)
         self.core.stop()

@@ -1,20 +1,27 @@
-"""Helpers for end-to-end tests: configs on free ports, a blocking gRPC client, references."""
+"""Helpers for end-to-end tests: configs on free ports, a blocking gRPC client, fault injection
+on a running cluster, references."""
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import json
 import socket
+import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import grpc
+import ray
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from router.config.loader import parse_config
 from router.config.schema import ClusterConfig
+from worker_runtime.faults import FaultConfig
 
 
 def free_port() -> int:
+    """A port nothing listens at (for a client that must find nobody there); a server binds 0."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -23,7 +30,7 @@ def free_port() -> int:
 def cluster_config(model_path: str, **overrides) -> ClusterConfig:
     raw = {
         "model": {"path": model_path},
-        "router": {"port": free_port(), "metrics_port": 0, "shutdown_grace_s": 5},
+        "router": {"port": 0, "metrics_port": 0, "shutdown_grace_s": 5},  # 0: the bound port is read back
         "prefill": {"replicas": 1, "num_cpus": 0.5},
         "decode": {"replicas": 1, "num_cpus": 0.5},
         "kv_cache": {"block_size": 16, "num_blocks": 256},
@@ -37,8 +44,60 @@ def cluster_config(model_path: str, **overrides) -> ClusterConfig:
     return parse_config(raw)
 
 
-def with_port(cfg: ClusterConfig) -> ClusterConfig:
-    return dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, port=free_port()))
+def kv_bytes(model_dir: str, num_tokens: int, block_size: int) -> int:
+    """What pushing the KV of `num_tokens` costs, from the checkpoint's config.json alone:
+    whole blocks x layers x K,V x block_size x kv heads x head_dim x bytes per value."""
+    cfg = json.loads((Path(model_dir) / "config.json").read_text())
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.get("torch_dtype") or cfg["dtype"]]
+    blocks = -(-num_tokens // block_size)
+    return blocks * cfg["num_hidden_layers"] * 2 * block_size * cfg["num_key_value_heads"] * head_dim * dtype_bytes
+
+
+def set_faults(cluster, **knobs) -> None:
+    """Fault injection (worker_runtime/faults.py) on every worker of a running cluster, and on
+    the workers it starts later; no knobs: all off."""
+    cluster.call(cluster.router.pools.set_faults(FaultConfig(**knobs)))
+
+
+@contextlib.contextmanager
+def faults(cluster, **knobs):
+    """`set_faults` for the block; all off again after it, also when it fails."""
+    set_faults(cluster, **knobs)
+    try:
+        yield
+    finally:
+        set_faults(cluster)
+
+
+def set_worker_faults(workers, **knobs) -> None:
+    """Fault injection on these workers (WorkerViews) only; their replacements start without."""
+    ray.get([w.actor.set_faults.remote(FaultConfig(**knobs)) for w in workers], timeout=30)
+
+
+def hold_engine(worker, seconds: float) -> None:
+    """Occupy the engine loop thread of `worker` (a WorkerView) for `seconds`: every call that
+    needs the engine (reserve, add, abort, stats) waits behind it, as behind a long step. Returns
+    once the hold is queued; it begins at once on an idle engine."""
+    ray.get(worker.actor.__ray_call__.remote(
+        lambda actor: actor.core.loop.call(lambda engine: time.sleep(seconds)) and None), timeout=30)
+
+
+def wait_until(cond, timeout: float, what: str, every: float = 0.02) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(every)
+
+
+def whole(cluster) -> bool:
+    """No request in flight, every pool at its size with every worker ready, no KV block held."""
+    pools = cluster.router.pools
+    if cluster.router.lives or any(len(pools.ready(p)) != t or len(pools.live(p)) != t
+                                   for p, t in pools.targets.items()):
+        return False
+    counts = ray.get([w.actor.check.remote() for w in pools.all()], timeout=30)
+    return all(c["used"] == 0 and c["free"] == c["total"] for c in counts)
 
 
 class Client:

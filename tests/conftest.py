@@ -1,10 +1,9 @@
-"""Shared fixtures: tiny deterministic checkpoints and a test PKI, made once per test session."""
+"""Shared fixtures: tiny deterministic checkpoints made once per test session, one local Ray for
+the session, and the session's default cluster."""
 
 from __future__ import annotations
 
 import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
@@ -26,6 +25,7 @@ def llama_dir(model_dirs) -> str:
 
 
 RAY_OPTIONS = dict(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
+_SHARED: dict = {}  # name -> the running LocalCluster shared by several modules
 
 
 @pytest.fixture(scope="module")
@@ -45,32 +45,90 @@ def _ray_at_exit():
     yield
     import ray
 
+    _stop_shared()
     ray.shutdown()
+
+
+def _stop_shared() -> None:
+    while _SHARED:
+        _, cluster = _SHARED.popitem()
+        cluster.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
 def no_shared_ray():
-    """For a module that starts Ray nodes of its own: the shared instance stops first."""
+    """For a module that starts Ray nodes of its own: the shared clusters and Ray stop first
+    (the next module that asks for them starts them again)."""
     import ray
 
+    _stop_shared()
     ray.shutdown()
 
 
-def _openssl(cwd: Path, *args: str) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True)
-
-
 @pytest.fixture(scope="session")
-def pki(tmp_path_factory) -> Path:
-    """ca.pem; server.pem/.key for localhost and 127.0.0.1; client.pem/.key (clientAuth)."""
-    d = tmp_path_factory.mktemp("pki")
-    ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
-    _openssl(d, "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=pdserve test CA",
-             "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign")
-    for name, ext in (("server", "extendedKeyUsage=serverAuth\nsubjectAltName=DNS:localhost,IP:127.0.0.1\n"),
-                      ("client", "extendedKeyUsage=clientAuth\n")):
-        _openssl(d, "req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=pdserve test {name}")
-        (d / f"{name}.ext").write_text(ext)
-        _openssl(d, "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "2", "-extfile", f"{name}.ext")
-    return d
+def pki(tmp_path_factory):
+    """A throw-away CA, a server certificate for localhost and 127.0.0.1, a client certificate."""
+    from tests.security_util import make_pki
+
+    return make_pki(tmp_path_factory.mktemp("pki"))
+
+
+def _shared(name: str, make_config):
+    """The running shared cluster `name`, started with `make_config()` if there is none; then,
+    after the module, checked as the module must leave it: no request in flight, every pool at its
+    size with every worker ready, no KV block held, no fault on. A module that broke it fails
+    there, and the next module gets a fresh one."""
+    from router.launch import LocalCluster
+    from tests.cluster_util import wait_until, whole
+    from worker_runtime.faults import FaultConfig
+
+    cluster = _SHARED.get(name)
+    if cluster is None:
+        cluster = _SHARED[name] = LocalCluster(make_config()).__enter__()
+    yield cluster
+    try:
+        wait_until(lambda: whole(cluster), 60, f"the shared cluster {name!r} to be whole again after the module",
+                   every=0.1)
+        assert cluster.router.pools.faults == FaultConfig(), f"the module left faults on in {name!r}"
+    except BaseException:
+        _SHARED.pop(name, None)
+        cluster.__exit__(None, None, None)
+        raise
+
+
+@pytest.fixture(scope="module")
+def served(ray_instance, llama_dir, tmp_path_factory):
+    """The session's default cluster, for every module whose tests it fits: disaggregated, 1
+    prefill + 1 decode worker, gRPC, the OpenAI HTTP API, Prometheus metrics and a request log
+    (`served.cfg.router.request_log`). A cluster start costs 8-10 s here, so the first module that
+    asks starts it and the others share it. A module may use it in any way that leaves it as it
+    found it (scaled back, healed, faults off: see _shared); it cannot rely on an empty prefix
+    cache or on counters at zero, so it compares counters before and after."""
+    from tests.cluster_util import cluster_config
+
+    def config():
+        log = tmp_path_factory.mktemp("served") / "requests.jsonl"
+        return cluster_config(llama_dir, router={"http_port": 0, "request_log": str(log)})
+    yield from _shared("served", config)
+
+
+@pytest.fixture(scope="module")
+def served_2x2(ray_instance, llama_dir):
+    """A shared disaggregated cluster of 2 prefill + 2 decode workers (placement: cache_aware),
+    quick to replace a dead worker (restart_backoff_s 0.2), with short call deadlines (3 s) and a
+    drain that moves what is left after 1 s: for the tests that place across workers, kill, drain
+    and scale (same rules as `served`)."""
+    from tests.cluster_util import cluster_config
+
+    yield from _shared("2x2", lambda: cluster_config(
+        llama_dir, prefill={"replicas": 2}, decode={"replicas": 2},
+        router={"call_timeout_s": 3, "restart_backoff_s": 0.2, "drain_timeout_s": 1}))
+
+
+@pytest.fixture(scope="module")
+def served_colocated(ray_instance, llama_dir):
+    """A shared colocated cluster of 2 workers, quick to replace a dead one (same rules as `served`)."""
+    from tests.cluster_util import cluster_config
+
+    yield from _shared("colocated", lambda: cluster_config(
+        llama_dir, mode="colocated", prefill={"replicas": 0}, decode={"replicas": 2}, router={"restart_backoff_s": 0.2}))

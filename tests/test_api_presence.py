@@ -10,23 +10,19 @@ import grpc
 import pytest
 
 from proto import pdserve_pb2 as pb
-from router.launch import LocalCluster
-from tests.cluster_util import Client, cluster_config
+from tests.cluster_util import Client
 from tests.reference import hf_greedy
-
-pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
 
 
 @pytest.fixture(scope="module")
-def client(llama_dir):
-    with LocalCluster(cluster_config(llama_dir)) as cluster:
-        c = Client(cluster.address)
-        yield c
-        c.close()
+def client(served):  # the session's default 1 + 1 cluster (conftest)
+    c = Client(served.address)
+    yield c
+    c.close()
 
 
 def _prompt(seed: int) -> list[int]:
-    rng = random.Random(seed)
+    rng = random.Random(f"test_api_presence-{seed}")  # its own prompts: the shared clusters' caches hold others'
     return [rng.randrange(10, 2000) for _ in range(rng.randint(8, 40))]
 
 

@@ -23,7 +23,7 @@ from cli.main import main as pdserve
 from client import grpc_client as router_client
 from proto import pdserve_pb2_grpc
 from router.launch import LocalCluster
-from tests.cluster_util import Client, cluster_config
+from tests.cluster_util import Client
 
 NUM_REQUESTS, OUTPUT_LEN, BLOCK_SIZE, NUM_BLOCKS = 12, 8, 16, 256
 # one tiny-llama KV block: 2 layers x K,V x 16 tokens x 2 kv heads x 16 dims x 4 bytes (float32)
@@ -38,10 +38,9 @@ pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the mo
 
 
 @pytest.fixture(scope="module")
-def cluster(llama_dir):
-    cfg = cluster_config(llama_dir, kv_cache={"block_size": BLOCK_SIZE, "num_blocks": NUM_BLOCKS})
-    with LocalCluster(cfg) as c:
-        yield c
+def cluster(served):  # the session's default 1 + 1 cluster (conftest)
+    assert (served.cfg.kv_cache.block_size, served.cfg.kv_cache.num_blocks) == (BLOCK_SIZE, NUM_BLOCKS)
+    return served
 
 
 def _scrape(cluster: LocalCluster) -> dict[tuple[str, tuple], float]:

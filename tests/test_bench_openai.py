@@ -24,8 +24,6 @@ from bench.errors import BenchError, RouterUnreachable
 from bench.openai_client import Endpoint, _model, parse_endpoint, replay_openai
 from bench.workload import RequestSpec, make_workload
 from cli.main import main as pdserve
-from router.launch import LocalCluster
-from tests.cluster_util import cluster_config
 
 
 def _workload(lengths: list[int], concurrency: int | None = 3):
@@ -64,13 +62,13 @@ def test_the_model_is_asked_for_until_the_server_stops_answering_503():
 
 # ---- against pdserve's HTTP front door ------------------------------------------------------
 @pytest.fixture(scope="module")
-def cluster(llama_dir, ray_instance):
-    with LocalCluster(cluster_config(llama_dir, router={"http_port": 0})) as c:
-        yield c
+def cluster(served):  # the session's default 1 + 1 cluster (conftest), its HTTP port on
+    return served
 
 
 def test_client_replays_token_id_prompts_with_exact_lengths(cluster):
     workload = _workload([5, 1, 8, 3, 6, 2])
+    accepted = cluster.router.requests_total
     records, server = asyncio.run(replay_openai(Endpoint(cluster.http_url), workload, "pdserve",
                                                 show_progress=False))
     assert server == {"endpoint": cluster.http_url, "model": "llama", "prompt_format": "token ids"}
@@ -81,7 +79,7 @@ def test_client_replays_token_id_prompts_with_exact_lengths(cluster):
         assert r.output_tokens == spec.max_tokens and r.prompt_tokens == spec.num_prompt_tokens
         assert r.usage["completion_tokens"] == spec.max_tokens
         assert r.send_s < r.message_times_s[0] and list(r.message_times_s) == sorted(r.message_times_s)
-    assert cluster.router.requests_total >= len(workload.requests) + 1  # the probe too
+    assert cluster.router.requests_total == accepted + len(workload.requests) + 1  # the probe too
 
 
 def test_cli_endpoint_writes_the_report(cluster, tmp_path, capsys):

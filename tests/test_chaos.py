@@ -1,4 +1,4 @@
-"""The chaos soak, 30 seconds of it: workers killed, KV transfers failed and delayed, clients
+"""The chaos soak, 20 seconds of it: workers killed, KV transfers failed and delayed, clients
 cancelling; no request hangs, no KV block leaks, every streamed token matches the undisturbed
 reference, nearly every request completes, and the pools heal back to their size."""
 
@@ -12,10 +12,16 @@ from scripts import chaos
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
 
 
+@pytest.mark.slow
 def test_soak_with_kills_and_transfer_faults_meets_every_target(llama_dir):
     report = chaos.run(llama_dir, chaos.ChaosOptions(duration_s=20, seed=1, kill_every_s=7))
     print(chaos.format_table(report))
     assert report.sent > 0 and report.kills, "the soak sent nothing or killed nothing"
+    # requests did move and still finished token-exact: each decode kill moved what that worker held
+    # (12 streams at a time over two decode workers), the injected transfer failures moved more
+    decode_kills = sum(k["worker"].startswith("decode-") for k in report.kills)
+    assert report.migrated >= max(1, decode_kills), (report.migrated, report.kills)
+    assert report.migrated <= report.completed + report.cancelled + sum(report.failed_by_status.values())
     assert report.hung == 0
     assert report.token_mismatches == 0, report.mismatch_examples
     assert report.completion_rate >= chaos.TARGET_COMPLETION, report.failed_by_status

@@ -16,21 +16,16 @@ from transformers import AutoTokenizer
 from cli.main import main as pdserve
 from client import chat
 from proto import pdserve_pb2 as pb
-from router.launch import LocalCluster
-from tests.cluster_util import Client, cluster_config, free_port
+from tests.cluster_util import Client, free_port
 from tests.reference import hf_greedy
 
 HELLO = {"role": "user", "content": "Hello there"}
 MORE = {"role": "user", "content": "Tell me more about the sea"}
 
 
-pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
-
-
 @pytest.fixture(scope="module")
-def cluster(llama_dir):
-    with LocalCluster(cluster_config(llama_dir)) as c:
-        yield c
+def cluster(served):  # the session's default 1 + 1 cluster (conftest)
+    return served
 
 
 @pytest.fixture(scope="module")

@@ -3,11 +3,9 @@ transformers' generate in every arrangement, bad requests get their status, bloc
 
 from __future__ import annotations
 
-import json
 import random
 import threading
 import time
-from pathlib import Path
 
 import grpc
 import pytest
@@ -15,14 +13,14 @@ import ray
 
 from proto import pdserve_pb2 as pb
 from router.launch import LocalCluster
-from tests.cluster_util import Client, cluster_config
+from tests.cluster_util import Client, cluster_config, faults, kv_bytes, set_faults, wait_until
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
-    rng = random.Random(seed)
+    rng = random.Random(f"test_cluster-{seed}")  # its own prompts: the shared clusters' caches hold others'
     return [[rng.randrange(10, 2000) for _ in range(rng.randint(4, 60))] for _ in range(n)]
 
 
@@ -43,19 +41,17 @@ def _assert_tokens_match_generate(cluster: LocalCluster, llama_dir: str, num_wor
     client.close()
 
 
-@pytest.mark.parametrize("mode, replicas", [("disaggregated", 2), ("colocated", 2)])
-def test_grpc_tokens_match_generate(llama_dir, mode, replicas):
-    cfg = cluster_config(llama_dir, mode=mode, prefill={"replicas": replicas if mode == "disaggregated" else 0},
-                         decode={"replicas": replicas})
-    with LocalCluster(cfg) as cluster:
-        _assert_tokens_match_generate(cluster, llama_dir, 2 * replicas if mode == "disaggregated" else replicas,
-                                      seed=replicas)
+@pytest.mark.parametrize("shared, workers", [("served_2x2", 4), ("served_colocated", 2)],
+                         ids=["disaggregated-2", "colocated-2"])
+def test_grpc_tokens_match_generate(request, llama_dir, shared, workers):
+    cluster = request.getfixturevalue(shared)  # 2 + 2 disaggregated, or 2 colocated (conftest)
+    assert cluster.cfg.mode == ("colocated" if shared == "served_colocated" else "disaggregated")
+    _assert_tokens_match_generate(cluster, llama_dir, workers, seed=2)
 
 
 @pytest.fixture(scope="module")
-def cluster(llama_dir):
-    with LocalCluster(cluster_config(llama_dir)) as c:
-        yield c
+def cluster(served):  # the session's default 1 + 1 cluster (conftest)
+    return served
 
 
 def test_grpc_tokens_match_generate_on_one_prefill_and_one_decode_worker(cluster, llama_dir):
@@ -86,32 +82,27 @@ def test_bad_requests_get_their_status_and_good_ones_still_finish(cluster, llama
     client.close()
 
 
-def test_client_disconnect_frees_blocks_within_a_second(cluster):
+def _finished(cluster: LocalCluster, reason: str) -> float:
+    return cluster.router.metrics.registry.get_sample_value("pdserve_requests_total", {"finish_reason": reason}) or 0
+
+
+def test_client_disconnect_frees_blocks_long_before_the_request_would_end(cluster):
     client = Client(cluster.address)
-    call = client.stream(_prompts(1, seed=11)[0], max_tokens=1500, ignore_eos=True)
-    for i, _ in enumerate(call):
-        if i == 3:
-            break
-    call.cancel()
-    deadline = time.monotonic() + 1.0
-    while time.monotonic() < deadline:
-        used = [w.kv_blocks_used for w in client.status().workers]
-        if not any(used):
-            break
-        time.sleep(0.05)
-    assert not any(w.kv_blocks_used for w in client.status().workers)
+    cancelled, finished = _finished(cluster, "cancelled"), _finished(cluster, "length")
+    with faults(cluster, step_delay_s=0.02):  # 1500 tokens: 30 s or more if nothing stopped it
+        call = client.stream(_prompts(1, seed=11)[0], max_tokens=1500, ignore_eos=True)
+        for i, _ in enumerate(call):
+            if i == 3:
+                break
+        assert any(w.kv_blocks_used for w in client.status().workers)
+        call.cancel()
+        t0 = time.monotonic()
+        wait_until(lambda: not any(w.kv_blocks_used for w in client.status().workers), 10, "the blocks to be freed",
+                   every=0.05)
+        assert time.monotonic() - t0 < 10  # not the 30 s to the end: the cancel freed them
+    assert _finished(cluster, "cancelled") == cancelled + 1 and _finished(cluster, "length") == finished
     _assert_no_leaks(cluster)
     client.close()
-
-
-def _kv_bytes(model_dir: str, num_tokens: int, block_size: int) -> int:
-    """What pushing the KV of `num_tokens` costs, from the checkpoint's config.json alone:
-    whole blocks x layers x K,V x block_size x kv heads x head_dim x bytes per value."""
-    cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[cfg.get("torch_dtype") or cfg["dtype"]]
-    blocks = -(-num_tokens // block_size)
-    return blocks * cfg["num_hidden_layers"] * 2 * block_size * cfg["num_key_value_heads"] * head_dim * dtype_bytes
 
 
 def test_usage_reports_workers_and_timings(cluster, llama_dir):
@@ -124,7 +115,7 @@ def test_usage_reports_workers_and_timings(cluster, llama_dir):
     assert u.prefill_worker.startswith("prefill-") and u.decode_worker.startswith("decode-")
     assert u.ttft_ms > 0 and u.kv_transfer_ms > 0
     block_size = cluster.cfg.kv_cache.block_size
-    assert u.kv_transfer_bytes == _kv_bytes(llama_dir, len(prompt), block_size) > 0
+    assert u.kv_transfer_bytes == kv_bytes(llama_dir, len(prompt), block_size) > 0
     client.close()
 
 
@@ -149,13 +140,13 @@ class _Timed(threading.Thread):
         self.end_s = time.monotonic()
 
 
-def test_scale_while_streaming_loses_nothing(llama_dir):
-    cfg = cluster_config(llama_dir)
+def test_scale_while_streaming_loses_nothing(cluster, llama_dir):
+    """On the shared 1 + 1 cluster, which it scales back to 1 + 1 at the end."""
     prompts, long_prompts, long_tokens = _prompts(32, seed=21), _prompts(6, seed=22), 200
     expected = [hf_greedy(llama_dir, p, 40, ignore_eos=True) for p in prompts]
     long_expected = [hf_greedy(llama_dir, p, long_tokens, ignore_eos=True) for p in long_prompts]
-    with LocalCluster(cfg) as cluster:
-        client = Client(cluster.address)
+    client = Client(cluster.address)
+    try:
         streams = [_Timed(client, p, 40, delay_s=0.05 * i) for i, p in enumerate(prompts)]  # spread over the scaling
         for s in streams:
             s.start()
@@ -190,6 +181,9 @@ def test_scale_while_streaming_loses_nothing(llama_dir):
         assert any(s.first_s < scale_began < s.end_s for s in drained), (resp.stopped, scale_began)
         assert [s.last.usage.migrations for s in streams + long_streams] == [0] * (len(prompts) + len(long_prompts))
         _assert_no_leaks(cluster)
+    finally:
+        for pool in ("prefill", "decode"):
+            client.admin.Scale(pb.ScaleRequest(pool=pool, replicas=1), timeout=120)
         client.close()
 
 
@@ -198,16 +192,17 @@ def test_full_queue_is_resource_exhausted_and_others_finish(llama_dir):
     cfg = cluster_config(llama_dir, kv_cache={"num_blocks": 8}, router={"max_queue": 1})
     with LocalCluster(cfg) as cluster:
         client = Client(cluster.address)
+        set_faults(cluster, step_delay_s=0.1)  # the first holds its blocks for 2 s or more
         first = client.stream([7] * 100, max_tokens=20, ignore_eos=True)
         next(first)  # holds 7 of the decode worker's 8 blocks
         second = client.stream([8] * 100, max_tokens=20, ignore_eos=True)  # waits in the router queue
-        deadline = time.monotonic() + 5
-        while client.status().router_queue < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: client.status().router_queue == 1, 10, "the second request to queue")
         with pytest.raises(grpc.RpcError) as err:
             list(client.stream([9] * 100, max_tokens=20, ignore_eos=True))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert "queue is full" in err.value.details()
+        assert client.status().router_queue == 1  # refused while the first still held its blocks
+        set_faults(cluster)
         assert sum(len(m.token_ids) for m in first) == 19
         assert sum(len(m.token_ids) for m in second) == 20
         _assert_no_leaks(cluster)
@@ -229,7 +224,8 @@ def test_health_and_reflection(cluster):
 
 
 def test_shutdown_finishes_in_flight_and_refuses_new(llama_dir):
-    cfg = cluster_config(llama_dir, router={"shutdown_grace_s": 30})
+    # slow steps: the 150 tokens take 3 s or more, so the request is still in flight when refused
+    cfg = cluster_config(llama_dir, router={"shutdown_grace_s": 30}, faults={"step_delay_s": 0.02})
     cluster = LocalCluster(cfg).__enter__()
     stopper = threading.Thread(target=cluster.__exit__, args=(None, None, None))
     client = Client(cluster.address)
@@ -238,12 +234,11 @@ def test_shutdown_finishes_in_flight_and_refuses_new(llama_dir):
         stream = client.stream(prompt, max_tokens=150, ignore_eos=True)
         got = list(next(stream).token_ids)
         stopper.start()
-        deadline = time.monotonic() + 5
-        while cluster.router.accepting and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not cluster.router.accepting, 5, "the shutdown to begin", every=0.01)
         with pytest.raises(grpc.RpcError) as err:
             list(client.stream(prompt, max_tokens=5))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert len(cluster.router.lives) == 1, "the accepted request ended before the refusal"
         for msg in stream:  # the accepted request still completes within the grace period
             got.extend(msg.token_ids)
         assert got == hf_greedy(llama_dir, prompt, 150, ignore_eos=True)

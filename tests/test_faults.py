@@ -1,7 +1,13 @@
 """Every failure path end to end, on real Ray actors, gRPC and KV channels: a worker killed or
 hung mid-request, a failed KV transfer, a cancel while a reservation is in flight, a scale
 Ray cannot place, bad input next to good requests. Each checks the client's exact outcome
-(tokens identical to an undisturbed run, or the precise status) and that no KV block leaks."""
+(tokens identical to an undisturbed run, or the precise status) and that no KV block leaks.
+
+Two clusters serve the module (a start costs 8-10 s): `cluster`, 2 + 2 workers, and `small`,
+1 + 1 with tight router limits (one prefill at a time, a queue of one, one migration, short
+deadlines) and 32-token prefill chunks. Faults are switched on at run time for the test that
+needs them (tests/cluster_util.py: set_faults) and off again after it; a test that kills a worker
+waits for its pool to heal."""
 
 from __future__ import annotations
 
@@ -20,7 +26,14 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from proto import pdserve_pb2 as pb
 from router.launch import LocalCluster
 from router.lifecycle.life import Phase
-from tests.cluster_util import Client, cluster_config
+from tests.cluster_util import (
+    Client,
+    cluster_config,
+    faults,
+    hold_engine,
+    set_faults,
+    set_worker_faults,
+)
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
@@ -65,10 +78,20 @@ def _stream_and_kill(client: Client, cluster: LocalCluster, prompt, kill_after: 
     return tokens, last, killed
 
 
+def _finished(cluster: LocalCluster, reason: str) -> float:
+    return cluster.router.metrics.registry.get_sample_value("pdserve_requests_total", {"finish_reason": reason}) or 0
+
+
 @pytest.fixture(scope="module")
-def cluster(llama_dir):
-    cfg = cluster_config(llama_dir, prefill={"replicas": 2}, decode={"replicas": 2},
-                         router={"call_timeout_s": 3, "restart_backoff_s": 0.2, "drain_timeout_s": 1})
+def cluster(served_2x2):  # shared (conftest): 2 + 2, call deadlines 3 s, restart backoff 0.2 s, drain timeout 1 s
+    return served_2x2
+
+
+@pytest.fixture(scope="module")
+def small(llama_dir):
+    cfg = cluster_config(llama_dir, router={"max_prefill_inflight": 1, "max_queue": 1, "migration_limit": 1,
+                                            "call_timeout_s": 2, "unresponsive_s": 4, "restart_backoff_s": 0.2},
+                         scheduler={"chunk_size": 32, "max_num_batched_tokens": 32})
     with LocalCluster(cfg) as c:
         yield c
 
@@ -84,7 +107,7 @@ def test_decode_worker_death_mid_stream_migrates_token_exact(cluster, llama_dir,
     prefill_names = {w.name for w in cluster.router.pools.workers["prefill"]}
     tokens, last, killed = _stream_and_kill(client, cluster, prompt, kill_after=5, **args)
     assert tokens == reference and last.finish_reason == "length"
-    assert last.usage.migrations >= 1 and last.usage.decode_worker != killed
+    assert last.usage.migrations == 1 and last.usage.decode_worker != killed  # one kill: one move
     assert {w.name for w in cluster.router.pools.workers["prefill"]} == prefill_names  # peers stay healthy
     _wait(lambda: len(cluster.router.pools.ready("decode")) == 2, 60, "the decode pool to heal")
     pools = {p.pool: p for p in client.status().pools}
@@ -94,51 +117,63 @@ def test_decode_worker_death_mid_stream_migrates_token_exact(cluster, llama_dir,
     client.close()
 
 
-def test_colocated_worker_death_recomputes_elsewhere(llama_dir):
-    cfg = cluster_config(llama_dir, mode="colocated", prefill={"replicas": 0}, decode={"replicas": 2},
-                         router={"restart_backoff_s": 0.2})
-    with LocalCluster(cfg) as cluster:
-        client = Client(cluster.address)
-        prompt = _prompt(7)
-        args = dict(max_tokens=80, ignore_eos=True, temperature=0.75, seed=5)
-        reference, _ = client.tokens(prompt, **args)
-        tokens, last, killed = _stream_and_kill(client, cluster, prompt, kill_after=3, **args)
-        assert tokens == reference and last.usage.migrations == 1 and last.usage.decode_worker != killed
-        _wait(lambda: len(cluster.router.pools.ready("decode")) == 2, 60, "the pool to heal")
-        _no_leaks(cluster)
-        client.close()
+def test_colocated_worker_death_recomputes_elsewhere(served_colocated):
+    cluster = served_colocated  # shared (conftest): 2 colocated workers, restart backoff 0.2 s
+    client = Client(cluster.address)
+    prompt = _prompt(7)
+    args = dict(max_tokens=80, ignore_eos=True, temperature=0.75, seed=5)
+    reference, _ = client.tokens(prompt, **args)
+    tokens, last, killed = _stream_and_kill(client, cluster, prompt, kill_after=3, **args)
+    assert tokens == reference and last.usage.migrations == 1 and last.usage.decode_worker != killed
+    _wait(lambda: len(cluster.router.pools.ready("decode")) == 2, 60, "the pool to heal")
+    _no_leaks(cluster)
+    client.close()
 
 
-def test_prefill_worker_death_mid_prefill_is_retried(llama_dir):
-    # slow steps (faults.step_delay_s) keep the 300-token prompt prefilling for about 2 s
-    cfg = cluster_config(llama_dir, prefill={"replicas": 2}, router={"restart_backoff_s": 0.2},
-                         scheduler={"chunk_size": 32, "max_num_batched_tokens": 32}, faults={"step_delay_s": 0.2})
-    with LocalCluster(cfg) as cluster:
-        client = Client(cluster.address)
-        prompt = _prompt(2, n=300)
-        result: dict = {}
+def test_prefill_worker_death_mid_prefill_is_retried(cluster, llama_dir):
+    # slow prefill steps (faults.step_delay_s) keep the 300-token prompt (two chunks) prefilling
+    # for a second or more; the kill lands in that second
+    client = Client(cluster.address)
+    prompt = _prompt(2, n=300)
+    result: dict = {}
+    set_worker_faults(cluster.router.pools.workers["prefill"], step_delay_s=0.5)
+    try:
         t = threading.Thread(target=lambda: result.update(out=client.tokens(prompt, max_tokens=4, ignore_eos=True)))
         t.start()
         _wait(lambda: any(life.phase is Phase.PREFILLING for life in cluster.router.lives.values()), 10, "a prefill")
         victim = next(life.prefill for life in cluster.router.lives.values() if life.prefill is not None)
         ray.kill(victim.actor, no_restart=True)
         t.join(60)
-        tokens, last = result["out"]
-        assert tokens == hf_greedy(llama_dir, prompt, 4, ignore_eos=True)
-        assert last.usage.migrations == 1 and last.usage.prefill_worker != victim.name
-        _wait(lambda: len(cluster.router.pools.ready("prefill")) == 2, 60, "the prefill pool to heal")
-        _no_leaks(cluster)
-        client.close()
+    finally:
+        set_faults(cluster)  # off on the surviving worker too
+    tokens, last = result["out"]
+    assert tokens == hf_greedy(llama_dir, prompt, 4, ignore_eos=True)
+    assert last.usage.migrations == 1 and last.usage.prefill_worker != victim.name
+    _wait(lambda: len(cluster.router.pools.ready("prefill")) == 2, 60, "the prefill pool to heal")
+    _no_leaks(cluster)
+    client.close()
 
 
 def test_cancel_while_reserve_is_in_flight_leaks_nothing(cluster):
+    """The decode engines are held (as behind a long step), so no reservation can answer before
+    the cancel: each cancel lands while its reserve call is in flight, a seeded pause after the
+    request began reserving apart (the early prefill not yet sent, computing, or done)."""
     client = Client(cluster.address)
-    for _ in range(5):  # a cancel at several moments around reserve / prefill
+    rng = random.Random(3)
+    cancelled = _finished(cluster, "cancelled")
+    for pause in [0.0] + [rng.uniform(0.0, 0.3) for _ in range(3)]:
+        for w in cluster.router.pools.ready("decode"):
+            hold_engine(w, 1.5)  # under the 3 s reserve deadline
         call = client.stream(_prompt(3), max_tokens=200, ignore_eos=True)
-        time.sleep(random.uniform(0.0, 0.05))
+        _wait(lambda: any(life.phase is Phase.RESERVING for life in cluster.router.lives.values()), 1, "a reserve")
+        (life,) = cluster.router.lives.values()
+        time.sleep(pause)
         call.cancel()
-    _wait(lambda: not cluster.router.lives, 5, "cancelled requests to end")
-    _no_leaks(cluster)
+        _wait(lambda life=life: life.ended, 1, "the cancel to reach the router")
+        # the router records the decode worker once the reservation answered (never here)
+        assert life.phase is Phase.CANCELLED and "decode_worker" not in life.usage, (life.phase, life.usage)
+        _no_leaks(cluster)  # waits for the held engines: the late reservation is freed, not kept
+    assert _finished(cluster, "cancelled") == cancelled + 4
     client.close()
 
 
@@ -227,13 +262,14 @@ def test_drain_timeout_moves_the_remaining_requests(cluster, llama_dir):
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, client.tokens(prompts[i], max_tokens=300,
                                                                                             ignore_eos=True)))
                for i in range(2)]
-    for t in threads:
-        t.start()
-    _wait(lambda: all(w.inflight for w in cluster.router.pools.workers["decode"]), 20, "both decode workers busy")
-    resp = client.admin.Scale(pb.ScaleRequest(pool="decode", replicas=1), timeout=60)
-    [stopped] = resp.stopped
-    for t in threads:
-        t.join(90)
+    with faults(cluster, step_delay_s=0.02):  # 300 tokens: 6 s or more, far past the 1 s drain timeout
+        for t in threads:
+            t.start()
+        _wait(lambda: all(w.inflight for w in cluster.router.pools.workers["decode"]), 20, "both decode workers busy")
+        resp = client.admin.Scale(pb.ScaleRequest(pool="decode", replicas=1), timeout=60)
+        [stopped] = resp.stopped
+        for t in threads:
+            t.join(90)
     assert [r[0] for r in results] == expected  # the drained worker's request finished elsewhere
     moved = [r[1].usage for r in results if r[1].usage.migrations]
     assert len(moved) == 1 and moved[0].decode_worker != stopped
@@ -242,64 +278,69 @@ def test_drain_timeout_moves_the_remaining_requests(cluster, llama_dir):
     client.close()
 
 
-def test_hung_worker_is_replaced_and_status_stays_prompt(llama_dir):
-    cfg = cluster_config(llama_dir, router={"call_timeout_s": 2, "unresponsive_s": 4, "restart_backoff_s": 0.2})
-    with LocalCluster(cfg) as cluster:
-        client = Client(cluster.address)
-        prompt = _prompt(31)
-        reference, _ = client.tokens(prompt, max_tokens=400, ignore_eos=True)
-        decode = cluster.router.pools.workers["decode"][0]
-        pid = ray.get(decode.actor.__ray_call__.remote(lambda self: os.getpid()))
-        got: list = []
-        streaming = threading.Event()
+def test_hung_worker_is_replaced_and_status_stays_prompt(small):
+    cluster = small
+    client = Client(cluster.address)
+    prompt = _prompt(31)
+    reference, _ = client.tokens(prompt, max_tokens=400, ignore_eos=True)
+    decode = cluster.router.pools.workers["decode"][0]
+    pid = ray.get(decode.actor.__ray_call__.remote(lambda self: os.getpid()))
+    got: list = []
+    streaming = threading.Event()
 
-        def run() -> None:
-            for msg in client.stream(prompt, max_tokens=400, ignore_eos=True):
-                got.append(msg)
-                streaming.set()
-        t = threading.Thread(target=run)
-        t.start()
-        assert streaming.wait(30)
-        os.kill(pid, signal.SIGSTOP)  # a real hang: the process stops answering anything
-        try:
-            t0 = time.monotonic()
-            client.status()
-            assert time.monotonic() - t0 < 6  # one stats deadline, not forever
-            t.join(90)
-            last = got[-1]
-            assert [t for m in got for t in m.token_ids] == reference and last.finish_reason == "length"
-            assert last.usage.migrations >= 1 and last.usage.decode_worker != decode.name
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # the router killed it: the usual end
-                os.kill(pid, signal.SIGCONT)
-        pools = {p.pool: p for p in client.status().pools}
-        assert "no answer" in pools["decode"].last_failure
-        _no_leaks(cluster)
-        client.close()
-
-
-def test_failed_transfers_end_in_unavailable_not_a_hang(llama_dir):
-    cfg = cluster_config(llama_dir, router={"migration_limit": 1}, faults={"transfer_fail_rate": 1.0})
-    with LocalCluster(cfg) as cluster:
-        client = Client(cluster.address)
+    def run() -> None:
+        for msg in client.stream(prompt, max_tokens=400, ignore_eos=True):
+            got.append(msg)
+            streaming.set()
+    t = threading.Thread(target=run)
+    t.start()
+    assert streaming.wait(30)
+    os.kill(pid, signal.SIGSTOP)  # a real hang: the process stops answering anything
+    try:
         t0 = time.monotonic()
-        with pytest.raises(grpc.RpcError) as err:
-            list(client.stream(_prompt(41), max_tokens=10, ignore_eos=True))
-        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        assert "failed on 2 workers" in err.value.details() and "injected transfer failure" in err.value.details()
-        assert time.monotonic() - t0 < 20
-        _no_leaks(cluster)
-        client.close()
+        client.status()
+        assert time.monotonic() - t0 < 6  # one stats deadline (2 s), not forever
+        t.join(90)
+        last = got[-1]
+        assert [t for m in got for t in m.token_ids] == reference and last.finish_reason == "length"
+        assert last.usage.migrations >= 1 and last.usage.decode_worker != decode.name
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the router killed it: the usual end
+            os.kill(pid, signal.SIGCONT)
+    pools = {p.pool: p for p in client.status().pools}
+    assert "no answer" in pools["decode"].last_failure
+    _wait(lambda: len(cluster.router.pools.ready("decode")) == 1, 60, "the decode pool to heal")
+    _no_leaks(cluster)
+    client.close()
 
 
-def test_a_refused_reservation_under_an_early_prefill_places_the_request_again(llama_dir):
+def test_failed_transfers_end_in_unavailable_not_a_hang(small):
+    cluster = small  # router.migration_limit 1: the second failure is the last
+    client = Client(cluster.address)
+    t0 = time.monotonic()
+    with faults(cluster, transfer_fail_rate=1.0), pytest.raises(grpc.RpcError) as err:
+        list(client.stream(_prompt(41), max_tokens=10, ignore_eos=True))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert "failed on 2 workers" in err.value.details() and "injected transfer failure" in err.value.details()
+    assert time.monotonic() - t0 < 20
+    _no_leaks(cluster)
+    client.close()
+
+
+def test_a_refused_reservation_under_an_early_prefill_places_the_request_again(cluster, llama_dir):
     """router.prefill_during_reserve: the prefill starts while the decode reservation is in flight.
     A reservation refused though the router saw room (the fault stands in for a stale view) aborts
     that prefill and places the request again: not a migration, exact tokens, no block held."""
-    cfg = cluster_config(llama_dir, faults={"reserve_refuse_rate": 0.5, "seed": 5})
-    with LocalCluster(cfg) as cluster:
-        client = Client(cluster.address)
-        registry = cluster.router.metrics.registry
+    client = Client(cluster.address)
+    registry = cluster.router.metrics.registry
+
+    def counts() -> dict[str, float]:
+        early = {o: registry.get_sample_value("pdserve_early_prefills_total", {"outcome": o}) or 0
+                 for o in ("aimed", "dropped")}
+        return early | {"migrations": registry.get_sample_value("pdserve_request_migrations_total") or 0}
+
+    before = counts()
+    with faults(cluster, reserve_refuse_rate=0.5, seed=5):
         for i in range(8):
             prompt = _prompt(90 + i, n=40)
             tokens, last = client.tokens(prompt, max_tokens=6, ignore_eos=True)
@@ -309,19 +350,16 @@ def test_a_refused_reservation_under_an_early_prefill_places_the_request_again(l
             tokens, last = client.tokens(prompt, max_tokens=1)
             assert tokens == hf_greedy(llama_dir, prompt, 1) and last.finish_reason == "length"
             assert last.usage.migrations == 0
-        early = {o: registry.get_sample_value("pdserve_early_prefills_total", {"outcome": o}) or 0
-                 for o in ("aimed", "dropped")}
-        assert early["dropped"] >= 1 and early["aimed"] >= 1, early
-        assert (registry.get_sample_value("pdserve_request_migrations_total") or 0) == 0
-        _no_leaks(cluster)
-        client.close()
+    seen = {k: v - before[k] for k, v in counts().items()}
+    assert seen["dropped"] >= 1 and seen["aimed"] >= 1 and seen["migrations"] == 0, seen
+    _no_leaks(cluster)
+    client.close()
 
 
-def test_saturated_prefill_pool_answers_resource_exhausted(llama_dir):
-    cfg = cluster_config(llama_dir, router={"max_prefill_inflight": 1, "max_queue": 1},
-                         scheduler={"chunk_size": 32, "max_num_batched_tokens": 32}, faults={"step_delay_s": 0.1})
-    with LocalCluster(cfg) as cluster:
-        client = Client(cluster.address)
+def test_saturated_prefill_pool_answers_resource_exhausted(small):
+    cluster = small  # router.max_prefill_inflight 1, max_queue 1; prefill chunks of 32 tokens
+    client = Client(cluster.address)
+    with faults(cluster, step_delay_s=0.1):
         first = client.stream(_prompt(71, n=300), max_tokens=2, ignore_eos=True)  # ~10 slow prefill steps
         _wait(lambda: any(w.inflight for w in cluster.router.pools.workers["prefill"]), 10, "the first prefill")
         second = client.stream(_prompt(72, n=20), max_tokens=2, ignore_eos=True)  # waits for the prefill slot
@@ -330,23 +368,25 @@ def test_saturated_prefill_pool_answers_resource_exhausted(llama_dir):
             list(client.stream(_prompt(73, n=20), max_tokens=2))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.value.details()
         assert sum(len(m.token_ids) for m in first) == 2 and sum(len(m.token_ids) for m in second) == 2
-        _no_leaks(cluster)
-        client.close()
+    _no_leaks(cluster)
+    client.close()
 
 
-def test_health_follows_an_empty_pool(llama_dir):
-    cfg = cluster_config(llama_dir, router={"restart_backoff_s": 0.2})
-    with LocalCluster(cfg) as cluster:
-        channel = grpc.insecure_channel(cluster.address)
-        health = health_pb2_grpc.HealthStub(channel)
+def test_health_follows_an_empty_pool(small, llama_dir):
+    cluster = small
+    channel = grpc.insecure_channel(cluster.address)
+    health = health_pb2_grpc.HealthStub(channel)
 
-        def status():
-            return health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
-        assert status() == health_pb2.HealthCheckResponse.SERVING
-        ray.kill(cluster.router.pools.workers["decode"][0].actor, no_restart=True)
-        _wait(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "NOT_SERVING")
-        _wait(lambda: status() == health_pb2.HealthCheckResponse.SERVING, 60, "SERVING again")
-        client = Client(cluster.address)
-        assert len(client.tokens(_prompt(51), max_tokens=4)[0]) >= 1
-        client.close()
-        channel.close()
+    def status():
+        return health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
+    assert status() == health_pb2.HealthCheckResponse.SERVING
+    ray.kill(cluster.router.pools.workers["decode"][0].actor, no_restart=True)  # its only worker
+    _wait(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "NOT_SERVING")
+    _wait(lambda: status() == health_pb2.HealthCheckResponse.SERVING, 60, "SERVING again")
+    client = Client(cluster.address)
+    prompt = _prompt(51)
+    tokens, last = client.tokens(prompt, max_tokens=4)
+    assert tokens == hf_greedy(llama_dir, prompt, 4) and last.usage.migrations == 0
+    client.close()
+    channel.close()
+    _no_leaks(cluster)

@@ -67,12 +67,25 @@ def test_no_event_reaches_an_ended_request():
     assert not life.deliver(life.attempt_id, "x")
 
 
+Q, R, P, H, D = Phase.QUEUED, Phase.RESERVING, Phase.PREFILLING, Phase.HANDOFF, Phase.DECODING
+# written out from the lifecycle (life.py's docstring, attempt.py), not from the table: the forward paths
+# (disaggregated Q-R-P-H-D, colocated Q-D, finished at the first token from P or H), and from
+# every live phase a failed attempt (back to Q), a failure or a cancel
+ALLOWED = ({(Q, R), (R, P), (P, H), (H, D), (D, Phase.FINISHED), (Q, D), (P, Phase.FINISHED), (H, Phase.FINISHED)}
+           | {(live, end) for live in (Q, R, P, H, D) for end in (Q, Phase.FAILED, Phase.CANCELLED)})
+
+
+def test_the_transition_table_is_the_documented_lifecycle():
+    assert {(src, dst) for src, dsts in TRANSITIONS.items() for dst in dsts} == ALLOWED
+    assert set(TRANSITIONS) == set(Phase)
+
+
 @pytest.mark.parametrize("src", list(Phase))
 def test_only_listed_transitions_are_allowed(src):
     for dst in Phase:
         life = _life()
         life.phase = src
-        if dst in TRANSITIONS[src]:
+        if (src, dst) in ALLOWED:
             life.to(dst)
             assert life.phase is dst
         else:

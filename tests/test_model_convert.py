@@ -67,6 +67,7 @@ def test_transformers_greedy_chat_knows_the_capital_of_france(smollm2_dir, chat_
     assert answer[-1] == IM_END_ID, "the reply ends its turn"
 
 
+@pytest.mark.slow
 def test_pdserve_serves_it_token_identical_to_transformers(smollm2_dir, chat_ids, ray_instance):
     expected = hf_greedy(smollm2_dir, chat_ids, 24)
     with LocalCluster(cluster_config(smollm2_dir, kv_cache={"num_blocks": 256})) as cluster:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import secrets
 import shutil
 import signal
@@ -23,7 +24,6 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +40,7 @@ from router.config.loader import parse_config
 from router.config.typed_yaml import ConfigError
 from router.lifecycle.outcomes import CannotPlace
 from router.pools.manager import PoolManager, labels_match
-from tests.cluster_util import Client, free_port
+from tests.cluster_util import Client, free_port, kv_bytes
 from tests.reference import hf_greedy
 
 BIN = Path(sys.executable).parent
@@ -222,7 +222,7 @@ class TwoNodeHost:
         while "pdserve: ready in" not in self.log.read_text():
             assert self.serve.poll() is None and time.monotonic() < deadline, self.tail()
             time.sleep(0.2)
-        return f"127.0.0.1:{config['router']['port']}"
+        return re.search(r"router listening on (\S+) ", self.log.read_text()).group(1)  # the port it bound
 
     def tail(self) -> str:
         return self.log.read_text()[-4000:] if self.log.exists() else "(no serve log)"
@@ -307,7 +307,7 @@ def host(tmp_path_factory, no_shared_ray):
 def served(host, llama_dir):
     config = {
         "model": {"path": llama_dir},
-        "router": {"host": "127.0.0.1", "port": free_port(), "restart_backoff_s": 0.2, "unresponsive_s": 5,
+        "router": {"host": "127.0.0.1", "port": 0, "restart_backoff_s": 0.2, "unresponsive_s": 5,
                    "worker_start_timeout_s": 90, "queue_timeout_s": 90, "shutdown_grace_s": 1},
         "prefill": {"replicas": 1, "num_cpus": 0.5, "resources": {"prefill_node": 1}},
         "decode": {"replicas": 1, "num_cpus": 0.5, "label_selector": {"pdserve-role": "decode"}},
@@ -325,6 +325,7 @@ def _nodes(client: Client) -> dict[str, str]:
     return {w.name: w.node_ip for w in client.status().workers}
 
 
+@pytest.mark.slow
 def test_prefill_and_decode_run_on_their_nodes_and_the_kv_crosses_the_link(host, served, llama_dir):
     nodes = _nodes(served)
     assert sorted(nodes.values()) == [host.root_ip, host.ns_ip]
@@ -336,9 +337,9 @@ def test_prefill_and_decode_run_on_their_nodes_and_the_kv_crosses_the_link(host,
     results = [served.tokens(p, max_tokens=8, ignore_eos=True) for p in prompts]
     sent = host.veth_tx_bytes() - before
     assert [tokens for tokens, _ in results] == [hf_greedy(llama_dir, p, 8, ignore_eos=True) for p in prompts]
-    kv_bytes = [last.usage.kv_transfer_bytes for _, last in results]
-    assert all(b >= len(p) * 512 for b, p in zip(kv_bytes, prompts, strict=True))  # 512 B of KV per token
-    assert sent >= sum(kv_bytes), f"{sent} bytes crossed the veth, {sum(kv_bytes)} of them KV"
+    moved = [last.usage.kv_transfer_bytes for _, last in results]
+    assert moved == [kv_bytes(llama_dir, len(p), 16) for p in prompts]  # every block of every prompt
+    assert sent >= sum(moved), f"{sent} bytes crossed the veth, {sum(moved)} of them KV"
     status = served.status()
     assert {w.name: w.channels for w in status.workers if w.pool == "decode"} == {
         n: 1 for n in nodes if n.startswith("decode")}
@@ -346,6 +347,7 @@ def test_prefill_and_decode_run_on_their_nodes_and_the_kv_crosses_the_link(host,
     assert f"node {host.root_ip}: {prefill}" in text and f"node {host.ns_ip}: decode-" in text
 
 
+@pytest.mark.slow
 def test_scaling_the_decode_pool_lands_on_the_remote_node(host, served, llama_dir):
     reply = served.admin.Scale(pb.ScaleRequest(pool="decode", replicas=2), timeout=180)
     assert len(reply.started) == 1
@@ -361,9 +363,11 @@ def test_scaling_the_decode_pool_lands_on_the_remote_node(host, served, llama_di
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "prefill_node" in err.value.details()
 
 
+@pytest.mark.slow
 def test_a_node_that_leaves_mid_stream_moves_its_requests(host, served, llama_dir):
-    # a spare decode-labelled node (root namespace) joins while the streams start; it takes over
-    spare = ThreadPoolExecutor(1).submit(host.ray_node, "spare", "decode", cpus=2)
+    # a spare decode-labelled node (root namespace) joins first; it takes over. The remote node
+    # stops once every stream has its first 3 tokens: 197 more at >= 20 ms a step are still to come
+    host.ray_node("spare", "decode", cpus=2)
     rng = random.Random(5)
     prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(10, 60))] for _ in range(3)]
     results: list = [None] * len(prompts)
@@ -388,7 +392,7 @@ def test_a_node_that_leaves_mid_stream_moves_its_requests(host, served, llama_di
         t.start()
     for ev in started:
         assert ev.wait(60), host.tail()
-    spare.result()
+    assert all(result is None for result in results), "a stream ended before the node left"
     host.stop_remote()
     for t in threads:
         t.join(240)
@@ -403,6 +407,7 @@ def test_a_node_that_leaves_mid_stream_moves_its_requests(host, served, llama_di
     assert {w.node_ip for w in status.workers if w.pool == "decode"} == {host.root_ip}
 
 
+@pytest.mark.slow
 def test_teardown_leaves_no_namespace_link_or_ray_process(host, served):
     host.down()
     assert host.serve.returncode == 0, host.serve.returncode

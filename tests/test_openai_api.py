@@ -1,16 +1,14 @@
 """The OpenAI-compatible HTTP API end to end, with the official `openai` SDK as the client:
 tokens identical to transformers and to the gRPC path, streaming and usage, the error status of
-each refusal, a client that goes away frees every KV block, and shutdown answers 503."""
+each refusal, a client that goes away frees every KV block, and shutdown answers 503 (SIGTERM to
+`pdserve serve` with an HTTP stream in flight: tests/test_serve.py)."""
 
 from __future__ import annotations
 
 import json
 import random
 import shutil
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 import urllib.error
@@ -20,17 +18,17 @@ from pathlib import Path
 import openai
 import pytest
 import ray
-import yaml
 from transformers import AutoTokenizer
 
 from router.config.loader import parse_config
 from router.config.typed_yaml import ConfigError
 from router.launch import LocalCluster
-from tests.cluster_util import Client, cluster_config, free_port
+from tests.cluster_util import Client, cluster_config, faults, set_faults, wait_until
 from tests.reference import hf_greedy
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+MODEL = "llama"  # the served model's id: its directory's name (conftest's llama_dir)
 CHAT = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Once upon a time"}]
 
 
@@ -52,14 +50,16 @@ def _copy_model(src: str, dst: Path, chat_template: bool) -> str:
 
 
 @pytest.fixture(scope="module")
-def chat_dir(llama_dir, tmp_path_factory) -> str:
-    return _copy_model(llama_dir, tmp_path_factory.mktemp("chat") / "tiny", chat_template=True)
+def chat_dir(served) -> str:
+    """The served tiny model; it has a chat template of its own."""
+    assert AutoTokenizer.from_pretrained(served.cfg.model.path).chat_template
+    return served.cfg.model.path
 
 
 @pytest.fixture(scope="module")
-def cluster(chat_dir):
-    with LocalCluster(cluster_config(chat_dir, router={"http_port": 0})) as c:
-        yield c
+def cluster(served):  # the session's default 1 + 1 cluster (conftest), its HTTP port on
+    assert Path(served.cfg.model.path).name == MODEL  # the id /v1/models gives
+    return served
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def client(cluster):
 
 
 def _prompt(seed: int, n: int = 20) -> list[int]:
-    rng = random.Random(seed)
+    rng = random.Random(f"test_openai_api-{seed}")  # its own prompts: the shared clusters' caches hold others'
     return [rng.randrange(10, 2000) for _ in range(n)]
 
 
@@ -99,14 +99,14 @@ def test_http_port_is_validated():
 # ---- through a real cluster -------------------------------------------------------------------
 def test_greedy_completion_is_transformers_token_for_token(client, chat_dir):
     prompt = _prompt(1)
-    resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+    resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True})
     choice = resp.choices[0]
     assert choice.token_ids == hf_greedy(chat_dir, prompt, 12, ignore_eos=True)
     assert choice.text == AutoTokenizer.from_pretrained(chat_dir).decode(choice.token_ids)
-    assert choice.finish_reason == "length" and resp.model == "tiny" and resp.object == "text_completion"
+    assert choice.finish_reason == "length" and resp.model == MODEL and resp.object == "text_completion"
     assert (resp.usage.prompt_tokens, resp.usage.completion_tokens, resp.usage.total_tokens) == (20, 12, 32)
-    again = client.completions.create(model="tiny", prompt=prompt, max_tokens=12, temperature=0,
+    again = client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
                                       extra_body={"ignore_eos": True})
     assert again.choices[0].token_ids == choice.token_ids
     assert again.usage.prompt_tokens_details.cached_tokens == 16  # its one full block came from the prefix cache
@@ -114,7 +114,7 @@ def test_greedy_completion_is_transformers_token_for_token(client, chat_dir):
 
 def test_streaming_carries_the_same_tokens_and_usage_last(client):
     prompt = _prompt(2)
-    args = {"model": "tiny", "max_tokens": 10, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    args = {"model": MODEL, "max_tokens": 10, "temperature": 0, "extra_body": {"ignore_eos": True}}
     whole = client.completions.create(prompt=prompt, **args).choices[0]
     chunks = list(client.completions.create(prompt=prompt, stream=True, stream_options={"include_usage": True},
                                             **args))
@@ -131,7 +131,7 @@ def test_seed_reproduces_and_matches_the_grpc_path(client, cluster):
     prompt = _prompt(3)
 
     def sampled(seed: int) -> list[int]:  # temperature left out: OpenAI's default 1.0 samples
-        return client.completions.create(model="tiny", prompt=prompt, max_tokens=16, seed=seed,
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=16, seed=seed,
                                          extra_body={"ignore_eos": True}).choices[0].token_ids
 
     first = sampled(7)
@@ -145,7 +145,7 @@ def test_chat_renders_the_template_and_streams_a_role_first(client, chat_dir):
     tok = AutoTokenizer.from_pretrained(chat_dir)
     rendered = tok.encode(tok.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False),
                           add_special_tokens=False)
-    args = {"model": "tiny", "temperature": 0, "extra_body": {"ignore_eos": True}}
+    args = {"model": MODEL, "temperature": 0, "extra_body": {"ignore_eos": True}}
     resp = client.chat.completions.create(messages=CHAT, max_tokens=9, **args)
     assert resp.choices[0].token_ids == hf_greedy(chat_dir, rendered, 9, ignore_eos=True)
     assert resp.choices[0].message.role == "assistant" and resp.usage.prompt_tokens == len(rendered)
@@ -171,7 +171,7 @@ def test_refusals_are_openai_error_objects(client, cluster, args, status, messag
     errors_before = cluster.router.metrics.registry.get_sample_value(
         "pdserve_request_errors_total", {"status": "INVALID_ARGUMENT"}) or 0
     with pytest.raises(openai.BadRequestError) as err:
-        client.completions.create(model="tiny", **args)
+        client.completions.create(model=MODEL, **args)
     assert err.value.status_code == status and message in err.value.body["message"]
     assert err.value.body["type"] == "invalid_request_error"
     assert cluster.router.metrics.registry.get_sample_value(
@@ -188,7 +188,7 @@ def _get(url: str, data: bytes | None = None) -> tuple[int, dict]:
 
 
 def test_models_health_and_malformed_bodies(client, cluster):
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert [m.id for m in client.models.list().data] == [MODEL]
     root = cluster.http_url.removesuffix("/v1")
     assert _get(f"{root}/health") == (200, {"status": "serving"})
     status, body = _get(f"{cluster.http_url}/completions", b"{not json")
@@ -204,7 +204,7 @@ def test_models_health_and_malformed_bodies(client, cluster):
 
 def test_a_client_that_leaves_mid_stream_frees_every_block(client, cluster):
     finished, cancelled = _finished(cluster, "length"), _finished(cluster, "cancelled")
-    stream = client.completions.create(model="tiny", prompt=_prompt(4), max_tokens=1900, stream=True,
+    stream = client.completions.create(model=MODEL, prompt=_prompt(4), max_tokens=1900, stream=True,
                                        extra_body={"ignore_eos": True})
     for i, _chunk in enumerate(stream):
         if i == 3:
@@ -218,11 +218,14 @@ def test_a_client_that_leaves_mid_stream_frees_every_block(client, cluster):
 
 def test_a_client_that_times_out_before_the_reply_frees_every_block(cluster):
     finished, cancelled = _finished(cluster, "length"), _finished(cluster, "cancelled")
-    with openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0, timeout=0.5) as impatient:
-        with pytest.raises(openai.APITimeoutError):
-            impatient.completions.create(model="tiny", prompt=_prompt(5), max_tokens=1900, temperature=0,
-                                         extra_body={"ignore_eos": True})
-    _no_leaks(cluster, within_s=10.0)  # under CI load the disconnect can take a while to be noticed
+    # slow steps: the 1900 tokens would take 38 s or more, so the reply cannot beat the client's
+    # 3 s, and 3 s is ample for the request to be accepted first (the count below proves it was)
+    with faults(cluster, step_delay_s=0.02):
+        with openai.OpenAI(base_url=cluster.http_url, api_key="unused", max_retries=0, timeout=3) as impatient:
+            with pytest.raises(openai.APITimeoutError):
+                impatient.completions.create(model=MODEL, prompt=_prompt(5), max_tokens=1900, temperature=0,
+                                             extra_body={"ignore_eos": True})
+        _no_leaks(cluster, within_s=10.0)  # under CI load the disconnect can take a while to be noticed
     assert _finished(cluster, "length") == finished
     assert _finished(cluster, "cancelled") == cancelled + 1
 
@@ -245,16 +248,17 @@ def test_queue_full_429_no_chat_template_400_shutting_down_503(llama_dir, tmp_pa
         with pytest.raises(openai.BadRequestError, match="this model has no chat template"):
             client.chat.completions.create(model="plain", messages=CHAT)
         args = {"model": "plain", "max_tokens": 20, "stream": True, "extra_body": {"ignore_eos": True}}
+        set_faults(cluster, step_delay_s=0.1)  # the first holds its blocks for 2 s or more
         first = iter(client.completions.create(prompt=[7] * 100, **args))  # answers once its first token is out
         second: list = []
         waiting = threading.Thread(target=lambda: second.extend(client.completions.create(prompt=[8] * 100, **args)))
         waiting.start()
-        deadline = time.monotonic() + 10
-        while cluster.router.queue_length < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: cluster.router.queue_length == 1, 10, "the second request to queue")
         with pytest.raises(openai.RateLimitError) as err:
             client.completions.create(prompt=[9] * 100, **args)
         assert err.value.status_code == 429 and "queue is full" in err.value.body["message"]
+        assert cluster.router.queue_length == 1  # refused while the first still held its blocks
+        set_faults(cluster, step_delay_s=0.02)  # the next stream's 100 tokens: 2 s or more
         assert sum(len(c.choices[0].token_ids) for c in first) == 20
         waiting.join(60)
         assert sum(len(c.choices[0].token_ids) for c in second if c.choices) == 20
@@ -264,13 +268,12 @@ def test_queue_full_429_no_chat_template_400_shutting_down_503(llama_dir, tmp_pa
                                                 stream=True, extra_body={"ignore_eos": True}))
         got = list(next(stream).choices[0].token_ids)
         stopper.start()
-        deadline = time.monotonic() + 5
-        while cluster.router.accepting and time.monotonic() < deadline:
-            time.sleep(0.01)
+        wait_until(lambda: not cluster.router.accepting, 5, "the shutdown to begin", every=0.01)
         with pytest.raises(openai.InternalServerError) as err:
             client.completions.create(model="plain", prompt=prompt, max_tokens=5)
         assert err.value.status_code == 503 and "shutting down" in err.value.body["message"]
         assert _get(f"http://127.0.0.1:{port}/health")[0] == 503
+        assert len(cluster.router.lives) == 1, "the accepted request ended before the refusals"
         got += [t for chunk in stream for t in chunk.choices[0].token_ids]  # in flight: still completes
         assert got == hf_greedy(model, prompt, 100, ignore_eos=True)
     finally:
@@ -279,44 +282,3 @@ def test_queue_full_429_no_chat_template_400_shutting_down_503(llama_dir, tmp_pa
         stopper.join(60)
         client.close()
     assert not stopper.is_alive() and not _port_open(port)
-
-
-def _post(url: str, body: dict):
-    return urllib.request.urlopen(urllib.request.Request(url, data=json.dumps(body).encode(),
-                                                         headers={"Content-Type": "application/json"}), timeout=60)
-
-
-def test_sigterm_drains_http_streams_before_the_http_server_stops(tmp_path, llama_dir):
-    """serve_forever owns SIGTERM: the router drains (new requests 503, streams in flight finish),
-    then the HTTP server stops. Had uvicorn taken the signal, its port would close at once."""
-    http_port = free_port()
-    cfg = {"model": {"path": llama_dir},
-           "router": {"port": free_port(), "http_port": http_port, "shutdown_grace_s": 60},
-           "prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5}, "kv_cache": {"num_blocks": 64},
-           "faults": {"step_delay_s": 0.02}}  # 150 tokens: 3 s or more
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump(cfg))
-    pdserve = str(Path(sys.executable).with_name("pdserve"))
-    server = subprocess.Popen([pdserve, "serve", "--config", str(path)], stdout=subprocess.PIPE,
-                              stderr=subprocess.DEVNULL, text=True, start_new_session=True)
-    url = f"http://127.0.0.1:{http_port}"
-    try:
-        assert "ready in" in server.stdout.readline()
-        assert _get(f"{url}/health") == (200, {"status": "serving"})
-        stream = _post(f"{url}/v1/completions", {"prompt": [5, 6, 7], "max_tokens": 150, "stream": True,
-                                                  "ignore_eos": True})
-        events = [stream.readline()]
-        server.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 10
-        while (status := _get(f"{url}/health")[0]) == 200 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert status == 503
-        status, body = _get(f"{url}/v1/completions", json.dumps({"prompt": [5], "max_tokens": 2}).encode())
-        assert status == 503 and "shutting down" in body["error"]["message"]
-        events += stream.readlines()
-        data = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
-        assert sum(len(d["choices"][0]["token_ids"]) for d in data) == 150 and b"data: [DONE]\r\n" in events
-    finally:
-        server.send_signal(signal.SIGTERM)
-        returncode = server.wait(timeout=90)
-    assert returncode == 0 and not _port_open(http_port)

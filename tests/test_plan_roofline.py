@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
 
 import pytest
 
@@ -87,4 +88,18 @@ def test_measure_this_host_on_a_checkpoint(llama_dir, capsys):
     assert measured["weights_bytes"] == plan["weights_bytes"]  # every tensor of the checkpoint was read
     assert measured["floor_ms"] == pytest.approx(plan["weights_bytes"] / measured["bandwidth"] * 1e3)
     assert measured["weight_read_ms"] > 0 and set(measured["engine_decode_ms"]) == {"1", "8"}
-    assert plan["roofline"][0]["step_ms_floor"] > 0
+    assert all(ms > 0 for ms in measured["engine_decode_ms"].values())
+    # the roofline is drawn with the measured rates, over bytes known from config.json alone
+    bandwidth, peak = measured["bandwidth"], measured["flops"]
+    assert (plan["bandwidth_bytes_per_s"], plan["flops_per_s"]) == (bandwidth, peak)
+    cfg = json.loads((Path(llama_dir) / "config.json").read_text())
+    kv_per_token = (cfg["num_hidden_layers"] * 2 * cfg["num_key_value_heads"]
+                    * (cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]) * 4)  # float32
+    assert plan["kv_bytes_per_token"] == kv_per_token
+    assert [row["batch"] for row in plan["roofline"]] == [1, 8, 32, 128]
+    for row in plan["roofline"]:
+        assert row["bytes_read"] == plan["weights_bytes"] + row["batch"] * 64 * kv_per_token, row
+        assert row["step_ms_floor"] == pytest.approx(max(row["bytes_read"] / bandwidth, row["flops"] / peak) * 1e3)
+    for batch, floor_ms in measured["engine_floor_ms"].items():  # the engine's steps: 16 tokens of context
+        memory_ms = (plan["weights_bytes"] + int(batch) * 16 * kv_per_token) / bandwidth * 1e3
+        assert floor_ms == pytest.approx(memory_ms) or floor_ms > memory_ms, (batch, floor_ms, memory_ms)

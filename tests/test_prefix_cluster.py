@@ -8,12 +8,13 @@ tokens stay identical to transformers' generate, and no block leaks.
 from __future__ import annotations
 
 import random
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import ray
 
 from router.launch import LocalCluster
-from tests.cluster_util import Client, cluster_config
+from tests.cluster_util import Client, cluster_config, faults
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
@@ -21,7 +22,7 @@ BS = 16
 
 
 def _tokens(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
+    rng = random.Random(f"test_prefix_cluster-{seed}")  # its own prompts: the shared clusters' caches hold others'
     return [rng.randrange(10, 2000) for _ in range(n)]
 
 
@@ -37,12 +38,15 @@ def _usage(client: Client, prompt: list[int], max_tokens: int = 6) -> tuple[list
     return tokens, last.usage
 
 
+def _usages_together(client: Client, prompts: list[list[int]]) -> list[tuple[list[int], object]]:
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        return list(pool.map(lambda p: _usage(client, p), prompts))
+
+
 @pytest.fixture(scope="module")
-def cache_aware(llama_dir):
-    cfg = cluster_config(llama_dir, prefill={"replicas": 2}, decode={"replicas": 2},
-                         router={"policy": "cache_aware"})
-    with LocalCluster(cfg) as c:
-        yield c
+def cache_aware(served_2x2):  # the shared 2 + 2 cluster (conftest)
+    assert served_2x2.router.pools.placer.policies == {"prefill": "cache_aware", "decode": "cache_aware"}
+    return served_2x2
 
 
 def test_repeated_prefix_is_computed_once_and_only_new_blocks_move(cache_aware, llama_dir):
@@ -65,13 +69,59 @@ def test_repeated_prefix_is_computed_once_and_only_new_blocks_move(cache_aware, 
     client.close()
 
 
+def test_cache_aware_places_a_prefix_where_load_would_not(cache_aware, llama_dir):
+    """Two new system prompts, sent together while prefills are slow, land on different workers;
+    a follow-up of the one held by the later-named workers goes back there under cache_aware
+    (its prefix is not computed again), while the load policy, asked on the same cluster for the
+    same request, picks the idle first-named workers and computes it all."""
+    client = Client(cache_aware.address)
+    systems = [_tokens(5 * BS, seed=50), _tokens(5 * BS, seed=51)]
+    with faults(cache_aware, step_delay_s=0.2):  # the first is still prefilling when the second is placed
+        firsts = [u for _, u in _usages_together(client, [s + _tokens(7, seed=52) for s in systems])]
+    prefills = sorted(w.name for w in cache_aware.router.pools.workers["prefill"])
+    decodes = sorted(w.name for w in cache_aware.router.pools.workers["decode"])
+    assert {u.prefill_worker for u in firsts} == set(prefills), "the two prompts shared a prefill worker"
+    [(system, held)] = [(s, u) for s, u in zip(systems, firsts, strict=True) if u.prefill_worker == prefills[1]]
+    follow_up = system + _tokens(9, seed=53)
+    expected = hf_greedy(llama_dir, follow_up, 6, ignore_eos=True)
+
+    tokens, aware = _usage(client, follow_up)
+    assert tokens == expected
+    assert (aware.prefill_worker, aware.decode_worker) == (held.prefill_worker, held.decode_worker)
+    assert aware.cached_tokens == 5 * BS and aware.kv_cached_blocks == 5
+    placer = cache_aware.router.pools.placer
+    policies = dict(placer.policies)
+    placer.policies = {"prefill": "load", "decode": "load"}
+    try:
+        tokens, load = _usage(client, follow_up)
+    finally:
+        placer.policies = policies
+    assert tokens == expected
+    assert load.prefill_worker == prefills[0] != aware.prefill_worker
+    assert load.cached_tokens == 0  # that worker never saw this system prompt
+    if held.decode_worker != decodes[0]:
+        assert load.decode_worker == decodes[0] and load.kv_cached_blocks == 0
+    _assert_whole(cache_aware)
+    client.close()
+
+
 def test_a_conversation_returns_to_the_workers_that_hold_it(cache_aware, llama_dir):
     """Turn 2 = turn 1's prompt + its answer + a new message: the earlier turn is cached."""
     client = Client(cache_aware.address)
     turn1 = _tokens(3 * BS + 5, seed=10)
     answer, u1 = _usage(client, turn1, max_tokens=20)
     turn2 = turn1 + answer + _tokens(6, seed=11)
+    registry = cache_aware.router.metrics.registry
+
+    def counters() -> dict[str, float]:
+        out = {f"{kind}_{pool}": registry.get_sample_value(f"pdserve_prefix_cache_{kind}_tokens_total",
+                                                          {"pool": pool}) or 0
+               for kind in ("query", "hit") for pool in ("prefill", "decode")}
+        return out | {"saved": registry.get_sample_value("pdserve_kv_transfer_saved_bytes_total") or 0}
+
+    before = counters()
     t2, u2 = _usage(client, turn2)
+    counted = {k: v - before[k] for k, v in counters().items()}
     assert t2 == hf_greedy(llama_dir, turn2, 6, ignore_eos=True)
     assert u2.prefill_worker == u1.prefill_worker and u2.decode_worker == u1.decode_worker
     assert u2.cached_tokens == 3 * BS  # the prompt's full blocks (the answer's were never on prefill)
@@ -80,9 +130,13 @@ def test_a_conversation_returns_to_the_workers_that_hold_it(cache_aware, llama_d
     status = client.status()
     cached = {w.name: w.kv_blocks_cached for w in status.workers}
     assert cached[u1.prefill_worker] >= 3 and cached[u1.decode_worker] >= u2.kv_cached_blocks
+    # the router's counters moved by exactly this request's lookups and what it did not send
+    block_bytes = cache_aware.router.pools.workers["decode"][0].info.block_bytes
+    assert counted == {"query_prefill": len(turn2), "query_decode": len(turn2), "hit_prefill": u2.cached_tokens,
+                       "hit_decode": u2.kv_cached_blocks * BS, "saved": u2.kv_cached_blocks * block_bytes}
     metrics = cache_aware.router.metrics.render().decode()
-    assert 'pdserve_prefix_cache_hit_tokens_total{pool="prefill"}' in metrics
-    assert "pdserve_kv_transfer_saved_bytes_total" in metrics
+    hit = registry.get_sample_value("pdserve_prefix_cache_hit_tokens_total", {"pool": "prefill"})
+    assert f'pdserve_prefix_cache_hit_tokens_total{{pool="prefill"}} {hit}' in metrics  # what /metrics serves
     _assert_whole(cache_aware)
     client.close()
 

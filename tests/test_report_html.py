@@ -101,6 +101,7 @@ def _browser() -> str | None:
     return next((path for name in BROWSERS if (path := shutil.which(name))), None)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(_browser() is None, reason="no Chromium: apt-get install chromium-headless-shell "
                                                "(scripts/setup.sh test does it where it can)")
 def test_a_headless_browser_renders_the_tables_and_charts(report, tmp_path):

@@ -1,15 +1,15 @@
 """Security end to end (docs/security.md): tokens, roles and mutual TLS on a real cluster's gRPC,
-HTTP and metrics ports, token rotation (in process and by SIGHUP to `pdserve serve`), the CLI and
-bench as clients, the safe default of `pdserve serve`, and KV channels only their peer can join
-(a stranger on the store during a transfer changes nothing). Certificates: a throw-away CA,
-server and client certificate made with openssl for each run."""
+HTTP and metrics ports, token rotation in process (by SIGHUP to `pdserve serve`, and the CLI over
+TLS: tests/test_serve.py), bench as a client, the safe default of `pdserve serve`, and KV channels
+only their peer can join (a stranger on the store during a transfer changes nothing).
+Certificates: a throw-away CA, server and client certificate made with openssl for each run
+(conftest's pki, tests/security_util.py)."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import os
-import signal
 import ssl
 import subprocess
 import sys
@@ -41,25 +41,18 @@ from router.frontdoor.guards import LOGGED_CHARS, HttpGuard, Refusals
 from router.frontdoor.tls import exposure_refusal, open_gate
 from router.launch import LocalCluster
 from router.observability.metrics_server import guard_wsgi
-from tests.cluster_util import cluster_config, free_port
+from tests.cluster_util import cluster_config
 from tests.kv_util import CONFIG, make_pool, wait_until
+from tests.security_util import ADMIN, ROTATED, TRAFFIC, token_files
 
-TRAFFIC, ADMIN, ROTATED = "traffic-0123456789abcdef", "admin-0123456789abcdef", "rotated-0123456789abcdef"
 GENERATE = pb.GenerateRequest(prompt_token_ids=[5, 6, 7], sampling=pb.SamplingParams(max_tokens=3, ignore_eos=True))
 
 
-# ---- certificates, tokens, one cluster with all of it ------------------------------------------
-def _token_files(d: Path) -> tuple[Path, Path]:
-    traffic, admin = d / "traffic.txt", d / "admin.txt"
-    traffic.write_text(f"# traffic tokens\n{TRAFFIC}\n\n")
-    admin.write_text(f"{ADMIN}\n")
-    return traffic, admin
-
-
+# ---- one cluster with all of it (certificates: conftest's pki) --------------------------------
 @pytest.fixture(scope="module")
 def cluster(ray_instance, llama_dir, pki, tmp_path_factory):
     """Disaggregated 1 + 1 (the KV channel's secret on the way): mutual TLS, traffic and admin tokens."""
-    traffic, admin = _token_files(tmp_path_factory.mktemp("tokens"))
+    traffic, admin = token_files(tmp_path_factory.mktemp("tokens"))
     tls = {"cert_file": str(pki / "server.pem"), "key_file": str(pki / "server.key"),
            "client_ca_file": str(pki / "ca.pem")}
     cfg = cluster_config(llama_dir, router={"http_port": 0, "metrics_port": 0, "tls": tls,
@@ -185,7 +178,7 @@ def test_a_rotated_token_is_refused_after_reload(cluster, pki):
 
 # ---- the rules, without servers ------------------------------------------------------------------
 def test_gate_decisions(tmp_path):
-    gate = Gate(*map(str, _token_files(tmp_path)))
+    gate = Gate(*map(str, token_files(tmp_path)))
     local, remote = (lambda: True), (lambda: False)
     for need in (Need.TRAFFIC, Need.ADMIN, Need.STATUS):
         assert gate.check(need, None, remote) is Verdict.UNAUTHENTICATED
@@ -208,7 +201,7 @@ def test_gate_decisions(tmp_path):
 
 def test_metrics_need_an_admin_token_from_elsewhere(tmp_path):
     app = guard_wsgi(lambda environ, start: (start("200 OK", []), [b"metrics"])[1],
-                     Gate(*map(str, _token_files(tmp_path))), Refusals())
+                     Gate(*map(str, token_files(tmp_path))), Refusals())
     statuses = []
 
     def get(peer: str, token: str | None = None) -> str:
@@ -226,7 +219,7 @@ def test_a_refused_path_is_logged_escaped_on_one_line(tmp_path, caplog):
     async def app(scope, receive, send):
         raise AssertionError("a refused request reached the app")
 
-    guard = HttpGuard(app, Gate(*map(str, _token_files(tmp_path))), Refusals())
+    guard = HttpGuard(app, Gate(*map(str, token_files(tmp_path))), Refusals())
     head = "/v1/models\n2026-01-01 WARNING auth: refused nothing\x1b[2J\u202e"
     forged = head + "x" * 300
     scope = {"type": "http", "path": forged, "headers": [], "client": ("10.0.0.9", 5)}
@@ -287,51 +280,17 @@ def test_no_open_listener_beyond_loopback_without_insecure(llama_dir, tmp_path, 
     assert err.count("\n") == 1 and "without authentication" in err and "--insecure" in err
 
 
-def test_serve_rotates_tokens_on_sighup_and_the_cli_speaks_tls(llama_dir, pki, tmp_path, capsys, monkeypatch):
-    traffic, _ = _token_files(tmp_path)
-    port, config = free_port(), tmp_path / "cluster.yaml"
-    tls = {"cert_file": os.path.relpath(pki / "server.pem", tmp_path), "key_file": os.path.relpath(pki / "server.key",
-                                                                                                     tmp_path)}
-    config.write_text(yaml.safe_dump({
-        "model": {"path": llama_dir}, "mode": "colocated", "prefill": {"replicas": 0},
-        "decode": {"num_cpus": 0.5}, "kv_cache": {"num_blocks": 128},
-        "router": {"port": port, "shutdown_grace_s": 2, "tls": tls,
-                   "auth": {"tokens_file": "traffic.txt", "admin_tokens_file": "admin.txt"}}}))
-    log = tmp_path / "serve.log"
-    with log.open("w") as stderr:
-        server = subprocess.Popen([sys.executable, "-m", "cli", "serve", "--config", str(config)],
-                                  stdout=subprocess.PIPE, stderr=stderr, text=True, start_new_session=True)
-    router = ["--router", f"127.0.0.1:{port}", "--ca-file", str(pki / "ca.pem")]
-    try:
-        line = server.stdout.readline()
-        assert "ready in" in line and "; TLS, tokens)" in line, line
-        assert pdserve(["generate", "hi", "--max-tokens", "3", *router, "--token", TRAFFIC]) == 0
-        assert pdserve(["generate", "hi", *router]) == 1
-        assert "UNAUTHENTICATED: missing or invalid token (give --token or set PDSERVE_TOKEN)" in capsys.readouterr().err
-        assert pdserve(["scale", "decode", "1", *router, "--token", TRAFFIC]) == 1
-        assert "PERMISSION_DENIED" in capsys.readouterr().err
-        assert pdserve(["status", *router]) == 0  # from loopback
-        traffic.write_text(f"{ROTATED}\n")
-        server.send_signal(signal.SIGHUP)
-        wait_until(lambda: pdserve(["generate", "hi", "--max-tokens", "1", *router, "--token", TRAFFIC]) == 1, 15,
-                   "the old token to be refused")
-        monkeypatch.setenv("PDSERVE_TOKEN", ROTATED)
-        assert pdserve(["generate", "hi", "--max-tokens", "3", *router]) == 0
-    finally:
-        server.send_signal(signal.SIGTERM)
-        server.wait(timeout=60)
-    text = log.read_text()
-    assert "auth: reloaded 1 traffic and 1 admin tokens" in text
-    assert not any(token in text for token in (TRAFFIC, ADMIN, ROTATED))
-
-
 # ---- KV channels -----------------------------------------------------------------------------------
 class _Owner:
     def __init__(self, reserved: dict[str, list[int]], resolve_delay_s: float = 0.0):
         self.reserved, self.resolve_delay_s, self.completed = reserved, resolve_delay_s, []
+        self.gate: threading.Event | None = None  # when set: resolve waits for it instead
 
     def resolve(self, request_id: str, num_blocks: int, first_block: int = 0) -> list[int] | None:
-        time.sleep(self.resolve_delay_s)
+        if self.gate is not None:
+            self.gate.wait(60)
+        else:
+            time.sleep(self.resolve_delay_s)
         return self.reserved.get(request_id)
 
     def complete(self, request_id: str, blocks: list[int], error) -> None:
@@ -339,12 +298,14 @@ class _Owner:
 
 
 @pytest.fixture
-def pair():
-    """(owner, src, dst, receiver, sender): 20 reserved blocks, a 1 s resolve (a transfer stays in flight)."""
+def pair(request):
+    """(owner, src, dst, receiver, sender): 20 reserved blocks, a 1 s resolve (a transfer stays in
+    flight); the channel's config is CONFIG unless the test is parametrized with another."""
+    config = getattr(request, "param", CONFIG)
     owner = _Owner({"r": list(range(20, 40))}, resolve_delay_s=1.0)
     src, dst = make_pool(64, torch.float32, seed=0), make_pool(64, torch.float32)
-    receiver = KVReceiver(dst, "127.0.0.1", CONFIG, owner.resolve, owner.complete)
-    sender = KVSender(src, CONFIG)
+    receiver = KVReceiver(dst, "127.0.0.1", config, owner.resolve, owner.complete)
+    sender = KVSender(src, config)
     yield owner, src, dst, receiver, sender
     sender.shutdown()
     receiver.shutdown()
@@ -434,23 +395,34 @@ print("done", flush=True)
 """
 
 
+PATIENT = KVTransferConfig(timeout_s=30.0, heartbeat_s=0.5, staging_bytes=64 << 10)
+
+
+@pytest.mark.parametrize("pair", [PATIENT], indirect=True, ids=["30s-timeout"])
 def test_a_stranger_process_on_the_store_during_a_transfer_changes_nothing(pair):
+    """The transfer's blocks are resolved only once the stranger has done all its mischief, so
+    every step of it happens while the transfer is in flight; then the payload lands at once
+    (a stall would wait for the channel's 30 s timeout)."""
     owner, src, dst, receiver, sender = pair
+    owner.gate = threading.Event()
     host, port, secret = receiver.open_channel("p")
     sender.connect("d", host, port, secret)
     stranger = subprocess.Popen([sys.executable, "-c", STRANGER, host, str(port)], stdin=subprocess.PIPE,
                                 stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     try:
         assert stranger.stdout.readline() == "joined\n"
-        started = time.monotonic()
-        running = sender.send("d", "r", list(range(20)))  # lands after the 1 s resolve
+        running = sender.send("d", "r", list(range(20)))  # held at its resolve until the gate opens
         stranger.stdin.write("go\n")
         stranger.stdin.flush()
-        assert running.result(20).dst_block_ids == list(range(20, 40))
-        assert time.monotonic() - started < 3.0, "the transfer stalled"
         assert stranger.communicate(timeout=30)[0] == "done\n"
+        assert not running.done(), "the transfer ended before the stranger was done"
+        opened = time.monotonic()
+        owner.gate.set()
+        assert running.result(20).dst_block_ids == list(range(20, 40))
+        assert time.monotonic() - opened < PATIENT.timeout_s / 6, "the transfer stalled"
     finally:
         stranger.kill()
+    owner.gate = None
     assert torch.equal(dst[20:40], src[:20])
     owner.resolve_delay_s = 0.0
     dst[20:40] = 0

@@ -78,7 +78,9 @@ def test_an_abort_that_overtakes_its_prefill_refuses_it(workers):
     prefill, _ = workers
     ray.get(prefill.abort.remote("b.0"), timeout=30)
     assert not ray.get(prefill.aim.remote("b.0", 0), timeout=30)
-    with pytest.raises((ray.exceptions.TaskCancelledError, ray.exceptions.RayTaskError)):
+    # refused as cancelled (the worker raises CancelledError: Ray reports the task cancelled), not
+    # failed on its way (a RayTaskError of another kind) and not served
+    with pytest.raises(ray.exceptions.TaskCancelledError, match="was cancelled"):
         ray.get(prefill.prefill.remote(PrefillTask("b.0", _prompt(2), GREEDY, "decode-0"), None), timeout=60)
     counts = _idle(prefill)
     assert counts["used"] == 0 and counts["requests"] == 0
@@ -86,8 +88,15 @@ def test_an_abort_that_overtakes_its_prefill_refuses_it(workers):
 
 def test_an_abort_that_overtakes_its_colocated_generate_leaves_nothing_running(workers):
     _, decode = workers
+    served = ray.get(decode.stats.remote(), timeout=30).served
     ray.get(decode.abort.remote("c.0"), timeout=30)
     ray.get(decode.generate.remote(GenerateTask("c.0", _prompt(3), GREEDY)), timeout=30)
+    # had the generate been taken, its 6 tokens would leave within a few steps: none ever does
+    outputs, end = [], time.monotonic() + 1.0
+    while time.monotonic() < end:
+        outputs += [out for out in ray.get(decode.poll.remote(0.2), timeout=10) if out.request_id == "c.0"]
+    assert outputs == []
+    assert ray.get(decode.stats.remote(), timeout=30).served == served
     counts = _idle(decode)
     assert counts["used"] == 0 and counts["requests"] == 0 and counts["reserved"] == 0
 

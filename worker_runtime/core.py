@@ -38,7 +38,7 @@ class WorkerCore:
         self.pool = pool
         self.node_ip = node_ip  # where peers reach this worker's channels
         self.engine = LLMEngine(config)
-        slow = faults.slow_step if faults is not None and faults.config.step_delay_s > 0 else None
+        slow = faults.slow_step if faults is not None else None  # a no-op while step_delay_s is 0
         self.loop = EngineLoop(self.engine, on_outputs, name=name, before_step=slow, after_step=after_step)
         self.served = 0
         self.cache_seq = 0  # of the last CacheDelta sent

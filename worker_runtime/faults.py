@@ -9,7 +9,8 @@ Each worker gets a `Faults` with its own seeded RNG. Hooks, each a no-op when it
                        router's view of free blocks gone stale)
   maybe_kill(point)    the worker process exits at a named lifecycle point (see KILL_POINTS)
 `PDSERVE_FAULTS="transfer_fail_rate=0.1,kill_at=decode.after_start,kill_rate=0.5"` overrides
-the config's values key by key.
+the config's values key by key. Tests change a running worker's knobs with `Faults.set` (the
+workers' `set_faults` call, `PoolManager.set_faults` for a whole cluster).
 """
 
 from __future__ import annotations
@@ -71,9 +72,14 @@ class FaultConfig:
 
 class Faults:
     def __init__(self, config: FaultConfig | None, worker: str):
-        self.config = config or FaultConfig()
         self.worker = worker
-        self._rng = random.Random(self.config.seed * 1_000_003 + zlib.crc32(worker.encode()))
+        self.set(config or FaultConfig())
+
+    def set(self, config: FaultConfig) -> None:
+        """Replace the knobs (at run time too: every hook reads them when it runs); the RNG starts
+        again from the new seed."""
+        self.config = config
+        self._rng = random.Random(config.seed * 1_000_003 + zlib.crc32(self.worker.encode()))
 
     def _hit(self, rate: float) -> bool:
         return rate > 0 and self._rng.random() < rate

@@ -30,6 +30,7 @@ from router.lifecycle.outcomes import CannotPlace
 from router.lifecycle.worker_calls import CALL_FAILURES, short
 from router.pools.placement import Placer
 from router.pools.worker_view import WorkerState, WorkerView
+from worker_runtime.faults import FaultConfig
 
 log = logging.getLogger(__name__)
 POOLS = ("prefill", "decode")
@@ -128,6 +129,14 @@ class PoolManager:
         taken = {w.info.cpu for w in self.workers[pool] if not w.stopped}
         free = [c for c in cpus if c not in taken]
         return (free or cpus)[0]
+
+    async def set_faults(self, faults: FaultConfig) -> None:
+        """Fault injection at run time, for tests: every ready or draining worker takes `faults`
+        now, every worker started later at its start (one starting meanwhile keeps the old ones)."""
+        self.faults = faults
+        live = [w for pool in POOLS for w in self.live(pool)]
+        await asyncio.gather(*(within(w.actor.set_faults.remote(faults), self.config.router.call_timeout_s)
+                               for w in live))
 
     # ---- failures and healing ---------------------------------------------------------------
     def worker_failed(self, w: WorkerView, reason: str) -> bool:

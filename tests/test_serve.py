@@ -1,0 +1,202 @@
+"""`pdserve serve` as a user runs it, one process for the module (a start of its own Ray and
+workers costs 15-20 s here): disaggregated 1 + 1 with TLS and tokens on its gRPC and HTTP ports,
+slow steps (faults.step_delay_s) so a stream lasts a few seconds. In order: the CLI as its
+client (generate, status, scale), token rotation by SIGHUP, then SIGTERM with an HTTP stream in
+flight: serve_forever owns SIGTERM, so the router drains (the stream finishes, /health and new
+requests get 503) before the HTTP server stops, the process exits 0, and every process it
+started, Ray's included, is gone (other Ray users of the machine are not looked at)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+
+from cli.main import main as pdserve
+from tests.kv_util import wait_until
+from tests.security_util import ADMIN, ROTATED, TRAFFIC, token_files
+
+PDSERVE = [sys.executable, "-m", "cli"]
+
+
+def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
+    return subprocess.run([*PDSERVE, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def _stat(pid: int) -> tuple[int, int, str] | None:
+    """(parent pid, start time in clock ticks, state) of a live process; None once it is gone."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+    state, ppid, start = fields[0], int(fields[1]), int(fields[19])
+    return None if state in ("Z", "X") else (ppid, start, state)
+
+
+def _descendants(root: int) -> dict[tuple[int, int], str]:
+    """Every live process below `root` now, keyed (pid, start time) so a reused pid never
+    counts as the same process; the value is its command line."""
+    parents: dict[int, list[tuple[int, int]]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
+            parents.setdefault(stat[0], []).append((int(entry.name), stat[1]))
+    found, todo = {}, [root]
+    while todo:
+        for pid, start in parents.get(todo.pop(), []):
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            found[(pid, start)] = cmd
+            todo.append(pid)
+    return found
+
+
+def _alive(processes) -> list[str]:
+    return [cmd for (pid, start), cmd in processes.items() if (s := _stat(pid)) is not None and s[1] == start]
+
+
+def _port_open(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+@dataclass
+class Serve:
+    proc: subprocess.Popen
+    address: str  # the gRPC port it bound (config port 0)
+    http: str  # https://127.0.0.1:PORT
+    traffic: Path  # the traffic token file
+    log: Path  # its stderr
+    ca: str
+    started: dict = field(default_factory=dict)  # every process seen below it
+
+    def look(self) -> None:
+        self.started |= _descendants(self.proc.pid)
+
+    def tls(self) -> ssl.SSLContext:
+        return ssl.create_default_context(cafile=self.ca)
+
+
+@pytest.fixture(scope="module")
+def serve(tmp_path_factory, llama_dir, pki):
+    d = tmp_path_factory.mktemp("serve")
+    token_files(d)
+    tls = {"cert_file": os.path.relpath(pki / "server.pem", d), "key_file": os.path.relpath(pki / "server.key", d)}
+    config = d / "cluster.yaml"
+    config.write_text(yaml.safe_dump({
+        "model": {"path": llama_dir}, "prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5},
+        "kv_cache": {"num_blocks": 128}, "faults": {"step_delay_s": 0.02},
+        "router": {"port": 0, "http_port": 0, "shutdown_grace_s": 60, "tls": tls,
+                   "auth": {"tokens_file": "traffic.txt", "admin_tokens_file": "admin.txt"}}}))
+    log = d / "serve.log"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen([*PDSERVE, "serve", "--config", str(config)], stdout=subprocess.PIPE, stderr=stderr,
+                                text=True, start_new_session=True)
+    try:
+        line = proc.stdout.readline()
+        assert "ready in" in line and "; TLS, tokens)" in line, line + log.read_text()[-3000:]
+        address = re.search(r"router listening on (127\.0\.0\.1:\d+) ", line).group(1)
+        http = re.search(r"OpenAI API on (https://127\.0\.0\.1:\d+)/v1", line).group(1)
+        s = Serve(proc, address, http, d / "traffic.txt", log, str(pki / "ca.pem"))
+        s.look()  # what this serve started: Ray's head and workers
+        yield s
+    finally:
+        if proc.poll() is None:  # a test failed before the last one stopped it
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=90)
+
+
+def test_generate_status_and_scale_from_the_cli(serve):
+    router = ["--router", serve.address, "--ca-file", serve.ca, "--token", ADMIN]
+    gen = _run("generate", "hello world", "--max-tokens", "8", *router, "--usage")
+    assert gen.returncode == 0 and "[length] prompt" in gen.stderr, gen.stderr
+    assert "tokens (0 from the prefix cache)" in gen.stderr  # a prompt shorter than one block
+    scaled = _run("scale", "decode", "2", *router, timeout=120)
+    assert scaled.returncode == 0 and "decode pool has 2 workers" in scaled.stdout, scaled.stderr
+    status = _run("status", *router)
+    assert status.returncode == 0
+    rows = [line.split()[0] for line in status.stdout.splitlines() if line.startswith(("decode-", "prefill-"))]
+    assert sorted(r.split("-")[0] for r in rows) == ["decode", "decode", "prefill"], status.stdout
+    serve.look()
+
+
+def test_serve_rotates_tokens_on_sighup_and_the_cli_speaks_tls(serve, capsys, monkeypatch):
+    router = ["--router", serve.address, "--ca-file", serve.ca]
+    assert pdserve(["generate", "hi", "--max-tokens", "3", *router, "--token", TRAFFIC]) == 0
+    assert pdserve(["generate", "hi", *router]) == 1
+    assert "UNAUTHENTICATED: missing or invalid token (give --token or set PDSERVE_TOKEN)" in capsys.readouterr().err
+    assert pdserve(["scale", "decode", "1", *router, "--token", TRAFFIC]) == 1
+    assert "PERMISSION_DENIED" in capsys.readouterr().err
+    assert pdserve(["status", *router]) == 0  # from loopback
+    serve.traffic.write_text(f"{ROTATED}\n")
+    serve.proc.send_signal(signal.SIGHUP)
+    wait_until(lambda: pdserve(["generate", "hi", "--max-tokens", "1", *router, "--token", TRAFFIC]) == 1, 15,
+               "the old token to be refused")
+    monkeypatch.setenv("PDSERVE_TOKEN", ROTATED)
+    assert pdserve(["generate", "hi", "--max-tokens", "3", *router]) == 0
+    assert "auth: reloaded 1 traffic and 1 admin tokens" in serve.log.read_text()
+    serve.look()
+
+
+def _get(serve: Serve, path: str, body: dict | None = None) -> tuple[int, dict]:
+    request = urllib.request.Request(f"{serve.http}{path}", data=None if body is None else json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN}"})
+    try:
+        with urllib.request.urlopen(request, timeout=30, context=serve.tls()) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def test_sigterm_drains_http_streams_then_leaves_nothing(serve):
+    status = _run("status", "--router", serve.address, "--ca-file", serve.ca)
+    workers = sorted(line.split()[0].split("-")[0] for line in status.stdout.splitlines()
+                     if line.startswith(("decode-", "prefill-")))
+    http_port, grpc_port = int(serve.http.rsplit(":", 1)[1]), int(serve.address.rsplit(":", 1)[1])
+    assert _get(serve, "/health") == (200, {"status": "serving"})
+    request = urllib.request.Request(f"{serve.http}/v1/completions", data=json.dumps(
+        {"prompt": [5, 6, 7], "max_tokens": 150, "stream": True, "ignore_eos": True}).encode(),
+        headers={"Content-Type": "application/json", "Authorization": f"Bearer {ADMIN}"})
+    stream = urllib.request.urlopen(request, timeout=60, context=serve.tls())  # 150 slow steps: 3 s or more
+    events = [stream.readline()]
+    serve.look()
+    serve.proc.send_signal(signal.SIGTERM)
+    try:
+        deadline = time.monotonic() + 10
+        while (code := _get(serve, "/health")[0]) == 200 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert code == 503
+        code, body = _get(serve, "/v1/completions", {"prompt": [5], "max_tokens": 2})
+        assert code == 503 and "shutting down" in body["error"]["message"]
+        events += stream.readlines()
+        data = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
+        assert sum(len(d["choices"][0]["token_ids"]) for d in data) == 150 and b"data: [DONE]\r\n" in events
+    finally:
+        returncode = serve.proc.wait(timeout=90)
+    assert returncode == 0 and not _port_open(http_port) and not _port_open(grpc_port)
+    programs = [cmd.split()[0].rsplit("/", 1)[-1].split(".")[0] for cmd in serve.started.values() if cmd.strip()]
+    ray_programs = {"raylet", "gcs_server", "ray::PrefillWorker", "ray::DecodeWorker"}
+    assert sorted(p for p in programs if p in ray_programs) == sorted(
+        ["gcs_server", "raylet"] + [f"ray::{pool.capitalize()}Worker" for pool in workers]), programs
+    deadline = time.monotonic() + 10
+    while _alive(serve.started) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _alive(serve.started), "processes of pdserve serve outlived it"
+    with pytest.raises(ProcessLookupError):
+        os.killpg(serve.proc.pid, 0)
+    text = serve.log.read_text()
+    assert not any(token in text for token in (TRAFFIC, ADMIN, ROTATED))  # never a token in a log line
