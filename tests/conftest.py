@@ -132,3 +132,17 @@ def served_colocated(ray_instance, llama_dir):
 
     yield from _shared("colocated", lambda: cluster_config(
         llama_dir, mode="colocated", prefill={"replicas": 0}, decode={"replicas": 2}, router={"restart_backoff_s": 0.2}))
+
+
+@pytest.fixture(scope="module")
+def served_small(ray_instance, llama_dir):
+    """A shared 1 + 1 cluster with tight router limits (one prefill at a time, a queue of one, one
+    migration, 2 s call deadlines, a worker silent for 4 s replaced after 0.2 s), 32-token prefill
+    chunks and no prefix cache: for the fault tests of saturation, hangs and an empty pool, and
+    the prefix tests with caching off (same rules as `served`)."""
+    from tests.cluster_util import cluster_config
+
+    yield from _shared("small", lambda: cluster_config(
+        llama_dir, kv_cache={"prefix_caching": False}, scheduler={"chunk_size": 32, "max_num_batched_tokens": 32},
+        router={"max_prefill_inflight": 1, "max_queue": 1, "migration_limit": 1, "call_timeout_s": 2,
+                "unresponsive_s": 4, "restart_backoff_s": 0.2}))

@@ -187,26 +187,36 @@ def test_scale_while_streaming_loses_nothing(cluster, llama_dir):
         client.close()
 
 
-def test_full_queue_is_resource_exhausted_and_others_finish(llama_dir):
-    # 8 blocks of 16 tokens per worker: a 100-token prompt reserves 7, so a second one must wait
-    cfg = cluster_config(llama_dir, kv_cache={"num_blocks": 8}, router={"max_queue": 1})
-    with LocalCluster(cfg) as cluster:
-        client = Client(cluster.address)
-        set_faults(cluster, step_delay_s=0.1)  # the first holds its blocks for 2 s or more
-        first = client.stream([7] * 100, max_tokens=20, ignore_eos=True)
-        next(first)  # holds 7 of the decode worker's 8 blocks
-        second = client.stream([8] * 100, max_tokens=20, ignore_eos=True)  # waits in the router queue
-        wait_until(lambda: client.status().router_queue == 1, 10, "the second request to queue")
-        with pytest.raises(grpc.RpcError) as err:
-            list(client.stream([9] * 100, max_tokens=20, ignore_eos=True))
-        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-        assert "queue is full" in err.value.details()
-        assert client.status().router_queue == 1  # refused while the first still held its blocks
-        set_faults(cluster)
-        assert sum(len(m.token_ids) for m in first) == 19
-        assert sum(len(m.token_ids) for m in second) == 20
-        _assert_no_leaks(cluster)
-        client.close()
+@pytest.fixture(scope="module")
+def tight(llama_dir):
+    """1 + 1 with 8 KV blocks of 16 tokens per worker (a 100-token prompt reserves 7, so a second
+    one must wait), a router queue of one and a 30 s shutdown grace; the module's last test shuts
+    it down."""
+    cfg = cluster_config(llama_dir, kv_cache={"num_blocks": 8}, router={"max_queue": 1, "shutdown_grace_s": 30})
+    cluster = LocalCluster(cfg).__enter__()
+    yield cluster
+    if cluster._thread.is_alive():  # the shutdown test did not get to stop it
+        cluster.__exit__(None, None, None)
+
+
+def test_full_queue_is_resource_exhausted_and_others_finish(tight):
+    cluster = tight
+    client = Client(cluster.address)
+    set_faults(cluster, step_delay_s=0.1)  # the first holds its blocks for 2 s or more
+    first = client.stream([7] * 100, max_tokens=20, ignore_eos=True)
+    next(first)  # holds 7 of the decode worker's 8 blocks
+    second = client.stream([8] * 100, max_tokens=20, ignore_eos=True)  # waits in the router queue
+    wait_until(lambda: client.status().router_queue == 1, 10, "the second request to queue")
+    with pytest.raises(grpc.RpcError) as err:
+        list(client.stream([9] * 100, max_tokens=20, ignore_eos=True))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "queue is full" in err.value.details()
+    assert client.status().router_queue == 1  # refused while the first still held its blocks
+    set_faults(cluster)
+    assert sum(len(m.token_ids) for m in first) == 19
+    assert sum(len(m.token_ids) for m in second) == 20
+    _assert_no_leaks(cluster)
+    client.close()
 
 
 def test_health_and_reflection(cluster):
@@ -223,15 +233,14 @@ def test_health_and_reflection(cluster):
     channel.close()
 
 
-def test_shutdown_finishes_in_flight_and_refuses_new(llama_dir):
-    # slow steps: the 150 tokens take 3 s or more, so the request is still in flight when refused
-    cfg = cluster_config(llama_dir, router={"shutdown_grace_s": 30}, faults={"step_delay_s": 0.02})
-    cluster = LocalCluster(cfg).__enter__()
+def test_shutdown_finishes_in_flight_and_refuses_new(tight, llama_dir):
+    cluster = tight  # stopped here: the module's last test
     stopper = threading.Thread(target=cluster.__exit__, args=(None, None, None))
     client = Client(cluster.address)
     try:
-        prompt = _prompts(1, seed=31)[0]
-        stream = client.stream(prompt, max_tokens=150, ignore_eos=True)
+        prompt = _prompts(1, seed=31)[0][:20]  # + 90 tokens: 7 of the 8 blocks
+        set_faults(cluster, step_delay_s=0.02)  # 90 tokens: 1.8 s or more, still in flight when refused
+        stream = client.stream(prompt, max_tokens=90, ignore_eos=True)
         got = list(next(stream).token_ids)
         stopper.start()
         wait_until(lambda: not cluster.router.accepting, 5, "the shutdown to begin", every=0.01)
@@ -241,7 +250,7 @@ def test_shutdown_finishes_in_flight_and_refuses_new(llama_dir):
         assert len(cluster.router.lives) == 1, "the accepted request ended before the refusal"
         for msg in stream:  # the accepted request still completes within the grace period
             got.extend(msg.token_ids)
-        assert got == hf_greedy(llama_dir, prompt, 150, ignore_eos=True)
+        assert got == hf_greedy(llama_dir, prompt, 90, ignore_eos=True)
     finally:  # the cluster stops also when an assertion failed
         if stopper.ident is None:
             cluster.__exit__(None, None, None)

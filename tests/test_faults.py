@@ -3,11 +3,11 @@ hung mid-request, a failed KV transfer, a cancel while a reservation is in fligh
 Ray cannot place, bad input next to good requests. Each checks the client's exact outcome
 (tokens identical to an undisturbed run, or the precise status) and that no KV block leaks.
 
-Two clusters serve the module (a start costs 8-10 s): `cluster`, 2 + 2 workers, and `small`,
-1 + 1 with tight router limits (one prefill at a time, a queue of one, one migration, short
-deadlines) and 32-token prefill chunks. Faults are switched on at run time for the test that
-needs them (tests/cluster_util.py: set_faults) and off again after it; a test that kills a worker
-waits for its pool to heal."""
+Shared clusters serve the module (a start costs 8-10 s; conftest): `cluster`, 2 + 2 workers,
+`small`, 1 + 1 with tight router limits (one prefill at a time, a queue of one, one migration,
+short deadlines) and 32-token prefill chunks, and 2 colocated workers. Faults are switched on at
+run time for the test that needs them (tests/cluster_util.py: set_faults) and off again after
+it; a test that kills a worker waits for its pool to heal."""
 
 from __future__ import annotations
 
@@ -28,7 +28,6 @@ from router.launch import LocalCluster
 from router.lifecycle.life import Phase
 from tests.cluster_util import (
     Client,
-    cluster_config,
     faults,
     hold_engine,
     set_faults,
@@ -88,12 +87,8 @@ def cluster(served_2x2):  # shared (conftest): 2 + 2, call deadlines 3 s, restar
 
 
 @pytest.fixture(scope="module")
-def small(llama_dir):
-    cfg = cluster_config(llama_dir, router={"max_prefill_inflight": 1, "max_queue": 1, "migration_limit": 1,
-                                            "call_timeout_s": 2, "unresponsive_s": 4, "restart_backoff_s": 0.2},
-                         scheduler={"chunk_size": 32, "max_num_batched_tokens": 32})
-    with LocalCluster(cfg) as c:
-        yield c
+def small(served_small):  # shared (conftest): 1 + 1, tight router limits, 32-token prefill chunks
+    return served_small
 
 
 @pytest.mark.parametrize("sampling", [dict(), dict(temperature=0.8, top_p=0.875, seed=11)], ids=["greedy", "seeded"])

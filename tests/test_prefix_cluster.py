@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from router.launch import LocalCluster
-from tests.cluster_util import Client, cluster_config, faults
+from tests.cluster_util import Client, faults
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
@@ -151,15 +151,15 @@ def test_concurrent_requests_sharing_a_new_prefix_stay_exact(cache_aware, llama_
     client.close()
 
 
-def test_caching_off_computes_everything(llama_dir):
-    cfg = cluster_config(llama_dir, kv_cache={"prefix_caching": False}, router={"policy": "round_robin"})
-    with LocalCluster(cfg) as cluster:
-        client = Client(cluster.address)
-        prompt = _tokens(4 * BS + 3, seed=40)
-        for _ in range(2):
-            tokens, usage = _usage(client, prompt)
-            assert tokens == hf_greedy(llama_dir, prompt, 6, ignore_eos=True)
-            assert usage.cached_tokens == 0 and usage.kv_cached_blocks == 0
-        assert all(w.kv_blocks_cached == 0 for w in client.status().workers)
-        _assert_whole(cluster)
-        client.close()
+def test_caching_off_computes_everything(served_small, llama_dir):
+    cluster = served_small  # shared (conftest): 1 + 1, kv_cache.prefix_caching off
+    assert not cluster.cfg.kv_cache.prefix_caching
+    client = Client(cluster.address)
+    prompt = _tokens(4 * BS + 3, seed=40)
+    for _ in range(2):
+        tokens, usage = _usage(client, prompt)
+        assert tokens == hf_greedy(llama_dir, prompt, 6, ignore_eos=True)
+        assert usage.cached_tokens == 0 and usage.kv_cached_blocks == 0
+    assert all(w.kv_blocks_cached == 0 for w in client.status().workers)
+    _assert_whole(cluster)
+    client.close()
