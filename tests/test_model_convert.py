@@ -39,6 +39,7 @@ def chat_ids(smollm2_dir) -> list[int]:
     return tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, return_dict=False)
 
 
+@pytest.mark.slow  # converts the real SmolLM2-135M (about 20 s here)
 def test_converted_checkpoint_is_plain_float_smollm2(smollm2_dir):
     path = Path(smollm2_dir)
     config = json.loads((path / "config.json").read_text())
@@ -49,6 +50,7 @@ def test_converted_checkpoint_is_plain_float_smollm2(smollm2_dir):
     assert sorted(p.name for p in path.parent.iterdir()) == [path.name]  # no staging dir left
 
 
+@pytest.mark.slow  # converts the real SmolLM2-135M (about 20 s here)
 def test_converted_tokenizer_matches_the_ggufs(smollm2_dir, chat_ids):
     gguf = model_convert.smollm2_gguf()
     original = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
@@ -60,6 +62,7 @@ def test_converted_tokenizer_matches_the_ggufs(smollm2_dir, chat_ids):
     assert converted.eos_token_id == IM_END_ID and converted.convert_ids_to_tokens(IM_END_ID) == "<|im_end|>"
 
 
+@pytest.mark.slow  # converts the real SmolLM2-135M (about 20 s here)
 def test_transformers_greedy_chat_knows_the_capital_of_france(smollm2_dir, chat_ids):
     answer = hf_greedy(smollm2_dir, chat_ids, 24)
     text = AutoTokenizer.from_pretrained(smollm2_dir).decode(answer, skip_special_tokens=True)
@@ -67,7 +70,7 @@ def test_transformers_greedy_chat_knows_the_capital_of_france(smollm2_dir, chat_
     assert answer[-1] == IM_END_ID, "the reply ends its turn"
 
 
-@pytest.mark.slow
+@pytest.mark.slow  # converts the real SmolLM2-135M and serves it
 def test_pdserve_serves_it_token_identical_to_transformers(smollm2_dir, chat_ids, ray_instance):
     expected = hf_greedy(smollm2_dir, chat_ids, 24)
     with LocalCluster(cluster_config(smollm2_dir, kv_cache={"num_blocks": 256})) as cluster:
