@@ -112,17 +112,22 @@ def served(ray_instance, llama_dir, tmp_path_factory):
     yield from _shared("served", config)
 
 
+CHUNKED = {"chunk_size": 16, "max_num_batched_tokens": 16}  # one KV block per prefill step: many pieces
+
+
 @pytest.fixture(scope="module")
 def served_2x2(ray_instance, llama_dir):
     """A shared disaggregated cluster of 2 prefill + 2 decode workers (placement: cache_aware),
-    quick to replace a dead worker (restart_backoff_s 0.2), with short call deadlines (3 s) and a
-    drain that moves what is left after 1 s: for the tests that place across workers, kill, drain
-    and scale (same rules as `served`)."""
+    prefilling one 16-token block per step, each block's KV streamed as it is computed; quick to
+    replace a dead worker (restart_backoff_s 0.2), short call deadlines (3 s), a drain that moves
+    what is left after 1 s, up to 20 migrations of a request: for the tests that place across
+    workers, stream KV in pieces, fail transfers, kill, drain and scale (same rules as `served`)."""
     from tests.cluster_util import cluster_config
 
     yield from _shared("2x2", lambda: cluster_config(
-        llama_dir, prefill={"replicas": 2}, decode={"replicas": 2},
-        router={"call_timeout_s": 3, "restart_backoff_s": 0.2, "drain_timeout_s": 1}))
+        llama_dir, prefill={"replicas": 2}, decode={"replicas": 2}, scheduler=CHUNKED,
+        kv_transfer={"stream_chunks": True},
+        router={"call_timeout_s": 3, "restart_backoff_s": 0.2, "drain_timeout_s": 1, "migration_limit": 20}))
 
 
 @pytest.fixture(scope="module")
