@@ -26,6 +26,19 @@ def llama_dir(model_dirs) -> str:
 
 RAY_OPTIONS = dict(num_cpus=8, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
 _SHARED: dict = {}  # name -> the running LocalCluster shared by several modules
+SHARED_FIXTURES = {"served": "served", "served_2x2": "2x2", "served_colocated": "colocated", "served_small": "small"}
+_LAST_MODULE: dict[str, str] = {}  # shared cluster name -> the last module of the run that uses it
+
+
+def pytest_collection_modifyitems(config, items):
+    """The tests that start Ray nodes of their own (no_shared_ray) go last: they stop the session's
+    Ray, and every shared cluster with it. Each shared cluster stops after the last module that
+    uses it (an idle cluster still costs polling and memory)."""
+    items.sort(key=lambda item: "no_shared_ray" in item.fixturenames)  # stable: otherwise as collected
+    for item in items:
+        for fixture, name in SHARED_FIXTURES.items():
+            if fixture in item.fixturenames:
+                _LAST_MODULE[name] = item.module.__name__
 
 
 @pytest.fixture(scope="module")
@@ -73,11 +86,11 @@ def pki(tmp_path_factory):
     return make_pki(tmp_path_factory.mktemp("pki"))
 
 
-def _shared(name: str, make_config):
+def _shared(request, name: str, make_config):
     """The running shared cluster `name`, started with `make_config()` if there is none; then,
     after the module, checked as the module must leave it: no request in flight, every pool at its
     size with every worker ready, no KV block held, no fault on. A module that broke it fails
-    there, and the next module gets a fresh one."""
+    there, and the next module gets a fresh one. After the last module that uses it, it stops."""
     from router.launch import LocalCluster
     from tests.cluster_util import wait_until, whole
     from worker_runtime.faults import FaultConfig
@@ -94,10 +107,13 @@ def _shared(name: str, make_config):
         _SHARED.pop(name, None)
         cluster.__exit__(None, None, None)
         raise
+    if _LAST_MODULE.get(name) == request.module.__name__ and _SHARED.get(name) is cluster:
+        del _SHARED[name]
+        cluster.__exit__(None, None, None)
 
 
 @pytest.fixture(scope="module")
-def served(ray_instance, llama_dir, tmp_path_factory):
+def served(request, ray_instance, llama_dir, tmp_path_factory):
     """The session's default cluster, for every module whose tests it fits: disaggregated, 1
     prefill + 1 decode worker, gRPC, the OpenAI HTTP API, Prometheus metrics and a request log
     (`served.cfg.router.request_log`). A cluster start costs 8-10 s here, so the first module that
@@ -109,40 +125,45 @@ def served(ray_instance, llama_dir, tmp_path_factory):
     def config():
         log = tmp_path_factory.mktemp("served") / "requests.jsonl"
         return cluster_config(llama_dir, router={"http_port": 0, "request_log": str(log)})
-    yield from _shared("served", config)
+    yield from _shared(request, "served", config)
+
+
+CHUNKED = {"chunk_size": 16, "max_num_batched_tokens": 16}  # one KV block per prefill step: many pieces
 
 
 @pytest.fixture(scope="module")
-def served_2x2(ray_instance, llama_dir):
+def served_2x2(request, ray_instance, llama_dir):
     """A shared disaggregated cluster of 2 prefill + 2 decode workers (placement: cache_aware),
-    quick to replace a dead worker (restart_backoff_s 0.2), with short call deadlines (3 s) and a
-    drain that moves what is left after 1 s: for the tests that place across workers, kill, drain
-    and scale (same rules as `served`)."""
+    prefilling one 16-token block per step, each block's KV streamed as it is computed; quick to
+    replace a dead worker (restart_backoff_s 0.2), short call deadlines (3 s), a drain that moves
+    what is left after 1 s, up to 20 migrations of a request: for the tests that place across
+    workers, stream KV in pieces, fail transfers, kill, drain and scale (same rules as `served`)."""
     from tests.cluster_util import cluster_config
 
-    yield from _shared("2x2", lambda: cluster_config(
-        llama_dir, prefill={"replicas": 2}, decode={"replicas": 2},
-        router={"call_timeout_s": 3, "restart_backoff_s": 0.2, "drain_timeout_s": 1}))
+    yield from _shared(request, "2x2", lambda: cluster_config(
+        llama_dir, prefill={"replicas": 2}, decode={"replicas": 2}, scheduler=CHUNKED,
+        kv_transfer={"stream_chunks": True},
+        router={"call_timeout_s": 3, "restart_backoff_s": 0.2, "drain_timeout_s": 1, "migration_limit": 20}))
 
 
 @pytest.fixture(scope="module")
-def served_colocated(ray_instance, llama_dir):
+def served_colocated(request, ray_instance, llama_dir):
     """A shared colocated cluster of 2 workers, quick to replace a dead one (same rules as `served`)."""
     from tests.cluster_util import cluster_config
 
-    yield from _shared("colocated", lambda: cluster_config(
+    yield from _shared(request, "colocated", lambda: cluster_config(
         llama_dir, mode="colocated", prefill={"replicas": 0}, decode={"replicas": 2}, router={"restart_backoff_s": 0.2}))
 
 
 @pytest.fixture(scope="module")
-def served_small(ray_instance, llama_dir):
+def served_small(request, ray_instance, llama_dir):
     """A shared 1 + 1 cluster with tight router limits (one prefill at a time, a queue of one, one
     migration, 2 s call deadlines, a worker silent for 4 s replaced after 0.2 s), 32-token prefill
     chunks and no prefix cache: for the fault tests of saturation, hangs and an empty pool, and
     the prefix tests with caching off (same rules as `served`)."""
     from tests.cluster_util import cluster_config
 
-    yield from _shared("small", lambda: cluster_config(
+    yield from _shared(request, "small", lambda: cluster_config(
         llama_dir, kv_cache={"prefix_caching": False}, scheduler={"chunk_size": 32, "max_num_batched_tokens": 32},
         router={"max_prefill_inflight": 1, "max_queue": 1, "migration_limit": 1, "call_timeout_s": 2,
                 "unresponsive_s": 4, "restart_backoff_s": 0.2}))

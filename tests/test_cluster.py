@@ -41,11 +41,10 @@ def _assert_tokens_match_generate(cluster: LocalCluster, llama_dir: str, num_wor
     client.close()
 
 
-@pytest.mark.parametrize("shared, workers", [("served_2x2", 4), ("served_colocated", 2)],
-                         ids=["disaggregated-2", "colocated-2"])
-def test_grpc_tokens_match_generate(request, llama_dir, shared, workers):
-    cluster = request.getfixturevalue(shared)  # 2 + 2 disaggregated, or 2 colocated (conftest)
-    assert cluster.cfg.mode == ("colocated" if shared == "served_colocated" else "disaggregated")
+@pytest.mark.parametrize("mode, workers", [("disaggregated", 4), ("colocated", 2)], ids=["disaggregated-2", "colocated-2"])
+def test_grpc_tokens_match_generate(served_2x2, served_colocated, llama_dir, mode, workers):
+    cluster = served_2x2 if mode == "disaggregated" else served_colocated  # shared: 2 + 2, or 2 colocated
+    assert cluster.cfg.mode == mode
     _assert_tokens_match_generate(cluster, llama_dir, workers, seed=2)
 
 

@@ -55,3 +55,13 @@ def test_hooks_are_seeded_per_worker():
     other = [Faults(cfg, "prefill-1").fail_transfer() for _ in range(64)]
     assert runs[0] == runs[1] != other
     assert 10 < sum(runs[0]) < 54  # about half
+
+
+def test_set_changes_the_knobs_of_a_running_worker_and_reseeds():
+    cfg = FaultConfig(seed=4, transfer_fail_rate=0.5)
+    fresh, changed = Faults(cfg, "prefill-1"), Faults(None, "prefill-1")
+    assert not any(changed.fail_transfer() for _ in range(100))
+    changed.set(cfg)  # what the workers' set_faults call does
+    assert [changed.fail_transfer() for _ in range(200)] == [fresh.fail_transfer() for _ in range(200)]
+    changed.set(FaultConfig())
+    assert not any(changed.fail_transfer() for _ in range(100))

@@ -126,12 +126,12 @@ def test_colocated_worker_death_recomputes_elsewhere(served_colocated):
 
 
 def test_prefill_worker_death_mid_prefill_is_retried(cluster, llama_dir):
-    # slow prefill steps (faults.step_delay_s) keep the 300-token prompt (two chunks) prefilling
-    # for a second or more; the kill lands in that second
+    # slow prefill steps (faults.step_delay_s) keep the 300-token prompt (19 chunks of 16 on the
+    # shared 2 + 2 cluster) prefilling for two seconds or more; the kill lands in them
     client = Client(cluster.address)
     prompt = _prompt(2, n=300)
     result: dict = {}
-    set_worker_faults(cluster.router.pools.workers["prefill"], step_delay_s=0.5)
+    set_worker_faults(cluster.router.pools.workers["prefill"], step_delay_s=0.1)
     try:
         t = threading.Thread(target=lambda: result.update(out=client.tokens(prompt, max_tokens=4, ignore_eos=True)))
         t.start()

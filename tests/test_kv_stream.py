@@ -2,7 +2,8 @@
 handoff.py) on real Ray actors: prompts that span many prefill chunks arrive token-exact, a
 piece that fails mid-stream migrates the request, a cancel mid-stream leaks nothing; after each
 every worker's pool is whole and passes check() (free + used == total, refcounts = holders).
-One 2 + 2 cluster serves the module; each test switches on the faults it needs at run time."""
+The shared 2 + 2 cluster serves the module (conftest's served_2x2: one 16-token block per
+prefill step); each test switches on the faults it needs at run time."""
 
 from __future__ import annotations
 
@@ -14,11 +15,10 @@ import ray
 
 from router.launch import LocalCluster
 from router.lifecycle.life import Phase
-from tests.cluster_util import Client, cluster_config, faults, wait_until
+from tests.cluster_util import Client, faults, wait_until
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.usefixtures("ray_instance")
-CHUNKED = {"chunk_size": 16, "max_num_batched_tokens": 16}  # one block per step: many pieces
 
 
 def _prompt(seed: int, n: int) -> list[int]:
@@ -50,11 +50,11 @@ def _finished(cluster: LocalCluster, reason: str) -> float:
 
 
 @pytest.fixture(scope="module")
-def cluster(llama_dir):
-    cfg = cluster_config(llama_dir, scheduler=CHUNKED, prefill={"replicas": 2}, decode={"replicas": 2},
-                         kv_transfer={"stream_chunks": True}, router={"migration_limit": 20})
-    with LocalCluster(cfg) as c:
-        yield c
+def cluster(served_2x2):  # shared (conftest): 2 + 2, CHUNKED prefill, KV streamed, up to 20 migrations
+    cfg = served_2x2.cfg
+    assert (cfg.scheduler.chunk_size, cfg.scheduler.max_num_batched_tokens) == (16, 16)
+    assert cfg.kv_transfer.stream_chunks and cfg.router.migration_limit == 20
+    return served_2x2
 
 
 def test_streamed_prompts_over_many_chunks_are_token_exact_and_a_cancel_leaks_nothing(cluster, llama_dir):

@@ -304,7 +304,7 @@ def host(tmp_path_factory, no_shared_ray):
 
 
 @pytest.fixture(scope="module")
-def served(host, llama_dir):
+def two_nodes(host, llama_dir):
     config = {
         "model": {"path": llama_dir},
         "router": {"host": "127.0.0.1", "port": 0, "restart_backoff_s": 0.2, "unresponsive_s": 5,
@@ -326,21 +326,21 @@ def _nodes(client: Client) -> dict[str, str]:
 
 
 @pytest.mark.slow
-def test_prefill_and_decode_run_on_their_nodes_and_the_kv_crosses_the_link(host, served, llama_dir):
-    nodes = _nodes(served)
+def test_prefill_and_decode_run_on_their_nodes_and_the_kv_crosses_the_link(host, two_nodes, llama_dir):
+    nodes = _nodes(two_nodes)
     assert sorted(nodes.values()) == [host.root_ip, host.ns_ip]
     prefill = next(n for n in nodes if n.startswith("prefill"))
     assert nodes[prefill] == host.root_ip
     rng = random.Random(3)
     prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(300, 900))] for _ in range(6)]
     before = host.veth_tx_bytes()
-    results = [served.tokens(p, max_tokens=8, ignore_eos=True) for p in prompts]
+    results = [two_nodes.tokens(p, max_tokens=8, ignore_eos=True) for p in prompts]
     sent = host.veth_tx_bytes() - before
     assert [tokens for tokens, _ in results] == [hf_greedy(llama_dir, p, 8, ignore_eos=True) for p in prompts]
     moved = [last.usage.kv_transfer_bytes for _, last in results]
     assert moved == [kv_bytes(llama_dir, len(p), 16) for p in prompts]  # every block of every prompt
     assert sent >= sum(moved), f"{sent} bytes crossed the veth, {sum(moved)} of them KV"
-    status = served.status()
+    status = two_nodes.status()
     assert {w.name: w.channels for w in status.workers if w.pool == "decode"} == {
         n: 1 for n in nodes if n.startswith("decode")}
     text = format_status(status)
@@ -348,23 +348,23 @@ def test_prefill_and_decode_run_on_their_nodes_and_the_kv_crosses_the_link(host,
 
 
 @pytest.mark.slow
-def test_scaling_the_decode_pool_lands_on_the_remote_node(host, served, llama_dir):
-    reply = served.admin.Scale(pb.ScaleRequest(pool="decode", replicas=2), timeout=180)
+def test_scaling_the_decode_pool_lands_on_the_remote_node(host, two_nodes, llama_dir):
+    reply = two_nodes.admin.Scale(pb.ScaleRequest(pool="decode", replicas=2), timeout=180)
     assert len(reply.started) == 1
-    nodes = _nodes(served)
+    nodes = _nodes(two_nodes)
     assert nodes[reply.started[0]] == host.ns_ip
     assert sorted(ip for n, ip in nodes.items() if n.startswith("decode")) == [host.ns_ip] * 2
     rng = random.Random(4)
     prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(20, 200))] for _ in range(6)]
-    assert served.many(prompts, max_tokens=10, ignore_eos=True) == [
+    assert two_nodes.many(prompts, max_tokens=10, ignore_eos=True) == [
         hf_greedy(llama_dir, p, 10, ignore_eos=True) for p in prompts]
     with pytest.raises(grpc.RpcError) as err:  # only the head offers prefill_node, 2 of them
-        served.admin.Scale(pb.ScaleRequest(pool="prefill", replicas=5), timeout=60)
+        two_nodes.admin.Scale(pb.ScaleRequest(pool="prefill", replicas=5), timeout=60)
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "prefill_node" in err.value.details()
 
 
 @pytest.mark.slow
-def test_a_node_that_leaves_mid_stream_moves_its_requests(host, served, llama_dir):
+def test_a_node_that_leaves_mid_stream_moves_its_requests(host, two_nodes, llama_dir):
     # a spare decode-labelled node (root namespace) joins first; it takes over. The remote node
     # stops once every stream has its first 3 tokens: 197 more at >= 20 ms a step are still to come
     host.ray_node("spare", "decode", cpus=2)
@@ -376,7 +376,7 @@ def test_a_node_that_leaves_mid_stream_moves_its_requests(host, served, llama_di
     def stream(i: int) -> None:
         tokens, last = [], None
         try:
-            for msg in served.stream(prompts[i], max_tokens=STREAM_TOKENS, ignore_eos=True):
+            for msg in two_nodes.stream(prompts[i], max_tokens=STREAM_TOKENS, ignore_eos=True):
                 tokens += msg.token_ids
                 last = msg
                 if len(tokens) >= 3:
@@ -401,14 +401,14 @@ def test_a_node_that_leaves_mid_stream_moves_its_requests(host, served, llama_di
         tokens, migrations = result
         assert tokens == hf_greedy(llama_dir, prompt, STREAM_TOKENS, ignore_eos=True)
         assert migrations >= 1
-    status = served.status()
+    status = two_nodes.status()
     decode = next(p for p in status.pools if p.pool == "decode")
     assert decode.restarts >= 2 and "decode-" in decode.last_failure
     assert {w.node_ip for w in status.workers if w.pool == "decode"} == {host.root_ip}
 
 
 @pytest.mark.slow
-def test_teardown_leaves_no_namespace_link_or_ray_process(host, served):
+def test_teardown_leaves_no_namespace_link_or_ray_process(host, two_nodes):
     host.down()
     assert host.serve.returncode == 0, host.serve.returncode
     assert host.leftovers() == []

@@ -76,7 +76,7 @@ def test_cache_aware_places_a_prefix_where_load_would_not(cache_aware, llama_dir
     same request, picks the idle first-named workers and computes it all."""
     client = Client(cache_aware.address)
     systems = [_tokens(5 * BS, seed=50), _tokens(5 * BS, seed=51)]
-    with faults(cache_aware, step_delay_s=0.2):  # the first is still prefilling when the second is placed
+    with faults(cache_aware, step_delay_s=0.1):  # the first is still prefilling when the second is placed
         firsts = [u for _, u in _usages_together(client, [s + _tokens(7, seed=52) for s in systems])]
     prefills = sorted(w.name for w in cache_aware.router.pools.workers["prefill"])
     decodes = sorted(w.name for w in cache_aware.router.pools.workers["decode"])
