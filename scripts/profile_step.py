@@ -56,15 +56,23 @@ ROWS = ("schedule + prepare", "dense matmul", "SDPA", "KV gather", "KV write", "
 
 
 class Regions:
-    """Wall time of the step's parts, by wrapping the engine's calls (this script only)."""
+    """Wall time of the step's parts while in the `with` block, by wrapping the engine's calls
+    (this script only); the originals are put back on exit, so cases never stack wrappers."""
 
     def __init__(self, engine: LLMEngine) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
-        runner = engine.runner
-        runner._prepare = self._timed("prepare", runner._prepare)
-        engine.scheduler.schedule = self._timed("schedule", engine.scheduler.schedule)
-        runner.model.forward = self._timed("forward", runner.model.forward)
-        llm_engine_module.sample_isolated = self._timed("sampler", llm_engine_module.sample_isolated)
+        self._targets = [(engine.runner, "_prepare", "prepare"), (engine.scheduler, "schedule", "schedule"),
+                         (engine.runner.model, "forward", "forward"),
+                         (llm_engine_module, "sample_isolated", "sampler")]
+
+    def __enter__(self) -> Regions:
+        for owner, attr, name in self._targets:
+            setattr(owner, attr, self._timed(name, getattr(owner, attr)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for owner, attr, _ in self._targets:
+            setattr(owner, attr, getattr(owner, attr).__wrapped__)
 
     def _timed(self, name, fn):
         def timed(*args, **kwargs):
@@ -73,6 +81,7 @@ class Regions:
                 return fn(*args, **kwargs)
             finally:
                 self.seconds[name] += time.perf_counter() - t0
+        timed.__wrapped__ = fn
         return timed
 
 
@@ -106,11 +115,11 @@ def profile_case(engine: LLMEngine, steps: int) -> dict[str, float]:
         for _ in range(steps):
             engine.step()
     ops = _op_seconds(prof)
-    regions = Regions(engine)
-    t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    wall = time.perf_counter() - t0
+    with Regions(engine) as regions:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        wall = time.perf_counter() - t0
     r = regions.seconds
     op_total = sum(ops.values())
     scale = r["forward"] / op_total if op_total > r["forward"] else 1.0  # profiler overhead inflates op times
