@@ -45,3 +45,17 @@ def test_idle_ttft_rows_come_with_the_twin_engines_spread_and_the_time_outside_t
     assert t["twin_difference_ms"] == 0 and t["twin_abs_difference_ms"] == 10   # -10, 15, 0
     assert t["outside_forward_ms"] == 20                            # 20, 20, 22: no compute noise in it
     assert t["router_and_ray_ms"] == 14 and t["grpc_and_client_ms"] == 4   # (client - 4) - (compute + 2)
+
+
+def test_the_step_profile_splits_a_whole_decode_step_and_leaves_the_engine_unwrapped(llama_dir):
+    import engine.llm_engine as llm_engine_module
+    from scripts.profile_step import ROWS, decode_case
+
+    sampler = llm_engine_module.sample_isolated
+    case = decode_case(llama_dir, batch=2, context=20, steps=2, threads=1, dtype="float32")
+    assert set(case) == {*ROWS, "step"} and all(case[row] >= 0 for row in ROWS)
+    assert case["dense matmul"] > 0 and case["SDPA"] > 0 and case["KV write"] > 0  # a real forward ran
+    # bookkeeping is what the other rows leave of the step: together they are the step, never more
+    # unless the measured parts overran it (then bookkeeping is 0)
+    assert sum(case[row] for row in ROWS) == pytest.approx(case["step"]) or case["bookkeeping"] == 0
+    assert llm_engine_module.sample_isolated is sampler  # the timing wrappers were taken off again
