@@ -75,7 +75,9 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     return torch.ops.pdserve.paged_attention(query, key, value, module.layer_idx, float(scaling)), None
 
 
-@torch.library.custom_op("pdserve::paged_attention", mutates_args=())
+# cudagraph_unsafe: a CUDA-graph capture (engine.cuda_graphs) partitions the graph around it,
+# since its work depends on per-step metadata that lives in Python, not in the graph's tensors
+@torch.library.custom_op("pdserve::paged_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
                        scaling: float) -> torch.Tensor:
     """query `[1, H, T, D]`, key/value `[1, KVH, T, D]` -> `[1, T, H, D]`; writes K/V to the pool."""

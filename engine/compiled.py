@@ -47,27 +47,29 @@ def _graphs_compiled() -> int:
 class Forward:
     """`(input_ids [1, T], positions [1, T], sample_rows [n]) -> logits [1, n, V]`."""
 
-    def __init__(self, model: nn.Module, mode: str, device: torch.device, cuda_graphs: bool = False):
+    def __init__(self, model: nn.Module, mode: str, device: torch.device, cuda_graphs: bool = False,
+                 prepack: bool = True):
         if mode not in MODES:
             raise ValueError(f"engine.compile must be one of {', '.join(MODES)}, not {mode!r}")
         self.model = model
         self.decoder = model.get_decoder()
         self.device = device
         self.cuda_graphs = cuda_graphs and device.type == "cuda"
+        self.prepack = prepack
         self.fallback_reason: str | None = None
         self._compiled = None
         if mode == "on" or (mode == "auto" and device.type == "cuda"):
             self._compiled = self._build()
             self.decoder.forward = self._compiled  # the head calls it as always
-            dense.pack_linears(model, device, skip=self.decoder)  # the decoder's are inductor's
+            self._pack(skip=self.decoder)  # the decoder's are inductor's
         else:
-            dense.pack_linears(model, device)
+            self._pack()
         self._graphs_at_ready: int | None = None
 
     def _build(self):
         options = {"freezing": True}
         if self.cuda_graphs:
-            options.update({"triton.cudagraphs": True, "graph_partition": True})
+            options.update({"triton.cudagraphs": True, "graph_partition": True})  # split at the attention op
         return torch.compile(type(self.decoder).forward.__get__(self.decoder), dynamic=True, fullgraph=True,
                              options=options)
 
@@ -76,7 +78,11 @@ class Forward:
         log.warning("engine.compile: this model did not compile, serving it eagerly (%s)", reason)
         self._compiled = None
         del self.decoder.forward  # the class's forward again
-        dense.pack_linears(self.model, self.device)
+        self._pack()
+
+    def _pack(self, skip: nn.Module | None = None) -> None:
+        if self.prepack:
+            dense.pack_linears(self.model, self.device, skip=skip)
 
     def __call__(self, input_ids, positions, sample_rows):
         return self.model(input_ids=input_ids, position_ids=positions, use_cache=False,

@@ -28,6 +28,7 @@ class EngineConfig:
     torch_threads: int | None = None
     compile: str = "auto"  # torch.compile the dense forward: auto (= on CUDA only) | on | off (engine/compiled.py)
     cuda_graphs: bool = False  # with compile on CUDA: capture the dense pieces into CUDA graphs
+    prepack_linears: bool = True  # oneDNN-prepacked linear weights on CPU (engine/dense.py); off = to compare
 
     def __post_init__(self) -> None:
         checks = {

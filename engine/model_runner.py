@@ -77,7 +77,8 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.kv = allocate_kv_pool(self.shape.num_layers, self.num_blocks, self.block_size,
                                    self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
-        self.forward = compiled.Forward(self.model, config.compile, self.device, config.cuda_graphs)
+        self.forward = compiled.Forward(self.model, config.compile, self.device, config.cuda_graphs,
+                                        prepack=config.prepack_linears)
         self.forward.warm_up(self.kv, self.block_size)
 
     def describe(self) -> str:

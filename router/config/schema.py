@@ -33,6 +33,15 @@ class ModelSection:
 
 
 @dataclass(frozen=True)
+class EngineSection:
+    """How each worker runs the model forward (docs/engine_speed.md)."""
+
+    # torch.compile the decoder around the opaque paged-attention op: auto = on CUDA only
+    compile: Literal["auto", "on", "off"] = "auto"
+    cuda_graphs: bool = False  # with compile on a CUDA device: capture the dense pieces as CUDA graphs
+
+
+@dataclass(frozen=True)
 class TLSSection:
     """TLS on the gRPC, HTTP and metrics ports (docs/security.md); files are PEM, relative to cluster.yaml."""
 
@@ -159,6 +168,7 @@ class RaySection:
 @dataclass(frozen=True)
 class ClusterConfig:
     model: ModelSection = field(default_factory=ModelSection)
+    engine: EngineSection = field(default_factory=EngineSection)
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     router: RouterSection = field(default_factory=RouterSection)
     prefill: PoolSection = field(default_factory=PoolSection)
@@ -177,6 +187,7 @@ class ClusterConfig:
             memory_fraction=kv.memory_fraction, runtime_overhead=parse_bytes(kv.runtime_overhead),
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens, chunk_size=self.scheduler.chunk_size,
             max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.model.max_model_len,
-            torch_threads=pool.torch_threads, enable_prefix_caching=kv.prefix_caching)
+            torch_threads=pool.torch_threads, enable_prefix_caching=kv.prefix_caching,
+            compile=self.engine.compile, cuda_graphs=self.engine.cuda_graphs)
 
 
