@@ -20,10 +20,18 @@ import grpc
 import pytest
 import ray
 
+from protocol.messages import Reservation
 from router.launch import LocalCluster
 from router.lifecycle.life import Phase
 from router.pools.monitor import BEAT_EVERY_S, POLL_WAIT_S
-from tests.cluster_util import Client, cluster_config, set_worker_faults, wait_until, whole
+from tests.cluster_util import (
+    Client,
+    cluster_config,
+    hold_engine,
+    set_worker_faults,
+    wait_until,
+    whole,
+)
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.usefixtures("ray_instance")
@@ -114,6 +122,24 @@ def test_a_stalled_engine_is_a_dead_worker_and_placement_goes_on(busy, llama_dir
     assert max(last.usage.queue_ms for _, last in placed) < (CALL_TIMEOUT_S + 0.5) * 1e3
     _healed(busy)
     client.close()
+
+
+def test_a_reserve_the_engine_cannot_take_in_time_answers_no_room_and_holds_nothing(busy):
+    """The router waits for a reserve under its admission lock: a decode engine busy in a long step
+    (held 2.5 s here) answers "no room" after RESERVE_WAIT_S, not after the step, and never makes
+    the reservation it gave up on; a free engine reserves as before."""
+    w = busy.router.pools.workers["decode"][0]
+    hold_engine(w, 2.5)
+    t0 = time.monotonic()
+    assert ray.get(w.actor.reserve.remote(Reservation("overload-late", 40, 30.0)), timeout=30) is None
+    answered_s = time.monotonic() - t0
+    assert answered_s < 2.0, answered_s  # the hold lasts 2.5 s; RESERVE_WAIT_S is 1 s
+    wait_until(lambda: ray.get(w.actor.check.remote(), timeout=30)["used"] == 0, 10, "the hold to end")
+    assert ray.get(w.actor.check.remote(), timeout=30)["reserved"] == 0  # it was never made
+    reserved = ray.get(w.actor.reserve.remote(Reservation("overload-now", 40, 30.0)), timeout=30)
+    assert reserved is not None and reserved.num_blocks == 3
+    ray.get(w.actor.abort.remote("overload-now"), timeout=30)
+    _healed(busy)
 
 
 def test_a_failed_step_fails_its_culprit_alone_and_moves_the_rest(busy, llama_dir):

@@ -131,6 +131,7 @@ class Monitor:
             try:
                 beat = await within(w.actor.beat.remote(), self.call_timeout_s)
             except CALL_FAILURES as e:
+                w.engine_quiet = True  # no beat: no new request until it beats again
                 if not w.stopped:
                     self._silent(w, e)
                 await asyncio.sleep(BEAT_EVERY_S)
