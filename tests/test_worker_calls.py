@@ -233,6 +233,20 @@ def test_a_quiet_engine_takes_no_new_request_until_it_beats_again():
     assert w.accepting and w.engine_steps == 10 and monitor.failed == []
 
 
+def test_a_beat_call_that_fails_takes_the_worker_off_placement_but_fails_it_only_after_unresponsive_s():
+    w = _view()
+    accepting_after_failure: list[bool] = []
+
+    def note_and_stop() -> EngineBeat:  # the second beat: record what the failed one left, end the loop
+        accepting_after_failure.append(w.accepting)
+        w.stop()
+        return EngineBeat("decode-0", 0.0, 1, 0)
+    w.actor.beat = _Method(rex.GetTimeoutError(), note_and_stop)
+    monitor = _Monitor(w, _life(w))
+    asyncio.run(monitor._beat_loop(w))
+    assert accepting_after_failure == [False] and monitor.failed == []
+
+
 class _NumberedStats:
     """A worker's `stats` the way WorkerCore answers it: each call takes the next cache-delta number
     when it runs (a snapshot when asked to resync), and a later call may answer first (here each
