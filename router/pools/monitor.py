@@ -2,7 +2,7 @@
 
 - one long-poll per worker: decode workers send every request's outputs, prefill workers
   their failed KV sends; each event goes to the request's current attempt (stale ones drop).
-- the engine's beat every 0.25 s per worker (worker_runtime/engine_loop.py), read without the
+- the engine's beat every 0.5 s per worker (worker_runtime/engine_loop.py), read without the
   engine thread: an engine silent for `router.unresponsive_s` (a step stuck in a CUDA or NCCL
   call, an endless step) fails the worker, though the actor answers; one silent for half the
   call deadline takes no new request meanwhile (a reserve would wait behind it under the
@@ -39,7 +39,7 @@ from router.pools.worker_view import WorkerView
 
 log = logging.getLogger(__name__)
 POLL_WAIT_S = 0.5
-BEAT_EVERY_S = 0.25
+BEAT_EVERY_S = 0.5
 STEP_FAILURES_LIMIT = 3  # failed engine steps in a row that get a worker replaced
 STATS_EVERY_S = 0.5
 HEAL_EVERY_S = 0.25
