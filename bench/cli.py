@@ -26,6 +26,7 @@ from typing import Any
 
 from bench.arrangements import ARRANGEMENTS
 from bench.bottleneck import collect_steps
+from bench.capacity import CLAMP_OPTION, fit, worker_capacity
 from bench.client import fetch_status, replay
 from bench.decision import rank, worker_counts
 from bench.errors import BenchError, WorkloadError
@@ -98,6 +99,9 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
                        help="set kv_cache.prefix_caching of every cluster (default: the config's)")
     group.add_argument("--pin-cpus", action="store_true",
                        help="pin worker i of each cluster to CPU core i (prefill workers first)")
+    group.add_argument(CLAMP_OPTION, action="store_true",
+                       help="cut requests whose prompt + output exceed a worker's KV pool to fit it "
+                            "(default: refuse to run such a workload)")
 
 
 def _add_endpoint_options(parser: argparse.ArgumentParser) -> None:
@@ -181,7 +185,7 @@ def run(args: argparse.Namespace) -> int:
         slo = parse_slo(args.slo)
         runs = _cluster_runs(args)
         base = _load_base_config(args.config) if args.config else None
-        workload = build_workload(_workload_options(args, _model_limits(base)))
+        workload = _fitted(args, build_workload(_workload_options(args, _model_limits(base))), base, runs)
         records, cluster, steps = _measure(args, workload, base, runs)
     except BenchError as err:
         print(f"pdserve bench: {err}", file=sys.stderr)
@@ -230,6 +234,12 @@ def _workload_options(args: argparse.Namespace,
         length_scale=args.length_scale, time_scale=args.time_scale,
         window=parse_window(args.window),
     )
+
+
+def _fitted(args: argparse.Namespace, workload: Workload, base: Any, runs: list[str]) -> Workload:
+    """The workload checked against the KV pool of the clusters the bench starts (bench/capacity.py)."""
+    capacity = worker_capacity(base) if runs else None
+    return workload if capacity is None else fit(workload, capacity, args.clamp_to_capacity)
 
 
 def _load_base_config(path: str) -> Any:

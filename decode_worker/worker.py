@@ -12,6 +12,7 @@ ended) leaves as an output with finish reason ERROR and `retryable=True`.
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 
 import ray
@@ -19,6 +20,7 @@ import ray
 from decode_worker.handoff import Action, HandoffTable, Outcome
 from engine.config import EngineConfig
 from kv_transfer import KVReceiver, KVTransferConfig, Rendezvous
+from protocol.deadline import within
 from protocol.messages import GenerateTask, Reservation, Reserved, StartDecode, WorkerInfo
 from protocol.outputs import FinishReason, RequestOutput
 from worker_runtime.core import WorkerCalls, WorkerCore
@@ -26,6 +28,7 @@ from worker_runtime.faults import FaultConfig, Faults
 from worker_runtime.outbox import Outbox
 
 REAP_EVERY_S = 0.1
+RESERVE_WAIT_S = 1.0  # a reserve the engine has not taken by then answers "no room" (_reserve_in_time)
 
 
 class DecodeWorker(WorkerCalls):
@@ -77,7 +80,7 @@ class DecodeWorker(WorkerCalls):
         `r.token_ids`' blocks; None when they don't fit (or the request was cancelled)."""
         if self.handoffs.is_ended(r.request_id) or self.faults.refuse_reserve():
             return None
-        got = await self.core.run(lambda e: e.reserve(r.request_id, r.num_tokens, list(r.token_ids) or None))
+        got = await self._reserve_in_time(r)
         if got is None:
             return None
         blocks, cached = got
@@ -87,6 +90,30 @@ class DecodeWorker(WorkerCalls):
             return None
         self.faults.maybe_kill("decode.after_reserve")
         return Reserved(len(blocks), cached)
+
+    async def _reserve_in_time(self, r: Reservation) -> tuple[list[int], int] | None:
+        """The engine's reservation, or None ("no room") if the engine has not taken the call within
+        RESERVE_WAIT_S: the router waits for this answer holding its admission lock, and an engine
+        in a long or stalled step must not stop placement for everyone. Whichever comes first, the
+        engine thread running it or the actor giving up, decides under `lock`: a reservation given
+        up on is never made, so no block is left held."""
+        lock, ran, gave_up = threading.Lock(), threading.Event(), threading.Event()
+
+        def reserve(e):
+            with lock:
+                if gave_up.is_set():
+                    return None
+                ran.set()
+                return e.reserve(r.request_id, r.num_tokens, list(r.token_ids) or None)
+        fut = self.core.loop.call(reserve)
+        try:
+            return await within(asyncio.shield(asyncio.wrap_future(fut)), RESERVE_WAIT_S)
+        except TimeoutError:
+            with lock:  # held by the engine thread at most for one reserve, never across a step
+                if not ran.is_set():
+                    gave_up.set()
+                    return None
+            return await asyncio.wrap_future(fut)  # it ran: its answer is on its way
 
     async def start(self, msg: StartDecode) -> None:
         """Raises ReservationGone when the reservation ended: the router places the request again."""

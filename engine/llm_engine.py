@@ -395,6 +395,15 @@ class LLMEngine:
         return [results[rid] for rid in ids]
 
 
+class RequestFault(RuntimeError):
+    """A step failed because of one request (`request_id`), which no other worker would serve
+    either; the step's other requests are not to blame."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(message)
+        self.request_id = request_id
+
+
 def _describe(error: Exception) -> str:
     """A short, one-line description of `error` for the client."""
     first_line = next(iter(str(error).splitlines()), "")

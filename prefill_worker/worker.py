@@ -37,6 +37,10 @@ class PrefillFailed(RuntimeError):
     """The engine failed on this request (not the worker): the router does not retry it."""
 
 
+class PrefillStepFailed(RuntimeError):
+    """The engine step this prefill was in failed, not because of it: the router moves it."""
+
+
 class PrefillWorker(WorkerCalls):
     def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig, cpu: int | None = None,
                  faults: FaultConfig | None = None):
@@ -66,7 +70,8 @@ class PrefillWorker(WorkerCalls):
             raise asyncio.CancelledError(f"{task.request_id} was cancelled")
         out = await self._first_token(task, arrived)
         if out.finish_reason is FinishReason.ERROR:
-            raise PrefillFailed(f"prefill failed on {self.core.name}: {out.text}")
+            failed = PrefillStepFailed if out.retryable else PrefillFailed
+            raise failed(f"prefill failed on {self.core.name}: {out.text}")
         if not out.token_ids:  # the outputs it resumed from had already ended it: a router bug
             raise PrefillFailed(f"{task.request_id} was already finished ({out.finish_reason}) when resumed")
         if out.finish_reason is FinishReason.PREFILLED:  # the KV's last piece is on its way already

@@ -18,7 +18,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from protocol.messages import CacheDelta, WorkerInfo, WorkerStats
+from protocol.messages import CacheDelta, EngineBeat, WorkerInfo, WorkerStats
 from protocol.outputs import RequestOutput
 from protocol.telemetry import StepRecord
 from worker_runtime.engine_loop import EngineLoop
@@ -42,8 +42,8 @@ class WorkerCore:
         self.node_ip = node_ip  # where peers reach this worker's channels
         self.engine = LLMEngine(config)
         log.info("%s: %s", name, self.engine.runner.describe())
-        slow = faults.slow_step if faults is not None else None  # a no-op while step_delay_s is 0
-        self.loop = EngineLoop(self.engine, on_outputs, name=name, before_step=slow, after_step=after_step)
+        hook = (lambda: faults.before_step(self.engine)) if faults is not None else None  # a no-op with faults off
+        self.loop = EngineLoop(self.engine, on_outputs, name=name, before_step=hook, after_step=after_step)
         self.served = 0
         self.cache_seq = 0  # of the last CacheDelta sent
         self.aio: asyncio.AbstractEventLoop | None = None
@@ -125,3 +125,7 @@ class WorkerCalls:
 
     async def check(self) -> dict:
         return await self.core.check()
+
+    async def beat(self) -> EngineBeat:
+        """The engine thread's last sign of life, answered without waiting for it."""
+        return self.core.loop.beat()

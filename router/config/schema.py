@@ -89,10 +89,10 @@ class RouterSection:
     # deadline of one prefill, queueing on the worker included; also how long a decode stream may
     # send nothing (no token, finish or failure) before its request moves to another worker
     prefill_timeout_s: float = 60.0
-    queue_timeout_s: float = 120.0  # longest wait for capacity before UNAVAILABLE
+    queue_timeout_s: float = 120.0  # longest wait for capacity before UNAVAILABLE; a predicted longer one: 429 at once
     drain_timeout_s: float = 60.0  # then a draining worker's requests migrate
     worker_start_timeout_s: float = 180.0  # a worker that is not ready by then is killed
-    unresponsive_s: float = 30.0  # a worker that answers no stats call for this long is replaced
+    unresponsive_s: float = 30.0  # a worker silent, or whose engine made no progress, this long is replaced
     restart_backoff_s: float = 1.0  # first delay before replacing a dead worker; doubles, max 30 s
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # refused before tokenizing
     # placement (router/pools/placement.py): cache_aware weighs the prefix a worker holds against its

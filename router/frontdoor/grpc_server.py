@@ -1,6 +1,7 @@
 """gRPC front door (grpc.aio): Generation and Admin services over `Router`, plus the standard
 health service and server reflection. Errors become statuses with a readable message:
-INVALID_ARGUMENT (bad request), RESOURCE_EXHAUSTED (queue full; a scale Ray cannot place),
+INVALID_ARGUMENT (bad request), RESOURCE_EXHAUSTED (queue full, or a predicted wait over
+router.queue_timeout_s with trailing metadata `retry-after`; a scale Ray cannot place),
 UNAVAILABLE (shutting down, no worker can serve, failures beyond the migration limit),
 INTERNAL (the engine failed on this request); a client that goes away cancels its request on
 every worker. Health is SERVING only while every pool the mode needs has a ready worker, and
@@ -54,6 +55,8 @@ class GenerationService(pb_grpc.GenerationServicer):
         except tuple(_STATUS) as e:
             code = _STATUS[type(e)]
             self.router.metrics.observe_error(code.name)
+            if isinstance(e, QueueFull) and e.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after", str(e.retry_after_s)),))
             await context.abort(code, str(e))
 
     @staticmethod

@@ -3,7 +3,8 @@
 POST /v1/completions and /v1/chat/completions (server-sent events, or one JSON body), GET
 /v1/models and /health. A request becomes `Router.prepare` + `Router.generate`; refusals are
 OpenAI error objects: 400 (a field refused, router/frontdoor/openai_request.py, or the
-validator's sentence), 404 (a model not served), 429 (queue full), 503 (no worker can serve;
+validator's sentence), 404 (a model not served), 429 (queue full, or a predicted wait over
+router.queue_timeout_s, with a Retry-After header), 503 (no worker can serve;
 every /v1 path while the router starts or shuts down), 500 (the engine failed on the request).
 A client that goes away closes the request's generator, which aborts it on every worker. `OpenAIServer` runs
 uvicorn as a task without signal handlers: the process's owner (serve_forever) keeps them; with
@@ -218,7 +219,9 @@ class OpenAIApi:
         """The error object of a router refusal (a `_FAILURES` key), counted by its status."""
         self.router.metrics.observe_error(_FAILURES[type(e)][3])
         error = _api_error(e)
-        return JSONResponse(error.body(), error.status)
+        retry_after = e.retry_after_s if isinstance(e, QueueFull) else None
+        return JSONResponse(error.body(), error.status,
+                            headers=None if retry_after is None else {"Retry-After": str(retry_after)})
 
     async def _json(self, request: Request) -> dict:
         size, parts = 0, []

@@ -276,10 +276,18 @@ class Attempts:
                 return
 
     async def _next_event(self, life: RequestLife, w: WorkerView):
-        try:
-            return await within(life.events.get(), self.rc.prefill_timeout_s)
-        except TimeoutError:
-            raise Retry(f"no progress from {w.name} for {self.rc.prefill_timeout_s:g} s") from None
+        """The attempt's next event. Progress is judged per worker, not per request: a request
+        silent for `prefill_timeout_s` on a worker whose engine stepped meanwhile is waiting its
+        turn there (a saturated worker is not a stalled one) and keeps waiting; a stalled engine
+        is the monitor's to find (router/pools/monitor.py), and it moves every request there."""
+        steps = w.engine_steps
+        while True:
+            try:
+                return await within(life.events.get(), self.rc.prefill_timeout_s)
+            except TimeoutError:
+                if w.stopped or w.engine_steps == steps:
+                    raise Retry(f"no progress from {w.name} for {self.rc.prefill_timeout_s:g} s") from None
+                steps = w.engine_steps
 
     def chunk(self, life: RequestLife, out: RequestOutput) -> Chunk:
         now = time.perf_counter()
