@@ -11,6 +11,7 @@ class TokenKind:
     FIRST = "F"  # the request's first token: no gap (its wait is TTFT)
     DECODE = "D"  # a step of decodes only
     INTERFERENCE = "I"  # a decode step that also computed prefill chunks of other requests
+    RECOMPUTE = "R"  # a decode step that also recomputed a preempted request's context (KV memory ran out)
     KV_HANDOFF = "K"  # a decode worker's first token: it waited for the KV transfer and `start`
     PREEMPTED = "P"  # the first token after a preemption: the request's context was recomputed
     MIGRATED = "M"  # the first token on another worker after a failure moved the request
