@@ -18,6 +18,7 @@ import ray
 
 from decode_worker.handoff import Action, HandoffTable, Outcome
 from engine.config import EngineConfig
+from engine.cost_model import Emulation
 from kv_transfer import KVReceiver, KVTransferConfig, Rendezvous
 from protocol.messages import GenerateTask, Reservation, Reserved, StartDecode, WorkerInfo
 from protocol.outputs import FinishReason, RequestOutput
@@ -30,10 +31,10 @@ REAP_EVERY_S = 0.1
 
 class DecodeWorker(WorkerCalls):
     def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig | None, cpu: int | None = None,
-                 faults: FaultConfig | None = None):
+                 faults: FaultConfig | None = None, emulation: Emulation | None = None):
         self.faults = Faults(faults, name)
         self.core = WorkerCore(name, "decode", config, self._on_outputs, cpu, self.faults,
-                               node_ip=ray.util.get_node_ip_address())
+                               node_ip=ray.util.get_node_ip_address(), emulation=emulation)
         self.outbox: Outbox[RequestOutput] = Outbox()
         self.handoffs = HandoffTable()
         self._transfers: dict[str, tuple[float, int]] = {}  # request id -> (seconds, bytes) of its KV

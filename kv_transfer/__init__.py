@@ -57,6 +57,7 @@ from kv_transfer.config import (
     HandshakeMismatch,
     KVTransferConfig,
     KVTransferError,
+    LinkPace,
     TransferResult,
 )
 from kv_transfer.handshake import Rendezvous
@@ -71,6 +72,7 @@ __all__ = [
     "KVSender",
     "KVTransferConfig",
     "KVTransferError",
+    "LinkPace",
     "Rendezvous",
     "TransferResult",
 ]

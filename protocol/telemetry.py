@@ -1,4 +1,5 @@
-"""Timing records that cross processes: the per-token gap kind, a step's record, a first token's timing split."""
+"""Timing records that cross processes: the per-token gap kind, a step's record, a first token's timing split,
+an emulating worker's pacing counters."""
 
 from __future__ import annotations
 
@@ -40,3 +41,24 @@ class PrefillTiming:
     queue_s: float
     kv_wait_s: float
     compute_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EmulationStats:
+    """How faithfully one worker kept to its emulated device's timings (worker_runtime/pacing.py).
+    A step overran when its real work took longer than its modelled time x time_scale; it is then
+    late by the difference and nothing was slept."""
+
+    time_scale: float
+    steps: int  # steps paced (those that computed something)
+    overruns: int
+    real_s: float  # the steps' real work, summed
+    modelled_s: float  # their modelled time, unscaled, summed
+    lateness_s: float  # summed over the overrun steps: real - modelled x time_scale
+    max_lateness_s: float
+    ratio_p99: float  # p99 over steps of real / modelled (unscaled): the time_scale 99% of steps fit in
+    startup_s: float  # the modelled weights load at start-up, unscaled
+
+    @property
+    def overrun_share(self) -> float:
+        return self.overruns / self.steps if self.steps else 0.0

@@ -14,6 +14,7 @@ from pathlib import Path
 from engine.cost_model import CostModel, Emulation, LinkModel
 from engine.devices import DEVICES, DeviceProfile, parse_rate
 from engine.memory import BUILTIN_SHAPES, ModelShape, dtype_bytes, plan_memory
+from kv_transfer import LinkPace
 from protocol.sizes import PlanError, parse_bytes
 from router.config.typed_yaml import ConfigError
 
@@ -114,3 +115,11 @@ def check_emulate(sec: EmulateSection, block_size: int, where: str) -> None:
         emulated_num_blocks(sec, block_size)
     except PlanError as err:
         raise ConfigError(f"{where}: emulate: {err}") from None
+
+
+def link_pace(em: Emulation | None, block_size: int) -> LinkPace | None:
+    """What the KV sender holds each transfer for: the emulated model's KV of the blocks moved
+    over the emulated link."""
+    if em is None:
+        return None
+    return LinkPace(block_size * em.cost.kv_bytes_per_token, em.link.bytes_per_s, em.link.latency_s, em.time_scale)
