@@ -301,3 +301,71 @@ def _within(ref):
     from protocol.deadline import within
 
     return within(ref, 30)
+
+
+# ---- pdserve bench --emulate -----------------------------------------------------------------
+def _bench(*argv: str) -> int:
+    import argparse
+
+    from bench import cli as bench_cli
+
+    parser = argparse.ArgumentParser(prog="pdserve")
+    bench_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    return args.func(args)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--router", "127.0.0.1:1", "--emulate", "h100:llama-3.1-8b"], "--emulate needs --config"),
+    (["--config", "c.yaml", "--emulate-time-scale", "2"], "--emulate-time-scale needs --emulate"),
+    (["--config", "{config}", "--emulate", "h100"], "--emulate 'h100': expected DEVICE:MODEL"),
+    (["--config", "{config}", "--emulate", "h100:llama-3.1-8b", "--workers", "64"],
+     "--arrangements colocated: emulate: 64 workers x 467,280 emulated KV tokens"),
+])
+def test_bad_emulate_flags_exit_2_with_one_line(llama_dir, tmp_path, capsys, argv, message):
+    config = tmp_path / "cluster.yaml"
+    config.write_text(f'{{"model": {{"path": "{llama_dir}"}}, "kv_cache": {{"block_size": 16}}}}')
+    argv = [a.replace("{config}", str(config)) for a in argv]
+    # 64 workers x 467,280 tokens x 512 B of the tiny llama's KV: 15.3 GB, over half of any host here
+    with _host_ram(16 << 30):
+        assert _bench(*argv, "--out", str(tmp_path / "out")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pdserve bench: {message}") and err.count("\n") == 1, err
+
+
+def _host_ram(num_bytes: int):
+    """This host's physical memory as the host RAM check sees it."""
+    from unittest import mock
+
+    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": num_bytes // 4096}
+    return mock.patch("router.config.checks.os.sysconf", side_effect=pages.__getitem__)
+
+
+@pytest.mark.usefixtures("ray_instance")
+def test_bench_emulates_h100_timings_and_reports_its_fidelity(llama_dir, tmp_path, capsys):
+    import json
+
+    from cli.main import main as pdserve
+
+    config = tmp_path / "cluster.yaml"
+    config.write_text(json.dumps({"model": {"path": llama_dir}, "router": {"metrics_port": None},
+                                  "prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5},
+                                  "kv_cache": {"block_size": 16}, "emulate": {"load_bandwidth": "100GB/s"}}))
+    assert pdserve(["bench", "--config", str(config), "--emulate", "h100:llama-3.1-8b", "--emulate-time-scale", "2",
+                    "--arrangements", "disaggregated", "--workers", "2", "--num-requests", "4", "--input-len", "32",
+                    "--range-ratio", "0", "--output-len", "6", "--concurrency", "2", "--json",
+                    "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    run = json.loads(capsys.readouterr().out)["arrangements"]["disaggregated"]
+    assert run["num_errors"] == 0
+    f = run["emulation"]
+    assert f["assumptions"].startswith("emulated llama-3.1-8b on h100 (3.35 TB/s x 0.8, 989 TFLOP/s x 0.6, +1 ms")
+    assert f["assumptions"].endswith("time_scale 2")
+    assert f["time_scale"] == 2 and set(f["pools"]) == {"prefill", "decode"}
+    # 4 requests x 5 decode rows, at most 2 to a step, and 4 prompts, at most 2 to a step
+    assert f["pools"]["decode"]["steps"] >= 10 and f["pools"]["prefill"]["steps"] >= 2
+    assert 0 <= f["overruns"] <= f["steps"]
+    assert f["faithful"] == (f["overrun_share"] <= 0.01)
+    assert (f["suggested_time_scale"] is None) == f["faithful"]
+    # reported in emulated time: a decode step at ~40 tokens of context is >= 16.07 GB / (3.35 TB/s x 0.8)
+    # + 1 ms = 6.99 ms; paced at x 2, divided back by 2
+    assert run["itl_ms"]["p50"] >= 6.99
