@@ -372,10 +372,13 @@ def _cluster_configs(args: argparse.Namespace, base: Any,
     for name in runs:
         try:
             cfg = make(name)
-            if cfg.emulate.device:  # this run's worker count: its emulated pools must fit this host
-                check_host_memory(cfg, f"{flag} {name}")
         except ValueError as err:
             raise BenchError(f"{flag} {name}: {err}") from err
+        if cfg.emulate.device:  # this run's worker count: its emulated pools must fit this host
+            try:
+                check_host_memory(cfg, f"{flag} {name}")
+            except ValueError as err:
+                raise BenchError(str(err)) from err
         configs[name] = dataclasses.replace(cfg, router=dataclasses.replace(
             cfg.router, port=0, metrics_port=None, http_port=None))
     return configs, info

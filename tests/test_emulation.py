@@ -319,26 +319,17 @@ def _bench(*argv: str) -> int:
     (["--router", "127.0.0.1:1", "--emulate", "h100:llama-3.1-8b"], "--emulate needs --config"),
     (["--config", "c.yaml", "--emulate-time-scale", "2"], "--emulate-time-scale needs --emulate"),
     (["--config", "{config}", "--emulate", "h100"], "--emulate 'h100': expected DEVICE:MODEL"),
-    (["--config", "{config}", "--emulate", "h100:llama-3.1-8b", "--workers", "64"],
-     "--arrangements colocated: emulate: 64 workers x 467,280 emulated KV tokens"),
+    # 4,096 pools of 467,280 tokens x 512 B of the tiny llama's KV: 980 GB, over half of any host here
+    (["--config", "{config}", "--emulate", "h100:llama-3.1-8b", "--workers", "4096"],
+     "--arrangements colocated: emulate: 4096 workers x 467,280 emulated KV tokens"),
 ])
 def test_bad_emulate_flags_exit_2_with_one_line(llama_dir, tmp_path, capsys, argv, message):
     config = tmp_path / "cluster.yaml"
     config.write_text(f'{{"model": {{"path": "{llama_dir}"}}, "kv_cache": {{"block_size": 16}}}}')
     argv = [a.replace("{config}", str(config)) for a in argv]
-    # 64 workers x 467,280 tokens x 512 B of the tiny llama's KV: 15.3 GB, over half of any host here
-    with _host_ram(16 << 30):
-        assert _bench(*argv, "--out", str(tmp_path / "out")) == 2
+    assert _bench(*argv, "--out", str(tmp_path / "out")) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"pdserve bench: {message}") and err.count("\n") == 1, err
-
-
-def _host_ram(num_bytes: int):
-    """This host's physical memory as the host RAM check sees it."""
-    from unittest import mock
-
-    pages = {"SC_PAGE_SIZE": 4096, "SC_PHYS_PAGES": num_bytes // 4096}
-    return mock.patch("router.config.checks.os.sysconf", side_effect=pages.__getitem__)
 
 
 @pytest.mark.usefixtures("ray_instance")
@@ -369,3 +360,21 @@ def test_bench_emulates_h100_timings_and_reports_its_fidelity(llama_dir, tmp_pat
     # reported in emulated time: a decode step at ~40 tokens of context is >= 16.07 GB / (3.35 TB/s x 0.8)
     # + 1 ms = 6.99 ms; paced at x 2, divided back by 2
     assert run["itl_ms"]["p50"] >= 6.99
+
+
+def test_the_host_fit_recovers_a_known_cost_model(llama_dir):
+    """Steps timed by a known host (2 GB/s reads, 40 GFLOP/s, 3 ms a step): the fit, given the
+    bandwidth, finds the FLOP/s and the overhead again."""
+    from pathlib import Path
+
+    from bench.calibrate import fit
+    from router.config.emulate import emulated_shape
+
+    host = CostModel(emulated_shape(llama_dir), DeviceProfile("host", 2e9, 40e9, "8GiB", ""), dtype_bytes=4)
+    shapes = [tuple(StepItem(1, 17 + i) for _ in range(b)) for b in (1, 2, 4, 8) for i in range(3)]
+    shapes += [(StepItem(n, n),) for n in (32, 64, 128, 256)]
+    measured = [(s, host.memory_s(s) + host.compute_s(s) + 0.003) for s in shapes]
+    found = fit(Path(llama_dir), "float32", measured, bandwidth=2e9)
+    assert found.flops == pytest.approx(40e9, rel=1e-6) and found.overhead_s == pytest.approx(0.003, rel=1e-6)
+    assert found.rms_error_s < 1e-9 and found.steps == len(shapes)
+    assert found.emulate_section(llama_dir, "float32")["flops"] == "4e+10"
