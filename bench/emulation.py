@@ -101,8 +101,9 @@ def collect_emulation(cluster: Any) -> dict[str, tuple[str, EmulationStats]]:
 
 
 def fidelity(workers: Mapping[str, tuple[str, EmulationStats]], assumed: str = "") -> dict[str, Any]:
-    """summary.json's `emulation` of one run: overrun share, per-pool lateness (emulated ms),
-    faithful or not, and the time_scale that would fix an unfaithful run."""
+    """summary.json's `emulation` of one run: the overrun shares of steps and KV transfers,
+    lateness per stage (prefill and decode steps, kv_transfer; emulated ms), faithful or not, and
+    the time_scale that would fix an unfaithful run."""
     stats = [s for _, s in workers.values()]
     steps, overruns = sum(s.steps for s in stats), sum(s.overruns for s in stats)
     share = overruns / steps if steps else 0.0
@@ -114,18 +115,26 @@ def fidelity(workers: Mapping[str, tuple[str, EmulationStats]], assumed: str = "
         p["overruns"] += s.overruns
         p["lateness_ms"] += s.lateness_s / s.time_scale * 1e3
         p["max_lateness_ms"] = max(p["max_lateness_ms"], s.max_lateness_s / s.time_scale * 1e3)
-    faithful = share <= FAITHFUL_OVERRUN_SHARE
-    needed = max((s.ratio_p99 for s in stats), default=1.0)
+    transfers, late_transfers = sum(s.transfers for s in stats), sum(s.transfer_overruns for s in stats)
+    if transfers:
+        pools["kv_transfer"] = {"steps": transfers, "overruns": late_transfers,
+                                "lateness_ms": sum(s.transfer_lateness_s / s.time_scale for s in stats) * 1e3,
+                                "max_lateness_ms": max(s.transfer_max_lateness_s / s.time_scale for s in stats) * 1e3}
+    transfer_share = late_transfers / transfers if transfers else 0.0
+    faithful = share <= FAITHFUL_OVERRUN_SHARE and transfer_share <= FAITHFUL_OVERRUN_SHARE
+    needed = max([s.ratio_p99 for s in stats] + [s.transfer_ratio_max for s in stats
+                                                if transfer_share > FAITHFUL_OVERRUN_SHARE], default=1.0)
     return {"assumptions": assumed, "time_scale": scale, "steps": steps, "overruns": overruns,
-            "overrun_share": share, "faithful": faithful, "pools": pools,
+            "overrun_share": share, "transfers": transfers, "transfer_overrun_share": transfer_share,
+            "faithful": faithful, "pools": pools,
             "suggested_time_scale": None if faithful else max(1.0, math.ceil(needed * 10) / 10)}
 
 
 def format_fidelity(name: str, f: Mapping[str, Any]) -> str:
     """One line per run: modelled vs measured, and whether the run can be trusted."""
-    late = ", ".join(f"{pool} late {p['lateness_ms']:,.0f} ms in all (max {p['max_lateness_ms']:,.1f} ms)"
-                     for pool, p in f["pools"].items())
+    late = ", ".join(f"{pool} {p['overruns']:,}/{p['steps']:,} late, {p['lateness_ms']:,.0f} ms in all "
+                     f"(max {p['max_lateness_ms']:,.1f} ms)" for pool, p in f["pools"].items())
     verdict = ("faithful" if f["faithful"] else
                f"NOT faithful: rerun with time_scale {f['suggested_time_scale']:g}")
-    return (f"{name:<24} {f['overruns']:,} of {f['steps']:,} steps overran their model ({f['overrun_share']:.1%}); "
-            f"{late}; {verdict}")
+    return (f"{name:<24} {f['overruns']:,} of {f['steps']:,} steps overran their model ({f['overrun_share']:.1%}), "
+            f"{f['transfer_overrun_share']:.1%} of KV transfers; {late}; {verdict}")

@@ -12,6 +12,7 @@ ended) leaves as an output with finish reason ERROR and `retryable=True`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import ray
@@ -22,6 +23,7 @@ from engine.cost_model import Emulation
 from kv_transfer import KVReceiver, KVTransferConfig, Rendezvous
 from protocol.messages import GenerateTask, Reservation, Reserved, StartDecode, WorkerInfo
 from protocol.outputs import FinishReason, RequestOutput
+from protocol.telemetry import EmulationStats
 from worker_runtime.core import WorkerCalls, WorkerCore
 from worker_runtime.faults import FaultConfig, Faults
 from worker_runtime.outbox import Outbox
@@ -154,6 +156,16 @@ class DecodeWorker(WorkerCalls):
             self._act(request_id, outcome)
             return
         await self.core.run(lambda e: e.abort(request_id))
+
+    async def emulation(self) -> EmulationStats | None:
+        """The steps' pacing counters and the KV transfers' over the emulated link."""
+        stats = await self.core.emulation()
+        if stats is None or self.receiver is None:
+            return stats
+        link = self.receiver.link_stats()
+        return dataclasses.replace(stats, transfers=link.transfers, transfer_overruns=link.overruns,
+                                   transfer_lateness_s=link.lateness_s, transfer_max_lateness_s=link.max_lateness_s,
+                                   transfer_ratio_max=link.ratio_max)
 
     def _num_channels(self) -> int:
         return self.receiver.num_channels if self.receiver else 0

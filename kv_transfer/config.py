@@ -14,9 +14,9 @@ Backend = Literal["auto", "gloo", "nccl"]
 
 @dataclass(frozen=True)
 class LinkPace:
-    """An emulated link (docs/architecture.md, "Emulation"): a transfer of n blocks is held
-    (latency_s + n x block_bytes / bytes_per_s) x time_scale between its header and its payload,
-    `block_bytes` being the emulated model's KV per block; the real blocks then move as usual."""
+    """An emulated link (docs/architecture.md, "Emulation"): the receiver completes a transfer of
+    n blocks no sooner than (latency_s + n x block_bytes / bytes_per_s) x time_scale after its
+    header arrived, `block_bytes` being the emulated model's KV per block (kv_transfer/pace.py)."""
 
     block_bytes: int
     bytes_per_s: float

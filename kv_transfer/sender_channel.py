@@ -1,7 +1,7 @@
 """One prefill->decode channel, sender side: a thread that runs queued transfers in order.
 
-Per transfer: header, [an emulated link's modelled time, config.pace], payload chunks, [checksum
-trailer], then the receiver's reply (dst ids or a refusal). Idle for heartbeat_s -> a heartbeat (the receiver's idle loop wakes on it, and a
+Per transfer: header, payload chunks, [checksum trailer], then the receiver's reply (dst ids or
+a refusal; on an emulated link, config.pace, the receiver holds it until the modelled time). Idle for heartbeat_s -> a heartbeat (the receiver's idle loop wakes on it, and a
 receiver that is closing answers CLOSING). Any ChannelBroken ends the thread: the in-flight
 future and every queued one fail with KVTransferError, and the groups are aborted.
 """
@@ -152,8 +152,6 @@ class SenderChannel:
         Header(Kind.TRANSFER, self._seq, job.request_id, num_blocks, chunk_blocks, checksum,
                self._path.copier.layout, job.first_block).encode_into(self._header)
         header_sent = groups.send(self._header, TAG_CONTROL)
-        if self._config.pace is not None:  # an emulated link: the receiver waits for the payload meanwhile
-            time.sleep(self._config.pace.seconds(num_blocks))
         reply_frame = self._reply_frame(num_blocks)
         reply_in = groups.recv(reply_frame, TAG_REPLY)   # posted early: no wake-up lag
         digest = Digest() if checksum else None

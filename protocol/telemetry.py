@@ -58,6 +58,12 @@ class EmulationStats:
     max_lateness_s: float
     ratio_p99: float  # p99 over steps of real / modelled (unscaled): the time_scale 99% of steps fit in
     startup_s: float  # the modelled weights load at start-up, unscaled
+    # KV transfers landed here over the emulated link (a decode worker's; kv_transfer/pace.py)
+    transfers: int = 0
+    transfer_overruns: int = 0
+    transfer_lateness_s: float = 0.0
+    transfer_max_lateness_s: float = 0.0
+    transfer_ratio_max: float = 0.0  # the largest real / modelled (unscaled) landing time
 
     @property
     def overrun_share(self) -> float:

@@ -215,6 +215,26 @@ def test_a_run_with_more_than_one_percent_overruns_is_not_faithful():
     assert bad["suggested_time_scale"] == 3.1  # covers 99% of the slowest worker's steps
     assert bad["pools"]["decode"]["lateness_ms"] == pytest.approx(200.0)  # 0.4 s at time_scale 2: emulated ms
     assert format_fidelity("disaggregated", bad).endswith("NOT faithful: rerun with time_scale 3.1")
+    slow_link = fidelity({"decode-1": ("decode", dataclasses.replace(
+        _stats(500, 0, 1.2), transfers=50, transfer_overruns=2, transfer_lateness_s=0.2, transfer_ratio_max=5.55))})
+    assert slow_link["overrun_share"] == 0 and slow_link["transfer_overrun_share"] == 0.04
+    assert not slow_link["faithful"] and slow_link["suggested_time_scale"] == 5.6  # the slowest transfer fits
+    assert slow_link["pools"]["kv_transfer"] == {"steps": 50, "overruns": 2, "lateness_ms": pytest.approx(100.0),
+                                                 "max_lateness_ms": 0.0}
+
+
+def test_the_receiver_holds_a_transfer_to_the_emulated_link_and_counts_late_ones():
+    from kv_transfer.pace import LinkClock
+
+    clock = LinkClock(LinkPace(block_bytes=1_000_000, bytes_per_s=100e6, latency_s=0.01, time_scale=2))
+    header_at = time.monotonic()
+    clock.hold(2, header_at)  # (10 ms + 2 MB at 100 MB/s) x 2 = 60 ms after the header
+    assert time.monotonic() - header_at >= 0.060
+    clock.hold(1, time.monotonic() - 0.5)  # landed 0.5 s after its header: 0.5 - 0.04 late
+    s = clock.stats()
+    assert (s.transfers, s.overruns) == (2, 1)
+    assert s.lateness_s == pytest.approx(0.46, abs=0.01) and s.ratio_max == pytest.approx(0.5 / 0.02, rel=0.02)
+    LinkClock(None).hold(100, time.monotonic() - 1)  # no emulated link: nothing held, nothing counted
 
 
 def test_a_real_engine_on_an_absurdly_fast_device_overruns_and_is_marked_not_faithful(llama_dir):
@@ -289,6 +309,7 @@ def test_an_emulated_cluster_gives_transformers_tokens_at_the_modelled_pace(emul
     per_step = 1_235_814_400 * 2 / 100e9
     assert prefill.steps >= 1 and decode.steps >= 5  # every decoding token after the first is a paced step
     assert decode.modelled_s >= decode.steps * per_step
+    assert decode.transfers >= 3  # one per request at least, counted where the KV landed
     assert elapsed >= 5 * per_step  # each request's 5 decode steps at least
     info = {w.info.pool: w.info.num_blocks for w in workers.values()}
     kv_per_token = 2 * 16 * 8 * 64 * 2  # llama-3.2-1b: K,V x 16 layers x 8 KV heads x 64 x bf16
@@ -351,11 +372,12 @@ def test_bench_emulates_h100_timings_and_reports_its_fidelity(llama_dir, tmp_pat
     f = run["emulation"]
     assert f["assumptions"].startswith("emulated llama-3.1-8b on h100 (3.35 TB/s x 0.8, 989 TFLOP/s x 0.6, +1 ms")
     assert f["assumptions"].endswith("time_scale 2")
-    assert f["time_scale"] == 2 and set(f["pools"]) == {"prefill", "decode"}
+    assert f["time_scale"] == 2 and set(f["pools"]) == {"prefill", "decode", "kv_transfer"}
     # 4 requests x 5 decode rows, at most 2 to a step, and 4 prompts, at most 2 to a step
     assert f["pools"]["decode"]["steps"] >= 10 and f["pools"]["prefill"]["steps"] >= 2
+    assert f["transfers"] >= 4 and f["pools"]["kv_transfer"]["steps"] == f["transfers"]
     assert 0 <= f["overruns"] <= f["steps"]
-    assert f["faithful"] == (f["overrun_share"] <= 0.01)
+    assert f["faithful"] == (f["overrun_share"] <= 0.01 and f["transfer_overrun_share"] <= 0.01)
     assert (f["suggested_time_scale"] is None) == f["faithful"]
     # reported in emulated time: a decode step at ~40 tokens of context is >= 16.07 GB / (3.35 TB/s x 0.8)
     # + 1 ms = 6.99 ms; paced at x 2, divided back by 2
