@@ -9,6 +9,7 @@ interface both answer alike (ready, poll, stats, telemetry, emulation, check), w
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -27,6 +28,8 @@ from worker_runtime.faults import Faults
 from worker_runtime.outbox import Outbox
 from worker_runtime.pacing import Pacer
 
+log = logging.getLogger(__name__)
+
 
 class WorkerCore:
     def __init__(self, name: str, pool: str, config: EngineConfig,
@@ -42,6 +45,7 @@ class WorkerCore:
         self.pool = pool
         self.node_ip = node_ip  # where peers reach this worker's channels
         self.engine = LLMEngine(config)
+        log.info("%s: %s", name, self.engine.runner.describe())
         self.pacer = Pacer(emulation) if emulation is not None else None  # worker_runtime/pacing.py
         if self.pacer is not None:
             self.pacer.wait_startup(began)
