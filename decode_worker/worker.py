@@ -12,6 +12,7 @@ ended) leaves as an output with finish reason ERROR and `retryable=True`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 
@@ -19,10 +20,12 @@ import ray
 
 from decode_worker.handoff import Action, HandoffTable, Outcome
 from engine.config import EngineConfig
+from engine.cost_model import Emulation
 from kv_transfer import KVReceiver, KVTransferConfig, Rendezvous
 from protocol.deadline import within
 from protocol.messages import GenerateTask, Reservation, Reserved, StartDecode, WorkerInfo
 from protocol.outputs import FinishReason, RequestOutput
+from protocol.telemetry import EmulationStats
 from worker_runtime.core import WorkerCalls, WorkerCore
 from worker_runtime.faults import FaultConfig, Faults
 from worker_runtime.outbox import Outbox
@@ -33,10 +36,10 @@ RESERVE_WAIT_S = 1.0  # a reserve the engine has not taken by then answers "no r
 
 class DecodeWorker(WorkerCalls):
     def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig | None, cpu: int | None = None,
-                 faults: FaultConfig | None = None):
+                 faults: FaultConfig | None = None, emulation: Emulation | None = None):
         self.faults = Faults(faults, name)
         self.core = WorkerCore(name, "decode", config, self._on_outputs, cpu, self.faults,
-                               node_ip=ray.util.get_node_ip_address())
+                               node_ip=ray.util.get_node_ip_address(), emulation=emulation)
         self.outbox: Outbox[RequestOutput] = Outbox()
         self.handoffs = HandoffTable()
         self._transfers: dict[str, tuple[float, int]] = {}  # request id -> (seconds, bytes) of its KV
@@ -180,6 +183,16 @@ class DecodeWorker(WorkerCalls):
             self._act(request_id, outcome)
             return
         await self.core.run(lambda e: e.abort(request_id))
+
+    async def emulation(self) -> EmulationStats | None:
+        """The steps' pacing counters and the KV transfers' over the emulated link."""
+        stats = await self.core.emulation()
+        if stats is None or self.receiver is None:
+            return stats
+        link = self.receiver.link_stats()
+        return dataclasses.replace(stats, transfers=link.transfers, transfer_overruns=link.overruns,
+                                   transfer_lateness_s=link.lateness_s, transfer_max_lateness_s=link.max_lateness_s,
+                                   transfer_ratio_max=link.ratio_max)
 
     def _num_channels(self) -> int:
         return self.receiver.num_channels if self.receiver else 0

@@ -24,6 +24,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from engine.config import EngineConfig
+from engine.cost_model import StepItem, StepShape
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import BlockAllocator
 from engine.model_runner import ModelRunner, ScheduledItem
@@ -76,6 +77,7 @@ class LLMEngine:
         self.stats = StepStats()
         self.telemetry = StepLog()  # per-step records for `pdserve bench`'s bottleneck report
         self._preemptions_logged = 0
+        self.last_step: StepShape = ()  # what the last step computed, for pacing (worker_runtime/pacing.py)
 
     # ---- admission -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -250,12 +252,15 @@ class LLMEngine:
         """One forward over the scheduled batch. A failure while sampling or detokenizing one
         request fails only that request; a failure of the forward itself raises."""
         t0 = time.perf_counter()
+        self.last_step = ()
         items = self.scheduler.schedule()
         outputs = self._run(items, t0) if items else []
         ready, self._ready = self._ready, []
         return ready + outputs
 
     def _run(self, items: list[ScheduledItem], t0: float) -> list[RequestOutput]:
+        self.last_step = tuple(StepItem(it.num_tokens, it.end) for it in items)
+        step_kind = _step_kind(items)
         t1 = time.perf_counter()
         logits = self.runner.execute(items)
         t2 = time.perf_counter()
@@ -265,7 +270,6 @@ class LLMEngine:
             it.request.num_computed_tokens += it.num_tokens
         tokens = sample_isolated(logits, sampling, self._generator)
         outputs = [self._emit(req, tok) for req, tok in zip(sampling, tokens, strict=True)]
-        step_kind = TokenKind.DECODE if all(it.is_decode for it in items) else TokenKind.INTERFERENCE
         self._record(items, t0, t1, t2, time.perf_counter())
         for req, out in zip(sampling, outputs, strict=True):
             if out.token_ids:  # after _record: a first token's prefill compute includes this step
@@ -402,6 +406,18 @@ class RequestFault(RuntimeError):
     def __init__(self, request_id: str, message: str):
         super().__init__(message)
         self.request_id = request_id
+
+
+def _step_kind(items: list[ScheduledItem]) -> str:
+    """What the gap before a token this step samples was made of: decodes only; or a preempted
+    request's context recomputed (KV memory ran out: a preemption's cost, not scheduling's); or
+    other requests' prefill chunks (interference). Decided before the step's counters move."""
+    chunks = [it for it in items if not it.is_decode]
+    if not chunks:
+        return TokenKind.DECODE
+    if any(it.request.num_preemptions > 0 for it in chunks):
+        return TokenKind.RECOMPUTE
+    return TokenKind.INTERFERENCE
 
 
 def _describe(error: Exception) -> str:

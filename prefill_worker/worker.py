@@ -18,6 +18,7 @@ import time
 import ray
 
 from engine.config import EngineConfig
+from engine.cost_model import Emulation
 from engine.llm_engine import LLMEngine
 from kv_transfer import KVSender, KVTransferConfig
 from prefill_worker.push import KVPusher
@@ -43,10 +44,11 @@ class PrefillStepFailed(RuntimeError):
 
 class PrefillWorker(WorkerCalls):
     def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig, cpu: int | None = None,
-                 faults: FaultConfig | None = None):
+                 faults: FaultConfig | None = None, emulation: Emulation | None = None):
         self.faults = Faults(faults, name)
         self.core = WorkerCore(name, "prefill", config, self._on_outputs, cpu, self.faults,
-                               node_ip=ray.util.get_node_ip_address(), after_step=self._after_step)
+                               node_ip=ray.util.get_node_ip_address(), after_step=self._after_step,
+                               emulation=emulation)
         self.sender = KVSender(self.core.engine.runner.kv, transfer)
         self.pusher = KVPusher(self.core.loop, self.sender, self.faults, transfer.stream_chunks,
                                on_failed=self._push_failed, on_ended=self._push_ended)

@@ -4,9 +4,10 @@ The engine is not thread-safe, so every touch (add, reserve, abort, ...) is queu
 `call(fn)` and runs on the loop thread between two steps; the caller gets a
 `concurrent.futures.Future`. Each step's outputs go to `on_outputs` (on the loop thread).
 `before_step`, if given, runs on the loop thread before every step (fault injection hooks in
-there); if it raises, that step fails like a failed forward. `after_step`, if given, runs on
-the loop thread after every step, before `on_outputs` (the prefill worker streams the KV
-blocks the step filled from there).
+there); if it raises, that step fails like a failed forward. `pace(engine, began)`, if given,
+runs right after every step (an emulated device's step time, worker_runtime/pacing.py).
+`after_step`, if given, runs on the loop thread after every step, before `on_outputs` (the
+prefill worker streams the KV blocks the step filled from there).
 
 Liveness comes from the thread itself: it stamps `beat_at` each time round its loop (after a
 step, after the calls it ran, and every BEAT_S while idle), and `beat()` reads the stamp without
@@ -39,11 +40,13 @@ BEAT_S = 0.25  # an idle loop stamps its beat this often
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None], name: str = "engine",
                  before_step: Callable[[], None] | None = None,
-                 after_step: Callable[[LLMEngine], None] | None = None):
+                 after_step: Callable[[LLMEngine], None] | None = None,
+                 pace: Callable[[LLMEngine, float], None] | None = None):
         self.engine = engine
         self._on_outputs = on_outputs
         self._before_step = before_step
         self._after_step = after_step
+        self._pace = pace
         self._inbox: list[tuple[Callable[[LLMEngine], Any], Future]] = []
         self._wake = threading.Condition()
         self._stopped = False
@@ -87,7 +90,10 @@ class EngineLoop:
                 self._apply(fn, fut)
             self.beat_at = time.monotonic()
             if self.engine.has_unfinished():
+                began = time.perf_counter()
                 outputs = self._step()
+                if self._pace is not None:
+                    self._pace(self.engine, began)
                 if self._after_step is not None:
                     self._hook(self._after_step)
                 self.steps += 1

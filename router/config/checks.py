@@ -1,17 +1,22 @@
 """The checks of a cluster.yaml that its types cannot say: ranges, Ray placement syntax,
-interface names, sizes, and the router's TLS / auth files (read and verified at load, so a
-bad file is a config error rather than a failure once the cluster runs).
+interface names, sizes, emulated KV pools this host's RAM can hold, and the router's TLS / auth
+files (read and verified at load, so a bad file is a config error rather than a failure once the
+cluster runs).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
 import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from protocol.sizes import PlanError, parse_bytes
+from engine.memory import ModelShape, dtype_bytes, kv_bytes_per_token
+from protocol.sizes import PlanError, format_bytes, parse_bytes
+from router.config.emulate import check_emulate, emulated_num_blocks
 from router.config.typed_yaml import ConfigError
 from router.frontdoor.access import TokenFileError, read_tokens
 
@@ -74,6 +79,41 @@ def check_values(cfg: ClusterConfig, where: str) -> None:
                 parse_bytes(text)
             except PlanError as e:
                 raise ConfigError(f"{where}: {key}: {e}") from None
+    check_emulate(cfg.emulate, cfg.kv_cache.block_size, where)
+
+
+HOST_RAM_SHARE = 0.5  # of this host's physical memory the emulated KV pools may take, all workers together
+
+
+def check_host_memory(cfg: ClusterConfig, where: str, host_bytes: int | None = None) -> None:
+    """The emulated pools hold the REAL model's KV: refuse a config whose pools, all workers
+    together, would take more than HOST_RAM_SHARE of this host's memory. Skipped when the pool
+    size is explicit (kv_cache.num_blocks) or the model's config.json is not there yet."""
+    blocks = None if cfg.kv_cache.num_blocks else emulated_num_blocks(cfg.emulate, cfg.kv_cache.block_size)
+    real = _real_kv_bytes_per_token(cfg)
+    if blocks is None or real is None:
+        return
+    workers = cfg.decode.replicas + (cfg.prefill.replicas if cfg.mode == "disaggregated" else 0)
+    need = workers * blocks * cfg.kv_cache.block_size * real
+    host = host_bytes if host_bytes is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > HOST_RAM_SHARE * host:
+        raise ConfigError(
+            f"{where}: emulate: {workers} workers x {blocks * cfg.kv_cache.block_size:,} emulated KV tokens x "
+            f"{format_bytes(real)} per token of the real model need {format_bytes(need)} of host RAM, over "
+            f"{HOST_RAM_SHARE:.0%} of this host's {format_bytes(host)}: set kv_cache.num_blocks, emulate.memory, "
+            f"or use a smaller real model")
+
+
+def _real_kv_bytes_per_token(cfg: ClusterConfig) -> int | None:
+    try:
+        config = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else config.get("torch_dtype") or config.get("dtype")
+    try:
+        return kv_bytes_per_token(ModelShape.from_hf_config(config, num_params=0), dtype_bytes(dtype or "float32"))
+    except PlanError:
+        return None
 
 
 # Ray's label syntax (Kubernetes-style): a name of alphanumerics with -_. inside, an optional

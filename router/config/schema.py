@@ -17,6 +17,7 @@ from checkpoints.gguf import SMOLLM2_OUT_DIR
 from engine.config import DEFAULT_MEMORY_FRACTION, EngineConfig
 from protocol.limits import DEFAULT_MAX_PROMPT_BYTES
 from protocol.sizes import parse_bytes
+from router.config.emulate import EmulateSection, emulated_num_blocks
 from worker_runtime.faults import FaultConfig
 
 Policy = Literal["cache_aware", "load", "round_robin"]
@@ -178,12 +179,13 @@ class ClusterConfig:
     kv_transfer: KVTransferSection = field(default_factory=KVTransferSection)
     ray: RaySection = field(default_factory=RaySection)
     faults: FaultConfig = field(default_factory=FaultConfig)  # fault injection, off by default
+    emulate: EmulateSection = field(default_factory=EmulateSection)  # emulated devices, off by default
 
     def engine_config(self, pool: PoolSection, device: str = "cpu") -> EngineConfig:
         kv = self.kv_cache
         return EngineConfig(
             model_path=self.model.path, dtype=self.model.dtype, device=device, block_size=kv.block_size,
-            num_blocks=kv.num_blocks, kv_cache_memory=parse_bytes(kv.memory) if kv.memory else None,
+            num_blocks=kv.num_blocks or emulated_num_blocks(self.emulate, kv.block_size), kv_cache_memory=parse_bytes(kv.memory) if kv.memory else None,
             memory_fraction=kv.memory_fraction, runtime_overhead=parse_bytes(kv.runtime_overhead),
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens, chunk_size=self.scheduler.chunk_size,
             max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.model.max_model_len,
