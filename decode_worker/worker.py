@@ -77,7 +77,8 @@ class DecodeWorker(WorkerCalls):
         `r.token_ids`' blocks; None when they don't fit (or the request was cancelled)."""
         if self.handoffs.is_ended(r.request_id) or self.faults.refuse_reserve():
             return None
-        got = await self.core.run(lambda e: e.reserve(r.request_id, r.num_tokens, list(r.token_ids) or None))
+        got = await self.core.run(lambda e: e.reserve(r.request_id, r.num_tokens, list(r.token_ids) or None,
+                                                      r.cache_salt))
         if got is None:
             return None
         blocks, cached = got

@@ -177,7 +177,7 @@ class _FakeRouter:
         self.accepting = self.started = self.serving = True
         self.chunks, self.fail, self.refuse, self.closed = list(chunks), fail, refuse, False
 
-    async def prepare(self, request_id, prompt, prompt_ids, sampling, messages=None) -> RequestLife:
+    async def prepare(self, request_id, prompt, prompt_ids, sampling, messages=None, caller="") -> RequestLife:
         if self.refuse is not None:
             raise self.refuse
         return RequestLife(request_id, 0, prompt_ids or [1], sampling, 0.0)

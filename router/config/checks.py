@@ -16,7 +16,7 @@ from router.config.typed_yaml import ConfigError
 from router.frontdoor.access import TokenFileError, read_tokens
 
 if TYPE_CHECKING:
-    from router.config.schema import ClusterConfig, PoolSection, TLSSection
+    from router.config.schema import AuthSection, ClusterConfig, PoolSection, TLSSection
 
 
 def check_values(cfg: ClusterConfig, where: str) -> None:
@@ -116,7 +116,18 @@ def security_files(cfg: ClusterConfig, base: Path, where: str) -> ClusterConfig:
             reason = e if isinstance(e, TokenFileError) else f"{path}: cannot read: {e.strerror}"
             raise ConfigError(f"{where}: router.{key}: {reason}") from None
     _check_tls(tls, where)
+    _check_identities(tls, auth, where)
     return dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, tls=tls, auth=auth))
+
+
+def _check_identities(tls: TLSSection, auth: AuthSection, where: str) -> None:
+    """Options that name callers need a way to tell callers apart."""
+    if auth.admin_subjects and tls.client_ca_file is None:
+        raise ConfigError(f"{where}: router.auth.admin_subjects: certificate subjects need mutual TLS "
+                          "(router.tls.client_ca_file)")
+    if auth.isolate_prefix_cache and not (auth.enabled or tls.client_ca_file):
+        raise ConfigError(f"{where}: router.auth.isolate_prefix_cache: callers are told apart by their token or "
+                          "client certificate: set router.auth.tokens_file or router.tls.client_ca_file")
 
 
 def _check_tls(tls: TLSSection, where: str) -> None:

@@ -57,6 +57,12 @@ class AuthSection:
     # who may read Admin/Status, reflection and /metrics: loopback (no token from this machine,
     # else an admin token) | admin (an admin token) | traffic (any token)
     status_access: StatusAccess = "loopback"
+    # mutual TLS: subjects of client certificates that may administer (Admin/Scale, and Status,
+    # reflection, /metrics where status_access asks for admin), as gRPC writes them: "CN=ops,O=acme"
+    admin_subjects: list[str] = field(default_factory=list)
+    # each caller (token, else client certificate) gets its own prefix cache: requests of different
+    # callers never share KV blocks, so none can learn another's prompts from cached_tokens or TTFT
+    isolate_prefix_cache: bool = False
 
     @property
     def enabled(self) -> bool:

@@ -20,9 +20,9 @@ from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from protocol.errors import InvalidRequest
 from router.config.schema import TLSSection
-from router.frontdoor.access import Gate
+from router.frontdoor.access import Gate, caller_id
 from router.frontdoor.grpc_convert import pool_status_to_proto, sampling_from_proto, usage_to_proto
-from router.frontdoor.guards import GrpcGuard, Refusals
+from router.frontdoor.guards import GrpcGuard, Refusals, grpc_subject
 from router.frontdoor.tls import grpc_server_credentials
 from router.lifecycle.outcomes import CannotPlace, Chunk, InternalError, QueueFull, Unavailable
 from router.lifecycle.service import Router
@@ -43,11 +43,12 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             if request.prompt and request.prompt_token_ids:
                 raise InvalidRequest("give either prompt or prompt_token_ids, not both")
-            sampling = sampling_from_proto(request.sampling)
+            sampling = sampling_from_proto(request.sampling, request.cache_salt)
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            caller = caller_id(dict(context.invocation_metadata() or ()).get("authorization"), grpc_subject(context))
             life = await self.router.prepare(request.request_id, request.prompt or None,
                                              list(request.prompt_token_ids) or None, sampling,
-                                             messages=messages or None)
+                                             messages=messages or None, caller=caller)
             async with contextlib.aclosing(self.router.generate(life)) as chunks:
                 async for chunk in chunks:
                     yield self._response(life.client_id, chunk)

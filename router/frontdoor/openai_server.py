@@ -38,7 +38,7 @@ from protocol.errors import InvalidRequest
 from protocol.limits import CHAT_MAX_TOKENS
 from protocol.usage import Usage
 from router.config.schema import TLSSection
-from router.frontdoor.access import Gate
+from router.frontdoor.access import Gate, caller_id
 from router.frontdoor.guards import HttpGuard, Refusals
 from router.frontdoor.openai_request import (
     SAMPLING_FIELDS,
@@ -196,7 +196,8 @@ class OpenAIApi:
         reply = _Reply(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_id)
         try:
             parsed = parse_request(await self._json(request), chat, self.model_id)
-            chunks = self.router.generate(await self._accept(reply.id, parsed))
+            caller = caller_id(request.headers.get("authorization"))
+            chunks = self.router.generate(await self._accept(reply.id, parsed, caller))
             if not parsed.stream:
                 async with contextlib.aclosing(chunks):
                     return self._whole(reply, await _unless_gone(request, _collect(chunks)))
@@ -229,13 +230,13 @@ class OpenAIApi:
             parts.append(part)
         return load_body(b"".join(parts))
 
-    async def _accept(self, request_id: str, p: Parsed) -> RequestLife:
-        life = await self.router.prepare(request_id, p.prompt, p.prompt_ids, p.sampling, p.messages)
+    async def _accept(self, request_id: str, p: Parsed, caller: str) -> RequestLife:
+        life = await self.router.prepare(request_id, p.prompt, p.prompt_ids, p.sampling, p.messages, caller)
         if not p.max_tokens_given:  # accepted with max_tokens 1; the default fits what is left
             decode = self.router.pools.ready("decode") or self.router.pools.live("decode")
             pool_tokens = max(w.info.num_blocks for w in decode) * decode[0].info.block_size
             room = min(self.router.validator.max_model_len, pool_tokens) - len(life.prompt_token_ids)
-            life.sampling = dataclasses.replace(p.sampling, max_tokens=max(1, min(CHAT_MAX_TOKENS, room)))
+            life.sampling = dataclasses.replace(life.sampling, max_tokens=max(1, min(CHAT_MAX_TOKENS, room)))
         return life
 
     @staticmethod

@@ -122,7 +122,8 @@ class Attempts:
         pushed = tuple(life.context_token_ids())
         for i, decode in enumerate(self.placer.decode_candidates(decode_ready, hashes, needed)):
             self._hold(life, decode, Phase.RESERVING)
-            ref = decode.actor.reserve.remote(Reservation(life.attempt_id, num_tokens, lease_s, pushed))
+            ref = decode.actor.reserve.remote(Reservation(life.attempt_id, num_tokens, lease_s, pushed,
+                                                          life.sampling.cache_salt))
             early = self._prefill_early(life, prefill, decode, hashes) if i == 0 else None
             reserved = await call(decode, ref, self.rc.call_timeout_s, "reserve")  # raises: both are aborted
             if reserved is not None:

@@ -12,6 +12,8 @@ hold state of the request gets an `abort` (with a deadline). Background watch: r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import itertools
 import logging
 import secrets
@@ -55,7 +57,7 @@ class Router:
         self.request_log = RequestLog.open(config.router)  # None unless router.request_log is set
         self.admission = Admission(config.router.max_queue, self.metrics.set_router_queue)
         self.lives: dict[int, RequestLife] = {}
-        self._client_ids: set[str] = set()
+        self._client_ids: set[tuple[str, str]] = set()  # (caller, request id): each caller its own ids
         self.accepting = False
         self.started = False  # the pools started once: not accepting now means shutting down
         self.requests_total = 0
@@ -100,9 +102,11 @@ class Router:
             raise Unavailable("the server is shutting down" if self.started else "the server is starting")
 
     async def prepare(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                      sampling: SamplingParams, messages: list[dict] | None = None) -> RequestLife:
+                      sampling: SamplingParams, messages: list[dict] | None = None, caller: str = "") -> RequestLife:
         """Validate a request (raises InvalidRequest / Unavailable) and accept it. `messages`: a chat
-        ([{"role": ..., "content": ...}]) rendered with the checkpoint's chat template."""
+        ([{"role": ..., "content": ...}]) rendered with the checkpoint's chat template. `caller`
+        (router/frontdoor/access.py `caller_id`): the namespace of its request id, and with
+        router.auth.isolate_prefix_cache of its prefix-cache blocks."""
         self.check_open()
         validate_request_id(request_id)
         loop = asyncio.get_running_loop()
@@ -113,15 +117,23 @@ class Router:
             raise Unavailable("the decode pool has no worker")
         self.validator.check(len(ids), sampling, max(w.info.num_blocks for w in decode), decode[0].info.block_size)
         request_id = request_id or f"req-{secrets.token_hex(16)}"  # unguessable
-        if request_id in self._client_ids:
+        if (caller, request_id) in self._client_ids:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
-        return RequestLife(request_id, next(self._keys), ids, sampling, time.perf_counter())
+        return RequestLife(request_id, next(self._keys), ids, self._salted(sampling, caller), time.perf_counter(),
+                           caller=caller)
+
+    def _salted(self, sampling: SamplingParams, caller: str) -> SamplingParams:
+        """With isolate_prefix_cache, the caller's own cache: its salt folds in who it is."""
+        if not (self.config.router.auth.isolate_prefix_cache and caller):
+            return sampling
+        salt = hashlib.sha256(f"{caller}\0{sampling.cache_salt}".encode("utf-8", "surrogatepass")).hexdigest()
+        return dataclasses.replace(sampling, cache_salt=salt)
 
     async def generate(self, life: RequestLife) -> AsyncIterator[Chunk]:
         """The request's chunks; it is tracked from the first iteration until the iterator ends."""
-        if life.client_id in self._client_ids:
+        if life.scoped_id in self._client_ids:
             raise InvalidRequest(f"request id {life.client_id!r} is already in flight")
-        self._client_ids.add(life.client_id)
+        self._client_ids.add(life.scoped_id)
         self.lives[life.key] = life
         self.requests_total += 1
         try:
@@ -144,7 +156,7 @@ class Router:
             raise
         finally:
             self.lives.pop(life.key, None)
-            self._client_ids.discard(life.client_id)
+            self._client_ids.discard(life.scoped_id)
             self.admission.notify()
 
     def _retry(self, life: RequestLife, e: Retry) -> None:
