@@ -9,10 +9,16 @@ from __future__ import annotations
 from jinja2 import TemplateError, TemplateSyntaxError
 
 from protocol.errors import InvalidRequest
-from protocol.limits import DEFAULT_MAX_PROMPT_BYTES, MAX_REQUEST_ID_CHARS
+from protocol.limits import DEFAULT_MAX_PROMPT_BYTES, MAX_CHAT_MESSAGES, MAX_REQUEST_ID_CHARS
 from protocol.sampling import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant")
+
+
+def check_message_count(count: int) -> None:
+    """At most MAX_CHAT_MESSAGES: checked before a chat is even copied, let alone rendered."""
+    if count > MAX_CHAT_MESSAGES:
+        raise InvalidRequest(f"{count} messages given; at most {MAX_CHAT_MESSAGES} are allowed")
 
 
 def validate_request_id(request_id: str) -> None:
@@ -60,6 +66,7 @@ class RequestValidator:
         """A chat ([{"role", "content"}, ...]) rendered with the chat template, ready for the reply."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("this model has no chat template: send a prompt instead of messages")
+        check_message_count(len(messages))
         for i, m in enumerate(messages):
             if m.get("role") not in CHAT_ROLES:
                 raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}")

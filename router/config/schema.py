@@ -92,6 +92,14 @@ class RouterSection:
     unresponsive_s: float = 30.0  # a worker that answers no stats call for this long is replaced
     restart_backoff_s: float = 1.0  # first delay before replacing a dead worker; doubles, max 30 s
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # refused before tokenizing
+    # work before admission (router/lifecycle/intake.py): requests being rendered / tokenized at
+    # once (beyond: RESOURCE_EXHAUSTED), and threads tokenizing big inputs (small ones have their own)
+    max_preparing: int = 64
+    tokenizer_threads: int = 1
+    # front doors: calls / HTTP connections at once (gRPC beyond: RESOURCE_EXHAUSTED, HTTP: 503), and how
+    # long a client may take to send an HTTP request body or finish a gRPC connection's handshake
+    max_concurrent_calls: int = 1024
+    read_timeout_s: float = 30.0
     # placement (router/pools/placement.py): cache_aware weighs the prefix a worker holds against its
     # load; load = least loaded; round_robin = in turn. The per-pool keys override `policy`.
     policy: Policy = "cache_aware"

@@ -19,6 +19,7 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from protocol.limits import MAX_CHAT_MESSAGES
 from protocol.sampling import SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -239,6 +240,8 @@ def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise ApiError(400, f"{len(messages)} messages given; at most {MAX_CHAT_MESSAGES} are allowed", "messages")
     out = []
     for i, m in enumerate(messages):
         extra = next((k for k, v in m.items() if k not in _MESSAGE_FIELDS and v is not None), None)

@@ -8,7 +8,9 @@ every /v1 path while the router starts or shuts down), 500 (the engine failed on
 A client that goes away closes the request's generator, which aborts it on every worker. `OpenAIServer` runs
 uvicorn as a task without signal handlers: the process's owner (serve_forever) keeps them; with
 router.tls it is HTTPS, with router.auth a missing or wrong bearer token gets 401 from
-router/frontdoor/guards.py before a request reaches the app.
+router/frontdoor/guards.py before a request reaches the app. At most router.max_concurrent_calls
+connections and requests at once (uvicorn answers more with 503); a body must arrive within
+router.read_timeout_s (408).
 """
 
 from __future__ import annotations
@@ -222,13 +224,24 @@ class OpenAIApi:
         return JSONResponse(error.body(), error.status)
 
     async def _json(self, request: Request) -> dict:
+        """The body as JSON; 413 past max_body_bytes, 408 unless it all arrives within read_timeout_s
+        (a client trickling a body would otherwise hold its connection and memory for ever)."""
+        timeout_s = self.router.config.router.read_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                raw = await self._body(request)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
+        return load_body(raw)
+
+    async def _body(self, request: Request) -> bytes:
         size, parts = 0, []
         async for part in request.stream():
             size += len(part)
             if size > self.max_body_bytes:
                 raise ApiError(413, f"the request body is over {self.max_body_bytes} bytes")
             parts.append(part)
-        return load_body(b"".join(parts))
+        return b"".join(parts)
 
     async def _accept(self, request_id: str, p: Parsed, caller: str) -> RequestLife:
         life = await self.router.prepare(request_id, p.prompt, p.prompt_ids, p.sampling, p.messages, caller)
@@ -300,7 +313,9 @@ class OpenAIServer:
         if gate is not None and gate.enabled:
             app = HttpGuard(app, gate, refusals or Refusals())
         config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", access_log=False,
-                                ws="none", timeout_graceful_shutdown=STOP_GRACE_S, **uvicorn_tls(tls or TLSSection()))
+                                ws="none", timeout_graceful_shutdown=STOP_GRACE_S,
+                                limit_concurrency=router.config.router.max_concurrent_calls,
+                                **uvicorn_tls(tls or TLSSection()))
         self.server = _Server(config)
         self._task: asyncio.Task | None = None
 

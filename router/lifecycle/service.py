@@ -19,7 +19,6 @@ import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 from transformers import AutoConfig, AutoTokenizer
 
@@ -31,6 +30,7 @@ from protocol.validation import RequestValidator, validate_request_id
 from router.config.schema import ClusterConfig
 from router.lifecycle.admission import Admission
 from router.lifecycle.attempt import Attempts
+from router.lifecycle.intake import Intake
 from router.lifecycle.life import Phase, RequestLife
 from router.lifecycle.outcomes import CannotPlace, Chunk, Respin, Retry, Unavailable
 from router.lifecycle.worker_calls import short
@@ -52,7 +52,7 @@ class Router:
         self.validator = RequestValidator(self.tokenizer, hf.vocab_size,
                                           config.model.max_model_len or hf.max_position_embeddings,
                                           config.router.max_prompt_bytes)
-        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # one: the tokenizer is not re-entrant
+        self.intake = Intake(self.validator, config.router.max_preparing, config.router.tokenizer_threads)
         self.pools = PoolManager(config)
         self.request_log = RequestLog.open(config.router)  # None unless router.request_log is set
         self.admission = Admission(config.router.max_queue, self.metrics.set_router_queue)
@@ -84,7 +84,7 @@ class Router:
             life.deliver(life.attempt_id, Unavailable("the server is shutting down"))
         self.monitor.stop()
         await self.pools.stop_all()
-        self._tokenize.shutdown(wait=False, cancel_futures=True)
+        self.intake.shutdown()
         if self.request_log is not None:
             self.request_log.close()
 
@@ -109,9 +109,7 @@ class Router:
         router.auth.isolate_prefix_cache of its prefix-cache blocks."""
         self.check_open()
         validate_request_id(request_id)
-        loop = asyncio.get_running_loop()
-        ids = await loop.run_in_executor(self._tokenize, self.validator.prompt_ids, prompt, prompt_token_ids,
-                                         messages)
+        ids = await self.intake.prompt_ids(prompt, prompt_token_ids, messages)
         decode = self.pools.ready("decode") or self.pools.live("decode")
         if not decode:
             raise Unavailable("the decode pool has no worker")
