@@ -13,6 +13,7 @@ from protocol.limits import DEFAULT_MAX_PROMPT_BYTES, MAX_CHAT_MESSAGES, MAX_REQ
 from protocol.sampling import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant")
+PROBE_CHARS_PER_TOKEN = 8  # text is rarely over this many characters a token
 
 
 def check_message_count(count: int) -> None:
@@ -96,7 +97,22 @@ class RequestValidator:
             raise InvalidRequest(f"the prompt is not valid Unicode text (a lone surrogate at {e.start})") from None
         if size > self.max_prompt_bytes:
             raise InvalidRequest(f"the prompt is {size} bytes; at most {self.max_prompt_bytes} are allowed")
+        self._refuse_early_if_too_long(prompt)
         return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def _refuse_early_if_too_long(self, prompt: str) -> None:
+        """A long text is first tokenized only up to a space near PROBE_CHARS_PER_TOKEN x the
+        context: if that head alone is over the context, the prompt is refused without the rest
+        being tokenized (a maximal hostile prompt then costs a small part of its full tokenizing).
+        A head cut before a space tokenizes to the leading tokens of the whole text."""
+        probe = PROBE_CHARS_PER_TOKEN * self.max_model_len
+        if len(prompt) <= probe:
+            return
+        cut = prompt.rfind(" ", 0, probe)
+        head = len(self.tokenizer.encode(prompt[:cut if cut > 0 else probe], add_special_tokens=False))
+        if head > self.max_model_len:
+            raise InvalidRequest(f"the prompt is over {self.max_model_len} tokens, the model's context (its first "
+                                 f"{cut if cut > 0 else probe} characters alone are {head} tokens)")
 
     def check_token_ids(self, name: str, ids: list[int] | tuple[int, ...]) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

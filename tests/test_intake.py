@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from protocol.errors import InvalidRequest
 from protocol.limits import MAX_CHAT_MESSAGES
-from protocol.validation import RequestValidator
+from protocol.validation import PROBE_CHARS_PER_TOKEN, RequestValidator
 from router.lifecycle.intake import SMALL_INPUT_BYTES, Intake
 from router.lifecycle.outcomes import QueueFull
 
@@ -61,3 +61,14 @@ def test_a_chat_of_too_many_messages_is_refused(validator):
     with pytest.raises(InvalidRequest, match=f"^{MAX_CHAT_MESSAGES + 1} messages given; at most "
                                              f"{MAX_CHAT_MESSAGES} are allowed$"):
         validator.chat_ids(messages)
+
+
+def test_a_prompt_whose_head_is_over_the_context_is_refused_before_the_rest_is_tokenized(validator):
+    short = RequestValidator(validator.tokenizer, validator.vocab_size, 64, max_prompt_bytes=1 << 20)
+    text = "word " * 200_000
+    cut = text.rfind(" ", 0, PROBE_CHARS_PER_TOKEN * 64)  # the head ends before the last space in the probe
+    with pytest.raises(InvalidRequest, match=r"^the prompt is over 64 tokens, the model's context \(its first "
+                                             rf"{cut} characters alone are \d+ tokens\)$"):
+        short.prompt_ids(text, None)
+    fits = "word " * 40  # under the probe: tokenized whole, and the context check is the usual one
+    assert short.prompt_ids(fits, None) == validator.tokenizer.encode(fits, add_special_tokens=False)

@@ -175,6 +175,7 @@ class _FakeRouter:
         self.config = SimpleNamespace(model=SimpleNamespace(path=f"/models/{MODEL}"), router=SimpleNamespace(
             max_prompt_bytes=1024, read_timeout_s=0.5, max_concurrent_calls=8))
         self.validator, self.metrics = SimpleNamespace(max_model_len=64), RouterMetrics()
+        self.intake = SimpleNamespace(check_room=lambda large: None)
         self.accepting = self.started = self.serving = True
         self.chunks, self.fail, self.refuse, self.closed = list(chunks), fail, refuse, False
 

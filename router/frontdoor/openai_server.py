@@ -50,6 +50,7 @@ from router.frontdoor.openai_request import (
     parse_request,
 )
 from router.frontdoor.tls import uvicorn_tls
+from router.lifecycle.intake import SMALL_INPUT_BYTES
 from router.lifecycle.life import RequestLife
 from router.lifecycle.outcomes import CannotPlace, Chunk, InternalError, QueueFull, Unavailable
 from router.lifecycle.service import Router
@@ -138,6 +139,12 @@ async def _unless_gone(request: Request, work_coro) -> Any:
     return work.result()
 
 
+def _content_length(request: Request) -> int:
+    """The body's declared size (0 when chunked or malformed: then only its read limits it)."""
+    value = request.headers.get("content-length", "")
+    return int(value) if value.isdigit() else 0
+
+
 async def _collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:
     return [chunk async for chunk in chunks]
 
@@ -197,6 +204,7 @@ class OpenAIApi:
     async def _generate(self, request: Request, chat: bool) -> Response:
         reply = _Reply(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_id)
         try:
+            self.router.intake.check_room(_content_length(request) > SMALL_INPUT_BYTES)
             parsed = parse_request(await self._json(request), chat, self.model_id)
             caller = caller_id(request.headers.get("authorization"))
             chunks = self.router.generate(await self._accept(reply.id, parsed, caller))
@@ -232,6 +240,8 @@ class OpenAIApi:
                 raw = await self._body(request)
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
+        if len(raw) > SMALL_INPUT_BYTES:  # parsed on a thread: the loop keeps serving every few ms meanwhile
+            return await asyncio.to_thread(load_body, raw)
         return load_body(raw)
 
     async def _body(self, request: Request) -> bytes:

@@ -47,10 +47,7 @@ class Intake:
                          messages: list[dict] | None) -> list[int]:
         """The validator's `prompt_ids`, on a lane; QueueFull when intake is full."""
         large = input_bytes(prompt, prompt_token_ids, messages) > SMALL_INPUT_BYTES
-        if self.preparing >= self.max_preparing:
-            raise QueueFull(f"the router is already preparing {self.preparing} requests (router.max_preparing)")
-        if large and self.preparing_large >= self.max_large:
-            raise QueueFull(f"the router is already tokenizing {self.preparing_large} large requests; retry later")
+        self.check_room(large)
         self._count(+1, large)
         try:
             lane = self._large if large else self._small
@@ -58,6 +55,14 @@ class Intake:
                                                                     messages)
         finally:
             self._count(-1, large)
+
+    def check_room(self, large: bool) -> None:
+        """QueueFull unless intake has room for one more (`large`) request. The HTTP door asks this
+        before it reads a big body, so a refused client costs no JSON parsing either."""
+        if self.preparing >= self.max_preparing:
+            raise QueueFull(f"the router is already preparing {self.preparing} requests (router.max_preparing)")
+        if large and self.preparing_large >= self.max_large:
+            raise QueueFull(f"the router is already tokenizing {self.preparing_large} large requests; retry later")
 
     def _count(self, change: int, large: bool) -> None:
         self.preparing += change
