@@ -93,8 +93,9 @@ class LLMEngine:
         sampling = sampling or SamplingParams()
         self._check_free_id(request_id)
         ids = self.validator.prompt_ids(prompt, prompt_token_ids)
-        self.validator.check(len(ids), sampling, self.allocator.num_blocks, self.config.block_size)
         outputs = output_token_ids or []
+        held = len(ids) + len(outputs) + 1 if prefill_only else None  # a prefill keeps no more than that
+        self.validator.check(len(ids), sampling, self.allocator.num_blocks, self.config.block_size, held)
         if outputs:
             self.validator.check_resumed(outputs, sampling)
         req = self._build(request_id, ids, sampling, prefill_only)

@@ -120,15 +120,17 @@ class RequestValidator:
             raise InvalidRequest(f"{name} has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
     def check(self, num_prompt_tokens: int, sampling: SamplingParams, pool_blocks: int | None = None,
-              block_size: int = 16) -> None:
-        """Sampling values in range, and prompt + max_tokens fits the context (and a whole KV pool)."""
+              block_size: int = 16, pool_tokens: int | None = None) -> None:
+        """Sampling values in range, prompt + max_tokens fits the context, and `pool_tokens` (by
+        default also prompt + max_tokens: what a decoding worker holds at the end) fit a whole KV
+        pool of `pool_blocks`. A prefill-only worker holds only the context and one more token."""
         sampling.validate()
         self.check_token_ids("stop_token_ids", sampling.stop_token_ids)
         total = num_prompt_tokens + sampling.max_tokens
         if total > self.max_model_len:
             raise InvalidRequest(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({sampling.max_tokens}) = "
                                  f"{total} exceeds the model's context of {self.max_model_len} tokens")
-        blocks = -(-total // block_size)
+        blocks = -(-(total if pool_tokens is None else pool_tokens) // block_size)
         if pool_blocks is not None and blocks > pool_blocks:
             raise InvalidRequest(f"the request needs {blocks} KV blocks but the largest worker KV pool has "
                                  f"{pool_blocks}; lower max_tokens or the prompt length")

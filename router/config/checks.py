@@ -55,6 +55,8 @@ def check_values(cfg: ClusterConfig, where: str) -> None:
         ("decode.cpus", not cfg.decode.cpus or min(cfg.decode.cpus) >= 0, "core numbers must be >= 0"),
         ("kv_cache.block_size", cfg.kv_cache.block_size >= 1, "must be >= 1"),
         ("kv_cache.num_blocks", cfg.kv_cache.num_blocks is None or cfg.kv_cache.num_blocks >= 1, "must be >= 1"),
+        ("prefill.num_blocks", cfg.prefill.num_blocks is None or cfg.prefill.num_blocks >= 1, "must be >= 1"),
+        ("decode.num_blocks", cfg.decode.num_blocks is None or cfg.decode.num_blocks >= 1, "must be >= 1"),
         ("kv_cache.memory_fraction", 0 < cfg.kv_cache.memory_fraction <= 1, "must be in (0, 1]"),
         ("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens >= 1, "must be >= 1"),
         ("scheduler.chunk_size", cfg.scheduler.chunk_size is None or cfg.scheduler.chunk_size >= 1,

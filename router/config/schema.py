@@ -131,6 +131,7 @@ class PoolSection:
     torch_threads: int = 1
     # pin the pool's workers to these CPU cores, one core per worker in turn (null = no pinning)
     cpus: list[int] | None = None
+    num_blocks: int | None = None  # KV blocks per worker of this pool; null = kv_cache's sizing
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ class ClusterConfig:
         kv = self.kv_cache
         return EngineConfig(
             model_path=self.model.path, dtype=self.model.dtype, device=device, block_size=kv.block_size,
-            num_blocks=kv.num_blocks, kv_cache_memory=parse_bytes(kv.memory) if kv.memory else None,
+            num_blocks=pool.num_blocks or kv.num_blocks, kv_cache_memory=parse_bytes(kv.memory) if kv.memory else None,
             memory_fraction=kv.memory_fraction, runtime_overhead=parse_bytes(kv.runtime_overhead),
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens, chunk_size=self.scheduler.chunk_size,
             max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.model.max_model_len,

@@ -110,10 +110,7 @@ class Router:
         self.check_open()
         validate_request_id(request_id)
         ids = await self.intake.prompt_ids(prompt, prompt_token_ids, messages)
-        decode = self.pools.ready("decode") or self.pools.live("decode")
-        if not decode:
-            raise Unavailable("the decode pool has no worker")
-        self.validator.check(len(ids), sampling, max(w.info.num_blocks for w in decode), decode[0].info.block_size)
+        self._check_fits(len(ids), sampling)
         request_id = request_id or f"req-{secrets.token_hex(16)}"  # unguessable
         if (caller, request_id) in self._client_ids:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
@@ -126,6 +123,20 @@ class Router:
             return sampling
         salt = hashlib.sha256(f"{caller}\0{sampling.cache_salt}".encode("utf-8", "surrogatepass")).hexdigest()
         return dataclasses.replace(sampling, cache_salt=salt)
+
+    def _check_fits(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+        """InvalidRequest now, unless some decode worker can hold prompt + max_tokens and (disaggregated)
+        some prefill worker the prompt and its next token: pools may differ in size, and each
+        stage is held to what it keeps."""
+        decode = self.pools.ready("decode") or self.pools.live("decode")
+        if not decode:
+            raise Unavailable("the decode pool has no worker")
+        bs = decode[0].info.block_size
+        self.validator.check(num_prompt_tokens, sampling, max(w.info.num_blocks for w in decode), bs)
+        prefill = (self.pools.ready("prefill") or self.pools.live("prefill")) if self.config.mode != "colocated" else []
+        if prefill:
+            self.validator.check(num_prompt_tokens, sampling, max(w.info.num_blocks for w in prefill), bs,
+                                 num_prompt_tokens + 1)
 
     async def generate(self, life: RequestLife) -> AsyncIterator[Chunk]:
         """The request's chunks; it is tracked from the first iteration until the iterator ends."""
