@@ -223,3 +223,7 @@ def test_caller_options_need_a_way_to_tell_callers_apart(pki):
     assert "router.auth.isolate_prefix_cache: callers are told apart by their token or client certificate" in \
         refused({"isolate_prefix_cache": True})
     assert "router.auth.admin_subjects: expected a list of strings, got [1]" in refused({"admin_subjects": [1]})
+    mtls = {"cert_file": "server.pem", "key_file": "server.key", "client_ca_file": "ca.pem"}
+    with pytest.raises(ConfigError, match="the HTTP door tells callers apart by token only"):
+        parse_config({"router": {"tls": mtls, "http_port": 0, "auth": {"isolate_prefix_cache": True}}}, base_dir=pki)
+    assert parse_config({"router": {"tls": mtls, "auth": {"isolate_prefix_cache": True}}}, base_dir=pki)

@@ -122,18 +122,22 @@ def security_files(cfg: ClusterConfig, base: Path, where: str) -> ClusterConfig:
             reason = e if isinstance(e, TokenFileError) else f"{path}: cannot read: {e.strerror}"
             raise ConfigError(f"{where}: router.{key}: {reason}") from None
     _check_tls(tls, where)
-    _check_identities(tls, auth, where)
+    _check_identities(tls, auth, cfg.router.http_port is not None, where)
     return dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, tls=tls, auth=auth))
 
 
-def _check_identities(tls: TLSSection, auth: AuthSection, where: str) -> None:
-    """Options that name callers need a way to tell callers apart."""
+def _check_identities(tls: TLSSection, auth: AuthSection, http: bool, where: str) -> None:
+    """Options that name callers need a way to tell callers apart (the HTTP door sees no
+    certificate subject: there only tokens do)."""
     if auth.admin_subjects and tls.client_ca_file is None:
         raise ConfigError(f"{where}: router.auth.admin_subjects: certificate subjects need mutual TLS "
                           "(router.tls.client_ca_file)")
     if auth.isolate_prefix_cache and not (auth.enabled or tls.client_ca_file):
         raise ConfigError(f"{where}: router.auth.isolate_prefix_cache: callers are told apart by their token or "
                           "client certificate: set router.auth.tokens_file or router.tls.client_ca_file")
+    if auth.isolate_prefix_cache and http and not auth.enabled:
+        raise ConfigError(f"{where}: router.auth.isolate_prefix_cache: the HTTP door tells callers apart by token "
+                          "only: set router.auth.tokens_file, or router.http_port: null")
 
 
 def _check_tls(tls: TLSSection, where: str) -> None:
