@@ -107,7 +107,7 @@ class DecodeWorker(WorkerCalls):
                 if gave_up.is_set():
                     return None
                 ran.set()
-                return e.reserve(r.request_id, r.num_tokens, list(r.token_ids) or None)
+                return e.reserve(r.request_id, r.num_tokens, list(r.token_ids) or None, r.cache_salt)
         fut = self.core.loop.call(reserve)
         try:
             return await within(asyncio.shield(asyncio.wrap_future(fut)), RESERVE_WAIT_S)

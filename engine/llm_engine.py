@@ -32,7 +32,7 @@ from engine.request import Request, Status
 from engine.sampler import sample_isolated
 from engine.scheduler import PrefixStats, Scheduler
 from engine.telemetry import StepLog
-from protocol.block_hash import block_hashes
+from protocol.block_hash import block_hashes, salt_root
 from protocol.errors import InvalidRequest
 from protocol.outputs import FinishReason, RequestOutput
 from protocol.sampling import SamplingParams
@@ -95,8 +95,9 @@ class LLMEngine:
         sampling = sampling or SamplingParams()
         self._check_free_id(request_id)
         ids = self.validator.prompt_ids(prompt, prompt_token_ids)
-        self.validator.check(len(ids), sampling, self.allocator.num_blocks, self.config.block_size)
         outputs = output_token_ids or []
+        held = len(ids) + len(outputs) + 1 if prefill_only else None  # a prefill keeps no more than that
+        self.validator.check(len(ids), sampling, self.allocator.num_blocks, self.config.block_size, held)
         if outputs:
             self.validator.check_resumed(outputs, sampling)
         req = self._build(request_id, ids, sampling, prefill_only)
@@ -140,17 +141,18 @@ class LLMEngine:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 
-    def reserve(self, request_id: str, num_tokens: int,
-                token_ids: list[int] | None = None) -> tuple[list[int], int] | None:
+    def reserve(self, request_id: str, num_tokens: int, token_ids: list[int] | None = None,
+                cache_salt: str = "") -> tuple[list[int], int] | None:
         """Set aside blocks for `num_tokens` of pushed KV: (all the block ids, how many leading ones
         already hold cached KV), or None if they don't fit. Refuses an id in use.
 
         `token_ids`: the tokens whose KV will be pushed. Cached blocks of their leading full blocks
-        (all but the last token's) come first and the pushing side sends only the blocks after them.
+        (all but the last token's), hashed under `cache_salt`, come first and the pushing side sends
+        only the blocks after them.
         """
         self._check_free_id(request_id)
         total = self.blocks_for(num_tokens)
-        hits = self._cached_blocks(token_ids)[:total] if token_ids else []
+        hits = self._cached_blocks(token_ids, cache_salt)[:total] if token_ids else []
         if not self.allocator.fits(total - len(hits), hits):
             return None
         self.allocator.acquire(hits)
@@ -162,11 +164,12 @@ class LLMEngine:
             self.prefix_stats.hit_tokens += len(hits) * self.config.block_size
         return hits + ids, len(hits)
 
-    def _cached_blocks(self, token_ids: list[int]) -> list[int]:
+    def _cached_blocks(self, token_ids: list[int], cache_salt: str) -> list[int]:
         if not self.allocator.enable_caching:
             return []
         bs = self.config.block_size
-        return self.allocator.match(block_hashes(token_ids[:(len(token_ids) - 1) // bs * bs], bs))
+        return self.allocator.match(block_hashes(token_ids[:(len(token_ids) - 1) // bs * bs], bs,
+                                                 salt_root(cache_salt)))
 
     def release(self, request_id: str) -> None:
         """Free a reservation, or the blocks a finished prefill-only request kept."""
@@ -210,7 +213,8 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} reserved {len(blocks)} blocks, too few for {num_computed} tokens")
         self.validator.check(len(prompt_token_ids), sampling)
         self.validator.check_token_ids("output_token_ids", output_token_ids)
-        num_cached = self._cached_reserved_blocks(request_id, list(prompt_token_ids) + list(output_token_ids))
+        num_cached = self._cached_reserved_blocks(request_id, list(prompt_token_ids) + list(output_token_ids),
+                                                  sampling.cache_salt)
         request = self._build(request_id, list(prompt_token_ids), sampling, prefill_only=False)
         request.num_cached_tokens = num_cached * self.config.block_size
         request.timing.next_kind = TokenKind.KV_HANDOFF
@@ -225,13 +229,13 @@ class LLMEngine:
         self.scheduler.admit_running(request)
         return request
 
-    def _cached_reserved_blocks(self, request_id: str, token_ids: list[int]) -> int:
+    def _cached_reserved_blocks(self, request_id: str, token_ids: list[int], cache_salt: str) -> int:
         """How many reserved blocks came from the cache (until the KV lands, no other reserved
         block has a hash). They must hold these tokens' KV: reserve's token_ids must have been a
         prefix of them."""
         cached = [h for h in map(self.allocator.hash_of, self.reserved[request_id]) if h is not None]
         bs = self.config.block_size
-        if cached != block_hashes(token_ids[:len(cached) * bs], bs):
+        if cached != block_hashes(token_ids[:len(cached) * bs], bs, salt_root(cache_salt)):
             raise ValueError(f"request {request_id!r}: its reserved cached blocks hold other tokens' KV")
         return len(cached)
 

@@ -90,6 +90,7 @@ class Reservation:
     num_tokens: int
     lease_s: float  # freed, and the request failed (retryable), unless started and landed by then
     token_ids: tuple[int, ...] = ()  # the tokens whose KV will be pushed: leading cached blocks are reused
+    cache_salt: str = field(default="", repr=False)  # ... when cached under this salt (protocol/block_hash.py)
 
 
 @dataclass(frozen=True)

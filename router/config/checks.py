@@ -21,7 +21,7 @@ from router.config.typed_yaml import ConfigError
 from router.frontdoor.access import TokenFileError, read_tokens
 
 if TYPE_CHECKING:
-    from router.config.schema import ClusterConfig, PoolSection, TLSSection
+    from router.config.schema import AuthSection, ClusterConfig, PoolSection, TLSSection
 
 
 def check_values(cfg: ClusterConfig, where: str) -> None:
@@ -43,6 +43,10 @@ def check_values(cfg: ClusterConfig, where: str) -> None:
         ("router.unresponsive_s", cfg.router.unresponsive_s > 0, "must be > 0"),
         ("router.restart_backoff_s", cfg.router.restart_backoff_s > 0, "must be > 0"),
         ("router.max_prompt_bytes", cfg.router.max_prompt_bytes >= 1, "must be >= 1"),
+        ("router.max_preparing", cfg.router.max_preparing >= 1, "must be >= 1"),
+        ("router.tokenizer_threads", cfg.router.tokenizer_threads >= 1, "must be >= 1"),
+        ("router.max_concurrent_calls", cfg.router.max_concurrent_calls >= 1, "must be >= 1"),
+        ("router.read_timeout_s", cfg.router.read_timeout_s > 0, "must be > 0"),
         ("prefill.replicas", cfg.prefill.replicas >= (1 if cfg.mode == "disaggregated" else 0),
          "must be >= 1 in disaggregated mode (>= 0 in colocated)"),
         ("decode.replicas", cfg.decode.replicas >= 1, "must be >= 1"),
@@ -56,6 +60,8 @@ def check_values(cfg: ClusterConfig, where: str) -> None:
         ("decode.cpus", not cfg.decode.cpus or min(cfg.decode.cpus) >= 0, "core numbers must be >= 0"),
         ("kv_cache.block_size", cfg.kv_cache.block_size >= 1, "must be >= 1"),
         ("kv_cache.num_blocks", cfg.kv_cache.num_blocks is None or cfg.kv_cache.num_blocks >= 1, "must be >= 1"),
+        ("prefill.num_blocks", cfg.prefill.num_blocks is None or cfg.prefill.num_blocks >= 1, "must be >= 1"),
+        ("decode.num_blocks", cfg.decode.num_blocks is None or cfg.decode.num_blocks >= 1, "must be >= 1"),
         ("kv_cache.memory_fraction", 0 < cfg.kv_cache.memory_fraction <= 1, "must be in (0, 1]"),
         ("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens >= 1, "must be >= 1"),
         ("scheduler.chunk_size", cfg.scheduler.chunk_size is None or cfg.scheduler.chunk_size >= 1,
@@ -156,7 +162,22 @@ def security_files(cfg: ClusterConfig, base: Path, where: str) -> ClusterConfig:
             reason = e if isinstance(e, TokenFileError) else f"{path}: cannot read: {e.strerror}"
             raise ConfigError(f"{where}: router.{key}: {reason}") from None
     _check_tls(tls, where)
+    _check_identities(tls, auth, cfg.router.http_port is not None, where)
     return dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, tls=tls, auth=auth))
+
+
+def _check_identities(tls: TLSSection, auth: AuthSection, http: bool, where: str) -> None:
+    """Options that name callers need a way to tell callers apart (the HTTP door sees no
+    certificate subject: there only tokens do)."""
+    if auth.admin_subjects and tls.client_ca_file is None:
+        raise ConfigError(f"{where}: router.auth.admin_subjects: certificate subjects need mutual TLS "
+                          "(router.tls.client_ca_file)")
+    if auth.isolate_prefix_cache and not (auth.enabled or tls.client_ca_file):
+        raise ConfigError(f"{where}: router.auth.isolate_prefix_cache: callers are told apart by their token or "
+                          "client certificate: set router.auth.tokens_file or router.tls.client_ca_file")
+    if auth.isolate_prefix_cache and http and not auth.enabled:
+        raise ConfigError(f"{where}: router.auth.isolate_prefix_cache: the HTTP door tells callers apart by token "
+                          "only: set router.auth.tokens_file, or router.http_port: null")
 
 
 def _check_tls(tls: TLSSection, where: str) -> None:

@@ -67,6 +67,12 @@ class AuthSection:
     # who may read Admin/Status, reflection and /metrics: loopback (no token from this machine,
     # else an admin token) | admin (an admin token) | traffic (any token)
     status_access: StatusAccess = "loopback"
+    # mutual TLS: subjects of client certificates that may administer (Admin/Scale, and Status,
+    # reflection, /metrics where status_access asks for admin), as gRPC writes them: "CN=ops,O=acme"
+    admin_subjects: list[str] = field(default_factory=list)
+    # each caller (token, else client certificate) gets its own prefix cache: requests of different
+    # callers never share KV blocks, so none can learn another's prompts from cached_tokens or TTFT
+    isolate_prefix_cache: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -96,6 +102,14 @@ class RouterSection:
     unresponsive_s: float = 30.0  # a worker silent, or whose engine made no progress, this long is replaced
     restart_backoff_s: float = 1.0  # first delay before replacing a dead worker; doubles, max 30 s
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # refused before tokenizing
+    # work before admission (router/lifecycle/intake.py): requests being rendered / tokenized at
+    # once (beyond: RESOURCE_EXHAUSTED), and threads tokenizing big inputs (small ones have their own)
+    max_preparing: int = 64
+    tokenizer_threads: int = 1
+    # front doors: calls / HTTP connections at once (gRPC beyond: RESOURCE_EXHAUSTED, HTTP: 503), and how
+    # long a client may take to send an HTTP request body or finish a gRPC connection's handshake
+    max_concurrent_calls: int = 1024
+    read_timeout_s: float = 30.0
     # placement (router/pools/placement.py): cache_aware weighs the prefix a worker holds against its
     # load; load = least loaded; round_robin = in turn. The per-pool keys override `policy`.
     policy: Policy = "cache_aware"
@@ -127,6 +141,7 @@ class PoolSection:
     torch_threads: int = 1
     # pin the pool's workers to these CPU cores, one core per worker in turn (null = no pinning)
     cpus: list[int] | None = None
+    num_blocks: int | None = None  # KV blocks per worker of this pool; null = kv_cache's sizing
 
 
 @dataclass(frozen=True)
@@ -185,7 +200,7 @@ class ClusterConfig:
         kv = self.kv_cache
         return EngineConfig(
             model_path=self.model.path, dtype=self.model.dtype, device=device, block_size=kv.block_size,
-            num_blocks=kv.num_blocks or emulated_num_blocks(self.emulate, kv.block_size), kv_cache_memory=parse_bytes(kv.memory) if kv.memory else None,
+            num_blocks=pool.num_blocks or kv.num_blocks or emulated_num_blocks(self.emulate, kv.block_size), kv_cache_memory=parse_bytes(kv.memory) if kv.memory else None,
             memory_fraction=kv.memory_fraction, runtime_overhead=parse_bytes(kv.runtime_overhead),
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens, chunk_size=self.scheduler.chunk_size,
             max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.model.max_model_len,
