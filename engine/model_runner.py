@@ -62,6 +62,10 @@ class ModelRunner:
         ).to(self.device).eval()
         self.hf_config = self.model.config
         self.shape = ModelShape.from_hf_config(self.hf_config)
+        # each layer's scaling / window / softcap; UnsupportedModel (at load) for what we cannot serve
+        self.layer_features = attention.probe_features(self.model, self.shape.num_layers, self.shape.num_kv_heads,
+                                                       self.shape.head_dim, self.device)
+        self.windows = sorted({f.sliding_window for f in self.layer_features if f.sliding_window})
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
         self.kv = allocate_kv_pool(self.shape.num_layers, self.num_blocks, self.block_size,
@@ -131,12 +135,29 @@ class ModelRunner:
     def _chunk(self, it: ScheduledItem, row: int) -> attention.PrefillChunk:
         q = it.num_tokens
         if it.start == 0:
-            return attention.PrefillChunk(row, row + q, None, None)
+            keys = torch.arange(q)
+            return attention.PrefillChunk(row, row + q, None, None, self._window_masks(keys, keys, it.end))
         num_blocks = -(-it.end // self.block_size)  # the keys: whole blocks, the last one partly filled
         ctx_blocks = torch.tensor(it.request.block_ids[:num_blocks], device=self.device)
         # query i sits at position start + i and may see keys 0 .. start + i (never the unwritten tail)
-        mask = torch.arange(num_blocks * self.block_size)[None, :] <= (torch.arange(q) + it.start)[:, None]
-        return attention.PrefillChunk(row, row + q, ctx_blocks, mask.to(self.device))
+        keys, queries = torch.arange(num_blocks * self.block_size), torch.arange(it.start, it.end)
+        mask = (keys[None, :] <= queries[:, None]).to(self.device)
+        return attention.PrefillChunk(row, row + q, ctx_blocks, mask,
+                                      self._window_masks(keys, queries, it.end, mask))
+
+    def _window_masks(self, keys: torch.Tensor, queries: torch.Tensor, end: int,
+                      causal: torch.Tensor | None = None) -> dict[int, torch.Tensor | None]:
+        """Per window size: the causal mask of `queries` (positions) over `keys` (positions)
+        narrowed to each query's window; the causal mask itself where no query reaches past
+        its window (all of its keys are within `end` <= window)."""
+        masks: dict[int, torch.Tensor | None] = {}
+        for window in self.windows:
+            if end <= window:
+                masks[window] = causal
+            else:
+                delta = queries[:, None] - keys[None, :]
+                masks[window] = ((delta >= 0) & (delta < window)).to(self.device)
+        return masks
 
     def _decode_groups(self, decodes: list[ScheduledItem]) -> list[attention.DecodeGroup]:
         """Split the decode rows (sorted by context length) where padding to the group's
@@ -159,8 +180,12 @@ class ModelRunner:
         table = torch.tensor([r + r[:1] * (max_blocks - len(r)) for r in rows])  # [B, max_blocks]
         ctx_lens = torch.tensor(lens)  # [B]
         positions = torch.arange(max_blocks * bs)  # the keys of whole blocks
-        mask = (positions[None, :] < ctx_lens[:, None])[:, None, None, :]  # [B, 1, 1, max_blocks * bs]
-        return attention.DecodeGroup(start, start + len(decodes), table.to(self.device), mask.to(self.device))
+        mask = (positions[None, :] < ctx_lens[:, None])[:, None, None, :].to(self.device)  # [B, 1, 1, max_blocks * bs]
+        windows = {}
+        for window in self.windows:  # the query at position len - 1 sees keys len - window .. len - 1
+            inside = positions[None, :] >= ctx_lens[:, None] - window
+            windows[window] = mask if max_ctx <= window else mask & inside[:, None, None, :].to(self.device)
+        return attention.DecodeGroup(start, start + len(decodes), table.to(self.device), mask, windows)
 
 
 def device_memory(device: torch.device) -> int:
