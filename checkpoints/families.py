@@ -19,7 +19,15 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM, GenerationConfig
 
-from checkpoints.tiny import BOS_ID, EOS_ID, PAD_ID, SIZES, _save_tokenizer, init_weights, train_tokenizer
+from checkpoints.tiny import (
+    BOS_ID,
+    EOS_ID,
+    PAD_ID,
+    SIZES,
+    init_weights,
+    save_tokenizer,
+    train_tokenizer,
+)
 
 WINDOW = 7  # sliding-window tokens: crosses block boundaries of 4 and 8
 NUM_LAYERS = 4
@@ -78,5 +86,5 @@ def make_family_model(out_dir: str | os.PathLike[str], family: str, seed: int = 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    _save_tokenizer(tokenizer, config.max_position_embeddings, out)
+    save_tokenizer(tokenizer, config.max_position_embeddings, out)
     return out

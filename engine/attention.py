@@ -63,7 +63,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
                     sliding_window: int | None = None, softcap: float | None = None,
                     paged: StepMetadata | None = None, **kwargs):
     if type(paged) is AttentionProbe:
-        return paged.record(module, query, key, scaling, sliding_window, softcap, kwargs)
+        return paged.record(module, query, key, attention_mask, scaling, sliding_window, softcap, kwargs)
     assert paged is not None, "paged attention needs the step's metadata (`paged=` in forward)"
     # query [1, H, T, D]; key/value [1, KVH, T, D]
     _, num_heads, num_tokens, head_dim = query.shape
@@ -164,12 +164,14 @@ class AttentionProbe:
     kv_shapes: set[tuple[int, int]] = field(default_factory=set)
     lacking: list[str] = field(default_factory=list)
 
-    def record(self, module, query, key, scaling, sliding_window, softcap, kwargs):
+    def record(self, module, query, key, attention_mask, scaling, sliding_window, softcap, kwargs):
         self.layers[module.layer_idx] = LayerFeatures(scaling if scaling is not None else query.shape[-1] ** -0.5,
                                                       sliding_window, softcap)
         self.kv_shapes.add((key.shape[1], key.shape[3]))
         if not getattr(module, "is_causal", True):
             self.lacking.append("bidirectional attention")
+        if attention_mask is not None:  # our mask interface builds none: the model made its own bias
+            self.lacking.append("a position bias of its own in the attention mask (e.g. ALiBi)")
         for name, value in kwargs.items():
             if value is not None and value is not False and name not in _BENIGN_KWARGS:
                 self.lacking.append(_NAMED_FEATURES.get(name, f"the attention argument {name!r}"))
