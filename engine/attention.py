@@ -13,9 +13,8 @@ positions a query at position t sees are (t - window, t], as transformers' masks
 `softcap` (Gemma 2: tanh(scores / cap) * cap before the softmax). A window picks the step's
 mask built for that window size (`window_masks`, one per distinct size, shared by all layers);
 a softcap, which SDPA lacks, takes an explicit matmul / softmax path. A model without either
-builds no extra mask and runs exactly the plain SDPA path. `probe_features` runs one token
-through the model at load to learn each layer's features and to refuse what this function
-cannot honour (`UnsupportedModel`).
+builds no extra mask and runs exactly the plain SDPA path. At load one token runs with an
+`AttentionProbe` in place of the metadata (engine/features.py) to learn each layer's features.
 """
 
 from __future__ import annotations
@@ -26,6 +25,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
+
+from engine.features import AttentionProbe
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -131,72 +132,6 @@ def _softcapped(q, k, v, mask, scale: float, softcap: float):
     scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
-
-
-# ---- load-time probe ---------------------------------------------------------------------
-class UnsupportedModel(ValueError):
-    """A checkpoint whose attention needs a feature paged attention lacks; one line for a person."""
-
-
-# keyword arguments transformers' attention modules pass that carry no attention feature
-_BENIGN_KWARGS = frozenset({"position_ids", "use_cache", "cache_position", "output_attentions", "past_key_values",
-                            "position_embeddings", "is_causal"})
-# a feature some families pass, named for the refusal
-_NAMED_FEATURES = {"s_aux": "attention sinks", "sinks": "attention sinks",
-                   "attention_chunk_size": "chunked local attention"}
-
-
-@dataclass
-class LayerFeatures:
-    """What one layer's attention asks of paged attention."""
-
-    scaling: float
-    sliding_window: int | None
-    softcap: float | None
-
-
-@dataclass
-class AttentionProbe:
-    """Stands in for the step metadata in a one-token forward at load: each layer's attention
-    call records its features (or what it needs that paged attention lacks) instead of attending."""
-
-    layers: dict[int, LayerFeatures] = field(default_factory=dict)
-    kv_shapes: set[tuple[int, int]] = field(default_factory=set)
-    lacking: list[str] = field(default_factory=list)
-
-    def record(self, module, query, key, attention_mask, scaling, sliding_window, softcap, kwargs):
-        self.layers[module.layer_idx] = LayerFeatures(scaling if scaling is not None else query.shape[-1] ** -0.5,
-                                                      sliding_window, softcap)
-        self.kv_shapes.add((key.shape[1], key.shape[3]))
-        if not getattr(module, "is_causal", True):
-            self.lacking.append("bidirectional attention")
-        if attention_mask is not None:  # our mask interface builds none: the model made its own bias
-            self.lacking.append("a position bias of its own in the attention mask (e.g. ALiBi)")
-        for name, value in kwargs.items():
-            if value is not None and value is not False and name not in _BENIGN_KWARGS:
-                self.lacking.append(_NAMED_FEATURES.get(name, f"the attention argument {name!r}"))
-        b, h, t, d = query.shape
-        return query.new_zeros(b, t, h, d), None
-
-
-@torch.inference_mode()
-def probe_features(model, num_layers: int, kv_heads: int, head_dim: int, device) -> list[LayerFeatures]:
-    """Each layer's attention features, from one token through `model`; UnsupportedModel, naming
-    the feature, if some layer needs one paged attention lacks or does not attend through it."""
-    probe = AttentionProbe()
-    model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device),
-          position_ids=torch.zeros(1, 1, dtype=torch.long, device=device), paged=probe, use_cache=False)
-    name = getattr(model.config, "model_type", "model")
-    if probe.lacking:
-        raise UnsupportedModel(f"{name} checkpoints need {', '.join(dict.fromkeys(probe.lacking))}, "
-                               "which pdserve's paged attention does not serve")
-    if sorted(probe.layers) != list(range(num_layers)):
-        raise UnsupportedModel(f"{name} checkpoints have layers without attention (recurrent or state-space "
-                               "state), which pdserve's paged KV cache does not hold")
-    if probe.kv_shapes != {(kv_heads, head_dim)}:
-        raise UnsupportedModel(f"{name} checkpoints have per-layer KV head counts or head sizes "
-                               f"{sorted(probe.kv_shapes)}, which pdserve's KV pool does not hold")
-    return [probe.layers[i] for i in range(num_layers)]
 
 
 def _no_mask(*args, **kwargs):

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import attention
+from engine import attention, features
 from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_pool
 from engine.memory import ModelShape, num_kv_blocks
@@ -63,7 +63,7 @@ class ModelRunner:
         self.hf_config = self.model.config
         self.shape = ModelShape.from_hf_config(self.hf_config)
         # each layer's scaling / window / softcap; UnsupportedModel (at load) for what we cannot serve
-        self.layer_features = attention.probe_features(self.model, self.shape.num_layers, self.shape.num_kv_heads,
+        self.layer_features = features.probe_features(self.model, self.shape.num_layers, self.shape.num_kv_heads,
                                                        self.shape.head_dim, self.device)
         self.windows = sorted({f.sliding_window for f in self.layer_features if f.sliding_window})
         self.block_size = config.block_size

@@ -7,11 +7,14 @@ at load with one line naming the feature."""
 from __future__ import annotations
 
 import random
+import subprocess
+import sys
 
 import pytest
+import yaml
 
 from checkpoints.families import FAMILIES, WINDOW, build_family_config
-from engine import attention
+from engine import features
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol.sampling import SamplingParams
@@ -126,14 +129,41 @@ def test_resume_and_hand_off_continue_token_exact(family_dir, family):
     assert prefilled.token_ids + _run_to_end(engine)["dec"] == expected
 
 
-def test_sinks_are_refused_at_load_naming_the_feature(tmp_path):
-    """gpt-oss passes its attention sinks to the attention function: refused, never served wrongly."""
+@pytest.fixture(scope="module")
+def sinks_dir(tmp_path_factory) -> str:
+    """A tiny random gpt-oss checkpoint: its attention passes sinks (`s_aux`) to the attention function."""
     from transformers import AutoModelForCausalLM, GptOssConfig
 
     config = GptOssConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=8, intermediate_size=32, num_local_experts=2,
                           num_experts_per_tok=1, max_position_embeddings=64, sliding_window=4)
-    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
-    with pytest.raises(attention.UnsupportedModel) as err:
-        LLMEngine(EngineConfig(model_path=str(tmp_path), num_blocks=8))
-    assert str(err.value) == "gpt_oss checkpoints need attention sinks, which pdserve's paged attention does not serve"
+    path = tmp_path_factory.mktemp("gpt_oss")
+    AutoModelForCausalLM.from_config(config).save_pretrained(path)
+    return str(path)
+
+
+SINKS_REFUSAL = "gpt_oss checkpoints need attention sinks, which pdserve's paged attention does not serve"
+
+
+def test_sinks_are_refused_at_load_naming_the_feature(sinks_dir):
+    """Refused, never served wrongly: by the engine (a worker's load) and from config.json alone."""
+    with pytest.raises(features.UnsupportedModel) as err:
+        LLMEngine(EngineConfig(model_path=sinks_dir, num_blocks=8))
+    assert str(err.value) == SINKS_REFUSAL
+    with pytest.raises(features.UnsupportedModel, match=f"^{SINKS_REFUSAL}$"):
+        features.probe_checkpoint(sinks_dir)
+
+
+def test_serve_exits_2_with_one_line_naming_the_feature(sinks_dir, tmp_path):
+    config = tmp_path / "cluster.yaml"
+    config.write_text(yaml.safe_dump({"model": {"path": sinks_dir}}))
+    proc = subprocess.run([sys.executable, "-m", "cli", "serve", "--config", str(config)],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [f"pdserve: error: model.path: {sinks_dir}: {SINKS_REFUSAL}"]
+
+
+def test_the_meta_probe_agrees_with_the_loaded_model(family_dir):
+    """What the router checks from config.json alone is what the workers' loaded models report."""
+    for family in FAMILIES:
+        assert list(features.probe_checkpoint(family_dir(family))) == _engine(family_dir, family).runner.layer_features
