@@ -37,7 +37,7 @@ class PrefillChunk:
     end: int
     ctx_blocks: torch.Tensor | None  # [ceil(ctx / bs)] blocks holding all keys; None = fresh prompt (keys == chunk)
     mask: torch.Tensor | None  # [q, ctx_blocks * bs] bool, True = attend; None = plain causal
-    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> [q, keys] bool
+    window_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # window -> [q, keys] bool; None = causal
 
 
 @dataclass

@@ -6,9 +6,11 @@ at load with one line naming the feature."""
 
 from __future__ import annotations
 
+import json
 import random
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -17,6 +19,7 @@ from checkpoints.families import FAMILIES, WINDOW, build_family_config
 from engine import features
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
+from engine.memory import layer_windows
 from protocol.sampling import SamplingParams
 from tests.reference import hf_greedy
 
@@ -136,7 +139,7 @@ def sinks_dir(tmp_path_factory) -> str:
 
     config = GptOssConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                           num_key_value_heads=2, head_dim=8, intermediate_size=32, num_local_experts=2,
-                          num_experts_per_tok=1, max_position_embeddings=64, sliding_window=4)
+                          num_experts_per_tok=1, sliding_window=4)
     path = tmp_path_factory.mktemp("gpt_oss")
     AutoModelForCausalLM.from_config(config).save_pretrained(path)
     return str(path)
@@ -163,7 +166,11 @@ def test_serve_exits_2_with_one_line_naming_the_feature(sinks_dir, tmp_path):
     assert proc.stderr.strip().splitlines() == [f"pdserve: error: model.path: {sinks_dir}: {SINKS_REFUSAL}"]
 
 
-def test_the_meta_probe_agrees_with_the_loaded_model(family_dir):
-    """What the router checks from config.json alone is what the workers' loaded models report."""
+def test_the_meta_probe_and_the_plan_agree_with_the_loaded_model(family_dir):
+    """What the router checks from config.json alone, and the windows `pdserve plan` reads from it,
+    are what the workers' loaded models report."""
     for family in FAMILIES:
-        assert list(features.probe_checkpoint(family_dir(family))) == _engine(family_dir, family).runner.layer_features
+        loaded = _engine(family_dir, family).runner.layer_features
+        assert list(features.probe_checkpoint(family_dir(family))) == loaded, family
+        config = json.loads((Path(family_dir(family)) / "config.json").read_text())
+        assert list(layer_windows(config, len(loaded))) == [f.sliding_window for f in loaded], family
