@@ -6,13 +6,12 @@ with an `AttentionProbe` as the step metadata: each layer's call records its key
 instead of attending. What paged attention honours becomes `LayerFeatures`; anything else (sinks,
 bidirectional attention, a bias of the model's own, layers that never call it, per-layer KV shapes)
 is `UnsupportedModel`, one line naming the feature, at load and never as wrong tokens.
-`probe_checkpoint` does the same from config.json alone, on the meta device (no weights, no
-memory), so the router refuses a checkpoint before starting any worker.
+`model_runner.probe_checkpoint` does the same from config.json alone, on the meta device (no
+weights, no memory), so the router refuses a checkpoint before starting any worker.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -85,18 +84,3 @@ def probe_features(model, num_layers: int, kv_heads: int, head_dim: int, device)
         raise UnsupportedModel(f"{name} checkpoints have per-layer KV head counts or head sizes "
                                f"{sorted(probe.kv_shapes)}, which pdserve's KV pool does not hold")
     return [probe.layers[i] for i in range(num_layers)]
-
-
-@functools.lru_cache(maxsize=8)
-def probe_checkpoint(model_path: str) -> tuple[LayerFeatures, ...]:
-    """`probe_features` of the checkpoint at `model_path` built from its config on the meta device."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from engine import attention
-    from engine.memory import ModelShape
-
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attention.register())
-    shape = ModelShape.from_hf_config(model.config, num_params=0)
-    return tuple(probe_features(model, shape.num_layers, shape.num_kv_heads, shape.head_dim, "meta"))

@@ -7,6 +7,7 @@ the rows whose sequences need a new token go through the LM head (`logits_to_kee
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -186,6 +187,17 @@ class ModelRunner:
             inside = positions[None, :] >= ctx_lens[:, None] - window
             windows[window] = mask if max_ctx <= window else mask & inside[:, None, None, :].to(self.device)
         return attention.DecodeGroup(start, start + len(decodes), table.to(self.device), mask, windows)
+
+
+@functools.lru_cache(maxsize=8)
+def probe_checkpoint(model_path: str) -> tuple[features.LayerFeatures, ...]:
+    """`features.probe_features` of the checkpoint at `model_path`, built from its config on the meta
+    device (no weights read, no memory): the router's refusal before any worker loads it."""
+    hf_config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention.register())
+    shape = ModelShape.from_hf_config(model.config, num_params=0)
+    return tuple(features.probe_features(model, shape.num_layers, shape.num_kv_heads, shape.head_dim, "meta"))
 
 
 def device_memory(device: torch.device) -> int:

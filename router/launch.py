@@ -17,7 +17,8 @@ from pathlib import Path
 
 import ray
 
-from engine.features import UnsupportedModel, probe_checkpoint
+from engine.features import UnsupportedModel
+from engine.model_runner import probe_checkpoint
 from protocol.sizes import parse_bytes
 from router.config.schema import ClusterConfig
 from router.config.typed_yaml import ConfigError

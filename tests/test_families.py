@@ -20,6 +20,7 @@ from engine import features
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.memory import layer_windows
+from engine.model_runner import probe_checkpoint
 from protocol.sampling import SamplingParams
 from tests.reference import hf_greedy
 
@@ -154,7 +155,7 @@ def test_sinks_are_refused_at_load_naming_the_feature(sinks_dir):
         LLMEngine(EngineConfig(model_path=sinks_dir, num_blocks=8))
     assert str(err.value) == SINKS_REFUSAL
     with pytest.raises(features.UnsupportedModel, match=f"^{SINKS_REFUSAL}$"):
-        features.probe_checkpoint(sinks_dir)
+        probe_checkpoint(sinks_dir)
 
 
 def test_serve_exits_2_with_one_line_naming_the_feature(sinks_dir, tmp_path):
@@ -171,6 +172,6 @@ def test_the_meta_probe_and_the_plan_agree_with_the_loaded_model(family_dir):
     are what the workers' loaded models report."""
     for family in FAMILIES:
         loaded = _engine(family_dir, family).runner.layer_features
-        assert list(features.probe_checkpoint(family_dir(family))) == loaded, family
+        assert list(probe_checkpoint(family_dir(family))) == loaded, family
         config = json.loads((Path(family_dir(family)) / "config.json").read_text())
         assert list(layer_windows(config, len(loaded))) == [f.sliding_window for f in loaded], family
