@@ -1,24 +1,33 @@
 """Paged attention plugged into transformers through its attention-function registry.
 
 The runner flattens every scheduled token of every sequence into one row (`[1, T]`), decode
-tokens first. `StepMetadata` (built once per step, shared by all layers) reaches
-`paged_attention` as the `paged` keyword of the model's forward call. Per layer the function
-writes the new K/V into their slots of the pool, then attends:
+tokens first. `StepMetadata` is built once per step, shared by all layers, and held for the
+step's forward by `step_context`. Each layer calls the custom op `pdserve::paged_attention`,
+which reads the metadata from there, writes the new K/V into their slots of the pool, then attends:
 - decode tokens in a few padded SDPA calls, grouped by context length (little padding);
 - each prefill chunk over its own context (fresh prompts straight from K/V, causal).
 
-Per-layer attention features arrive as the keyword arguments transformers' modules pass:
-`scaling` (Gemma's `query_pre_attn_scalar`, Granite's multiplier), `sliding_window` (the key
-positions a query at position t sees are (t - window, t], as transformers' masks say) and
-`softcap` (Gemma 2: tanh(scores / cap) * cap before the softmax). A window picks the step's
-mask built for that window size (`window_masks`, one per distinct size, shared by all layers);
-a softcap, which SDPA lacks, takes an explicit matmul / softmax path. A model without either
-builds no extra mask and runs exactly the plain SDPA path. At load one token runs with an
-`AttentionProbe` in place of the metadata (engine/features.py) to learn each layer's features.
+The op is opaque to torch.compile: its inputs and output are plain tensors of fixed rank whose
+only changing size is the token count, so a compiled forward traces everything around it
+(projections, norms, rotary, MLP) and calls it as one node, and a changing batch never
+recompiles. The pool write is a side effect the compiler never sees, which is safe because every
+read of the pool happens inside the op too.
+
+Per-layer attention features arrive as the keyword arguments transformers' modules pass and
+reach the op as plain scalars (0 = off): `scaling` (Gemma's `query_pre_attn_scalar`, Granite's
+multiplier), `sliding_window` (the key positions a query at position t sees are (t - window, t],
+as transformers' masks say) and `softcap` (Gemma 2: tanh(scores / cap) * cap before the softmax).
+A window picks the step's mask built for that window size (`window_masks`, one per distinct
+size, shared by all layers); a softcap, which SDPA lacks, takes an explicit matmul / softmax
+path. A model without either builds no extra mask and runs exactly the plain SDPA path, eager
+or compiled alike. At load one token runs under an `AttentionProbe` (engine/features.py) to
+learn each layer's features.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +35,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from engine.features import AttentionProbe
+from engine import features
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -60,29 +69,64 @@ class StepMetadata:
     prefills: list[PrefillChunk]
 
 
+_current: list[StepMetadata] = []  # the step being computed (a stack of at most one)
+
+
+@contextlib.contextmanager
+def step_context(meta: StepMetadata) -> Iterator[None]:
+    """Make `meta` the metadata every layer's attention reads during one forward."""
+    _current.append(meta)
+    try:
+        yield
+    finally:
+        _current.pop()
+
+
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                    sliding_window: int | None = None, softcap: float | None = None,
-                    paged: StepMetadata | None = None, **kwargs):
-    if type(paged) is AttentionProbe:
-        return paged.record(module, query, key, attention_mask, scaling, sliding_window, softcap, kwargs)
-    assert paged is not None, "paged attention needs the step's metadata (`paged=` in forward)"
-    # query [1, H, T, D]; key/value [1, KVH, T, D]
+                    sliding_window: int | None = None, softcap: float | None = None, **kwargs):
+    """transformers' attention-function signature -> the opaque op; returns `[1, T, H, D]`."""
+    probe = features.active_probe()
+    if probe is not None:
+        return probe.record(module, query, key, attention_mask, scaling, sliding_window, softcap, kwargs)
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return torch.ops.pdserve.paged_attention(query, key, value, module.layer_idx, float(scaling),
+                                             int(sliding_window or 0), float(softcap or 0.0)), None
+
+
+@torch.library.custom_op("pdserve::paged_attention", mutates_args=())
+def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                       scaling: float, sliding_window: int, softcap: float) -> torch.Tensor:
+    """query `[1, H, T, D]`, key/value `[1, KVH, T, D]` -> `[1, T, H, D]`; writes K/V to the pool.
+    `sliding_window` / `softcap`: 0 = none."""
+    assert _current, "paged attention runs only inside attention.step_context(meta)"
+    paged = _current[-1]
     _, num_heads, num_tokens, head_dim = query.shape
-    k_cache = paged.kv[:, module.layer_idx, 0]  # [blocks, block_size, KVH, D], a strided view
-    v_cache = paged.kv[:, module.layer_idx, 1]
+    k_cache = paged.kv[:, layer_idx, 0]  # [blocks, block_size, KVH, D], a strided view
+    v_cache = paged.kv[:, layer_idx, 1]
     where = (paged.slot_blocks, paged.slot_offsets)
     k_cache.index_put_(where, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_put_(where, value[0].transpose(0, 1).to(v_cache.dtype))
 
-    scale = scaling if scaling is not None else head_dim**-0.5
-    out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
+    out = query.new_empty(1, num_tokens, num_heads, head_dim)
     for group in paged.decode_groups:
         mask = group.window_masks[sliding_window] if sliding_window else group.mask
-        _decode(query, k_cache, v_cache, group, mask, scale, softcap, out)
+        _decode(query, k_cache, v_cache, group, mask, scaling, softcap, out[0])
     for chunk in paged.prefills:
         mask = chunk.window_masks[sliding_window] if sliding_window else chunk.mask
-        _prefill(query, key, value, k_cache, v_cache, chunk, mask, scale, softcap, out)
-    return out.unsqueeze(0), None  # [1, T, H, D]
+        _prefill(query, key, value, k_cache, v_cache, chunk, mask, scaling, softcap, out[0])
+    return out
+
+
+@paged_attention_op.register_fake
+def _(query, key, value, layer_idx, scaling, sliding_window, softcap):
+    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+
+
+def window_mask(queries: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:
+    """`[q, k]` bool: query position t sees key position p iff t - window < p <= t."""
+    delta = queries[:, None] - keys[None, :]
+    return (delta >= 0) & (delta < window)
 
 
 def _decode(query, k_cache, v_cache, group: DecodeGroup, mask, scale, softcap, out) -> None:

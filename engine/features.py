@@ -2,8 +2,8 @@
 
 Families differ in what their attention modules hand the attention function (sliding windows,
 soft-caps, scalings, sinks...). Rather than a table per family, one token runs through the model
-with an `AttentionProbe` as the step metadata: each layer's call records its keyword arguments
-instead of attending. What paged attention honours becomes `LayerFeatures`; anything else (sinks,
+with an `AttentionProbe` active: each layer's call records its keyword arguments instead of
+attending. What paged attention honours becomes `LayerFeatures`; anything else (sinks,
 bidirectional attention, a bias of the model's own, layers that never call it, per-layer KV shapes)
 is `UnsupportedModel`, one line naming the feature, at load and never as wrong tokens.
 `model_runner.probe_checkpoint` does the same from config.json alone, on the meta device (no
@@ -62,6 +62,14 @@ class AttentionProbe:
         return query.new_zeros(b, t, h, d), None
 
 
+_probing: list[AttentionProbe] = []  # the probe of the forward now running, if any
+
+
+def active_probe() -> AttentionProbe | None:
+    """The probe paged attention records into instead of attending (only during `probe_features`)."""
+    return _probing[-1] if _probing else None
+
+
 @torch.inference_mode()
 def probe_features(model, num_layers: int, kv_heads: int, head_dim: int, device) -> list[LayerFeatures]:
     """Each layer's attention features, from one token through `model`; UnsupportedModel, naming
@@ -69,11 +77,14 @@ def probe_features(model, num_layers: int, kv_heads: int, head_dim: int, device)
     probe = AttentionProbe()
     name = getattr(model.config, "model_type", "model")
     one = torch.ones(1, 1, dtype=torch.long, device=device)
+    _probing.append(probe)
     try:  # an explicit 2D mask spares transformers' packed-sequence check, which the meta device cannot run
-        model(input_ids=one, attention_mask=one, paged=probe, use_cache=False)
+        model(input_ids=one, attention_mask=one, use_cache=False)
     except Exception:
         if not probe.lacking:  # a model that cannot run one token: its own error says why
             raise
+    finally:
+        _probing.pop()
     if probe.lacking:
         raise UnsupportedModel(f"{name} checkpoints need {', '.join(dict.fromkeys(probe.lacking))}, "
                                "which pdserve's paged attention does not serve")

@@ -9,6 +9,7 @@ interface both answer alike (ready, poll, stats, telemetry, check), written once
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 from collections.abc import Callable
 from typing import Any
@@ -24,6 +25,8 @@ from worker_runtime.engine_loop import EngineLoop
 from worker_runtime.faults import Faults
 from worker_runtime.outbox import Outbox
 
+log = logging.getLogger(__name__)
+
 
 class WorkerCore:
     def __init__(self, name: str, pool: str, config: EngineConfig,
@@ -38,6 +41,7 @@ class WorkerCore:
         self.pool = pool
         self.node_ip = node_ip  # where peers reach this worker's channels
         self.engine = LLMEngine(config)
+        log.info("%s: %s", name, self.engine.runner.describe())
         slow = faults.slow_step if faults is not None else None  # a no-op while step_delay_s is 0
         self.loop = EngineLoop(self.engine, on_outputs, name=name, before_step=slow, after_step=after_step)
         self.served = 0
