@@ -177,6 +177,7 @@ def test_the_meta_probe_and_the_plan_agree_with_the_loaded_model(family_dir):
         assert list(layer_windows(config, len(loaded))) == [f.sliding_window for f in loaded], family
 
 
+@pytest.mark.slow  # compiling takes minutes on the 2-core host
 def test_a_compiled_forward_honours_windows_soft_caps_and_scaling(family_dir):
     """The features live in the paged-attention op itself: compiled, Gemma 2 (windows on 3 of 4
     layers, soft-capping, query_pre_attn_scalar) is as token-exact as eager, without recompiling."""
