@@ -222,6 +222,17 @@ def _safetensors_elements(file: Path) -> int:
         raise PlanError(f"{file}: malformed safetensors header ({err!r})") from err
 
 
+def _windowed_row(plan: MemoryPlan, shape: ModelShape) -> list[tuple[str, str]]:
+    """For a model with sliding-window layers: what its KV needs when those keep only their window
+    (pdserve's pool keeps every token of every layer, so capacity uses the line above)."""
+    if not shape.sliding_windows:
+        return []
+    sliding = [w for w in shape.sliding_windows if w is not None]
+    return [("KV windowed", f"{format_bytes(int(plan.windowed_kv_bytes_per_token))} per token over "
+                            f"{plan.context_tokens:,} tokens ({len(sliding)} of {shape.num_layers} layers "
+                            f"keep a {min(sliding):,}-token window); pdserve's pool holds every token")]
+
+
 def format_plan(plan: MemoryPlan, shape: ModelShape) -> str:
     """The human table: one line per figure, the seed's budget order."""
     rows = [
@@ -233,6 +244,7 @@ def format_plan(plan: MemoryPlan, shape: ModelShape) -> str:
         ("overhead", format_bytes(plan.overhead_bytes)),
         ("KV budget", format_bytes(plan.kv_budget_bytes)),
         ("KV per token", format_bytes(plan.kv_bytes_per_token)),
+        *_windowed_row(plan, shape),
         ("KV capacity", f"{plan.capacity_tokens:,} tokens "
                         f"({plan.num_blocks:,} blocks of {plan.block_size} tokens)"),
         ("per request", f"{format_bytes(plan.bytes_per_request)} for "

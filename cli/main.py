@@ -227,7 +227,7 @@ def _scale(args: argparse.Namespace) -> int:
 
 # ---- convert-gguf -------------------------------------------------------------------
 def _add_convert(sub) -> None:
-    p = sub.add_parser("convert-gguf", help="de-quantize a Llama or Qwen2 GGUF file into a float checkpoint to serve")
+    p = sub.add_parser("convert-gguf", help="de-quantize a GGUF file of a served family into a float checkpoint to serve")
     p.add_argument("gguf", nargs="?", metavar="GGUF", help="the .gguf file (leave out with --smollm2)")
     p.add_argument("out_dir", nargs="?", metavar="OUT_DIR",
                    help="the checkpoint directory to write; must not exist (default: models/<GGUF file name>)")

@@ -12,18 +12,30 @@ only changing size is the token count, so a compiled forward traces everything a
 (projections, norms, rotary, MLP) and calls it as one node, and a changing batch never
 recompiles. The pool write is a side effect the compiler never sees, which is safe because every
 read of the pool happens inside the op too.
+
+Per-layer attention features arrive as the keyword arguments transformers' modules pass and
+reach the op as plain scalars (0 = off): `scaling` (Gemma's `query_pre_attn_scalar`, Granite's
+multiplier), `sliding_window` (the key positions a query at position t sees are (t - window, t],
+as transformers' masks say) and `softcap` (Gemma 2: tanh(scores / cap) * cap before the softmax).
+A window picks the step's mask built for that window size (`window_masks`, one per distinct
+size, shared by all layers); a softcap, which SDPA lacks, takes an explicit matmul / softmax
+path. A model without either builds no extra mask and runs exactly the plain SDPA path, eager
+or compiled alike. At load one token runs under an `AttentionProbe` (engine/features.py) to
+learn each layer's features.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
+
+from engine import features
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -34,6 +46,7 @@ class PrefillChunk:
     end: int
     ctx_blocks: torch.Tensor | None  # [ceil(ctx / bs)] blocks holding all keys; None = fresh prompt (keys == chunk)
     mask: torch.Tensor | None  # [q, ctx_blocks * bs] bool, True = attend; None = plain causal
+    window_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # window -> [q, keys] bool; None = causal
 
 
 @dataclass
@@ -44,6 +57,7 @@ class DecodeGroup:
     end: int
     blocks: torch.Tensor  # [B, max_blocks] each row's block table, padded
     mask: torch.Tensor  # [B, 1, 1, max_blocks * block_size] bool, True = real key
+    window_masks: dict[int, torch.Tensor] = field(default_factory=dict)  # window -> keys inside it, same shape
 
 
 @dataclass
@@ -68,19 +82,25 @@ def step_context(meta: StepMetadata) -> Iterator[None]:
         _current.pop()
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    sliding_window: int | None = None, softcap: float | None = None, **kwargs):
     """transformers' attention-function signature -> the opaque op; returns `[1, T, H, D]`."""
+    probe = features.active_probe()
+    if probe is not None:
+        return probe.record(module, query, key, attention_mask, scaling, sliding_window, softcap, kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
-    return torch.ops.pdserve.paged_attention(query, key, value, module.layer_idx, float(scaling)), None
+    return torch.ops.pdserve.paged_attention(query, key, value, module.layer_idx, float(scaling),
+                                             int(sliding_window or 0), float(softcap or 0.0)), None
 
 
 # cudagraph_unsafe: a CUDA-graph capture (engine.cuda_graphs) partitions the graph around it,
 # since its work depends on per-step metadata that lives in Python, not in the graph's tensors
 @torch.library.custom_op("pdserve::paged_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
 def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
-                       scaling: float) -> torch.Tensor:
-    """query `[1, H, T, D]`, key/value `[1, KVH, T, D]` -> `[1, T, H, D]`; writes K/V to the pool."""
+                       scaling: float, sliding_window: int, softcap: float) -> torch.Tensor:
+    """query `[1, H, T, D]`, key/value `[1, KVH, T, D]` -> `[1, T, H, D]`; writes K/V to the pool.
+    `sliding_window` / `softcap`: 0 = none."""
     assert _current, "paged attention runs only inside attention.step_context(meta)"
     paged = _current[-1]
     _, num_heads, num_tokens, head_dim = query.shape
@@ -92,18 +112,26 @@ def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 
     out = query.new_empty(1, num_tokens, num_heads, head_dim)
     for group in paged.decode_groups:
-        _decode(query, k_cache, v_cache, group, scaling, out[0])
+        mask = group.window_masks[sliding_window] if sliding_window else group.mask
+        _decode(query, k_cache, v_cache, group, mask, scaling, softcap, out[0])
     for chunk in paged.prefills:
-        _prefill(query, key, value, k_cache, v_cache, chunk, scaling, out[0])
+        mask = chunk.window_masks[sliding_window] if sliding_window else chunk.mask
+        _prefill(query, key, value, k_cache, v_cache, chunk, mask, scaling, softcap, out[0])
     return out
 
 
 @paged_attention_op.register_fake
-def _(query, key, value, layer_idx, scaling):
+def _(query, key, value, layer_idx, scaling, sliding_window, softcap):
     return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
 
 
-def _decode(query, k_cache, v_cache, group: DecodeGroup, scaling, out) -> None:
+def window_mask(queries: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:
+    """`[q, k]` bool: query position t sees key position p iff t - window < p <= t."""
+    delta = queries[:, None] - keys[None, :]
+    return (delta >= 0) & (delta < window)
+
+
+def _decode(query, k_cache, v_cache, group: DecodeGroup, mask, scale, softcap, out) -> None:
     n = group.end - group.start
     num_heads, head_dim = query.shape[1], query.shape[3]
     num_kv_heads = k_cache.shape[2]
@@ -114,11 +142,14 @@ def _decode(query, k_cache, v_cache, group: DecodeGroup, scaling, out) -> None:
     flat = group.blocks.view(-1)  # whole blocks: one contiguous copy each
     k = k_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)  # [B, KVH, ctx, D]
     v = v_cache.index_select(0, flat).view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=group.mask, scale=scaling)  # [B, KVH, G, D]
+    if softcap:
+        o = _softcapped(q, k, v, mask, scale, softcap)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)  # [B, KVH, G, D]
     out[group.start:group.end] = o.reshape(n, num_heads, head_dim)
 
 
-def _prefill(query, key, value, k_cache, v_cache, chunk: PrefillChunk, scaling, out) -> None:
+def _prefill(query, key, value, k_cache, v_cache, chunk: PrefillChunk, mask, scale, softcap, out) -> None:
     q = query[:, :, chunk.start:chunk.end]  # [1, H, q, D]
     if chunk.ctx_blocks is None:
         k = key[:, :, chunk.start:chunk.end]  # [1, KVH, q, D]
@@ -127,9 +158,26 @@ def _prefill(query, key, value, k_cache, v_cache, chunk: PrefillChunk, scaling, 
         kvh, d = k_cache.shape[2], k_cache.shape[3]
         k = k_cache.index_select(0, chunk.ctx_blocks).view(-1, kvh, d).transpose(0, 1).unsqueeze(0)  # [1, KVH, ctx, D]
         v = v_cache.index_select(0, chunk.ctx_blocks).view(-1, kvh, d).transpose(0, 1).unsqueeze(0)
-    o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, is_causal=chunk.mask is None,
-                                       scale=scaling, enable_gqa=True)
+    if softcap:
+        n_q, n_kv = q.shape[2], k.shape[2]
+        if mask is None:  # a fresh prompt: plain causal
+            mask = torch.ones(n_q, n_kv, dtype=torch.bool, device=q.device).tril()
+        # heads sharing a KV head as one group: [1, KVH, G, q, D] against [1, KVH, 1, ctx, D]
+        grouped = q.view(1, k.shape[1], -1, n_q, q.shape[3])
+        o = _softcapped(grouped, k.unsqueeze(2), v.unsqueeze(2), mask, scale, softcap).flatten(1, 2)
+    else:
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None,
+                                           scale=scale, enable_gqa=True)
     out[chunk.start:chunk.end] = o[0].transpose(0, 1)
+
+
+def _softcapped(q, k, v, mask, scale: float, softcap: float):
+    """Attention with scores soft-capped to (-cap, cap) before the mask and softmax, in the order
+    and precision of transformers' eager path (softmax in float32). `mask` True = attend."""
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
 
 
 def _no_mask(*args, **kwargs):

@@ -27,6 +27,7 @@ A model that fails to compile falls back to eager with one logged line naming th
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import torch
 from torch import nn
@@ -100,7 +101,7 @@ class Forward:
         return _graphs_compiled() - self._graphs_at_ready
 
     @torch.inference_mode()
-    def warm_up(self, kv: torch.Tensor, block_size: int) -> None:
+    def warm_up(self, kv: torch.Tensor, block_size: int, windows: Sequence[int] = ()) -> None:
         """Compile every graph serving will need (see the module doc), on scratch slots of block 0.
         Runs before the worker reports ready, when no block holds anything yet. A failure here
         falls back to eager, once, with the reason logged."""
@@ -108,19 +109,20 @@ class Forward:
             return
         try:
             for tokens in (1, block_size + 1):
-                self._warm_step(kv, block_size, tokens)
+                self._warm_step(kv, block_size, tokens, windows)
         except Exception as exc:  # noqa: BLE001 - any compiler failure means: serve eagerly
             text = str(exc).strip()
             self._fall_back(f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no message'}"[:300])
             return
         self._graphs_at_ready = _graphs_compiled()
 
-    def _warm_step(self, kv: torch.Tensor, block_size: int, tokens: int) -> None:
+    def _warm_step(self, kv: torch.Tensor, block_size: int, tokens: int, windows: Sequence[int]) -> None:
         dev = kv.device
         positions = torch.arange(tokens, device=dev)
+        window_masks = {w: attention.window_mask(positions, positions, w) if tokens > w else None for w in windows}
         meta = attention.StepMetadata(
             kv=kv, slot_blocks=positions // block_size % kv.shape[0], slot_offsets=positions % block_size,
-            decode_groups=[], prefills=[attention.PrefillChunk(0, tokens, None, None)])
+            decode_groups=[], prefills=[attention.PrefillChunk(0, tokens, None, None, window_masks)])
         ids = torch.zeros(1, tokens, dtype=torch.long, device=dev)
         sample_rows = torch.arange(tokens - 1, tokens, device=dev)
         with attention.step_context(meta):

@@ -3,6 +3,12 @@
 `plan_memory` answers `pdserve plan` ("how many 8k-token requests fit?") and
 `num_kv_blocks` sizes a decode worker's paged KV pool from the same arithmetic:
 KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per value.
+
+Sliding-window layers (Mistral, Gemma 2/3, Qwen2/3 and SmolLM3 with `use_sliding_window`, Phi-3)
+need the KV of their last `window` tokens only: `kv_bytes_for_context` bounds them so. pdserve's
+pool still holds every layer's KV for every token (it frees no block early), so the pool's
+arithmetic (`num_kv_blocks`, `requests_that_fit`) uses the full figure and the plan reports the
+windowed one beside it.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ class ModelShape:
     vocab_size: int | None = None
     max_positions: int | None = None
     num_attention_heads: int | None = None  # query heads; None: attention FLOPs left out (engine/cost_model.py)
+    sliding_windows: tuple[int | None, ...] = ()  # per layer: its window, None = full; () = all full
 
     @classmethod
     def from_hf_config(
@@ -45,6 +52,8 @@ class ModelShape:
         heads = _require(cfg, "num_attention_heads")
         hidden = _require(cfg, "hidden_size")
         head_dim = _field(cfg, "head_dim") or hidden // heads
+        layers = _require(cfg, "num_hidden_layers")
+        windows = layer_windows(cfg, layers)
         return cls(
             name=name or str(_field(cfg, "_name_or_path") or _field(cfg, "model_type") or "model"),
             num_layers=_require(cfg, "num_hidden_layers"),
@@ -54,7 +63,35 @@ class ModelShape:
             vocab_size=_field(cfg, "vocab_size"),
             max_positions=_field(cfg, "max_position_embeddings"),
             num_attention_heads=heads,
+            sliding_windows=windows if any(windows) else (),
         )
+
+
+def layer_windows(cfg: Any, num_layers: int) -> tuple[int | None, ...]:
+    """Each layer's sliding window (None: full attention) as transformers' modules read the config:
+    `layer_types` where the config lists them, else the rule of the family's older config.json
+    (Qwen2: layers from `max_window_layers` on; Gemma 2: every other layer; Gemma 3: all but every
+    `sliding_window_pattern`-th), else every layer (Mistral, Phi-3). `use_sliding_window: false`
+    (Qwen2, Qwen3, SmolLM3) turns the window off."""
+    window = _field(cfg, "sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0 \
+            or _field(cfg, "use_sliding_window") is False:
+        return (None,) * num_layers
+    types = _field(cfg, "layer_types")
+    if types:
+        return tuple(window if t == "sliding_attention" else None for t in types)
+    model_type = _field(cfg, "model_type")
+    if _field(cfg, "use_sliding_window"):
+        first = _field(cfg, "max_window_layers") or 0
+        sliding = [i >= first for i in range(num_layers)]
+    elif model_type == "gemma2":
+        sliding = [(i + 1) % 2 == 1 for i in range(num_layers)]
+    elif model_type in ("gemma3", "gemma3_text"):
+        pattern = _field(cfg, "sliding_window_pattern") or 6
+        sliding = [(i + 1) % pattern != 0 for i in range(num_layers)]
+    else:
+        sliding = [True] * num_layers
+    return tuple(window if s else None for s in sliding)
 
 
 def _field(cfg: Any, key: str) -> Any:
@@ -121,6 +158,14 @@ def kv_bytes_per_token(shape: ModelShape, dtype_bytes: int) -> int:
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype_bytes
 
 
+def kv_bytes_for_context(shape: ModelShape, dtype_bytes: int, num_tokens: int) -> int:
+    """The KV one sequence of `num_tokens` needs when each sliding-window layer keeps only its
+    last `window` tokens (full layers keep them all)."""
+    per_layer_token = 2 * shape.num_kv_heads * shape.head_dim * dtype_bytes
+    windows = shape.sliding_windows or (None,) * shape.num_layers
+    return per_layer_token * sum(num_tokens if w is None else min(num_tokens, w) for w in windows)
+
+
 def num_kv_blocks(shape: ModelShape, dtype: str | int | Any, budget_bytes: int, block_size: int) -> int:
     """Whole KV blocks of `block_size` tokens that fit in `budget_bytes` (0 if none)."""
     if block_size <= 0:
@@ -143,6 +188,7 @@ class MemoryPlan:
     block_size: int
     num_blocks: int
     context_tokens: int
+    windowed_bytes_per_request: int  # the context's KV when sliding-window layers keep only their window
 
     @property
     def kv_budget_bytes(self) -> int:
@@ -165,11 +211,17 @@ class MemoryPlan:
         return self.blocks_per_request * self.block_bytes
 
     @property
+    def windowed_kv_bytes_per_token(self) -> float:
+        """KV bytes per token averaged over the context, sliding-window layers bounded by their window
+        (equal to `kv_bytes_per_token` for a model without windows)."""
+        return self.windowed_bytes_per_request / self.context_tokens
+
+    @property
     def requests_that_fit(self) -> int:
         return self.num_blocks // self.blocks_per_request
 
     def to_dict(self) -> dict[str, Any]:
-        derived = ("kv_budget_bytes", "block_bytes", "capacity_tokens", "blocks_per_request",
+        derived = ("kv_budget_bytes", "windowed_kv_bytes_per_token", "block_bytes", "capacity_tokens", "blocks_per_request",
                    "bytes_per_request", "requests_that_fit")
         return asdict(self) | {name: getattr(self, name) for name in derived}
 
@@ -202,6 +254,7 @@ def plan_memory(
             f"leave no room for one KV block in {format_bytes(device_memory_bytes)}"
         )
     return MemoryPlan(shape.name, str(dtype), size, device_memory_bytes, overhead_bytes,
-                      weights, kv_bytes_per_token(shape, size), block_size, blocks, context_tokens)
+                      weights, kv_bytes_per_token(shape, size), block_size, blocks, context_tokens,
+                      kv_bytes_for_context(shape, size, context_tokens))
 
 

@@ -11,12 +11,13 @@ The forward is transformers' own module tree with two swaps: attention is the op
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import attention, compiled
+from engine import attention, compiled, features
 from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_pool
 from engine.memory import ModelShape, num_kv_blocks
@@ -73,13 +74,17 @@ class ModelRunner:
         ).to(self.device).eval()
         self.hf_config = self.model.config
         self.shape = ModelShape.from_hf_config(self.hf_config)
+        # each layer's scaling / window / softcap; UnsupportedModel (at load) for what we cannot serve
+        self.layer_features = features.probe_features(self.model, self.shape.num_layers, self.shape.num_kv_heads,
+                                                       self.shape.head_dim, self.device)
+        self.windows = sorted({f.sliding_window for f in self.layer_features if f.sliding_window})
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
         self.kv = allocate_kv_pool(self.shape.num_layers, self.num_blocks, self.block_size,
                                    self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
         self.forward = compiled.Forward(self.model, config.compile, self.device, config.cuda_graphs,
                                         prepack=config.prepack_linears)
-        self.forward.warm_up(self.kv, self.block_size)
+        self.forward.warm_up(self.kv, self.block_size, self.windows)
 
     def describe(self) -> str:
         """One line for the worker's start-up log: what runs, and why where it was chosen."""
@@ -159,12 +164,28 @@ class ModelRunner:
     def _chunk(self, it: ScheduledItem, row: int) -> attention.PrefillChunk:
         q = it.num_tokens
         if it.start == 0:
-            return attention.PrefillChunk(row, row + q, None, None)
+            keys = torch.arange(q)
+            return attention.PrefillChunk(row, row + q, None, None, self._window_masks(keys, keys, it.end))
         num_blocks = -(-it.end // self.block_size)  # the keys: whole blocks, the last one partly filled
         ctx_blocks = torch.tensor(it.request.block_ids[:num_blocks], device=self.device)
         # query i sits at position start + i and may see keys 0 .. start + i (never the unwritten tail)
-        mask = torch.arange(num_blocks * self.block_size)[None, :] <= (torch.arange(q) + it.start)[:, None]
-        return attention.PrefillChunk(row, row + q, ctx_blocks, mask.to(self.device))
+        keys, queries = torch.arange(num_blocks * self.block_size), torch.arange(it.start, it.end)
+        mask = (keys[None, :] <= queries[:, None]).to(self.device)
+        return attention.PrefillChunk(row, row + q, ctx_blocks, mask,
+                                      self._window_masks(keys, queries, it.end, mask))
+
+    def _window_masks(self, keys: torch.Tensor, queries: torch.Tensor, end: int,
+                      causal: torch.Tensor | None = None) -> dict[int, torch.Tensor | None]:
+        """Per window size: the causal mask of `queries` (positions) over `keys` (positions)
+        narrowed to each query's window; the causal mask itself where no query reaches past
+        its window (all of its keys are within `end` <= window)."""
+        masks: dict[int, torch.Tensor | None] = {}
+        for window in self.windows:
+            if end <= window:
+                masks[window] = causal
+            else:
+                masks[window] = attention.window_mask(queries, keys, window).to(self.device)
+        return masks
 
     def _decode_groups(self, decodes: list[ScheduledItem]) -> list[attention.DecodeGroup]:
         """Split the decode rows (sorted by context length) where padding to the group's
@@ -187,8 +208,23 @@ class ModelRunner:
         table = torch.tensor([r + r[:1] * (max_blocks - len(r)) for r in rows])  # [B, max_blocks]
         ctx_lens = torch.tensor(lens)  # [B]
         positions = torch.arange(max_blocks * bs)  # the keys of whole blocks
-        mask = (positions[None, :] < ctx_lens[:, None])[:, None, None, :]  # [B, 1, 1, max_blocks * bs]
-        return attention.DecodeGroup(start, start + len(decodes), table.to(self.device), mask.to(self.device))
+        mask = (positions[None, :] < ctx_lens[:, None])[:, None, None, :].to(self.device)  # [B, 1, 1, max_blocks * bs]
+        windows = {}
+        for window in self.windows:  # the query at position len - 1 sees keys len - window .. len - 1
+            inside = positions[None, :] >= ctx_lens[:, None] - window
+            windows[window] = mask if max_ctx <= window else mask & inside[:, None, None, :].to(self.device)
+        return attention.DecodeGroup(start, start + len(decodes), table.to(self.device), mask, windows)
+
+
+@functools.lru_cache(maxsize=8)
+def probe_checkpoint(model_path: str) -> tuple[features.LayerFeatures, ...]:
+    """`features.probe_features` of the checkpoint at `model_path`, built from its config on the meta
+    device (no weights read, no memory): the router's refusal before any worker loads it."""
+    hf_config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config, attn_implementation=attention.register())
+    shape = ModelShape.from_hf_config(model.config, num_params=0)
+    return tuple(features.probe_features(model, shape.num_layers, shape.num_kv_heads, shape.head_dim, "meta"))
 
 
 def device_memory(device: torch.device) -> int:

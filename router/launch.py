@@ -17,6 +17,8 @@ from pathlib import Path
 
 import ray
 
+from engine.features import UnsupportedModel
+from engine.model_runner import probe_checkpoint
 from protocol.sizes import parse_bytes
 from router.config.schema import ClusterConfig
 from router.config.typed_yaml import ConfigError
@@ -39,6 +41,10 @@ def ensure_model(cfg: ClusterConfig) -> None:
         make(cfg.model.path, arch=cfg.model.create_tiny, size="tiny")
     if not (Path(cfg.model.path) / "config.json").exists():
         raise FileNotFoundError(f"model.path {cfg.model.path} has no config.json")
+    try:  # from config.json on the meta device: refused here, before any worker loads weights
+        probe_checkpoint(cfg.model.path)
+    except UnsupportedModel as e:
+        raise ConfigError(f"model.path: {cfg.model.path}: {e}") from None
 
 
 def init_ray(cfg: ClusterConfig) -> bool:

@@ -167,3 +167,19 @@ def served_small(request, ray_instance, llama_dir):
         llama_dir, kv_cache={"prefix_caching": False}, scheduler={"chunk_size": 32, "max_num_batched_tokens": 32},
         router={"max_prefill_inflight": 1, "max_queue": 1, "migration_limit": 1, "call_timeout_s": 2,
                 "unresponsive_s": 4, "restart_backoff_s": 0.2}))
+
+
+@pytest.fixture(scope="session")
+def family_dir(tmp_path_factory):
+    """family name -> the directory of its tiny random checkpoint (checkpoints/families.py),
+    built on first use and shared by the session."""
+    from checkpoints.families import make_family_model
+
+    root = tmp_path_factory.mktemp("families")
+    built: dict[str, str] = {}
+
+    def get(family: str) -> str:
+        if family not in built:
+            built[family] = str(make_family_model(root / family, family))
+        return built[family]
+    return get

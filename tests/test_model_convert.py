@@ -138,16 +138,32 @@ def _one_error_line(capsys) -> str:
     return err[0]
 
 
-def test_refuses_a_gguf_of_another_architecture(tmp_path, capsys):
-    gguf = tmp_path / "phi.gguf"
-    writer = GGUFWriter(gguf, "phi2")
+@pytest.mark.parametrize("arch, reason", [
+    ("phi2", "transformers' GGUF loader does not read it"),
+    ("gpt-oss", "attention sinks"),
+    ("mamba", "layers whose state is not a KV cache (state-space layers)"),
+])
+def test_refuses_a_gguf_of_an_architecture_it_cannot_serve(tmp_path, capsys, arch, reason):
+    gguf = tmp_path / "other.gguf"
+    writer = GGUFWriter(gguf, arch)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     assert pdserve(["convert-gguf", str(gguf), str(tmp_path / "out")]) == 2
-    assert "holds a 'phi2' model; convert-gguf converts llama and qwen2 models only" in _one_error_line(capsys)
+    assert (f"holds a {arch!r} model, which pdserve cannot serve: {reason}; convert-gguf converts llama, mistral, "
+            "qwen2, qwen3, phi3, gemma2, gemma3 models") in _one_error_line(capsys)
     assert not (tmp_path / "out").exists()
+
+
+def test_every_architecture_transformers_reads_from_gguf_converts_or_has_a_reason():
+    """The rule covers transformers' whole GGUF list: each one is served, or refused with a named reason."""
+    from transformers.modeling_gguf_pytorch_utils import GGUF_SUPPORTED_ARCHITECTURES
+
+    archs = set(GGUF_SUPPORTED_ARCHITECTURES) - {"general", "tokenizer"}  # the two are key groups, not models
+    assert set(model_convert.SUPPORTED_ARCHS) <= archs
+    assert not set(model_convert.SUPPORTED_ARCHS) & set(model_convert.UNSERVED)
+    assert archs - set(model_convert.SUPPORTED_ARCHS) <= set(model_convert.UNSERVED)
 
 
 @pytest.mark.parametrize("name, content, message", [

@@ -13,7 +13,9 @@ from engine.memory import (
     BUILTIN_SHAPES,
     ModelShape,
     estimate_num_params,
+    kv_bytes_for_context,
     kv_bytes_per_token,
+    layer_windows,
     num_kv_blocks,
     plan_memory,
 )
@@ -168,3 +170,52 @@ def test_cli_names_a_broken_safetensors_file(tmp_path, capsys):
     (tmp_path / "model.safetensors").write_bytes(b"\x05\x00")
     assert _run_plan("--model", str(tmp_path)) == 2
     assert "model.safetensors" in capsys.readouterr().err
+
+
+# ---- sliding-window layers ---------------------------------------------------------------------
+GEMMA2_9B_CONFIG = {  # google/gemma-2-9b's config.json as older releases wrote it: no layer_types
+    "model_type": "gemma2", "hidden_size": 3584, "num_attention_heads": 16, "num_key_value_heads": 8,
+    "head_dim": 256, "num_hidden_layers": 42, "vocab_size": 256000, "intermediate_size": 14336,
+    "sliding_window": 4096, "max_position_embeddings": 8192, "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.parametrize(("extra", "expected"), [
+    ({"model_type": "mistral", "sliding_window": 3}, (3, 3, 3, 3)),
+    ({"model_type": "mistral", "sliding_window": None}, (None,) * 4),
+    ({"model_type": "qwen2", "sliding_window": 3, "use_sliding_window": False}, (None,) * 4),
+    ({"model_type": "qwen2", "sliding_window": 3, "use_sliding_window": True, "max_window_layers": 1}, (None, 3, 3, 3)),
+    ({"model_type": "gemma2", "sliding_window": 3}, (3, None, 3, None)),
+    ({"model_type": "gemma3_text", "sliding_window": 3, "sliding_window_pattern": 2}, (3, None, 3, None)),
+    ({"model_type": "gemma3_text", "sliding_window": 3, "layer_types": ["full_attention", "sliding_attention"] * 2},
+     (None, 3, None, 3)),
+    ({"model_type": "smollm3", "sliding_window": 3, "use_sliding_window": False,
+      "layer_types": ["sliding_attention"] * 4}, (None,) * 4),
+])
+def test_layer_windows_follow_each_familys_config_rule(extra, expected):
+    cfg = {"hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 4, **extra}
+    assert layer_windows(cfg, 4) == expected
+    assert ModelShape.from_hf_config(cfg, num_params=0).sliding_windows == (expected if any(expected) else ())
+
+
+def test_windowed_kv_bounds_sliding_layers_by_their_window():
+    shape = ModelShape.from_hf_config(GEMMA2_9B_CONFIG, num_params=0)
+    per_layer_token = 2 * 8 * 256 * 2  # K and V, 8 KV heads x 256 dims, bf16
+    assert kv_bytes_per_token(shape, 2) == 42 * per_layer_token  # what the pool holds per token
+    assert kv_bytes_for_context(shape, 2, 1000) == 42 * 1000 * per_layer_token  # inside the window: all
+    assert kv_bytes_for_context(shape, 2, 8192) == per_layer_token * (21 * 8192 + 21 * 4096)
+    no_windows = ModelShape.from_hf_config(LLAMA_8B_CONFIG, num_params=0)
+    assert kv_bytes_for_context(no_windows, 2, 8192) == 8192 * kv_bytes_per_token(no_windows, 2)
+
+
+def test_cli_reports_windowed_kv_beside_the_pools(tmp_path, capsys):
+    (tmp_path / "config.json").write_text(json.dumps(GEMMA2_9B_CONFIG))
+    argv = ("--model", str(tmp_path), "--device-memory", "80GiB", "--overhead", "8GiB", "--context", "8192")
+    assert _run_plan(*argv, "--json") == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["kv_bytes_per_token"] == 42 * 8192
+    assert doc["windowed_kv_bytes_per_token"] == 8192 * 21 * 1.5
+    assert doc["bytes_per_request"] == 8192 * 42 * 8192  # the pool keeps every token of every layer
+    assert _run_plan(*argv) == 0
+    assert ("KV windowed    252.00 KiB per token over 8,192 tokens (21 of 42 layers keep a 4,096-token "
+            "window); pdserve's pool holds every token") in capsys.readouterr().out
