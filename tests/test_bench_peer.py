@@ -29,7 +29,8 @@ def _flag(argv: list[str], name: str) -> str:
     return argv[argv.index(name) + 1]
 
 
-def test_vllm_runs_its_api_server_module_from_its_venv_with_1_gib_of_kv_on_both_cores(tmp_path):
+def test_vllm_runs_its_api_server_module_from_its_venv_with_1_gib_of_kv_on_both_cores(tmp_path, monkeypatch):
+    monkeypatch.setattr(bp, "TCMALLOC", tmp_path / "absent.so")
     launch = bp.vllm_launch(tmp_path / "vllm-cpu", "models/m", "bfloat16", 8123)
     argv = _after_pin(launch.cmd)
     assert argv[:3] == [str(tmp_path / "vllm-cpu" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
@@ -37,6 +38,16 @@ def test_vllm_runs_its_api_server_module_from_its_venv_with_1_gib_of_kv_on_both_
     assert _flag(argv, "--port") == "8123" and _flag(argv, "--host") == "127.0.0.1"
     assert launch.env == {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     assert launch.endpoint["extra_body"]["ignore_eos"] is True and launch.endpoint["tokenizer"] == "models/m"
+
+
+def test_vllm_preloads_tcmalloc_and_its_venvs_openmp_runtime_where_installed(tmp_path, monkeypatch):
+    tcmalloc, iomp = tmp_path / "libtcmalloc_minimal.so.4", tmp_path / "vllm-cpu" / "lib" / "libiomp5.so"
+    monkeypatch.setattr(bp, "TCMALLOC", tcmalloc)
+    iomp.parent.mkdir(parents=True)
+    iomp.write_text("")
+    assert bp.vllm_launch(tmp_path / "vllm-cpu", "m", "float32", 1).env["LD_PRELOAD"] == str(iomp)
+    tcmalloc.write_text("")
+    assert bp.vllm_launch(tmp_path / "vllm-cpu", "m", "float32", 1).env["LD_PRELOAD"] == f"{tcmalloc}:{iomp}"
 
 
 def test_llama_cpp_gets_the_context_that_fills_1_gib_at_its_dtype_in_16_slots_of_256_multiples(tmp_path):
