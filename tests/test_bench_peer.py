@@ -70,11 +70,16 @@ def test_the_kv_budget_in_tokens_doubles_at_half_the_bytes():
     assert bp.kv_bytes_per_token(SMOLLM2, "bfloat16") == 23040
     assert bp.kv_budget_tokens(SMOLLM2, "bfloat16", 16) == 45056   # 11 x 4096; 12 x 4096 would be 1.06 GiB
     assert bp.kv_budget_tokens(SMOLLM2, "float32", 1) == 23296     # 91 x 256
+    assert bp.kv_budget_tokens(SMOLLM2, "bfloat16", 1, 16) == 46592  # 2912 blocks of 16
 
 
-def test_transformers_serve_gets_the_dtype_and_an_eos_id_no_token_has(tmp_path):
-    launch = bp.transformers_launch(tmp_path / "transformers", "models/m", "float32", 8125, vocab=49152)
+def test_transformers_serve_gets_the_dtype_1_gib_of_blocks_and_an_eos_id_no_token_has(tmp_path):
+    args = SimpleNamespace(model="models/m", peers_dir=tmp_path, concurrency=16)
+    launch = bp.launch("transformers", "float32", args, 8125, tmp_path, SMOLLM2)
     argv = _after_pin(launch.cmd)
+    blocks = int(_flag(argv, "--cb-num-blocks"))
+    assert _flag(argv, "--cb-block-size") == "16" and blocks == 1456     # 23296 tokens: 2**30 // 46080 // 16 * 16
+    assert blocks * 16 * 46080 <= 2**30 < (blocks + 1) * 16 * 46080
     assert argv[:3] == [str(tmp_path / "transformers" / "bin" / "transformers"), "serve", "models/m"]
     assert "--continuous-batching" in argv and _flag(argv, "--dtype") == "float32"
     assert _flag(argv, "--device") == "cpu" and _flag(argv, "--port") == "8125"
