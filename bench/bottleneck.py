@@ -11,7 +11,7 @@ TTFT of one request splits into (docs/metrics.md, "Bottlenecks"):
                    moved: the failed attempt's time is in it
 p99 TTFT's limit is the component with the largest share of the time of the requests at or
 above the p95 TTFT (the tail that sets p99). Each inter-token gap takes the kind of the token
-that ends it (decode, interference, kv_transfer, preemption, migration); p99 ITL's limit is
+that ends it (decode, interference, recompute, kv_transfer, preemption, migration); p99 ITL's limit is
 the kind most of the gaps at or above the p95 gap have. The limit is named in one sentence
 with its numbers; the step records add the evidence (steps with prefill vs without).
 """
@@ -28,7 +28,8 @@ from bench.metrics import RequestRecord, itls, token_times, ttft
 from protocol.deadline import within
 
 TTFT_PARTS = ("kv_capacity", "prefill_queue", "prefill_compute", "transfer", "retry")
-GAP_KINDS = {"D": "decode", "I": "interference", "K": "kv_transfer", "P": "preemption", "M": "migration"}
+GAP_KINDS = {"D": "decode", "I": "interference", "R": "recompute", "K": "kv_transfer", "P": "preemption",
+             "M": "migration"}
 LIMITS = {
     "kv_capacity": ("waiting for KV capacity", "KV memory"),
     "prefill_queue": ("waiting in the prefill queue", "prefill capacity"),
@@ -39,6 +40,7 @@ LIMITS = {
     "decode": ("plain decode steps", "decode step time (HBM bandwidth and batch size)"),
     "interference": ("steps that also ran prefill chunks", "scheduling interference"),
     "kv_transfer": ("the second token's wait for the KV transfer", "KV transfer"),
+    "recompute": ("steps that also recomputed a preempted request's context", "KV memory (preemption recompute)"),
     "preemption": ("tokens recomputed after a preemption", "KV memory (preemptions)"),
     "migration": ("tokens after a move to another worker", "worker failures"),
 }

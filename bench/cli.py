@@ -26,8 +26,20 @@ from typing import Any
 
 from bench.arrangements import ARRANGEMENTS
 from bench.bottleneck import collect_steps
+from bench.capacity import CLAMP_OPTION, fit, worker_capacity
 from bench.client import fetch_status, replay
 from bench.decision import rank, worker_counts
+from bench.emulation import (
+    assumptions,
+    collect_emulation,
+    contract_records,
+    contract_steps,
+    dilate,
+    emulated_config,
+    fidelity,
+    format_fidelity,
+    parse_emulate,
+)
 from bench.errors import BenchError, WorkloadError
 from bench.metrics import RequestRecord, ideal_hit_rate, parse_slo
 from bench.openai_client import DEFAULT_EXTRA_BODY, Endpoint, parse_endpoint, replay_openai
@@ -36,6 +48,7 @@ from bench.report import build_summary, format_report, summarize_arrangements, w
 from bench.trace import parse_window
 from bench.workload import DEFAULT_VOCAB, Workload
 from client import credentials
+from router.config.checks import check_host_memory
 from router.config.schema import POLICIES
 from router.observability.request_log import block_ids
 
@@ -98,6 +111,15 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
                        help="set kv_cache.prefix_caching of every cluster (default: the config's)")
     group.add_argument("--pin-cpus", action="store_true",
                        help="pin worker i of each cluster to CPU core i (prefill workers first)")
+    group.add_argument(CLAMP_OPTION, action="store_true",
+                       help="cut requests whose prompt + output exceed a worker's KV pool to fit it "
+                            "(default: refuse to run such a workload)")
+    group.add_argument("--emulate", metavar="DEVICE:MODEL",
+                       help="run every cluster at this device's timings for this model, e.g. h100:llama-3.1-8b "
+                            "(the config's other emulate: keys apply; docs/architecture.md, Emulation)")
+    group.add_argument("--emulate-time-scale", type=_typed(float, lambda v: v >= 1, "a number >= 1"), metavar="K",
+                       help="with --emulate: stretch modelled time and arrivals by K, report divided back "
+                            "(default: the config's emulate.time_scale)")
 
 
 def _add_endpoint_options(parser: argparse.ArgumentParser) -> None:
@@ -181,7 +203,9 @@ def run(args: argparse.Namespace) -> int:
         slo = parse_slo(args.slo)
         runs = _cluster_runs(args)
         base = _load_base_config(args.config) if args.config else None
-        workload = build_workload(_workload_options(args, _model_limits(base)))
+        if args.emulate:
+            base = emulated_config(base, *parse_emulate(args.emulate), args.emulate_time_scale, args.config)
+        workload = _fitted(args, build_workload(_workload_options(args, _model_limits(base))), base, runs)
         records, cluster, steps = _measure(args, workload, base, runs)
     except BenchError as err:
         print(f"pdserve bench: {err}", file=sys.stderr)
@@ -190,12 +214,16 @@ def run(args: argparse.Namespace) -> int:
     block_size = base.kv_cache.block_size if base is not None else None
     ideal = None if block_size is None else ideal_hit_rate((r.prompt_token_ids for r in workload.requests), block_size)
     summaries = summarize_arrangements(records, slo, described.get("burst"), ideal, steps)
+    for name, emulated in cluster.pop("emulation", {}).items():
+        summaries[name]["emulation"] = emulated
     summary = build_summary(summaries, workload, slo, cluster, "policies" if by_policy else "arrangements")
     workers = worker_counts(cluster, list(summaries), by_config=args.config is not None)
     summary["decision"] = rank(summaries, workers, args.cost_per_worker_hour, summary["slo"])
     label = "policy" if by_policy else "arrangement"
     print(json.dumps(summary, indent=2) if args.json else format_report(summaries, label, described,
                                                                           summary["decision"]))
+    if not args.json and any("emulation" in s for s in summaries.values()):
+        print(_emulation_lines(summaries))
     blocks = block_size or DEFAULT_BLOCK_SIZE
     prompt_blocks = (blocks, {r.request_id: block_ids(r.prompt_token_ids, blocks) for r in workload.requests})
     written = write_report(Path(args.out), summary, records, args.plot, steps, prompt_blocks)
@@ -206,6 +234,15 @@ def run(args: argparse.Namespace) -> int:
     for path in written:
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _emulation_lines(summaries: dict[str, Any]) -> str:
+    """What was modelled (the assumptions) and how faithful each run kept to it."""
+    emulated = {name: s["emulation"] for name, s in summaries.items() if "emulation" in s}
+    first = next(iter(emulated.values()))
+    lines = ["", f"modelled: {first['assumptions']}; measured: tokens, scheduling, queues, routing "
+                 "(durations above are emulated seconds)"]
+    return "\n".join(lines + [format_fidelity(name, f) for name, f in emulated.items()])
 
 
 def _parse_vocab(text: str | None, model_vocab: int | None) -> tuple[int, int]:
@@ -230,6 +267,12 @@ def _workload_options(args: argparse.Namespace,
         length_scale=args.length_scale, time_scale=args.time_scale,
         window=parse_window(args.window),
     )
+
+
+def _fitted(args: argparse.Namespace, workload: Workload, base: Any, runs: list[str]) -> Workload:
+    """The workload checked against the KV pool of the clusters the bench starts (bench/capacity.py)."""
+    capacity = worker_capacity(base) if runs else None
+    return workload if capacity is None else fit(workload, capacity, args.clamp_to_capacity)
 
 
 def _load_base_config(path: str) -> Any:
@@ -274,7 +317,11 @@ def _cluster_runs(args: argparse.Namespace) -> list[str]:
     if args.policies is None and (args.prefill_workers or args.decode_workers):
         raise BenchError("--prefill-workers and --decode-workers size the --policies clusters "
                          "(--arrangements uses --workers)")
+    if args.emulate_time_scale is not None and not args.emulate:
+        raise BenchError("--emulate-time-scale needs --emulate")
     if not args.config:
+        if args.emulate:
+            given.append("--emulate")
         if given:
             raise BenchError(f"{given[0]} needs --config: the bench starts the clusters it compares")
         return []
@@ -337,6 +384,11 @@ def _cluster_configs(args: argparse.Namespace, base: Any,
             cfg = make(name)
         except ValueError as err:
             raise BenchError(f"{flag} {name}: {err}") from err
+        if cfg.emulate.device:  # this run's worker count: its emulated pools must fit this host
+            try:
+                check_host_memory(cfg, f"{flag} {name}")
+            except ValueError as err:
+                raise BenchError(str(err)) from err
         configs[name] = dataclasses.replace(cfg, router=dataclasses.replace(
             cfg.router, port=0, metrics_port=None, http_port=None))
     return configs, info
@@ -351,11 +403,16 @@ def _measure_clusters(args: argparse.Namespace, workload: Workload, configs: dic
     records: dict[str, list[RequestRecord]] = {}
     statuses: dict[str, Any] = {}
     steps: dict[str, dict[str, Any]] = {}
+    emulated: dict[str, dict[str, Any]] = {}
     for name, cfg in configs.items():
+        k = cfg.emulate.time_scale if cfg.emulate.device else 1.0  # time dilation (bench/emulation.py)
         with LocalCluster(cfg) as cluster:
             started = time.time()  # the replay's clock starts within the channel's setup (ms) of this
-            records[name], statuses[name] = asyncio.run(
-                _measure_address(args, cluster.address, name, workload))
-            steps[name] = collect_steps(cluster, started)
-    return records, info | {"status": statuses}, steps
+            replayed, statuses[name] = asyncio.run(
+                _measure_address(args, cluster.address, name, dilate(workload, k)))
+            records[name] = contract_records(replayed, k)
+            steps[name] = contract_steps(collect_steps(cluster, started), k)
+            if cfg.emulate.device:
+                emulated[name] = fidelity(collect_emulation(cluster), assumptions(cfg))
+    return records, info | {"status": statuses} | ({"emulation": emulated} if emulated else {}), steps
 

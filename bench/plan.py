@@ -6,7 +6,8 @@ directory (config.json; parameters counted from *.safetensors headers when prese
 profile (`--device`, or `--bandwidth` and `--flops`, or `--measure` for this host) adds the
 decode step's floor per batch size, token rates, the compute-bound batch, the prefill ceiling and
 the KV transfer time of one context over `--link`; `--measure` also puts the floor next to a
-direct weight read and the engine's own decode step (bench/host_measure.py). Prints a table, or
+direct weight read and the engine's own decode step (bench/host_measure.py), and fits this host's
+cost model for the checkpoint into an `emulate:` section (bench/calibrate.py). Prints a table, or
 one JSON object with `--json`; bad input exits 2 with a message.
 """
 
@@ -141,14 +142,18 @@ def _against_host(args: argparse.Namespace, roof: Roofline, measured: dict) -> d
     path = _checkpoint(args.model)
     if path is None:
         return {"note": "a built-in shape has no weights to read: give a checkpoint directory to compare"}
-    from bench import host_measure
+    from bench import calibrate, host_measure
 
     engine = host_measure.engine_decode(path, args.threads)
     short = dataclasses.replace(roof, context=16)  # the engine run's prompts (8) + outputs so far
+    dtype = args.dtype or load_model_shape(args.model)[1] or "float32"
+    host = calibrate.fit(path, dtype, calibrate.measure_steps(path, args.threads, repeats=1), measured["bandwidth"])
     return {"floor_ms": measured["weights_bytes"] / roof.bandwidth * 1e3,
             "weight_read_ms": measured.pop("weight_read_s") * 1e3,
             "engine_decode_ms": {b: s * 1e3 for b, s in engine.items()},
-            "engine_floor_ms": {b: short.decode(b).step_s * 1e3 for b in engine}}
+            "engine_floor_ms": {b: short.decode(b).step_s * 1e3 for b in engine},
+            "fit": {"flops": host.flops, "overhead_ms": host.overhead_s * 1e3, "rms_error_ms": host.rms_error_s * 1e3,
+                    "steps": host.steps, "emulate": host.emulate_section(str(path), dtype)}}
 
 
 def format_measured(m: dict) -> str:
@@ -162,6 +167,11 @@ def format_measured(m: dict) -> str:
     steps = "; ".join(f"batch {b}: {ms:,.1f} ms (floor {m['engine_floor_ms'][b]:,.1f} ms, "
                       f"{ms / m['engine_floor_ms'][b]:.2f}x)" for b, ms in m["engine_decode_ms"].items())
     lines.append(f"{'engine decode':<14} fastest step, {steps}")
+    f = m["fit"]
+    lines.append(f"{'cost model':<14} this host's steps fit {m['bandwidth'] / 1e9:,.2f} GB/s (measured), "
+                 f"{f['flops'] / 1e9:,.1f} GFLOP/s and {f['overhead_ms']:,.2f} ms a step (rms error "
+                 f"{f['rms_error_ms']:,.1f} ms over {f['steps']} steps); to emulate it, cluster.yaml's emulate: "
+                 + json.dumps(f["emulate"]))
     return "\n".join(lines)
 
 

@@ -12,28 +12,34 @@ ended) leaves as an output with finish reason ERROR and `retryable=True`.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import threading
 import time
 
 import ray
 
 from decode_worker.handoff import Action, HandoffTable, Outcome
 from engine.config import EngineConfig
+from engine.cost_model import Emulation
 from kv_transfer import KVReceiver, KVTransferConfig, Rendezvous
+from protocol.deadline import within
 from protocol.messages import GenerateTask, Reservation, Reserved, StartDecode, WorkerInfo
 from protocol.outputs import FinishReason, RequestOutput
+from protocol.telemetry import EmulationStats
 from worker_runtime.core import WorkerCalls, WorkerCore
 from worker_runtime.faults import FaultConfig, Faults
 from worker_runtime.outbox import Outbox
 
 REAP_EVERY_S = 0.1
+RESERVE_WAIT_S = 1.0  # a reserve the engine has not taken by then answers "no room" (_reserve_in_time)
 
 
 class DecodeWorker(WorkerCalls):
     def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig | None, cpu: int | None = None,
-                 faults: FaultConfig | None = None):
+                 faults: FaultConfig | None = None, emulation: Emulation | None = None):
         self.faults = Faults(faults, name)
         self.core = WorkerCore(name, "decode", config, self._on_outputs, cpu, self.faults,
-                               node_ip=ray.util.get_node_ip_address())
+                               node_ip=ray.util.get_node_ip_address(), emulation=emulation)
         self.outbox: Outbox[RequestOutput] = Outbox()
         self.handoffs = HandoffTable()
         self._transfers: dict[str, tuple[float, int]] = {}  # request id -> (seconds, bytes) of its KV
@@ -77,7 +83,7 @@ class DecodeWorker(WorkerCalls):
         `r.token_ids`' blocks; None when they don't fit (or the request was cancelled)."""
         if self.handoffs.is_ended(r.request_id) or self.faults.refuse_reserve():
             return None
-        got = await self.core.run(lambda e: e.reserve(r.request_id, r.num_tokens, list(r.token_ids) or None))
+        got = await self._reserve_in_time(r)
         if got is None:
             return None
         blocks, cached = got
@@ -87,6 +93,30 @@ class DecodeWorker(WorkerCalls):
             return None
         self.faults.maybe_kill("decode.after_reserve")
         return Reserved(len(blocks), cached)
+
+    async def _reserve_in_time(self, r: Reservation) -> tuple[list[int], int] | None:
+        """The engine's reservation, or None ("no room") if the engine has not taken the call within
+        RESERVE_WAIT_S: the router waits for this answer holding its admission lock, and an engine
+        in a long or stalled step must not stop placement for everyone. Whichever comes first, the
+        engine thread running it or the actor giving up, decides under `lock`: a reservation given
+        up on is never made, so no block is left held."""
+        lock, ran, gave_up = threading.Lock(), threading.Event(), threading.Event()
+
+        def reserve(e):
+            with lock:
+                if gave_up.is_set():
+                    return None
+                ran.set()
+                return e.reserve(r.request_id, r.num_tokens, list(r.token_ids) or None, r.cache_salt)
+        fut = self.core.loop.call(reserve)
+        try:
+            return await within(asyncio.shield(asyncio.wrap_future(fut)), RESERVE_WAIT_S)
+        except TimeoutError:
+            with lock:  # held by the engine thread at most for one reserve, never across a step
+                if not ran.is_set():
+                    gave_up.set()
+                    return None
+            return await asyncio.wrap_future(fut)  # it ran: its answer is on its way
 
     async def start(self, msg: StartDecode) -> None:
         """Raises ReservationGone when the reservation ended: the router places the request again."""
@@ -153,6 +183,16 @@ class DecodeWorker(WorkerCalls):
             self._act(request_id, outcome)
             return
         await self.core.run(lambda e: e.abort(request_id))
+
+    async def emulation(self) -> EmulationStats | None:
+        """The steps' pacing counters and the KV transfers' over the emulated link."""
+        stats = await self.core.emulation()
+        if stats is None or self.receiver is None:
+            return stats
+        link = self.receiver.link_stats()
+        return dataclasses.replace(stats, transfers=link.transfers, transfer_overruns=link.overruns,
+                                   transfer_lateness_s=link.lateness_s, transfer_max_lateness_s=link.max_lateness_s,
+                                   transfer_ratio_max=link.ratio_max)
 
     def _num_channels(self) -> int:
         return self.receiver.num_channels if self.receiver else 0

@@ -1,15 +1,23 @@
 """Paged attention plugged into transformers through its attention-function registry.
 
 The runner flattens every scheduled token of every sequence into one row (`[1, T]`), decode
-tokens first. `StepMetadata` (built once per step, shared by all layers) reaches
-`paged_attention` as the `paged` keyword of the model's forward call. Per layer the function
-writes the new K/V into their slots of the pool, then attends:
+tokens first. `StepMetadata` is built once per step, shared by all layers, and held for the
+step's forward by `step_context`. Each layer calls the custom op `pdserve::paged_attention`,
+which reads the metadata from there, writes the new K/V into their slots of the pool, then attends:
 - decode tokens in a few padded SDPA calls, grouped by context length (little padding);
 - each prefill chunk over its own context (fresh prompts straight from K/V, causal).
+
+The op is opaque to torch.compile: its inputs and output are plain tensors of fixed rank whose
+only changing size is the token count, so a compiled forward traces everything around it
+(projections, norms, rotary, MLP) and calls it as one node, and a changing batch never
+recompiles. The pool write is a side effect the compiler never sees, which is safe because every
+read of the pool happens inside the op too.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -47,23 +55,52 @@ class StepMetadata:
     prefills: list[PrefillChunk]
 
 
-def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                    paged: StepMetadata | None = None, **kwargs):
-    assert paged is not None, "paged attention needs the step's metadata (`paged=` in forward)"
-    # query [1, H, T, D]; key/value [1, KVH, T, D]
+_current: list[StepMetadata] = []  # the step being computed (a stack of at most one)
+
+
+@contextlib.contextmanager
+def step_context(meta: StepMetadata) -> Iterator[None]:
+    """Make `meta` the metadata every layer's attention reads during one forward."""
+    _current.append(meta)
+    try:
+        yield
+    finally:
+        _current.pop()
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """transformers' attention-function signature -> the opaque op; returns `[1, T, H, D]`."""
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    return torch.ops.pdserve.paged_attention(query, key, value, module.layer_idx, float(scaling)), None
+
+
+# cudagraph_unsafe: a CUDA-graph capture (engine.cuda_graphs) partitions the graph around it,
+# since its work depends on per-step metadata that lives in Python, not in the graph's tensors
+@torch.library.custom_op("pdserve::paged_attention", mutates_args=(), tags=(torch.Tag.cudagraph_unsafe,))
+def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer_idx: int,
+                       scaling: float) -> torch.Tensor:
+    """query `[1, H, T, D]`, key/value `[1, KVH, T, D]` -> `[1, T, H, D]`; writes K/V to the pool."""
+    assert _current, "paged attention runs only inside attention.step_context(meta)"
+    paged = _current[-1]
     _, num_heads, num_tokens, head_dim = query.shape
-    k_cache = paged.kv[:, module.layer_idx, 0]  # [blocks, block_size, KVH, D], a strided view
-    v_cache = paged.kv[:, module.layer_idx, 1]
+    k_cache = paged.kv[:, layer_idx, 0]  # [blocks, block_size, KVH, D], a strided view
+    v_cache = paged.kv[:, layer_idx, 1]
     where = (paged.slot_blocks, paged.slot_offsets)
     k_cache.index_put_(where, key[0].transpose(0, 1).to(k_cache.dtype))
     v_cache.index_put_(where, value[0].transpose(0, 1).to(v_cache.dtype))
 
-    out = query.new_empty(num_tokens, num_heads, head_dim)  # [T, H, D]
+    out = query.new_empty(1, num_tokens, num_heads, head_dim)
     for group in paged.decode_groups:
-        _decode(query, k_cache, v_cache, group, scaling, out)
+        _decode(query, k_cache, v_cache, group, scaling, out[0])
     for chunk in paged.prefills:
-        _prefill(query, key, value, k_cache, v_cache, chunk, scaling, out)
-    return out.unsqueeze(0), None  # [1, T, H, D]
+        _prefill(query, key, value, k_cache, v_cache, chunk, scaling, out[0])
+    return out
+
+
+@paged_attention_op.register_fake
+def _(query, key, value, layer_idx, scaling):
+    return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
 
 
 def _decode(query, k_cache, v_cache, group: DecodeGroup, scaling, out) -> None:

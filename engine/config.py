@@ -10,7 +10,7 @@ DEFAULT_MEMORY_FRACTION = 0.1  # of the device's memory, for the KV pool, when n
 @dataclass(frozen=True)
 class EngineConfig:
     model_path: str
-    dtype: str = "auto"  # "auto" = the checkpoint's torch_dtype; or float32 / bfloat16 / float16
+    dtype: str = "auto"  # "auto" = bfloat16 where the device computes it natively, else float32
     device: str = "cpu"
     block_size: int = 16
     # KV pool size: an explicit block count wins; else `kv_cache_memory` bytes; else
@@ -26,6 +26,9 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0  # generator for sampled requests that carry no seed of their own
     torch_threads: int | None = None
+    compile: str = "auto"  # torch.compile the dense forward: auto (= on CUDA only) | on | off (engine/compiled.py)
+    cuda_graphs: bool = False  # with compile on CUDA: capture the dense pieces into CUDA graphs
+    prepack_linears: bool = True  # oneDNN-prepacked linear weights on CPU (engine/dense.py); off = to compare
 
     def __post_init__(self) -> None:
         checks = {
@@ -36,6 +39,7 @@ class EngineConfig:
             "chunk_size": self.chunk_size is None or self.chunk_size >= 1,
             "max_num_seqs": self.max_num_seqs >= 1,
             "dtype": self.dtype in ("auto", "float32", "bfloat16", "float16"),
+            "compile": self.compile in ("auto", "on", "off"),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

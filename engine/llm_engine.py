@@ -24,6 +24,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from engine.config import EngineConfig
+from engine.cost_model import StepItem, StepShape
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import BlockAllocator
 from engine.model_runner import ModelRunner, ScheduledItem
@@ -31,7 +32,7 @@ from engine.request import Request, Status
 from engine.sampler import sample_isolated
 from engine.scheduler import PrefixStats, Scheduler
 from engine.telemetry import StepLog
-from protocol.block_hash import block_hashes
+from protocol.block_hash import block_hashes, salt_root
 from protocol.errors import InvalidRequest
 from protocol.outputs import FinishReason, RequestOutput
 from protocol.sampling import SamplingParams
@@ -76,6 +77,7 @@ class LLMEngine:
         self.stats = StepStats()
         self.telemetry = StepLog()  # per-step records for `pdserve bench`'s bottleneck report
         self._preemptions_logged = 0
+        self.last_step: StepShape = ()  # what the last step computed, for pacing (worker_runtime/pacing.py)
 
     # ---- admission -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -93,8 +95,9 @@ class LLMEngine:
         sampling = sampling or SamplingParams()
         self._check_free_id(request_id)
         ids = self.validator.prompt_ids(prompt, prompt_token_ids)
-        self.validator.check(len(ids), sampling, self.allocator.num_blocks, self.config.block_size)
         outputs = output_token_ids or []
+        held = len(ids) + len(outputs) + 1 if prefill_only else None  # a prefill keeps no more than that
+        self.validator.check(len(ids), sampling, self.allocator.num_blocks, self.config.block_size, held)
         if outputs:
             self.validator.check_resumed(outputs, sampling)
         req = self._build(request_id, ids, sampling, prefill_only)
@@ -138,17 +141,18 @@ class LLMEngine:
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.config.block_size)
 
-    def reserve(self, request_id: str, num_tokens: int,
-                token_ids: list[int] | None = None) -> tuple[list[int], int] | None:
+    def reserve(self, request_id: str, num_tokens: int, token_ids: list[int] | None = None,
+                cache_salt: str = "") -> tuple[list[int], int] | None:
         """Set aside blocks for `num_tokens` of pushed KV: (all the block ids, how many leading ones
         already hold cached KV), or None if they don't fit. Refuses an id in use.
 
         `token_ids`: the tokens whose KV will be pushed. Cached blocks of their leading full blocks
-        (all but the last token's) come first and the pushing side sends only the blocks after them.
+        (all but the last token's), hashed under `cache_salt`, come first and the pushing side sends
+        only the blocks after them.
         """
         self._check_free_id(request_id)
         total = self.blocks_for(num_tokens)
-        hits = self._cached_blocks(token_ids)[:total] if token_ids else []
+        hits = self._cached_blocks(token_ids, cache_salt)[:total] if token_ids else []
         if not self.allocator.fits(total - len(hits), hits):
             return None
         self.allocator.acquire(hits)
@@ -160,11 +164,12 @@ class LLMEngine:
             self.prefix_stats.hit_tokens += len(hits) * self.config.block_size
         return hits + ids, len(hits)
 
-    def _cached_blocks(self, token_ids: list[int]) -> list[int]:
+    def _cached_blocks(self, token_ids: list[int], cache_salt: str) -> list[int]:
         if not self.allocator.enable_caching:
             return []
         bs = self.config.block_size
-        return self.allocator.match(block_hashes(token_ids[:(len(token_ids) - 1) // bs * bs], bs))
+        return self.allocator.match(block_hashes(token_ids[:(len(token_ids) - 1) // bs * bs], bs,
+                                                 salt_root(cache_salt)))
 
     def release(self, request_id: str) -> None:
         """Free a reservation, or the blocks a finished prefill-only request kept."""
@@ -208,7 +213,8 @@ class LLMEngine:
             raise ValueError(f"request {request_id!r} reserved {len(blocks)} blocks, too few for {num_computed} tokens")
         self.validator.check(len(prompt_token_ids), sampling)
         self.validator.check_token_ids("output_token_ids", output_token_ids)
-        num_cached = self._cached_reserved_blocks(request_id, list(prompt_token_ids) + list(output_token_ids))
+        num_cached = self._cached_reserved_blocks(request_id, list(prompt_token_ids) + list(output_token_ids),
+                                                  sampling.cache_salt)
         request = self._build(request_id, list(prompt_token_ids), sampling, prefill_only=False)
         request.num_cached_tokens = num_cached * self.config.block_size
         request.timing.next_kind = TokenKind.KV_HANDOFF
@@ -223,13 +229,13 @@ class LLMEngine:
         self.scheduler.admit_running(request)
         return request
 
-    def _cached_reserved_blocks(self, request_id: str, token_ids: list[int]) -> int:
+    def _cached_reserved_blocks(self, request_id: str, token_ids: list[int], cache_salt: str) -> int:
         """How many reserved blocks came from the cache (until the KV lands, no other reserved
         block has a hash). They must hold these tokens' KV: reserve's token_ids must have been a
         prefix of them."""
         cached = [h for h in map(self.allocator.hash_of, self.reserved[request_id]) if h is not None]
         bs = self.config.block_size
-        if cached != block_hashes(token_ids[:len(cached) * bs], bs):
+        if cached != block_hashes(token_ids[:len(cached) * bs], bs, salt_root(cache_salt)):
             raise ValueError(f"request {request_id!r}: its reserved cached blocks hold other tokens' KV")
         return len(cached)
 
@@ -250,12 +256,15 @@ class LLMEngine:
         """One forward over the scheduled batch. A failure while sampling or detokenizing one
         request fails only that request; a failure of the forward itself raises."""
         t0 = time.perf_counter()
+        self.last_step = ()
         items = self.scheduler.schedule()
         outputs = self._run(items, t0) if items else []
         ready, self._ready = self._ready, []
         return ready + outputs
 
     def _run(self, items: list[ScheduledItem], t0: float) -> list[RequestOutput]:
+        self.last_step = tuple(StepItem(it.num_tokens, it.end) for it in items)
+        step_kind = _step_kind(items)
         t1 = time.perf_counter()
         logits = self.runner.execute(items)
         t2 = time.perf_counter()
@@ -265,7 +274,6 @@ class LLMEngine:
             it.request.num_computed_tokens += it.num_tokens
         tokens = sample_isolated(logits, sampling, self._generator)
         outputs = [self._emit(req, tok) for req, tok in zip(sampling, tokens, strict=True)]
-        step_kind = TokenKind.DECODE if all(it.is_decode for it in items) else TokenKind.INTERFERENCE
         self._record(items, t0, t1, t2, time.perf_counter())
         for req, out in zip(sampling, outputs, strict=True):
             if out.token_ids:  # after _record: a first token's prefill compute includes this step
@@ -393,6 +401,27 @@ class LLMEngine:
             for out in self.step():
                 results[out.request_id].extend(out.token_ids)
         return [results[rid] for rid in ids]
+
+
+class RequestFault(RuntimeError):
+    """A step failed because of one request (`request_id`), which no other worker would serve
+    either; the step's other requests are not to blame."""
+
+    def __init__(self, request_id: str, message: str):
+        super().__init__(message)
+        self.request_id = request_id
+
+
+def _step_kind(items: list[ScheduledItem]) -> str:
+    """What the gap before a token this step samples was made of: decodes only; or a preempted
+    request's context recomputed (KV memory ran out: a preemption's cost, not scheduling's); or
+    other requests' prefill chunks (interference). Decided before the step's counters move."""
+    chunks = [it for it in items if not it.is_decode]
+    if not chunks:
+        return TokenKind.DECODE
+    if any(it.request.num_preemptions > 0 for it in chunks):
+        return TokenKind.RECOMPUTE
+    return TokenKind.INTERFERENCE
 
 
 def _describe(error: Exception) -> str:

@@ -32,6 +32,7 @@ class ModelShape:
     num_params: int
     vocab_size: int | None = None
     max_positions: int | None = None
+    num_attention_heads: int | None = None  # query heads; None: attention FLOPs left out (engine/cost_model.py)
 
     @classmethod
     def from_hf_config(
@@ -52,6 +53,7 @@ class ModelShape:
             num_params=num_params if num_params is not None else estimate_num_params(cfg),
             vocab_size=_field(cfg, "vocab_size"),
             max_positions=_field(cfg, "max_position_embeddings"),
+            num_attention_heads=heads,
         )
 
 
@@ -90,11 +92,11 @@ def estimate_num_params(cfg: Any) -> int:
 BUILTIN_SHAPES: dict[str, ModelShape] = {
     shape.name: shape
     for shape in (
-        ModelShape("llama-3.1-8b", 32, 8, 128, 8_030_261_248, 128_256, 131_072),
-        ModelShape("llama-3.1-70b", 80, 8, 128, 70_553_706_496, 128_256, 131_072),
-        ModelShape("llama-3.2-1b", 16, 8, 64, 1_235_814_400, 128_256, 131_072),
-        ModelShape("qwen2.5-7b", 28, 4, 128, 7_615_616_512, 152_064, 32_768),
-        ModelShape("mistral-7b", 32, 8, 128, 7_241_732_096, 32_000, 32_768),
+        ModelShape("llama-3.1-8b", 32, 8, 128, 8_030_261_248, 128_256, 131_072, 32),
+        ModelShape("llama-3.1-70b", 80, 8, 128, 70_553_706_496, 128_256, 131_072, 64),
+        ModelShape("llama-3.2-1b", 16, 8, 64, 1_235_814_400, 128_256, 131_072, 32),
+        ModelShape("qwen2.5-7b", 28, 4, 128, 7_615_616_512, 152_064, 32_768, 28),
+        ModelShape("mistral-7b", 32, 8, 128, 7_241_732_096, 32_000, 32_768, 32),
     )
 }
 

@@ -2,6 +2,10 @@
 
 The step is flattened into one row `[1, T]`: decode tokens first, then prefill chunks. Only
 the rows whose sequences need a new token go through the LM head (`logits_to_keep`).
+
+The forward is transformers' own module tree with two swaps: attention is the opaque paged op
+(engine/attention.py) and, on CPU, linear layers run on oneDNN-prepacked weights
+(engine/dense.py). `engine.compile` may then compile it (engine/compiled.py).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import attention
+from engine import attention, compiled
 from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_pool
 from engine.memory import ModelShape, num_kv_blocks
@@ -43,11 +47,18 @@ class ScheduledItem:
         return self.end == self.request.num_tokens
 
 
-def resolve_dtype(config: EngineConfig, hf_config) -> torch.dtype:
+def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
+    """An explicit dtype wins; `auto` is bfloat16 where the device computes it natively (a CUDA GPU
+    with bf16, a CPU with AVX512-BF16 or AMX) and float32 elsewhere."""
     if config.dtype != "auto":
         return DTYPES[config.dtype]
-    dtype = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None) or torch.float32
-    return DTYPES[dtype] if isinstance(dtype, str) else dtype
+    return torch.bfloat16 if computes_bf16(device) else torch.float32
+
+
+def computes_bf16(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 class ModelRunner:
@@ -55,7 +66,7 @@ class ModelRunner:
         self.config = config
         self.device = torch.device(config.device)
         hf_config = AutoConfig.from_pretrained(config.model_path)
-        self.dtype = resolve_dtype(config, hf_config)
+        self.dtype = resolve_dtype(config, self.device)
         self.model = AutoModelForCausalLM.from_pretrained(
             config.model_path, config=copy.deepcopy(hf_config), dtype=self.dtype,
             attn_implementation=attention.register(),
@@ -66,6 +77,23 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.kv = allocate_kv_pool(self.shape.num_layers, self.num_blocks, self.block_size,
                                    self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
+        self.forward = compiled.Forward(self.model, config.compile, self.device, config.cuda_graphs,
+                                        prepack=config.prepack_linears)
+        self.forward.warm_up(self.kv, self.block_size)
+
+    def describe(self) -> str:
+        """One line for the worker's start-up log: what runs, and why where it was chosen."""
+        dtype = str(self.dtype).removeprefix("torch.")
+        if self.config.dtype == "auto":
+            native = "computes bfloat16 natively" if computes_bf16(self.device) else "has no native bfloat16"
+            dtype += f" (auto: this {self.device.type} {native})"
+        if self.forward.compiled:
+            how = "compiled" + (" with CUDA graphs" if self.forward.cuda_graphs else "")
+        elif self.forward.fallback_reason:
+            how = f"eager (compile failed: {self.forward.fallback_reason})"
+        else:
+            how = f"eager (engine.compile: {self.config.compile})"
+        return f"{self.hf_config.model_type} in {dtype} on {self.device}, {how}"
 
     @property
     def block_bytes(self) -> int:
@@ -91,9 +119,9 @@ class ModelRunner:
     def execute(self, items: list[ScheduledItem]) -> torch.Tensor:
         """Run one step; returns float32 logits `[n_sampling, vocab]` in the order of `items`."""
         input_ids, positions, meta, sample_rows = self._prepare(items)
-        out = self.model(input_ids=input_ids, position_ids=positions, paged=meta, use_cache=False,
-                         logits_to_keep=sample_rows)
-        return out.logits[0].float()  # [n_sampling, V]
+        with attention.step_context(meta):
+            logits = self.forward(input_ids, positions, sample_rows)
+        return logits[0].float()  # [n_sampling, V]
 
     def _prepare(self, items: list[ScheduledItem]):
         """Flatten `items` (decodes first, as the scheduler orders them) into one row."""

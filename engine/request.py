@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from engine.telemetry import RequestTiming
-from protocol.block_hash import extend_hashes
+from protocol.block_hash import extend_hashes, salt_root
 from protocol.outputs import FinishReason
 from protocol.sampling import SamplingParams
 
@@ -69,5 +69,6 @@ class Request:
     def hashes(self, block_size: int, upto_tokens: int) -> list[bytes]:
         """The block hashes, extended to cover the full blocks among the first `upto_tokens` tokens."""
         if len(self.block_hashes) < upto_tokens // block_size:
-            extend_hashes(self.block_hashes, self.prompt_token_ids + self.output_token_ids, block_size, upto_tokens)
+            extend_hashes(self.block_hashes, self.prompt_token_ids + self.output_token_ids, block_size, upto_tokens,
+                          salt_root(self.sampling.cache_salt))
         return self.block_hashes

@@ -43,6 +43,10 @@ Prefill side (owns the source blocks):
   future; bad block ids raise ValueError. CUDA pools: send() records an event on the
   caller's current stream and the copy waits for it.
 
+Emulated link (config.pace, a LinkPace): the receiver completes each transfer no sooner than
+its modelled time after the header arrived (kv_transfer/pace.py); receiver.link_stats() counts
+transfers, overruns and lateness.
+
 Failure: a transfer not done within config.timeout_s of reaching the wire fails with a
 KVTransferError naming peer and request, on both sides; a dead peer fails in-flight work
 at once (connection closed) and an idle one within max(timeout_s, 5 * heartbeat_s).
@@ -57,6 +61,7 @@ from kv_transfer.config import (
     HandshakeMismatch,
     KVTransferConfig,
     KVTransferError,
+    LinkPace,
     TransferResult,
 )
 from kv_transfer.handshake import Rendezvous
@@ -71,6 +76,7 @@ __all__ = [
     "KVSender",
     "KVTransferConfig",
     "KVTransferError",
+    "LinkPace",
     "Rendezvous",
     "TransferResult",
 ]

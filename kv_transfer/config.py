@@ -13,6 +13,21 @@ Backend = Literal["auto", "gloo", "nccl"]
 
 
 @dataclass(frozen=True)
+class LinkPace:
+    """An emulated link (docs/architecture.md, "Emulation"): the receiver completes a transfer of
+    n blocks no sooner than (latency_s + n x block_bytes / bytes_per_s) x time_scale after its
+    header arrived, `block_bytes` being the emulated model's KV per block (kv_transfer/pace.py)."""
+
+    block_bytes: int
+    bytes_per_s: float
+    latency_s: float = 0.0
+    time_scale: float = 1.0
+
+    def seconds(self, num_blocks: int) -> float:
+        return (self.latency_s + num_blocks * self.block_bytes / self.bytes_per_s) * self.time_scale
+
+
+@dataclass(frozen=True)
 class KVTransferConfig:
     backend: Backend = "auto"
     timeout_s: float = 30.0          # per transfer, from the moment it reaches the wire
@@ -27,6 +42,7 @@ class KVTransferConfig:
     # the prefill worker sends each prefill chunk's full blocks while the next chunk computes
     # (prefill_worker/push.py); False = the whole prompt's KV after the first token
     stream_chunks: bool = True
+    pace: LinkPace | None = None  # an emulated link's time per transfer; None = as fast as the real one
 
     def __post_init__(self) -> None:
         if self.backend not in ("auto", "gloo", "nccl"):

@@ -16,6 +16,7 @@ from kv_transfer.config import KVTransferConfig
 from kv_transfer.groups import interface_address, open_store, use_interface
 from kv_transfer.handshake import Rendezvous, new_secret
 from kv_transfer.layout import KVLayout
+from kv_transfer.pace import LinkClock, LinkStats
 from kv_transfer.receiver_channel import OnComplete, Owner, ReceiverChannel, ResolveBlocks
 
 
@@ -33,7 +34,11 @@ class KVReceiver(ChannelTable[ReceiverChannel]):
             except ValueError as err:   # at worker start, naming the node, not at the 1st request
                 raise ValueError(f"decode node {host}: {err}") from None
             use_interface(config.interface)
-        self._owner = Owner(kv, host, config, resolve_blocks, on_complete)
+        self._owner = Owner(kv, host, config, resolve_blocks, on_complete, LinkClock(config.pace))
+
+    def link_stats(self) -> LinkStats:
+        """How faithfully transfers kept an emulated link's time (all zero without one)."""
+        return self._owner.link.stats()
 
     def open_channel(self, peer_id: str) -> Rendezvous:
         """Start the rendezvous for peer_id (replacing any channel to it); hand the returned

@@ -43,6 +43,7 @@ from kv_transfer.groups import (
 )
 from kv_transfer.handshake import Agreement, Hello, answer_hello, rendezvous_prefix
 from kv_transfer.layout import Digest, KVLayout
+from kv_transfer.pace import LinkClock
 from kv_transfer.pipeline import DataPath, local_slot_blocks, recv_chunks
 
 logger = logging.getLogger(__name__)
@@ -61,6 +62,7 @@ class Owner:
     config: KVTransferConfig
     resolve_blocks: ResolveBlocks
     on_complete: OnComplete
+    link: LinkClock   # an emulated link's pace (kv_transfer/pace.py); holds nothing without one
 
 
 class ReceiverChannel:
@@ -169,7 +171,8 @@ class ReceiverChannel:
 
     def _receive(self, groups: ChannelGroups, header: Header, agreement: Agreement) -> None:
         self._check_framing(header, agreement)
-        deadline = time.monotonic() + self._owner.config.timeout_s
+        arrived = time.monotonic()
+        deadline = arrived + self._owner.config.timeout_s
         request_id, num_blocks = header.request_id, header.num_blocks
         resolved = self._resolve(request_id, num_blocks, header.first_block)
         refusal = self._refusal(resolved, num_blocks)
@@ -182,6 +185,8 @@ class ReceiverChannel:
             raise
         status = Status.REJECTED if refusal else Status.FAILED if corruption else Status.OK
         reason = refusal or corruption
+        if status == Status.OK:  # an emulated link: landed no sooner than its modelled time
+            self._owner.link.hold(num_blocks, arrived)
         if resolved is not None:
             error = KVTransferError(self.peer_id, request_id, reason) if reason else None
             self._complete(request_id, resolved, error)

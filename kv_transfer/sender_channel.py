@@ -1,7 +1,7 @@
 """One prefill->decode channel, sender side: a thread that runs queued transfers in order.
 
 Per transfer: header, payload chunks, [checksum trailer], then the receiver's reply (dst ids or
-a refusal). Idle for heartbeat_s -> a heartbeat (the receiver's idle loop wakes on it, and a
+a refusal; on an emulated link, config.pace, the receiver holds it until the modelled time). Idle for heartbeat_s -> a heartbeat (the receiver's idle loop wakes on it, and a
 receiver that is closing answers CLOSING). Any ChannelBroken ends the thread: the in-flight
 future and every queued one fail with KVTransferError, and the groups are aborted.
 """

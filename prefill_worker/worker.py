@@ -18,6 +18,7 @@ import time
 import ray
 
 from engine.config import EngineConfig
+from engine.cost_model import Emulation
 from engine.llm_engine import LLMEngine
 from kv_transfer import KVSender, KVTransferConfig
 from prefill_worker.push import KVPusher
@@ -37,12 +38,17 @@ class PrefillFailed(RuntimeError):
     """The engine failed on this request (not the worker): the router does not retry it."""
 
 
+class PrefillStepFailed(RuntimeError):
+    """The engine step this prefill was in failed, not because of it: the router moves it."""
+
+
 class PrefillWorker(WorkerCalls):
     def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig, cpu: int | None = None,
-                 faults: FaultConfig | None = None):
+                 faults: FaultConfig | None = None, emulation: Emulation | None = None):
         self.faults = Faults(faults, name)
         self.core = WorkerCore(name, "prefill", config, self._on_outputs, cpu, self.faults,
-                               node_ip=ray.util.get_node_ip_address(), after_step=self._after_step)
+                               node_ip=ray.util.get_node_ip_address(), after_step=self._after_step,
+                               emulation=emulation)
         self.sender = KVSender(self.core.engine.runner.kv, transfer)
         self.pusher = KVPusher(self.core.loop, self.sender, self.faults, transfer.stream_chunks,
                                on_failed=self._push_failed, on_ended=self._push_ended)
@@ -66,7 +72,8 @@ class PrefillWorker(WorkerCalls):
             raise asyncio.CancelledError(f"{task.request_id} was cancelled")
         out = await self._first_token(task, arrived)
         if out.finish_reason is FinishReason.ERROR:
-            raise PrefillFailed(f"prefill failed on {self.core.name}: {out.text}")
+            failed = PrefillStepFailed if out.retryable else PrefillFailed
+            raise failed(f"prefill failed on {self.core.name}: {out.text}")
         if not out.token_ids:  # the outputs it resumed from had already ended it: a router bug
             raise PrefillFailed(f"{task.request_id} was already finished ({out.finish_reason}) when resumed")
         if out.finish_reason is FinishReason.PREFILLED:  # the KV's last piece is on its way already

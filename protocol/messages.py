@@ -72,11 +72,25 @@ class WorkerStats:
 
 
 @dataclass(frozen=True)
+class EngineBeat:
+    """The engine thread's own sign of life, read without it (a `beat` call never waits for the
+    engine): how long since its loop last came round (a step ended, a call ran, or an idle wait
+    ticked), how many steps it has run, and how many failed in a row. A hung step (a stuck CUDA or
+    NCCL call) shows as a growing `silent_s` while the actor itself still answers."""
+
+    name: str
+    silent_s: float
+    steps: int
+    failed_steps_in_a_row: int
+
+
+@dataclass(frozen=True)
 class Reservation:
     request_id: str
     num_tokens: int
     lease_s: float  # freed, and the request failed (retryable), unless started and landed by then
     token_ids: tuple[int, ...] = ()  # the tokens whose KV will be pushed: leading cached blocks are reused
+    cache_salt: str = field(default="", repr=False)  # ... when cached under this salt (protocol/block_hash.py)
 
 
 @dataclass(frozen=True)

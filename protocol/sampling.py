@@ -1,13 +1,19 @@
-"""How a request wants its tokens chosen: `SamplingParams`, validated into `InvalidRequest`."""
+"""How a request wants its tokens chosen: `SamplingParams`, validated into `InvalidRequest`.
+
+`cache_salt` is no sampling choice but rides along because every hop that must honour it (the
+router's prefix index, a decode reservation, each engine's block hashing, a migration) already
+carries the sampling params: requests share prefix-cache blocks only under equal salts.
+"""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from protocol.errors import InvalidRequest
 from protocol.limits import (
     FLOAT32_SMALLEST_NORMAL,
+    MAX_CACHE_SALT_CHARS,
     MAX_STOP_STRING_CHARS,
     MAX_STOP_STRINGS,
     MAX_STOP_TOKEN_IDS,
@@ -24,6 +30,7 @@ class SamplingParams:
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    cache_salt: str = field(default="", repr=False)  # "" = the shared cache (protocol/block_hash.py)
 
     @property
     def greedy(self) -> bool:
@@ -41,6 +48,9 @@ class SamplingParams:
         if self.top_k < 0:
             raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
         self._validate_stops()
+        if len(self.cache_salt) > MAX_CACHE_SALT_CHARS:
+            raise InvalidRequest(f"cache_salt is {len(self.cache_salt)} characters; at most {MAX_CACHE_SALT_CHARS} "
+                                 "are allowed")
 
     def _validate_stops(self) -> None:
         if len(self.stop) > MAX_STOP_STRINGS:

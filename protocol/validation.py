@@ -9,10 +9,17 @@ from __future__ import annotations
 from jinja2 import TemplateError, TemplateSyntaxError
 
 from protocol.errors import InvalidRequest
-from protocol.limits import DEFAULT_MAX_PROMPT_BYTES, MAX_REQUEST_ID_CHARS
+from protocol.limits import DEFAULT_MAX_PROMPT_BYTES, MAX_CHAT_MESSAGES, MAX_REQUEST_ID_CHARS
 from protocol.sampling import SamplingParams
 
 CHAT_ROLES = ("system", "user", "assistant")
+PROBE_CHARS_PER_TOKEN = 8  # text is rarely over this many characters a token
+
+
+def check_message_count(count: int) -> None:
+    """At most MAX_CHAT_MESSAGES: checked before a chat is even copied, let alone rendered."""
+    if count > MAX_CHAT_MESSAGES:
+        raise InvalidRequest(f"{count} messages given; at most {MAX_CHAT_MESSAGES} are allowed")
 
 
 def validate_request_id(request_id: str) -> None:
@@ -60,6 +67,7 @@ class RequestValidator:
         """A chat ([{"role", "content"}, ...]) rendered with the chat template, ready for the reply."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("this model has no chat template: send a prompt instead of messages")
+        check_message_count(len(messages))
         for i, m in enumerate(messages):
             if m.get("role") not in CHAT_ROLES:
                 raise InvalidRequest(f"messages[{i}].role must be one of {', '.join(CHAT_ROLES)}, got {m.get('role')!r}")
@@ -89,7 +97,22 @@ class RequestValidator:
             raise InvalidRequest(f"the prompt is not valid Unicode text (a lone surrogate at {e.start})") from None
         if size > self.max_prompt_bytes:
             raise InvalidRequest(f"the prompt is {size} bytes; at most {self.max_prompt_bytes} are allowed")
+        self._refuse_early_if_too_long(prompt)
         return self.tokenizer.encode(prompt, add_special_tokens=False)
+
+    def _refuse_early_if_too_long(self, prompt: str) -> None:
+        """A long text is first tokenized only up to a space near PROBE_CHARS_PER_TOKEN x the
+        context: if that head alone is over the context, the prompt is refused without the rest
+        being tokenized (a maximal hostile prompt then costs a small part of its full tokenizing).
+        A head cut before a space tokenizes to the leading tokens of the whole text."""
+        probe = PROBE_CHARS_PER_TOKEN * self.max_model_len
+        if len(prompt) <= probe:
+            return
+        cut = prompt.rfind(" ", 0, probe)
+        head = len(self.tokenizer.encode(prompt[:cut if cut > 0 else probe], add_special_tokens=False))
+        if head > self.max_model_len:
+            raise InvalidRequest(f"the prompt is over {self.max_model_len} tokens, the model's context (its first "
+                                 f"{cut if cut > 0 else probe} characters alone are {head} tokens)")
 
     def check_token_ids(self, name: str, ids: list[int] | tuple[int, ...]) -> None:
         bad = [t for t in ids if not 0 <= t < self.vocab_size]
@@ -97,15 +120,17 @@ class RequestValidator:
             raise InvalidRequest(f"{name} has ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
 
     def check(self, num_prompt_tokens: int, sampling: SamplingParams, pool_blocks: int | None = None,
-              block_size: int = 16) -> None:
-        """Sampling values in range, and prompt + max_tokens fits the context (and a whole KV pool)."""
+              block_size: int = 16, pool_tokens: int | None = None) -> None:
+        """Sampling values in range, prompt + max_tokens fits the context, and `pool_tokens` (by
+        default also prompt + max_tokens: what a decoding worker holds at the end) fit a whole KV
+        pool of `pool_blocks`. A prefill-only worker holds only the context and one more token."""
         sampling.validate()
         self.check_token_ids("stop_token_ids", sampling.stop_token_ids)
         total = num_prompt_tokens + sampling.max_tokens
         if total > self.max_model_len:
             raise InvalidRequest(f"prompt ({num_prompt_tokens} tokens) + max_tokens ({sampling.max_tokens}) = "
                                  f"{total} exceeds the model's context of {self.max_model_len} tokens")
-        blocks = -(-total // block_size)
+        blocks = -(-(total if pool_tokens is None else pool_tokens) // block_size)
         if pool_blocks is not None and blocks > pool_blocks:
             raise InvalidRequest(f"the request needs {blocks} KV blocks but the largest worker KV pool has "
                                  f"{pool_blocks}; lower max_tokens or the prompt length")

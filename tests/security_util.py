@@ -6,6 +6,7 @@ import subprocess
 from pathlib import Path
 
 TRAFFIC, ADMIN, ROTATED = "traffic-0123456789abcdef", "admin-0123456789abcdef", "rotated-0123456789abcdef"
+ADMIN_SUBJECT = "CN=pdserve test admin"  # admin.pem's subject as gRPC writes it
 
 
 def _openssl(cwd: Path, *args: str) -> None:
@@ -13,12 +14,13 @@ def _openssl(cwd: Path, *args: str) -> None:
 
 
 def make_pki(d: Path) -> Path:
-    """ca.pem; server.pem/.key for localhost and 127.0.0.1; client.pem/.key (clientAuth)."""
+    """ca.pem; server.pem/.key for localhost and 127.0.0.1; client.pem/.key and admin.pem/.key
+    (clientAuth; subjects "CN=pdserve test client" and ADMIN_SUBJECT)."""
     ec = ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes"]
     _openssl(d, "req", "-x509", *ec, "-keyout", "ca.key", "-out", "ca.pem", "-days", "2", "-subj", "/CN=pdserve test CA",
              "-addext", "basicConstraints=critical,CA:TRUE", "-addext", "keyUsage=critical,keyCertSign")
     for name, ext in (("server", "extendedKeyUsage=serverAuth\nsubjectAltName=DNS:localhost,IP:127.0.0.1\n"),
-                      ("client", "extendedKeyUsage=clientAuth\n")):
+                      ("client", "extendedKeyUsage=clientAuth\n"), ("admin", "extendedKeyUsage=clientAuth\n")):
         _openssl(d, "req", *ec, "-keyout", f"{name}.key", "-out", f"{name}.csr", "-subj", f"/CN=pdserve test {name}")
         (d / f"{name}.ext").write_text(ext)
         _openssl(d, "x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key", "-CAcreateserial",

@@ -97,6 +97,22 @@ def test_preempted_handed_off_and_resumed_tokens_say_so(llama_dir):
     assert kinds["m"] == "MD"  # moved from another worker: recomputed, then decodes
 
 
+def test_a_step_that_recomputes_a_preempted_request_marks_its_neighbours_gaps_recompute(llama_dir):
+    # 3 prompts of 8 tokens in a 6-block pool of 8-token blocks, all admitted in the first step,
+    # so every later prefill chunk is a preempted request's recompute: no gap is interference
+    engine = _engine(llama_dir, num_blocks=6, block_size=8)
+    for i, n in enumerate((30, 10, 40)):
+        engine.add_request(f"q{i}", prompt_token_ids=list(range(20 + i, 28 + i)),
+                           sampling=SamplingParams(max_tokens=n, ignore_eos=True))
+    kinds: dict[str, str] = {}
+    _drain(engine, kinds)
+    # q2 (last admitted) is preempted twice as q0 and q1 grow; when q1 finishes, q2's context is
+    # recomputed in the step that also decodes q0: q0's 11th token waited for that recompute
+    assert kinds == {"q0": "F" + "D" * 9 + "R" + "D" * 19, "q1": "F" + "D" * 9,
+                     "q2": "F" + "D" * 8 + "P" + "D" * 6 + "P" + "D" * 23}
+    assert engine.scheduler.num_preemptions == 2
+
+
 def test_step_log_returns_each_record_once_and_forgets_the_oldest():
     log = StepLog(capacity=3)
     for i in range(5):
@@ -144,6 +160,14 @@ def test_itl_tail_named_by_the_kind_most_of_its_gaps_have():
     assert found["sentence"].endswith("steps that also ran prefill chunks: scheduling interference.")
     # inside a window that holds no interference gap, decode steps are the limit
     assert itl_limit(records, window_s=(0.0, 0.15))["limit"] == "decode"
+
+
+def test_itl_tail_of_recompute_steps_is_named_kv_memory():
+    records = [_rec(f"s{i}", i, [0.01] * 9 + [0.2] + [0.01] * 10, "F" + "D" * 9 + "R" + "D" * 10)
+               for i in range(10)]
+    found = itl_limit(records)
+    assert found["limit"] == "recompute" and found["shares"]["interference"] == 0.0
+    assert found["sentence"].endswith("recomputed a preempted request's context: KV memory (preemption recompute).")
 
 
 def test_ttft_tail_split_into_its_parts():

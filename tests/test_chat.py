@@ -59,6 +59,7 @@ def test_messages_are_rendered_with_the_chat_template(client, llama_dir):
     ([{"role": "robot", "content": "beep"}], {}, "messages[0].role must be one of system, user, assistant, "
                                                  "got 'robot'"),
     ([HELLO, {"role": "", "content": "who?"}], {}, "messages[1].role must be one of"),
+    ([{"role": "user", "content": ""}] * 1025, {}, "1025 messages given; at most 1024 are allowed"),
 ])
 def test_bad_chats_are_invalid_argument(client, messages, fields, message):
     with pytest.raises(grpc.RpcError) as err:

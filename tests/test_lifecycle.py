@@ -126,3 +126,44 @@ def test_a_worker_counts_the_attempts_it_holds_and_estimates_free_blocks():
     assert w.free_blocks == 19
     w.had_no_room(30)  # a larger refusal says nothing new
     assert w.free_blocks == 19
+
+
+def _attempts(prefill_timeout_s: float):
+    from router.config.loader import parse_config
+    from router.lifecycle.admission import Admission
+    from router.lifecycle.attempt import Attempts
+    from router.observability.metrics import RouterMetrics
+    from router.pools.manager import PoolManager
+
+    config = parse_config({"router": {"prefill_timeout_s": prefill_timeout_s}})
+    return Attempts(config, PoolManager(config), Admission(8), RouterMetrics(), lambda: True)
+
+
+def test_a_slow_request_on_a_worker_that_steps_waits_its_turn_and_is_not_moved():
+    """Progress is the worker's: a request silent for three prefill_timeout_s on a worker whose
+    engine kept stepping (saturated, not stalled) gets its token when it comes; one on a worker
+    whose engine did not step for prefill_timeout_s moves."""
+    import asyncio
+
+    from router.lifecycle.outcomes import Retry
+
+    attempts = _attempts(prefill_timeout_s=0.2)
+
+    async def on_worker(stepping: bool) -> tuple:
+        w, life = _view(), _walk(_life(), Phase.DECODING)
+
+        async def steps_then_token():
+            for _ in range(12):  # 0.6 s: three deadlines, with steps (none of them this request's) or without
+                await asyncio.sleep(0.05)
+                w.engine_steps += stepping
+            life.deliver(life.attempt_id, "token")
+        task = asyncio.get_running_loop().create_task(steps_then_token())
+        try:
+            return await attempts._next_event(life, w)
+        finally:
+            await task
+
+    assert asyncio.run(on_worker(stepping=True))[1] == "token"
+    with pytest.raises(Retry) as moved:
+        asyncio.run(on_worker(stepping=False))
+    assert str(moved.value) == "no progress from decode-0 for 0.2 s"

@@ -13,6 +13,7 @@ import openai
 import pytest
 
 from bench.openai_client import DEFAULT_EXTRA_BODY
+from protocol.limits import MAX_CHAT_MESSAGES
 from router.frontdoor.openai_request import MAX_JSON_DEPTH, ApiError, load_body, parse_request
 from router.frontdoor.openai_server import OpenAIApi
 from router.lifecycle.life import RequestLife
@@ -172,12 +173,13 @@ class _FakeRouter:
 
     def __init__(self, chunks=(), fail: Exception | None = None, refuse: Exception | None = None):
         self.config = SimpleNamespace(model=SimpleNamespace(path=f"/models/{MODEL}"), router=SimpleNamespace(
-            max_prompt_bytes=1024))
+            max_prompt_bytes=1024, read_timeout_s=0.5, max_concurrent_calls=8))
         self.validator, self.metrics = SimpleNamespace(max_model_len=64), RouterMetrics()
+        self.intake = SimpleNamespace(check_room=lambda large: None)
         self.accepting = self.started = self.serving = True
         self.chunks, self.fail, self.refuse, self.closed = list(chunks), fail, refuse, False
 
-    async def prepare(self, request_id, prompt, prompt_ids, sampling, messages=None) -> RequestLife:
+    async def prepare(self, request_id, prompt, prompt_ids, sampling, messages=None, caller="") -> RequestLife:
         if self.refuse is not None:
             raise self.refuse
         return RequestLife(request_id, 0, prompt_ids or [1], sampling, 0.0)
@@ -300,3 +302,31 @@ def test_an_unexpected_error_is_a_500_that_echoes_none_of_its_text():
     assert response.status_code == 500
     assert body["error"]["type"] == "server_error"
     assert body["error"]["message"] == "internal error (RuntimeError); the server log has the details"
+
+
+def test_a_body_that_does_not_arrive_in_time_is_408():
+    """A client that sends its headers and then trickles (here: stops sending) its body gets 408 after
+    router.read_timeout_s, and the router never sees the request."""
+    router = _FakeRouter(refuse=AssertionError("a request without its body reached the router"))
+
+    async def stalled():
+        yield b'{"prompt": [5], '
+        await asyncio.sleep(30)
+        yield b'"max_tokens": 1}'
+
+    async def main():
+        transport = httpx2.ASGITransport(app=OpenAIApi(router).app())
+        async with httpx2.AsyncClient(transport=transport, base_url="http://pdserve") as client:
+            return await client.post("/v1/completions", content=stalled(), headers={"content-type": "application/json"})
+
+    reply = asyncio.run(main())
+    assert reply.status_code == 408
+    assert reply.json()["error"]["message"] == "the request body did not arrive within 0.5 s"
+
+
+def test_too_many_chat_messages_are_refused_before_anything_is_rendered():
+    body = {"messages": [{"role": "user", "content": ""}] * (MAX_CHAT_MESSAGES + 1)}
+    with pytest.raises(ApiError) as err:
+        parse_request(body, chat=True, model=MODEL)
+    assert (err.value.status, err.value.param, str(err.value)) == (
+        400, "messages", f"{MAX_CHAT_MESSAGES + 1} messages given; at most {MAX_CHAT_MESSAGES} are allowed")

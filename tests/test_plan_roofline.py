@@ -89,6 +89,12 @@ def test_measure_this_host_on_a_checkpoint(llama_dir, capsys):
     assert measured["floor_ms"] == pytest.approx(plan["weights_bytes"] / measured["bandwidth"] * 1e3)
     assert measured["weight_read_ms"] > 0 and set(measured["engine_decode_ms"]) == {"1", "8"}
     assert all(ms > 0 for ms in measured["engine_decode_ms"].values())
+    fit = measured["fit"]  # this host's cost model for the checkpoint, as cluster.yaml's emulate: section
+    assert fit["steps"] > 0 and fit["flops"] > 0 and fit["overhead_ms"] >= 0
+    assert fit["emulate"] | {"bandwidth": None, "flops": None, "step_overhead_s": None} == {
+        "device": "custom", "model": llama_dir, "dtype": "float32", "bandwidth": None, "flops": None,
+        "memory": "64GiB", "bandwidth_efficiency": 1.0, "compute_efficiency": 1.0, "step_overhead_s": None}
+    assert float(fit["emulate"]["bandwidth"]) == pytest.approx(measured["bandwidth"], rel=1e-5)
     # the roofline is drawn with the measured rates, over bytes known from config.json alone
     bandwidth, peak = measured["bandwidth"], measured["flops"]
     assert (plan["bandwidth_bytes_per_s"], plan["flops_per_s"]) == (bandwidth, peak)

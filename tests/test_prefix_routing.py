@@ -95,3 +95,17 @@ def test_cache_aware_decode_prefers_the_held_prefix_until_load_is_lopsided():
     d0.running, d1.running = 9, 2  # spread 7 > max(4, 0.5 * 2): balance first
     assert placer.decode_candidates([d0, d1], H, 11) == [d1, d0]
     assert placer.decode_candidates([d0, d1], H, 95) == []  # fits nowhere, even with the hit
+
+
+def test_placement_skips_workers_whose_whole_pool_is_too_small():
+    small, big = (WorkerView(WorkerInfo(n, pool, "127.0.0.1", blocks, BS), actor=None, free_blocks=blocks)
+                  for n, pool, blocks in (("prefill-0", "prefill", 10), ("prefill-1", "prefill", 40)))
+    for policy in ("load", "round_robin", "cache_aware"):
+        placer = Placer({"prefill": policy, "decode": policy})
+        assert placer.pick_prefill([small, big], [], 39) is not None
+        assert placer.pick_prefill([small, big], [], 40) is big  # 40 tokens + the next one: 11 blocks of 4
+        assert placer.pick_prefill([small], [], 40) is None
+    d_small, d_big = (WorkerView(WorkerInfo(n, "decode", "127.0.0.1", blocks, BS), actor=None, free_blocks=blocks)
+                      for n, blocks in (("decode-0", 10), ("decode-1", 40)))
+    assert Placer({"prefill": "load", "decode": "load"}).decode_candidates(
+        [d_small, d_big], [], 3, final_tokens=41) == [d_big]  # it fits now, but could not finish on decode-0

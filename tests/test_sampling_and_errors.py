@@ -297,3 +297,73 @@ def test_before_step_runs_before_every_step_and_its_failure_fails_the_step(engin
     assert "slow node" in outputs[-1].text
     assert engine.allocator.num_used == 0
     engine.check()
+
+
+def _run_until_finished(loop: EngineLoop, outputs: list[RequestOutput], ids: set[str]) -> None:
+    deadline = time.monotonic() + 20
+    while {o.request_id for o in outputs if o.finished} != ids and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_failed_step_fails_its_requests_retryably_and_the_named_culprit_alone_for_good(engine):
+    """A step that fails (a transient CUDA OOM) must not fail its requests for good: they fail
+    retryably (the router moves them), except a culprit the error names. The loop counts failed
+    steps in a row for the router, and a good step sets the count back to 0."""
+    from engine.llm_engine import RequestFault
+
+    failures = iter([RuntimeError("CUDA out of memory"), RequestFault("long", "long: CUDA out of memory")])
+
+    def before_step():
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+
+    outputs: list[RequestOutput] = []
+    loop = EngineLoop(engine, outputs.extend, name="isolate", before_step=before_step)
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    loop.call(lambda e: (e.add_request("short", prompt_token_ids=[4, 5, 6], sampling=sampling),
+                         e.add_request("other", prompt_token_ids=[7, 8, 9, 10], sampling=sampling))).result(10)
+    _run_until_finished(loop, outputs, {"short", "other"})
+    assert [(o.request_id, o.finish_reason, o.retryable) for o in outputs] == [
+        ("short", FinishReason.ERROR, True), ("other", FinishReason.ERROR, True)]
+    assert loop.beat().failed_steps_in_a_row == 1
+    outputs.clear()
+    loop.call(lambda e: (e.add_request("long", prompt_token_ids=list(range(4, 40)), sampling=sampling),
+                         e.add_request("short2", prompt_token_ids=[4, 5, 6], sampling=sampling))).result(10)
+    _run_until_finished(loop, outputs, {"long", "short2"})
+    assert [(o.request_id, o.retryable) for o in outputs] == [("long", False), ("short2", True)]
+    assert "long: CUDA out of memory" in outputs[0].text
+    assert loop.beat().failed_steps_in_a_row == 2
+    outputs.clear()
+    loop.call(lambda e: e.add_request("fine", prompt_token_ids=[4, 5, 6], sampling=sampling)).result(10)
+    _run_until_finished(loop, outputs, {"fine"})
+    assert outputs[-1].finish_reason is FinishReason.LENGTH and len([t for o in outputs for t in o.token_ids]) == 4
+    assert loop.beat().failed_steps_in_a_row == 0
+    loop.stop()
+    assert engine.allocator.num_used == 0
+    engine.check()
+
+
+def test_the_beat_comes_from_the_engine_thread_and_goes_silent_while_a_step_hangs(engine):
+    """An idle loop beats every BEAT_S; a step that hangs (here a before_step that blocks, as a stuck
+    CUDA call would) lets the silence grow though any other thread can still read the beat."""
+    import threading
+
+    from worker_runtime.engine_loop import BEAT_S
+
+    release = threading.Event()
+    loop = EngineLoop(engine, lambda outs: None, name="beat", before_step=lambda: release.wait(30))
+    time.sleep(3 * BEAT_S)
+    idle = loop.beat()
+    assert idle.silent_s < 2 * BEAT_S and idle.steps == 0 and idle.name == "beat"
+    loop.call(lambda e: e.add_request("hang", prompt_token_ids=[4, 5, 6], sampling=SamplingParams(max_tokens=2)))
+    time.sleep(1.0)
+    hung = loop.beat()
+    assert hung.silent_s >= 0.9 and hung.steps == 0
+    release.set()
+    deadline = time.monotonic() + 10
+    while loop.beat().steps < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert loop.beat().steps == 2 and loop.beat().silent_s < 1.0
+    loop.stop()
+    assert engine.allocator.num_used == 0

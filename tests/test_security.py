@@ -103,7 +103,7 @@ def test_grpc_traffic_and_admin_tokens(cluster, pki, caplog):
             grpc.StatusCode.UNAUTHENTICATED, "missing or invalid token")
     scale = pb.ScaleRequest(pool="decode", replicas=1)
     assert _refused(lambda: _rpc(_target(cluster, pki, TRAFFIC), pb_grpc.AdminStub, "Scale", scale)) == (
-        grpc.StatusCode.PERMISSION_DENIED, "this call needs an admin token")
+        grpc.StatusCode.PERMISSION_DENIED, "this call needs an admin token or an admin client certificate")
     assert _refused(lambda: _rpc(_target(cluster, pki), pb_grpc.AdminStub, "Scale", scale))[0] == \
         grpc.StatusCode.UNAUTHENTICATED
     assert _rpc(_target(cluster, pki, ADMIN), pb_grpc.AdminStub, "Scale", scale).replicas == 1

@@ -12,7 +12,7 @@ import pytest
 import ray.exceptions as rex
 
 from prefill_worker.worker import PrefillFailed
-from protocol.messages import CacheDelta, WorkerInfo, WorkerStats
+from protocol.messages import CacheDelta, EngineBeat, WorkerInfo, WorkerStats
 from protocol.sampling import SamplingParams
 from router.config.loader import parse_config
 from router.lifecycle.life import RequestLife
@@ -205,6 +205,46 @@ def test_a_failed_stats_call_fails_only_a_dead_worker(error, failed):
     monitor = _Monitor(w, _life(w))
     asyncio.run(monitor.refresh())
     assert bool(monitor.failed) is failed and w.stopped is failed
+
+
+@pytest.mark.parametrize("beat, failed", [
+    (EngineBeat("decode-0", 31.0, 50, 0), "its engine made no progress for 31 s"),
+    (EngineBeat("decode-0", 0.1, 50, 3), "3 engine steps failed in a row"),
+])
+def test_an_engine_silent_past_unresponsive_s_or_failing_its_steps_fails_the_worker(beat, failed):
+    """The actor answers (its beat call does not need the engine thread), yet the worker is failed:
+    its engine has not come round its loop for unresponsive_s (30 s here), or keeps failing steps."""
+    w = _view(beat=_Method(beat))
+    life = _life(w)
+    monitor = _Monitor(w, life)
+    asyncio.run(monitor._beat_loop(w))
+    assert monitor.failed == [failed] and w.stopped
+
+
+def test_a_quiet_engine_takes_no_new_request_until_it_beats_again():
+    """Silent for half the call deadline (1 s here): a reserve would wait behind it, so placement
+    skips it; it takes requests again at its next beat, and is never failed for it."""
+    beats = [EngineBeat("decode-0", 0.6, 9, 0), EngineBeat("decode-0", 0.0, 10, 0)]
+    w = _view()
+    monitor = _Monitor(w, _life(w))
+    w.heard(beats[0], monitor.quiet_s)
+    assert not w.accepting and w.engine_steps == 9
+    w.heard(beats[1], monitor.quiet_s)
+    assert w.accepting and w.engine_steps == 10 and monitor.failed == []
+
+
+def test_a_beat_call_that_fails_takes_the_worker_off_placement_but_fails_it_only_after_unresponsive_s():
+    w = _view()
+    accepting_after_failure: list[bool] = []
+
+    def note_and_stop() -> EngineBeat:  # the second beat: record what the failed one left, end the loop
+        accepting_after_failure.append(w.accepting)
+        w.stop()
+        return EngineBeat("decode-0", 0.0, 1, 0)
+    w.actor.beat = _Method(rex.GetTimeoutError(), note_and_stop)
+    monitor = _Monitor(w, _life(w))
+    asyncio.run(monitor._beat_loop(w))
+    assert accepting_after_failure == [False] and monitor.failed == []
 
 
 class _NumberedStats:

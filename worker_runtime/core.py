@@ -3,33 +3,40 @@
 Worker actors are Ray async actors; their methods run on the actor's event loop and reach
 the engine only through `run(fn)`, which executes `fn(engine)` on the loop thread. No Ray in
 here: the actor passes its node's address in. `WorkerCalls` is the part of each actor's Ray
-interface both answer alike (ready, poll, stats, telemetry, check), written once.
+interface both answer alike (ready, poll, stats, telemetry, emulation, check), written once.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from engine.config import EngineConfig
+from engine.cost_model import Emulation
 from engine.llm_engine import LLMEngine
-from protocol.messages import CacheDelta, WorkerInfo, WorkerStats
+from protocol.messages import CacheDelta, EngineBeat, WorkerInfo, WorkerStats
 from protocol.outputs import RequestOutput
-from protocol.telemetry import StepRecord
+from protocol.telemetry import EmulationStats, StepRecord
 from worker_runtime.engine_loop import EngineLoop
 from worker_runtime.faults import Faults
 from worker_runtime.outbox import Outbox
+from worker_runtime.pacing import Pacer
+
+log = logging.getLogger(__name__)
 
 
 class WorkerCore:
     def __init__(self, name: str, pool: str, config: EngineConfig,
                  on_outputs: Callable[[list[RequestOutput]], None], cpu: int | None = None,
                  faults: Faults | None = None, node_ip: str = "127.0.0.1",
-                 after_step: Callable[[LLMEngine], None] | None = None):
+                 after_step: Callable[[LLMEngine], None] | None = None, emulation: Emulation | None = None):
+        began = time.perf_counter()
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})  # before torch starts its thread pool
         torch.set_num_threads(config.torch_threads or 1)
@@ -38,8 +45,13 @@ class WorkerCore:
         self.pool = pool
         self.node_ip = node_ip  # where peers reach this worker's channels
         self.engine = LLMEngine(config)
-        slow = faults.slow_step if faults is not None else None  # a no-op while step_delay_s is 0
-        self.loop = EngineLoop(self.engine, on_outputs, name=name, before_step=slow, after_step=after_step)
+        log.info("%s: %s", name, self.engine.runner.describe())
+        self.pacer = Pacer(emulation) if emulation is not None else None  # worker_runtime/pacing.py
+        if self.pacer is not None:
+            self.pacer.wait_startup(began)
+        hook = (lambda: faults.before_step(self.engine)) if faults is not None else None  # a no-op with faults off
+        self.loop = EngineLoop(self.engine, on_outputs, name=name, before_step=hook, after_step=after_step,
+                               pace=self.pacer.pace if self.pacer is not None else None)
         self.served = 0
         self.cache_seq = 0  # of the last CacheDelta sent
         self.aio: asyncio.AbstractEventLoop | None = None
@@ -78,6 +90,12 @@ class WorkerCore:
     async def telemetry(self, since: int = 0) -> list[StepRecord]:
         """The engine's step records numbered after `since` (engine/telemetry.py)."""
         return await self.run(lambda e: e.telemetry.since(since))
+
+    async def emulation(self) -> EmulationStats | None:
+        """The pacing counters of an emulated device; None when emulation is off."""
+        if self.pacer is None:
+            return None
+        return await self.run(lambda e: self.pacer.stats())
 
     async def check(self) -> dict:
         """Integrity of the KV pool; returns the block counts for the caller to compare."""
@@ -119,5 +137,13 @@ class WorkerCalls:
         """Per-step records after `since`, for `pdserve bench`'s bottleneck report."""
         return await self.core.telemetry(since)
 
+    async def emulation(self) -> EmulationStats | None:
+        """How faithfully this worker kept its emulated device's timings (None: not emulating)."""
+        return await self.core.emulation()
+
     async def check(self) -> dict:
         return await self.core.check()
+
+    async def beat(self) -> EngineBeat:
+        """The engine thread's last sign of life, answered without waiting for it."""
+        return self.core.loop.beat()

@@ -4,36 +4,56 @@ The engine is not thread-safe, so every touch (add, reserve, abort, ...) is queu
 `call(fn)` and runs on the loop thread between two steps; the caller gets a
 `concurrent.futures.Future`. Each step's outputs go to `on_outputs` (on the loop thread).
 `before_step`, if given, runs on the loop thread before every step (fault injection hooks in
-there); if it raises, that step fails like a failed forward. `after_step`, if given, runs on
-the loop thread after every step, before `on_outputs` (the prefill worker streams the KV
-blocks the step filled from there).
+there); if it raises, that step fails like a failed forward. `pace(engine, began)`, if given,
+runs right after every step (an emulated device's step time, worker_runtime/pacing.py).
+`after_step`, if given, runs on the loop thread after every step, before `on_outputs` (the
+prefill worker streams the KV blocks the step filled from there).
+
+Liveness comes from the thread itself: it stamps `beat_at` each time round its loop (after a
+step, after the calls it ran, and every BEAT_S while idle), and `beat()` reads the stamp without
+waiting for the thread, so a step stuck in a CUDA or NCCL call shows as silence the router can
+see (router/pools/monitor.py) while the actor still answers.
+
+A failed step fails its requests retryably (the router moves them: the failure may be transient,
+a CUDA OOM from one long chunk), except a culprit the error names (`RequestFault`), which fails
+alone and for good. Failed steps in a row are counted for the beat: a worker that keeps failing
+is replaced by the router.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
-from engine.llm_engine import LLMEngine
+from engine.llm_engine import LLMEngine, RequestFault
+from protocol.messages import EngineBeat
 from protocol.outputs import RequestOutput
 
 log = logging.getLogger(__name__)
+BEAT_S = 0.25  # an idle loop stamps its beat this often
 
 
 class EngineLoop:
     def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None], name: str = "engine",
                  before_step: Callable[[], None] | None = None,
-                 after_step: Callable[[LLMEngine], None] | None = None):
+                 after_step: Callable[[LLMEngine], None] | None = None,
+                 pace: Callable[[LLMEngine, float], None] | None = None):
         self.engine = engine
         self._on_outputs = on_outputs
         self._before_step = before_step
         self._after_step = after_step
+        self._pace = pace
         self._inbox: list[tuple[Callable[[LLMEngine], Any], Future]] = []
         self._wake = threading.Condition()
         self._stopped = False
+        self.name = name
+        self.beat_at = time.monotonic()  # written by the loop thread only
+        self.steps = 0
+        self.failed_steps_in_a_row = 0
         self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
         self._thread.start()
 
@@ -53,20 +73,31 @@ class EngineLoop:
             self._wake.notify()
         self._thread.join(timeout=10)
 
+    def beat(self) -> EngineBeat:
+        """The thread's last sign of life; any thread, never waits for the loop."""
+        return EngineBeat(self.name, time.monotonic() - self.beat_at, self.steps, self.failed_steps_in_a_row)
+
     def _run(self) -> None:
         while True:
             with self._wake:
                 while not self._inbox and not self.engine.has_unfinished() and not self._stopped:
-                    self._wake.wait()
+                    self.beat_at = time.monotonic()
+                    self._wake.wait(BEAT_S)
                 if self._stopped:
                     return
                 inbox, self._inbox = self._inbox, []
             for fn, fut in inbox:
                 self._apply(fn, fut)
+            self.beat_at = time.monotonic()
             if self.engine.has_unfinished():
+                began = time.perf_counter()
                 outputs = self._step()
+                if self._pace is not None:
+                    self._pace(self.engine, began)
                 if self._after_step is not None:
                     self._hook(self._after_step)
+                self.steps += 1
+                self.beat_at = time.monotonic()
                 if outputs:
                     self._on_outputs(outputs)
 
@@ -74,10 +105,23 @@ class EngineLoop:
         try:
             if self._before_step is not None:
                 self._before_step()
-            return self.engine.step()
+            outputs = self.engine.step()
         except Exception as e:  # a failed step must not leave every request hanging
-            log.exception("engine step failed; failing the requests it held")
-            return self.engine.fail_all(f"the engine step failed: {e}")
+            self.failed_steps_in_a_row += 1
+            log.exception("engine step failed (%d in a row); its requests move elsewhere",
+                          self.failed_steps_in_a_row)
+            return self._fail_step(e)
+        self.failed_steps_in_a_row = 0
+        return outputs
+
+    def _fail_step(self, error: Exception) -> list[RequestOutput]:
+        """Every request the engine holds fails retryably (another worker may well serve it),
+        except the culprit `error` names, if it does: that one fails for good."""
+        culprit = error.request_id if isinstance(error, RequestFault) else None
+        outputs = self.engine.fail_all(f"the engine step failed: {error}")
+        for out in outputs:
+            out.retryable = out.request_id != culprit
+        return outputs
 
     def _apply(self, fn: Callable[[LLMEngine], Any], fut: Future) -> None:
         try:

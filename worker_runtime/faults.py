@@ -4,7 +4,11 @@
 Each worker gets a `Faults` with its own seeded RNG. Hooks, each a no-op when its knob is 0:
   fail_transfer()      a KV send fails before its header reaches the decode worker
   transfer_delay()     seconds to wait before a KV send (a slow link)
-  slow_step()          sleeps `step_delay_s` before each engine step (a slow worker)
+  before_step(engine)  before each engine step: sleeps `step_delay_s` (a slow worker); blocks
+                       the engine thread for `stall_engine_s` (a step stuck in a CUDA or NCCL
+                       call; set 0 again to let it go); fails the next `fail_steps` steps, naming
+                       the running request with the longest context as the culprit when
+                       `fail_culprit` is "longest" (a long chunk's CUDA OOM)
   refuse_reserve()     a decode reservation answers "no room" though the blocks fit (the
                        router's view of free blocks gone stale)
   maybe_kill(point)    the worker process exits at a named lifecycle point (see KILL_POINTS)
@@ -23,8 +27,11 @@ import time
 import zlib
 from dataclasses import dataclass
 
+from engine.llm_engine import LLMEngine, RequestFault
+
 log = logging.getLogger(__name__)
 ENV_VAR = "PDSERVE_FAULTS"
+CULPRITS = ("", "longest")
 KILL_POINTS = ("prefill.after_first_token", "decode.after_reserve", "decode.after_start",
                "decode.mid_stream")
 
@@ -36,6 +43,9 @@ class FaultConfig:
     transfer_delay_rate: float = 0.0  # fraction of KV sends delayed by transfer_delay_s
     transfer_delay_s: float = 0.0
     step_delay_s: float = 0.0         # added before every engine step
+    stall_engine_s: float = 0.0       # the engine thread blocks this long at its next step
+    fail_steps: int = 0               # the next this many engine steps fail
+    fail_culprit: str = ""            # "longest": a failed step names the longest running request
     reserve_refuse_rate: float = 0.0  # fraction of decode reservations refused though they fit
     kill_at: str = ""                 # one of KILL_POINTS; "" = never
     kill_rate: float = 0.0            # probability of exiting at each pass through kill_at
@@ -44,7 +54,10 @@ class FaultConfig:
         """(key, reason) for each impossible value."""
         out = [(k, "must be in [0, 1]") for k in ("transfer_fail_rate", "transfer_delay_rate", "kill_rate",
                                                   "reserve_refuse_rate") if not 0.0 <= getattr(self, k) <= 1.0]
-        out += [(k, "must be >= 0") for k in ("transfer_delay_s", "step_delay_s") if getattr(self, k) < 0]
+        out += [(k, "must be >= 0") for k in ("transfer_delay_s", "step_delay_s", "stall_engine_s", "fail_steps")
+                if getattr(self, k) < 0]
+        if self.fail_culprit not in CULPRITS:
+            out.append(("fail_culprit", f"must be one of {', '.join(repr(c) for c in CULPRITS)}"))
         if self.kill_at and self.kill_at not in KILL_POINTS:
             out.append(("kill_at", f"must be one of {', '.join(KILL_POINTS)} (or empty)"))
         return out
@@ -79,6 +92,7 @@ class Faults:
         """Replace the knobs (at run time too: every hook reads them when it runs); the RNG starts
         again from the new seed."""
         self.config = config
+        self._steps_failed = 0
         self._rng = random.Random(config.seed * 1_000_003 + zlib.crc32(self.worker.encode()))
 
     def _hit(self, rate: float) -> bool:
@@ -93,9 +107,27 @@ class Faults:
     def transfer_delay(self) -> float:
         return self.config.transfer_delay_s if self._hit(self.config.transfer_delay_rate) else 0.0
 
-    def slow_step(self) -> None:
+    def before_step(self, engine: LLMEngine) -> None:
+        """On the engine thread before each step (worker_runtime/engine_loop.py)."""
         if self.config.step_delay_s > 0:
             time.sleep(self.config.step_delay_s)
+        self._stall()
+        if self._steps_failed < self.config.fail_steps:
+            self._steps_failed += 1
+            self._fail_step(engine)
+
+    def _stall(self) -> None:
+        """Block while `stall_engine_s` lasts; re-read, so setting it to 0 ends the stall."""
+        until = time.monotonic() + self.config.stall_engine_s
+        while self.config.stall_engine_s > 0 and time.monotonic() < until:
+            time.sleep(0.05)
+
+    def _fail_step(self, engine: LLMEngine) -> None:
+        running = list(engine.scheduler.running)
+        if self.config.fail_culprit == "longest" and running:
+            culprit = max(running, key=lambda r: len(r.prompt_token_ids) + len(r.output_token_ids))
+            raise RequestFault(culprit.request_id, f"injected step failure: {culprit.request_id} ran out of memory")
+        raise RuntimeError("injected step failure")
 
     def maybe_kill(self, point: str) -> None:
         if self.config.kill_at == point and self._hit(self.config.kill_rate):

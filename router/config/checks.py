@@ -1,22 +1,27 @@
 """The checks of a cluster.yaml that its types cannot say: ranges, Ray placement syntax,
-interface names, sizes, and the router's TLS / auth files (read and verified at load, so a
-bad file is a config error rather than a failure once the cluster runs).
+interface names, sizes, emulated KV pools this host's RAM can hold, and the router's TLS / auth
+files (read and verified at load, so a bad file is a config error rather than a failure once the
+cluster runs).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import re
 import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from protocol.sizes import PlanError, parse_bytes
+from engine.memory import ModelShape, dtype_bytes, kv_bytes_per_token
+from protocol.sizes import PlanError, format_bytes, parse_bytes
+from router.config.emulate import check_emulate, emulated_num_blocks
 from router.config.typed_yaml import ConfigError
 from router.frontdoor.access import TokenFileError, read_tokens
 
 if TYPE_CHECKING:
-    from router.config.schema import ClusterConfig, PoolSection, TLSSection
+    from router.config.schema import AuthSection, ClusterConfig, PoolSection, TLSSection
 
 
 def check_values(cfg: ClusterConfig, where: str) -> None:
@@ -38,6 +43,10 @@ def check_values(cfg: ClusterConfig, where: str) -> None:
         ("router.unresponsive_s", cfg.router.unresponsive_s > 0, "must be > 0"),
         ("router.restart_backoff_s", cfg.router.restart_backoff_s > 0, "must be > 0"),
         ("router.max_prompt_bytes", cfg.router.max_prompt_bytes >= 1, "must be >= 1"),
+        ("router.max_preparing", cfg.router.max_preparing >= 1, "must be >= 1"),
+        ("router.tokenizer_threads", cfg.router.tokenizer_threads >= 1, "must be >= 1"),
+        ("router.max_concurrent_calls", cfg.router.max_concurrent_calls >= 1, "must be >= 1"),
+        ("router.read_timeout_s", cfg.router.read_timeout_s > 0, "must be > 0"),
         ("prefill.replicas", cfg.prefill.replicas >= (1 if cfg.mode == "disaggregated" else 0),
          "must be >= 1 in disaggregated mode (>= 0 in colocated)"),
         ("decode.replicas", cfg.decode.replicas >= 1, "must be >= 1"),
@@ -51,6 +60,8 @@ def check_values(cfg: ClusterConfig, where: str) -> None:
         ("decode.cpus", not cfg.decode.cpus or min(cfg.decode.cpus) >= 0, "core numbers must be >= 0"),
         ("kv_cache.block_size", cfg.kv_cache.block_size >= 1, "must be >= 1"),
         ("kv_cache.num_blocks", cfg.kv_cache.num_blocks is None or cfg.kv_cache.num_blocks >= 1, "must be >= 1"),
+        ("prefill.num_blocks", cfg.prefill.num_blocks is None or cfg.prefill.num_blocks >= 1, "must be >= 1"),
+        ("decode.num_blocks", cfg.decode.num_blocks is None or cfg.decode.num_blocks >= 1, "must be >= 1"),
         ("kv_cache.memory_fraction", 0 < cfg.kv_cache.memory_fraction <= 1, "must be in (0, 1]"),
         ("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens >= 1, "must be >= 1"),
         ("scheduler.chunk_size", cfg.scheduler.chunk_size is None or cfg.scheduler.chunk_size >= 1,
@@ -74,6 +85,41 @@ def check_values(cfg: ClusterConfig, where: str) -> None:
                 parse_bytes(text)
             except PlanError as e:
                 raise ConfigError(f"{where}: {key}: {e}") from None
+    check_emulate(cfg.emulate, cfg.kv_cache.block_size, where)
+
+
+HOST_RAM_SHARE = 0.5  # of this host's physical memory the emulated KV pools may take, all workers together
+
+
+def check_host_memory(cfg: ClusterConfig, where: str, host_bytes: int | None = None) -> None:
+    """The emulated pools hold the REAL model's KV: refuse a config whose pools, all workers
+    together, would take more than HOST_RAM_SHARE of this host's memory. Skipped when the pool
+    size is explicit (kv_cache.num_blocks) or the model's config.json is not there yet."""
+    blocks = None if cfg.kv_cache.num_blocks else emulated_num_blocks(cfg.emulate, cfg.kv_cache.block_size)
+    real = _real_kv_bytes_per_token(cfg)
+    if blocks is None or real is None:
+        return
+    workers = cfg.decode.replicas + (cfg.prefill.replicas if cfg.mode == "disaggregated" else 0)
+    need = workers * blocks * cfg.kv_cache.block_size * real
+    host = host_bytes if host_bytes is not None else os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > HOST_RAM_SHARE * host:
+        raise ConfigError(
+            f"{where}: emulate: {workers} workers x {blocks * cfg.kv_cache.block_size:,} emulated KV tokens x "
+            f"{format_bytes(real)} per token of the real model need {format_bytes(need)} of host RAM, over "
+            f"{HOST_RAM_SHARE:.0%} of this host's {format_bytes(host)}: set kv_cache.num_blocks, emulate.memory, "
+            f"or use a smaller real model")
+
+
+def _real_kv_bytes_per_token(cfg: ClusterConfig) -> int | None:
+    try:
+        config = json.loads((Path(cfg.model.path) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else config.get("torch_dtype") or config.get("dtype")
+    try:
+        return kv_bytes_per_token(ModelShape.from_hf_config(config, num_params=0), dtype_bytes(dtype or "float32"))
+    except PlanError:
+        return None
 
 
 # Ray's label syntax (Kubernetes-style): a name of alphanumerics with -_. inside, an optional
@@ -116,7 +162,22 @@ def security_files(cfg: ClusterConfig, base: Path, where: str) -> ClusterConfig:
             reason = e if isinstance(e, TokenFileError) else f"{path}: cannot read: {e.strerror}"
             raise ConfigError(f"{where}: router.{key}: {reason}") from None
     _check_tls(tls, where)
+    _check_identities(tls, auth, cfg.router.http_port is not None, where)
     return dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, tls=tls, auth=auth))
+
+
+def _check_identities(tls: TLSSection, auth: AuthSection, http: bool, where: str) -> None:
+    """Options that name callers need a way to tell callers apart (the HTTP door sees no
+    certificate subject: there only tokens do)."""
+    if auth.admin_subjects and tls.client_ca_file is None:
+        raise ConfigError(f"{where}: router.auth.admin_subjects: certificate subjects need mutual TLS "
+                          "(router.tls.client_ca_file)")
+    if auth.isolate_prefix_cache and not (auth.enabled or tls.client_ca_file):
+        raise ConfigError(f"{where}: router.auth.isolate_prefix_cache: callers are told apart by their token or "
+                          "client certificate: set router.auth.tokens_file or router.tls.client_ca_file")
+    if auth.isolate_prefix_cache and http and not auth.enabled:
+        raise ConfigError(f"{where}: router.auth.isolate_prefix_cache: the HTTP door tells callers apart by token "
+                          "only: set router.auth.tokens_file, or router.http_port: null")
 
 
 def _check_tls(tls: TLSSection, where: str) -> None:

@@ -8,7 +8,7 @@ from typing import Any
 
 import yaml
 
-from router.config.checks import check_values, security_files
+from router.config.checks import check_host_memory, check_values, security_files
 from router.config.schema import ClusterConfig
 from router.config.typed_yaml import ConfigError, build
 
@@ -28,7 +28,9 @@ def load_config(path: str | Path) -> ClusterConfig:
     if cfg.router.request_log is not None:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(
             cfg.router, request_log=str((path.parent / cfg.router.request_log).resolve())))
-    return dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_path)))
+    cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_path)))
+    check_host_memory(cfg, str(path))
+    return cfg
 
 
 def parse_config(raw: Any, where: str = "cluster.yaml", base_dir: Path | None = None) -> ClusterConfig:

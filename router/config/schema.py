@@ -17,6 +17,7 @@ from checkpoints.gguf import SMOLLM2_OUT_DIR
 from engine.config import DEFAULT_MEMORY_FRACTION, EngineConfig
 from protocol.limits import DEFAULT_MAX_PROMPT_BYTES
 from protocol.sizes import parse_bytes
+from router.config.emulate import EmulateSection, emulated_num_blocks
 from worker_runtime.faults import FaultConfig
 
 Policy = Literal["cache_aware", "load", "round_robin"]
@@ -30,6 +31,15 @@ class ModelSection:
     # create a random tiny test model at `path` when it is absent (tests and benchmarks ask for it)
     create_tiny: Literal["off", "llama", "qwen2"] = "off"
     max_model_len: int | None = None
+
+
+@dataclass(frozen=True)
+class EngineSection:
+    """How each worker runs the model forward (docs/engine_speed.md)."""
+
+    # torch.compile the decoder around the opaque paged-attention op: auto = on CUDA only
+    compile: Literal["auto", "on", "off"] = "auto"
+    cuda_graphs: bool = False  # with compile on a CUDA device: capture the dense pieces as CUDA graphs
 
 
 @dataclass(frozen=True)
@@ -57,6 +67,12 @@ class AuthSection:
     # who may read Admin/Status, reflection and /metrics: loopback (no token from this machine,
     # else an admin token) | admin (an admin token) | traffic (any token)
     status_access: StatusAccess = "loopback"
+    # mutual TLS: subjects of client certificates that may administer (Admin/Scale, and Status,
+    # reflection, /metrics where status_access asks for admin), as gRPC writes them: "CN=ops,O=acme"
+    admin_subjects: list[str] = field(default_factory=list)
+    # each caller (token, else client certificate) gets its own prefix cache: requests of different
+    # callers never share KV blocks, so none can learn another's prompts from cached_tokens or TTFT
+    isolate_prefix_cache: bool = False
 
     @property
     def enabled(self) -> bool:
@@ -80,12 +96,20 @@ class RouterSection:
     # deadline of one prefill, queueing on the worker included; also how long a decode stream may
     # send nothing (no token, finish or failure) before its request moves to another worker
     prefill_timeout_s: float = 60.0
-    queue_timeout_s: float = 120.0  # longest wait for capacity before UNAVAILABLE
+    queue_timeout_s: float = 120.0  # longest wait for capacity before UNAVAILABLE; a predicted longer one: 429 at once
     drain_timeout_s: float = 60.0  # then a draining worker's requests migrate
     worker_start_timeout_s: float = 180.0  # a worker that is not ready by then is killed
-    unresponsive_s: float = 30.0  # a worker that answers no stats call for this long is replaced
+    unresponsive_s: float = 30.0  # a worker silent, or whose engine made no progress, this long is replaced
     restart_backoff_s: float = 1.0  # first delay before replacing a dead worker; doubles, max 30 s
     max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # refused before tokenizing
+    # work before admission (router/lifecycle/intake.py): requests being rendered / tokenized at
+    # once (beyond: RESOURCE_EXHAUSTED), and threads tokenizing big inputs (small ones have their own)
+    max_preparing: int = 64
+    tokenizer_threads: int = 1
+    # front doors: calls / HTTP connections at once (gRPC beyond: RESOURCE_EXHAUSTED, HTTP: 503), and how
+    # long a client may take to send an HTTP request body or finish a gRPC connection's handshake
+    max_concurrent_calls: int = 1024
+    read_timeout_s: float = 30.0
     # placement (router/pools/placement.py): cache_aware weighs the prefix a worker holds against its
     # load; load = least loaded; round_robin = in turn. The per-pool keys override `policy`.
     policy: Policy = "cache_aware"
@@ -117,6 +141,7 @@ class PoolSection:
     torch_threads: int = 1
     # pin the pool's workers to these CPU cores, one core per worker in turn (null = no pinning)
     cpus: list[int] | None = None
+    num_blocks: int | None = None  # KV blocks per worker of this pool; null = kv_cache's sizing
 
 
 @dataclass(frozen=True)
@@ -159,6 +184,7 @@ class RaySection:
 @dataclass(frozen=True)
 class ClusterConfig:
     model: ModelSection = field(default_factory=ModelSection)
+    engine: EngineSection = field(default_factory=EngineSection)
     mode: Literal["disaggregated", "colocated"] = "disaggregated"
     router: RouterSection = field(default_factory=RouterSection)
     prefill: PoolSection = field(default_factory=PoolSection)
@@ -168,15 +194,17 @@ class ClusterConfig:
     kv_transfer: KVTransferSection = field(default_factory=KVTransferSection)
     ray: RaySection = field(default_factory=RaySection)
     faults: FaultConfig = field(default_factory=FaultConfig)  # fault injection, off by default
+    emulate: EmulateSection = field(default_factory=EmulateSection)  # emulated devices, off by default
 
     def engine_config(self, pool: PoolSection, device: str = "cpu") -> EngineConfig:
         kv = self.kv_cache
         return EngineConfig(
             model_path=self.model.path, dtype=self.model.dtype, device=device, block_size=kv.block_size,
-            num_blocks=kv.num_blocks, kv_cache_memory=parse_bytes(kv.memory) if kv.memory else None,
+            num_blocks=pool.num_blocks or kv.num_blocks or emulated_num_blocks(self.emulate, kv.block_size), kv_cache_memory=parse_bytes(kv.memory) if kv.memory else None,
             memory_fraction=kv.memory_fraction, runtime_overhead=parse_bytes(kv.runtime_overhead),
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens, chunk_size=self.scheduler.chunk_size,
             max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.model.max_model_len,
-            torch_threads=pool.torch_threads, enable_prefix_caching=kv.prefix_caching)
+            torch_threads=pool.torch_threads, enable_prefix_caching=kv.prefix_caching,
+            compile=self.engine.compile, cuda_graphs=self.engine.cuda_graphs)
 
 

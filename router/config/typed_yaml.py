@@ -65,7 +65,7 @@ def _matches(hint, value: Any) -> bool:
         return isinstance(value, dict) and all(isinstance(k, str) and _matches(typing.get_args(hint)[1], v)
                                                for k, v in value.items())
     if typing.get_origin(hint) is list:
-        return isinstance(value, list) and all(_matches(int, v) for v in value)
+        return isinstance(value, list) and all(_matches(typing.get_args(hint)[0], v) for v in value)
     if hint is float:
         return isinstance(value, int | float) and not isinstance(value, bool)
     if hint is int:
@@ -83,5 +83,5 @@ def _describe(hint) -> str:
     if typing.get_origin(hint) is dict:
         return f"a mapping of name to {_describe(typing.get_args(hint)[1])}"
     if typing.get_origin(hint) is list:
-        return "a list of integers"
+        return {int: "a list of integers", str: "a list of strings"}[typing.get_args(hint)[0]]
     return {int: "an integer", float: "a number", str: "a string", bool: "true or false"}.get(hint, str(hint))

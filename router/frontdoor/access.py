@@ -9,8 +9,14 @@ keeps the tokens in use. No token ever reaches a log line or an error message.
 
 Needs: OPEN (health), TRAFFIC (generation), ADMIN (anything that changes the cluster) and
 STATUS (Admin/Status, reflection, /metrics), which `status_access` maps to: `loopback` (no token
-from this machine, else an admin token), `admin`, or `traffic`. Without token files the gate is
-off and every call is allowed (a loopback-only router, mutual TLS, or --insecure).
+from this machine, else an admin identity), `admin`, or `traffic`. An admin identity is an admin
+token, or a client certificate (mutual TLS) whose subject is on `router.auth.admin_subjects`:
+with mutual TLS any client the CA signed may send traffic, but only those may administer. With
+neither token files nor mutual TLS the gate is off and every call is allowed (a loopback-only
+router, or --insecure).
+
+`caller_id`: who a request comes from (a token's digest, else a certificate subject), the
+namespace of its request ids and, with `isolate_prefix_cache`, of its prefix-cache blocks.
 """
 
 from __future__ import annotations
@@ -49,7 +55,7 @@ class Need(enum.Enum):
 class Verdict(enum.Enum):
     ALLOW = "allow"
     UNAUTHENTICATED = "missing or invalid token"
-    DENIED = "this call needs an admin token"
+    DENIED = "this call needs an admin token or an admin client certificate"
 
 
 def read_tokens(path: str) -> list[bytes]:
@@ -109,23 +115,27 @@ def grpc_peer_is_loopback(peer: str) -> bool:
 
 
 class Gate:
-    """The front doors' one access decision; `enabled` is False without token files."""
+    """The front doors' one access decision; `enabled` is False without token files or mutual TLS."""
 
     def __init__(self, tokens_file: str | None = None, admin_tokens_file: str | None = None,
-                 status_access: str = "loopback"):
+                 status_access: str = "loopback", mutual_tls: bool = False, admin_subjects: tuple[str, ...] = ()):
         self.files = (tokens_file, admin_tokens_file)
-        self.enabled = any(self.files)
+        self.has_tokens = any(self.files)
+        self.enabled = self.has_tokens or mutual_tls
         self.status_access = status_access
+        self.admin_subjects = frozenset(admin_subjects)
         self._digests = (_digests(tokens_file), _digests(admin_tokens_file))  # (traffic, admin), swapped whole
 
     @classmethod
-    def from_config(cls, auth) -> Gate:
-        """`auth`: the config's `router.auth` section."""
-        return cls(auth.tokens_file, auth.admin_tokens_file, auth.status_access)
+    def from_config(cls, router) -> Gate:
+        """`router`: the config's `router` section (its auth and tls)."""
+        auth = router.auth
+        return cls(auth.tokens_file, auth.admin_tokens_file, auth.status_access,
+                   router.tls.client_ca_file is not None, tuple(auth.admin_subjects))
 
     def reload(self) -> bool:
         """Re-read the token files; on any error keep the tokens in use and log why."""
-        if not self.enabled:
+        if not self.has_tokens:
             log.info("auth: no router.auth token files to re-read")
             return False
         try:
@@ -147,15 +157,30 @@ class Gate:
         return Role.ADMIN if is_admin else Role.TRAFFIC if is_traffic else Role.NONE
 
     def check(self, need: Need, authorization: str | bytes | None,
-              loopback: Callable[[], bool] = lambda: False) -> Verdict:
-        """May a call with this Authorization value (from a peer `loopback()` says is local) go on?"""
+              loopback: Callable[[], bool] = lambda: False,
+              subject: Callable[[], str | None] = lambda: None) -> Verdict:
+        """May a call with this Authorization value, from a peer `loopback()` says is local and whose
+        client certificate has `subject()` (None: none shown), go on?"""
         if not self.enabled or need is Need.OPEN:
             return Verdict.ALLOW
         if need is Need.STATUS:
             if self.status_access == "loopback" and loopback():
                 return Verdict.ALLOW
             need = Need.TRAFFIC if self.status_access == "traffic" else Need.ADMIN
+        if need is Need.ADMIN and self.admin_subjects and subject() in self.admin_subjects:
+            return Verdict.ALLOW
+        if not self.has_tokens:  # mutual TLS alone: the handshake admitted the client for traffic
+            return Verdict.ALLOW if need is Need.TRAFFIC else Verdict.DENIED
         role = self.role(authorization)
         if role is Role.NONE:
             return Verdict.UNAUTHENTICATED
         return Verdict.DENIED if need is Need.ADMIN and role is not Role.ADMIN else Verdict.ALLOW
+
+
+def caller_id(authorization: str | bytes | None, subject: str | None = None) -> str:
+    """Who a call comes from, for namespacing: "token:" and a digest of its bearer token (never the
+    token itself), else "cert:" and its client certificate's subject, else "" (anonymous)."""
+    token = bearer(authorization)
+    if token is not None:
+        return "token:" + hashlib.sha256(b"pdserve-caller" + token).hexdigest()[:32]
+    return f"cert:{subject}" if subject else ""

@@ -31,11 +31,12 @@ def _given(s: pb.SamplingParams, name: str) -> Any:
     return getattr(s, name) if s.HasField(name) else getattr(_DEFAULTS, name)
 
 
-def sampling_from_proto(s: pb.SamplingParams) -> SamplingParams:
+def sampling_from_proto(s: pb.SamplingParams, cache_salt: str = "") -> SamplingParams:
+    """`cache_salt`: the GenerateRequest's (it travels with the sampling params inside pdserve)."""
     return SamplingParams(
         max_tokens=_given(s, "max_tokens"), temperature=_given(s, "temperature"), top_p=_given(s, "top_p"),
         top_k=_given(s, "top_k"), seed=_given(s, "seed"), stop=tuple(s.stop),
-        stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos)
+        stop_token_ids=tuple(s.stop_token_ids), ignore_eos=s.ignore_eos, cache_salt=cache_salt)
 
 
 def usage_to_proto(u: Usage) -> pb.Usage:

@@ -1,6 +1,7 @@
 """gRPC front door (grpc.aio): Generation and Admin services over `Router`, plus the standard
 health service and server reflection. Errors become statuses with a readable message:
-INVALID_ARGUMENT (bad request), RESOURCE_EXHAUSTED (queue full; a scale Ray cannot place),
+INVALID_ARGUMENT (bad request), RESOURCE_EXHAUSTED (queue full, or a predicted wait over
+router.queue_timeout_s with trailing metadata `retry-after`; a scale Ray cannot place),
 UNAVAILABLE (shutting down, no worker can serve, failures beyond the migration limit),
 INTERNAL (the engine failed on this request); a client that goes away cancels its request on
 every worker. Health is SERVING only while every pool the mode needs has a ready worker, and
@@ -19,10 +20,11 @@ from grpc_reflection.v1alpha import reflection
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from protocol.errors import InvalidRequest
+from protocol.validation import check_message_count
 from router.config.schema import TLSSection
-from router.frontdoor.access import Gate
+from router.frontdoor.access import Gate, caller_id
 from router.frontdoor.grpc_convert import pool_status_to_proto, sampling_from_proto, usage_to_proto
-from router.frontdoor.guards import GrpcGuard, Refusals
+from router.frontdoor.guards import GrpcGuard, Refusals, grpc_subject
 from router.frontdoor.tls import grpc_server_credentials
 from router.lifecycle.outcomes import CannotPlace, Chunk, InternalError, QueueFull, Unavailable
 from router.lifecycle.service import Router
@@ -43,17 +45,21 @@ class GenerationService(pb_grpc.GenerationServicer):
         try:
             if request.prompt and request.prompt_token_ids:
                 raise InvalidRequest("give either prompt or prompt_token_ids, not both")
-            sampling = sampling_from_proto(request.sampling)
+            check_message_count(len(request.messages))
+            sampling = sampling_from_proto(request.sampling, request.cache_salt)
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
+            caller = caller_id(dict(context.invocation_metadata() or ()).get("authorization"), grpc_subject(context))
             life = await self.router.prepare(request.request_id, request.prompt or None,
                                              list(request.prompt_token_ids) or None, sampling,
-                                             messages=messages or None)
+                                             messages=messages or None, caller=caller)
             async with contextlib.aclosing(self.router.generate(life)) as chunks:
                 async for chunk in chunks:
                     yield self._response(life.client_id, chunk)
         except tuple(_STATUS) as e:
             code = _STATUS[type(e)]
             self.router.metrics.observe_error(code.name)
+            if isinstance(e, QueueFull) and e.retry_after_s is not None:
+                context.set_trailing_metadata((("retry-after", str(e.retry_after_s)),))
             await context.abort(code, str(e))
 
     @staticmethod
@@ -102,13 +108,16 @@ class AdminService(pb_grpc.AdminServicer):
 class RouterServer:
     """The grpc.aio server; `port` is the bound port (config port 0 = pick a free one). With a
     `gate` that has tokens every call passes router/frontdoor/guards.py's interceptor; with `tls` the port
-    speaks only TLS (mutual when tls.client_ca_file)."""
+    speaks only TLS (mutual when tls.client_ca_file). At most router.max_concurrent_calls calls run at
+    once (grpc refuses more with RESOURCE_EXHAUSTED); a connection's handshake has read_timeout_s."""
 
     def __init__(self, router: Router, host: str, port: int, gate: Gate | None = None,
                  tls: TLSSection | None = None, refusals: Refusals | None = None):
         self.router = router
         guard = [GrpcGuard(gate, refusals or Refusals())] if gate is not None and gate.enabled else []
-        self.server = grpc.aio.server(options=[("grpc.so_reuseport", 0)], interceptors=guard)
+        r = router.config.router
+        options = [("grpc.so_reuseport", 0), ("grpc.server_handshake_timeout_ms", int(r.read_timeout_s * 1000))]
+        self.server = grpc.aio.server(options=options, interceptors=guard, maximum_concurrent_rpcs=r.max_concurrent_calls)
         pb_grpc.add_GenerationServicer_to_server(GenerationService(router), self.server)
         pb_grpc.add_AdminServicer_to_server(AdminService(router), self.server)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()

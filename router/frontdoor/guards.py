@@ -2,10 +2,10 @@
 
 gRPC: a server interceptor maps the method to what it needs (health OPEN, Generation TRAFFIC,
 Admin/Status and reflection STATUS, every other method, Admin/Scale included, ADMIN: a method
-added later is admin-only until someone decides otherwise). A token-only decision is made in
-the interceptor, and an allowed call gets its own handler back untouched: the generation path
-pays one SHA-256 and a few compare_digest calls, nothing per message. A decision that needs the
-caller's address (STATUS from loopback) runs inside the handler, where the peer is known.
+added later is admin-only until someone decides otherwise). Traffic is decided in the
+interceptor, and an allowed call gets its own handler back untouched: the generation path pays
+one SHA-256 and a few compare_digest calls, nothing per message. STATUS and ADMIN are decided
+inside the handler, where the peer's address and client certificate (an admin subject) are known.
 Refusals: UNAUTHENTICATED / PERMISSION_DENIED (HTTP 401 / 403) with a fixed sentence.
 HTTP: every path but /health needs a traffic token. /metrics: STATUS.
 """
@@ -71,6 +71,13 @@ def _metadata(details: grpc.HandlerCallDetails, key: str) -> str | None:
     return next((value for k, value in details.invocation_metadata or () if k == key), None)
 
 
+def grpc_subject(context) -> str | None:
+    """The subject of the client certificate the peer showed (mutual TLS), as gRPC writes it
+    ("CN=ops,O=acme"); None without one."""
+    values = context.auth_context().get("x509_subject") or ()
+    return values[0].decode("utf-8", "replace") if values else None
+
+
 class GrpcGuard(grpc.aio.ServerInterceptor):
     def __init__(self, gate: Gate, refusals: Refusals):
         self.gate, self.refusals = gate, refusals
@@ -81,9 +88,9 @@ class GrpcGuard(grpc.aio.ServerInterceptor):
         if handler is None or need is Need.OPEN or not self.gate.enabled:
             return handler
         authorization = _metadata(details, "authorization")
-        if need is Need.STATUS and self.gate.status_access == "loopback":
+        if need is not Need.TRAFFIC:
             return _checked(handler, lambda context: self._verdict(details.method, context, self.gate.check(
-                need, authorization, lambda: grpc_peer_is_loopback(context.peer()))))
+                need, authorization, lambda: grpc_peer_is_loopback(context.peer()), lambda: grpc_subject(context))))
         verdict = self.gate.check(need, authorization)
         if verdict is Verdict.ALLOW:
             return handler

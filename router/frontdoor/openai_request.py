@@ -19,14 +19,16 @@ import re
 from collections.abc import Callable
 from typing import Any
 
+from protocol.limits import MAX_CHAT_MESSAGES
 from protocol.sampling import SamplingParams
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids")
+SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids", "cache_salt")
 MAX_JSON_DEPTH = 32  # an OpenAI body nests 5 deep (messages, content parts); far below the parser's stack
 
 _HONOURED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed",
-                       "stop", "user", "top_k", "ignore_eos", "stop_token_ids"})  # the last three: extensions
+                       "stop", "user", "top_k", "ignore_eos", "stop_token_ids",
+                       "cache_salt"})  # the last four: extensions (cache_salt as vLLM's)
 _NO_OP = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
           "min_p": 0, "min_tokens": 0, "repetition_penalty": 1}  # the last three: vLLM's extensions
 # per endpoint (chat?): the fields honoured, and the no-op value of each field accepted only at that value
@@ -164,7 +166,7 @@ def parse_request(body: dict, chat: bool, model: str) -> Parsed:
         max_tokens=1 if max_tokens is None else max_tokens, temperature=_field(body, "temperature", "number", 1.0),
         top_p=_field(body, "top_p", "number", 1.0), top_k=0 if top_k == -1 else top_k, seed=seed,
         stop=_stops(body.get("stop")), stop_token_ids=tuple(_field(body, "stop_token_ids", "ids", [])),
-        ignore_eos=_field(body, "ignore_eos", "bool", False))
+        ignore_eos=_field(body, "ignore_eos", "bool", False), cache_salt=_field(body, "cache_salt", "string", ""))
     return Parsed(prompt, ids, messages, sampling, max_tokens is not None, _field(body, "stream", "bool", False),
                   _include_usage(body.get("stream_options")))
 
@@ -238,6 +240,8 @@ def _messages(body: dict) -> list[dict]:
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
         raise ApiError(400, "messages must be a non-empty list of {role, content} objects", "messages")
+    if len(messages) > MAX_CHAT_MESSAGES:
+        raise ApiError(400, f"{len(messages)} messages given; at most {MAX_CHAT_MESSAGES} are allowed", "messages")
     out = []
     for i, m in enumerate(messages):
         extra = next((k for k, v in m.items() if k not in _MESSAGE_FIELDS and v is not None), None)

@@ -3,12 +3,15 @@
 POST /v1/completions and /v1/chat/completions (server-sent events, or one JSON body), GET
 /v1/models and /health. A request becomes `Router.prepare` + `Router.generate`; refusals are
 OpenAI error objects: 400 (a field refused, router/frontdoor/openai_request.py, or the
-validator's sentence), 404 (a model not served), 429 (queue full), 503 (no worker can serve;
+validator's sentence), 404 (a model not served), 429 (queue full, or a predicted wait over
+router.queue_timeout_s, with a Retry-After header), 503 (no worker can serve;
 every /v1 path while the router starts or shuts down), 500 (the engine failed on the request).
 A client that goes away closes the request's generator, which aborts it on every worker. `OpenAIServer` runs
 uvicorn as a task without signal handlers: the process's owner (serve_forever) keeps them; with
 router.tls it is HTTPS, with router.auth a missing or wrong bearer token gets 401 from
-router/frontdoor/guards.py before a request reaches the app.
+router/frontdoor/guards.py before a request reaches the app. At most router.max_concurrent_calls
+connections and requests at once (uvicorn answers more with 503); a body must arrive within
+router.read_timeout_s (408).
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from protocol.errors import InvalidRequest
 from protocol.limits import CHAT_MAX_TOKENS
 from protocol.usage import Usage
 from router.config.schema import TLSSection
-from router.frontdoor.access import Gate
+from router.frontdoor.access import Gate, caller_id
 from router.frontdoor.guards import HttpGuard, Refusals
 from router.frontdoor.openai_request import (
     SAMPLING_FIELDS,
@@ -48,6 +51,7 @@ from router.frontdoor.openai_request import (
     parse_request,
 )
 from router.frontdoor.tls import uvicorn_tls
+from router.lifecycle.intake import SMALL_INPUT_BYTES
 from router.lifecycle.life import RequestLife
 from router.lifecycle.outcomes import CannotPlace, Chunk, InternalError, QueueFull, Unavailable
 from router.lifecycle.service import Router
@@ -136,6 +140,12 @@ async def _unless_gone(request: Request, work_coro) -> Any:
     return work.result()
 
 
+def _content_length(request: Request) -> int:
+    """The body's declared size (0 when chunked or malformed: then only its read limits it)."""
+    value = request.headers.get("content-length", "")
+    return int(value) if value.isdigit() else 0
+
+
 async def _collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:
     return [chunk async for chunk in chunks]
 
@@ -195,8 +205,10 @@ class OpenAIApi:
     async def _generate(self, request: Request, chat: bool) -> Response:
         reply = _Reply(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_id)
         try:
+            self.router.intake.check_room(_content_length(request) > SMALL_INPUT_BYTES)
             parsed = parse_request(await self._json(request), chat, self.model_id)
-            chunks = self.router.generate(await self._accept(reply.id, parsed))
+            caller = caller_id(request.headers.get("authorization"))
+            chunks = self.router.generate(await self._accept(reply.id, parsed, caller))
             if not parsed.stream:
                 async with contextlib.aclosing(chunks):
                     return self._whole(reply, await _unless_gone(request, _collect(chunks)))
@@ -218,24 +230,39 @@ class OpenAIApi:
         """The error object of a router refusal (a `_FAILURES` key), counted by its status."""
         self.router.metrics.observe_error(_FAILURES[type(e)][3])
         error = _api_error(e)
-        return JSONResponse(error.body(), error.status)
+        retry_after = e.retry_after_s if isinstance(e, QueueFull) else None
+        return JSONResponse(error.body(), error.status,
+                            headers=None if retry_after is None else {"Retry-After": str(retry_after)})
 
     async def _json(self, request: Request) -> dict:
+        """The body as JSON; 413 past max_body_bytes, 408 unless it all arrives within read_timeout_s
+        (a client trickling a body would otherwise hold its connection and memory for ever)."""
+        timeout_s = self.router.config.router.read_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                raw = await self._body(request)
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
+        if len(raw) > SMALL_INPUT_BYTES:  # parsed on a thread: the loop keeps serving every few ms meanwhile
+            return await asyncio.to_thread(load_body, raw)
+        return load_body(raw)
+
+    async def _body(self, request: Request) -> bytes:
         size, parts = 0, []
         async for part in request.stream():
             size += len(part)
             if size > self.max_body_bytes:
                 raise ApiError(413, f"the request body is over {self.max_body_bytes} bytes")
             parts.append(part)
-        return load_body(b"".join(parts))
+        return b"".join(parts)
 
-    async def _accept(self, request_id: str, p: Parsed) -> RequestLife:
-        life = await self.router.prepare(request_id, p.prompt, p.prompt_ids, p.sampling, p.messages)
+    async def _accept(self, request_id: str, p: Parsed, caller: str) -> RequestLife:
+        life = await self.router.prepare(request_id, p.prompt, p.prompt_ids, p.sampling, p.messages, caller)
         if not p.max_tokens_given:  # accepted with max_tokens 1; the default fits what is left
             decode = self.router.pools.ready("decode") or self.router.pools.live("decode")
             pool_tokens = max(w.info.num_blocks for w in decode) * decode[0].info.block_size
             room = min(self.router.validator.max_model_len, pool_tokens) - len(life.prompt_token_ids)
-            life.sampling = dataclasses.replace(p.sampling, max_tokens=max(1, min(CHAT_MAX_TOKENS, room)))
+            life.sampling = dataclasses.replace(life.sampling, max_tokens=max(1, min(CHAT_MAX_TOKENS, room)))
         return life
 
     @staticmethod
@@ -299,7 +326,9 @@ class OpenAIServer:
         if gate is not None and gate.enabled:
             app = HttpGuard(app, gate, refusals or Refusals())
         config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", access_log=False,
-                                ws="none", timeout_graceful_shutdown=STOP_GRACE_S, **uvicorn_tls(tls or TLSSection()))
+                                ws="none", timeout_graceful_shutdown=STOP_GRACE_S,
+                                limit_concurrency=router.config.router.max_concurrent_calls,
+                                **uvicorn_tls(tls or TLSSection()))
         self.server = _Server(config)
         self._task: asyncio.Task | None = None
 

@@ -44,7 +44,7 @@ def open_gate(cfg: ClusterConfig, insecure: bool) -> Gate:
         if warning:
             log.warning("%s", warning)
     try:
-        return Gate.from_config(cfg.router.auth)
+        return Gate.from_config(cfg.router)
     except TokenFileError as e:  # checked at load; changed since
         raise ConfigError(f"router.auth: {e}") from None
 

@@ -5,12 +5,21 @@ under a FIFO lock, and while it returns None waits for `notify()` (a request end
 started, stats changed) or a short tick. Only requests inside `place` count as queued; more
 than `max_queue` of them: QueueFull. The lock is never held across anything without a
 deadline: `try_place`'s worker calls carry their own.
+
+Overload is refused at once, not after `timeout_s`: the queue measures its service rate (the
+mean of the last RATE_WINDOW intervals between two placements while requests stayed queued
+between them), and a request that
+would wait longer than `timeout_s` behind those already queued gets QueueFull at arrival, with
+a Retry-After of the excess. With nobody queued, or no rate measured yet, a request is let in.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
+import statistics
 import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -19,6 +28,7 @@ from router.lifecycle.outcomes import QueueFull, Unavailable
 
 T = TypeVar("T")
 TICK_S = 0.25
+RATE_WINDOW = 16  # service intervals averaged
 
 
 class Admission:
@@ -28,6 +38,20 @@ class Admission:
         self._on_waiting = on_waiting  # told the queue length whenever it changes (the router's gauge)
         self._lock = asyncio.Lock()  # FIFO: asyncio.Lock wakes waiters in arrival order
         self._capacity = asyncio.Event()
+        self._intervals: deque[float] = deque(maxlen=RATE_WINDOW)  # seconds between placements under a queue
+        self._last_departure: float | None = None  # the last placement, if it left others queued
+
+    @property
+    def service_interval_s(self) -> float | None:
+        """Seconds between two placements while the queue is saturated; None before any."""
+        return statistics.fmean(self._intervals) if self._intervals else None
+
+    def predicted_wait_s(self) -> float:
+        """How long a request arriving now would wait: one service interval per request queued
+        ahead of it, and its own; 0 with nobody queued or no interval measured yet."""
+        if not self.waiting or self.service_interval_s is None:
+            return 0.0
+        return (self.waiting + 1) * self.service_interval_s
 
     def notify(self) -> None:
         self._capacity.set()
@@ -37,6 +61,11 @@ class Admission:
         """The placement and the seconds spent waiting for capacity (0 when it fit at once)."""
         if self.waiting >= self.max_queue:
             raise QueueFull(f"the router queue is full ({self.max_queue} requests waiting)")
+        wait_s = self.predicted_wait_s()
+        if wait_s > timeout_s:
+            raise QueueFull(f"the cluster is saturated: this request would wait about {wait_s:.0f} s for capacity "
+                            f"({self.waiting} requests queued ahead), more than router.queue_timeout_s "
+                            f"({timeout_s:g} s)", retry_after_s=math.ceil(wait_s - timeout_s))
         self._count(+1)
         waited_since = None
         deadline = time.monotonic() + timeout_s
@@ -45,6 +74,7 @@ class Admission:
                 while True:
                     placed = await try_place()
                     if placed is not None:
+                        self._departed()
                         return placed, (time.perf_counter() - waited_since) if waited_since else 0.0
                     if not accepting():
                         raise Unavailable("the server is shutting down")
@@ -58,6 +88,14 @@ class Admission:
                         pass
         finally:
             self._count(-1)
+
+    def _departed(self) -> None:
+        """A placement. The interval since the previous one is a service interval if requests
+        stayed queued between them: one that spans an empty queue measures arrivals, not service."""
+        now = time.monotonic()
+        if self._last_departure is not None:
+            self._intervals.append(now - self._last_departure)
+        self._last_departure = now if self.waiting > 1 else None  # others queued: the next interval counts
 
     def _count(self, change: int) -> None:
         self.waiting += change

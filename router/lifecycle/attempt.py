@@ -120,9 +120,11 @@ class Attempts:
         needed = -(-num_tokens // bs)
         lease_s = self.rc.prefill_timeout_s + self.config.kv_transfer.timeout_s + self.rc.call_timeout_s
         pushed = tuple(life.context_token_ids())
-        for i, decode in enumerate(self.placer.decode_candidates(decode_ready, hashes, needed)):
+        final = len(life.prompt_token_ids) + life.sampling.max_tokens
+        for i, decode in enumerate(self.placer.decode_candidates(decode_ready, hashes, needed, final_tokens=final)):
             self._hold(life, decode, Phase.RESERVING)
-            ref = decode.actor.reserve.remote(Reservation(life.attempt_id, num_tokens, lease_s, pushed))
+            ref = decode.actor.reserve.remote(Reservation(life.attempt_id, num_tokens, lease_s, pushed,
+                                                          life.sampling.cache_salt))
             early = self._prefill_early(life, prefill, decode, hashes) if i == 0 else None
             reserved = await call(decode, ref, self.rc.call_timeout_s, "reserve")  # raises: both are aborted
             if reserved is not None:
@@ -195,7 +197,7 @@ class Attempts:
         limit = self.config.scheduler.max_num_seqs + self.rc.max_prefill_inflight
         workers = self._ready_or_wait("decode")
         hashes = life.context_hashes(workers[0].info.block_size) if workers else []
-        ready = self.placer.decode_candidates(workers, hashes, 0, limit)
+        ready = self.placer.decode_candidates(workers, hashes, 0, limit, len(life.prompt_token_ids) + life.sampling.max_tokens)
         if not ready:  # every worker has its fill of requests: a turn, like a prefill slot
             return waits.failed("prefill" if workers else "workers")
         self._hold(life, ready[0], Phase.DECODING)
@@ -276,10 +278,18 @@ class Attempts:
                 return
 
     async def _next_event(self, life: RequestLife, w: WorkerView):
-        try:
-            return await within(life.events.get(), self.rc.prefill_timeout_s)
-        except TimeoutError:
-            raise Retry(f"no progress from {w.name} for {self.rc.prefill_timeout_s:g} s") from None
+        """The attempt's next event. Progress is judged per worker, not per request: a request
+        silent for `prefill_timeout_s` on a worker whose engine stepped meanwhile is waiting its
+        turn there (a saturated worker is not a stalled one) and keeps waiting; a stalled engine
+        is the monitor's to find (router/pools/monitor.py), and it moves every request there."""
+        steps = w.engine_steps
+        while True:
+            try:
+                return await within(life.events.get(), self.rc.prefill_timeout_s)
+            except TimeoutError:
+                if w.stopped or w.engine_steps == steps:
+                    raise Retry(f"no progress from {w.name} for {self.rc.prefill_timeout_s:g} s") from None
+                steps = w.engine_steps
 
     def chunk(self, life: RequestLife, out: RequestOutput) -> Chunk:
         now = time.perf_counter()

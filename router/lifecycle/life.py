@@ -19,7 +19,7 @@ import enum
 import secrets
 from dataclasses import dataclass, field
 
-from protocol.block_hash import extend_hashes
+from protocol.block_hash import extend_hashes, salt_root
 from protocol.sampling import SamplingParams
 from protocol.usage import Usage
 
@@ -70,6 +70,11 @@ class RequestLife:
     last_token_at: float | None = None
     block_hashes: list[bytes] = field(default_factory=list)  # of the context's full blocks, grown lazily
     nonce: str = field(default_factory=lambda: secrets.token_hex(16))
+    caller: str = ""  # who sent it (router/frontdoor/access.py caller_id): client ids are unique per caller
+
+    @property
+    def scoped_id(self) -> tuple[str, str]:
+        return self.caller, self.client_id
 
     @property
     def attempt_id(self) -> str:
@@ -133,5 +138,6 @@ class RequestLife:
         """Block hashes of prompt + outputs so far (what placement matches against the caches)."""
         n = self.num_context_tokens()
         if len(self.block_hashes) < n // block_size:
-            extend_hashes(self.block_hashes, self.context_token_ids(), block_size, n)
+            extend_hashes(self.block_hashes, self.context_token_ids(), block_size, n,
+                          salt_root(self.sampling.cache_salt))
         return self.block_hashes[:n // block_size]

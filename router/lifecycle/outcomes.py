@@ -14,7 +14,13 @@ from protocol.usage import Usage
 
 
 class QueueFull(Exception):
-    """The router's bounded queue is full (RESOURCE_EXHAUSTED)."""
+    """The router's bounded queue is full, or the wait it predicts is over router.queue_timeout_s
+    (RESOURCE_EXHAUSTED; HTTP 429). `retry_after_s`: when to try again, where it can say (the
+    front doors send it as `Retry-After`)."""
+
+    def __init__(self, message: str, retry_after_s: int | None = None):
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
 
 
 class CannotPlace(Exception):

@@ -12,12 +12,13 @@ hold state of the request gets an `abort` (with a deadline). Background watch: r
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import hashlib
 import itertools
 import logging
 import secrets
 import time
 from collections.abc import AsyncIterator
-from concurrent.futures import ThreadPoolExecutor
 
 from transformers import AutoConfig, AutoTokenizer
 
@@ -29,6 +30,7 @@ from protocol.validation import RequestValidator, validate_request_id
 from router.config.schema import ClusterConfig
 from router.lifecycle.admission import Admission
 from router.lifecycle.attempt import Attempts
+from router.lifecycle.intake import Intake
 from router.lifecycle.life import Phase, RequestLife
 from router.lifecycle.outcomes import CannotPlace, Chunk, Respin, Retry, Unavailable
 from router.lifecycle.worker_calls import short
@@ -50,12 +52,12 @@ class Router:
         self.validator = RequestValidator(self.tokenizer, hf.vocab_size,
                                           config.model.max_model_len or hf.max_position_embeddings,
                                           config.router.max_prompt_bytes)
-        self._tokenize = ThreadPoolExecutor(1, thread_name_prefix="tokenize")  # one: the tokenizer is not re-entrant
+        self.intake = Intake(self.validator, config.router.max_preparing, config.router.tokenizer_threads)
         self.pools = PoolManager(config)
         self.request_log = RequestLog.open(config.router)  # None unless router.request_log is set
         self.admission = Admission(config.router.max_queue, self.metrics.set_router_queue)
         self.lives: dict[int, RequestLife] = {}
-        self._client_ids: set[str] = set()
+        self._client_ids: set[tuple[str, str]] = set()  # (caller, request id): each caller its own ids
         self.accepting = False
         self.started = False  # the pools started once: not accepting now means shutting down
         self.requests_total = 0
@@ -82,7 +84,7 @@ class Router:
             life.deliver(life.attempt_id, Unavailable("the server is shutting down"))
         self.monitor.stop()
         await self.pools.stop_all()
-        self._tokenize.shutdown(wait=False, cancel_futures=True)
+        self.intake.shutdown()
         if self.request_log is not None:
             self.request_log.close()
 
@@ -100,28 +102,47 @@ class Router:
             raise Unavailable("the server is shutting down" if self.started else "the server is starting")
 
     async def prepare(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                      sampling: SamplingParams, messages: list[dict] | None = None) -> RequestLife:
+                      sampling: SamplingParams, messages: list[dict] | None = None, caller: str = "") -> RequestLife:
         """Validate a request (raises InvalidRequest / Unavailable) and accept it. `messages`: a chat
-        ([{"role": ..., "content": ...}]) rendered with the checkpoint's chat template."""
+        ([{"role": ..., "content": ...}]) rendered with the checkpoint's chat template. `caller`
+        (router/frontdoor/access.py `caller_id`): the namespace of its request id, and with
+        router.auth.isolate_prefix_cache of its prefix-cache blocks."""
         self.check_open()
         validate_request_id(request_id)
-        loop = asyncio.get_running_loop()
-        ids = await loop.run_in_executor(self._tokenize, self.validator.prompt_ids, prompt, prompt_token_ids,
-                                         messages)
+        ids = await self.intake.prompt_ids(prompt, prompt_token_ids, messages)
+        self._check_fits(len(ids), sampling)
+        request_id = request_id or f"req-{secrets.token_hex(16)}"  # unguessable
+        if (caller, request_id) in self._client_ids:
+            raise InvalidRequest(f"request id {request_id!r} is already in flight")
+        return RequestLife(request_id, next(self._keys), ids, self._salted(sampling, caller), time.perf_counter(),
+                           caller=caller)
+
+    def _salted(self, sampling: SamplingParams, caller: str) -> SamplingParams:
+        """With isolate_prefix_cache, the caller's own cache: its salt folds in who it is."""
+        if not (self.config.router.auth.isolate_prefix_cache and caller):
+            return sampling
+        salt = hashlib.sha256(f"{caller}\0{sampling.cache_salt}".encode("utf-8", "surrogatepass")).hexdigest()
+        return dataclasses.replace(sampling, cache_salt=salt)
+
+    def _check_fits(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+        """InvalidRequest now, unless some decode worker can hold prompt + max_tokens and (disaggregated)
+        some prefill worker the prompt and its next token: pools may differ in size, and each
+        stage is held to what it keeps."""
         decode = self.pools.ready("decode") or self.pools.live("decode")
         if not decode:
             raise Unavailable("the decode pool has no worker")
-        self.validator.check(len(ids), sampling, max(w.info.num_blocks for w in decode), decode[0].info.block_size)
-        request_id = request_id or f"req-{secrets.token_hex(16)}"  # unguessable
-        if request_id in self._client_ids:
-            raise InvalidRequest(f"request id {request_id!r} is already in flight")
-        return RequestLife(request_id, next(self._keys), ids, sampling, time.perf_counter())
+        bs = decode[0].info.block_size
+        self.validator.check(num_prompt_tokens, sampling, max(w.info.num_blocks for w in decode), bs)
+        prefill = (self.pools.ready("prefill") or self.pools.live("prefill")) if self.config.mode != "colocated" else []
+        if prefill:
+            self.validator.check(num_prompt_tokens, sampling, max(w.info.num_blocks for w in prefill), bs,
+                                 num_prompt_tokens + 1)
 
     async def generate(self, life: RequestLife) -> AsyncIterator[Chunk]:
         """The request's chunks; it is tracked from the first iteration until the iterator ends."""
-        if life.client_id in self._client_ids:
+        if life.scoped_id in self._client_ids:
             raise InvalidRequest(f"request id {life.client_id!r} is already in flight")
-        self._client_ids.add(life.client_id)
+        self._client_ids.add(life.scoped_id)
         self.lives[life.key] = life
         self.requests_total += 1
         try:
@@ -144,7 +165,7 @@ class Router:
             raise
         finally:
             self.lives.pop(life.key, None)
-            self._client_ids.discard(life.client_id)
+            self._client_ids.discard(life.scoped_id)
             self.admission.notify()
 
     def _retry(self, life: RequestLife, e: Retry) -> None:

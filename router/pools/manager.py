@@ -25,6 +25,7 @@ from kv_transfer import KVTransferConfig
 from prefill_worker.worker import PrefillWorker
 from protocol.deadline import within
 from protocol.messages import WorkerStats
+from router.config.emulate import emulation, link_pace
 from router.config.schema import ClusterConfig, PoolSection
 from router.lifecycle.outcomes import CannotPlace
 from router.lifecycle.worker_calls import CALL_FAILURES, short
@@ -58,8 +59,10 @@ class PoolManager:
     def __init__(self, config: ClusterConfig):
         self.config = config
         kt = config.kv_transfer
+        self.emulation = emulation(config.emulate)  # None: off
         self.transfer = KVTransferConfig(backend=kt.backend, timeout_s=kt.timeout_s, checksum=kt.checksum,
-                                         interface=kt.interface, stream_chunks=kt.stream_chunks)
+                                         interface=kt.interface, stream_chunks=kt.stream_chunks,
+                                         pace=link_pace(self.emulation, config.kv_cache.block_size))
         self.faults = config.faults.with_env()
         self.workers: dict[str, list[WorkerView]] = {"prefill": [], "decode": []}
         prefill_n = config.prefill.replicas if config.mode == "disaggregated" else 0
@@ -106,7 +109,7 @@ class PoolManager:
             actor = ray.remote(cls).options(
                 name=None, max_concurrency=1000, max_restarts=0, **_placement(sec),
             ).remote(name, self.config.engine_config(sec, device="cuda" if sec.num_gpus else "cpu"), transfer,
-                     self._next_cpu(pool), self.faults)
+                     self._next_cpu(pool), self.faults, self.emulation)
             try:
                 info = await within(actor.ready.remote(), self.config.router.worker_start_timeout_s)
             except BaseException:

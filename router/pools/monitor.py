@@ -2,8 +2,13 @@
 
 - one long-poll per worker: decode workers send every request's outputs, prefill workers
   their failed KV sends; each event goes to the request's current attempt (stale ones drop).
-- stats every 0.5 s with a deadline; a worker silent for `router.unresponsive_s` is
-  declared failed like a dead one. Each reply carries the worker's prefix-cache changes,
+- the engine's beat every 0.5 s per worker (worker_runtime/engine_loop.py), read without the
+  engine thread: an engine silent for `router.unresponsive_s` (a step stuck in a CUDA or NCCL
+  call, an endless step) fails the worker, though the actor answers; one silent for half the
+  call deadline takes no new request meanwhile (a reserve would wait behind it under the
+  admission lock). STEP_FAILURES_LIMIT failed engine steps in a row fail the worker too.
+- stats every 0.5 s with a deadline; a worker that answers neither stats nor beat for
+  `router.unresponsive_s` is declared failed like a dead one. Each reply carries the worker's prefix-cache changes,
   which keep the placer's index current (router/pools/prefix_index.py). A round is shared:
   an Admin/Status call that arrives while one runs waits for it instead of starting another,
   so no number of Status calls sends more than one stats call per worker at a time.
@@ -34,6 +39,8 @@ from router.pools.worker_view import WorkerView
 
 log = logging.getLogger(__name__)
 POLL_WAIT_S = 0.5
+BEAT_EVERY_S = 0.5
+STEP_FAILURES_LIMIT = 3  # failed engine steps in a row that get a worker replaced
 STATS_EVERY_S = 0.5
 HEAL_EVERY_S = 0.25
 
@@ -46,6 +53,7 @@ class Monitor:
         self.metrics = metrics
         self.call_timeout_s = call_timeout_s
         self.unresponsive_s = unresponsive_s
+        self.quiet_s = min(call_timeout_s, unresponsive_s) / 2
         self._deliver = deliver  # (attempt id, RequestOutput | Exception)
         self._holders_of = holders_of  # worker -> lives holding state there
         self._on_change = on_change  # capacity may have changed
@@ -67,8 +75,9 @@ class Monitor:
             task.cancel()
 
     def watch(self, w: WorkerView) -> None:
-        """A worker started: poll it for events."""
+        """A worker started: poll it for events, watch its engine's beat."""
         self.spawn(self._poll_loop(w))
+        self.spawn(self._beat_loop(w))
         self._on_change()
 
     def lost(self, w: WorkerView, reason: str) -> None:
@@ -117,6 +126,31 @@ class Monitor:
             w.release(event.request_id)
             self._on_change()
 
+    async def _beat_loop(self, w: WorkerView) -> None:
+        while not w.stopped:
+            try:
+                beat = await within(w.actor.beat.remote(), self.call_timeout_s)
+            except CALL_FAILURES as e:
+                w.engine_quiet = True  # no beat: no new request until it beats again
+                if not w.stopped:
+                    self._silent(w, e)
+                await asyncio.sleep(BEAT_EVERY_S)
+                continue
+            w.heard(beat, self.quiet_s)
+            if beat.silent_s > self.unresponsive_s:
+                self.lost(w, f"its engine made no progress for {beat.silent_s:.0f} s")
+            elif beat.failed_steps_in_a_row >= STEP_FAILURES_LIMIT:
+                self.lost(w, f"{beat.failed_steps_in_a_row} engine steps failed in a row")
+            await asyncio.sleep(BEAT_EVERY_S)
+
+    def _silent(self, w: WorkerView, err: BaseException) -> None:
+        """A stats or beat call failed: a dead worker is failed; a silent one once `unresponsive_s` passed."""
+        now = time.monotonic()
+        if isinstance(err, CALL_FAILURES) and outcome(err) is Outcome.REPLACE:
+            self.lost(w, short(err))
+        elif now - w.last_seen > self.unresponsive_s:
+            self.lost(w, f"no answer for {now - w.last_seen:.0f} s")
+
     async def _stats_loop(self) -> None:
         while True:
             await self.refresh()
@@ -132,13 +166,9 @@ class Monitor:
     async def _stats_round(self) -> None:
         workers = [w for w in self.pools.all() if not w.stopped]
         results = await asyncio.gather(*(self.pools.fetch_stats(w) for w in workers), return_exceptions=True)
-        now = time.monotonic()
         for w, stats in zip(workers, results, strict=True):
-            if isinstance(stats, CALL_FAILURES) and outcome(stats) is Outcome.REPLACE:
-                self.lost(w, short(stats))
-            elif isinstance(stats, BaseException):
-                if now - w.last_seen > self.unresponsive_s:
-                    self.lost(w, f"no answer for {now - w.last_seen:.0f} s")
+            if isinstance(stats, BaseException):
+                self._silent(w, stats)
             else:
                 self.metrics.set_worker_gauges(w.name, stats.running, stats.waiting, stats.blocks_used,
                                                stats.blocks_free, stats.blocks_cached)

@@ -17,6 +17,8 @@ policy (`router.policy`, or `router.prefill_policy` / `router.decode_policy`):
   conversation would set everyone's inter-token latency.
 
 Draining workers take nothing new; a worker whose last call timed out is skipped for a while.
+Nor does a worker whose whole KV pool is too small for the request (workers may differ in size):
+a prefill worker must hold the context and its next token, a decode worker prompt + max_tokens.
 """
 
 from __future__ import annotations
@@ -72,7 +74,9 @@ class Placer:
     # ---- choices ---------------------------------------------------------------------------
     def pick_prefill(self, workers: list[WorkerView], hashes: Sequence[bytes], num_tokens: int,
                      limit: int | None = None) -> WorkerView | None:
-        ready = [w for w in workers if w.accepting and (limit is None or len(w.inflight) < limit)]
+        """`num_tokens`: the context to compute (the worker must hold it and the next token)."""
+        ready = [w for w in workers if w.accepting and (limit is None or len(w.inflight) < limit)
+                 and w.info.num_blocks * w.info.block_size > num_tokens]
         if not ready:
             return None
         policy = self.policies["prefill"]
@@ -93,10 +97,12 @@ class Placer:
         return uncached_tokens(num_tokens, held, w.info.block_size)
 
     def decode_candidates(self, workers: list[WorkerView], hashes: Sequence[bytes] = (), blocks_needed: int = 0,
-                          limit: int | None = None) -> list[WorkerView]:
-        """Accepting decode workers that look able to hold `blocks_needed`, best first."""
+                          limit: int | None = None, final_tokens: int = 0) -> list[WorkerView]:
+        """Accepting decode workers that look able to hold `blocks_needed` now, and whose pool can hold
+        `final_tokens` (prompt + max_tokens) at the end, best first."""
         policy = self.policies["decode"]
-        live = [w for w in workers if w.accepting and (limit is None or len(w.inflight) < limit)]
+        live = [w for w in workers if w.accepting and (limit is None or len(w.inflight) < limit)
+                and w.info.num_blocks * w.info.block_size >= final_tokens]
         hits = self.matched_blocks("decode", hashes, live) if policy == "cache_aware" and hashes else {}
         fits = [w for w in live if w.free_blocks + hits.get(w.name, 0) >= blocks_needed]
         if policy == "round_robin":

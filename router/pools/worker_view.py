@@ -12,7 +12,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
-from protocol.messages import WorkerInfo, WorkerStats
+from protocol.messages import EngineBeat, WorkerInfo, WorkerStats
 
 SUSPECT_S = 5.0  # how long a worker whose call timed out gets no new requests
 
@@ -36,6 +36,8 @@ class WorkerView:
     peers: set[str] = field(default_factory=set)  # prefill: decode workers it holds a handle of
     stats: WorkerStats | None = None
     last_seen: float = field(default_factory=time.monotonic)  # last answered call
+    engine_steps: int = 0  # steps its engine had run at its last beat (progress, per worker)
+    engine_quiet: bool = False  # its engine's last beat was long ago: a call to it would wait
     suspect_until: float = 0.0
     cache_resync: bool = True  # ask for the whole prefix cache on the next stats call
     # held across one stats call and the apply of its reply: the worker numbers its cache deltas as
@@ -52,7 +54,7 @@ class WorkerView:
 
     @property
     def accepting(self) -> bool:
-        return self.state is WorkerState.READY and time.monotonic() >= self.suspect_until
+        return self.state is WorkerState.READY and not self.engine_quiet and time.monotonic() >= self.suspect_until
 
     @property
     def load(self) -> int:
@@ -77,6 +79,12 @@ class WorkerView:
     # ---- what it answered ----------------------------------------------------------------
     def answered(self) -> None:
         self.last_seen = time.monotonic()
+
+    def heard(self, beat: EngineBeat, quiet_s: float) -> None:
+        """Its engine's beat: `quiet_s` or more of silence takes it off placement until it beats again."""
+        self.engine_steps = beat.steps
+        self.engine_quiet = beat.silent_s >= quiet_s
+        self.answered()
 
     def observe(self, stats: WorkerStats) -> None:
         self.stats = stats

@@ -1,0 +1,169 @@
+"""The engine's step, side by side: the forward paths against each other and against this host's floor.
+
+One process holds one `LLMEngine` per variant on the same checkpoint:
+- `plain`: eager, torch's default CPU linear (MKL GEMM) — the engine before the fast paths;
+- `packed`: eager, linear weights prepacked for oneDNN (the default on CPU: engine/dense.py);
+- `compiled`: `engine.compile: on` (inductor around the opaque paged-attention op), with `--compile`;
+- `bfloat16`: the packed eager path in bfloat16, with `--bf16`.
+Each variant is brought to the same state (every request decoding at `--context` tokens, or one
+`--prefill`-token prompt waiting), then the variants take turns, `--steps` steps each per round,
+for `--rounds` rounds, so a noisy neighbour slows all of them alike; each reports the median step.
+The floor is `pdserve plan --measure`'s: the larger of weight + KV bytes over measured read
+bandwidth and the step's FLOPs over measured float32 matmul throughput. `recompilations` counts
+graphs the compiled variant built after its warm-up (it must be 0).
+
+    python -m scripts.bench_step [--model DIR] [--batches 1,4,16,64] [--context 256] [--prefill 512]
+                                 [--threads 2] [--compile] [--bf16] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+
+import torch
+from transformers import AutoConfig
+
+from bench import host_measure
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.memory import ModelShape, kv_bytes_per_token
+from protocol.sampling import SamplingParams
+from scripts.profile_step import _model
+
+VARIANTS = {  # name -> EngineConfig overrides
+    "plain": {"compile": "off", "prepack_linears": False, "dtype": "float32"},
+    "packed": {"compile": "off", "dtype": "float32"},
+    "compiled": {"compile": "on", "dtype": "float32"},
+    "bfloat16": {"compile": "off", "dtype": "bfloat16"},
+}
+
+
+def _engine(model: str, batch: int, threads: int, overrides: dict) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_path=model, num_blocks=4096, block_size=16, max_num_seqs=max(batch, 1),
+                                  max_num_batched_tokens=1024, chunk_size=1024, enable_prefix_caching=False,
+                                  torch_threads=threads, **overrides))
+
+
+def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(3, vocab) for _ in range(n)]
+
+
+def _decoding(engine: LLMEngine, batch: int, context: int, steps: int) -> None:
+    rng = random.Random(batch)
+    for i in range(batch):
+        engine.add_request(f"r{i}", prompt_token_ids=_prompt(rng, context, engine.vocab_size),
+                           sampling=SamplingParams(max_tokens=1024, ignore_eos=True))
+    while any(r.num_uncomputed_tokens > 1 for r in engine.requests.values()):
+        engine.step()
+
+
+def _queue_prefills(engine: LLMEngine, tokens: int, count: int) -> None:
+    rng = random.Random(tokens)
+    for i in range(count):
+        engine.add_request(f"p{len(engine.requests)}-{i}", prompt_token_ids=_prompt(rng, tokens, engine.vocab_size),
+                           sampling=SamplingParams(max_tokens=1, ignore_eos=True))
+
+
+def _timed_steps(engine: LLMEngine, steps: int) -> list[float]:
+    out = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        out.append(time.perf_counter() - t0)
+    return out
+
+
+def side_by_side(engines: dict[str, LLMEngine], steps: int, rounds: int, before_round=None) -> dict[str, float]:
+    """Median step (s) per variant, the variants taking turns each round."""
+    times: dict[str, list[float]] = {name: [] for name in engines}
+    for engine in engines.values():
+        if before_round:
+            before_round(engine)
+        engine.step()  # warm
+    for _ in range(rounds):
+        for name, engine in engines.items():
+            if before_round:
+                before_round(engine)
+            times[name] += _timed_steps(engine, steps)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def floor_s(shape: ModelShape, params: int, dtype_bytes: int, batch: int, context: int, tokens: int,
+            bandwidth: float, flops: float) -> float:
+    """max(weights + KV read / bandwidth, 2 * params * tokens / flops) for one step."""
+    kv = batch * context * kv_bytes_per_token(shape, dtype_bytes)
+    return max((params * dtype_bytes + kv) / bandwidth, 2 * params * tokens / flops)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--batches", default="1,4,16,64")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--prefill", type=int, default=512, help="prompt tokens of the prefill case (0 = skip)")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--compile", action="store_true", help="add the compiled variant (minutes to compile on CPU)")
+    p.add_argument("--bf16", action="store_true", help="add the bfloat16 variant")
+    p.add_argument("--no-floor", action="store_true", help="skip measuring this host's bandwidth and FLOP/s")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    model = _model(args.model)
+    torch.set_num_threads(args.threads)
+    names = ["plain", "packed"] + ["compiled"] * args.compile + ["bfloat16"] * args.bf16
+    host = None if args.no_floor else {**host_measure.reads(args.threads, sweeps=4),
+                                       "flops": host_measure.flops(args.threads)}
+    cases: dict[str, dict] = {}
+    recompilations = 0
+    for batch in (int(b) for b in args.batches.split(",")):
+        engines = {n: _engine(model, batch, args.threads, VARIANTS[n]) for n in names}
+        for engine in engines.values():
+            _decoding(engine, batch, args.context, args.steps)
+        cases[f"decode b={batch}"] = {"batch": batch, "tokens": batch, "context": args.context,
+                                      **side_by_side(engines, args.steps, args.rounds)}
+        recompilations += sum(e.runner.forward.recompilations for e in engines.values())
+        del engines
+    if args.prefill:
+        engines = {n: _engine(model, 1, args.threads, VARIANTS[n]) for n in names}
+        refill = lambda e: _queue_prefills(e, args.prefill, 1 + 1)  # noqa: E731 - one per timed step
+        cases[f"prefill {args.prefill}"] = {"batch": 1, "tokens": args.prefill, "context": 0,
+                                            **side_by_side(engines, 1, args.rounds, before_round=refill)}
+        recompilations += sum(e.runner.forward.recompilations for e in engines.values())
+    hf_config = AutoConfig.from_pretrained(model)
+    shape = ModelShape.from_hf_config(hf_config)
+    params = shape.num_params
+    if host:
+        for case in cases.values():
+            case["floor"] = floor_s(shape, params, 4, case["batch"], case["context"], case["tokens"],
+                                    host["bandwidth"], host["flops"])
+    report = {"model": model, "threads": args.threads, "torch": torch.__version__, "host": host,
+              "variants": names, "cases": cases, "recompilations": recompilations}
+    print(json.dumps(report, indent=1) if args.json else format_report(report))
+
+
+def format_report(r: dict) -> str:
+    names = r["variants"]
+    head = f"{'ms per step':16}" + "".join(f"{n:>11}" for n in names)
+    head += "".join(f"{n + '/plain':>16}" for n in names[1:]) + ("  floor   best/floor" if r["host"] else "")
+    lines = [f"{r['model']}, {r['threads']} thread(s), torch {r['torch']}", head]
+    for case, row in r["cases"].items():
+        line = f"{case:16}" + "".join(f"{1e3 * row[n]:11.1f}" for n in names)
+        line += "".join(f"{row[n] / row['plain']:16.2f}" for n in names[1:])
+        if "floor" in row:
+            best = min(row[n] for n in names)
+            line += f"{1e3 * row['floor']:7.1f}{best / row['floor']:13.2f}"
+        lines.append(line)
+    if r["host"]:
+        lines.append(f"host: {r['host']['bandwidth'] / 1e9:.1f} GB/s read, {r['host']['flops'] / 1e9:.1f} GFLOP/s "
+                     "float32 matmul")
+    lines.append(f"recompilations after warm-up: {r['recompilations']}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,83 @@
+"""The router's queue (router/lifecycle/admission.py) without a cluster: FIFO placement, the service
+interval it measures while saturated, and overload refused at arrival with a Retry-After instead
+of after router.queue_timeout_s."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+
+import pytest
+
+from router.lifecycle.admission import Admission
+from router.lifecycle.outcomes import QueueFull, Unavailable
+
+
+class _Slots:
+    """Capacity that frees one slot every `every_s` (a saturated cluster finishing requests)."""
+
+    def __init__(self, admission: Admission, every_s: float):
+        self.free = 0
+        self.admission = admission
+        self.every_s = every_s
+
+    async def try_place(self):
+        if self.free > 0:
+            self.free -= 1
+            return "placed"
+        return None
+
+    async def serve(self, count: int) -> None:
+        for _ in range(count):
+            await asyncio.sleep(self.every_s)
+            self.free += 1
+            self.admission.notify()
+
+
+def test_a_request_that_would_wait_past_the_queue_timeout_is_refused_at_arrival():
+    """Eight requests queue on a cluster that places one every 0.1 s; once it measured that, a
+    ninth that would wait about 0.9 s behind them with a 0.3 s queue timeout is refused at once
+    (RESOURCE_EXHAUSTED, retry after the excess), and those queued are placed as before."""
+    async def run() -> tuple:
+        admission = Admission(max_queue=100)
+        slots = _Slots(admission, every_s=0.1)
+        server = asyncio.get_running_loop().create_task(slots.serve(8))
+        queued = [asyncio.get_running_loop().create_task(admission.place(slots.try_place, lambda: True, 5.0))
+                  for _ in range(8)]
+        while len(admission._intervals) < 2:  # two placements under a queue: an interval
+            await asyncio.sleep(0.01)
+        interval = admission.service_interval_s
+        t0 = time.monotonic()
+        with pytest.raises(QueueFull) as refused:
+            await admission.place(slots.try_place, lambda: True, 0.3)
+        refused_after = time.monotonic() - t0
+        waiting_then = admission.waiting
+        results = await asyncio.gather(*queued)
+        await server
+        return interval, refused.value, refused_after, waiting_then, results
+
+    interval, refused, refused_after, waiting_then, results = asyncio.run(run())
+    assert interval == pytest.approx(0.1, abs=0.05)
+    assert refused_after < 0.05  # at arrival, not after the 0.3 s queue timeout
+    assert "the cluster is saturated" in str(refused) and "router.queue_timeout_s (0.3 s)" in str(refused)
+    assert f"({waiting_then} requests queued ahead)" in str(refused)
+    # one interval per request ahead and its own, less the 0.3 s it may wait (no await between: same values)
+    assert refused.retry_after_s == math.ceil((waiting_then + 1) * interval - 0.3) >= 1
+    assert [placed for placed, _ in results] == ["placed"] * 8
+
+
+def test_nobody_queued_or_no_rate_measured_lets_a_request_in():
+    """No prediction without a measured rate: a request then waits and times out as before."""
+    async def run() -> None:
+        admission = Admission(max_queue=10)
+        assert admission.predicted_wait_s() == 0.0
+
+        async def never():
+            return None
+        await admission.place(never, lambda: True, 0.2)
+
+    t0 = time.monotonic()
+    with pytest.raises(Unavailable, match="no worker had capacity for this request within 0.2 s"):
+        asyncio.run(run())
+    assert time.monotonic() - t0 >= 0.2

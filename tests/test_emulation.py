@@ -1,0 +1,402 @@
+"""Emulated devices: the cost model against step times computed by hand, the pacing arithmetic,
+the emulate: section (KV pool sizing, refusals), the fidelity verdict on a real engine forced to
+overrun, and a 1 + 1 cluster paced at an emulated device's timings whose tokens stay exactly
+transformers' (docs/architecture.md, "Emulation")."""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+
+import pytest
+
+from bench.emulation import contract_records, dilate, fidelity, format_fidelity, parse_emulate
+from bench.errors import BenchError
+from bench.metrics import RequestRecord
+from bench.workload import RequestSpec, Workload
+from engine.config import EngineConfig
+from engine.cost_model import CostModel, Emulation, LinkModel, StepItem
+from engine.devices import DEVICES, DeviceProfile
+from engine.llm_engine import LLMEngine
+from engine.memory import BUILTIN_SHAPES
+from kv_transfer import LinkPace
+from protocol.sampling import SamplingParams
+from protocol.telemetry import EmulationStats
+from router.config.checks import check_host_memory
+from router.config.emulate import emulated_num_blocks, emulation, link_pace
+from router.config.typed_yaml import ConfigError
+from tests.cluster_util import cluster_config
+from worker_runtime.engine_loop import EngineLoop
+from worker_runtime.pacing import Pacer
+
+LLAMA_8B = BUILTIN_SHAPES["llama-3.1-8b"]  # 32 layers, 32 query / 8 KV heads of 128, 8,030,261,248 params
+H100 = DEVICES["h100"]  # 3.35e12 B/s, 989e12 FLOP/s
+WEIGHTS = 8_030_261_248 * 2  # bf16: 16,060,522,496 bytes
+KV_PER_TOKEN = 2 * 32 * 8 * 128 * 2  # K and V x layers x KV heads x head_dim x 2 bytes = 131,072
+ATTENTION_PER_PAIR = 4 * 32 * 32 * 128  # QK^T and AV, 2 FLOPs each, x layers x query heads x head_dim
+
+
+# ---- the cost model against hand-computed step times ------------------------------------------
+def test_a_decode_step_is_memory_bound_weights_plus_kv_over_bandwidth():
+    cost = CostModel(LLAMA_8B, H100)
+    step = (StepItem(1, 1024),)  # one decode row whose context is 1,024 tokens after the step
+    read = WEIGHTS + 1024 * KV_PER_TOKEN  # 16,194,740,224 bytes
+    flops = 2 * 8_030_261_248 * 1 + ATTENTION_PER_PAIR * 1024  # the new token attends to 1,024 keys
+    assert cost.step_bytes(step) == read
+    assert cost.step_flops(step) == flops
+    assert cost.step_s(step) == pytest.approx(read / 3.35e12)  # 4.834 ms, memory-bound
+    assert cost.step_s(step) == pytest.approx(4.8342e-3, rel=1e-4)
+
+
+def test_a_prefill_chunk_is_compute_bound_weights_and_causal_attention():
+    cost = CostModel(LLAMA_8B, H100)
+    step = (StepItem(2048, 2048),)  # a 2,048-token prompt from nothing
+    pairs = 2048 * 2049 // 2  # token i attends to i + 1 keys
+    flops = 2 * 8_030_261_248 * 2048 + ATTENTION_PER_PAIR * pairs  # 33,991,998,570,496
+    assert cost.step_flops(step) == flops
+    assert cost.step_s(step) == pytest.approx(flops / 989e12)  # 34.37 ms, compute-bound
+    assert cost.step_s(step) == pytest.approx(34.370e-3, rel=1e-4)
+
+
+def test_a_mixed_step_with_efficiencies_and_overhead():
+    cost = CostModel(LLAMA_8B, H100, bandwidth_efficiency=0.8, compute_efficiency=0.5, step_overhead_s=0.001)
+    # four decodes at 1,000 tokens of context, one chunk of 256 tokens after 256 already computed
+    step = tuple(StepItem(1, 1000) for _ in range(4)) + (StepItem(256, 512),)
+    read = WEIGHTS + (4 * 1000 + 512) * KV_PER_TOKEN
+    pairs = 4 * 1000 + (256 * 256 + 256 * 257 // 2)  # the chunk: 256 earlier keys each, plus its causal part
+    flops = 2 * 8_030_261_248 * (4 + 256) + ATTENTION_PER_PAIR * pairs
+    memory_s, compute_s = read / (3.35e12 * 0.8), flops / (989e12 * 0.5)
+    assert compute_s > memory_s  # 260 tokens: past the compute-bound batch at half the peak
+    assert cost.step_s(step) == pytest.approx(compute_s + 0.001)
+    assert cost.step_s(()) == 0.0  # a step that computed nothing is not paced
+
+
+def test_a_kv_transfer_and_a_start_up_take_bytes_over_their_bandwidth():
+    em = Emulation(CostModel(LLAMA_8B, H100), LinkModel(400e9 / 8, 50e-6), load_bytes_per_s=5e9, time_scale=2)
+    pace = link_pace(em, block_size=16)
+    assert pace == LinkPace(16 * KV_PER_TOKEN, 50e9, 50e-6, 2)
+    # an 8k prompt's KV: 512 blocks of 2 MiB over 400 Gbit/s, plus the latency, stretched x 2
+    assert pace.seconds(512) == pytest.approx((50e-6 + 512 * 16 * KV_PER_TOKEN / 50e9) * 2)
+    assert pace.seconds(512) == pytest.approx(2 * 21.525e-3, rel=1e-3)
+    assert em.startup_s == pytest.approx(WEIGHTS / 5e9)  # 3.2 s, unscaled
+
+
+# ---- pacing arithmetic --------------------------------------------------------------------
+class FakeClock:
+    def __init__(self):
+        self.now = 100.0
+        self.slept: list[float] = []
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+
+def _emulation(time_scale: float = 1.0, overhead_s: float = 0.0) -> Emulation:
+    return Emulation(CostModel(LLAMA_8B, H100, step_overhead_s=overhead_s), LinkModel(50e9), 5e9, time_scale)
+
+
+def test_a_step_is_padded_to_its_modelled_time_times_the_scale():
+    clock = FakeClock()
+    pacer = Pacer(_emulation(time_scale=3), clock, clock.sleep)
+    step = (StepItem(1, 1024),)
+    modelled = (WEIGHTS + 1024 * KV_PER_TOKEN) / 3.35e12  # 4.834 ms
+    began = clock.now
+    clock.now += 0.002  # the real step took 2 ms
+    assert pacer.pace_step(step, began) == pytest.approx(3 * modelled - 0.002)
+    assert clock.now - began == pytest.approx(3 * modelled)  # the step ends when the scaled model says
+    s = pacer.stats()
+    assert (s.steps, s.overruns, s.lateness_s) == (1, 0, 0.0)
+    assert s.real_s == pytest.approx(0.002) and s.modelled_s == pytest.approx(modelled)
+
+
+def test_a_step_slower_than_its_model_overruns_and_is_late_by_the_difference():
+    clock = FakeClock()
+    pacer = Pacer(_emulation(time_scale=2), clock, clock.sleep)
+    step = (StepItem(1, 1024),)
+    modelled = (WEIGHTS + 1024 * KV_PER_TOKEN) / 3.35e12
+    for real in (0.030, 0.005, 0.020):  # 30 ms and 20 ms outlast 2 x 4.83 ms; 5 ms does not
+        began = clock.now
+        clock.now += real
+        pacer.pace_step(step, began)
+    s = pacer.stats()
+    assert (s.steps, s.overruns) == (3, 2)
+    assert s.lateness_s == pytest.approx((0.030 - 2 * modelled) + (0.020 - 2 * modelled))
+    assert s.max_lateness_s == pytest.approx(0.030 - 2 * modelled)
+    assert clock.slept == [pytest.approx(2 * modelled - 0.005)]  # only the fast step slept
+    ratios = sorted(r / modelled for r in (0.030, 0.005, 0.020))
+    assert s.ratio_p99 == pytest.approx(ratios[1] + 0.98 * (ratios[2] - ratios[1]))  # numpy's linear p99
+    assert s.overrun_share == pytest.approx(2 / 3)
+
+
+def test_start_up_waits_out_the_emulated_weights_load():
+    clock = FakeClock()
+    pacer = Pacer(_emulation(time_scale=2), clock, clock.sleep)
+    began = clock.now
+    clock.now += 1.0  # loading the real model took 1 s
+    assert pacer.wait_startup(began) == pytest.approx(2 * WEIGHTS / 5e9 - 1.0)
+    assert clock.now - began == pytest.approx(2 * WEIGHTS / 5e9)
+
+
+# ---- the emulate: section -------------------------------------------------------------------
+def test_emulation_is_off_by_default_and_sizes_each_pool_like_pdserve_plan(llama_dir):
+    off = cluster_config(llama_dir, kv_cache={"num_blocks": None})
+    assert emulation(off.emulate) is None and off.engine_config(off.decode).num_blocks is None
+    on = cluster_config(llama_dir, kv_cache={"num_blocks": None}, emulate={"device": "h100"})
+    # 80 GiB - 16.06 GB of bf16 weights - 8 GiB overhead, in blocks of 16 tokens x 128 KiB
+    budget = 80 * 2**30 - WEIGHTS - 8 * 2**30
+    assert emulated_num_blocks(on.emulate, 16) == budget // (16 * KV_PER_TOKEN) == 29_205
+    assert on.engine_config(on.decode).num_blocks == 29_205
+    pinned = cluster_config(llama_dir, kv_cache={"num_blocks": 64}, emulate={"device": "h100"})
+    assert pinned.engine_config(pinned.decode).num_blocks == 64  # an explicit pool size wins
+    em = emulation(on.emulate)
+    assert (em.cost.bandwidth_efficiency, em.cost.compute_efficiency, em.cost.step_overhead_s) == (0.8, 0.6, 0.001)
+    assert em.link.bytes_per_s == 50e9 and em.load_bytes_per_s == 5e9
+    custom = cluster_config(llama_dir, emulate={"device": "custom", "bandwidth": "100GB/s", "flops": "1TFLOPs",
+                                                "memory": "24GiB", "model": "llama-3.2-1b"})
+    assert emulation(custom.emulate).cost.device == DeviceProfile("custom", 100e9, 1e12, "24GiB",
+                                                                  "emulate: bandwidth, flops, memory")
+
+
+@pytest.mark.parametrize(("emulate", "message"), [
+    ({"device": "h900"}, "emulate: unknown device 'h900'; known: h100, h200, a100, l40s, custom"),
+    ({"device": "h100", "time_scale": 0.5}, "emulate.time_scale: must be >= 1"),
+    ({"device": "h100", "compute_efficiency": 0}, "emulate.compute_efficiency: must be in (0, 1]"),
+    ({"device": "custom", "bandwidth": "1TB/s"}, "emulate: device custom needs bandwidth, flops and memory"),
+    ({"device": "h100", "link": "fast"}, "emulate: cannot read 'fast' as link"),
+    ({"device": "h100", "model": "gpt-9"}, "emulate: 'gpt-9' is neither a built-in shape"),
+    ({"device": "l40s", "model": "llama-3.1-70b"}, "leave no room for one KV block"),
+])
+def test_a_bad_emulate_section_is_refused_naming_the_key(llama_dir, emulate, message):
+    with pytest.raises(ConfigError, match="^cluster.yaml: ") as err:
+        cluster_config(llama_dir, emulate=emulate)
+    assert message in str(err.value)
+
+
+def test_pools_beyond_the_host_ram_are_refused_at_load(llama_dir):
+    cfg = cluster_config(llama_dir, kv_cache={"num_blocks": None}, emulate={"device": "h100"},
+                         decode={"replicas": 3})
+    real_per_token = 2 * 2 * 2 * 16 * 4  # the tiny llama: K,V x 2 layers x 2 KV heads x 16 dims x float32
+    need = 4 * 29_205 * 16 * real_per_token  # 4 workers' emulated pools of the real model's KV: 957 MB
+    check_host_memory(cfg, "cluster.yaml", host_bytes=2 * need)  # half the host: fits exactly
+    with pytest.raises(ConfigError, match=r"^cluster.yaml: emulate: 4 workers x 467,280 emulated KV tokens x "
+                                          r"512 B per token of the real model need .* of host RAM, over 50% "):
+        check_host_memory(cfg, "cluster.yaml", host_bytes=2 * need - 1)
+
+
+# ---- bench: time dilation and the verdict ---------------------------------------------------------
+def test_bench_stretches_arrivals_and_divides_durations_back():
+    workload = Workload("w", (RequestSpec("a", 0.5, (1, 2), 4), RequestSpec("b", 2.0, (3,), 4)))
+    assert [r.arrival_s for r in dilate(workload, 4).requests] == [2.0, 8.0]
+    record = RequestRecord("a", "run", 2.0, (2.4, 2.8), (1, 1), 2, 2, "length", None,
+                           {"kv_wait_ms": 40.0, "token_steps": "FD", "cached_tokens": 0})
+    back = contract_records([record], 4)[0]
+    assert (back.send_s, back.message_times_s) == (0.5, (0.6, 0.7))
+    assert back.usage == {"kv_wait_ms": 10.0, "token_steps": "FD", "cached_tokens": 0}
+    assert parse_emulate("h100:llama-3.1-8b") == ("h100", "llama-3.1-8b")
+    with pytest.raises(BenchError, match="expected DEVICE:MODEL"):
+        parse_emulate("h100")
+
+
+def _stats(steps: int, overruns: int, ratio_p99: float, late_s: float = 0.0) -> EmulationStats:
+    return EmulationStats(2.0, steps, overruns, 0.0, 0.0, late_s, late_s, ratio_p99, 3.2)
+
+
+def test_a_run_with_more_than_one_percent_overruns_is_not_faithful():
+    good = fidelity({"prefill-0": ("prefill", _stats(500, 5, 1.5)), "decode-1": ("decode", _stats(500, 5, 1.9))})
+    assert good["faithful"] and good["overrun_share"] == 0.01 and good["suggested_time_scale"] is None
+    bad = fidelity({"prefill-0": ("prefill", _stats(500, 5, 1.5)),
+                    "decode-1": ("decode", _stats(500, 6, 3.01, late_s=0.4))})
+    assert not bad["faithful"] and bad["overrun_share"] == pytest.approx(0.011)
+    assert bad["suggested_time_scale"] == 3.1  # covers 99% of the slowest worker's steps
+    assert bad["pools"]["decode"]["lateness_ms"] == pytest.approx(200.0)  # 0.4 s at time_scale 2: emulated ms
+    assert format_fidelity("disaggregated", bad).endswith("NOT faithful: rerun with time_scale 3.1")
+    slow_link = fidelity({"decode-1": ("decode", dataclasses.replace(
+        _stats(500, 0, 1.2), transfers=50, transfer_overruns=2, transfer_lateness_s=0.2, transfer_ratio_max=5.55))})
+    assert slow_link["overrun_share"] == 0 and slow_link["transfer_overrun_share"] == 0.04
+    assert not slow_link["faithful"] and slow_link["suggested_time_scale"] == 5.6  # the slowest transfer fits
+    assert slow_link["pools"]["kv_transfer"] == {"steps": 50, "overruns": 2, "lateness_ms": pytest.approx(100.0),
+                                                 "max_lateness_ms": 0.0}
+
+
+def test_the_receiver_holds_a_transfer_to_the_emulated_link_and_counts_late_ones():
+    from kv_transfer.pace import LinkClock
+
+    clock = LinkClock(LinkPace(block_bytes=1_000_000, bytes_per_s=100e6, latency_s=0.01, time_scale=2))
+    header_at = time.monotonic()
+    clock.hold(2, header_at)  # (10 ms + 2 MB at 100 MB/s) x 2 = 60 ms after the header
+    assert time.monotonic() - header_at >= 0.060
+    clock.hold(1, time.monotonic() - 0.5)  # landed 0.5 s after its header: 0.5 - 0.04 late
+    s = clock.stats()
+    assert (s.transfers, s.overruns) == (2, 1)
+    assert s.lateness_s == pytest.approx(0.46, abs=0.01) and s.ratio_max == pytest.approx(0.5 / 0.02, rel=0.02)
+    LinkClock(None).hold(100, time.monotonic() - 1)  # no emulated link: nothing held, nothing counted
+
+
+def test_a_real_engine_on_an_absurdly_fast_device_overruns_and_is_marked_not_faithful(llama_dir):
+    """No fake clock: the tiny model's real steps on the CPU against a device a million times
+    faster than an H100, paced by the engine loop; the tokens are the unpaced engine's."""
+    fast = dataclasses.replace(H100, name="absurd", bandwidth=3.35e18, flops=989e18)
+    pacer = Pacer(Emulation(CostModel(LLAMA_8B, fast, step_overhead_s=0.0), LinkModel(50e9), 5e9))
+    config = EngineConfig(model_path=llama_dir, num_blocks=64)
+    prompts = [list(range(10 + i, 30 + i)) for i in range(3)]
+    sampling = SamplingParams(max_tokens=8, ignore_eos=True)
+    expected = LLMEngine(config).generate(prompts, sampling)
+    got: dict[str, list[int]] = {}
+    done = threading.Event()
+
+    def on_outputs(outputs):
+        for out in outputs:
+            got.setdefault(out.request_id, []).extend(out.token_ids)
+            if out.finished and sum(len(v) for v in got.values()) == 24:
+                done.set()
+    loop = EngineLoop(LLMEngine(config), on_outputs, pace=pacer.pace)
+    try:
+        for i, p in enumerate(prompts):
+            loop.call(lambda e, i=i, p=p: e.add_request(f"r{i}", prompt_token_ids=p, sampling=sampling)).result(10)
+        assert done.wait(60), "the paced engine did not finish"
+    finally:
+        loop.stop()
+    assert [got[f"r{i}"] for i in range(3)] == expected
+    stats = pacer.stats()
+    assert stats.steps >= 8 and stats.overruns == stats.steps  # every real step outlasts a ~1 ns model
+    verdict = fidelity({"decode-0": ("decode", stats)})
+    assert not verdict["faithful"] and verdict["suggested_time_scale"] > 1000
+
+
+# ---- a cluster at emulated timings -------------------------------------------------------------
+@pytest.fixture(scope="module")
+def emulated(ray_instance, llama_dir):
+    """1 + 1 workers at the timings of Llama-3.2-1B on a slow emulated device (100 GB/s: a decode
+    step of ~25 ms; a 1 Gbit/s link with 10 ms latency: a visible KV transfer), each pool the size
+    the device leaves (4 GiB - 2.5 GB weights - 1 GiB: 1,429 blocks)."""
+    from router.launch import LocalCluster
+
+    cfg = cluster_config(llama_dir, kv_cache={"num_blocks": None}, emulate={
+        "device": "custom", "bandwidth": "100GB/s", "flops": "10TFLOPs", "memory": "4GiB",
+        "model": "llama-3.2-1b", "overhead": "1GiB", "bandwidth_efficiency": 1.0, "compute_efficiency": 1.0,
+        "step_overhead_s": 0.0, "link": "1Gbit", "link_latency_s": 0.01, "load_bandwidth": "100GB/s"})
+    with LocalCluster(cfg) as cluster:
+        yield cluster
+
+
+def test_an_emulated_cluster_gives_transformers_tokens_at_the_modelled_pace(emulated, llama_dir):
+    from tests.cluster_util import Client
+    from tests.reference import hf_greedy
+
+    client = Client(emulated.address)
+    prompts = [list(range(20 + i, 50 + i)) for i in range(2)]
+    try:
+        started = time.perf_counter()
+        got = client.many(prompts, max_tokens=6, ignore_eos=True)
+        elapsed = time.perf_counter() - started
+        alone, last = client.tokens(list(range(60, 90)), max_tokens=2, ignore_eos=True)
+    finally:
+        client.close()
+    assert got == [hf_greedy(llama_dir, p, 6, ignore_eos=True) for p in prompts]
+    assert alone == hf_greedy(llama_dir, list(range(60, 90)), 2, ignore_eos=True)
+    # its KV (29 tokens: 2 blocks of 16 x 32 KiB per token) crossed the emulated link: 10 ms + 1 MiB at 125 MB/s
+    assert last.usage.kv_transfer_ms >= (0.01 + 2 * 16 * 32_768 / 125e6) * 1e3
+    workers = {w.name: w for w in emulated.router.pools.all()}
+    stats = {name: emulated.call(_within(w.actor.emulation.remote())) for name, w in workers.items()}
+    decode = next(s for name, s in stats.items() if name.startswith("decode"))
+    prefill = next(s for name, s in stats.items() if name.startswith("prefill"))
+    # llama-3.2-1b bf16 weights, 2,471,628,800 bytes, read once per step at 100 GB/s: >= 24.7 ms a step
+    per_step = 1_235_814_400 * 2 / 100e9
+    assert prefill.steps >= 1 and decode.steps >= 5  # every decoding token after the first is a paced step
+    assert decode.modelled_s >= decode.steps * per_step
+    assert decode.transfers >= 3  # one per request at least, counted where the KV landed
+    assert elapsed >= 5 * per_step  # each request's 5 decode steps at least
+    info = {w.info.pool: w.info.num_blocks for w in workers.values()}
+    kv_per_token = 2 * 16 * 8 * 64 * 2  # llama-3.2-1b: K,V x 16 layers x 8 KV heads x 64 x bf16
+    budget = 4 * 2**30 - 1_235_814_400 * 2 - 2**30
+    assert info == {"prefill": budget // (16 * kv_per_token), "decode": budget // (16 * kv_per_token)} == {
+        "prefill": 1_429, "decode": 1_429}
+
+
+def _within(ref):
+    from protocol.deadline import within
+
+    return within(ref, 30)
+
+
+# ---- pdserve bench --emulate -----------------------------------------------------------------
+def _bench(*argv: str) -> int:
+    import argparse
+
+    from bench import cli as bench_cli
+
+    parser = argparse.ArgumentParser(prog="pdserve")
+    bench_cli.add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["bench", *argv])
+    return args.func(args)
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--router", "127.0.0.1:1", "--emulate", "h100:llama-3.1-8b"], "--emulate needs --config"),
+    (["--config", "c.yaml", "--emulate-time-scale", "2"], "--emulate-time-scale needs --emulate"),
+    (["--config", "{config}", "--emulate", "h100"], "--emulate 'h100': expected DEVICE:MODEL"),
+    # 4,096 pools of 467,280 tokens x 512 B of the tiny llama's KV: 980 GB, over half of any host here
+    (["--config", "{config}", "--emulate", "h100:llama-3.1-8b", "--workers", "4096"],
+     "--arrangements colocated: emulate: 4096 workers x 467,280 emulated KV tokens"),
+])
+def test_bad_emulate_flags_exit_2_with_one_line(llama_dir, tmp_path, capsys, argv, message):
+    config = tmp_path / "cluster.yaml"
+    config.write_text(f'{{"model": {{"path": "{llama_dir}"}}, "kv_cache": {{"block_size": 16}}}}')
+    argv = [a.replace("{config}", str(config)) for a in argv]
+    assert _bench(*argv, "--out", str(tmp_path / "out")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"pdserve bench: {message}") and err.count("\n") == 1, err
+
+
+@pytest.mark.usefixtures("ray_instance")
+def test_bench_emulates_h100_timings_and_reports_its_fidelity(llama_dir, tmp_path, capsys):
+    import json
+
+    from cli.main import main as pdserve
+
+    config = tmp_path / "cluster.yaml"
+    config.write_text(json.dumps({"model": {"path": llama_dir}, "router": {"metrics_port": None},
+                                  "prefill": {"num_cpus": 0.5}, "decode": {"num_cpus": 0.5},
+                                  "kv_cache": {"block_size": 16}, "emulate": {"load_bandwidth": "100GB/s"}}))
+    assert pdserve(["bench", "--config", str(config), "--emulate", "h100:llama-3.1-8b", "--emulate-time-scale", "2",
+                    "--arrangements", "disaggregated", "--workers", "2", "--num-requests", "4", "--input-len", "32",
+                    "--range-ratio", "0", "--output-len", "6", "--concurrency", "2", "--json",
+                    "--out", str(tmp_path / "out"), "--no-progress"]) == 0
+    run = json.loads(capsys.readouterr().out)["arrangements"]["disaggregated"]
+    assert run["num_errors"] == 0
+    f = run["emulation"]
+    assert f["assumptions"].startswith("emulated llama-3.1-8b on h100 (3.35 TB/s x 0.8, 989 TFLOP/s x 0.6, +1 ms")
+    assert f["assumptions"].endswith("time_scale 2")
+    assert f["time_scale"] == 2 and set(f["pools"]) == {"prefill", "decode", "kv_transfer"}
+    # 4 requests x 5 decode rows, at most 2 to a step, and 4 prompts, at most 2 to a step
+    assert f["pools"]["decode"]["steps"] >= 10 and f["pools"]["prefill"]["steps"] >= 2
+    assert f["transfers"] >= 4 and f["pools"]["kv_transfer"]["steps"] == f["transfers"]
+    assert 0 <= f["overruns"] <= f["steps"]
+    assert f["faithful"] == (f["overrun_share"] <= 0.01 and f["transfer_overrun_share"] <= 0.01)
+    assert (f["suggested_time_scale"] is None) == f["faithful"]
+    # reported in emulated time: a decode step at ~40 tokens of context is >= 16.07 GB / (3.35 TB/s x 0.8)
+    # + 1 ms = 6.99 ms; paced at x 2, divided back by 2
+    assert run["itl_ms"]["p50"] >= 6.99
+
+
+def test_the_host_fit_recovers_a_known_cost_model(llama_dir):
+    """Steps timed by a known host (2 GB/s reads, 40 GFLOP/s, 3 ms a step): the fit, given the
+    bandwidth, finds the FLOP/s and the overhead again."""
+    from pathlib import Path
+
+    from bench.calibrate import fit
+    from router.config.emulate import emulated_shape
+
+    host = CostModel(emulated_shape(llama_dir), DeviceProfile("host", 2e9, 40e9, "8GiB", ""), dtype_bytes=4)
+    shapes = [tuple(StepItem(1, 17 + i) for _ in range(b)) for b in (1, 2, 4, 8) for i in range(3)]
+    shapes += [(StepItem(n, n),) for n in (32, 64, 128, 256)]
+    measured = [(s, host.memory_s(s) + host.compute_s(s) + 0.003) for s in shapes]
+    found = fit(Path(llama_dir), "float32", measured, bandwidth=2e9)
+    assert found.flops == pytest.approx(40e9, rel=1e-6) and found.overhead_s == pytest.approx(0.003, rel=1e-6)
+    assert found.rms_error_s < 1e-9 and found.steps == len(shapes)
+    assert found.emulate_section(llama_dir, "float32")["flops"] == "4e+10"

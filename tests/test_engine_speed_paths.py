@@ -1,0 +1,109 @@
+"""The engine's fast paths keep it token-exact: oneDNN-prepacked linears (eager), the compiled
+forward with paged attention as an opaque op (compile on), and the dtype `auto` picks."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from engine import compiled, dense
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import computes_bf16, resolve_dtype
+from protocol.sampling import SamplingParams
+from tests.reference import hf_greedy
+
+
+def _prompts(n: int, seed: int, lo: int, hi: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, 2000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def _engine(path: str, **kw) -> LLMEngine:
+    kw.setdefault("num_blocks", 256)
+    return LLMEngine(EngineConfig(model_path=path, dtype="float32", **kw))
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Arrivals staggered one per step, so steps mix decodes, fresh prompts and chunks."""
+    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    out: dict[str, list[int]] = {}
+    pending = list(enumerate(prompts))
+    while pending or engine.has_unfinished():
+        if pending:
+            i, p = pending.pop(0)
+            engine.add_request(f"r{i}", prompt_token_ids=p, sampling=sampling)
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    engine.check()
+    assert engine.allocator.num_used == 0
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_eager_cpu_forward_runs_on_prepacked_linears_token_exact(llama_dir):
+    engine = _engine(llama_dir, compile="off", chunk_size=16)
+    model = engine.runner.model
+    packed = [m for m in model.modules() if isinstance(m, dense.PackedLinear)]
+    assert packed and not [m for m in model.modules() if type(m) is nn.Linear]
+    # a weight only the linear used is gone (the packed copy replaces it); a tied LM head's stays
+    tied = model.config.tie_word_embeddings
+    assert (model.lm_head.weight is model.get_input_embeddings().weight) if tied else model.lm_head.weight is None
+    assert all(m.weight is None for m in packed if m is not model.lm_head)
+    prompts = _prompts(5, seed=11, lo=1, hi=70)
+    assert _run(engine, prompts, 12) == [hf_greedy(llama_dir, p, 12, ignore_eos=True) for p in prompts]
+
+
+def test_packed_linear_equals_linear_on_any_row_count():
+    torch.manual_seed(0)
+    linear = nn.Linear(48, 40, bias=True)
+    packed = dense.PackedLinear(linear, keep_weight=False)
+    for rows in (1, 3, 17):
+        x = torch.randn(1, rows, 48)
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_forward_is_token_exact_and_never_recompiles_while_serving(llama_dir):
+    engine = _engine(llama_dir, compile="on", chunk_size=16, max_num_batched_tokens=64)
+    forward = engine.runner.forward
+    assert forward.compiled, forward.fallback_reason
+    assert "compiled" in engine.runner.describe()
+    # batches of 1..6 rows, fresh prompts, chunks with context, single-token prompts
+    prompts = _prompts(6, seed=12, lo=1, hi=60)
+    assert _run(engine, prompts, 10) == [hf_greedy(llama_dir, p, 10, ignore_eos=True) for p in prompts]
+    assert forward.recompilations == 0
+
+
+def test_a_forward_that_does_not_compile_falls_back_to_eager_with_the_reason(llama_dir, caplog):
+    engine = _engine(llama_dir, compile="off")
+    runner = engine.runner
+    forward = compiled.Forward(runner.model, "on", runner.device)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("inductor cannot lower this op\nmore detail")
+
+    forward._compiled = forward.decoder.forward = broken
+    with caplog.at_level("WARNING", logger="engine.compiled"):
+        forward.warm_up(runner.kv, runner.block_size)
+    assert not forward.compiled and "forward" not in vars(forward.decoder)  # the eager decoder again
+    assert forward.fallback_reason == "RuntimeError: inductor cannot lower this op"
+    assert [r.getMessage() for r in caplog.records] == [
+        "engine.compile: this model did not compile, serving it eagerly (RuntimeError: inductor cannot lower this op)"]
+
+
+def test_compile_mode_is_checked():
+    with pytest.raises(ValueError, match="compile"):
+        EngineConfig(model_path="x", compile="sometimes")
+
+
+def test_auto_dtype_is_bfloat16_only_where_the_device_computes_it():
+    cpu = torch.device("cpu")
+    expected = torch.bfloat16 if computes_bf16(cpu) else torch.float32
+    assert resolve_dtype(EngineConfig(model_path="x"), cpu) == expected
+    assert resolve_dtype(EngineConfig(model_path="x", dtype="bfloat16"), cpu) == torch.bfloat16
+    flags = open("/proc/cpuinfo").read() if __import__("os").path.exists("/proc/cpuinfo") else ""
+    if flags:
+        native = " avx512_bf16" in flags or " amx_bf16" in flags
+        assert computes_bf16(cpu) == native
