@@ -5,7 +5,7 @@ request decoding at `--context` tokens; or one prompt of `--prefill` tokens wait
 runs `--steps` steps under torch.profiler and, separately, timed. The table splits one step:
 
 - schedule + prepare: the scheduler and the runner flattening the step into tensors
-- dense matmul: projections and MLP (aten mm/addmm/linear), self time
+- dense matmul: projections and MLP (aten mm/addmm/linear, oneDNN's prepacked linear), self time
 - SDPA: scaled_dot_product_attention's own kernels
 - KV gather: index_select of whole blocks for attention
 - KV write: index_put_ of the new tokens' K/V into the pool
@@ -44,7 +44,7 @@ DEFAULT_MODEL = Path("models") / "smollm2-135m-instruct"
 CATEGORIES = {  # aten op name -> category (first match by substring, in this order)
     "scaled_dot_product": "SDPA", "_flash_attention": "SDPA",
     "index_select": "KV gather", "index_put": "KV write",
-    "addmm": "dense matmul", "aten::mm": "dense matmul", "aten::linear": "dense matmul", "aten::matmul": "dense matmul",
+    "_linear_pointwise": "dense matmul", "addmm": "dense matmul", "aten::mm": "dense matmul", "aten::linear": "dense matmul", "aten::matmul": "dense matmul",
     "copy_": "copy + alloc", "aten::empty": "copy + alloc", "_to_copy": "copy + alloc", "aten::cat": "copy + alloc",
     "aten::to": "copy + alloc", "contiguous": "copy + alloc", "clone": "copy + alloc",
     "aten::mul": "elementwise", "aten::add": "elementwise", "aten::silu": "elementwise", "rsqrt": "elementwise",
@@ -93,7 +93,7 @@ def _op_seconds(prof) -> dict[str, float]:
     """Self CPU time per category; only leaf-ish time, so nothing is counted twice."""
     out: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
-        if event.key.startswith("aten::") or "attention" in event.key:
+        if event.key.startswith(("aten::", "mkldnn::")) or "attention" in event.key:
             out[_category(event.key)] += event.self_cpu_time_total / 1e6
     return out
 
