@@ -27,7 +27,7 @@ A model that fails to compile falls back to eager with one logged line naming th
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -36,8 +36,7 @@ from engine import attention, dense
 
 log = logging.getLogger(__name__)
 
-MODES = ("auto", "on", "off")
-
+WARM_TOKENS = (1, 17)  # dynamo specialises size 1: one graph for a lone token, one for any other count
 
 def _graphs_compiled() -> int:
     from torch._dynamo.utils import counters
@@ -50,8 +49,6 @@ class Forward:
 
     def __init__(self, model: nn.Module, mode: str, device: torch.device, cuda_graphs: bool = False,
                  prepack: bool = True):
-        if mode not in MODES:
-            raise ValueError(f"engine.compile must be one of {', '.join(MODES)}, not {mode!r}")
         self.model = model
         self.decoder = model.get_decoder()
         self.device = device
@@ -101,29 +98,20 @@ class Forward:
         return _graphs_compiled() - self._graphs_at_ready
 
     @torch.inference_mode()
-    def warm_up(self, kv: torch.Tensor, block_size: int, windows: Sequence[int] = ()) -> None:
-        """Compile every graph serving will need (see the module doc), on scratch slots of block 0.
+    def warm_up(self, fresh_prompt: Callable[[int], attention.StepMetadata]) -> None:
+        """Compile every graph serving will need (see the module doc): one step of a fresh prompt of
+        1 and of several tokens, whose metadata `fresh_prompt(tokens)` builds on scratch slots.
         Runs before the worker reports ready, when no block holds anything yet. A failure here
         falls back to eager, once, with the reason logged."""
         if self._compiled is None:
             return
         try:
-            for tokens in (1, block_size + 1):
-                self._warm_step(kv, block_size, tokens, windows)
+            for tokens in WARM_TOKENS:
+                positions = torch.arange(tokens, device=self.device)
+                with attention.step_context(fresh_prompt(tokens)):
+                    self(torch.zeros(1, tokens, dtype=torch.long, device=self.device), positions[None], positions[-1:])
         except Exception as exc:  # noqa: BLE001 - any compiler failure means: serve eagerly
             text = str(exc).strip()
             self._fall_back(f"{type(exc).__name__}: {text.splitlines()[0] if text else 'no message'}"[:300])
             return
         self._graphs_at_ready = _graphs_compiled()
-
-    def _warm_step(self, kv: torch.Tensor, block_size: int, tokens: int, windows: Sequence[int]) -> None:
-        dev = kv.device
-        positions = torch.arange(tokens, device=dev)
-        window_masks = {w: attention.window_mask(positions, positions, w) if tokens > w else None for w in windows}
-        meta = attention.StepMetadata(
-            kv=kv, slot_blocks=positions // block_size % kv.shape[0], slot_offsets=positions % block_size,
-            decode_groups=[], prefills=[attention.PrefillChunk(0, tokens, None, None, window_masks)])
-        ids = torch.zeros(1, tokens, dtype=torch.long, device=dev)
-        sample_rows = torch.arange(tokens - 1, tokens, device=dev)
-        with attention.step_context(meta):
-            self(ids, positions[None], sample_rows)

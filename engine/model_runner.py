@@ -84,7 +84,7 @@ class ModelRunner:
                                    self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
         self.forward = compiled.Forward(self.model, config.compile, self.device, config.cuda_graphs,
                                         prepack=config.prepack_linears)
-        self.forward.warm_up(self.kv, self.block_size, self.windows)
+        self.forward.warm_up(self.fresh_prompt_metadata)
 
     def describe(self) -> str:
         """One line for the worker's start-up log: what runs, and why where it was chosen."""
@@ -161,11 +161,23 @@ class ModelRunner:
             blocks.append(table[p // bs])
             offsets.append(p % bs)
 
+    def fresh_prompt_metadata(self, tokens: int) -> attention.StepMetadata:
+        """One step of a fresh `tokens`-token prompt written to scratch slots from block 0 (the
+        compiled forward's warm-up, before any block holds anything)."""
+        positions = torch.arange(tokens)
+        return attention.StepMetadata(
+            kv=self.kv, slot_blocks=(positions // self.block_size % self.num_blocks).to(self.device),
+            slot_offsets=(positions % self.block_size).to(self.device), decode_groups=[],
+            prefills=[self._fresh_chunk(0, tokens)])
+
+    def _fresh_chunk(self, row: int, q: int) -> attention.PrefillChunk:
+        keys = torch.arange(q)  # keys == the chunk's own tokens, plain causal
+        return attention.PrefillChunk(row, row + q, None, None, self._window_masks(keys, keys, q))
+
     def _chunk(self, it: ScheduledItem, row: int) -> attention.PrefillChunk:
         q = it.num_tokens
         if it.start == 0:
-            keys = torch.arange(q)
-            return attention.PrefillChunk(row, row + q, None, None, self._window_masks(keys, keys, it.end))
+            return self._fresh_chunk(row, q)
         num_blocks = -(-it.end // self.block_size)  # the keys: whole blocks, the last one partly filled
         ctx_blocks = torch.tensor(it.request.block_ids[:num_blocks], device=self.device)
         # query i sits at position start + i and may see keys 0 .. start + i (never the unwritten tail)

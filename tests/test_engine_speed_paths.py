@@ -86,7 +86,7 @@ def test_a_forward_that_does_not_compile_falls_back_to_eager_with_the_reason(lla
 
     forward._compiled = forward.decoder.forward = broken
     with caplog.at_level("WARNING", logger="engine.compiled"):
-        forward.warm_up(runner.kv, runner.block_size)
+        forward.warm_up(runner.fresh_prompt_metadata)
     assert not forward.compiled and "forward" not in vars(forward.decoder)  # the eager decoder again
     assert forward.fallback_reason == "RuntimeError: inductor cannot lower this op"
     assert [r.getMessage() for r in caplog.records] == [
