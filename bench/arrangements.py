@@ -9,16 +9,21 @@ from router.config.schema import POLICIES, ClusterConfig
 ARRANGEMENTS = ("colocated", "colocated-chunked", "disaggregated", "disaggregated-chunked")
 
 
-def arrangement_config(base: ClusterConfig, name: str, total_workers: int, pin_cpus: bool = False) -> ClusterConfig:
-    """`base` rearranged as `name` with the same total worker count (equal cost); with
-    `pin_cpus`, worker i of the arrangement gets core i to itself."""
+def arrangement_config(base: ClusterConfig, name: str, total_workers: int, pin_cpus: bool = False,
+                       prefill_workers: int | None = None) -> ClusterConfig:
+    """`base` rearranged as `name` with the same total worker count (equal cost); a disaggregated
+    arrangement gives `prefill_workers` of them to prefill (default half), so P:D ratios compare
+    at equal cost too; with `pin_cpus`, worker i of the arrangement gets core i to itself."""
     if name not in ARRANGEMENTS:
         raise ValueError(f"unknown arrangement {name!r}; choose from {', '.join(ARRANGEMENTS)}")
     disagg = name.startswith("disaggregated")
     if disagg and total_workers < 2:
         raise ValueError("a disaggregated arrangement needs at least 2 workers")
     chunk = (base.scheduler.chunk_size or 64) if name.endswith("chunked") else None
-    prefill_n = max(1, total_workers // 2) if disagg else 0
+    if disagg and prefill_workers is not None and not 1 <= prefill_workers < total_workers:
+        raise ValueError(f"{prefill_workers} prefill workers of {total_workers} leave no decode worker"
+                         if prefill_workers >= total_workers else "a disaggregated arrangement needs a prefill worker")
+    prefill_n = (prefill_workers or max(1, total_workers // 2)) if disagg else 0
     prefill_cpus = list(range(prefill_n)) if pin_cpus else base.prefill.cpus
     decode_cpus = list(range(prefill_n, total_workers)) if pin_cpus else base.decode.cpus
     return dataclasses.replace(

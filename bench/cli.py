@@ -104,7 +104,8 @@ def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
                        help="total workers of every arrangement; with --policies split evenly "
                             "between prefill and decode (default 2)")
     group.add_argument("--prefill-workers", type=_positive_int,
-                       help="with --policies: prefill workers (default: half of --workers)")
+                       help="prefill workers of the --policies clusters, or of the disaggregated "
+                            "--arrangements out of --workers, e.g. 2 of 8 for P:D 2:6 (default: half of --workers)")
     group.add_argument("--decode-workers", type=_positive_int,
                        help="with --policies: decode workers (default: the rest of --workers)")
     group.add_argument("--prefix-caching", choices=("on", "off"),
@@ -314,9 +315,9 @@ def _cluster_runs(args: argparse.Namespace) -> list[str]:
     """The arrangements or policies to start, checked before anything starts; [] without --config."""
     given = [flag for flag, value in (("--arrangements", args.arrangements), ("--policies", args.policies),
                                       ("--prefix-caching", args.prefix_caching)) if value is not None]
-    if args.policies is None and (args.prefill_workers or args.decode_workers):
-        raise BenchError("--prefill-workers and --decode-workers size the --policies clusters "
-                         "(--arrangements uses --workers)")
+    if args.policies is None and args.decode_workers:
+        raise BenchError("--decode-workers sizes the --policies clusters (--arrangements: --workers "
+                         "and --prefill-workers; the rest decode)")
     if args.emulate_time_scale is not None and not args.emulate:
         raise BenchError("--emulate-time-scale needs --emulate")
     if not args.config:
@@ -376,8 +377,9 @@ def _cluster_configs(args: argparse.Namespace, base: Any,
         info |= {"prefill_workers": prefill, "decode_workers": decode}
         flag, make = "--policies", lambda name: policy_config(base, name, prefill, decode, args.pin_cpus)
     else:
-        info |= {"workers": args.workers}
-        flag, make = "--arrangements", lambda name: arrangement_config(base, name, args.workers, args.pin_cpus)
+        info |= {"workers": args.workers} | ({"prefill_workers": args.prefill_workers} if args.prefill_workers else {})
+        flag, make = "--arrangements", lambda name: arrangement_config(base, name, args.workers, args.pin_cpus,
+                                                                       args.prefill_workers)
     configs = {}
     for name in runs:
         try:

@@ -16,7 +16,7 @@ import json
 import pytest
 
 from bench import cli as bench_cli
-from bench.arrangements import policy_config
+from bench.arrangements import arrangement_config, policy_config
 from cli.main import main as pdserve
 from router.config.loader import parse_config
 
@@ -39,8 +39,8 @@ def _bench(*argv: str) -> int:
      "--policies and --arrangements exclude each other"),
     (["--router", "127.0.0.1:1", "--policies", "load"], "--policies needs --config"),
     (["--router", "127.0.0.1:1", "--prefix-caching", "off"], "--prefix-caching needs --config"),
-    (["--config", "c.yaml", "--arrangements", "colocated", "--prefill-workers", "2"],
-     "--prefill-workers and --decode-workers size the --policies clusters"),
+    (["--config", "c.yaml", "--arrangements", "colocated", "--decode-workers", "2"],
+     "--decode-workers sizes the --policies clusters"),
 ])
 def test_bad_policy_flags_exit_2_with_one_line(tmp_path, capsys, argv, message):
     assert _bench(*argv, "--out", str(tmp_path)) == 2
@@ -67,6 +67,18 @@ def test_policy_config_sets_one_policy_for_both_pools_at_the_asked_sizes():
     assert (cfg.prefill.cpus, cfg.decode.cpus) == ([0, 1], [2, 3, 4])
     with pytest.raises(ValueError, match="unknown policy 'fifo'"):
         policy_config(base, "fifo", 1, 1)
+
+
+def test_arrangement_config_splits_the_disaggregated_workers_as_asked():
+    base = parse_config({})
+    ratios = {p: arrangement_config(base, "disaggregated", 8, pin_cpus=True, prefill_workers=p) for p in (2, 6)}
+    assert {p: (c.prefill.replicas, c.decode.replicas) for p, c in ratios.items()} == {2: (2, 6), 6: (6, 2)}
+    assert (ratios[2].prefill.cpus, ratios[2].decode.cpus) == ([0, 1], [2, 3, 4, 5, 6, 7])
+    assert (arrangement_config(base, "disaggregated", 8).prefill.replicas) == 4  # default: half
+    colocated = arrangement_config(base, "colocated", 8, prefill_workers=2)  # no prefill pool to split
+    assert (colocated.prefill.replicas, colocated.decode.replicas) == (0, 8)
+    with pytest.raises(ValueError, match="8 prefill workers of 8 leave no decode worker"):
+        arrangement_config(base, "disaggregated", 8, prefill_workers=8)
 
 
 @pytest.mark.usefixtures("ray_instance")
