@@ -52,6 +52,8 @@ from router.config.checks import check_host_memory
 from router.config.schema import POLICIES
 from router.observability.request_log import block_ids
 
+RAY_START_S = 60.0  # a local Ray instance and the router's channels, on top of the workers' start
+
 FALLBACK_MAX_CONTEXT = 2048
 DEFAULT_BLOCK_SIZE = 16  # requests.jsonl's block ids without --config: kv_cache.block_size's default
 
@@ -408,7 +410,9 @@ def _measure_clusters(args: argparse.Namespace, workload: Workload, configs: dic
     emulated: dict[str, dict[str, Any]] = {}
     for name, cfg in configs.items():
         k = cfg.emulate.time_scale if cfg.emulate.device else 1.0  # time dilation (bench/emulation.py)
-        with LocalCluster(cfg) as cluster:
+        # the router gives each worker worker_start_timeout_s (an emulated weights load included)
+        # before it gives up on it; Ray's own start comes on top, many workers on few cores are slow
+        with LocalCluster(cfg, start_timeout_s=cfg.router.worker_start_timeout_s + RAY_START_S) as cluster:
             started = time.time()  # the replay's clock starts within the channel's setup (ms) of this
             replayed, statuses[name] = asyncio.run(
                 _measure_address(args, cluster.address, name, dilate(workload, k)))

@@ -14,6 +14,13 @@ floor allows (`second_token_floor_8k`) and the hand-off's own share of the wait,
 sibling directory whose weight files are links to the original.
 
     python -m scripts.bench_handoff [--samples 3] [--lengths 1024,4096,8192] [--json]
+                                    [--emulate h100:llama-3.1-8b --emulate-time-scale K]
+
+With --emulate, both clusters run at the emulated device's timings (docs/architecture.md,
+"Emulation"): the tiny test model computes the tokens (its positions raised to 16k the same way),
+every step and KV transfer is paced to the emulated model on the emulated device, stretched by K,
+and every client time and `kv_transfer_ms` is divided back by K; the JSON adds `emulation` (the
+assumptions and each cluster's fidelity verdict: a run with > 1% overruns is not faithful).
 """
 
 from __future__ import annotations
@@ -34,6 +41,8 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import grpc  # noqa: E402
 import ray  # noqa: E402
 
+from bench.emulation import assumptions, collect_emulation, fidelity, format_fidelity, parse_emulate  # noqa: E402
+from bench.errors import BenchError  # noqa: E402
 from checkpoints.tiny import ensure_model  # noqa: E402
 from proto import pdserve_pb2 as pb  # noqa: E402
 from proto import pdserve_pb2_grpc as pb_grpc  # noqa: E402
@@ -45,9 +54,9 @@ LONG_POSITIONS = 16384
 FIRST_TOKEN_ID = 3  # ids 0-2 are the tokenizer's special tokens
 
 
-def long_context_model(base: Path) -> Path:
-    """The bench model with max_position_embeddings LONG_POSITIONS, next to `base`."""
-    src = ensure_model(base, size="bench")
+def long_context_model(base: Path, size: str = "bench") -> Path:
+    """The `size` test model with max_position_embeddings LONG_POSITIONS, next to `base`."""
+    src = ensure_model(base, size=size)
     dst = src.with_name(src.name + "-16k")
     if not (dst / "config.json").exists():
         dst.mkdir(exist_ok=True)
@@ -60,8 +69,8 @@ def long_context_model(base: Path) -> Path:
     return dst
 
 
-def cluster_config(model: Path, stream: bool, num_blocks: int) -> ClusterConfig:
-    return parse_config({
+def cluster_config(model: Path, stream: bool, num_blocks: int, emulate: dict | None = None) -> ClusterConfig:
+    return parse_config({"emulate": emulate or {"device": None},
         "model": {"path": str(model)},
         "router": {"host": "127.0.0.1", "port": 0, "metrics_port": None, "prefill_timeout_s": 300},
         "prefill": {"replicas": 1, "num_cpus": 1, "torch_threads": 1},
@@ -83,6 +92,11 @@ async def one_request(stub: pb_grpc.GenerationStub, prompt: list[int]) -> dict:
     assert seen == 3, f"expected 3 tokens, got {seen}"
     return {"ttft_ms": times[0], "second_ms": times[1] - times[0], "third_ms": times[2] - times[1],
             "kv_transfer_ms": last.usage.kv_transfer_ms}
+
+
+def contract(raw: dict[int, list[list[dict]]], k: float) -> dict[int, list[list[dict]]]:
+    """Every time divided by the emulation's time_scale k: back to emulated milliseconds."""
+    return {n: [[{key: v / k for key, v in r.items()} for r in runs] for runs in modes] for n, modes in raw.items()}
 
 
 async def measure(addresses: list[str], prompts: dict[int, list[list[int]]]) -> dict[int, list[list[dict]]]:
@@ -141,6 +155,13 @@ def print_table(r: dict) -> None:
           "decode worker's landing time summed over a request's pieces (usage.kv_transfer_ms)")
 
 
+def _emulate(text: str) -> tuple[str, str]:
+    try:
+        return parse_emulate(text)
+    except BenchError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _lengths(text: str) -> list[int]:
     values = [int(v) for v in text.split(",")]
     if not values or any(v < 32 or v > LONG_POSITIONS - 8 for v in values):
@@ -154,24 +175,38 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--lengths", type=_lengths, default=[1024, 4096, 8192], help="prompt lengths, comma-separated")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--emulate", metavar="DEVICE:MODEL", type=_emulate,
+                    help="run both clusters at this device's timings for this model, e.g. h100:llama-3.1-8b")
+    ap.add_argument("--emulate-time-scale", type=float, default=1.0, metavar="K",
+                    help="with --emulate: stretch modelled time by K (>= 1), times reported divided back")
     args = ap.parse_args(argv)
+    if args.emulate_time_scale < 1:
+        ap.error("--emulate-time-scale must be >= 1")
     load = os.getloadavg()[0]
-    model = long_context_model(Path(tempfile.gettempdir()) / "pdserve-bench-llama")
+    emulate = None if args.emulate is None else {"device": args.emulate[0], "model": args.emulate[1],
+                                                  "time_scale": args.emulate_time_scale}
+    base = Path(tempfile.gettempdir()) / ("pdserve-bench-llama" if emulate is None else "pdserve-handoff-tiny")
+    model = long_context_model(base, "bench" if emulate is None else "tiny")
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     rng = random.Random(args.seed)
     prompts = {n: [[rng.randrange(FIRST_TOKEN_ID, vocab) for _ in range(n)] for _ in range(args.samples)]
                for n in args.lengths}
     num_blocks = max(args.lengths) // 16 + 64
     ray.init(num_cpus=4, include_dashboard=False, object_store_memory=128 << 20, log_to_driver=False)
+    configs = [cluster_config(model, stream, num_blocks, emulate) for stream in (True, False)]
+    verdicts = {}
     try:
-        with LocalCluster(cluster_config(model, True, num_blocks)) as streamed, \
-                LocalCluster(cluster_config(model, False, num_blocks)) as after:
+        with LocalCluster(configs[0]) as streamed, LocalCluster(configs[1]) as after:
             raw = asyncio.run(measure([streamed.address, after.address], prompts))
+            if emulate is not None:
+                verdicts = {name: fidelity(collect_emulation(cluster), assumptions(configs[0]))
+                            for name, cluster in (("streamed", streamed), ("after", after))}
     finally:
         ray.shutdown()
-    rows = summarize(raw)
+    rows = summarize(contract(raw, args.emulate_time_scale if emulate else 1.0))
     longest = max(args.lengths)
     result = {"model": str(model), "load_average": load, "samples": args.samples, "rows": rows,
+              **({"emulation": verdicts} if verdicts else {}),
               f"second_token_ratio_{longest // 1024}k": rows[longest]["ratio"],
               f"second_token_floor_{longest // 1024}k": rows[longest]["floor_ratio"],
               f"handoff_wait_ratio_{longest // 1024}k": rows[longest]["handoff_wait_ratio"]}
@@ -179,6 +214,10 @@ def main(argv: list[str] | None = None) -> None:
         print(json.dumps(result))
     else:
         print_table(result)
+        for name, verdict in verdicts.items():
+            print(format_fidelity(name, verdict))
+        if verdicts:
+            print(f"modelled: {next(iter(verdicts.values()))['assumptions']}")
 
 
 if __name__ == "__main__":
