@@ -268,6 +268,28 @@ def test_a_real_engine_on_an_absurdly_fast_device_overruns_and_is_marked_not_fai
     assert not verdict["faithful"] and verdict["suggested_time_scale"] > 1000
 
 
+def test_the_host_work_between_busy_steps_counts_against_the_next_steps_model(llama_dir):
+    """A busy loop times each step from the end of the previous one's pacing, so the outputs'
+    handling (here 0.2 s of it) lands inside the next step's modelled time instead of after it."""
+    host_work_s, paced = 0.2, []
+
+    def pace(engine, began):
+        paced.append((began, time.perf_counter()))
+
+    done = threading.Event()
+    loop = EngineLoop(LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=64)),
+                      lambda outs: (time.sleep(host_work_s), any(o.finished for o in outs) and done.set()), pace=pace)
+    try:
+        sampling = SamplingParams(max_tokens=3, ignore_eos=True)
+        loop.call(lambda e: e.add_request("r", prompt_token_ids=list(range(10, 30)), sampling=sampling)).result(10)
+        assert done.wait(60), "the loop did not finish"
+    finally:
+        loop.stop()
+    assert len(paced) == 3  # the prefill and two decode steps
+    for (_, previous_end), (began, end) in zip(paced, paced[1:], strict=False):
+        assert previous_end <= began < previous_end + host_work_s / 2 and end - began >= host_work_s
+
+
 # ---- a cluster at emulated timings -------------------------------------------------------------
 @pytest.fixture(scope="module")
 def emulated(ray_instance, llama_dir):

@@ -5,7 +5,11 @@ The engine is not thread-safe, so every touch (add, reserve, abort, ...) is queu
 `concurrent.futures.Future`. Each step's outputs go to `on_outputs` (on the loop thread).
 `before_step`, if given, runs on the loop thread before every step (fault injection hooks in
 there); if it raises, that step fails like a failed forward. `pace(engine, began)`, if given,
-runs right after every step (an emulated device's step time, worker_runtime/pacing.py).
+runs right after every step (an emulated device's step time, worker_runtime/pacing.py). `began`
+is when the loop last became free with work waiting: the end of the previous step's pacing while
+the loop stays busy, else when work arrived. The host work between two steps (the previous
+step's outputs and hooks, the queued calls) is then charged to the next step's modelled time,
+which `step_overhead_s` stands for, instead of silently adding to every emulated step.
 `after_step`, if given, runs on the loop thread after every step, before `on_outputs` (the
 prefill worker streams the KV blocks the step filled from there).
 
@@ -78,22 +82,26 @@ class EngineLoop:
         return EngineBeat(self.name, time.monotonic() - self.beat_at, self.steps, self.failed_steps_in_a_row)
 
     def _run(self) -> None:
+        free_since: float | None = None  # the loop's time free with work waiting (see `pace`)
         while True:
             with self._wake:
                 while not self._inbox and not self.engine.has_unfinished() and not self._stopped:
+                    free_since = None
                     self.beat_at = time.monotonic()
                     self._wake.wait(BEAT_S)
                 if self._stopped:
                     return
                 inbox, self._inbox = self._inbox, []
+            if free_since is None:
+                free_since = time.perf_counter()
             for fn, fut in inbox:
                 self._apply(fn, fut)
             self.beat_at = time.monotonic()
             if self.engine.has_unfinished():
-                began = time.perf_counter()
                 outputs = self._step()
                 if self._pace is not None:
-                    self._pace(self.engine, began)
+                    self._pace(self.engine, free_since)
+                free_since = time.perf_counter()
                 if self._after_step is not None:
                     self._hook(self._after_step)
                 self.steps += 1
