@@ -46,7 +46,7 @@ from pathlib import Path
 import torch
 
 DEFAULT_MODEL = "models/smollm2-135m-instruct"
-PATHS = ("eager", "compiled", "cuda_graphs")
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclass(frozen=True)
@@ -90,12 +90,21 @@ def _computes_bf16(device: torch.device) -> bool:
 # ---------------------------------------------------------------- token-exactness
 
 
-def _prompts(n: int, vocab: int, seed: int = 7) -> list[list[int]]:
-    """Lengths from 1 to ~70 tokens: single-token prompts, several 16-token chunks, decode
-    batches of every width up to n (3, 5, ... are padded to a CUDA-graph bucket)."""
+def _prompts(model: str, n: int, seed: int = 7) -> list[list[int]]:
+    """Slices of English prose (the tiny checkpoints' corpus) through the model's tokenizer, from
+    1 to 70 tokens: single-token prompts, several 16-token chunks, decode batches of every width
+    up to n (3, 5, ... are padded to a CUDA-graph bucket). Prose rather than random ids: its next
+    tokens are rarely near-ties, which low precision could flip either way."""
+    from transformers import AutoTokenizer
+
+    from checkpoints.tiny import CORPUS_DIR
+
+    text = "\n".join((CORPUS_DIR / name).read_text()[:6000] for name in ("stories.txt", "essays.txt"))
+    ids = AutoTokenizer.from_pretrained(model)(text)["input_ids"]
     rng = random.Random(seed)
     lengths = [1, 70] + [rng.randint(2, 60) for _ in range(max(n - 2, 0))]
-    return [[rng.randrange(10, min(vocab, 2000)) for _ in range(k)] for k in lengths[:n]]
+    starts = [rng.randrange(0, len(ids) - 70) for _ in lengths]
+    return [ids[s:s + k] for s, k in zip(starts, lengths[:n], strict=False)]
 
 
 @functools.lru_cache(maxsize=2)
@@ -174,12 +183,12 @@ def check_token_exact(model: str, device: torch.device, dtype: str, path: str, p
                                     cuda_graphs=path == "cuda_graphs"))
     ready_s = time.perf_counter() - t0
     forward = engine.runner.forward
-    prompts = _prompts(plan.prompts, engine.runner.hf_config.vocab_size)
+    prompts = _prompts(model, plan.prompts)
     t1 = time.perf_counter()
     got = _engine_tokens(engine, prompts, plan.max_tokens)
     engine_s = time.perf_counter() - t1
     want = [hf_greedy(model, dtype, str(device), p, plan.max_tokens) for p in prompts]
-    mismatches = [{"prompt": i, "prompt_len": len(p), "first_diff": _first_diff(g, w)}
+    mismatches = [_mismatch(model, dtype, str(device), i, p, g, w)
                   for i, (p, g, w) in enumerate(zip(prompts, got, want, strict=True)) if g != w]
     result = {
         "describe": engine.runner.describe(), "prompts": len(prompts), "max_tokens": plan.max_tokens,
@@ -205,8 +214,19 @@ def check_token_exact(model: str, device: torch.device, dtype: str, path: str, p
     return result
 
 
-def _first_diff(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+def _mismatch(model: str, dtype: str, device: str, index: int, prompt: list[int], got: list[int],
+              want: list[int]) -> dict:
+    """Where the engine left `generate`'s tokens, and by how much `generate`'s own logits preferred
+    its token there: a gap of a few bf16 ulps is a near-tie rounding flipped, a large one a bug."""
+    at = next((i for i, (x, y) in enumerate(zip(got, want, strict=False)) if x != y), min(len(got), len(want)))
+    found = {"prompt": index, "prompt_len": len(prompt), "first_diff": at}
+    if at < min(len(got), len(want)):
+        hf = _reference_model(model, dtype, device)
+        with torch.inference_mode():
+            logits = hf(torch.tensor([prompt + want[:at]], device=device)).logits[0, -1].float()
+        found.update(engine_token=got[at], generate_token=want[at],
+                     generate_logit_gap=round(float(logits[want[at]] - logits[got[at]]), 5))
+    return found
 
 
 # ---------------------------------------------------------------- bench_engine
@@ -358,13 +378,31 @@ def planned_checks(device: torch.device, model: str, plan: Plan) -> dict[str, Ca
     """Name -> the check, in the order they run: the cheap ones first, so a run cut short by the
     wrapper's timeout has done the most."""
     checks: dict[str, Callable[[], dict]] = {"kv_transfer": lambda: check_kv_transfer(device, plan)}
-    paths = PATHS if device.type == "cuda" else PATHS[:2]
-    for dtype in ("float32", "bfloat16"):
-        for path in paths:
-            checks[f"token_exact/{dtype}/{path}"] = functools.partial(check_token_exact, model, device,
-                                                                      dtype, path, plan)
+
+    def token_exact(dtype: str, path: str) -> None:
+        checks[f"token_exact/{dtype}/{path}"] = functools.partial(check_token_exact, model, device, dtype,
+                                                                  path, plan)
+
+    for dtype in DTYPES:
+        token_exact(dtype, "eager")
+    if device.type == "cuda":  # graphs before plain compiled: their prefill steps run the plain graph too
+        for dtype in DTYPES:
+            token_exact(dtype, "cuda_graphs")
     checks["bench_engine"] = lambda: check_bench(model, device, plan)
+    for dtype in DTYPES:
+        token_exact(dtype, "compiled")
     return checks
+
+
+def select(checks: dict[str, Callable[[], dict]], wanted: str | None) -> dict[str, Callable[[], dict]]:
+    """The checks whose names start with one of the comma-separated prefixes in `wanted`."""
+    if not wanted:
+        return checks
+    prefixes = [w.strip() for w in wanted.split(",") if w.strip()]
+    chosen = {name: fn for name, fn in checks.items() if any(name.startswith(p) for p in prefixes)}
+    if not chosen:
+        raise SystemExit(f"device_check: --checks {wanted!r} names none of: {', '.join(checks)}")
+    return chosen
 
 
 def run_check(name: str, fn: Callable[[], dict]) -> dict:
@@ -390,8 +428,9 @@ def run_isolated(name: str, args: argparse.Namespace, timeout_s: float) -> dict:
         except subprocess.TimeoutExpired:
             return {"name": name, "ok": False, "seconds": round(time.perf_counter() - t0, 2),
                     "error": f"did not finish within {timeout_s:.0f} s"}
-        if out.exists():
-            return json.loads(out.read_text())["checks"][0]
+        if out.exists():  # the child's own process start and imports counted too
+            return {**json.loads(out.read_text())["checks"][0],
+                    "process_seconds": round(time.perf_counter() - t0, 2)}
         return {"name": name, "ok": False, "seconds": round(time.perf_counter() - t0, 2),
                 "error": f"the child exited {proc.returncode} without a result", "stderr": proc.stderr[-2000:]}
 
@@ -406,6 +445,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds for the whole run: a check is not started past it")
     ap.add_argument("--isolate", action=argparse.BooleanOptionalAction, default=None,
                     help="each check in its own process (default: on CUDA)")
+    ap.add_argument("--checks", help="comma-separated name prefixes, e.g. kv_transfer,token_exact/float32")
     ap.add_argument("--only", help=argparse.SUPPRESS)  # one check, for --isolate's children
     args = ap.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -415,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda:0" if args.device == "cuda" else "cpu")
     isolate = args.device == "cuda" if args.isolate is None else args.isolate
     plan = QUICK if args.quick else FULL
-    checks = planned_checks(device, args.model, plan)
+    checks = select(planned_checks(device, args.model, plan), args.checks)
     if args.only:
         checks = {args.only: checks[args.only]}
     report = {"environment": environment(device), "model": args.model, "quick": args.quick, "checks": []}
