@@ -99,7 +99,7 @@ def _prompts(model: str, n: int, seed: int = 7) -> list[list[int]]:
 
     from checkpoints.tiny import CORPUS_DIR
 
-    text = "\n".join((CORPUS_DIR / name).read_text()[:6000] for name in ("stories.txt", "essays.txt"))
+    text = "\n".join((CORPUS_DIR / name).read_text()[:3000] for name in ("stories.txt", "essays.txt"))
     ids = AutoTokenizer.from_pretrained(model)(text)["input_ids"]
     rng = random.Random(seed)
     lengths = [1, 70] + [rng.randint(2, 60) for _ in range(max(n - 2, 0))]
@@ -288,6 +288,8 @@ def _kv_decode_side(device: str, blocks: int, dtype: torch.dtype, transfers: int
             # runs before the sender's future resolves, so the next transfer cannot race the check
             same = error is None and bool(torch.equal(pool[dst_ids].view(torch.uint8), want))
             pool.zero_()  # the next transfer must land again, not be found already there
+            if pool.is_cuda:
+                torch.cuda.synchronize(pool.device)  # zeroed before the channel's stream writes again
             landed.put({"request": request_id, "error": None if error is None else str(error),
                         "identical": same, "pool_device": str(pool.device)})
 
