@@ -108,6 +108,7 @@ class Forward:
         self.buckets: tuple[int, ...] = ()  # decode-only steps are padded to these sizes
         self.captured: tuple[int, ...] = ()  # the buckets whose CUDA graphs warm_up recorded
         self.capture_skips = 0  # graph pieces inductor declined to capture while warm_up recorded
+        self.graph_steps = 0  # steps that replayed captured graphs (warm-up's included)
         if mode == "on" or (mode == "auto" and device.type == "cuda"):
             self._compiled = self._build(cudagraphs=False)
             if cuda_graphs and device.type == "cuda":
@@ -164,6 +165,7 @@ class Forward:
         try:
             if self._use_graphed:
                 torch.compiler.cudagraph_mark_step_begin()  # last step's graph outputs are consumed
+                self.graph_steps += 1
             return self._logits(input_ids, positions, sample_rows)
         finally:
             self._use_graphed = False

@@ -34,6 +34,7 @@ import os
 import platform
 import queue
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -183,6 +184,7 @@ def check_token_exact(model: str, device: torch.device, dtype: str, path: str, p
                                     cuda_graphs=path == "cuda_graphs"))
     ready_s = time.perf_counter() - t0
     forward = engine.runner.forward
+    warm_graph_steps = forward.graph_steps
     prompts = _prompts(model, plan.prompts)
     t1 = time.perf_counter()
     got = _engine_tokens(engine, prompts, plan.max_tokens)
@@ -206,9 +208,12 @@ def check_token_exact(model: str, device: torch.device, dtype: str, path: str, p
         problems.append(f"{engine.allocator.num_used} KV blocks still held after every request finished")
     if path == "cuda_graphs":
         result.update(buckets=list(forward.captured), graphs_reason=forward.graphs_reason,
-                      capture_skips=forward.capture_skips, recorded_graphs=_recorded_cuda_graphs(device))
+                      capture_skips=forward.capture_skips, recorded_graphs=_recorded_cuda_graphs(device),
+                      graph_steps=forward.graph_steps - warm_graph_steps)
         if not forward.cuda_graphs:
             problems.append(f"no CUDA graphs captured: {forward.graphs_reason}")
+        elif not result["graph_steps"]:
+            problems.append("no decode step replayed the captured graphs")
     if problems:
         result["error"] = "; ".join(problems)
     return result
@@ -425,16 +430,21 @@ def run_isolated(name: str, args: argparse.Namespace, timeout_s: float) -> dict:
         out = Path(tmp) / "one.json"
         cmd = [sys.executable, "-m", "scripts.device_check", "--device", args.device, "--model", args.model,
                "--out", str(out), "--only", name, "--no-isolate"] + (["--quick"] if args.quick else [])
+        # its own process group: a timeout ends its children too (the KV check's two, compile workers)
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                start_new_session=True)
         try:
-            proc = subprocess.run(cmd, timeout=timeout_s, capture_output=True, text=True)
+            _, stderr = proc.communicate(timeout=timeout_s)
         except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate(timeout=30)
             return {"name": name, "ok": False, "seconds": round(time.perf_counter() - t0, 2),
                     "error": f"did not finish within {timeout_s:.0f} s"}
         if out.exists():  # the child's own process start and imports counted too
             return {**json.loads(out.read_text())["checks"][0],
                     "process_seconds": round(time.perf_counter() - t0, 2)}
         return {"name": name, "ok": False, "seconds": round(time.perf_counter() - t0, 2),
-                "error": f"the child exited {proc.returncode} without a result", "stderr": proc.stderr[-2000:]}
+                "error": f"the child exited {proc.returncode} without a result", "stderr": stderr[-2000:]}
 
 
 def main(argv: list[str] | None = None) -> int:

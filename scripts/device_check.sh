@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Does pdserve work on this CUDA machine? One run, under 8 minutes, one JSON file
+# Does pdserve work on this CUDA machine? One run, under 8 minutes (the Python under
+# `timeout 480`, its checks within a 450 s budget; converting the checkpoint first if needed), one JSON file
 # (scripts/device_check.py says what each check is):
 #   bash scripts/device_check.sh [--device cuda|cpu] [--out FILE] [--model DIR] [--quick]
 # Uses .venv (made by scripts/setup.sh when absent; PDSERVE_PYTHON names another interpreter) and
