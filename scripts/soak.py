@@ -54,6 +54,7 @@ GROWTH_PCT = 5.0  # the most any process's RSS may grow after the warm-up
 VOCAB = (10, 2000)
 PREFIXES = 4  # shared 48-token prefixes (3 full KV blocks) half the prompts start with
 REQUEST_TIMEOUT_S = 60.0  # a request not answered by then counts as "HUNG"
+START_TIMEOUT_S = 300.0  # four workers on a shared 2-core host can take minutes to start
 # what each bad request must get, exactly
 BAD_GRPC = "INVALID_ARGUMENT"
 BAD_HTTP = {"top_p": "400", "json": "400", "model": "404"}
@@ -283,7 +284,7 @@ def drive(cluster: LocalCluster, opts: SoakOptions) -> tuple[dict, dict[str, lis
 
 def run(model_dir: str, opts: SoakOptions) -> dict:
     """The whole soak against a fresh cluster (Ray must be initialized or is started by it)."""
-    with LocalCluster(cluster_config(model_dir)) as cluster:
+    with LocalCluster(cluster_config(model_dir), start_timeout_s=START_TIMEOUT_S) as cluster:
         tally, samples = drive(cluster, opts)
         ended = ChaosReport(pools_target={"prefill": 2, "decode": 2})
         settle(cluster, ended, ChaosOptions(heal_timeout_s=30, drain_timeout_s=15))
