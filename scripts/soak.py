@@ -285,9 +285,14 @@ def drive(cluster: LocalCluster, opts: SoakOptions) -> tuple[dict, dict[str, lis
 def run(model_dir: str, opts: SoakOptions) -> dict:
     """The whole soak against a fresh cluster (Ray must be initialized or is started by it)."""
     with LocalCluster(cluster_config(model_dir), start_timeout_s=START_TIMEOUT_S) as cluster:
-        tally, samples = drive(cluster, opts)
-        ended = ChaosReport(pools_target={"prefill": 2, "decode": 2})
-        settle(cluster, ended, ChaosOptions(heal_timeout_s=30, drain_timeout_s=15))
+        return soak(cluster, opts)
+
+
+def soak(cluster: LocalCluster, opts: SoakOptions) -> dict:
+    """The load, the samples, then the pools and block accounting once it drained: the report."""
+    tally, samples = drive(cluster, opts)
+    ended = ChaosReport(pools_target=dict(cluster.router.pools.targets))
+    settle(cluster, ended, ChaosOptions(heal_timeout_s=30, drain_timeout_s=15))
     growth = {p: round(s[-1] - s[0], 1) for p, s in samples.items()}
     doc = {"minutes": opts.minutes, "sample_s": opts.sample_s, "concurrency": opts.concurrency,
            "samples": samples, "rss_growth_mb": growth,
