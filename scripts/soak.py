@@ -55,6 +55,7 @@ VOCAB = (10, 2000)
 PREFIXES = 4  # shared 48-token prefixes (3 full KV blocks) half the prompts start with
 REQUEST_TIMEOUT_S = 60.0  # a request not answered by then counts as "HUNG"
 START_TIMEOUT_S = 300.0  # four workers on a shared 2-core host can take minutes to start
+LOAD_START_S = 120.0
 # what each bad request must get, exactly
 BAD_GRPC = "INVALID_ARGUMENT"
 BAD_HTTP = {"top_p": "400", "json": "400", "model": "404"}
@@ -111,12 +112,14 @@ class Load:
         tail = [rng.randrange(*VOCAB) for _ in range(rng.randint(4, 40))]
         return rng.choice(self.prefixes) + tail if rng.random() < 0.5 else tail
 
-    async def run(self, seconds: float, concurrency: int, seed: int) -> Tally:
-        until = time.monotonic() + seconds
+    async def run(self, seconds: float, concurrency: int, seed: int, started) -> Tally:
+        """Sends for `seconds` from when it sets `started` (connected: the sampler's clock starts)."""
         async with grpc.aio.insecure_channel(self.target.grpc) as channel, \
                 httpx2.AsyncClient(base_url=self.target.http, timeout=REQUEST_TIMEOUT_S) as http:
             await asyncio.wait_for(channel.channel_ready(), 10)
             stub = pb_grpc.GenerationStub(channel)
+            started.set()
+            until = time.monotonic() + seconds
             await asyncio.gather(*(self.client(stub, http, until, random.Random(f"soak-{seed}-{i}"))
                                    for i in range(concurrency)))
         return self.tally
@@ -227,8 +230,8 @@ class Load:
                            BAD_HTTP[why])
 
 
-def _load_process(target: Target, seconds: float, concurrency: int, seed: int, results) -> None:
-    tally = asyncio.run(Load(target, seed).run(seconds, concurrency, seed))
+def _load_process(target: Target, seconds: float, concurrency: int, seed: int, started, results) -> None:
+    tally = asyncio.run(Load(target, seed).run(seconds, concurrency, seed, started))
     results.put({"sent": tally.sent, "completed": tally.completed, "cancelled": tally.cancelled,
                  "errors_by_status": dict(tally.errors_by_status), "unexpected_errors": dict(tally.unexpected)})
 
@@ -258,16 +261,19 @@ class SoakOptions:
 
 
 def drive(cluster: LocalCluster, opts: SoakOptions) -> tuple[dict, dict[str, list[float]]]:
-    """The load for opts.minutes in a spawned process; RSS sampled after the warm-up and every sample_s."""
+    """The load for opts.minutes in a spawned process; RSS sampled after the warm-up and every
+    sample_s, on the load's clock (from when it connected)."""
     seconds = opts.minutes * 60
     ctx = multiprocessing.get_context("spawn")
-    results = ctx.Queue()
+    results, started = ctx.Queue(), ctx.Event()
     target = Target(cluster.address, cluster.http_url, Path(cluster.cfg.model.path).name)
-    load = ctx.Process(target=_load_process, args=(target, seconds, opts.concurrency, opts.seed, results))
+    load = ctx.Process(target=_load_process, args=(target, seconds, opts.concurrency, opts.seed, started, results))
     samples: dict[str, list[float]] = collections.defaultdict(list)
-    t0 = time.monotonic()
     load.start()
     try:
+        if not started.wait(LOAD_START_S):  # the spawned process imports torch, Ray and gRPC first
+            raise TimeoutError(f"the load process did not connect within {LOAD_START_S:.0f} s")
+        t0 = time.monotonic()
         at = opts.sample_s
         while at <= seconds + 1e-6:
             time.sleep(max(0.0, t0 + at - time.monotonic()))
