@@ -28,6 +28,7 @@ import collections
 import json
 import multiprocessing
 import os
+import queue
 import random
 import sys
 import tempfile
@@ -133,7 +134,7 @@ class Load:
                 await asyncio.wait_for(self.kinds[kind](stub, http, rng), REQUEST_TIMEOUT_S)
             except TimeoutError:
                 self.tally.outcome(kind, "HUNG")
-            except httpx2.TransportError as e:
+            except (httpx2.HTTPError, ValueError) as e:  # transport failures, a body that is not JSON
                 self.tally.outcome(kind, type(e).__name__)
 
     # -- gRPC
@@ -225,9 +226,9 @@ class Load:
                     "max_tokens": 4} | ({"top_p": 2} if why == "top_p" else {})
             reply = await http.post("/completions", json=body)
         status = str(reply.status_code)
-        ok = status == BAD_HTTP[why] and "error" in reply.json()  # an OpenAI error object
-        self.tally.outcome(f"http_bad({why})", status if ok or status != BAD_HTTP[why] else "NO_ERROR_BODY",
-                           BAD_HTTP[why])
+        if status == BAD_HTTP[why] and "error" not in reply.json():  # not an OpenAI error object
+            status = "NO_ERROR_BODY"
+        self.tally.outcome(f"http_bad({why})", status, BAD_HTTP[why])
 
 
 def _load_process(target: Target, seconds: float, concurrency: int, seed: int, started, results) -> None:
@@ -237,19 +238,14 @@ def _load_process(target: Target, seconds: float, concurrency: int, seed: int, s
 
 
 # ---- the sampler, in the router's process -----------------------------------------------------
-def _rss_mb_here() -> float:
-    """Resident set of the calling process (Linux /proc), in MB."""
-    pages = int(Path("/proc/self/statm").read_text().split()[1])
-    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
-
-
 def rss_sample(cluster: LocalCluster) -> dict[str, float]:
-    """MB resident: this process (the router's) and every ready worker actor, asked in its own process."""
-    views = cluster.call(_ready_views(cluster), 10)
-    def there(actor) -> float:  # pickled by value: the worker need not import this module
+    """MB resident (Linux /proc): this process (the router's) and every ready worker actor,
+    each read in its own process."""
+    def rss_mb(actor=None) -> float:  # a closure, so Ray pickles it by value: workers need not import this
         return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
-    sizes = ray.get([v.actor.__ray_call__.remote(there) for v in views], timeout=60)
-    return {"router": _rss_mb_here()} | {v.name: mb for v, mb in zip(views, sizes, strict=True)}
+    views = cluster.call(_ready_views(cluster), 10)
+    sizes = ray.get([v.actor.__ray_call__.remote(rss_mb) for v in views], timeout=60)
+    return {"router": rss_mb()} | {v.name: mb for v, mb in zip(views, sizes, strict=True)}
 
 
 @dataclass(frozen=True)
@@ -280,12 +276,24 @@ def drive(cluster: LocalCluster, opts: SoakOptions) -> tuple[dict, dict[str, lis
             for proc, mb in rss_sample(cluster).items():
                 samples[proc].append(round(mb, 1))
             at += opts.sample_s
-        tally = results.get(timeout=seconds + REQUEST_TIMEOUT_S + 120 - (time.monotonic() - t0))
+        tally = _result(load, results, t0 + seconds + REQUEST_TIMEOUT_S + 30)
     finally:
         load.join(30)
         if load.is_alive():
             load.kill()
     return tally, dict(samples)
+
+
+def _result(load, results, deadline: float) -> dict:
+    """The load's tally, once its last request ended; an error at once if the process died."""
+    while True:
+        try:
+            return results.get(timeout=1.0)
+        except queue.Empty:
+            if not load.is_alive():
+                raise RuntimeError(f"the load process died (exit code {load.exitcode})") from None
+            if time.monotonic() > deadline:
+                raise TimeoutError("the load did not end by its deadline") from None
 
 
 def run(model_dir: str, opts: SoakOptions) -> dict:

@@ -66,3 +66,13 @@ def test_bad_flags_exit_with_usage_error(argv, capsys):
         soak.main(argv)
     assert exit_.value.code == 2
     assert "--" in capsys.readouterr().err
+
+
+def test_the_summary_names_each_process_and_the_verdict():
+    doc = _doc(minutes=1, sent=3, completed=1, cancelled=1, errors_by_status={"400": 1},
+               samples={"router": [400.0, 402.0], "decode-0": [500.0, 530.0]},
+               rss_growth_pct={"router": 0.5, "decode-0": 6.0})
+    missed = soak.missed_targets(doc, {"decode": 1})
+    text = soak.summary(doc | {"targets_met": not missed, "missed_targets": missed})
+    assert "router       RSS 400.0 -> 402.0 MB (+0.50%)" in text and "decode-0     RSS 500.0 -> 530.0 MB (+6.00%)" in text
+    assert text.splitlines()[-1] == "targets missed: RSS grew over 5.0% after the warm-up: {'decode-0': 6.0}"
