@@ -6,7 +6,12 @@ clients each keep one maximal chat body in flight (router.max_prompt_bytes of te
 messages a chat may have, sent again as soon as it is answered). Prints both medians, their ratio
 (the target: at most 2), and what the hostile bodies got; `--json` prints the figures as JSON.
 
-    python -m scripts.bench_hostile [--hostile 50] [--samples 20] [--json]
+The attackers run in a process of their own on this host, where a real attack comes from other
+machines: by default that process runs at nice 19 (`--attacker-nice`), so what the figure measures
+is the server's own cost of the hostile bodies (reading, parsing, rendering, tokenizing, refusing),
+not the attackers' cost of making them; `--attacker-nice 0` lets them compete for the cores as equals.
+
+    python -m scripts.bench_hostile [--hostile 50] [--samples 20] [--attacker-nice 19] [--json]
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import asyncio
 import collections
 import json
 import multiprocessing
+import os
 import statistics
 import time
 
@@ -63,8 +69,9 @@ async def hostile(url: str, body: bytes, until: float, outcomes: collections.Cou
                 outcomes[type(e).__name__] += 1
 
 
-def flood(url: str, body: bytes, clients: int, seconds: float, results) -> None:
+def flood(url: str, body: bytes, clients: int, seconds: float, niceness: int, results) -> None:
     """In a process of its own (the router's process must not pay for the attackers' uploads)."""
+    os.nice(niceness)
     async def run() -> collections.Counter:
         outcomes: collections.Counter = collections.Counter()
         until = time.monotonic() + seconds
@@ -73,7 +80,7 @@ def flood(url: str, body: bytes, clients: int, seconds: float, results) -> None:
     results.put(dict(asyncio.run(run())))
 
 
-async def measure(url: str, max_prompt_bytes: int, hostile_clients: int, samples: int) -> dict:
+async def measure(url: str, max_prompt_bytes: int, hostile_clients: int, samples: int, niceness: int) -> dict:
     body = hostile_body(max_prompt_bytes)
     async with httpx2.AsyncClient() as http:
         await sample(http, url, 3)  # warm-up: connections, KV channels
@@ -81,7 +88,7 @@ async def measure(url: str, max_prompt_bytes: int, hostile_clients: int, samples
         started = time.monotonic()
         results = multiprocessing.get_context("spawn").Queue()
         attackers = multiprocessing.get_context("spawn").Process(
-            target=flood, args=(url, body, hostile_clients, 4.0 + samples * 3 * max(idle) / 1e3, results))
+            target=flood, args=(url, body, hostile_clients, 4.0 + samples * 3 * max(idle) / 1e3, niceness, results))
         attackers.start()
         await asyncio.sleep(4.0)  # every hostile client has a body in flight
         loaded = await sample(http, url, samples)
@@ -89,6 +96,7 @@ async def measure(url: str, max_prompt_bytes: int, hostile_clients: int, samples
         attackers.join(30)
     idle_ms, loaded_ms = statistics.median(idle), statistics.median(loaded)
     return {"hostile_clients": hostile_clients, "hostile_body_bytes": len(body), "samples": samples,
+            "attacker_nice": niceness,
             "idle_ttft_ms_median": round(idle_ms, 2), "loaded_ttft_ms_median": round(loaded_ms, 2),
             "loaded_ttft_ms_max": round(max(loaded), 2), "ratio": round(loaded_ms / idle_ms, 2),
             "hostile_outcomes": dict(outcomes)}
@@ -99,13 +107,16 @@ def main() -> None:
     parser.add_argument("--model", default=str(SMOLLM2_OUT_DIR))
     parser.add_argument("--hostile", type=int, default=50, help="hostile clients, each with one body in flight")
     parser.add_argument("--samples", type=int, default=20, help="good requests measured idle and under load")
+    parser.add_argument("--attacker-nice", type=int, default=19,
+                        help="the attackers' process's nice value (default 19: they stand for other machines)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     cfg = parse_config({"model": {"path": args.model}, "router": {"port": 0, "http_port": 0},
                         "prefill": {"replicas": 1, "num_cpus": 0.5}, "decode": {"replicas": 1, "num_cpus": 0.5},
                         "kv_cache": {"num_blocks": 512}})
     with LocalCluster(cfg) as cluster:
-        figures = asyncio.run(measure(cluster.http_url, cfg.router.max_prompt_bytes, args.hostile, args.samples))
+        figures = asyncio.run(measure(cluster.http_url, cfg.router.max_prompt_bytes, args.hostile, args.samples,
+                                     args.attacker_nice))
     if args.json:
         print(json.dumps(figures))
         return

@@ -6,6 +6,9 @@ Over a real tokenizer (the tiny checkpoint's), no cluster."""
 from __future__ import annotations
 
 import asyncio
+import os
+import sys
+import threading
 
 import pytest
 from transformers import AutoTokenizer
@@ -13,7 +16,7 @@ from transformers import AutoTokenizer
 from protocol.errors import InvalidRequest
 from protocol.limits import MAX_CHAT_MESSAGES
 from protocol.validation import PROBE_CHARS_PER_TOKEN, RequestValidator
-from router.lifecycle.intake import SMALL_INPUT_BYTES, Intake
+from router.lifecycle.intake import LARGE_LANE_NICENESS, SMALL_INPUT_BYTES, Intake
 from router.lifecycle.outcomes import QueueFull
 
 
@@ -72,3 +75,18 @@ def test_a_prompt_whose_head_is_over_the_context_is_refused_before_the_rest_is_t
         short.prompt_ids(text, None)
     fits = "word " * 40  # under the probe: tokenized whole, and the context check is the usual one
     assert short.prompt_ids(fits, None) == validator.tokenizer.encode(fits, add_special_tokens=False)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread nice values are Linux's")
+def test_big_inputs_are_tokenized_at_a_lower_cpu_priority_than_small_ones(validator):
+    """The large lane yields the CPU to small requests, the event loop and colocated workers."""
+    intake = Intake(validator, max_preparing=8, large_threads=1)
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    try:
+        small = intake._small.submit(nice).result(timeout=10)
+        large = intake._large.submit(nice).result(timeout=10)
+    finally:
+        intake.shutdown()
+    assert large == min(small + LARGE_LANE_NICENESS, 19)

@@ -51,7 +51,7 @@ class Attempts:
         self.metrics = metrics
         self.accepting = accepting  # () -> bool
         self.placer = pools.placer
-        self._early: set[asyncio.Task] = set()  # early prefill calls in flight (the loop keeps tasks weakly)
+        self._early: set[asyncio.Task] = set()  # calls read by nobody's await (the loop keeps tasks weakly)
 
     async def run(self, life: RequestLife) -> AsyncIterator[Chunk]:
         runner = self._colocated if self.config.mode == "colocated" else self._disaggregated
@@ -97,7 +97,11 @@ class Attempts:
         start = StartDecode(aid, life.prompt_token_ids, list(life.output_token_ids), life.sampling,
                             life.emitted_chars, self.config.kv_transfer.timeout_s)
         started = decode.actor.start.remote(start)
-        yield chunk  # before the decode worker confirms `start`: that round trip is not TTFT
+        try:
+            yield chunk  # before the decode worker confirms `start`: that round trip is not TTFT
+        except BaseException:  # the client left at its first token: `start` is still read, never dropped
+            self._read_later(started, self.rc.call_timeout_s)
+            raise
         try:
             await call(decode, started, self.rc.call_timeout_s, "start")
         except Retry as e:  # the reservation ended first: say why, when a worker told us
@@ -106,8 +110,8 @@ class Attempts:
             yield chunk
 
     async def _place_pair(self, life: RequestLife, waits: QueueWaits) -> Pair | None:
-        prefill_ready = self._ready_or_wait("prefill")
-        decode_ready = self._ready_or_wait("decode")
+        prefill_ready = self._ready_or_wait("prefill", life)
+        decode_ready = self._ready_or_wait("decode", life)
         if not prefill_ready or not decode_ready:
             return waits.failed("workers")
         bs = decode_ready[0].info.block_size
@@ -149,7 +153,12 @@ class Attempts:
             return None
         self._claim_prefill(life, prefill, hashes)  # a holder before the call: a cancel reaches it
         ref = prefill.actor.prefill.remote(self._prefill_task(life, decode, None), None)
-        task = asyncio.get_running_loop().create_task(within(ref, self.rc.prefill_timeout_s + self.rc.call_timeout_s))
+        return self._read_later(ref, self.rc.prefill_timeout_s + self.rc.call_timeout_s)
+
+    def _read_later(self, ref, timeout_s: float) -> asyncio.Task:
+        """A task that awaits `ref` (within `timeout_s`) whether or not anybody awaits the task, so
+        its outcome is always read: an unread failed Ray call is a dropped error."""
+        task = asyncio.get_running_loop().create_task(within(ref, timeout_s))
         self._early.add(task)
         task.add_done_callback(self._early_done)
         return task
@@ -195,7 +204,7 @@ class Attempts:
 
     async def _place_colocated(self, life: RequestLife, waits: QueueWaits) -> WorkerView | None:
         limit = self.config.scheduler.max_num_seqs + self.rc.max_prefill_inflight
-        workers = self._ready_or_wait("decode")
+        workers = self._ready_or_wait("decode", life)
         hashes = life.context_hashes(workers[0].info.block_size) if workers else []
         ready = self.placer.decode_candidates(workers, hashes, 0, limit, len(life.prompt_token_ids) + life.sampling.max_tokens)
         if not ready:  # every worker has its fill of requests: a turn, like a prefill slot
@@ -205,13 +214,14 @@ class Attempts:
         return ready[0]
 
     # ---- shared -------------------------------------------------------------------------
-    def _ready_or_wait(self, pool: str) -> list[WorkerView]:
-        """Ready workers; [] while replacements are on their way; Unavailable when none can come."""
+    def _ready_or_wait(self, pool: str, life: RequestLife) -> list[WorkerView]:
+        """Ready workers, leaving out those whose work for `life` failed while others are ready; []
+        while replacements are on their way; Unavailable when none can come."""
         ready = self.pools.ready(pool)
         health = self.pools.health[pool]
         if not ready and not self.pools.live(pool) and health.starting == 0 and health.failures_in_a_row > 0:
             raise Unavailable(f"the {pool} pool has no worker and cannot start one: {health.last_failure}")
-        return ready
+        return [w for w in ready if w.name not in life.failed_on] or ready
 
     @staticmethod
     def _hold(life: RequestLife, w: WorkerView, phase: Phase) -> None:
@@ -255,7 +265,7 @@ class Attempts:
                 if isinstance(out, Exception):
                     raise out
                 if out.finish_reason is FinishReason.ERROR:
-                    raise Retry(f"{w.name}: {out.text}") if out.retryable else InternalError(out.text)
+                    raise Retry(f"{w.name}: {out.text}", failed_on=w.name) if out.retryable else InternalError(out.text)
             if not outputs:
                 continue
             for out in outputs:

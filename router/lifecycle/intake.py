@@ -4,7 +4,9 @@ That work grows with the request and happens before `router.max_queue` counts it
 own limits. A request's input size is measured first (bytes of prompt or messages, or number of
 token ids: cheap, no tokenizer); inputs of at most SMALL_INPUT_BYTES go to the small lane (one
 thread), bigger ones to the large lane (`router.tokenizer_threads` threads), so a short request
-never waits behind big ones. At most `router.max_preparing` requests are in intake at once, of
+never waits behind big ones. The large lane's threads run at a lower CPU priority (Linux: nice
++LARGE_LANE_NICENESS per thread), so tokenizing big inputs takes only the CPU that serving small
+requests, the event loop and colocated workers leave. At most `router.max_preparing` requests are in intake at once, of
 them at most twice the large lane's threads big ones; beyond either: QueueFull
 (RESOURCE_EXHAUSTED / 429) at once, before any work. Each thread tokenizes with its own copy of
 the tokenizer (a Rust tokenizer refuses to be used from two threads at once).
@@ -14,13 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import logging
+import os
 import queue
+import sys
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from protocol.validation import RequestValidator
 from router.lifecycle.outcomes import QueueFull
 
+log = logging.getLogger(__name__)
+
 SMALL_INPUT_BYTES = 16 << 10
+LARGE_LANE_NICENESS = 10  # added to the large lane threads' nice value
 TOKEN_ID_BYTES = 4  # a token id counts as this many bytes of input (about a token's text)
 
 
@@ -36,7 +45,7 @@ class Intake:
         self.max_preparing, self.max_large = max_preparing, 2 * large_threads
         self.preparing = self.preparing_large = 0
         self._small = ThreadPoolExecutor(1, thread_name_prefix="tokenize-small")
-        self._large = ThreadPoolExecutor(large_threads, thread_name_prefix="tokenize")
+        self._large = ThreadPoolExecutor(large_threads, thread_name_prefix="tokenize", initializer=lower_priority)
         # one validator (with its own tokenizer) per thread; a job borrows one for its run
         self._validators: queue.SimpleQueue[RequestValidator] = queue.SimpleQueue()
         self._validators.put(validator)
@@ -78,6 +87,18 @@ class Intake:
     def shutdown(self) -> None:
         for lane in (self._small, self._large):
             lane.shutdown(wait=False, cancel_futures=True)
+
+
+def lower_priority() -> None:
+    """Raise the calling thread's nice value by LARGE_LANE_NICENESS. Linux only: there a thread id
+    names one thread for setpriority; elsewhere it would name the whole process, so nothing is done."""
+    if sys.platform != "linux":
+        return
+    tid = threading.get_native_id()
+    try:
+        os.setpriority(os.PRIO_PROCESS, tid, os.getpriority(os.PRIO_PROCESS, tid) + LARGE_LANE_NICENESS)
+    except OSError as e:  # a sandbox may forbid it: the lane still works, only at normal priority
+        log.warning("the large tokenizing lane runs at normal CPU priority: %s", e)
 
 
 def _own_copy(validator: RequestValidator) -> RequestValidator:
