@@ -175,18 +175,3 @@ def test_the_meta_probe_and_the_plan_agree_with_the_loaded_model(family_dir):
         assert list(probe_checkpoint(family_dir(family))) == loaded, family
         config = json.loads((Path(family_dir(family)) / "config.json").read_text())
         assert list(layer_windows(config, len(loaded))) == [f.sliding_window for f in loaded], family
-
-
-@pytest.mark.slow  # compiling takes minutes on the 2-core host
-def test_a_compiled_forward_honours_windows_soft_caps_and_scaling(family_dir):
-    """The features live in the paged-attention op itself: compiled, Gemma 2 (windows on 3 of 4
-    layers, soft-capping, query_pre_attn_scalar) is as token-exact as eager, without recompiling."""
-    path = family_dir("gemma2")
-    engine = LLMEngine(EngineConfig(model_path=path, block_size=BLOCK, num_blocks=256, chunk_size=CHUNK,
-                                    max_num_batched_tokens=64, compile="on"))
-    forward = engine.runner.forward
-    assert forward.compiled, forward.fallback_reason
-    prompts = _prompts(3, seed=5)
-    assert engine.generate(prompts, SAMPLING) == [hf_greedy(path, p, 12, ignore_eos=True) for p in prompts]
-    assert forward.recompilations == 0
-    engine.check()
