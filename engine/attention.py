@@ -6,6 +6,8 @@ step's forward by `step_context`. Each layer calls the custom op `pdserve::paged
 which reads the metadata from there, writes the new K/V into their slots of the pool, then attends:
 - decode tokens in a few padded SDPA calls, grouped by context length (little padding);
 - each prefill chunk over its own context (fresh prompts straight from K/V, causal).
+A decode-only step padded to a CUDA-graph bucket (engine/compiled.py) has more rows than slots:
+the rows past the step's tokens write no KV and come out as zeros.
 
 The op is opaque to torch.compile: its inputs and output are plain tensors of fixed rank whose
 only changing size is the token count, so a compiled forward traces everything around it
@@ -107,10 +109,13 @@ def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     k_cache = paged.kv[:, layer_idx, 0]  # [blocks, block_size, KVH, D], a strided view
     v_cache = paged.kv[:, layer_idx, 1]
     where = (paged.slot_blocks, paged.slot_offsets)
-    k_cache.index_put_(where, key[0].transpose(0, 1).to(k_cache.dtype))
-    v_cache.index_put_(where, value[0].transpose(0, 1).to(v_cache.dtype))
+    real = paged.slot_blocks.shape[0]  # rows past the step's tokens pad it to a CUDA-graph bucket
+    k_cache.index_put_(where, key[0, :, :real].transpose(0, 1).to(k_cache.dtype))
+    v_cache.index_put_(where, value[0, :, :real].transpose(0, 1).to(v_cache.dtype))
 
     out = query.new_empty(1, num_tokens, num_heads, head_dim)
+    if real < num_tokens:
+        out[0, real:] = 0  # padding rows attend to nothing; zeros keep them finite
     for group in paged.decode_groups:
         mask = group.window_masks[sliding_window] if sliding_window else group.mask
         _decode(query, k_cache, v_cache, group, mask, scaling, softcap, out[0])

@@ -83,7 +83,8 @@ class ModelRunner:
         self.kv = allocate_kv_pool(self.shape.num_layers, self.num_blocks, self.block_size,
                                    self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
         self.forward = compiled.Forward(self.model, config.compile, self.device, config.cuda_graphs,
-                                        prepack=config.prepack_linears)
+                                        prepack=config.prepack_linears,
+                                        graph_buckets=compiled.graph_buckets(config.max_num_seqs))
         self.forward.warm_up(self.fresh_prompt_metadata)
 
     def describe(self) -> str:
@@ -93,7 +94,11 @@ class ModelRunner:
             native = "computes bfloat16 natively" if computes_bf16(self.device) else "has no native bfloat16"
             dtype += f" (auto: this {self.device.type} {native})"
         if self.forward.compiled:
-            how = "compiled" + (" with CUDA graphs" if self.forward.cuda_graphs else "")
+            how = "compiled"
+            if self.forward.cuda_graphs:
+                how += f" with CUDA graphs for decode batches {','.join(map(str, self.forward.captured))}"
+            elif self.forward.graphs_reason:
+                how += f" without CUDA graphs ({self.forward.graphs_reason})"
         elif self.forward.fallback_reason:
             how = f"eager (compile failed: {self.forward.fallback_reason})"
         else:
@@ -125,7 +130,7 @@ class ModelRunner:
         """Run one step; returns float32 logits `[n_sampling, vocab]` in the order of `items`."""
         input_ids, positions, meta, sample_rows = self._prepare(items)
         with attention.step_context(meta):
-            logits = self.forward(input_ids, positions, sample_rows)
+            logits = self.forward(input_ids, positions, sample_rows, decode_only=not meta.prefills)
         return logits[0].float()  # [n_sampling, V]
 
     def _prepare(self, items: list[ScheduledItem]):

@@ -15,6 +15,7 @@ into the bottleneck report (bench/bottleneck.py).
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -36,11 +37,13 @@ class StepLog:
         return record
 
     def since(self, seq: int) -> list[StepRecord]:
-        """The records numbered after `seq`, oldest first (those still in the ring)."""
-        newer = self.last_seq - seq
+        """The records numbered after `seq`, oldest first (those still in the ring). Reads only
+        those, from the newest end: a poller asking for the last few steps of a full ring (it
+        runs on the engine's thread) costs a few records, not the ring's capacity."""
+        newer = min(self.last_seq - seq, len(self._records))
         if newer <= 0:
             return []
-        return list(self._records)[-min(newer, len(self._records)):]
+        return list(itertools.islice(reversed(self._records), newer))[::-1]
 
 
 class KVWaitClock:

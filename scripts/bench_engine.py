@@ -32,9 +32,11 @@ def make_requests(n: int, seed: int, prompt_range, output_range, vocab: int) -> 
             for _ in range(n)]
 
 
-def run_engine(path: str, requests, batch: int, chunk: int | None, budget: int, threads: int) -> dict:
+def run_engine(path: str, requests, batch: int, chunk: int | None, budget: int, threads: int,
+               device: str = "cpu", dtype: str = "float32", cuda_graphs: bool = False) -> dict:
     engine = LLMEngine(EngineConfig(model_path=path, num_blocks=4096, block_size=16, max_num_seqs=batch,
-                                    max_num_batched_tokens=budget, chunk_size=chunk, torch_threads=threads))
+                                    max_num_batched_tokens=budget, chunk_size=chunk, torch_threads=threads,
+                                    device=device, dtype=dtype, cuda_graphs=cuda_graphs))
     engine.generate([requests[0][0]], SamplingParams(max_tokens=2, ignore_eos=True))  # warm-up
     engine.stats = type(engine.stats)()
     seen = engine.telemetry.last_seq
@@ -56,8 +58,8 @@ def run_engine(path: str, requests, batch: int, chunk: int | None, budget: int, 
     }
 
 
-def run_generate(path: str, requests, batch: int) -> dict:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+def run_generate(path: str, requests, batch: int, device: str = "cpu", dtype: str = "float32") -> dict:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype)).to(device).eval()
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id = model.config.vocab_size + 1  # never stop early: same lengths as the engine
     config.pad_token_id = 0
@@ -67,12 +69,12 @@ def run_generate(path: str, requests, batch: int) -> dict:
     for start in range(0, len(requests), batch):
         group = requests[start:start + batch]
         width = max(len(p) for p, _ in group)
-        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in group])  # left padding
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group])
+        ids = torch.tensor([[0] * (width - len(p)) + p for p, _ in group], device=device)  # left padding
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p, _ in group], device=device)
         # a static batch runs until its longest request is done; shorter ones waste those rows
         config.max_new_tokens = max(n for _, n in group)
         with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, generation_config=config)
+            model.generate(ids, attention_mask=mask, generation_config=config).cpu()  # waits for the device
         produced += sum(n for _, n in group)  # only the tokens each request asked for count
     wall = time.perf_counter() - t0
     return {"output_tokens": produced, "seconds": wall, "tok_per_s": produced / wall}

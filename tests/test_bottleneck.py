@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections import deque
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +122,35 @@ def test_step_log_returns_each_record_once_and_forgets_the_oldest():
     assert [r.seq for r in log.since(0)] == [3, 4, 5]  # the ring kept the last three
     assert [r.seq for r in log.since(4)] == [5]
     assert log.since(5) == []
+
+
+class _CountingRing(deque):
+    """A deque that counts the records read out of it."""
+
+    read = 0
+
+    def __iter__(self):
+        for r in super().__iter__():
+            self.read += 1
+            yield r
+
+    def __reversed__(self):
+        for r in super().__reversed__():
+            self.read += 1
+            yield r
+
+
+def test_step_log_reads_only_the_records_it_returns():
+    """The engine thread answers telemetry polls: asking a full ring of 1000 for its last 3 steps
+    must read 3 records, not copy the ring (at the default capacity, 100k records)."""
+    log = StepLog(capacity=1000)
+    for i in range(1500):
+        log.append(wall_s=i, decode_rows=1, prefill_rows=0, prefill_tokens=0, blocks_used=0, blocks_free=0,
+                   preemptions=0, waiting=0)
+    log._records = _CountingRing(log._records, maxlen=1000)
+    assert [r.seq for r in log.since(1497)] == [1498, 1499, 1500]
+    assert log._records.read == 3
+    assert [r.seq for r in log.since(0)][:2] == [501, 502] and len(log.since(0)) == 1000
 
 
 def test_kv_wait_clock_counts_only_blocked_time():

@@ -115,3 +115,40 @@ def test_auto_dtype_is_bfloat16_only_where_the_device_computes_it():
     if flags:
         native = " avx512_bf16" in flags or " amx_bf16" in flags
         assert computes_bf16(cpu) == native
+
+
+def test_graph_buckets_cover_every_decode_batch_up_to_max_num_seqs():
+    assert compiled.graph_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert compiled.graph_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert compiled.graph_buckets(1) == (1,)
+    buckets = compiled.graph_buckets(48)
+    assert [compiled.bucket_for(n, buckets) for n in (1, 2, 3, 5, 16, 17, 33, 48, 49)] == [
+        1, 2, 4, 8, 16, 32, 48, 48, None]
+
+
+def test_pad_tokens_pads_ids_and_positions_with_zeros():
+    ids, pos = torch.tensor([[5, 6, 7]]), torch.tensor([[9, 4, 2]])
+    padded_ids, padded_pos = compiled.pad_tokens(ids, pos, 5)
+    assert padded_ids.tolist() == [[5, 6, 7, 0, 0]] and padded_pos.tolist() == [[9, 4, 2, 0, 0]]
+    assert compiled.pad_tokens(ids, pos, 3) == (ids, pos)
+
+
+def test_decode_steps_padded_to_a_bucket_stay_token_exact(llama_dir):
+    """What a CUDA-graph bucket does to a decode step (padding rows that write no KV and are never
+    sampled), run on CPU without the graphs: tokens and block accounting unchanged."""
+    engine = _engine(llama_dir, compile="off", chunk_size=16)
+    forward = engine.runner.forward
+    forward.buckets = (2, 4, 8)
+    widths: list[tuple[int, int]] = []  # (rows run, slots written) of each padded step
+    plain = forward._logits
+
+    def spy(input_ids, positions, sample_rows):
+        from engine import attention
+
+        widths.append((input_ids.shape[1], attention._current[-1].slot_blocks.shape[0]))
+        return plain(input_ids, positions, sample_rows)
+
+    forward._logits = spy
+    prompts = _prompts(5, seed=13, lo=1, hi=40)
+    assert _run(engine, prompts, 9) == [hf_greedy(llama_dir, p, 9, ignore_eos=True) for p in prompts]
+    assert any(rows > real for rows, real in widths if rows in (4, 8))  # 3 or 5-7 rows were padded

@@ -15,7 +15,7 @@ import pytest
 from bench.openai_client import DEFAULT_EXTRA_BODY
 from protocol.limits import MAX_CHAT_MESSAGES
 from router.frontdoor.openai_request import MAX_JSON_DEPTH, ApiError, load_body, parse_request
-from router.frontdoor.openai_server import OpenAIApi
+from router.frontdoor.openai_server import OpenAIApi, OpenAIServer
 from router.lifecycle.life import RequestLife
 from router.lifecycle.outcomes import Chunk, InternalError, QueueFull, Unavailable
 from router.lifecycle.service import Router
@@ -322,6 +322,53 @@ def test_a_body_that_does_not_arrive_in_time_is_408():
     reply = asyncio.run(main())
     assert reply.status_code == 408
     assert reply.json()["error"]["message"] == "the request body did not arrive within 0.5 s"
+
+
+async def _closed_by_server(port: int, sent: bytes, drip_s: float | None = None) -> float:
+    """Opens a raw connection, sends `sent` (all at once, or a byte every `drip_s`: slowloris) and
+    returns the seconds until the server closed it without a byte of reply; fails after 10 s."""
+    loop = asyncio.get_running_loop()
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    started = loop.time()
+
+    async def send() -> None:
+        try:
+            for i in range(len(sent)) if drip_s is not None else ():
+                writer.write(sent[i:i + 1])
+                await writer.drain()
+                await asyncio.sleep(drip_s)
+            writer.write(sent if drip_s is None else b"")
+        except ConnectionError:
+            pass  # closed under it: what the test wants
+    sender = asyncio.create_task(send())
+    try:
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # EOF, and no reply to a head never finished
+        return loop.time() - started
+    finally:
+        sender.cancel()
+        writer.close()
+
+
+def test_a_request_head_that_does_not_arrive_in_time_closes_its_connection():
+    """Connections that send nothing, half a request line, or headers a byte at a time (slowloris)
+    are closed router.read_timeout_s (0.5 s here) after they opened, so they cannot hold connection
+    slots (router.max_concurrent_calls) for ever; meanwhile a good request is answered."""
+    async def main():
+        server = OpenAIServer(_FakeRouter(), "127.0.0.1", 0)
+        await server.start()
+        try:
+            slow = b"GET /v1/models HTTP/1.1\r\nHost: pdserve\r\n" + b"X-Slow: 1\r\n" * 1000  # 550 s at this pace
+            hostile = asyncio.gather(_closed_by_server(server.port, b""), _closed_by_server(server.port, b"GET /v1/mo"),
+                                     _closed_by_server(server.port, slow, drip_s=0.05))
+            async with httpx2.AsyncClient(base_url=f"http://127.0.0.1:{server.port}") as client:
+                good = await client.get("/v1/models")
+            return good, await hostile
+        finally:
+            await server.stop()
+
+    good, closed_after = asyncio.run(main())
+    assert good.status_code == 200 and good.json()["data"][0]["id"] == MODEL
+    assert all(0.5 <= s < 10 for s in closed_after), closed_after
 
 
 def test_too_many_chat_messages_are_refused_before_anything_is_rendered():

@@ -107,7 +107,8 @@ class RouterSection:
     max_preparing: int = 64
     tokenizer_threads: int = 1
     # front doors: calls / HTTP connections at once (gRPC beyond: RESOURCE_EXHAUSTED, HTTP: 503), and how
-    # long a client may take to send an HTTP request body or finish a gRPC connection's handshake
+    # long a client may take to send an HTTP request head (else the connection closes) or body (408), or
+    # to finish a gRPC connection's handshake
     max_concurrent_calls: int = 1024
     read_timeout_s: float = 30.0
     # placement (router/pools/placement.py): cache_aware weighs the prefix a worker holds against its

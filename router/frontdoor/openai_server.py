@@ -10,7 +10,10 @@ A client that goes away closes the request's generator, which aborts it on every
 uvicorn as a task without signal handlers: the process's owner (serve_forever) keeps them; with
 router.tls it is HTTPS, with router.auth a missing or wrong bearer token gets 401 from
 router/frontdoor/guards.py before a request reaches the app. At most router.max_concurrent_calls
-connections and requests at once (uvicorn answers more with 503); a body must arrive within
+connections and requests at once (uvicorn answers more with 503); a request's head (request line
+and headers) must arrive within router.read_timeout_s of its first byte or of the connection's
+start, or the connection is closed (uvicorn has no such deadline: a client sending nothing, or
+a header a byte at a time, would hold a connection slot for ever), and its body within
 router.read_timeout_s (408).
 """
 
@@ -28,6 +31,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+import h11
 import uvicorn
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
@@ -35,6 +39,7 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from protocol.deadline import within
 from protocol.errors import InvalidRequest
@@ -300,6 +305,49 @@ class OpenAIApi:
                                      kind="server_error").body(), 500)
 
 
+class _HeadDeadline(H11Protocol):
+    """uvicorn's h11 connection, closed when a request head is not complete `head_timeout_s` after
+    the connection opened or after the first byte of the head came (between requests on a
+    keep-alive connection uvicorn's own idle timeout applies). Once the head is in, the body has
+    its own deadline (`OpenAIApi._json`) and the response none: a stream may last."""
+
+    head_timeout_s: float  # set by `with_head_timeout`
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._arm()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self._arm()  # (part of) a head is waiting: its deadline runs from its first byte
+        else:
+            self._disarm()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm()
+        super().connection_lost(exc)
+
+    def _arm(self) -> None:
+        if self._head_timer is None:
+            self._head_timer = self.loop.call_later(self.head_timeout_s, self._overdue)
+
+    def _disarm(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _overdue(self) -> None:
+        self._head_timer = None
+        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+            self.transport.close()
+
+    @classmethod
+    def with_head_timeout(cls, seconds: float) -> type[_HeadDeadline]:
+        return type(cls.__name__, (cls,), {"head_timeout_s": seconds})
+
+
 class _Server(uvicorn.Server):
     """uvicorn without its SIGINT/SIGTERM handlers: whoever owns the process keeps them."""
 
@@ -327,6 +375,7 @@ class OpenAIServer:
             app = HttpGuard(app, gate, refusals or Refusals())
         config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", access_log=False,
                                 ws="none", timeout_graceful_shutdown=STOP_GRACE_S,
+                                http=_HeadDeadline.with_head_timeout(router.config.router.read_timeout_s),
                                 limit_concurrency=router.config.router.max_concurrent_calls,
                                 **uvicorn_tls(tls or TLSSection()))
         self.server = _Server(config)

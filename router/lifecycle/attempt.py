@@ -51,7 +51,7 @@ class Attempts:
         self.metrics = metrics
         self.accepting = accepting  # () -> bool
         self.placer = pools.placer
-        self._early: set[asyncio.Task] = set()  # early prefill calls in flight (the loop keeps tasks weakly)
+        self._early: set[asyncio.Task] = set()  # calls read by nobody's await (the loop keeps tasks weakly)
 
     async def run(self, life: RequestLife) -> AsyncIterator[Chunk]:
         runner = self._colocated if self.config.mode == "colocated" else self._disaggregated
@@ -97,7 +97,11 @@ class Attempts:
         start = StartDecode(aid, life.prompt_token_ids, list(life.output_token_ids), life.sampling,
                             life.emitted_chars, self.config.kv_transfer.timeout_s)
         started = decode.actor.start.remote(start)
-        yield chunk  # before the decode worker confirms `start`: that round trip is not TTFT
+        try:
+            yield chunk  # before the decode worker confirms `start`: that round trip is not TTFT
+        except BaseException:  # the client left at its first token: `start` is still read, never dropped
+            self._read_later(started, self.rc.call_timeout_s)
+            raise
         try:
             await call(decode, started, self.rc.call_timeout_s, "start")
         except Retry as e:  # the reservation ended first: say why, when a worker told us
@@ -149,7 +153,12 @@ class Attempts:
             return None
         self._claim_prefill(life, prefill, hashes)  # a holder before the call: a cancel reaches it
         ref = prefill.actor.prefill.remote(self._prefill_task(life, decode, None), None)
-        task = asyncio.get_running_loop().create_task(within(ref, self.rc.prefill_timeout_s + self.rc.call_timeout_s))
+        return self._read_later(ref, self.rc.prefill_timeout_s + self.rc.call_timeout_s)
+
+    def _read_later(self, ref, timeout_s: float) -> asyncio.Task:
+        """A task that awaits `ref` (within `timeout_s`) whether or not anybody awaits the task, so
+        its outcome is always read: an unread failed Ray call is a dropped error."""
+        task = asyncio.get_running_loop().create_task(within(ref, timeout_s))
         self._early.add(task)
         task.add_done_callback(self._early_done)
         return task
