@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import threading
 import time
 import urllib.error
@@ -23,7 +24,7 @@ import ray
 from protocol.messages import Reservation
 from router.launch import LocalCluster
 from router.lifecycle.life import Phase
-from router.pools.monitor import BEAT_EVERY_S, POLL_WAIT_S
+from router.pools.monitor import BEAT_EVERY_S, POLL_WAIT_S, STEP_FAILURES_LIMIT
 from tests.cluster_util import (
     Client,
     cluster_config,
@@ -167,6 +168,32 @@ def test_a_failed_step_fails_its_culprit_alone_and_moves_the_rest(busy, llama_di
         assert not victim.stopped
     finally:
         set_worker_faults([victim])
+    _healed(busy)
+    client.close()
+
+
+def test_a_worker_whose_steps_keep_failing_is_replaced_and_nothing_is_lost(busy, llama_dir):
+    """Every engine step of one decode worker fails (a device gone bad) with no culprit named: each
+    failure moves its requests elsewhere, and after STEP_FAILURES_LIMIT failed steps in a row the
+    monitor replaces the worker. Every request finishes token for token; no block is held after."""
+    client = Client(busy.address)
+    victim = busy.router.pools.workers["decode"][0]
+    set_worker_faults([victim], fail_steps=1000)
+    prompts = [_prompt(300 + i) for i in range(8)]
+    references = [hf_greedy(llama_dir, p, 12, ignore_eos=True) for p in prompts]
+    out: dict = {}
+    for i, p in enumerate(prompts):  # one after another: each lands on the emptier worker, the victim included
+        _stream(client, p, out, i, max_tokens=12, ignore_eos=True).join(60)
+        if victim.stopped:
+            break
+    wait_until(lambda: victim.stopped, 30, "the failing worker to be replaced")
+    failed = re.search(r"(\d+) engine steps failed in a row", busy.router.pools.health["decode"].last_failure)
+    assert failed and int(failed.group(1)) >= STEP_FAILURES_LIMIT  # the monitor polls: one more may have failed
+    assert out and all(not isinstance(v, grpc.RpcError) for v in out.values()), out
+    for i, (tokens, last) in out.items():
+        assert tokens == references[i] and last.finish_reason == "length", i
+    assert all(last.usage.decode_worker != victim.name for _, last in out.values())  # it finished none
+    assert any(last.usage.migrations for _, last in out.values())  # and failed some, which moved
     _healed(busy)
     client.close()
 

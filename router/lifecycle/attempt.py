@@ -110,8 +110,8 @@ class Attempts:
             yield chunk
 
     async def _place_pair(self, life: RequestLife, waits: QueueWaits) -> Pair | None:
-        prefill_ready = self._ready_or_wait("prefill")
-        decode_ready = self._ready_or_wait("decode")
+        prefill_ready = self._ready_or_wait("prefill", life)
+        decode_ready = self._ready_or_wait("decode", life)
         if not prefill_ready or not decode_ready:
             return waits.failed("workers")
         bs = decode_ready[0].info.block_size
@@ -204,7 +204,7 @@ class Attempts:
 
     async def _place_colocated(self, life: RequestLife, waits: QueueWaits) -> WorkerView | None:
         limit = self.config.scheduler.max_num_seqs + self.rc.max_prefill_inflight
-        workers = self._ready_or_wait("decode")
+        workers = self._ready_or_wait("decode", life)
         hashes = life.context_hashes(workers[0].info.block_size) if workers else []
         ready = self.placer.decode_candidates(workers, hashes, 0, limit, len(life.prompt_token_ids) + life.sampling.max_tokens)
         if not ready:  # every worker has its fill of requests: a turn, like a prefill slot
@@ -214,13 +214,14 @@ class Attempts:
         return ready[0]
 
     # ---- shared -------------------------------------------------------------------------
-    def _ready_or_wait(self, pool: str) -> list[WorkerView]:
-        """Ready workers; [] while replacements are on their way; Unavailable when none can come."""
+    def _ready_or_wait(self, pool: str, life: RequestLife) -> list[WorkerView]:
+        """Ready workers, leaving out those whose work for `life` failed while others are ready; []
+        while replacements are on their way; Unavailable when none can come."""
         ready = self.pools.ready(pool)
         health = self.pools.health[pool]
         if not ready and not self.pools.live(pool) and health.starting == 0 and health.failures_in_a_row > 0:
             raise Unavailable(f"the {pool} pool has no worker and cannot start one: {health.last_failure}")
-        return ready
+        return [w for w in ready if w.name not in life.failed_on] or ready
 
     @staticmethod
     def _hold(life: RequestLife, w: WorkerView, phase: Phase) -> None:
@@ -264,7 +265,7 @@ class Attempts:
                 if isinstance(out, Exception):
                     raise out
                 if out.finish_reason is FinishReason.ERROR:
-                    raise Retry(f"{w.name}: {out.text}") if out.retryable else InternalError(out.text)
+                    raise Retry(f"{w.name}: {out.text}", failed_on=w.name) if out.retryable else InternalError(out.text)
             if not outputs:
                 continue
             for out in outputs:

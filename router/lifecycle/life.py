@@ -64,6 +64,7 @@ class RequestLife:
     prefill: object | None = None  # WorkerView holding prefill state of this attempt
     decode: object | None = None   # WorkerView holding the reservation / the running request
     last_failure: str = ""
+    failed_on: set[str] = field(default_factory=set)  # live workers whose work for it failed: placed elsewhere
     events: asyncio.Queue = field(default_factory=asyncio.Queue)  # (attempt_id, RequestOutput | Exception)
     usage: Usage = field(default_factory=Usage)  # what the client is told at the end; never read to decide
     first_token_at: float | None = None

@@ -37,11 +37,14 @@ class InternalError(Exception):
 
 class Retry(Exception):
     """This attempt failed in a way another worker may not: place the request again.
-    `worker` is set when that worker is dead or unresponsive (the pool replaces it)."""
+    `worker` is set when that worker is dead or unresponsive (the pool replaces it); `failed_on`
+    names a live worker whose work for the request failed (a failed step or call): the request
+    goes elsewhere next while another worker can take it."""
 
-    def __init__(self, reason: str, worker=None):
+    def __init__(self, reason: str, worker=None, failed_on: str | None = None):
         super().__init__(reason)
         self.worker = worker
+        self.failed_on = failed_on
 
 
 class Respin(Retry):

@@ -176,6 +176,8 @@ class Router:
             return
         if e.worker is not None:
             self.monitor.lost(e.worker, str(e))
+        if e.failed_on is not None:
+            life.failed_on.add(e.failed_on)
         self._abort_all(life.retry(str(e)), old)
         self.metrics.observe_migration()
         if life.migrations > self.config.router.migration_limit:

@@ -70,7 +70,7 @@ def failure(w: WorkerView, err: BaseException, timeout_s: float, what: str) -> E
         w.suspect()
         if isinstance(err, TimeoutError):
             return Retry(f"{what} on {w.name} timed out after {timeout_s:g} s")
-    return Retry(f"{what} on {w.name} failed: {short(_cause(err))}")
+    return Retry(f"{what} on {w.name} failed: {short(_cause(err))}", failed_on=w.name)
 
 
 def _cause(err: BaseException) -> BaseException:
