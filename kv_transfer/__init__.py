@@ -57,6 +57,9 @@ gloo otherwise; "gloo"/"nccl" force one (control frames always travel over gloo)
 
 from __future__ import annotations
 
+import importlib
+import typing
+
 from kv_transfer.config import (
     HandshakeMismatch,
     KVTransferConfig,
@@ -64,10 +67,26 @@ from kv_transfer.config import (
     LinkPace,
     TransferResult,
 )
-from kv_transfer.handshake import Rendezvous
-from kv_transfer.layout import KVLayout
-from kv_transfer.receiver import KVReceiver
-from kv_transfer.sender import KVSender
+
+if typing.TYPE_CHECKING:
+    from kv_transfer.handshake import Rendezvous
+    from kv_transfer.layout import KVLayout
+    from kv_transfer.receiver import KVReceiver
+    from kv_transfer.sender import KVSender
+
+# the channel classes need torch: imported on first use, so the config types (read by the router's
+# config loader and the CLI before they know they will start anything) cost no torch import
+_LAZY = {"Rendezvous": "kv_transfer.handshake", "KVLayout": "kv_transfer.layout",
+         "KVReceiver": "kv_transfer.receiver", "KVSender": "kv_transfer.sender"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'kv_transfer' has no attribute {name!r}")
+
 
 __all__ = [
     "HandshakeMismatch",

@@ -1,11 +1,16 @@
 #!/usr/bin/env bash
 # Install pdserve with its test extras, lint, and run the whole test suite.
-# `--fast` leaves out the tests marked slow (-m "not slow"); other arguments go to pytest.
+# `--fast` leaves out the tests marked slow (-m "not slow"); `--all` adds the tests marked
+# exhaustive, which the default leaves out (--exhaustive); other arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 args=()
 for arg in "$@"; do
-  if [[ "$arg" == "--fast" ]]; then args+=(-m "not slow"); else args+=("$arg"); fi
+  case "$arg" in
+    --fast) args+=(-m "not slow") ;;
+    --all) args+=(--exhaustive) ;;
+    *) args+=("$arg") ;;
+  esac
 done
 bash scripts/setup.sh test
 export RAY_USAGE_STATS_ENABLED=0

@@ -30,10 +30,27 @@ SHARED_FIXTURES = {"served": "served", "served_2x2": "2x2", "served_colocated": 
 _LAST_MODULE: dict[str, str] = {}  # shared cluster name -> the last module of the run that uses it
 
 
+def pytest_addoption(parser):
+    parser.addoption("--exhaustive", action="store_true",
+                     help="also run the tests marked exhaustive (`bash scripts/test.sh --all`)")
+
+
+def _deselect_exhaustive(config, items) -> None:
+    """Tests marked exhaustive (a matrix whose every code path a CI test already covers) run only
+    with --exhaustive, or when -m names them."""
+    if config.getoption("--exhaustive") or "exhaustive" in (config.getoption("markexpr") or ""):
+        return
+    dropped = [item for item in items if item.get_closest_marker("exhaustive")]
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
+
+
 def pytest_collection_modifyitems(config, items):
-    """The tests that start Ray nodes of their own (no_shared_ray) go last: they stop the session's
+    """Exhaustive tests are left out unless asked for (_deselect_exhaustive). The tests that start Ray nodes of their own (no_shared_ray) go last: they stop the session's
     Ray, and every shared cluster with it. Each shared cluster stops after the last module that
     uses it (an idle cluster still costs polling and memory)."""
+    _deselect_exhaustive(config, items)
     items.sort(key=lambda item: "no_shared_ray" in item.fixturenames)  # stable: otherwise as collected
     for item in items:
         for fixture, name in SHARED_FIXTURES.items():

@@ -15,7 +15,13 @@ def _model(path: str):
 
 
 def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, ignore_eos: bool = False) -> list[int]:
-    """Greedy continuation of one prompt; stops after EOS (inclusive) like the engine."""
+    """Greedy continuation of one prompt; stops after EOS (inclusive) like the engine. Kept for
+    the session: a checkpoint is never rewritten at the same path during one."""
+    return list(_greedy(path, tuple(prompt_ids), max_new_tokens, ignore_eos))
+
+
+@functools.lru_cache(maxsize=4096)
+def _greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int, ignore_eos: bool) -> tuple[int, ...]:
     model = _model(path)
     eos = model.generation_config.eos_token_id
     config = copy.deepcopy(model.generation_config)
@@ -25,9 +31,9 @@ def hf_greedy(path: str, prompt_ids: list[int], max_new_tokens: int, ignore_eos:
     config.do_sample = False
     config.max_new_tokens = max_new_tokens
     with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt_ids]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
+        out = model.generate(torch.tensor([list(prompt_ids)]), attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long),
                              generation_config=config)
     tokens = out[0, len(prompt_ids):].tolist()
     if not ignore_eos and eos in tokens:
         tokens = tokens[:tokens.index(eos) + 1]
-    return tokens
+    return tuple(tokens)

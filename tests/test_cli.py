@@ -26,6 +26,15 @@ def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
     return subprocess.run([*PDSERVE, *args], capture_output=True, text=True, timeout=timeout)
 
 
+def _in_process(capsys, *args: str) -> tuple[int, str]:
+    """`pdserve args` run by the same `main` the console script calls (an exception escaping it
+    fails the test): its exit code and what it printed to stderr. A fresh interpreter costs 10 s
+    or more here (the CLI's imports), so only test_the_real_process_exits_2_with_one_line pays it."""
+    capsys.readouterr()
+    code = pdserve(list(args))
+    return code, capsys.readouterr().err
+
+
 @pytest.mark.parametrize("content, message", [
     ({"prefill": {"replicas": "two"}}, "prefill.replicas: expected an integer, got 'two'"),
     ({"decode": {"replicas": 0}}, "decode.replicas: must be >= 1"),
@@ -38,30 +47,41 @@ def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
                                        "or null, got 3"),
     ({"kv_cache": {"prefix_caching": "yes"}}, "kv_cache.prefix_caching: expected true or false, got 'yes'"),
 ])
-def test_malformed_config_is_one_line_and_exit_2(tmp_path, content, message):
+def test_malformed_config_is_one_line_and_exit_2(tmp_path, content, message, capsys):
     bad = tmp_path / "cluster.yaml"
     bad.write_text(yaml.safe_dump(content))
-    proc = _run("serve", "--config", str(bad))
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and message in lines[0] and "Traceback" not in proc.stderr
+    code, err = _in_process(capsys, "serve", "--config", str(bad))
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and message in lines[0] and "Traceback" not in err
 
 
-def test_unparsable_yaml_and_missing_file(tmp_path):
+def test_the_real_process_exits_2_with_one_line(tmp_path):
+    """`python -m cli` as a user runs it: main's code is the process's exit status, the error one
+    line on stderr, no traceback."""
     bad = tmp_path / "cluster.yaml"
-    bad.write_text("mode: [unclosed\n")
+    bad.write_text(yaml.safe_dump({"decode": {"replicas": 0}}))
     proc = _run("serve", "--config", str(bad))
-    assert proc.returncode == 2 and "not valid YAML" in proc.stderr
-    proc = _run("serve", "--config", str(tmp_path / "absent.yaml"))
-    assert proc.returncode == 2 and "cannot read" in proc.stderr
-
-
-def test_serving_a_model_dir_without_a_checkpoint_says_how_to_make_one(tmp_path):
-    path = tmp_path / "cluster.yaml"
-    path.write_text(yaml.safe_dump({"model": {"path": "models/absent"}}))
-    proc = _run("serve", "--config", str(path))
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     (line,) = proc.stderr.strip().splitlines()
+    assert line == f"pdserve: error: {bad}: decode.replicas: must be >= 1"
+
+
+def test_unparsable_yaml_and_missing_file(tmp_path, capsys):
+    bad = tmp_path / "cluster.yaml"
+    bad.write_text("mode: [unclosed\n")
+    code, err = _in_process(capsys, "serve", "--config", str(bad))
+    assert code == 2 and "not valid YAML" in err
+    code, err = _in_process(capsys, "serve", "--config", str(tmp_path / "absent.yaml"))
+    assert code == 2 and "cannot read" in err
+
+
+def test_serving_a_model_dir_without_a_checkpoint_says_how_to_make_one(tmp_path, capsys):
+    path = tmp_path / "cluster.yaml"
+    path.write_text(yaml.safe_dump({"model": {"path": "models/absent"}}))
+    code, err = _in_process(capsys, "serve", "--config", str(path))
+    assert code == 2 and "Traceback" not in err
+    (line,) = err.strip().splitlines()
     assert f"{tmp_path}/models/absent has no config.json" in line and "pdserve convert-gguf --smollm2" in line
 
 
@@ -74,9 +94,9 @@ def test_every_option_has_a_help_line(command):
     assert not missing, f"pdserve {command}: options without help: {missing}"
 
 
-def test_unreachable_router_is_a_clear_error():
-    proc = _run("status", "--router", f"127.0.0.1:{free_port()}")
-    assert proc.returncode == 1 and "cannot reach a pdserve router" in proc.stderr
+def test_unreachable_router_is_a_clear_error(capsys):
+    code, err = _in_process(capsys, "status", "--router", f"127.0.0.1:{free_port()}")
+    assert code == 1 and "cannot reach a pdserve router" in err
 
 
 class _RecordingGeneration(pb_grpc.GenerationServicer):

@@ -50,8 +50,9 @@ def test_device_check_on_cpu_kv_transfer_eager_and_bench(llama_dir, tmp_path):
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # the suite's one inductor compile is tests/test_engine_speed_paths.py's
 def test_device_check_on_cpu_every_check(llama_dir, tmp_path):
-    """All of it, the compiled forward too (about a minute of compiling on the 2-core host)."""
+    """All of it, the compiled forward too (minutes of compiling on the 2-core host)."""
     proc, report = _device_check(llama_dir, tmp_path / "dc.json")
     _assert_all_ok(proc, report, ["kv_transfer", "token_exact/float32/eager", "token_exact/bfloat16/eager",
                                   "bench_engine", "token_exact/float32/compiled", "token_exact/bfloat16/compiled"])

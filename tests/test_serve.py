@@ -32,8 +32,21 @@ from tests.security_util import ADMIN, ROTATED, TRAFFIC, token_files
 PDSERVE = [sys.executable, "-m", "cli"]
 
 
-def _run(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    return subprocess.run([*PDSERVE, *args], capture_output=True, text=True, timeout=timeout)
+@dataclass
+class Ran:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _run(capsys, *args: str) -> Ran:
+    """The CLI as a client, run by the same `main` the console script calls: a fresh interpreter
+    per command costs 10 s or more here, and tests/test_cli.py proves the process's exit status
+    is main's."""
+    capsys.readouterr()
+    code = pdserve(list(args))
+    out = capsys.readouterr()
+    return Ran(code, out.out, out.err)
 
 
 def _stat(pid: int) -> tuple[int, int, str] | None:
@@ -120,14 +133,14 @@ def serve(tmp_path_factory, llama_dir, pki):
             proc.wait(timeout=90)
 
 
-def test_generate_status_and_scale_from_the_cli(serve):
+def test_generate_status_and_scale_from_the_cli(serve, capsys):
     router = ["--router", serve.address, "--ca-file", serve.ca, "--token", ADMIN]
-    gen = _run("generate", "hello world", "--max-tokens", "8", *router, "--usage")
+    gen = _run(capsys, "generate", "hello world", "--max-tokens", "8", *router, "--usage")
     assert gen.returncode == 0 and "[length] prompt" in gen.stderr, gen.stderr
     assert "tokens (0 from the prefix cache)" in gen.stderr  # a prompt shorter than one block
-    scaled = _run("scale", "decode", "2", *router, timeout=120)
+    scaled = _run(capsys, "scale", "decode", "2", *router)
     assert scaled.returncode == 0 and "decode pool has 2 workers" in scaled.stdout, scaled.stderr
-    status = _run("status", *router)
+    status = _run(capsys, "status", *router)
     assert status.returncode == 0
     rows = [line.split()[0] for line in status.stdout.splitlines() if line.startswith(("decode-", "prefill-"))]
     assert sorted(r.split("-")[0] for r in rows) == ["decode", "decode", "prefill"], status.stdout
@@ -162,8 +175,8 @@ def _get(serve: Serve, path: str, body: dict | None = None) -> tuple[int, dict]:
         return e.code, json.loads(e.read())
 
 
-def test_sigterm_drains_http_streams_then_leaves_nothing(serve):
-    status = _run("status", "--router", serve.address, "--ca-file", serve.ca)
+def test_sigterm_drains_http_streams_then_leaves_nothing(serve, capsys):
+    status = _run(capsys, "status", "--router", serve.address, "--ca-file", serve.ca)
     workers = sorted(line.split()[0].split("-")[0] for line in status.stdout.splitlines()
                      if line.startswith(("decode-", "prefill-")))
     http_port, grpc_port = int(serve.http.rsplit(":", 1)[1]), int(serve.address.rsplit(":", 1)[1])

@@ -26,8 +26,10 @@ import random
 import time
 import zlib
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-from engine.llm_engine import LLMEngine, RequestFault
+if TYPE_CHECKING:  # the config half (FaultConfig) is read by the router's config loader, without torch
+    from engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 ENV_VAR = "PDSERVE_FAULTS"
@@ -126,6 +128,7 @@ class Faults:
         running = list(engine.scheduler.running)
         if self.config.fail_culprit == "longest" and running:
             culprit = max(running, key=lambda r: len(r.prompt_token_ids) + len(r.output_token_ids))
+            from engine.llm_engine import RequestFault  # loaded already wherever a step runs
             raise RequestFault(culprit.request_id, f"injected step failure: {culprit.request_id} ran out of memory")
         raise RuntimeError("injected step failure")
 
