@@ -81,3 +81,26 @@ def test_nobody_queued_or_no_rate_measured_lets_a_request_in():
     with pytest.raises(Unavailable, match="no worker had capacity for this request within 0.2 s"):
         asyncio.run(run())
     assert time.monotonic() - t0 >= 0.2
+
+
+def test_requests_queued_behind_the_head_are_refused_at_their_own_deadline():
+    """With no capacity and no rate measured (nothing refused at arrival), three requests queue:
+    each is refused when its own queue timeout ends, not when the one ahead of it gives up, and
+    not a tick later (before: the ones behind waited for the lock past their deadline)."""
+    async def run() -> list[float]:
+        admission = Admission(max_queue=10)
+
+        async def never():
+            return None
+
+        async def timed(timeout_s: float) -> float:
+            t0 = time.monotonic()
+            with pytest.raises(Unavailable, match=f"within {timeout_s:g} s"):
+                await admission.place(never, lambda: True, timeout_s)
+            return time.monotonic() - t0
+        return await asyncio.gather(timed(0.6), timed(0.15), timed(0.3))
+
+    head, second, third = asyncio.run(run())
+    assert 0.6 <= head < 0.6 + 0.1
+    assert 0.15 <= second < 0.15 + 0.1  # while the head still holds the queue
+    assert 0.3 <= third < 0.3 + 0.1

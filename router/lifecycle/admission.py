@@ -67,25 +67,33 @@ class Admission:
                             f"({self.waiting} requests queued ahead), more than router.queue_timeout_s "
                             f"({timeout_s:g} s)", retry_after_s=math.ceil(wait_s - timeout_s))
         self._count(+1)
-        waited_since = None
+        arrived, waited = time.perf_counter(), self._lock.locked()  # waits from arrival if others are ahead
         deadline = time.monotonic() + timeout_s
+        timed_out = f"no worker had capacity for this request within {timeout_s:g} s"
         try:
-            async with self._lock:
+            try:  # behind the requests queued first, but never past this one's own deadline
+                await within(self._lock.acquire(), max(0.0, deadline - time.monotonic()))
+            except TimeoutError:
+                raise Unavailable(timed_out) from None
+            try:
                 while True:
                     placed = await try_place()
                     if placed is not None:
                         self._departed()
-                        return placed, (time.perf_counter() - waited_since) if waited_since else 0.0
+                        return placed, (time.perf_counter() - arrived) if waited else 0.0
                     if not accepting():
                         raise Unavailable("the server is shutting down")
-                    if time.monotonic() > deadline:
-                        raise Unavailable(f"no worker had capacity for this request within {timeout_s:g} s")
-                    waited_since = waited_since or time.perf_counter()
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        raise Unavailable(timed_out)
+                    waited = True
                     self._capacity.clear()
                     try:
-                        await within(self._capacity.wait(), TICK_S)
+                        await within(self._capacity.wait(), min(TICK_S, left))  # wakes at the deadline
                     except TimeoutError:
                         pass
+            finally:
+                self._lock.release()
         finally:
             self._count(-1)
 
