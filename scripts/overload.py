@@ -13,7 +13,8 @@ is replayed at rates start, start x STEP, ...; each run's goodput is the request
 SLO per second of the run (first send to last token). The cluster is saturated at the last rate
 whose goodput still grew by GROWTH over the rate before (the next step adds arrivals but no
 goodput). Then the same preset runs at 2x and 4x that rate. The router refuses what it predicts
-would wait longer than router.queue_timeout_s, set to half the TTFT objective: a request that
+would wait longer than router.queue_timeout_s, set to half the TTFT objective (at most 0.9 s, so
+that a request refused at its queue deadline still hears within the 1 s bound): a request that
 would miss the SLO anyway is told at once, with Retry-After, instead of served late.
 
 `--json` prints {"rates": [saturation, 2x, 4x], "goodput": [...], "failed_by_status": {status:
@@ -56,6 +57,7 @@ GROWTH = 1.1  # goodput must grow by this factor for a rate to count as not yet 
 MAX_STEPS = 8
 GOODPUT_KEPT = 0.9  # goodput at 2x and 4x over goodput at saturation
 REFUSAL_S = 1.0  # every refusal within this of arrival
+QUEUE_MARGIN_S = 0.1  # router.queue_timeout_s this much under REFUSAL_S: the reply's own way back
 MAX_CONTEXT = 512  # the burst's prompts are 3/4 of it
 
 
@@ -92,11 +94,17 @@ class Run:
         return [s for s in self.sent if s.status != "OK"]
 
 
+def queue_timeout_s(slo: Slo) -> float:
+    """Half the TTFT objective, and QUEUE_MARGIN_S under the refusal bound: a request refused at
+    its queue deadline reaches the client a little after it (1.013 s at a 1 s timeout here)."""
+    return min((slo.ttft_s or 4.0) / 2, REFUSAL_S - QUEUE_MARGIN_S)
+
+
 def cluster_config(model: str, mode: str, slo: Slo) -> ClusterConfig:
     decode = 2 if mode == "colocated" else 1
     raw = {"model": {"path": model}, "mode": mode,
            "router": {"host": "127.0.0.1", "port": 0, "metrics_port": None, "shutdown_grace_s": 5,
-                      "queue_timeout_s": (slo.ttft_s or 4.0) / 2},
+                      "queue_timeout_s": queue_timeout_s(slo)},
            "prefill": {"replicas": 1 if mode == "disaggregated" else 0, "num_cpus": 0.5},
            "decode": {"replicas": decode, "num_cpus": 0.5},
            "kv_cache": {"block_size": 16, "num_blocks": 256}, "kv_transfer": {"timeout_s": 10}}
