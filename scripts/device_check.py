@@ -129,7 +129,7 @@ def hf_greedy(path: str, dtype: str, device: str, prompt: list[int], max_new_tok
     return out[0, len(prompt):].tolist()
 
 
-def _engine_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def staggered_tokens(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Arrivals staggered one per step, so steps mix decodes, fresh prompts and chunks, and the
     decode batch widens one row at a time."""
     from protocol.sampling import SamplingParams
@@ -187,7 +187,7 @@ def check_token_exact(model: str, device: torch.device, dtype: str, path: str, p
     warm_graph_steps = forward.graph_steps
     prompts = _prompts(model, plan.prompts)
     t1 = time.perf_counter()
-    got = _engine_tokens(engine, prompts, plan.max_tokens)
+    got = staggered_tokens(engine, prompts, plan.max_tokens)
     engine_s = time.perf_counter() - t1
     want = [hf_greedy(model, dtype, str(device), p, plan.max_tokens) for p in prompts]
     mismatches = [_mismatch(model, dtype, str(device), i, p, g, w)

@@ -15,7 +15,7 @@ from engine import compiled, dense
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import computes_bf16, resolve_dtype
-from protocol.sampling import SamplingParams
+from scripts.device_check import staggered_tokens
 from tests.reference import hf_greedy
 
 
@@ -30,19 +30,11 @@ def _engine(path: str, **kw) -> LLMEngine:
 
 
 def _run(engine: LLMEngine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Arrivals staggered one per step, so steps mix decodes, fresh prompts and chunks."""
-    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    out: dict[str, list[int]] = {}
-    pending = list(enumerate(prompts))
-    while pending or engine.has_unfinished():
-        if pending:
-            i, p = pending.pop(0)
-            engine.add_request(f"r{i}", prompt_token_ids=p, sampling=sampling)
-        for o in engine.step():
-            out.setdefault(o.request_id, []).extend(o.token_ids)
-    engine.check()
+    """Arrivals staggered one per step, so steps mix decodes, fresh prompts and chunks (the device
+    check's own driver); every block free after."""
+    tokens = staggered_tokens(engine, prompts, max_tokens)
     assert engine.allocator.num_used == 0
-    return [out[f"r{i}"] for i in range(len(prompts))]
+    return tokens
 
 
 def test_eager_cpu_forward_runs_on_prepacked_linears_token_exact(llama_dir):
