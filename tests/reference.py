@@ -37,3 +37,19 @@ def _greedy(path: str, prompt_ids: tuple[int, ...], max_new_tokens: int, ignore_
     if not ignore_eos and eos in tokens:
         tokens = tokens[:tokens.index(eos) + 1]
     return tuple(tokens)
+
+
+def record_prefill_chunks(engine) -> dict[str, list[int]]:
+    """Wrap the scheduler: the size of every prompt chunk it schedules, per request."""
+    chunks: dict[str, list[int]] = {}
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        items = schedule()
+        for it in items:
+            if it.start < it.request.num_prompt_tokens:
+                chunks.setdefault(it.request.request_id, []).append(it.num_tokens)
+        return items
+
+    engine.scheduler.schedule = recording
+    return chunks

@@ -12,7 +12,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol.outputs import FinishReason, RequestOutput
 from protocol.sampling import SamplingParams
-from tests.reference import hf_greedy
+from tests.reference import hf_greedy, record_prefill_chunks
 
 
 def _prompts(n: int, seed: int, lo: int = 3, hi: int = 60, vocab: int = 2000) -> list[list[int]]:
@@ -85,7 +85,7 @@ def test_chunked_prefill_matches_generate(llama_dir, chunk):
     prompts = _prompts(4, seed=4, lo=40, hi=150)
     # a budget that never binds, so every chunk but a prompt's last is exactly `chunk` tokens
     engine = _engine(llama_dir, chunk_size=chunk, max_num_batched_tokens=1024)
-    chunks = _record_prefill_chunks(engine)
+    chunks = record_prefill_chunks(engine)
     for i, p in enumerate(prompts):
         engine.add_request(f"c{i}", prompt_token_ids=p, sampling=SamplingParams(max_tokens=12, ignore_eos=True))
     out = _run_to_end(engine)
@@ -93,22 +93,6 @@ def test_chunked_prefill_matches_generate(llama_dir, chunk):
     for i, p in enumerate(prompts):
         full, rest = divmod(len(p), chunk)
         assert chunks[f"c{i}"] == [chunk] * full + ([rest] if rest else []), f"prompt of {len(p)} tokens"
-
-
-def _record_prefill_chunks(engine: LLMEngine) -> dict[str, list[int]]:
-    """Wrap the scheduler: the size of every prompt chunk it schedules, per request."""
-    chunks: dict[str, list[int]] = {}
-    schedule = engine.scheduler.schedule
-
-    def recording():
-        items = schedule()
-        for it in items:
-            if it.start < it.request.num_prompt_tokens:
-                chunks.setdefault(it.request.request_id, []).append(it.num_tokens)
-        return items
-
-    engine.scheduler.schedule = recording
-    return chunks
 
 
 def test_tiny_pool_waits_and_preempts(llama_dir):

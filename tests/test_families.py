@@ -21,7 +21,7 @@ from engine.llm_engine import LLMEngine
 from engine.memory import layer_windows
 from engine.model_runner import probe_checkpoint
 from protocol.sampling import SamplingParams
-from tests.reference import hf_greedy
+from tests.reference import hf_greedy, record_prefill_chunks
 
 BLOCK, CHUNK = 4, 5  # the window (7) spans block boundaries; a 5-token chunk splits a window
 SAMPLING = SamplingParams(max_tokens=12, ignore_eos=True)
@@ -80,16 +80,7 @@ def test_the_probe_finds_each_layers_features(family_dir, family):
 def test_batched_and_chunked_prefill_match_generate(family_dir, family):
     engine = _engine(family_dir, family)
     prompts = _prompts(3, seed=1)
-    chunks: dict[str, list[int]] = {}
-    schedule = engine.scheduler.schedule
-
-    def recording():
-        items = schedule()
-        for it in items:
-            if it.start < it.request.num_prompt_tokens:
-                chunks.setdefault(it.request.request_id, []).append(it.num_tokens)
-        return items
-    engine.scheduler.schedule = recording
+    chunks = record_prefill_chunks(engine)
     try:
         for i, p in enumerate(prompts):
             engine.add_request(f"b{i}", prompt_token_ids=p, sampling=SAMPLING)
