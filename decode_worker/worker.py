@@ -96,8 +96,9 @@ class DecodeWorker(WorkerCalls):
 
     async def _reserve_in_time(self, r: Reservation) -> tuple[list[int], int] | None:
         """The engine's reservation, or None ("no room") if the engine has not taken the call within
-        RESERVE_WAIT_S: the router waits for this answer holding its admission lock, and an engine
-        in a long or stalled step must not stop placement for everyone. Whichever comes first, the
+        RESERVE_WAIT_S, or `r.wait_s` when shorter (the request's queue deadline): the router waits
+        for this answer holding its admission lock, an engine in a long or stalled step must not
+        stop placement for everyone, and a request refused at its deadline must hear so then. Whichever comes first, the
         engine thread running it or the actor giving up, decides under `lock`: a reservation given
         up on is never made, so no block is left held."""
         lock, ran, gave_up = threading.Lock(), threading.Event(), threading.Event()
@@ -110,7 +111,7 @@ class DecodeWorker(WorkerCalls):
                 return e.reserve(r.request_id, r.num_tokens, list(r.token_ids) or None, r.cache_salt)
         fut = self.core.loop.call(reserve)
         try:
-            return await within(asyncio.shield(asyncio.wrap_future(fut)), RESERVE_WAIT_S)
+            return await within(asyncio.shield(asyncio.wrap_future(fut)), min(RESERVE_WAIT_S, r.wait_s))
         except TimeoutError:
             with lock:  # held by the engine thread at most for one reserve, never across a step
                 if not ran.is_set():

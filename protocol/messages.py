@@ -22,6 +22,7 @@ asks for a snapshot (`stats(resync=True)`), which replaces its copy.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from protocol.outputs import FinishReason
@@ -91,6 +92,7 @@ class Reservation:
     lease_s: float  # freed, and the request failed (retryable), unless started and landed by then
     token_ids: tuple[int, ...] = ()  # the tokens whose KV will be pushed: leading cached blocks are reused
     cache_salt: str = field(default="", repr=False)  # ... when cached under this salt (protocol/block_hash.py)
+    wait_s: float = math.inf  # "no room" if the engine has not taken the call by then (the queue deadline)
 
 
 @dataclass(frozen=True)

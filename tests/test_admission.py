@@ -22,7 +22,7 @@ class _Slots:
         self.admission = admission
         self.every_s = every_s
 
-    async def try_place(self):
+    async def try_place(self, deadline):
         if self.free > 0:
             self.free -= 1
             return "placed"
@@ -73,7 +73,7 @@ def test_nobody_queued_or_no_rate_measured_lets_a_request_in():
         admission = Admission(max_queue=10)
         assert admission.predicted_wait_s() == 0.0
 
-        async def never():
+        async def never(deadline):
             return None
         await admission.place(never, lambda: True, 0.2)
 
@@ -90,7 +90,7 @@ def test_requests_queued_behind_the_head_are_refused_at_their_own_deadline():
     async def run() -> list[float]:
         admission = Admission(max_queue=10)
 
-        async def never():
+        async def never(deadline):
             return None
 
         async def timed(timeout_s: float) -> float:
@@ -104,3 +104,35 @@ def test_requests_queued_behind_the_head_are_refused_at_their_own_deadline():
     assert 0.6 <= head < 0.6 + 0.1
     assert 0.15 <= second < 0.15 + 0.1  # while the head still holds the queue
     assert 0.3 <= third < 0.3 + 0.1
+
+
+def test_each_try_gets_the_request_deadline_and_a_request_placed_again_keeps_it():
+    """`try_place` is given the request's queue deadline (its worker calls wait no longer), and a
+    request placed again without having failed (a Respin) passes `since`: its queue timeout runs
+    once from its first wait, not again from the second (before: a Respin heard after two)."""
+    async def run() -> tuple:
+        admission = Admission(max_queue=10)
+        deadlines = []
+
+        async def never(deadline):
+            deadlines.append(deadline)
+            return None
+        first = since = time.monotonic()
+        with pytest.raises(Unavailable):
+            await admission.place(never, lambda: True, 0.4, since)
+        await asyncio.sleep(0.1)
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable, match="within 0.4 s"):
+            await admission.place(never, lambda: True, 0.4, since)  # its deadline passed: at once
+        again_s = time.monotonic() - t0
+        since = time.monotonic() - 0.3
+        t0 = time.monotonic()
+        with pytest.raises(Unavailable):
+            await admission.place(never, lambda: True, 0.4, since)  # 0.1 s of its 0.4 s left
+        return first, since, deadlines, again_s, time.monotonic() - t0
+
+    first, since, deadlines, again_s, left_s = asyncio.run(run())
+    # every try of a wait is given that wait's deadline (the second wait had none: refused at once)
+    assert set(deadlines) == {first + 0.4, since + 0.4} and deadlines[0] == first + 0.4 and deadlines[-1] == since + 0.4
+    assert again_s < 0.01
+    assert 0.1 - 0.01 <= left_s < 0.1 + 0.05

@@ -143,6 +143,45 @@ def test_a_reserve_the_engine_cannot_take_in_time_answers_no_room_and_holds_noth
     _healed(busy)
 
 
+def test_a_reserve_answers_no_room_at_the_deadline_it_carries(busy):
+    """A reserve carries the request's queue deadline (Reservation.wait_s): on an engine held in a
+    long step it answers "no room" then, before RESERVE_WAIT_S, and holds nothing."""
+    w = busy.router.pools.workers["decode"][0]
+    hold_engine(w, 1.5)
+    t0 = time.monotonic()
+    assert ray.get(w.actor.reserve.remote(Reservation("overload-soon", 40, 30.0, wait_s=0.3)), timeout=30) is None
+    answered_s = time.monotonic() - t0
+    assert 0.3 <= answered_s < 0.8, answered_s  # RESERVE_WAIT_S is 1 s, the hold 1.5 s
+    wait_until(lambda: ray.get(w.actor.check.remote(), timeout=30)["used"] == 0, 10, "the hold to end")
+    assert ray.get(w.actor.check.remote(), timeout=30)["reserved"] == 0
+    _healed(busy)
+
+
+def test_a_request_no_engine_can_take_is_refused_at_its_queue_deadline(busy):
+    """Every decode engine is held in a long step past a new request's queue deadline: the request
+    hears UNAVAILABLE at router.queue_timeout_s, not later. Before, each reserve waited its own
+    RESERVE_WAIT_S past the deadline, and an early prefill dropped for "no room" placed the
+    request again with a fresh queue timeout (heard after up to twice the timeout)."""
+    client = Client(busy.address)
+    (prefill,), decode = busy.router.pools.workers["prefill"], busy.router.pools.workers["decode"]
+    for i in range(10):  # the prefill worker has a channel to each decode worker: prefills start early
+        if prefill.peers >= {w.name for w in decode}:
+            break
+        client.many([_prompt(10 * i + j) for j in range(4)], max_tokens=2)
+    assert prefill.peers >= {w.name for w in decode}
+    for w in decode:
+        hold_engine(w, QUEUE_TIMEOUT_S + 0.8)  # < UNRESPONSIVE_S: held, not dead
+    t0 = time.monotonic()
+    with pytest.raises(grpc.RpcError) as refused:
+        client.tokens(_prompt(6), max_tokens=2)
+    heard_s = time.monotonic() - t0
+    assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
+    assert f"no worker had capacity for this request within {QUEUE_TIMEOUT_S:g} s" in refused.value.details()
+    assert QUEUE_TIMEOUT_S - 0.05 <= heard_s < QUEUE_TIMEOUT_S + 0.5, heard_s
+    _healed(busy)
+    client.close()
+
+
 def test_a_failed_step_fails_its_culprit_alone_and_moves_the_rest(busy, llama_dir):
     """One engine step fails on a decode worker, naming its longest request (a long context's CUDA
     OOM; faults.fail_culprit). That request fails INTERNAL; the worker's other requests move and

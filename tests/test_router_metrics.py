@@ -125,7 +125,7 @@ def test_the_router_queue_gauge_follows_admission():
         room = asyncio.Event()
         seen = []
 
-        async def try_place():
+        async def try_place(deadline):
             seen.append(queued())
             return "placed" if room.is_set() else None
 

@@ -1,10 +1,12 @@
 """The router's queue: requests waiting for capacity, placed strictly first come, first served.
 
-`place(try_place)` calls `try_place()` (which returns a placement or None when nothing fits)
-under a FIFO lock, and while it returns None waits for `notify()` (a request ended, a worker
+`place(try_place)` calls `try_place(deadline)` (which returns a placement or None when nothing
+fits) under a FIFO lock, and while it returns None waits for `notify()` (a request ended, a worker
 started, stats changed) or a short tick. Only requests inside `place` count as queued; more
 than `max_queue` of them: QueueFull. The lock is never held across anything without a
-deadline: `try_place`'s worker calls carry their own.
+deadline: `try_place`'s worker calls carry their own, and `deadline` (time.monotonic) is the
+request's own, so an attempt never waits for an answer past it. A request placed again without
+having failed (a Respin) passes `since`, the start of its first wait: its queue timeout runs once.
 
 Overload is refused at once, not after `timeout_s`: the queue measures its service rate (the
 mean of the last RATE_WINDOW intervals between two placements while requests stayed queued
@@ -56,20 +58,24 @@ class Admission:
     def notify(self) -> None:
         self._capacity.set()
 
-    async def place(self, try_place: Callable[[], Awaitable[T | None]], accepting: Callable[[], bool],
-                    timeout_s: float) -> tuple[T, float]:
-        """The placement and the seconds spent waiting for capacity (0 when it fit at once)."""
+    async def place(self, try_place: Callable[[float], Awaitable[T | None]], accepting: Callable[[], bool],
+                    timeout_s: float, since: float | None = None) -> tuple[T, float]:
+        """The placement and the seconds spent waiting for capacity (0 when it fit at once).
+        `since`: when this request's wait began (time.monotonic), if before this call."""
         if self.waiting >= self.max_queue:
             raise QueueFull(f"the router queue is full ({self.max_queue} requests waiting)")
-        wait_s = self.predicted_wait_s()
-        if wait_s > timeout_s:
+        now = time.monotonic()
+        deadline = (now if since is None else since) + timeout_s
+        timed_out = f"no worker had capacity for this request within {timeout_s:g} s"
+        if deadline <= now:
+            raise Unavailable(timed_out)
+        wait_s, left = self.predicted_wait_s(), (timeout_s if since is None else deadline - now)
+        if wait_s > left:
             raise QueueFull(f"the cluster is saturated: this request would wait about {wait_s:.0f} s for capacity "
                             f"({self.waiting} requests queued ahead), more than router.queue_timeout_s "
-                            f"({timeout_s:g} s)", retry_after_s=math.ceil(wait_s - timeout_s))
+                            f"({timeout_s:g} s)", retry_after_s=math.ceil(wait_s - left))
         self._count(+1)
         arrived, waited = time.perf_counter(), self._lock.locked()  # waits from arrival if others are ahead
-        deadline = time.monotonic() + timeout_s
-        timed_out = f"no worker had capacity for this request within {timeout_s:g} s"
         try:
             try:  # behind the requests queued first, but never past this one's own deadline
                 await within(self._lock.acquire(), max(0.0, deadline - time.monotonic()))
@@ -77,7 +83,7 @@ class Admission:
                 raise Unavailable(timed_out) from None
             try:
                 while True:
-                    placed = await try_place()
+                    placed = await try_place(deadline)
                     if placed is not None:
                         self._departed()
                         return placed, (time.perf_counter() - arrived) if waited else 0.0

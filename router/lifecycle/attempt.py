@@ -62,8 +62,8 @@ class Attempts:
     async def _disaggregated(self, life: RequestLife) -> AsyncIterator[Chunk]:
         waits = QueueWaits()
         try:
-            pair, waited = await self.admission.place(lambda: self._place_pair(life, waits), self.accepting,
-                                                      self.rc.queue_timeout_s)
+            pair, waited = await self.admission.place(lambda deadline: self._place_pair(life, waits, deadline),
+                                                      self.accepting, self.rc.queue_timeout_s, life.queued_since)
         except Respin:  # placed again next: the wait so far stays in its usage split
             self._charge_queue(life, waits.close(), waits)
             raise
@@ -109,7 +109,9 @@ class Attempts:
         async for chunk in self._stream(life, decode):
             yield chunk
 
-    async def _place_pair(self, life: RequestLife, waits: QueueWaits) -> Pair | None:
+    async def _place_pair(self, life: RequestLife, waits: QueueWaits, deadline: float) -> Pair | None:
+        """A prefill worker and a decode worker holding the KV's blocks, or None; no reservation
+        waits past `deadline` (time.monotonic), when the request is refused."""
         prefill_ready = self._ready_or_wait("prefill", life)
         decode_ready = self._ready_or_wait("decode", life)
         if not prefill_ready or not decode_ready:
@@ -126,9 +128,12 @@ class Attempts:
         pushed = tuple(life.context_token_ids())
         final = len(life.prompt_token_ids) + life.sampling.max_tokens
         for i, decode in enumerate(self.placer.decode_candidates(decode_ready, hashes, needed, final_tokens=final)):
+            wait_s = deadline - time.monotonic()
+            if wait_s <= 0:
+                break
             self._hold(life, decode, Phase.RESERVING)
             ref = decode.actor.reserve.remote(Reservation(life.attempt_id, num_tokens, lease_s, pushed,
-                                                          life.sampling.cache_salt))
+                                                          life.sampling.cache_salt, wait_s))
             early = self._prefill_early(life, prefill, decode, hashes) if i == 0 else None
             reserved = await call(decode, ref, self.rc.call_timeout_s, "reserve")  # raises: both are aborted
             if reserved is not None:
@@ -192,8 +197,8 @@ class Attempts:
     # ---- colocated ------------------------------------------------------------------------
     async def _colocated(self, life: RequestLife) -> AsyncIterator[Chunk]:
         waits = QueueWaits()
-        w, waited = await self.admission.place(lambda: self._place_colocated(life, waits), self.accepting,
-                                               self.rc.queue_timeout_s)
+        w, waited = await self.admission.place(lambda deadline: self._place_colocated(life, waits), self.accepting,
+                                               self.rc.queue_timeout_s, life.queued_since)
         self._observe_queue(life, waited, waits)
         task = GenerateTask(life.attempt_id, life.prompt_token_ids, life.sampling, list(life.output_token_ids),
                             life.emitted_chars)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import secrets
+import time
 from dataclasses import dataclass, field
 
 from protocol.block_hash import extend_hashes, salt_root
@@ -72,6 +73,7 @@ class RequestLife:
     block_hashes: list[bytes] = field(default_factory=list)  # of the context's full blocks, grown lazily
     nonce: str = field(default_factory=lambda: secrets.token_hex(16))
     caller: str = ""  # who sent it (router/frontdoor/access.py caller_id): client ids are unique per caller
+    queued_since: float = field(default_factory=time.monotonic)  # its queue timeout runs from here
 
     @property
     def scoped_id(self) -> tuple[str, str]:
@@ -100,8 +102,10 @@ class RequestLife:
 
     def retry(self, reason: str, migrated: bool = True) -> list:
         """End this attempt (back to QUEUED under a new attempt id); returns its holders to abort.
-        `migrated`: the attempt failed (not so for a Respin)."""
+        `migrated`: the attempt failed (not so for a Respin, whose queue timeout keeps running)."""
         held = self.holders
+        if migrated:
+            self.queued_since = time.monotonic()
         self.to(Phase.QUEUED)
         self.attempt += 1
         self.migrations += migrated
