@@ -1,7 +1,7 @@
 """Overload: the morning-burst preset past saturation, on a small cluster of the tiny model.
 
     python -m scripts.overload [--quick] [--json] [--mode disaggregated|colocated] [--model DIR]
-                               [--requests N] [--start-rate R] [--slo ttft=2,tpot=0.25]
+                               [--duration S] [--start-rate R] [--slo ttft=2,tpot=0.25]
 
 The tiny random model (checkpoints/tiny.py), not SmolLM2: what overload tests is the router's
 behaviour (admission, migration, refusal), and on a shared CPU host the tiny model reaches
@@ -9,8 +9,10 @@ saturation within seconds per rate, so the sweep and the 2x / 4x runs fit in a f
 figures are this host's, not a GPU's.
 
 Finding saturation: the preset (a fresh seed per run, so no run reuses another's prefix cache)
-is replayed at rates start, start x STEP, ...; each run's goodput is the requests that met the
-SLO per second of the run (first send to last token). The cluster is saturated at the last rate
+is replayed at rates start, start x STEP, ...; every run lasts the same `--duration` of arrivals
+(rate x duration requests), so a faster rate is not a shorter run whose start-up and drain weigh
+more; each run's goodput is the requests that met the SLO per second of the run (first send to
+last token). The cluster is saturated at the last rate
 whose goodput still grew by GROWTH over the rate before (the next step adds arrivals but no
 goodput). Then the same preset runs at 2x and 4x that rate. The router refuses what it predicts
 would wait longer than router.queue_timeout_s, set to half the TTFT objective (at most 0.9 s, so
@@ -20,8 +22,8 @@ would miss the SLO anyway is told at once, with Retry-After, instead of served l
 `--json` prints {"rates": [saturation, 2x, 4x], "goodput": [...], "failed_by_status": {status:
 count over the three runs}, "refusal_latency_p99_s": ..., "migrations": ..., and the detail:
 "failed_by_migration", "worker_failures", "refusal_latency_max_s_by_status", "failure_details"
-(one client-side message per status), "search" (rate, goodput per step), "slo", "mode",
-"requests"}. A refusal is every failure but a migration's, whatever its status. Targets (exit 0 when all hold, 1 otherwise): no request fails by migration when no
+(one client-side message per status), "search" (rate, goodput, requests per step), "slo", "mode",
+"duration_s", "requests" (per run, in the order of "rates")}. A refusal is every failure but a migration's, whatever its status. Targets (exit 0 when all hold, 1 otherwise): no request fails by migration when no
 worker failed; every refusal reaches the client within 1 s of arrival; goodput at 2x and 4x is at
 least 0.9 x goodput at saturation.
 """
@@ -149,9 +151,11 @@ async def _one(stub: pb_grpc.GenerationStub, spec: RequestSpec) -> Sent:
     return got
 
 
-def run_at(cluster: LocalCluster, rate: float, requests: int, output_len: int, seed: int) -> Run:
+def run_at(cluster: LocalCluster, rate: float, duration_s: float, output_len: int, seed: int) -> Run:
+    """`rate` x `duration_s` requests of the preset, replayed at `rate`."""
     metrics = cluster.router.metrics.registry
     before = _counts(metrics)
+    requests = max(4, round(rate * duration_s))
     sent, wall = asyncio.run(replay(cluster.address, workload(rate, requests, output_len, seed)))
     after = _counts(metrics)
     deadline = time.monotonic() + 30
@@ -172,8 +176,8 @@ def find_saturation(cluster: LocalCluster, args, slo: Slo, log) -> tuple[Run, li
     """The run at the last rate whose goodput still grew by GROWTH (see the module docstring)."""
     rate, best, search = args.start_rate, None, []
     for step in range(MAX_STEPS):
-        run = run_at(cluster, rate, args.requests, args.output_len, seed=step)
-        search.append({"rate": round(rate, 3), "goodput": round(run.goodput(slo), 3)})
+        run = run_at(cluster, rate, args.duration, args.output_len, seed=step)
+        search.append({"rate": round(rate, 3), "goodput": round(run.goodput(slo), 3), "requests": len(run.sent)})
         log(f"search: {rate:.2f} req/s -> goodput {run.goodput(slo):.2f}/s, {len(run.failed())} failed")
         if best is not None and run.goodput(slo) < GROWTH * best.goodput(slo):
             return best, search
@@ -207,7 +211,8 @@ def report(runs: list[Run], search: list[dict], slo: Slo, args) -> dict:
         "migrations": sum(r.migrations for r in runs),
         "failed_by_migration": sum("failed on" in s.details for s in failed),
         "worker_failures": sum(r.worker_failures for r in runs),
-        "search": search, "slo": slo.as_dict(), "mode": args.mode, "requests": args.requests,
+        "search": search, "slo": slo.as_dict(), "mode": args.mode, "duration_s": args.duration,
+        "requests": [len(r.sent) for r in runs],
     }
 
 
@@ -224,16 +229,16 @@ def missed_targets(doc: dict) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m scripts.overload", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="fewer, shorter requests (about 3-5 minutes)")
+    ap.add_argument("--quick", action="store_true", help="shorter runs of shorter requests (about 3 minutes)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")
     ap.add_argument("--model", help="checkpoint directory (default: a fresh tiny llama)")
-    ap.add_argument("--requests", type=int, help="streaming requests per run (default 120, --quick 40)")
+    ap.add_argument("--duration", type=float, help="seconds of arrivals per run (default 30, --quick 12)")
     ap.add_argument("--output-len", type=int, help="output tokens per streaming request (default 256, --quick 64)")
     ap.add_argument("--start-rate", type=float, default=2.0, help="first rate of the search, requests/s")
     ap.add_argument("--slo", default="ttft=2,tpot=0.25", help="objectives a good request meets")
     args = ap.parse_args(argv)
-    args.requests = args.requests or (40 if args.quick else 120)
+    args.duration = args.duration or (12.0 if args.quick else 30.0)
     args.output_len = args.output_len or (64 if args.quick else 256)
     slo = parse_slo(args.slo)
 
@@ -245,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
             saturated, search = find_saturation(cluster, args, slo, log)
             runs = [saturated]
             for factor in (2, 4):
-                runs.append(run_at(cluster, saturated.rate * factor, args.requests, args.output_len,
+                runs.append(run_at(cluster, saturated.rate * factor, args.duration, args.output_len,
                                    seed=100 + factor))
                 log(f"{factor}x: {runs[-1].rate:.2f} req/s -> goodput {runs[-1].goodput(slo):.2f}/s, "
                     f"{len(runs[-1].failed())} failed")

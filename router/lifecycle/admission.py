@@ -71,9 +71,11 @@ class Admission:
             raise Unavailable(timed_out)
         wait_s, left = self.predicted_wait_s(), (timeout_s if since is None else deadline - now)
         if wait_s > left:
-            raise QueueFull(f"the cluster is saturated: this request would wait about {wait_s:.0f} s for capacity "
-                            f"({self.waiting} requests queued ahead), more than router.queue_timeout_s "
-                            f"({timeout_s:g} s)", retry_after_s=math.ceil(wait_s - left))
+            limit = f"router.queue_timeout_s ({timeout_s:g} s)"
+            raise QueueFull(f"the cluster is saturated: this request would wait about {wait_s:.1f} s for capacity "
+                            f"({self.waiting} requests queued ahead), more than "
+                            + (limit if since is None else f"the {left:.1f} s left of its {limit}"),
+                            retry_after_s=math.ceil(wait_s - left))
         self._count(+1)
         arrived, waited = time.perf_counter(), self._lock.locked()  # waits from arrival if others are ahead
         try:
