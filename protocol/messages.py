@@ -70,6 +70,7 @@ class WorkerStats:
     prefix_query_tokens: int = 0  # tokens looked up in the prefix cache since start
     prefix_hit_tokens: int = 0  # of those, tokens whose KV was found
     cache: CacheDelta | None = None  # None when prefix caching is off
+    blocks_owed: int = 0  # of the free ones, what admitted requests will take for their context (a prompt mid-prefill)
 
 
 @dataclass(frozen=True)

@@ -33,10 +33,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import multiprocessing
 import os
 import sys
 import tempfile
 import time
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
@@ -151,12 +153,18 @@ async def _one(stub: pb_grpc.GenerationStub, spec: RequestSpec) -> Sent:
     return got
 
 
-def run_at(cluster: LocalCluster, rate: float, duration_s: float, output_len: int, seed: int) -> Run:
-    """`rate` x `duration_s` requests of the preset, replayed at `rate`."""
+def _replay_process(address: str, specs: list[RequestSpec]) -> tuple[list[Sent], float]:
+    return asyncio.run(replay(address, specs))
+
+
+def run_at(cluster: LocalCluster, rate: float, duration_s: float, output_len: int, seed: int,
+           client: ProcessPoolExecutor) -> Run:
+    """`rate` x `duration_s` requests of the preset, replayed at `rate` from `client`'s process:
+    in the router's own process, the client's work past saturation would take the router's turns."""
     metrics = cluster.router.metrics.registry
     before = _counts(metrics)
     requests = max(4, round(rate * duration_s))
-    sent, wall = asyncio.run(replay(cluster.address, workload(rate, requests, output_len, seed)))
+    sent, wall = client.submit(_replay_process, cluster.address, workload(rate, requests, output_len, seed)).result()
     after = _counts(metrics)
     deadline = time.monotonic() + 30
     while cluster.router.lives and time.monotonic() < deadline:  # aborts land; the next run starts idle
@@ -172,11 +180,12 @@ def _counts(registry) -> tuple[float, float]:
     return migrations, failures
 
 
-def find_saturation(cluster: LocalCluster, args, slo: Slo, log) -> tuple[Run, list[dict]]:
+def find_saturation(cluster: LocalCluster, args, slo: Slo, log,
+                    client: ProcessPoolExecutor) -> tuple[Run, list[dict]]:
     """The run at the last rate whose goodput still grew by GROWTH (see the module docstring)."""
     rate, best, search = args.start_rate, None, []
     for step in range(MAX_STEPS):
-        run = run_at(cluster, rate, args.duration, args.output_len, seed=step)
+        run = run_at(cluster, rate, args.duration, args.output_len, seed=step, client=client)
         search.append({"rate": round(rate, 3), "goodput": round(run.goodput(slo), 3), "requests": len(run.sent)})
         log(f"search: {rate:.2f} req/s -> goodput {run.goodput(slo):.2f}/s, {len(run.failed())} failed")
         if best is not None and run.goodput(slo) < GROWTH * best.goodput(slo):
@@ -246,12 +255,13 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         model = args.model or str(make_tiny_model(os.path.join(tmp, "tiny"), arch="llama", size="tiny", seed=0))
-        with LocalCluster(cluster_config(model, args.mode, slo)) as cluster:
-            saturated, search = find_saturation(cluster, args, slo, log)
+        with (LocalCluster(cluster_config(model, args.mode, slo)) as cluster,
+              ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as client):
+            saturated, search = find_saturation(cluster, args, slo, log, client)
             runs = [saturated]
             for factor in (2, 4):
                 runs.append(run_at(cluster, saturated.rate * factor, args.duration, args.output_len,
-                                   seed=100 + factor))
+                                   seed=100 + factor, client=client))
                 log(f"{factor}x: {runs[-1].rate:.2f} req/s -> goodput {runs[-1].goodput(slo):.2f}/s, "
                     f"{len(runs[-1].failed())} failed")
     doc = report(runs, search, slo, args)

@@ -13,6 +13,7 @@ import ray
 
 from proto import pdserve_pb2 as pb
 from router.launch import LocalCluster
+from router.lifecycle.life import Phase
 from tests.cluster_util import Client, cluster_config, faults, kv_bytes, set_faults, wait_until
 from tests.reference import hf_greedy
 
@@ -46,6 +47,41 @@ def test_grpc_tokens_match_generate(served_2x2, served_colocated, llama_dir, mod
     cluster = served_2x2 if mode == "disaggregated" else served_colocated  # shared: 2 + 2, or 2 colocated
     assert cluster.cfg.mode == mode
     _assert_tokens_match_generate(cluster, llama_dir, workers, seed=2)
+
+
+def test_colocated_requests_wait_for_kv_in_the_router_queue_not_an_engine_queue(served_colocated, llama_dir):
+    """Colocated placement counts KV as a reservation does: while long requests hold all but 18
+    of each worker's 256 blocks, a request needing 26 waits in the router's queue (where
+    router.queue_timeout_s bounds it and the predicted wait refuses at arrival), not in an
+    engine's waiting queue where nothing bounds it; once they end it is placed, token-exact."""
+    cluster, client = served_colocated, Client(served_colocated.address)
+    rng = random.Random("test_cluster-kv-wait")
+    big = [[rng.randrange(10, 2000) for _ in range(1900)] for _ in range(4)]  # 119 blocks, 125 at the end
+    small = [rng.randrange(10, 2000) for _ in range(400)]  # 26 blocks
+    out: dict = {}
+
+    def run(key, prompt, max_tokens):
+        out[key] = client.tokens(prompt, max_tokens=max_tokens, ignore_eos=True)[0]
+    threads = [threading.Thread(target=run, args=(i, p, 100)) for i, p in enumerate(big)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: sum(bool(life.output_token_ids) for life in cluster.router.lives.values()) == 4, 60,
+               "the four long requests decoding")
+    threads.append(threading.Thread(target=run, args=("small", small, 8)))
+    threads[-1].start()
+    wait_until(lambda: cluster.router.admission.waiting == 1, 10, "the small request queued in the router")
+    queued = [life for life in cluster.router.lives.values() if life.decode is None]
+    assert len(queued) == 1 and queued[0].phase is Phase.QUEUED
+    stats = ray.get([w.actor.stats.remote() for w in cluster.router.pools.all()], timeout=30)
+    assert sum(st.waiting for st in stats) == 0  # no engine holds it in a queue
+    assert sum(len(life.output_token_ids) < 100 for life in cluster.router.lives.values()) >= 4  # still decoding
+    for t in threads:
+        t.join(60)
+    assert out["small"] == hf_greedy(llama_dir, small, 8, ignore_eos=True)
+    assert [len(out[i]) for i in range(4)] == [100] * 4
+    wait_until(lambda: not cluster.router.lives, 10, "every request to end")
+    _assert_no_leaks(cluster)
+    client.close()
 
 
 @pytest.fixture(scope="module")

@@ -238,3 +238,22 @@ def test_add_prefilled_refusals_keep_the_reservation(llama_dir):
         engine.add_prefilled("r", [5, 6], [], SamplingParams())
     assert engine.reserved == {"r": blocks}
     engine.check()
+
+
+def test_blocks_owed_counts_what_admitted_requests_will_still_take(llama_dir):
+    """A prompt allocates chunk by chunk, so `num_free` overstates the room for a new request until
+    its prefill ends; `blocks_owed` (in the worker's stats, subtracted by the router's placement)
+    is exactly the blocks the running prompts and the waiting requests still need. Exact counts:
+    16-token blocks, 32-token chunks, a 100-token prompt (7 blocks) and a 40-token one waiting."""
+    engine = _engine(llama_dir, block_size=16, chunk_size=32, max_num_batched_tokens=32, max_num_seqs=1)
+    (a,), (b,) = _prompts(1, seed=9, lo=100, hi=100), _prompts(1, seed=10, lo=40, hi=40)
+    engine.add_request("a", prompt_token_ids=a, sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+    engine.add_request("b", prompt_token_ids=b, sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+    assert (engine.allocator.num_used, engine.scheduler.blocks_owed()) == (0, 7 + 3)
+    owed = []
+    while engine.num_waiting:  # one sequence at a time: "b" waits until "a" ends
+        engine.step()
+        owed.append((engine.allocator.num_used, engine.scheduler.blocks_owed()))
+    # a's chunks of 32, 32, 32, 4 tokens take 2, 2, 2, 1 blocks; the rest of its 7 and b's 3 are owed
+    assert owed[:4] == [(2, 5 + 3), (4, 3 + 3), (6, 1 + 3), (7, 0 + 3)]
+    _run_to_end(engine)

@@ -75,7 +75,8 @@ class WorkerCore:
         def read(e: LLMEngine) -> WorkerStats:
             a, p = e.allocator, e.prefix_stats
             return WorkerStats(self.name, e.num_running, e.num_waiting, a.num_used, a.num_free, a.num_blocks,
-                               channels, self.served, a.num_cached, p.query_tokens, p.hit_tokens, self._delta(e, resync))
+                               channels, self.served, a.num_cached, p.query_tokens, p.hit_tokens, self._delta(e, resync),
+                               blocks_owed=e.scheduler.blocks_owed())
         return await self.run(read)
 
     def _delta(self, e: LLMEngine, resync: bool) -> CacheDelta | None:

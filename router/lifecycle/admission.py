@@ -31,6 +31,7 @@ from router.lifecycle.outcomes import QueueFull, Unavailable
 T = TypeVar("T")
 TICK_S = 0.25
 RATE_WINDOW = 16  # service intervals averaged
+RESPIN_SHOWN_S = 0.05  # a refusal names the time left when the request already waited longer
 
 
 class Admission:
@@ -72,9 +73,10 @@ class Admission:
         wait_s, left = self.predicted_wait_s(), (timeout_s if since is None else deadline - now)
         if wait_s > left:
             limit = f"router.queue_timeout_s ({timeout_s:g} s)"
-            raise QueueFull(f"the cluster is saturated: this request would wait about {wait_s:.1f} s for capacity "
+            waited_before = timeout_s - left > RESPIN_SHOWN_S
+            raise QueueFull(f"the cluster is saturated: this request would wait about {wait_s:.2f} s for capacity "
                             f"({self.waiting} requests queued ahead), more than "
-                            + (limit if since is None else f"the {left:.1f} s left of its {limit}"),
+                            + (f"the {left:.2f} s left of its {limit}" if waited_before else limit),
                             retry_after_s=math.ceil(wait_s - left))
         self._count(+1)
         arrived, waited = time.perf_counter(), self._lock.locked()  # waits from arrival if others are ahead

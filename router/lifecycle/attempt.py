@@ -208,13 +208,25 @@ class Attempts:
             yield chunk
 
     async def _place_colocated(self, life: RequestLife, waits: QueueWaits) -> WorkerView | None:
+        """A worker with a turn for the request and free KV blocks for its context, or None: the
+        request waits here, under the queue deadline, not in an engine's queue where nothing
+        bounds its wait (past saturation those waits were what broke the SLO, not refusals)."""
         limit = self.config.scheduler.max_num_seqs + self.rc.max_prefill_inflight
         workers = self._ready_or_wait("decode", life)
-        hashes = life.context_hashes(workers[0].info.block_size) if workers else []
-        ready = self.placer.decode_candidates(workers, hashes, 0, limit, len(life.prompt_token_ids) + life.sampling.max_tokens)
-        if not ready:  # every worker has its fill of requests: a turn, like a prefill slot
-            return waits.failed("prefill" if workers else "workers")
+        if not workers:
+            return waits.failed("workers")
+        bs = workers[0].info.block_size
+        hashes = life.context_hashes(bs)
+        needed = -(-(life.num_context_tokens() + 1) // bs)
+        final = len(life.prompt_token_ids) + life.sampling.max_tokens
+        turns = self.placer.decode_candidates(workers, hashes, 0, limit, final)
+        if not turns:  # every worker has its fill of requests: a turn, like a prefill slot
+            return waits.failed("prefill")
+        ready = self.placer.decode_candidates(turns, hashes, needed, limit, final)
+        if not ready:
+            return waits.failed("kv")
         self._hold(life, ready[0], Phase.DECODING)
+        ready[0].took_blocks(needed)  # until its next stats: cached blocks show there as not taken
         self.placer.placed(ready[0], hashes)
         return ready[0]
 

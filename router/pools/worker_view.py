@@ -28,7 +28,7 @@ class WorkerView:
     info: WorkerInfo
     actor: object
     state: WorkerState = WorkerState.READY
-    free_blocks: int = 0  # estimate: last stats, minus reservations made since
+    free_blocks: int = 0  # estimate: last stats (free less what admitted requests owe), minus placements since
     running: int = 0
     waiting: int = 0
     inflight: set[str] = field(default_factory=set)  # attempt ids placed here and not yet left
@@ -88,7 +88,7 @@ class WorkerView:
 
     def observe(self, stats: WorkerStats) -> None:
         self.stats = stats
-        self.free_blocks = stats.blocks_free
+        self.free_blocks = stats.blocks_free - stats.blocks_owed  # room a new request has
         self.running = stats.running
         self.waiting = stats.waiting
         self.answered()
