@@ -180,7 +180,8 @@ def step_records_to_dicts(records: Sequence[Any], run_start_unix: float) -> list
     """protocol.telemetry.StepRecord -> plain dicts, with `t_s`: seconds since the run started."""
     return [{"seq": r.seq, "t_s": r.end_unix - run_start_unix, "wall_s": r.wall_s, "decode_rows": r.decode_rows,
              "prefill_rows": r.prefill_rows, "prefill_tokens": r.prefill_tokens, "blocks_used": r.blocks_used,
-             "blocks_free": r.blocks_free, "preemptions": r.preemptions, "waiting": r.waiting} for r in records]
+             "blocks_free": r.blocks_free, "preemptions": r.preemptions, "waiting": r.waiting,
+             "context_tokens": r.context_tokens, "attended_pairs": r.attended_pairs} for r in records]
 
 
 def collect_steps(cluster: Any, started_unix: float) -> dict[str, Any]:

@@ -1,9 +1,12 @@
 """Fit this host's cost model for a checkpoint, so an emulated cluster can stand in for a real one
 (scripts/bench_emulation.py checks how well).
 
-The engine runs the checkpoint on a spread of step shapes (decode batches of 1 to 8, prefill
-chunks of 32 to 256 tokens); each step's bytes and FLOPs come from engine/cost_model.py (the
-emulated model being the checkpoint itself), its wall time from the engine's step records. Every
+The steps come from one of two places: `measure_steps` runs the engine on a spread of step shapes
+(decode batches of 1 to 8, prefill chunks of 32 to 256 tokens) in this process; `from_records`
+takes the step records of a real run (engine/telemetry.py: each carries its tokens, the KV it read
+and its attention pairs), so the fit shares that run's contention. Each step's bytes and FLOPs come
+from engine/cost_model.py (the emulated model being the checkpoint itself), its wall time from the
+engine's step record. Every
 step reads the same weights, so bytes and a fixed overhead cannot be told apart from the steps
 alone: the bandwidth is measured directly (bench/host_measure.py, as `pdserve plan --measure`)
 and a least-squares fit of wall - bytes / bandwidth = overhead + FLOPs / peak gives the effective
@@ -19,9 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.cost_model import CostModel, StepShape
+from engine.cost_model import CostModel, StepTotals
 from engine.devices import DeviceProfile
 from engine.memory import dtype_bytes
+from protocol.telemetry import StepRecord
 from router.config.emulate import emulated_shape
 
 DECODE_BATCHES = (1, 2, 4, 8)
@@ -43,16 +47,22 @@ class HostFit:
                 "compute_efficiency": 1.0, "step_overhead_s": round(self.overhead_s, 6)}
 
 
-def measure_steps(checkpoint: Path, threads: int = 1, repeats: int = 3) -> list[tuple[StepShape, float]]:
-    """(shape, wall seconds) of the engine's steps over the calibration shapes."""
+def from_records(records: list[StepRecord]) -> list[tuple[StepTotals, float]]:
+    """(totals, wall seconds) of recorded steps that computed something."""
+    return [(StepTotals(r.decode_rows + r.prefill_tokens, r.context_tokens, r.attended_pairs), r.wall_s)
+            for r in records if r.decode_rows + r.prefill_tokens > 0]
+
+
+def measure_steps(checkpoint: Path, threads: int = 1, repeats: int = 3) -> list[tuple[StepTotals, float]]:
+    """(totals, wall seconds) of the engine's steps over the calibration shapes."""
     from engine.config import EngineConfig
     from engine.llm_engine import LLMEngine
     from protocol.sampling import SamplingParams
 
     engine = LLMEngine(EngineConfig(model_path=str(checkpoint), num_blocks=512, torch_threads=threads,
                                     enable_prefix_caching=False, max_num_batched_tokens=256, chunk_size=256))
-    measured: list[tuple[StepShape, float]] = []
     plans = [(b, 16, 8) for b in DECODE_BATCHES] + [(1, n, 1) for n in PREFILL_CHUNKS]
+    start = engine.telemetry.last_seq  # not a warm-up's
     for r in range(repeats):
         for batch, prompt, outputs in plans:
             for i in range(batch):
@@ -60,12 +70,10 @@ def measure_steps(checkpoint: Path, threads: int = 1, repeats: int = 3) -> list[
                                    sampling=SamplingParams(max_tokens=outputs, ignore_eos=True))
             while engine.has_unfinished():
                 engine.step()
-                if engine.last_step:
-                    measured.append((engine.last_step, engine.telemetry.since(engine.telemetry.last_seq - 1)[0].wall_s))
-    return measured
+    return from_records(engine.telemetry.since(start))
 
 
-def fit(checkpoint: Path, dtype: str, measured: list[tuple[StepShape, float]], bandwidth: float) -> HostFit:
+def fit(checkpoint: Path, dtype: str, measured: list[tuple[StepTotals, float]], bandwidth: float) -> HostFit:
     """Least squares of wall - bytes / bandwidth = overhead + FLOPs x b, both kept >= 0."""
     unit = CostModel(emulated_shape(str(checkpoint)), DeviceProfile("unit", 1.0, 1.0, "1B", ""), dtype_bytes(dtype))
     flops = np.array([unit.step_flops(s) for s, _ in measured])

@@ -34,6 +34,21 @@ class StepItem:
 StepShape = tuple[StepItem, ...]
 
 
+@dataclass(frozen=True)
+class StepTotals:
+    """What the cost model needs of a step, summed over its items: a step record carries these
+    (protocol/telemetry.py), so a real run's own steps can fit a host's model (bench/calibrate.py)."""
+
+    num_tokens: int
+    context_tokens: int  # KV tokens read: every item's context after the step
+    attended_pairs: int  # (new token, key) pairs attention computed
+
+    @classmethod
+    def of(cls, step: StepShape) -> StepTotals:
+        return cls(sum(it.num_tokens for it in step), sum(it.context for it in step),
+                   sum(_attended_pairs(it) for it in step))
+
+
 def bytes_read(weights_bytes: int, kv_per_token: int, contexts: list[int] | tuple[int, ...]) -> int:
     """A step reads every weight once and every request's KV once."""
     return weights_bytes + sum(contexts) * kv_per_token
@@ -63,15 +78,17 @@ class CostModel:
     def kv_bytes_per_token(self) -> int:
         return kv_bytes_per_token(self.shape, self.dtype_bytes)
 
-    def step_bytes(self, step: StepShape) -> int:
-        return bytes_read(self.weights_bytes, self.kv_bytes_per_token, [it.context for it in step])
+    def step_bytes(self, step: StepShape | StepTotals) -> int:
+        totals = step if isinstance(step, StepTotals) else StepTotals.of(step)
+        return bytes_read(self.weights_bytes, self.kv_bytes_per_token, (totals.context_tokens,))
 
-    def step_flops(self, step: StepShape) -> float:
-        flops = matmul_flops(self.shape.num_params, sum(it.num_tokens for it in step))
+    def step_flops(self, step: StepShape | StepTotals) -> float:
+        totals = step if isinstance(step, StepTotals) else StepTotals.of(step)
+        flops = matmul_flops(self.shape.num_params, totals.num_tokens)
         heads = self.shape.num_attention_heads
         if heads is not None:  # each new token attends to the context before it and itself
             per_pair = 4.0 * self.shape.num_layers * heads * self.shape.head_dim
-            flops += per_pair * sum(_attended_pairs(it) for it in step)
+            flops += per_pair * totals.attended_pairs
         return flops
 
     def memory_s(self, step: StepShape) -> float:

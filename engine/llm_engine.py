@@ -24,7 +24,7 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from engine.config import EngineConfig
-from engine.cost_model import StepItem, StepShape
+from engine.cost_model import StepItem, StepShape, StepTotals
 from engine.detokenizer import IncrementalDetokenizer
 from engine.kv_cache import BlockAllocator
 from engine.model_runner import ModelRunner, ScheduledItem
@@ -296,10 +296,12 @@ class LLMEngine:
             it.request.timing.compute_s += t3 - t0
         preempted = self.scheduler.num_preemptions - self._preemptions_logged
         self._preemptions_logged = self.scheduler.num_preemptions
+        totals = StepTotals.of(self.last_step)
         self.telemetry.append(wall_s=t3 - t0, decode_rows=len(items) - len(chunks), prefill_rows=len(chunks),
                               prefill_tokens=sum(it.num_tokens for it in chunks),
                               blocks_used=self.allocator.num_used, blocks_free=self.allocator.num_free,
-                              preemptions=preempted, waiting=self.num_waiting)
+                              preemptions=preempted, waiting=self.num_waiting,
+                              context_tokens=totals.context_tokens, attended_pairs=totals.attended_pairs)
 
     def _emit(self, req: Request, token: int | Exception) -> RequestOutput:
         if isinstance(token, Exception):

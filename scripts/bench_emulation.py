@@ -1,15 +1,18 @@
 """Calibration of emulated devices: this host emulated, against this host for real.
 
-1. Fit this CPU's cost model for SmolLM2 (bench/calibrate.py: the engine's own steps over a spread
-   of shapes, the bandwidth measured as `pdserve plan --measure` does).
-2. Replay one seeded workload on the real 1 prefill + 1 decode SmolLM2 cluster, then on an emulated
-   one: the tiny test model computing the tokens, every step paced to SmolLM2 on this CPU as fitted,
-   the same KV pool size. Workers are pinned to the same cores in both.
-3. Print TTFT and ITL p50 / p99 of both (ms) and the emulated figures' relative error, with the fit
+1. Replay one seeded workload on the real 1 prefill + 1 decode SmolLM2 cluster.
+2. Fit this CPU's cost model for SmolLM2 (bench/calibrate.py) from that run's own engine steps
+   (`--fit run`, the default: the fit shares the contention of the figures it is compared with), or
+   from steps of a spread of shapes run in this process before (`--fit bench`); the bandwidth is
+   measured as `pdserve plan --measure` does.
+3. Replay the workload on an emulated cluster: the tiny test model computing the tokens, every step
+   paced to SmolLM2 on this CPU as fitted, the same KV pool size. Workers are pinned to the same
+   cores in both.
+4. Print TTFT and ITL p50 / p99 of both (ms) and the emulated figures' relative error, with the fit
    and the emulated run's fidelity (overrun share) beside them.
 
     python -m scripts.bench_emulation [--model DIR] [--requests 12] [--rate 0.5] [--input-len 128]
-                                      [--output-len 16] [--json]
+                                      [--output-len 16] [--fit run|bench] [--json]
 
 JSON: {"real": {ttft_p50, ttft_p99, itl_p50, itl_p99}, "emulated": {...}, "error": {...}, "fit": {...},
 "emulation": {...}, "assumptions": "..."} (errors are emulated / real - 1). The KV link is not fitted:
@@ -25,15 +28,17 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
+import ray  # noqa: E402
 
 from bench import host_measure  # noqa: E402
-from bench.calibrate import HostFit, fit, measure_steps  # noqa: E402
+from bench.calibrate import fit, from_records, measure_steps  # noqa: E402
 from bench.client import replay  # noqa: E402
 from bench.emulation import assumptions, collect_emulation, fidelity  # noqa: E402
 from bench.metrics import RequestRecord, itls, ttft  # noqa: E402
@@ -82,17 +87,14 @@ def _figures(records: list[RequestRecord]) -> dict[str, float]:
             "itl_p50": float(np.percentile(gaps, 50)), "itl_p99": float(np.percentile(gaps, 99))}
 
 
-def _run(cfg: ClusterConfig, workload: Workload, name: str) -> tuple[list[RequestRecord], dict | None]:
+def _run(cfg: ClusterConfig, workload: Workload, name: str) -> tuple[list[RequestRecord], dict | None, list]:
+    """The run's request records, its fidelity verdict (emulated) and its workers' step records."""
     with LocalCluster(cfg) as cluster:
+        started = time.time()
         records = asyncio.run(replay(cluster.address, workload, name, show_progress=False))
         emulated = fidelity(collect_emulation(cluster), assumptions(cfg)) if cfg.emulate.device else None
-    return records, emulated
-
-
-def _fit(model: Path) -> HostFit:
-    print("bench_emulation: fitting this host's cost model (1 torch thread)...", file=sys.stderr)
-    bandwidth = host_measure.reads(1)["bandwidth"]
-    return fit(model, "float32", measure_steps(model, threads=1), bandwidth)
+        steps = ray.get([w.actor.telemetry.remote(0) for w in cluster.router.pools.all()], timeout=60)
+    return records, emulated, [r for worker in steps for r in worker if r.end_unix >= started]
 
 
 def main() -> int:
@@ -104,27 +106,36 @@ def main() -> int:
     parser.add_argument("--output-len", type=int, default=16)
     parser.add_argument("--link", default="2GB/s")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--fit", choices=("run", "bench"), default="run",
+                        help="fit the cost model from the real run's own steps, or from a spread of shapes run first")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if not (args.model / "config.json").is_file():
         print(f"bench_emulation: {args.model} has no config.json (bash scripts/run.sh converts SmolLM2)",
               file=sys.stderr)
         return 2
-    host = _fit(args.model)
+    bandwidth = host_measure.reads(1)["bandwidth"]
+    if args.fit == "bench":
+        print("bench_emulation: fitting this host's cost model (1 torch thread)...", file=sys.stderr)
+        host = fit(args.model, "float32", measure_steps(args.model, threads=1), bandwidth)
     workload = _workload(args)
-    real, _ = _run(_config(args.model), workload, "real")
+    real, _, steps = _run(_config(args.model), workload, "real")
+    if args.fit == "run":
+        host = fit(args.model, "float32", from_records(steps), bandwidth)
     tiny = ensure_model(Path(tempfile.gettempdir()) / "pdserve-bench-emulation-tiny")
     emulate = host.emulate_section(str(args.model), "float32") | {
         "link": args.link, "link_latency_s": 0.001, "load_bandwidth": "1000GB/s"}
-    emulated_records, verdict = _run(_config(tiny, emulate), workload, "emulated")
+    emulated_records, verdict, _ = _run(_config(tiny, emulate), workload, "emulated")
     result = {"real": _figures(real), "emulated": _figures(emulated_records)}
     result["error"] = {k: result["emulated"][k] / result["real"][k] - 1 for k in KEYS}
-    result |= {"fit": vars(host) | {"emulate": emulate}, "emulation": verdict, "assumptions": verdict["assumptions"]}
+    result |= {"fit": vars(host) | {"source": args.fit, "emulate": emulate}, "emulation": verdict,
+               "assumptions": verdict["assumptions"]}
     if args.json:
         print(json.dumps(result, indent=2))
         return 0
-    print(f"fit: {host.bandwidth / 1e9:.2f} GB/s, {host.flops / 1e9:.1f} GFLOP/s, {host.overhead_s * 1e3:.1f} ms "
-          f"per step (rms error {host.rms_error_s * 1e3:.1f} ms over {host.steps} steps)")
+    print(f"fit ({'the real run' if args.fit == 'run' else 'shapes run first'}): {host.bandwidth / 1e9:.2f} GB/s, "
+          f"{host.flops / 1e9:.1f} GFLOP/s, {host.overhead_s * 1e3:.1f} ms per step (rms error "
+          f"{host.rms_error_s * 1e3:.1f} ms over {host.steps} steps)")
     print(f"{'':<10}" + "".join(f"{k:>12}" for k in KEYS))
     for row in ("real", "emulated"):
         print(f"{row:<10}" + "".join(f"{result[row][k]:>10.1f}ms" for k in KEYS))

@@ -16,7 +16,7 @@ from bench.errors import BenchError
 from bench.metrics import RequestRecord
 from bench.workload import RequestSpec, Workload
 from engine.config import EngineConfig
-from engine.cost_model import CostModel, Emulation, LinkModel, StepItem
+from engine.cost_model import CostModel, Emulation, LinkModel, StepItem, StepTotals
 from engine.devices import DEVICES, DeviceProfile
 from engine.llm_engine import LLMEngine
 from engine.memory import BUILTIN_SHAPES
@@ -417,8 +417,36 @@ def test_the_host_fit_recovers_a_known_cost_model(llama_dir):
     host = CostModel(emulated_shape(llama_dir), DeviceProfile("host", 2e9, 40e9, "8GiB", ""), dtype_bytes=4)
     shapes = [tuple(StepItem(1, 17 + i) for _ in range(b)) for b in (1, 2, 4, 8) for i in range(3)]
     shapes += [(StepItem(n, n),) for n in (32, 64, 128, 256)]
-    measured = [(s, host.memory_s(s) + host.compute_s(s) + 0.003) for s in shapes]
+    measured = [(StepTotals.of(s), host.memory_s(s) + host.compute_s(s) + 0.003) for s in shapes]
     found = fit(Path(llama_dir), "float32", measured, bandwidth=2e9)
     assert found.flops == pytest.approx(40e9, rel=1e-6) and found.overhead_s == pytest.approx(0.003, rel=1e-6)
     assert found.rms_error_s < 1e-9 and found.steps == len(shapes)
     assert found.emulate_section(llama_dir, "float32")["flops"] == "4e+10"
+
+
+def test_a_step_record_carries_what_the_cost_model_needs_and_a_run_fits_from_its_records(llama_dir):
+    """Each engine step records its KV read and attention pairs, so a real run's own steps fit a
+    host's model (scripts/bench_emulation.py --fit run). Exact for one known step: two requests of
+    5 and 9 prompt tokens prefilled together (pairs 5*6/2 + 9*10/2), then decoded once (contexts 6
+    and 10). Records fit as their shapes do: the model's bytes and FLOPs of both are identical."""
+    from bench.calibrate import from_records
+    from engine.config import EngineConfig
+    from engine.llm_engine import LLMEngine
+    from protocol.sampling import SamplingParams
+    from router.config.emulate import emulated_shape
+
+    engine = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=64))
+    shapes = []
+    for i, n in enumerate((5, 9)):
+        engine.add_request(f"r{i}", prompt_token_ids=list(range(20, 20 + n)),
+                           sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+        shapes.append(engine.last_step)
+    prefill, decode = engine.telemetry.since(0)
+    assert (prefill.prefill_tokens, prefill.context_tokens, prefill.attended_pairs) == (14, 14, 15 + 45)
+    assert (decode.decode_rows, decode.context_tokens, decode.attended_pairs) == (2, 16, 16)
+    unit = CostModel(emulated_shape(llama_dir), DeviceProfile("unit", 1.0, 1.0, "1B", ""), dtype_bytes=4)
+    for (totals, wall), shape, record in zip(from_records([prefill, decode]), shapes, (prefill, decode), strict=True):
+        assert wall == record.wall_s
+        assert (unit.step_bytes(totals), unit.step_flops(totals)) == (unit.step_bytes(shape), unit.step_flops(shape))
