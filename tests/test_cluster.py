@@ -93,6 +93,17 @@ def test_grpc_tokens_match_generate_on_one_prefill_and_one_decode_worker(cluster
     _assert_tokens_match_generate(cluster, llama_dir, 2, seed=1)
 
 
+def test_workers_run_with_the_allocator_malloc_auto_picks(cluster):
+    """`malloc: auto` (the default): every CPU worker process has tcmalloc mapped where this host
+    has the library, and glibc's malloc where it has not (worker_runtime/malloc.py)."""
+    from worker_runtime import malloc
+
+    expected = "tcmalloc" if malloc.tcmalloc() else "system"
+    in_use = ray.get([w.actor.__ray_call__.remote(lambda actor: malloc.in_use()) for w in cluster.router.pools.all()],
+                     timeout=30)
+    assert in_use == [expected] * len(in_use) and in_use
+
+
 def test_bad_requests_get_their_status_and_good_ones_still_finish(cluster, llama_dir):
     client = Client(cluster.address)
     good_prompt = _prompts(1, seed=9)[0]

@@ -23,6 +23,7 @@ from engine.llm_engine import LLMEngine
 from protocol.messages import CacheDelta, EngineBeat, WorkerInfo, WorkerStats
 from protocol.outputs import RequestOutput
 from protocol.telemetry import EmulationStats, StepRecord
+from worker_runtime import malloc
 from worker_runtime.engine_loop import EngineLoop
 from worker_runtime.faults import Faults
 from worker_runtime.outbox import Outbox
@@ -45,7 +46,7 @@ class WorkerCore:
         self.pool = pool
         self.node_ip = node_ip  # where peers reach this worker's channels
         self.engine = LLMEngine(config)
-        log.info("%s: %s", name, self.engine.runner.describe())
+        log.info("%s: %s, malloc %s", name, self.engine.runner.describe(), malloc.in_use())
         self.pacer = Pacer(emulation) if emulation is not None else None  # worker_runtime/pacing.py
         if self.pacer is not None:
             self.pacer.wait_startup(began)

@@ -19,6 +19,7 @@ from protocol.sizes import PlanError, format_bytes, parse_bytes
 from router.config.emulate import check_emulate, emulated_num_blocks
 from router.config.typed_yaml import ConfigError
 from router.frontdoor.access import TokenFileError, read_tokens
+from worker_runtime.malloc import MALLOCS, NO_TCMALLOC, tcmalloc
 
 if TYPE_CHECKING:
     from router.config.schema import AuthSection, ClusterConfig, PoolSection, TLSSection
@@ -54,6 +55,10 @@ def check_values(cfg: ClusterConfig, where: str) -> None:
         ("decode.num_cpus", cfg.decode.num_cpus >= 0, "must be >= 0"),
         ("prefill.num_gpus", cfg.prefill.num_gpus >= 0, "must be >= 0"),
         ("decode.num_gpus", cfg.decode.num_gpus >= 0, "must be >= 0"),
+        ("prefill.malloc", cfg.prefill.malloc in MALLOCS, "must be auto, tcmalloc or system"),
+        ("decode.malloc", cfg.decode.malloc in MALLOCS, "must be auto, tcmalloc or system"),
+        ("prefill.malloc", cfg.prefill.malloc != "tcmalloc" or tcmalloc() is not None, NO_TCMALLOC),
+        ("decode.malloc", cfg.decode.malloc != "tcmalloc" or tcmalloc() is not None, NO_TCMALLOC),
         ("prefill.torch_threads", cfg.prefill.torch_threads >= 1, "must be >= 1"),
         ("decode.torch_threads", cfg.decode.torch_threads >= 1, "must be >= 1"),
         ("prefill.cpus", not cfg.prefill.cpus or min(cfg.prefill.cpus) >= 0, "core numbers must be >= 0"),

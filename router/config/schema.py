@@ -143,6 +143,7 @@ class PoolSection:
     # pin the pool's workers to these CPU cores, one core per worker in turn (null = no pinning)
     cpus: list[int] | None = None
     num_blocks: int | None = None  # KV blocks per worker of this pool; null = kv_cache's sizing
+    malloc: str = "auto"  # a CPU worker's allocator: auto (tcmalloc where this host has it) | tcmalloc | system
 
 
 @dataclass(frozen=True)
