@@ -15,4 +15,4 @@ done
 bash scripts/setup.sh test
 export RAY_USAGE_STATS_ENABLED=0
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q ${args[@]+"${args[@]}"}
+.venv/bin/python -m pytest -q --durations=25 ${args[@]+"${args[@]}"}
