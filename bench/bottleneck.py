@@ -184,14 +184,20 @@ def step_records_to_dicts(records: Sequence[Any], run_start_unix: float) -> list
              "context_tokens": r.context_tokens, "attended_pairs": r.attended_pairs} for r in records]
 
 
-def collect_steps(cluster: Any, started_unix: float) -> dict[str, Any]:
-    """Every live worker's step records (engine/telemetry.py), times relative to the run's start;
-    a worker that does not answer is left out (its requests still count)."""
-    async def fetch() -> dict[str, Any]:
+def fetch_step_records(cluster: Any) -> dict[str, tuple[Any, list]]:
+    """Every live worker's view and its step records (engine/telemetry.py), by worker name; a
+    worker that does not answer is left out (its requests still count)."""
+    async def fetch() -> dict[str, tuple[Any, list]]:
         workers = [w for w in cluster.router.pools.all() if not w.stopped]
         replies = await asyncio.gather(*(within(w.actor.telemetry.remote(0), 30) for w in workers),
                                        return_exceptions=True)
-        return {w.name: {"pool": w.info.pool, "blocks_total": w.info.num_blocks,
-                         "steps": step_records_to_dicts(reply, started_unix)}
-                for w, reply in zip(workers, replies, strict=True) if not isinstance(reply, BaseException)}
+        return {w.name: (w, reply) for w, reply in zip(workers, replies, strict=True)
+                if not isinstance(reply, BaseException)}
     return cluster.call(fetch(), timeout=60)
+
+
+def collect_steps(cluster: Any, started_unix: float) -> dict[str, Any]:
+    """`fetch_step_records` as plain dicts, times relative to the run's start."""
+    return {name: {"pool": w.info.pool, "blocks_total": w.info.num_blocks,
+                   "steps": step_records_to_dicts(records, started_unix)}
+            for name, (w, records) in fetch_step_records(cluster).items()}

@@ -98,9 +98,9 @@ class DecodeWorker(WorkerCalls):
         """The engine's reservation, or None ("no room") if the engine has not taken the call within
         RESERVE_WAIT_S, or `r.wait_s` when shorter (the request's queue deadline): the router waits
         for this answer holding its admission lock, an engine in a long or stalled step must not
-        stop placement for everyone, and a request refused at its deadline must hear so then. Whichever comes first, the
-        engine thread running it or the actor giving up, decides under `lock`: a reservation given
-        up on is never made, so no block is left held."""
+        stop placement for everyone, and a request refused at its deadline must hear so then.
+        Whichever comes first, the engine thread running it or the actor giving up, decides under
+        `lock`: a reservation given up on is never made, so no block is left held."""
         lock, ran, gave_up = threading.Lock(), threading.Event(), threading.Event()
 
         def reserve(e):

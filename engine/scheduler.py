@@ -58,9 +58,9 @@ class Scheduler:
     def blocks_owed(self) -> int:
         """Blocks its requests will take for the context they have now, beyond those they hold: a
         prompt allocates chunk by chunk, so `free` alone overstates the room a new request has.
-        A waiting request's cached prefix is counted as owed too (an upper bound)."""
-        owed = sum(self._blocks_needed(r, r.num_uncomputed_tokens) for r in self.running)
-        return owed + sum(-(-r.num_tokens // self.block_size) for r in self.waiting)
+        A waiting request (no blocks, nothing computed) owes its whole context, its cached prefix
+        included (an upper bound)."""
+        return sum(self._blocks_needed(r, r.num_uncomputed_tokens) for r in (*self.running, *self.waiting))
 
     def schedule(self) -> list[ScheduledItem]:
         budget = self.config.max_num_batched_tokens

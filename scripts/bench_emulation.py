@@ -35,9 +35,9 @@ os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 import numpy as np  # noqa: E402
-import ray  # noqa: E402
 
 from bench import host_measure  # noqa: E402
+from bench.bottleneck import fetch_step_records  # noqa: E402
 from bench.calibrate import fit, from_records, measure_steps  # noqa: E402
 from bench.client import replay  # noqa: E402
 from bench.emulation import assumptions, collect_emulation, fidelity  # noqa: E402
@@ -93,8 +93,8 @@ def _run(cfg: ClusterConfig, workload: Workload, name: str) -> tuple[list[Reques
         started = time.time()
         records = asyncio.run(replay(cluster.address, workload, name, show_progress=False))
         emulated = fidelity(collect_emulation(cluster), assumptions(cfg)) if cfg.emulate.device else None
-        steps = ray.get([w.actor.telemetry.remote(0) for w in cluster.router.pools.all()], timeout=60)
-    return records, emulated, [r for worker in steps for r in worker if r.end_unix >= started]
+        steps = [r for _, rs in fetch_step_records(cluster).values() for r in rs if r.end_unix >= started]
+    return records, emulated, steps
 
 
 def main() -> int:

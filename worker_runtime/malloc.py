@@ -5,8 +5,9 @@ decode group); glibc's malloc returns the large ones to the kernel and maps them
 step. tcmalloc keeps them, and vLLM's CPU guide preloads it for that reason. On this project's
 2-core host a SmolLM2 decode step at batch 16 on two threads took 0.79-0.83x the time with
 tcmalloc preloaded; on one thread, and through a cluster of one-thread workers, the gain was
-within the noise (docs/engine_speed.md, "The allocator"). `auto` preloads it where the host has the library
-(Debian/Ubuntu: libtcmalloc-minimal4) and runs glibc's elsewhere; GPU workers are left alone.
+within the noise (docs/engine_speed.md, "The allocator"). `auto` preloads it where the host has
+the library (Debian/Ubuntu: libtcmalloc-minimal4) and runs glibc's elsewhere; GPU workers are
+left alone.
 The router starts each worker with the environment `worker_env` gives; the worker's first log
 line names the allocator it actually runs with (`in_use`).
 """
