@@ -44,8 +44,8 @@ Prefill side (owns the source blocks):
   caller's current stream and the copy waits for it.
 
 Emulated link (config.pace, a LinkPace): the receiver completes each transfer no sooner than
-its modelled time after the header arrived (kv_transfer/pace.py); receiver.link_stats() counts
-transfers, overruns and lateness.
+its modelled time after its blocks were resolved (kv_transfer/pace.py); receiver.link_stats()
+counts transfers, overruns and lateness.
 
 Failure: a transfer not done within config.timeout_s of reaching the wire fails with a
 KVTransferError naming peer and request, on both sides; a dead peer fails in-flight work

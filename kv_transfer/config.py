@@ -16,7 +16,8 @@ Backend = Literal["auto", "gloo", "nccl"]
 class LinkPace:
     """An emulated link (docs/architecture.md, "Emulation"): the receiver completes a transfer of
     n blocks no sooner than (latency_s + n x block_bytes / bytes_per_s) x time_scale after its
-    header arrived, `block_bytes` being the emulated model's KV per block (kv_transfer/pace.py)."""
+    blocks were resolved on arrival, `block_bytes` being the emulated model's KV per block
+    (kv_transfer/pace.py)."""
 
     block_bytes: int
     bytes_per_s: float

@@ -1,5 +1,5 @@
 """An emulated link on the receiving side: each transfer completes (on_complete, then the reply)
-no sooner than its modelled time after its header arrived, and the receiver counts how faithful
+no sooner than its modelled time after its blocks were resolved, and the receiver counts how faithful
 that was. A transfer whose real landing took longer overran and is late by the difference.
 One `LinkClock` per receiver, shared by its channel threads.
 """
@@ -32,13 +32,13 @@ class LinkClock:
         self._stats = LinkStats()
         self._ratios: deque[float] = deque(maxlen=RATIOS_KEPT)
 
-    def hold(self, num_blocks: int, header_at: float) -> None:
+    def hold(self, num_blocks: int, started_at: float) -> None:
         """Channel thread, once the blocks landed: sleep out the transfer's modelled time since
-        `header_at` (time.monotonic()); nothing without an emulated link."""
+        `started_at` (time.monotonic(), once its blocks were resolved); nothing without an emulated link."""
         if self.pace is None:
             return
         target = self.pace.seconds(num_blocks)
-        real = time.monotonic() - header_at
+        real = time.monotonic() - started_at
         with self._lock:
             late = max(real - target, 0.0)
             s = self._stats

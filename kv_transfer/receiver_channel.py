@@ -171,10 +171,12 @@ class ReceiverChannel:
 
     def _receive(self, groups: ChannelGroups, header: Header, agreement: Agreement) -> None:
         self._check_framing(header, agreement)
-        arrived = time.monotonic()
-        deadline = arrived + self._owner.config.timeout_s
+        deadline = time.monotonic() + self._owner.config.timeout_s
         request_id, num_blocks = header.request_id, header.num_blocks
         resolved = self._resolve(request_id, num_blocks, header.first_block)
+        # an emulated link's clock starts once the blocks are known, after the owner's own landing
+        # clock (which `_resolve` starts), so the landing time it reports is never under the model
+        arrived = time.monotonic()
         refusal = self._refusal(resolved, num_blocks)
         try:
             corruption = self._land(groups, header, None if refusal else resolved, deadline)
