@@ -13,6 +13,8 @@ from client.credentials import Target, as_target
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 
+CONNECT_TIMEOUT_S = 5.0  # how long a call waits for the router's channel to be ready
+
 
 class RouterError(Exception):
     """An RPC failed; the message says which status and why, for a person."""
@@ -21,7 +23,7 @@ class RouterError(Exception):
 def _channel(target: Target) -> grpc.Channel:
     channel = target.grpc_channel()
     try:
-        grpc.channel_ready_future(channel).result(timeout=5)
+        grpc.channel_ready_future(channel).result(timeout=CONNECT_TIMEOUT_S)
     except grpc.FutureTimeoutError:
         hint = ("the TLS handshake may have failed: check --ca-file, and --cert-file/--key-file for mutual TLS"
                 if target.secure else "a router with TLS needs --ca-file or --tls")

@@ -13,7 +13,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from cli.main import main as pdserve
-from client import chat
+from client import chat, grpc_client
 from proto import pdserve_pb2 as pb
 from tests.cluster_util import Client, free_port
 from tests.reference import hf_greedy
@@ -96,6 +96,7 @@ def test_chat_prints_a_failed_turn_and_leaves_it_out(cluster, client):
     assert out.getvalue() == "\n" + _reply(client, [HELLO], max_tokens=8) + "\n"  # as if the first never was
 
 
-def test_chat_with_no_router_is_a_clear_error(capsys):
+def test_chat_with_no_router_is_a_clear_error(capsys, monkeypatch):
+    monkeypatch.setattr(grpc_client, "CONNECT_TIMEOUT_S", 0.5)  # nothing listens: no need to wait 5 s
     assert pdserve(["chat", "--router", f"127.0.0.1:{free_port()}"]) == 1
     assert "cannot reach a pdserve router" in capsys.readouterr().err

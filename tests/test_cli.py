@@ -15,6 +15,7 @@ import yaml
 
 from cli.main import build_parser
 from cli.main import main as pdserve
+from client import grpc_client
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
 from tests.cluster_util import free_port
@@ -94,7 +95,8 @@ def test_every_option_has_a_help_line(command):
     assert not missing, f"pdserve {command}: options without help: {missing}"
 
 
-def test_unreachable_router_is_a_clear_error(capsys):
+def test_unreachable_router_is_a_clear_error(capsys, monkeypatch):
+    monkeypatch.setattr(grpc_client, "CONNECT_TIMEOUT_S", 0.5)  # nothing listens: no need to wait 5 s
     code, err = _in_process(capsys, "status", "--router", f"127.0.0.1:{free_port()}")
     assert code == 1 and "cannot reach a pdserve router" in err
 
