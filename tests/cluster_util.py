@@ -31,8 +31,10 @@ def cluster_config(model_path: str, **overrides) -> ClusterConfig:
     raw = {
         "model": {"path": model_path},
         "router": {"port": 0, "metrics_port": 0, "shutdown_grace_s": 5},  # 0: the bound port is read back
-        "prefill": {"replicas": 1, "num_cpus": 0.5},
-        "decode": {"replicas": 1, "num_cpus": 0.5},
+        # one torch thread per worker, as before `torch_threads: auto`: many workers share 2 cores in
+        # the suite; the session's default cluster (conftest `served`) runs auto
+        "prefill": {"replicas": 1, "num_cpus": 0.5, "torch_threads": 1},
+        "decode": {"replicas": 1, "num_cpus": 0.5, "torch_threads": 1},
         "kv_cache": {"block_size": 16, "num_blocks": 256},
         "kv_transfer": {"timeout_s": 10},
     }

@@ -132,7 +132,7 @@ def _shared(request, name: str, make_config):
 @pytest.fixture(scope="module")
 def served(request, ray_instance, llama_dir, tmp_path_factory):
     """The session's default cluster, for every module whose tests it fits: disaggregated, 1
-    prefill + 1 decode worker, gRPC, the OpenAI HTTP API, Prometheus metrics and a request log
+    prefill + 1 decode worker (`torch_threads: auto`, the default), gRPC, the OpenAI HTTP API, Prometheus metrics and a request log
     (`served.cfg.router.request_log`). A cluster start costs 8-10 s here, so the first module that
     asks starts it and the others share it. A module may use it in any way that leaves it as it
     found it (scaled back, healed, faults off: see _shared); it cannot rely on an empty prefix
@@ -141,7 +141,8 @@ def served(request, ray_instance, llama_dir, tmp_path_factory):
 
     def config():
         log = tmp_path_factory.mktemp("served") / "requests.jsonl"
-        return cluster_config(llama_dir, router={"http_port": 0, "request_log": str(log)})
+        return cluster_config(llama_dir, router={"http_port": 0, "request_log": str(log)},
+                              prefill={"torch_threads": "auto"}, decode={"torch_threads": "auto"})
     yield from _shared(request, "served", config)
 
 
@@ -165,11 +166,13 @@ def served_2x2(request, ray_instance, llama_dir):
 
 @pytest.fixture(scope="module")
 def served_colocated(request, ray_instance, llama_dir):
-    """A shared colocated cluster of 2 workers, quick to replace a dead one (same rules as `served`)."""
+    """A shared colocated cluster of 2 workers (`torch_threads: auto`, the default), quick to
+    replace a dead one (same rules as `served`)."""
     from tests.cluster_util import cluster_config
 
     yield from _shared(request, "colocated", lambda: cluster_config(
-        llama_dir, mode="colocated", prefill={"replicas": 0}, decode={"replicas": 2}, router={"restart_backoff_s": 0.2}))
+        llama_dir, mode="colocated", prefill={"replicas": 0}, decode={"replicas": 2, "torch_threads": "auto"},
+        router={"restart_backoff_s": 0.2}))
 
 
 @pytest.fixture(scope="module")

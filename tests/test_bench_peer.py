@@ -87,7 +87,8 @@ def test_transformers_serve_gets_the_dtype_1_gib_of_blocks_and_an_eos_id_no_toke
     assert generation == {"do_sample": False, "eos_token_id": 49153}
 
 
-@pytest.mark.parametrize("server, prefill, decode", [("pdserve-disaggregated", 1, 1), ("pdserve-colocated", 0, 2)])
+@pytest.mark.parametrize("server, prefill, decode", [("pdserve-disaggregated@2x1", 1, 1),
+                                                     ("pdserve-colocated@2x1", 0, 2)])
 def test_pdserve_splits_the_kv_budget_between_its_two_pinned_workers(tmp_path, server, prefill, decode):
     launch = bp.pdserve_launch("models/m", server, "bfloat16", 8126, tmp_path)
     assert launch.cmd[1:3] == ["serve", "--config"] and launch.env == {} and launch.endpoint == {}
@@ -100,6 +101,8 @@ def test_pdserve_splits_the_kv_budget_between_its_two_pinned_workers(tmp_path, s
 
 
 @pytest.mark.parametrize("server, prefill, decode, threads, memory", [
+    ("pdserve-colocated", 0, 2, "auto", "512MiB"),       # no shape: pdserve's defaults
+    ("pdserve-disaggregated", 1, 1, "auto", "512MiB"),
     ("pdserve-colocated@1x2", 0, 1, 2, "1024MiB"),       # one worker, both cores
     ("pdserve-disaggregated@2x2", 1, 1, 2, "512MiB"),    # two threads each, sharing both cores
     ("pdserve-colocated@4x1", 0, 4, 1, "256MiB")])       # more workers than cores

@@ -93,15 +93,24 @@ def test_grpc_tokens_match_generate_on_one_prefill_and_one_decode_worker(cluster
     _assert_tokens_match_generate(cluster, llama_dir, 2, seed=1)
 
 
-def test_workers_run_with_the_allocator_malloc_auto_picks(cluster):
-    """`malloc: auto` (the default): every CPU worker process has tcmalloc mapped where this host
-    has the library, and glibc's malloc where it has not (worker_runtime/malloc.py)."""
+def test_workers_run_with_the_allocator_and_threads_auto_picks(cluster, served_colocated):
+    """`malloc: auto` and `torch_threads: auto` (the defaults): every CPU worker process has
+    tcmalloc mapped where this host has the library, and glibc's malloc where it has not
+    (worker_runtime/malloc.py); and runs its Ray CPU share in torch threads, twice that when
+    colocated, at most the cores it may use (worker_runtime/threads.py; a share of 0.5 counts as 1)."""
     from worker_runtime import malloc
 
     expected = "tcmalloc" if malloc.tcmalloc() else "system"
-    in_use = ray.get([w.actor.__ray_call__.remote(lambda actor: malloc.in_use()) for w in cluster.router.pools.all()],
-                     timeout=30)
-    assert in_use == [expected] * len(in_use) and in_use
+
+    def probe(actor):
+        import os
+
+        import torch
+        return malloc.in_use(), torch.get_num_threads(), len(os.sched_getaffinity(0))
+    for shared, per_cpu in ((cluster, 1), (served_colocated, 2)):
+        seen = ray.get([w.actor.__ray_call__.remote(probe) for w in shared.router.pools.all()], timeout=30)
+        assert len(seen) == 2 and [m for m, _, _ in seen] == [expected] * 2
+        assert all(threads == min(per_cpu, cores) for _, threads, cores in seen), (per_cpu, seen)
 
 
 def test_bad_requests_get_their_status_and_good_ones_still_finish(cluster, llama_dir):

@@ -9,6 +9,7 @@ interface both answer alike (ready, poll, stats, telemetry, emulation, check), w
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import os
 import time
@@ -28,6 +29,7 @@ from worker_runtime.engine_loop import EngineLoop
 from worker_runtime.faults import Faults
 from worker_runtime.outbox import Outbox
 from worker_runtime.pacing import Pacer
+from worker_runtime.threads import auto_threads
 
 log = logging.getLogger(__name__)
 
@@ -36,17 +38,23 @@ class WorkerCore:
     def __init__(self, name: str, pool: str, config: EngineConfig,
                  on_outputs: Callable[[list[RequestOutput]], None], cpu: int | None = None,
                  faults: Faults | None = None, node_ip: str = "127.0.0.1",
-                 after_step: Callable[[LLMEngine], None] | None = None, emulation: Emulation | None = None):
+                 after_step: Callable[[LLMEngine], None] | None = None, emulation: Emulation | None = None,
+                 cpu_share: float = 1.0, colocated: bool = False):
         began = time.perf_counter()
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})  # before torch starts its thread pool
-        torch.set_num_threads(config.torch_threads or 1)
+        # None = `torch_threads: auto` (worker_runtime/threads.py); the engine keeps what is set here
+        config = dataclasses.replace(config, torch_threads=config.torch_threads
+                                     or auto_threads(cpu_share, pinned=cpu is not None,
+                                                                   colocated=colocated))
+        torch.set_num_threads(config.torch_threads)
         self.name = name
         self.cpu = cpu
         self.pool = pool
         self.node_ip = node_ip  # where peers reach this worker's channels
         self.engine = LLMEngine(config)
-        log.info("%s: %s, malloc %s", name, self.engine.runner.describe(), malloc.in_use())
+        log.info("%s: %s, malloc %s, %d torch threads", name, self.engine.runner.describe(), malloc.in_use(),
+                 torch.get_num_threads())
         self.pacer = Pacer(emulation) if emulation is not None else None  # worker_runtime/pacing.py
         if self.pacer is not None:
             self.pacer.wait_startup(began)

@@ -139,7 +139,9 @@ class PoolSection:
     # only on a node whose Ray labels match the selector ({role: decode}, {zone: "in(a,b)"}, "!x")
     resources: dict[str, float] = field(default_factory=dict)
     label_selector: dict[str, str] = field(default_factory=dict)
-    torch_threads: int = 1
+    # intra-op threads per worker: auto = num_cpus (twice that for a colocated worker), at most the
+    # node's cores, 1 when pinned (`cpus`); the measured rule: docs/engine_speed.md "Threads"
+    torch_threads: int | Literal["auto"] = "auto"
     # pin the pool's workers to these CPU cores, one core per worker in turn (null = no pinning)
     cpus: list[int] | None = None
     num_blocks: int | None = None  # KV blocks per worker of this pool; null = kv_cache's sizing
@@ -206,7 +208,8 @@ class ClusterConfig:
             memory_fraction=kv.memory_fraction, runtime_overhead=parse_bytes(kv.runtime_overhead),
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens, chunk_size=self.scheduler.chunk_size,
             max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.model.max_model_len,
-            torch_threads=pool.torch_threads, enable_prefix_caching=kv.prefix_caching,
+            torch_threads=None if pool.torch_threads == "auto" else pool.torch_threads,
+            enable_prefix_caching=kv.prefix_caching,
             compile=self.engine.compile, cuda_graphs=self.engine.cuda_graphs)
 
 
