@@ -18,6 +18,7 @@ import itertools
 import logging
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -78,6 +79,8 @@ class LLMEngine:
         self.telemetry = StepLog()  # per-step records for `pdserve bench`'s bottleneck report
         self._preemptions_logged = 0
         self.last_step: StepShape = ()  # what the last step computed, for pacing (worker_runtime/pacing.py)
+        # an emulated device's pacing: runs in each step after sampling, before the step is recorded
+        self.pace: Callable[[], None] | None = None
 
     # ---- admission -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -274,6 +277,8 @@ class LLMEngine:
             it.request.num_computed_tokens += it.num_tokens
         tokens = sample_isolated(logits, sampling, self._generator)
         outputs = [self._emit(req, tok) for req, tok in zip(sampling, tokens, strict=True)]
+        if self.pace is not None:
+            self.pace()  # sleeps out the emulated step: recorded below as the step's time
         self._record(items, t0, t1, t2, time.perf_counter())
         for req, out in zip(sampling, outputs, strict=True):
             if out.token_ids:  # after _record: a first token's prefill compute includes this step

@@ -268,6 +268,32 @@ def test_a_real_engine_on_an_absurdly_fast_device_overruns_and_is_marked_not_fai
     assert not verdict["faithful"] and verdict["suggested_time_scale"] > 1000
 
 
+def test_a_paced_steps_record_and_its_prompts_compute_time_are_the_emulated_steps(llama_dir):
+    """The pacing runs inside the step, before it is recorded: the step records the bench reads
+    and the first token's prefill compute time carry the emulated step time, not the host's."""
+    slow = dataclasses.replace(H100, name="slow", bandwidth=16e9 / 0.08)  # Llama-8B's 16 GB: >= 80 ms a step
+    pacer = Pacer(Emulation(CostModel(LLAMA_8B, slow, step_overhead_s=0.0), LinkModel(50e9), 5e9))
+    outputs, done = [], threading.Event()
+
+    def on_outputs(outs):
+        outputs.extend(outs)
+        if any(o.finished for o in outs):
+            done.set()
+    engine = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=64))
+    loop = EngineLoop(engine, on_outputs, pace=pacer.pace)
+    try:
+        sampling = SamplingParams(max_tokens=3, ignore_eos=True)
+        loop.call(lambda e: e.add_request("r", prompt_token_ids=list(range(10, 30)), sampling=sampling)).result(10)
+        assert done.wait(60), "the paced engine did not finish"
+        records = loop.call(lambda e: e.telemetry.since(0)).result(10)
+    finally:
+        loop.stop()
+    assert len(records) == 3 and pacer.stats().steps == 3  # the prefill and two decode steps
+    assert all(r.wall_s >= 0.08 for r in records), [r.wall_s for r in records]
+    first = next(o for o in outputs if o.prefill_timing is not None)
+    assert first.prefill_timing.compute_s >= 0.08
+
+
 def test_the_host_work_between_busy_steps_counts_against_the_next_steps_model(llama_dir):
     """A busy loop times each step from the end of the previous one's pacing, so the outputs'
     handling (here 0.2 s of it) lands inside the next step's modelled time instead of after it."""

@@ -5,7 +5,9 @@ The engine is not thread-safe, so every touch (add, reserve, abort, ...) is queu
 `concurrent.futures.Future`. Each step's outputs go to `on_outputs` (on the loop thread).
 `before_step`, if given, runs on the loop thread before every step (fault injection hooks in
 there); if it raises, that step fails like a failed forward. `pace(engine, began)`, if given,
-runs right after every step (an emulated device's step time, worker_runtime/pacing.py). `began`
+runs inside every step, once its tokens are sampled and before the step is recorded (an emulated
+device's step time, worker_runtime/pacing.py: the engine's step record and its prompts' compute
+time are then the emulated step's, which the bench reports). `began`
 is when the loop last became free with work waiting: the end of the previous step's pacing while
 the loop stays busy, else when work arrived. The host work between two steps (the previous
 step's outputs and hooks, the queued calls) is then charged to the next step's modelled time,
@@ -51,6 +53,9 @@ class EngineLoop:
         self._before_step = before_step
         self._after_step = after_step
         self._pace = pace
+        self._free_since: float | None = None  # the loop's time free with work waiting (see `pace`)
+        if pace is not None:
+            engine.pace = self._pace_step
         self._inbox: list[tuple[Callable[[LLMEngine], Any], Future]] = []
         self._wake = threading.Condition()
         self._stopped = False
@@ -81,27 +86,27 @@ class EngineLoop:
         """The thread's last sign of life; any thread, never waits for the loop."""
         return EngineBeat(self.name, time.monotonic() - self.beat_at, self.steps, self.failed_steps_in_a_row)
 
+    def _pace_step(self) -> None:
+        self._pace(self.engine, self._free_since)
+
     def _run(self) -> None:
-        free_since: float | None = None  # the loop's time free with work waiting (see `pace`)
         while True:
             with self._wake:
                 while not self._inbox and not self.engine.has_unfinished() and not self._stopped:
-                    free_since = None
+                    self._free_since = None
                     self.beat_at = time.monotonic()
                     self._wake.wait(BEAT_S)
                 if self._stopped:
                     return
                 inbox, self._inbox = self._inbox, []
-            if free_since is None:
-                free_since = time.perf_counter()
+            if self._free_since is None:
+                self._free_since = time.perf_counter()
             for fn, fut in inbox:
                 self._apply(fn, fut)
             self.beat_at = time.monotonic()
             if self.engine.has_unfinished():
-                outputs = self._step()
-                if self._pace is not None:
-                    self._pace(self.engine, free_since)
-                free_since = time.perf_counter()
+                outputs = self._step()  # paced inside, when paced (engine.pace)
+                self._free_since = time.perf_counter()
                 if self._after_step is not None:
                     self._hook(self._after_step)
                 self.steps += 1

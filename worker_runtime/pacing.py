@@ -2,9 +2,10 @@
 its shape on the emulated device (engine/cost_model.py) x time_scale, and a worker's start-up to
 the emulated weights load; counters of how faithful that was (protocol.telemetry.EmulationStats).
 
-The engine loop calls `pace(engine, began)` on its thread right after each step: it sleeps until
-`began + modelled x time_scale`, so the step's outputs (and the KV it filled) leave when the
-emulated device would have finished it. A step whose real work took longer overran: nothing is
+The engine calls `pace(engine, began)` (through the loop, `LLMEngine.pace`) inside each step, once
+its tokens are sampled and before the step is recorded: it sleeps until `began + modelled x
+time_scale`, so the step's outputs (and the KV it filled) leave when the emulated device would
+have finished it, and the step's record and its prompts' compute time are the emulated ones. A step whose real work took longer overran: nothing is
 slept and it is late by the difference. The engine's logic is untouched: tokens are the real
 model's. Only this thread sleeps; calls queued meanwhile run after, as behind a busy device.
 """
