@@ -1,6 +1,6 @@
 """An emulated link on the receiving side: each transfer completes (on_complete, then the reply)
-no sooner than its modelled time after its blocks were resolved, and the receiver counts how faithful
-that was. A transfer whose real landing took longer overran and is late by the difference.
+no sooner than its modelled time after its blocks were resolved, and the receiver counts how
+faithful that was. A transfer whose real landing took longer overran and is late by the difference.
 One `LinkClock` per receiver, shared by its channel threads.
 """
 
@@ -34,7 +34,8 @@ class LinkClock:
 
     def hold(self, num_blocks: int, started_at: float) -> None:
         """Channel thread, once the blocks landed: sleep out the transfer's modelled time since
-        `started_at` (time.monotonic(), once its blocks were resolved); nothing without an emulated link."""
+        `started_at` (time.monotonic(), once its blocks were resolved); nothing without an
+        emulated link."""
         if self.pace is None:
             return
         target = self.pace.seconds(num_blocks)

@@ -87,7 +87,9 @@ class EngineLoop:
         return EngineBeat(self.name, time.monotonic() - self.beat_at, self.steps, self.failed_steps_in_a_row)
 
     def _pace_step(self) -> None:
-        self._pace(self.engine, self._free_since)
+        """`engine.pace`: inside a step the loop runs (a step run by a queued call: from now)."""
+        began = self._free_since if self._free_since is not None else time.perf_counter()
+        self._pace(self.engine, began)
 
     def _run(self) -> None:
         while True:
