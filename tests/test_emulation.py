@@ -428,8 +428,10 @@ def test_bench_emulates_h100_timings_and_reports_its_fidelity(llama_dir, tmp_pat
     assert f["faithful"] == (f["overrun_share"] <= 0.01 and f["transfer_overrun_share"] <= 0.01)
     assert (f["suggested_time_scale"] is None) == f["faithful"]
     # reported in emulated time: a decode step at ~40 tokens of context is >= 16.07 GB / (3.35 TB/s x 0.8)
-    # + 1 ms = 6.99 ms; paced at x 2, divided back by 2
-    assert run["itl_ms"]["p50"] >= 6.99
+    # + 1 ms = 6.99 ms; paced at x 2, divided back by 2. The mean gap, not a percentile: a client
+    # that falls behind on a loaded host reads two messages back to back (one gap near 0, the
+    # next twice as long), which moves the percentiles but not a request's first-to-last time
+    assert run["itl_ms"]["mean"] >= 6.99
 
 
 def test_the_host_fit_recovers_a_known_cost_model(llama_dir):
