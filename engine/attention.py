@@ -4,7 +4,9 @@ The runner flattens every scheduled token of every sequence into one row (`[1, T
 tokens first. `StepMetadata` is built once per step, shared by all layers, and held for the
 step's forward by `step_context`. Each layer calls the custom op `pdserve::paged_attention`,
 which reads the metadata from there, writes the new K/V into their slots of the pool, then attends:
-- decode tokens in a few padded SDPA calls, grouped by context length (little padding);
+- decode tokens with the CPU decode kernel (engine/cpu_kernel.py: every row straight from its
+  blocks, no copy, no padding), or without it in a few padded SDPA calls, grouped by context
+  length (little padding);
 - each prefill chunk over its own context (fresh prompts straight from K/V, causal).
 A decode-only step padded to a CUDA-graph bucket (engine/compiled.py) has more rows than slots:
 the rows past the step's tokens write no KV and come out as zeros.
@@ -37,7 +39,7 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from engine import features
+from engine import cpu_kernel, features
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -63,12 +65,22 @@ class DecodeGroup:
 
 
 @dataclass
+class DecodeRows:
+    """Every decode row of a step, for the CPU decode kernel: rows [0, n) of the flattened row."""
+
+    kernel: cpu_kernel.DecodeKernel
+    tables: torch.Tensor  # [n, max_blocks] int64, each row's block table (padding never read)
+    lens: torch.Tensor  # [n] int64, the keys each row sees: its context, its new token included
+
+
+@dataclass
 class StepMetadata:
     kv: torch.Tensor  # [num_blocks, layers, 2, block_size, kv_heads, head_dim]
     slot_blocks: torch.Tensor  # [T] block of each new token
     slot_offsets: torch.Tensor  # [T] its position in that block
     decode_groups: list[DecodeGroup]  # decode tokens come first in the row, by context length
     prefills: list[PrefillChunk]
+    decode_rows: DecodeRows | None = None  # instead of decode_groups, where the kernel runs
 
 
 _current: list[StepMetadata] = []  # the step being computed (a stack of at most one)
@@ -116,6 +128,12 @@ def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     out = query.new_empty(1, num_tokens, num_heads, head_dim)
     if real < num_tokens:
         out[0, real:] = 0  # padding rows attend to nothing; zeros keep them finite
+    rows = paged.decode_rows
+    if rows is not None and rows.lens.shape[0]:
+        n = rows.lens.shape[0]
+        q = query[0, :, :n].transpose(0, 1)  # [n, H, D], a view
+        rows.kernel(q if q.stride(2) == 1 else q.contiguous(), k_cache, v_cache, rows.tables, rows.lens,
+                    out[0, :n], scaling, sliding_window, softcap)
     for group in paged.decode_groups:
         mask = group.window_masks[sliding_window] if sliding_window else group.mask
         _decode(query, k_cache, v_cache, group, mask, scaling, softcap, out[0])

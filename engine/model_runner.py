@@ -4,8 +4,9 @@ The step is flattened into one row `[1, T]`: decode tokens first, then prefill c
 the rows whose sequences need a new token go through the LM head (`logits_to_keep`).
 
 The forward is transformers' own module tree with two swaps: attention is the opaque paged op
-(engine/attention.py) and, on CPU, linear layers run on oneDNN-prepacked weights
-(engine/dense.py). `engine.compile` may then compile it (engine/compiled.py).
+(engine/attention.py), whose decode rows run the CPU decode kernel (engine/cpu_kernel.py) where
+it builds, and, on CPU, linear layers run on oneDNN-prepacked weights (engine/dense.py).
+`engine.compile` may then compile it (engine/compiled.py).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import attention, compiled, features
+from engine import attention, compiled, cpu_kernel, features
 from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_pool
 from engine.memory import ModelShape, num_kv_blocks
@@ -79,6 +80,7 @@ class ModelRunner:
                                                        self.shape.head_dim, self.device)
         self.windows = sorted({f.sliding_window for f in self.layer_features if f.sliding_window})
         self.block_size = config.block_size
+        self.decode_kernel, self.kernel_reason = self._decode_kernel()
         self.num_blocks = self._num_blocks()
         self.kv = allocate_kv_pool(self.shape.num_layers, self.num_blocks, self.block_size,
                                    self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
@@ -103,7 +105,27 @@ class ModelRunner:
             how = f"eager (compile failed: {self.forward.fallback_reason})"
         else:
             how = f"eager (engine.compile: {self.config.compile})"
+        if self.decode_kernel is not None:
+            how += ", decode attention by the CPU kernel"
+        else:
+            how += f", decode attention by SDPA ({self.kernel_reason})"
         return f"{self.hf_config.model_type} in {dtype} on {self.device}, {how}"
+
+    def _decode_kernel(self) -> tuple[cpu_kernel.DecodeKernel | None, str]:
+        """The CPU decode kernel, or None and why not (`engine.attention_kernel`: `on` makes a
+        missing kernel an error, `auto` runs SDPA and says why at start)."""
+        setting = self.config.attention_kernel
+        if setting == "off":
+            return None, "engine.attention_kernel: off"
+        if not cpu_kernel.supports(self.dtype, self.device):
+            why = f"the kernel runs on CPU in float32 or bfloat16, not {self.device.type} {self.dtype}"
+        else:
+            kernel, why = cpu_kernel.load()
+            if kernel is not None:
+                return kernel, ""
+        if setting == "on":
+            raise ValueError(f"engine.attention_kernel is on, but {why}")
+        return None, why
 
     @property
     def block_bytes(self) -> int:
@@ -152,9 +174,11 @@ class ModelRunner:
             if it.samples:
                 sample_rows.append(len(ids) - 1)
         dev = self.device
+        decodes = items[:num_decodes]
         meta = attention.StepMetadata(kv=self.kv, slot_blocks=torch.tensor(slot_blocks, device=dev),
                                       slot_offsets=torch.tensor(slot_offsets, device=dev),
-                                      decode_groups=self._decode_groups(items[:num_decodes]), prefills=chunks)
+                                      decode_groups=[] if self.decode_kernel else self._decode_groups(decodes),
+                                      prefills=chunks, decode_rows=self._decode_rows(decodes))
         return (torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev))
 
@@ -203,6 +227,16 @@ class ModelRunner:
             else:
                 masks[window] = attention.window_mask(queries, keys, window).to(self.device)
         return masks
+
+    def _decode_rows(self, decodes: list[ScheduledItem]) -> attention.DecodeRows | None:
+        """The decode rows' block tables (padded with 0, never read) and context lengths, for the kernel."""
+        if self.decode_kernel is None or not decodes:
+            return None
+        lens = [it.end for it in decodes]
+        width = -(-max(lens) // self.block_size)
+        table = [it.request.block_ids[:width] for it in decodes]
+        return attention.DecodeRows(self.decode_kernel, torch.tensor([r + [0] * (width - len(r)) for r in table]),
+                                    torch.tensor(lens))
 
     def _decode_groups(self, decodes: list[ScheduledItem]) -> list[attention.DecodeGroup]:
         """Split the decode rows (sorted by context length) where padding to the group's

@@ -40,6 +40,9 @@ class EngineSection:
     # torch.compile the decoder around the opaque paged-attention op: auto = on CUDA only
     compile: Literal["auto", "on", "off"] = "auto"
     cuda_graphs: bool = False  # with compile on a CUDA device: capture the dense pieces as CUDA graphs
+    # decode attention by the CPU kernel built at start (engine/cpu_kernel.py): auto = where it
+    # builds and runs (CPU, float32 / bfloat16), else SDPA; on = refuse to start without it; off = SDPA
+    attention_kernel: Literal["auto", "on", "off"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -210,6 +213,7 @@ class ClusterConfig:
             max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.model.max_model_len,
             torch_threads=None if pool.torch_threads == "auto" else pool.torch_threads,
             enable_prefix_caching=kv.prefix_caching,
-            compile=self.engine.compile, cuda_graphs=self.engine.cuda_graphs)
+            compile=self.engine.compile, cuda_graphs=self.engine.cuda_graphs,
+            attention_kernel=self.engine.attention_kernel)
 
 

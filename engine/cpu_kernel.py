@@ -1,0 +1,126 @@
+"""The CPU decode-attention kernel (engine/csrc/paged_decode.c): built on first use, then cached.
+
+Decode rows attend straight from their blocks in the pool: no gathered copy of whole blocks, no
+padding to a group's longest context, no mask (docs/engine_speed.md, "Decode attention"). It is
+plain C with OpenMP, compiled by the host's C compiler (`cc`, or `$CC`) with `-O3 -march=native`
+into `$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`), named by a hash of the source,
+the compiler and its flags, so a changed source or compiler builds anew and every process on a
+host shares one build. Loaded with ctypes: the OpenMP runtime it links is the one torch already
+loaded (same soname), so the kernel and torch share one thread pool.
+
+`load()` returns the kernel or None with the reason (no compiler, a failed build); the engine
+then runs the torch path (`engine.attention_kernel: auto`) or refuses to start (`on`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+BUILD_TIMEOUT_S = 120
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+_I64, _PTR, _INT, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class KernelUnavailable(RuntimeError):
+    """The kernel cannot be built or loaded here; the message says why."""
+
+
+class DecodeKernel:
+    """`pd_paged_decode`, called with tensors."""
+
+    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
+        self.path = path
+        self._fn = lib.pd_paged_decode
+        self._fn.restype = _INT
+        self._fn.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
+                             _I64, _I64, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT, _FLOAT, _INT]
+
+    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 tables: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, scale: float,
+                 window: int, softcap: float) -> None:
+        """query `[n, H, D]`, k/v_cache `[blocks, block_size, KVH, D]` (one layer's, strided views of
+        the pool), tables `[n, max_blocks]` int64, lens `[n]` int64 (keys each row sees, its own
+        new one included), out `[n, H, D]` written in place. The last dim of each is contiguous."""
+        n, heads, dim = query.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        assert k_cache.stride() == v_cache.stride() and tables.dtype == lens.dtype == torch.int64
+        assert query.stride(2) == k_cache.stride(3) == out.stride(2) == 1 and lens.is_contiguous()
+        assert query.dtype == k_cache.dtype == out.dtype and tables.stride(1) == 1
+        rc = self._fn(DTYPES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
+                      k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                      k_cache.stride(2), tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
+                      out.stride(0), out.stride(1), n, heads, kv_heads, dim, block_size, scale, window,
+                      softcap, torch.get_num_threads())
+        if rc != 0:
+            raise RuntimeError(f"pd_paged_decode failed ({rc}) for dtype {query.dtype}")
+
+
+def supports(dtype: torch.dtype, device: torch.device) -> bool:
+    return device.type == "cpu" and dtype in DTYPES
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("PDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pdserve" / "kernels")
+
+
+def _compiler() -> str:
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        raise KernelUnavailable("no C compiler on PATH (cc, gcc or $CC)")
+    return cc
+
+
+def _build(cc: str) -> Path:
+    try:
+        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise KernelUnavailable(f"{cc} --version failed: {e}") from e
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, sys.platform]).encode()).hexdigest()[:16]
+    target = cache_dir() / f"paged_decode-{key}.so"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # build aside, then rename: no reader sees half a file
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+                              timeout=BUILD_TIMEOUT_S)
+        if done.returncode != 0:
+            raise KernelUnavailable(f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()[-400:]}")
+        os.replace(tmp, target)
+    except subprocess.TimeoutExpired as e:
+        raise KernelUnavailable(f"{cc} took over {BUILD_TIMEOUT_S} s to build {SOURCE.name}") from e
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return target
+
+
+@functools.cache
+def _load() -> DecodeKernel:
+    path = _build(_compiler())
+    try:
+        return DecodeKernel(ctypes.CDLL(str(path)), path)
+    except OSError as e:
+        raise KernelUnavailable(f"cannot load {path}: {e}") from e
+
+
+def load() -> tuple[DecodeKernel | None, str]:
+    """The kernel, or None and why not (the reason is "" when it loaded)."""
+    try:
+        return _load(), ""
+    except KernelUnavailable as e:
+        return None, str(e)

@@ -1,0 +1,148 @@
+/* Decode attention straight from the paged KV pool, on the CPU (engine/cpu_kernel.py builds it).
+
+One query token per sequence. Each (sequence, KV head) is one task: the heads sharing that KV
+head read each key and value once, in place in its block (no gather, no padding, no mask), in
+three passes: scores (q.k * scale, soft-capped when asked), a max-subtracted exp, and the
+probability-weighted sum of values. Float32 throughout; bfloat16 pools are widened on load.
+A task's arithmetic never depends on the other rows of the step, so a row's result does not
+depend on what it is batched with.
+
+Strides are in elements. k/v point at one layer's K (V) of block 0: key p of sequence i, KV
+head h, is at k[tables[i, p / block_size] * blk_stride + (p % block_size) * tok_stride
++ h * head_stride + d]. A query at position lens[i] - 1 sees keys [lens[i] - window, lens[i])
+with a sliding window, all of [0, lens[i]) without (window 0).
+*/
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+static inline float bf16_load(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_store(float f) { /* round to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+/* e^x for x <= 0 to about one ulp (Cephes' expf), written so the compiler vectorizes it */
+static inline float exp_nonpos(float x) {
+    x = fmaxf(x, -87.0f); /* e^-87 is still a normal float */
+    float n = floorf(x * 1.44269504088896341f + 0.5f);
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float z = r * r;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * z + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, sizeof scale);
+    return p * scale;
+}
+
+#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                         \
+    static void NAME(const T *q, int64_t q_tok, int64_t q_head, const T *k, const T *v,           \
+                     int64_t blk_stride, int64_t tok_stride, int64_t head_stride,                  \
+                     const int64_t *tables, int64_t table_stride, const int64_t *lens, T *out,     \
+                     int64_t out_tok, int64_t out_head, int n, int heads, int kv_heads, int dim,   \
+                     int block_size, float scale, int window, float softcap, int threads) {        \
+        int groups = heads / kv_heads;                                                             \
+        int parts = n >= 2 * threads ? 1 : kv_heads; /* few rows: split each row's heads too */   \
+        int failed = 0;                                                                            \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                      \
+        for (int task = 0; task < n * parts; task++) {                                             \
+            int i = task / parts, part = task % parts;                                             \
+            int h0 = part * kv_heads / parts, h1 = (part + 1) * kv_heads / parts;                  \
+            int nq = (h1 - h0) * groups; /* query heads h0 * groups .. h1 * groups */              \
+            int64_t len = lens[i];                                                                 \
+            int64_t first = window > 0 && len > window ? len - window : 0;                         \
+            int64_t count = len - first;                                                           \
+            float *buf = malloc(sizeof(float) * (size_t)nq * (size_t)(2 * dim + count));           \
+            if (buf == NULL) {                                                                     \
+                _Pragma("omp atomic write") failed = 1;                                            \
+                continue;                                                                          \
+            }                                                                                      \
+            float *qf = buf, *acc = buf + nq * dim, *sc = buf + 2 * nq * dim;                      \
+            const int64_t *table = tables + i * table_stride;                                      \
+            for (int j = 0; j < nq; j++) {                                                         \
+                const T *qj = q + i * q_tok + (int64_t)(h0 * groups + j) * q_head;                 \
+                for (int d = 0; d < dim; d++) qf[j * dim + d] = LOAD(qj[d]) * scale;               \
+                for (int d = 0; d < dim; d++) acc[j * dim + d] = 0.0f;                             \
+            }                                                                                      \
+            /* scores: each key is read once, for every query head that shares it */              \
+            for (int64_t p = first; p < len; p++) {                                                \
+                const T *kp = k + table[p / block_size] * blk_stride + (p % block_size) * tok_stride; \
+                for (int j = 0; j < nq; j++) {                                                     \
+                    const T *kh = kp + (h0 + j / groups) * head_stride;                            \
+                    const float *qj = qf + j * dim;                                                \
+                    float s = 0.0f;                                                                \
+                    _Pragma("omp simd reduction(+ : s)")                                           \
+                    for (int d = 0; d < dim; d++) s += qj[d] * LOAD(kh[d]);                        \
+                    sc[j * count + (p - first)] = softcap > 0.0f ? tanhf(s / softcap) * softcap : s; \
+                }                                                                                  \
+            }                                                                                      \
+            float inv[nq];                                                                         \
+            for (int j = 0; j < nq; j++) {                                                         \
+                float *row = sc + j * count, top = -INFINITY, sum = 0.0f;                          \
+                _Pragma("omp simd reduction(max : top)")                                           \
+                for (int64_t c = 0; c < count; c++) top = fmaxf(top, row[c]);                      \
+                _Pragma("omp simd reduction(+ : sum)")                                             \
+                for (int64_t c = 0; c < count; c++) {                                              \
+                    row[c] = exp_nonpos(row[c] - top);                                             \
+                    sum += row[c];                                                                 \
+                }                                                                                  \
+                inv[j] = 1.0f / sum;                                                               \
+            }                                                                                      \
+            for (int64_t p = first; p < len; p++) {                                                \
+                const T *vp = v + table[p / block_size] * blk_stride + (p % block_size) * tok_stride; \
+                for (int j = 0; j < nq; j++) {                                                     \
+                    const T *vh = vp + (h0 + j / groups) * head_stride;                            \
+                    float w = sc[j * count + (p - first)];                                         \
+                    float *a = acc + j * dim;                                                      \
+                    _Pragma("omp simd")                                                            \
+                    for (int d = 0; d < dim; d++) a[d] += w * LOAD(vh[d]);                         \
+                }                                                                                  \
+            }                                                                                      \
+            for (int j = 0; j < nq; j++) {                                                         \
+                T *o = out + i * out_tok + (int64_t)(h0 * groups + j) * out_head;                  \
+                for (int d = 0; d < dim; d++) o[d] = STORE(acc[j * dim + d] * inv[j]);             \
+            }                                                                                      \
+            free(buf);                                                                             \
+        }                                                                                          \
+        if (failed) abort(); /* out of memory for a few KB: nothing sane is left to do */         \
+    }
+
+#define F32_LOAD(x) (x)
+#define F32_STORE(x) (x)
+DEFINE_DECODE(decode_f32, float, F32_LOAD, F32_STORE)
+DEFINE_DECODE(decode_bf16, uint16_t, bf16_load, bf16_store)
+
+/* dtype: 0 = float32, 1 = bfloat16 (q, the pool and out alike). Returns 0, or -1 for a dtype it
+   does not know. */
+int pd_paged_decode(int dtype, const void *q, int64_t q_tok, int64_t q_head, const void *k,
+                    const void *v, int64_t blk_stride, int64_t tok_stride, int64_t head_stride,
+                    const int64_t *tables, int64_t table_stride, const int64_t *lens, void *out,
+                    int64_t out_tok, int64_t out_head, int n, int heads, int kv_heads, int dim,
+                    int block_size, float scale, int window, float softcap, int threads) {
+    if (dtype == 0)
+        decode_f32(q, q_tok, q_head, k, v, blk_stride, tok_stride, head_stride, tables,
+                   table_stride, lens, out, out_tok, out_head, n, heads, kv_heads, dim, block_size,
+                   scale, window, softcap, threads);
+    else if (dtype == 1)
+        decode_bf16(q, q_tok, q_head, k, v, blk_stride, tok_stride, head_stride, tables,
+                    table_stride, lens, out, out_tok, out_head, n, heads, kv_heads, dim,
+                    block_size, scale, window, softcap, threads);
+    else
+        return -1;
+    return 0;
+}

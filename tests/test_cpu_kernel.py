@@ -1,0 +1,109 @@
+"""The CPU decode kernel (engine/cpu_kernel.py): the same attention as each row's own keys give,
+built once per source and compiler, token-exact in the engine on and off, and what happens when it
+cannot be built (`engine.attention_kernel: auto` runs SDPA and says why; `on` refuses)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from checkpoints.families import WINDOW
+from engine import cpu_kernel
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from engine.model_runner import ModelRunner
+from scripts.device_check import staggered_tokens
+from tests.reference import hf_greedy
+
+KERNEL, WHY = cpu_kernel.load()
+needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"no CPU decode kernel here: {WHY}")
+
+
+def _reference(q, k_cache, v_cache, tables, lens, scale, window, softcap) -> torch.Tensor:
+    """Attention of each row over its own keys, in float64, the plain way."""
+    n, heads, dim = q.shape
+    kv_heads = k_cache.shape[2]
+    out = torch.empty(n, heads, dim, dtype=torch.float64)
+    for i in range(n):
+        length = int(lens[i])
+        first = max(0, length - window) if window else 0
+        k = k_cache[tables[i]].reshape(-1, kv_heads, dim)[first:length].double().transpose(0, 1)  # [KVH, ctx, D]
+        v = v_cache[tables[i]].reshape(-1, kv_heads, dim)[first:length].double().transpose(0, 1)
+        qi = q[i].double().view(kv_heads, heads // kv_heads, dim)
+        scores = qi @ k.transpose(1, 2) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        out[i] = (torch.softmax(scores, -1) @ v).reshape(heads, dim)
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (9, 0.0), (0, 5.0)])
+def test_the_kernel_attends_each_row_over_its_own_keys(dtype, tol, rows, window, softcap):
+    torch.manual_seed(rows)
+    layers, blocks, block_size, kv_heads, heads, dim = 3, 64, 4, 2, 6, 16
+    pool = torch.randn(blocks, layers, 2, block_size, kv_heads, dim).to(dtype)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]  # one layer's strided views, as the op passes them
+    lens = torch.tensor([1, 4, 5, 23, 40][:rows] + [random.Random(i).randint(1, 40) for i in range(rows - 5)])
+    width = -(-int(lens.max()) // block_size)
+    tables = torch.stack([torch.randperm(blocks)[:width] for _ in range(rows)])
+    query = torch.randn(1, heads, rows, dim).to(dtype)[0].transpose(0, 1)  # [rows, H, D], strided like the op's
+    out = torch.full((rows, heads, dim), float("nan"), dtype=dtype)
+    KERNEL(query, k_cache, v_cache, tables, lens, out, 0.3, window, softcap)
+    expected = _reference(query, k_cache, v_cache, tables, lens, 0.3, window, softcap)
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+@needs_kernel
+@pytest.mark.parametrize("family", ["llama", "gemma2"])
+@pytest.mark.parametrize("setting", ["on", "off"])
+def test_decode_rows_by_the_kernel_or_by_sdpa_give_generates_tokens(family_dir, llama_dir, family, setting):
+    """Gemma 2 is the family that asks most of decode attention: windows on 3 of 4 layers,
+    soft-capping, query_pre_attn_scalar; 4-token blocks the window does not divide."""
+    path = llama_dir if family == "llama" else family_dir("gemma2")
+    engine = LLMEngine(EngineConfig(model_path=path, dtype="float32", num_blocks=256, block_size=4, chunk_size=5,
+                                    max_num_batched_tokens=64, attention_kernel=setting))
+    assert (engine.runner.decode_kernel is not None) == (setting == "on")
+    assert ("decode attention by the CPU kernel" in engine.runner.describe()) == (setting == "on")
+    rng = random.Random(21)
+    prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(1, 60))] for _ in range(6)]
+    prompts.append([rng.randrange(10, 2000) for _ in range(4 * WINDOW)])  # several windows long
+    assert staggered_tokens(engine, prompts, 10) == [hf_greedy(path, p, 10, ignore_eos=True) for p in prompts]
+    assert engine.allocator.num_used == 0
+
+
+def test_without_a_kernel_auto_runs_sdpa_and_says_why_and_on_refuses(llama_dir, monkeypatch):
+    monkeypatch.setattr(cpu_kernel, "load", lambda: (None, "no C compiler on PATH (cc, gcc or $CC)"))
+    runner = ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16))
+    assert runner.decode_kernel is None
+    assert runner.describe().endswith("decode attention by SDPA (no C compiler on PATH (cc, gcc or $CC))")
+    with pytest.raises(ValueError, match=r"attention_kernel is on, but no C compiler on PATH"):
+        ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16, attention_kernel="on"))
+    with pytest.raises(ValueError, match=r"attention_kernel is on, but the kernel runs on CPU in float32 or "
+                                         r"bfloat16, not cpu torch.float16"):
+        ModelRunner(EngineConfig(model_path=llama_dir, dtype="float16", num_blocks=16, attention_kernel="on"))
+    with pytest.raises(ValueError, match="attention_kernel"):
+        EngineConfig(model_path=llama_dir, attention_kernel="sometimes")
+
+
+def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
+    with pytest.raises(cpu_kernel.KernelUnavailable, match="--version failed"):
+        cpu_kernel._build(str(tmp_path / "no-such-cc"))
+    failing = tmp_path / "failing-cc"
+    failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo failing-cc 1.0 && exit 0\necho 'error: no space' >&2\nexit 1\n")
+    failing.chmod(0o755)
+    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build paged_decode.c: error: no space"):
+        cpu_kernel._build(str(failing))
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"] == []  # nothing half-built left behind
+    if KERNEL is None:
+        return
+    cc = cpu_kernel._compiler()
+    built = cpu_kernel._build(cc)
+    assert built.parent == tmp_path and built.stat().st_size > 0
+    stamp = built.stat().st_mtime_ns
+    assert cpu_kernel._build(cc) == built and built.stat().st_mtime_ns == stamp  # reused, not rebuilt
