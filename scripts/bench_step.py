@@ -2,7 +2,10 @@
 
 One process holds one `LLMEngine` per variant on the same checkpoint:
 - `plain`: eager, torch's default CPU linear (MKL GEMM) — the engine before the fast paths;
-- `packed`: eager, linear weights prepacked for oneDNN (the default on CPU: engine/dense.py);
+- `sdpa`: eager, linear weights prepacked for oneDNN (engine/dense.py), decode attention by SDPA
+  over gathered blocks (`engine.attention_kernel: off`);
+- `packed`: eager, prepacked linears and decode attention by the CPU kernel (the default on CPU:
+  engine/cpu_kernel.py);
 - `compiled`: `engine.compile: on` (inductor around the opaque paged-attention op), with `--compile`;
 - `bfloat16`: the packed eager path in bfloat16, with `--bf16`.
 Each variant is brought to the same state (every request decoding at `--context` tokens, or one
@@ -36,6 +39,7 @@ from scripts.profile_step import _model
 
 VARIANTS = {  # name -> EngineConfig overrides
     "plain": {"compile": "off", "prepack_linears": False, "dtype": "float32"},
+    "sdpa": {"compile": "off", "dtype": "float32", "attention_kernel": "off"},
     "packed": {"compile": "off", "dtype": "float32"},
     "compiled": {"compile": "on", "dtype": "float32"},
     "bfloat16": {"compile": "off", "dtype": "bfloat16"},
@@ -115,7 +119,7 @@ def main() -> None:
     args = p.parse_args()
     model = _model(args.model)
     torch.set_num_threads(args.threads)
-    names = ["plain", "packed"] + ["compiled"] * args.compile + ["bfloat16"] * args.bf16
+    names = ["plain", "sdpa", "packed"] + ["compiled"] * args.compile + ["bfloat16"] * args.bf16
     host = None if args.no_floor else {**host_measure.reads(args.threads, sweeps=4),
                                        "flops": host_measure.flops(args.threads)}
     cases: dict[str, dict] = {}

@@ -42,10 +42,11 @@ def _reference(q, k_cache, v_cache, tables, lens, scale, window, softcap) -> tor
 @needs_kernel
 @pytest.mark.parametrize("dtype, tol", [(torch.float32, 2e-6), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("dim", [16, 20, 64, 72])
 @pytest.mark.parametrize("window, softcap", [(0, 0.0), (9, 0.0), (0, 5.0)])
-def test_the_kernel_attends_each_row_over_its_own_keys(dtype, tol, rows, window, softcap):
+def test_the_kernel_attends_each_row_over_its_own_keys(dtype, tol, rows, dim, window, softcap):
     torch.manual_seed(rows)
-    layers, blocks, block_size, kv_heads, heads, dim = 3, 64, 4, 2, 6, 16
+    layers, blocks, block_size, kv_heads, heads = 3, 64, 4, 2, 6
     pool = torch.randn(blocks, layers, 2, block_size, kv_heads, dim).to(dtype)
     k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]  # one layer's strided views, as the op passes them
     lens = torch.tensor([1, 4, 5, 23, 40][:rows] + [random.Random(i).randint(1, 40) for i in range(rows - 5)])

@@ -3,7 +3,8 @@
 One query token per sequence. Each (sequence, KV head) is one task: the heads sharing that KV
 head read each key and value once, in place in its block (no gather, no padding, no mask), in
 three passes: scores (q.k * scale, soft-capped when asked), a max-subtracted exp, and the
-probability-weighted sum of values. Float32 throughout; bfloat16 pools are widened on load.
+probability-weighted sum of values. Each pass prefetches the key (value) a few positions ahead,
+which may sit in another block anywhere in the pool. Float32 throughout; bfloat16 pools are widened on load.
 A task's arithmetic never depends on the other rows of the step, so a row's result does not
 depend on what it is batched with.
 
@@ -16,6 +17,8 @@ with a sliding window, all of [0, lens[i]) without (window 0).
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#define AHEAD 4 /* keys prefetched ahead: blocks are scattered, and a hardware prefetcher stops at a page */
 
 static inline float bf16_load(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -74,6 +77,7 @@ static inline float exp_nonpos(float x) {
             }                                                                                      \
             float *qf = buf, *acc = buf + nq * dim, *sc = buf + 2 * nq * dim;                      \
             const int64_t *table = tables + i * table_stride;                                      \
+            int64_t span = ((h1 - h0 - 1) * head_stride + dim) * (int64_t)sizeof(T);               \
             for (int j = 0; j < nq; j++) {                                                         \
                 const T *qj = q + i * q_tok + (int64_t)(h0 * groups + j) * q_head;                 \
                 for (int d = 0; d < dim; d++) qf[j * dim + d] = LOAD(qj[d]) * scale;               \
@@ -82,6 +86,11 @@ static inline float exp_nonpos(float x) {
             /* scores: each key is read once, for every query head that shares it */              \
             for (int64_t p = first; p < len; p++) {                                                \
                 const T *kp = k + table[p / block_size] * blk_stride + (p % block_size) * tok_stride; \
+                if (p + AHEAD < len) {                                                             \
+                    const char *next = (const char *)(k + table[(p + AHEAD) / block_size] * blk_stride + \
+                                       ((p + AHEAD) % block_size) * tok_stride + h0 * head_stride); \
+                    for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(next + b);           \
+                }                                                                                  \
                 for (int j = 0; j < nq; j++) {                                                     \
                     const T *kh = kp + (h0 + j / groups) * head_stride;                            \
                     const float *qj = qf + j * dim;                                                \
@@ -105,6 +114,11 @@ static inline float exp_nonpos(float x) {
             }                                                                                      \
             for (int64_t p = first; p < len; p++) {                                                \
                 const T *vp = v + table[p / block_size] * blk_stride + (p % block_size) * tok_stride; \
+                if (p + AHEAD < len) {                                                             \
+                    const char *next = (const char *)(v + table[(p + AHEAD) / block_size] * blk_stride + \
+                                       ((p + AHEAD) % block_size) * tok_stride + h0 * head_stride); \
+                    for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(next + b);           \
+                }                                                                                  \
                 for (int j = 0; j < nq; j++) {                                                     \
                     const T *vh = vp + (h0 + j / groups) * head_stride;                            \
                     float w = sc[j * count + (p - first)];                                         \
