@@ -13,10 +13,11 @@ Each variant is brought to the same state (every request decoding at `--context`
 for `--rounds` rounds, so a noisy neighbour slows all of them alike; each reports the median step.
 The floor is `pdserve plan --measure`'s: the larger of weight + KV bytes over measured read
 bandwidth and the step's FLOPs over measured float32 matmul throughput. `recompilations` counts
-graphs the compiled variant built after its warm-up (it must be 0).
+graphs the compiled variant built after its warm-up (it must be 0). It runs with the allocator a
+CPU worker would (`--malloc`: tcmalloc preloaded where the host has it, by restarting itself).
 
     python -m scripts.bench_step [--model DIR] [--batches 1,4,16,64] [--context 256] [--prefill 512]
-                                 [--threads 2] [--compile] [--bf16] [--json]
+                                 [--threads 2] [--compile] [--bf16] [--malloc auto|system] [--json]
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from engine.llm_engine import LLMEngine
 from engine.memory import ModelShape, kv_bytes_per_token
 from protocol.sampling import SamplingParams
 from scripts.profile_step import _model
+from worker_runtime import malloc
 
 VARIANTS = {  # name -> EngineConfig overrides
     "plain": {"compile": "off", "prepack_linears": False, "dtype": "float32"},
@@ -115,8 +117,11 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="add the compiled variant (minutes to compile on CPU)")
     p.add_argument("--bf16", action="store_true", help="add the bfloat16 variant")
     p.add_argument("--no-floor", action="store_true", help="skip measuring this host's bandwidth and FLOP/s")
+    p.add_argument("--malloc", default="auto", choices=("auto", "system"),
+                   help="the allocator, as a worker's `malloc` (auto: tcmalloc where the host has it)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    malloc.exec_as_worker(args.malloc)
     model = _model(args.model)
     torch.set_num_threads(args.threads)
     names = ["plain", "sdpa", "packed"] + ["compiled"] * args.compile + ["bfloat16"] * args.bf16
@@ -145,7 +150,7 @@ def main() -> None:
         for case in cases.values():
             case["floor"] = floor_s(shape, params, 4, case["batch"], case["context"], case["tokens"],
                                     host["bandwidth"], host["flops"])
-    report = {"model": model, "threads": args.threads, "torch": torch.__version__, "host": host,
+    report = {"model": model, "threads": args.threads, "malloc": malloc.in_use(), "torch": torch.__version__, "host": host,
               "variants": names, "cases": cases, "recompilations": recompilations}
     print(json.dumps(report, indent=1) if args.json else format_report(report))
 
@@ -154,7 +159,7 @@ def format_report(r: dict) -> str:
     names = r["variants"]
     head = f"{'ms per step':16}" + "".join(f"{n:>11}" for n in names)
     head += "".join(f"{n + '/plain':>16}" for n in names[1:]) + ("  floor   best/floor" if r["host"] else "")
-    lines = [f"{r['model']}, {r['threads']} thread(s), torch {r['torch']}", head]
+    lines = [f"{r['model']}, {r['threads']} thread(s), {r['malloc']} malloc, torch {r['torch']}", head]
     for case, row in r["cases"].items():
         line = f"{case:16}" + "".join(f"{1e3 * row[n]:11.1f}" for n in names)
         line += "".join(f"{row[n] / row['plain']:16.2f}" for n in names[1:])

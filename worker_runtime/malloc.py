@@ -17,6 +17,7 @@ from __future__ import annotations
 import ctypes.util
 import functools
 import os
+import sys
 
 MALLOCS = ("auto", "tcmalloc", "system")
 NO_TCMALLOC = "is tcmalloc, but this host has no libtcmalloc (Debian/Ubuntu: apt install libtcmalloc-minimal4)"
@@ -41,3 +42,17 @@ def in_use() -> str:
     """'tcmalloc' when this process has it mapped, else 'system'."""
     with open("/proc/self/maps", encoding="utf-8") as maps:
         return "tcmalloc" if any("tcmalloc" in line for line in maps) else "system"
+
+
+def exec_as_worker(choice: str = "auto") -> None:
+    """Restart this process (same interpreter and arguments) with the allocator a CPU worker
+    would run with for `choice`, unless it already does: a benchmark of the engine then measures
+    what a worker serves with. Returns only when no restart is needed."""
+    env = worker_env(choice, on_gpu=False)
+    want = "tcmalloc" if env else "system"
+    if in_use() == want or os.environ.get("PDSERVE_MALLOC_REEXEC") == want:
+        return  # the second guard: a library that would not map must not restart us forever
+    env = {**os.environ, **env, "PDSERVE_MALLOC_REEXEC": want}
+    if want == "system":
+        env["LD_PRELOAD"] = ":".join(p for p in env.get("LD_PRELOAD", "").split(":") if p and "tcmalloc" not in p)
+    os.execve(sys.executable, [sys.executable, *sys.orig_argv[1:]], env)
