@@ -64,6 +64,8 @@ class DecodeKernel:
                       k_cache.stride(2), tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
                       out.stride(0), out.stride(1), n, heads, kv_heads, dim, block_size, scale, window,
                       softcap, torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError(f"the decode kernel could not allocate its scores for {n} rows")
         if rc != 0:
             raise RuntimeError(f"pd_paged_decode failed ({rc}) for dtype {query.dtype}")
 
@@ -83,17 +85,30 @@ def _compiler() -> str:
     return cc
 
 
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as info:
+            return next((line for line in info if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
 def _build(cc: str) -> Path:
     try:
         version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
     except (OSError, subprocess.TimeoutExpired) as e:
         raise KernelUnavailable(f"{cc} --version failed: {e}") from e
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, sys.platform]).encode()).hexdigest()[:16]
-    target = cache_dir() / f"paged_decode-{key}.so"
+    # -march=native: the CPU's flags are part of the name, so hosts sharing a cache never share a build
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, sys.platform, _cpu_flags()]).encode())
+    target = cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # build aside, then rename: no reader sees half a file
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # build aside, then rename: no reader sees half a file
+    except OSError as e:
+        raise KernelUnavailable(f"cannot write the kernel cache {target.parent} ({e.strerror}); set "
+                                "PDSERVE_KERNEL_CACHE to a writable directory") from e
     os.close(fd)
     try:
         done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,

@@ -101,6 +101,13 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
     with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build paged_decode.c: error: no space"):
         cpu_kernel._build(str(failing))
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"] == []  # nothing half-built left behind
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(blocked / "kernels"))  # under a file: cannot be made
+    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"cannot write the kernel cache .*a-file/kernels .*set "
+                                                           r"PDSERVE_KERNEL_CACHE to a writable directory"):
+        cpu_kernel._build(str(failing))
+    monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
     if KERNEL is None:
         return
     cc = cpu_kernel._compiler()

@@ -54,7 +54,7 @@ static inline float exp_nonpos(float x) {
 }
 
 #define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                         \
-    static void NAME(const T *q, int64_t q_tok, int64_t q_head, const T *k, const T *v,           \
+    static int NAME(const T *q, int64_t q_tok, int64_t q_head, const T *k, const T *v,           \
                      int64_t blk_stride, int64_t tok_stride, int64_t head_stride,                  \
                      const int64_t *tables, int64_t table_stride, const int64_t *lens, T *out,     \
                      int64_t out_tok, int64_t out_head, int n, int heads, int kv_heads, int dim,   \
@@ -133,7 +133,7 @@ static inline float exp_nonpos(float x) {
             }                                                                                      \
             free(buf);                                                                             \
         }                                                                                          \
-        if (failed) abort(); /* out of memory for a few KB: nothing sane is left to do */         \
+        return failed ? -2 : 0; /* -2: out of memory for a task's scores */                       \
     }
 
 #define F32_LOAD(x) (x)
@@ -141,22 +141,20 @@ static inline float exp_nonpos(float x) {
 DEFINE_DECODE(decode_f32, float, F32_LOAD, F32_STORE)
 DEFINE_DECODE(decode_bf16, uint16_t, bf16_load, bf16_store)
 
-/* dtype: 0 = float32, 1 = bfloat16 (q, the pool and out alike). Returns 0, or -1 for a dtype it
-   does not know. */
+/* dtype: 0 = float32, 1 = bfloat16 (q, the pool and out alike). Returns 0; -1 for a dtype it
+   does not know; -2 when a task could not allocate its scores (its rows are not written). */
 int pd_paged_decode(int dtype, const void *q, int64_t q_tok, int64_t q_head, const void *k,
                     const void *v, int64_t blk_stride, int64_t tok_stride, int64_t head_stride,
                     const int64_t *tables, int64_t table_stride, const int64_t *lens, void *out,
                     int64_t out_tok, int64_t out_head, int n, int heads, int kv_heads, int dim,
                     int block_size, float scale, int window, float softcap, int threads) {
     if (dtype == 0)
-        decode_f32(q, q_tok, q_head, k, v, blk_stride, tok_stride, head_stride, tables,
-                   table_stride, lens, out, out_tok, out_head, n, heads, kv_heads, dim, block_size,
-                   scale, window, softcap, threads);
-    else if (dtype == 1)
-        decode_bf16(q, q_tok, q_head, k, v, blk_stride, tok_stride, head_stride, tables,
-                    table_stride, lens, out, out_tok, out_head, n, heads, kv_heads, dim,
-                    block_size, scale, window, softcap, threads);
-    else
-        return -1;
-    return 0;
+        return decode_f32(q, q_tok, q_head, k, v, blk_stride, tok_stride, head_stride, tables,
+                          table_stride, lens, out, out_tok, out_head, n, heads, kv_heads, dim,
+                          block_size, scale, window, softcap, threads);
+    if (dtype == 1)
+        return decode_bf16(q, q_tok, q_head, k, v, blk_stride, tok_stride, head_stride, tables,
+                           table_stride, lens, out, out_tok, out_head, n, heads, kv_heads, dim,
+                           block_size, scale, window, softcap, threads);
+    return -1;
 }
