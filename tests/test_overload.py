@@ -190,10 +190,15 @@ def test_a_failed_step_fails_its_culprit_alone_and_moves_the_rest(busy, llama_di
     prompts = {n: _prompt(n, n) for n in (20, 40, 60, 100)}
     references = {n: hf_greedy(llama_dir, p, 80, ignore_eos=True) for n, p in prompts.items()}
     out: dict = {}
+    # decode steps held to 30 ms while the prompts are prefilled one at a time: the first requests
+    # are still decoding when the last arrives, however fast the engine decodes
+    decoders = busy.router.pools.workers["decode"]
+    set_worker_faults(decoders, step_delay_s=0.03)
     threads = [_stream(client, p, out, n, max_tokens=80, ignore_eos=True) for n, p in prompts.items()]
     lives = _decoding(busy, len(prompts))
     on = {len(life.prompt_token_ids): life.decode for life in lives}
     victim = on[100]
+    set_worker_faults(decoders)
     set_worker_faults([victim], fail_steps=1, fail_culprit="longest")
     for t in threads:
         t.join(60)
