@@ -95,11 +95,13 @@ class Forward:
     """`(input_ids [1, T], positions [1, T], sample_rows [n]) -> logits [1, n, V]`."""
 
     def __init__(self, model: nn.Module, mode: str, device: torch.device, cuda_graphs: bool = False,
-                 prepack: bool = True, graph_buckets: tuple[int, ...] = ()):
+                 prepack: bool = True, graph_buckets: tuple[int, ...] = (), small_gemm=None):
         self.model = model
         self.decoder = model.get_decoder()
         self.device = device
         self.prepack = prepack
+        self.small_gemm = small_gemm  # cpu_kernel.SmallGemm for linears on a few rows, or None
+        self.small_gemm_layers = 0
         self.fallback_reason: str | None = None
         self.graphs_reason: str | None = None  # why CUDA graphs were asked for and are not used
         self._compiled = None
@@ -152,7 +154,8 @@ class Forward:
 
     def _pack(self, skip: nn.Module | None = None) -> None:
         if self.prepack:
-            dense.pack_linears(self.model, self.device, skip=skip)
+            dense.pack_linears(self.model, self.device, skip=skip, gemm=self.small_gemm)
+            self.small_gemm_layers = dense.small_gemm_layers(self.model)
 
     def __call__(self, input_ids, positions, sample_rows, decode_only: bool = False):
         """`decode_only`: the step has one token per row and no prefill, so it may be padded to a

@@ -28,7 +28,7 @@ class EngineConfig:
     torch_threads: int | None = None
     compile: str = "auto"  # torch.compile the dense forward: auto (= on CUDA only) | on | off (engine/compiled.py)
     cuda_graphs: bool = False  # with compile on CUDA: capture the dense pieces into CUDA graphs
-    attention_kernel: str = "auto"  # decode rows by the CPU kernel (engine/cpu_kernel.py): auto | on | off
+    cpu_kernels: str = "auto"  # decode attention and small-batch linears by pdserve's CPU kernels (engine/cpu_kernel.py): auto | on | off
     prepack_linears: bool = True  # oneDNN-prepacked linear weights on CPU (engine/dense.py); off = to compare
 
     def __post_init__(self) -> None:
@@ -41,7 +41,7 @@ class EngineConfig:
             "max_num_seqs": self.max_num_seqs >= 1,
             "dtype": self.dtype in ("auto", "float32", "bfloat16", "float16"),
             "compile": self.compile in ("auto", "on", "off"),
-            "attention_kernel": self.attention_kernel in ("auto", "on", "off"),
+            "cpu_kernels": self.cpu_kernels in ("auto", "on", "off"),
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:

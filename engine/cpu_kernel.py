@@ -1,20 +1,26 @@
-"""The CPU decode-attention kernel (engine/csrc/paged_decode.c): built on first use, then cached.
+"""pdserve's CPU kernels (engine/csrc/*.c): built on first use, then cached.
 
-Decode rows attend straight from their blocks in the pool: no gathered copy of whole blocks, no
-padding to a group's longest context, no mask (docs/engine_speed.md, "Decode attention"). It is
-plain C with OpenMP, compiled by the host's C compiler (`cc`, or `$CC`) with `-O3 -march=native`
-into `$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`), named by a hash of the source,
-the compiler and its flags, so a changed source or compiler builds anew and every process on a
-host shares one build. Loaded with ctypes: the OpenMP runtime it links is the one torch already
-loaded (same soname), so the kernel and torch share one thread pool.
+- decode attention (paged_decode.c): decode rows attend straight from their blocks in the pool:
+  no gathered copy of whole blocks, no padding to a group's longest context, no mask
+  (docs/engine_speed.md, "Decode attention");
+- small-batch GEMM (small_gemm.c): a linear layer on a few rows (a decode step) from weights
+  packed in 16-column panels (engine/dense.py; docs/engine_speed.md, "Small-batch linears").
 
-`load()` returns the kernel or None with the reason (no compiler, a failed build); the engine
-then runs the torch path (`engine.attention_kernel: auto`) or refuses to start (`on`).
+Plain C with OpenMP, compiled together by the host's C compiler (`cc`, or `$CC`) with `-O3
+-march=native` into `$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`), named by a hash
+of the sources, the compiler, its flags and the CPU's flags, so a changed source or compiler
+builds anew and every process on a host shares one build. Loaded with ctypes: the OpenMP runtime
+it links is the one torch already loaded (same soname), so the kernels and torch share one thread
+pool.
+
+`load()` returns the kernels or None with the reason (no compiler, a failed build); the engine
+then runs torch's paths (`engine.cpu_kernels: auto`) or refuses to start (`on`).
 """
 
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import os
@@ -26,12 +32,15 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 BUILD_TIMEOUT_S = 120
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 _I64, _PTR, _INT, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+SMALL_ROWS = 16  # the most rows the small-batch GEMM takes; oneDNN is faster from about 32
 
 
 class KernelUnavailable(RuntimeError):
@@ -70,6 +79,40 @@ class DecodeKernel:
             raise RuntimeError(f"pd_paged_decode failed ({rc}) for dtype {query.dtype}")
 
 
+class SmallGemm:
+    """`sg_pack` / `sg_gemm`: float32 `x @ W^T + bias` for up to SMALL_ROWS rows."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._pack, self._gemm = lib.sg_pack, lib.sg_gemm
+        self._pack.restype = self._gemm.restype = None
+        self._pack.argtypes = [_PTR, _I64, _I64, _PTR]
+        self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT]
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """`[N, K]` float32 -> its panels, `[ceil(N / 16) * K * 16]`."""
+        n, k = weight.shape
+        weight = weight.detach().contiguous()
+        panels = torch.empty(-(-n // 16) * k * 16, dtype=torch.float32)
+        self._pack(weight.data_ptr(), n, k, panels.data_ptr())
+        return panels
+
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
+        """x `[M, K]` (rows contiguous, M <= SMALL_ROWS) -> `[M, n]`."""
+        m, k = x.shape
+        assert x.dtype == torch.float32 and x.stride(1) == 1 and m <= SMALL_ROWS
+        out = torch.empty(m, n, dtype=torch.float32)
+        self._gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                   out.data_ptr(), n, m, n, k, torch.get_num_threads())
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernels:
+    path: Path
+    decode: DecodeKernel
+    gemm: SmallGemm
+
+
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in DTYPES
 
@@ -99,8 +142,9 @@ def _build(cc: str) -> Path:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise KernelUnavailable(f"{cc} --version failed: {e}") from e
     # -march=native: the CPU's flags are part of the name, so hosts sharing a cache never share a build
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, version, *FLAGS, sys.platform, _cpu_flags()]).encode())
-    target = cache_dir() / f"paged_decode-{key.hexdigest()[:16]}.so"
+    sources = [f"{path.name}\0{path.read_text()}" for path in SOURCES]
+    key = hashlib.sha256("\0".join([*sources, cc, version, *FLAGS, sys.platform, _cpu_flags()]).encode())
+    target = cache_dir() / f"pdserve_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
     try:
@@ -111,30 +155,35 @@ def _build(cc: str) -> Path:
                                 "PDSERVE_KERNEL_CACHE to a writable directory") from e
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE), "-lm"], capture_output=True, text=True,
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
                               timeout=BUILD_TIMEOUT_S)
         if done.returncode != 0:
-            raise KernelUnavailable(f"{cc} failed to build {SOURCE.name}: {done.stderr.strip()[-400:]}")
+            raise KernelUnavailable(f"{cc} failed to build {_names()}: {done.stderr.strip()[-400:]}")
         os.replace(tmp, target)
     except subprocess.TimeoutExpired as e:
-        raise KernelUnavailable(f"{cc} took over {BUILD_TIMEOUT_S} s to build {SOURCE.name}") from e
+        raise KernelUnavailable(f"{cc} took over {BUILD_TIMEOUT_S} s to build {_names()}") from e
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return target
 
 
+def _names() -> str:
+    return " and ".join(path.name for path in SOURCES)
+
+
 @functools.cache
-def _load() -> DecodeKernel:
+def _load() -> Kernels:
     path = _build(_compiler())
     try:
-        return DecodeKernel(ctypes.CDLL(str(path)), path)
+        lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
+    return Kernels(path, DecodeKernel(lib, path), SmallGemm(lib))
 
 
-def load() -> tuple[DecodeKernel | None, str]:
-    """The kernel, or None and why not (the reason is "" when it loaded)."""
+def load() -> tuple[Kernels | None, str]:
+    """The kernels, or None and why not (the reason is "" when they loaded)."""
     try:
         return _load(), ""
     except KernelUnavailable as e:

@@ -80,12 +80,15 @@ class ModelRunner:
                                                        self.shape.head_dim, self.device)
         self.windows = sorted({f.sliding_window for f in self.layer_features if f.sliding_window})
         self.block_size = config.block_size
-        self.decode_kernel, self.kernel_reason = self._decode_kernel()
+        self.kernels, self.kernel_reason = self._cpu_kernels()
+        self.decode_kernel = self.kernels.decode if self.kernels else None
+        # float32 linears on a few rows (decode steps) by the kernel, from panel-packed weights
+        self.small_gemm = self.kernels.gemm if self.kernels and self.dtype == torch.float32 else None
         self.num_blocks = self._num_blocks()
         self.kv = allocate_kv_pool(self.shape.num_layers, self.num_blocks, self.block_size,
                                    self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
         self.forward = compiled.Forward(self.model, config.compile, self.device, config.cuda_graphs,
-                                        prepack=config.prepack_linears,
+                                        prepack=config.prepack_linears, small_gemm=self.small_gemm,
                                         graph_buckets=compiled.graph_buckets(config.max_num_seqs))
         self.forward.warm_up(self.fresh_prompt_metadata)
 
@@ -107,16 +110,18 @@ class ModelRunner:
             how = f"eager (engine.compile: {self.config.compile})"
         if self.decode_kernel is not None:
             how += ", decode attention by the CPU kernel"
+            if self.forward.small_gemm_layers:
+                how += f", linears on up to {cpu_kernel.SMALL_ROWS} rows by the CPU kernel"
         else:
             how += f", decode attention by SDPA ({self.kernel_reason})"
         return f"{self.hf_config.model_type} in {dtype} on {self.device}, {how}"
 
-    def _decode_kernel(self) -> tuple[cpu_kernel.DecodeKernel | None, str]:
-        """The CPU decode kernel, or None and why not (`engine.attention_kernel`: `on` makes a
-        missing kernel an error, `auto` runs SDPA and says why at start)."""
-        setting = self.config.attention_kernel
+    def _cpu_kernels(self) -> tuple[cpu_kernel.Kernels | None, str]:
+        """pdserve's CPU kernels, or None and why not (`engine.cpu_kernels`: `on` makes missing
+        kernels an error, `auto` runs torch's paths and says why at start)."""
+        setting = self.config.cpu_kernels
         if setting == "off":
-            return None, "engine.attention_kernel: off"
+            return None, "engine.cpu_kernels: off"
         if not cpu_kernel.supports(self.dtype, self.device):
             why = f"the kernel runs on CPU in float32 or bfloat16, not {self.device.type} {self.dtype}"
         else:
@@ -124,7 +129,7 @@ class ModelRunner:
             if kernel is not None:
                 return kernel, ""
         if setting == "on":
-            raise ValueError(f"engine.attention_kernel is on, but {why}")
+            raise ValueError(f"engine.cpu_kernels is on, but {why}")
         return None, why
 
     @property

@@ -3,7 +3,7 @@
 One process holds one `LLMEngine` per variant on the same checkpoint:
 - `plain`: eager, torch's default CPU linear (MKL GEMM) — the engine before the fast paths;
 - `sdpa`: eager, linear weights prepacked for oneDNN (engine/dense.py), decode attention by SDPA
-  over gathered blocks (`engine.attention_kernel: off`);
+  over gathered blocks (`engine.cpu_kernels: off`);
 - `packed`: eager, prepacked linears and decode attention by the CPU kernel (the default on CPU:
   engine/cpu_kernel.py);
 - `compiled`: `engine.compile: on` (inductor around the opaque paged-attention op), with `--compile`;
@@ -41,7 +41,7 @@ from worker_runtime import malloc
 
 VARIANTS = {  # name -> EngineConfig overrides
     "plain": {"compile": "off", "prepack_linears": False, "dtype": "float32"},
-    "sdpa": {"compile": "off", "dtype": "float32", "attention_kernel": "off"},
+    "sdpa": {"compile": "off", "dtype": "float32", "cpu_kernels": "off"},
     "packed": {"compile": "off", "dtype": "float32"},
     "compiled": {"compile": "on", "dtype": "float32"},
     "bfloat16": {"compile": "off", "dtype": "bfloat16"},

@@ -1,6 +1,6 @@
 """The CPU decode kernel (engine/cpu_kernel.py): the same attention as each row's own keys give,
 built once per source and compiler, token-exact in the engine on and off, and what happens when it
-cannot be built (`engine.attention_kernel: auto` runs SDPA and says why; `on` refuses)."""
+cannot be built (`engine.cpu_kernels: auto` runs SDPA and says why; `on` refuses)."""
 
 from __future__ import annotations
 
@@ -8,16 +8,18 @@ import random
 
 import pytest
 import torch
+from torch import nn
 
 from checkpoints.families import WINDOW
-from engine import cpu_kernel
+from engine import cpu_kernel, dense
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from scripts.device_check import staggered_tokens
 from tests.reference import hf_greedy
 
-KERNEL, WHY = cpu_kernel.load()
+KERNELS, WHY = cpu_kernel.load()
+KERNEL = KERNELS.decode if KERNELS else None
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"no CPU decode kernel here: {WHY}")
 
 
@@ -60,6 +62,35 @@ def test_the_kernel_attends_each_row_over_its_own_keys(dtype, tol, rows, dim, wi
 
 
 @needs_kernel
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_small_gemm_equals_linear_and_takes_only_few_rows(bias):
+    """Panels of 16 columns (here 40 outputs: two whole panels and a part), tiles of up to six rows
+    (1-16 rows: every tile size), inputs strided or not; past SMALL_ROWS rows oneDNN takes over."""
+    torch.manual_seed(3)
+    linear = nn.Linear(72, 40, bias=bias)
+    packed = dense.PackedLinear(linear, keep_weight=False, gemm=KERNELS.gemm)
+    calls = []
+    gemm = packed.gemm
+    packed.gemm = lambda *a: calls.append(a[0].shape[0]) or gemm(*a)
+    for rows in (*range(1, cpu_kernel.SMALL_ROWS + 1), cpu_kernel.SMALL_ROWS + 1, 40):
+        x = torch.randn(1, rows, 72)
+        torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    wide = torch.randn(1, 5, 144)[..., ::2]  # a strided view: copied before the kernel reads it
+    torch.testing.assert_close(packed(wide), linear(wide), rtol=1e-5, atol=1e-5)
+    assert calls == [*range(1, cpu_kernel.SMALL_ROWS + 1), 5]  # 17 and 40 rows went to oneDNN
+
+
+@needs_kernel
+def test_an_engine_with_the_kernels_runs_few_row_linears_on_them(llama_dir):
+    runner = ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16))
+    assert runner.forward.small_gemm_layers == sum(1 for m in runner.model.modules() if isinstance(m, dense.PackedLinear))
+    assert runner.forward.small_gemm_layers > 0
+    assert f"linears on up to {cpu_kernel.SMALL_ROWS} rows by the CPU kernel" in runner.describe()
+    off = ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16, cpu_kernels="off"))
+    assert off.forward.small_gemm_layers == 0 and "by the CPU kernel" not in off.describe()
+
+
+@needs_kernel
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 @pytest.mark.parametrize("setting", ["on", "off"])
 def test_decode_rows_by_the_kernel_or_by_sdpa_give_generates_tokens(family_dir, llama_dir, family, setting):
@@ -67,7 +98,7 @@ def test_decode_rows_by_the_kernel_or_by_sdpa_give_generates_tokens(family_dir, 
     soft-capping, query_pre_attn_scalar; 4-token blocks the window does not divide."""
     path = llama_dir if family == "llama" else family_dir("gemma2")
     engine = LLMEngine(EngineConfig(model_path=path, dtype="float32", num_blocks=256, block_size=4, chunk_size=5,
-                                    max_num_batched_tokens=64, attention_kernel=setting))
+                                    max_num_batched_tokens=64, cpu_kernels=setting))
     assert (engine.runner.decode_kernel is not None) == (setting == "on")
     assert ("decode attention by the CPU kernel" in engine.runner.describe()) == (setting == "on")
     rng = random.Random(21)
@@ -82,13 +113,13 @@ def test_without_a_kernel_auto_runs_sdpa_and_says_why_and_on_refuses(llama_dir, 
     runner = ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16))
     assert runner.decode_kernel is None
     assert runner.describe().endswith("decode attention by SDPA (no C compiler on PATH (cc, gcc or $CC))")
-    with pytest.raises(ValueError, match=r"attention_kernel is on, but no C compiler on PATH"):
-        ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16, attention_kernel="on"))
-    with pytest.raises(ValueError, match=r"attention_kernel is on, but the kernel runs on CPU in float32 or "
+    with pytest.raises(ValueError, match=r"cpu_kernels is on, but no C compiler on PATH"):
+        ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16, cpu_kernels="on"))
+    with pytest.raises(ValueError, match=r"cpu_kernels is on, but the kernel runs on CPU in float32 or "
                                          r"bfloat16, not cpu torch.float16"):
-        ModelRunner(EngineConfig(model_path=llama_dir, dtype="float16", num_blocks=16, attention_kernel="on"))
-    with pytest.raises(ValueError, match="attention_kernel"):
-        EngineConfig(model_path=llama_dir, attention_kernel="sometimes")
+        ModelRunner(EngineConfig(model_path=llama_dir, dtype="float16", num_blocks=16, cpu_kernels="on"))
+    with pytest.raises(ValueError, match="cpu_kernels"):
+        EngineConfig(model_path=llama_dir, cpu_kernels="sometimes")
 
 
 def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkeypatch):
@@ -98,7 +129,7 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
     failing = tmp_path / "failing-cc"
     failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo failing-cc 1.0 && exit 0\necho 'error: no space' >&2\nexit 1\n")
     failing.chmod(0o755)
-    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build paged_decode.c: error: no space"):
+    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build paged_decode.c and small_gemm.c: error: no space"):
         cpu_kernel._build(str(failing))
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"] == []  # nothing half-built left behind
     blocked = tmp_path / "a-file"

@@ -40,9 +40,10 @@ class EngineSection:
     # torch.compile the decoder around the opaque paged-attention op: auto = on CUDA only
     compile: Literal["auto", "on", "off"] = "auto"
     cuda_graphs: bool = False  # with compile on a CUDA device: capture the dense pieces as CUDA graphs
-    # decode attention by the CPU kernel built at start (engine/cpu_kernel.py): auto = where it
-    # builds and runs (CPU, float32 / bfloat16), else SDPA; on = refuse to start without it; off = SDPA
-    attention_kernel: Literal["auto", "on", "off"] = "auto"
+    # pdserve's CPU kernels, built at start (engine/cpu_kernel.py): decode attention (CPU, float32 /
+    # bfloat16) and float32 linears on up to 16 rows (a second, panel-packed copy of those weights);
+    # auto = where they build and run, else torch's paths; on = refuse to start without them; off = torch's
+    cpu_kernels: Literal["auto", "on", "off"] = "auto"
 
 
 @dataclass(frozen=True)
@@ -214,6 +215,6 @@ class ClusterConfig:
             torch_threads=None if pool.torch_threads == "auto" else pool.torch_threads,
             enable_prefix_caching=kv.prefix_caching,
             compile=self.engine.compile, cuda_graphs=self.engine.cuda_graphs,
-            attention_kernel=self.engine.attention_kernel)
+            cpu_kernels=self.engine.cpu_kernels)
 
 
