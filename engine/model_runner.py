@@ -145,6 +145,9 @@ class ModelRunner:
             budget = cfg.kv_cache_memory
         else:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+            if self.small_gemm is not None:  # the small-batch GEMM's panels: a second copy of the linears
+                weights += sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
+                               if type(m) is torch.nn.Linear)
             budget = int(device_memory(self.device) * cfg.memory_fraction) - weights - cfg.runtime_overhead
         blocks = num_kv_blocks(self.shape, self.dtype, budget, self.block_size)
         if blocks < 1:
