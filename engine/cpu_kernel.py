@@ -97,9 +97,9 @@ class SmallGemm:
         return panels
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-        """x `[M, K]` (rows contiguous, M <= SMALL_ROWS) -> `[M, n]`."""
+        """x `[M, K]` (rows contiguous) -> `[M, n]`. Any M works; past SMALL_ROWS oneDNN is faster."""
         m, k = x.shape
-        assert x.dtype == torch.float32 and x.stride(1) == 1 and m <= SMALL_ROWS
+        assert x.dtype == torch.float32 and x.stride(1) == 1
         out = torch.empty(m, n, dtype=torch.float32)
         self._gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
                    out.data_ptr(), n, m, n, k, torch.get_num_threads())

@@ -60,3 +60,21 @@ def test_the_step_profile_splits_a_whole_decode_step_and_leaves_the_engine_unwra
     # unless the measured parts overran it (then bookkeeping is 0)
     assert sum(case[row] for row in ROWS) == pytest.approx(case["step"]) or case["bookkeeping"] == 0
     assert llm_engine_module.sample_isolated is sampler  # the timing wrappers were taken off again
+
+
+def test_the_linears_bench_times_both_paths_at_every_row_count(llama_dir, monkeypatch, capsys):
+    import json
+    import sys
+
+    from engine import cpu_kernel
+    from scripts import bench_linears
+
+    if cpu_kernel.load()[0] is None:
+        pytest.skip(f"no CPU kernels here: {cpu_kernel.load()[1]}")
+    monkeypatch.setattr(sys, "argv", ["bench_linears", "--model", llama_dir, "--rows", "1,17", "--rounds", "1",
+                                      "--threads", "1", "--json"])
+    bench_linears.main()
+    report = json.loads(capsys.readouterr().out)
+    assert report["small_rows"] == cpu_kernel.SMALL_ROWS
+    assert set(report["seconds"]) == {"1", "17"}
+    assert all(0 < t < 60 for row in report["seconds"].values() for t in row.values())
