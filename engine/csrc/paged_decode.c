@@ -53,6 +53,13 @@ static inline float exp_nonpos(float x) {
     return p * scale;
 }
 
+/* Prefetch `span` bytes of key (value) position p: base, plus its block's and slot's offsets in bytes. */
+static inline void prefetch_row(const char *base, const int64_t *table, int64_t p, int block_size,
+                                int64_t blk_bytes, int64_t tok_bytes, int64_t span) {
+    const char *row = base + table[p / block_size] * blk_bytes + (p % block_size) * tok_bytes;
+    for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(row + b);
+}
+
 #define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                         \
     static int NAME(const T *q, int64_t q_tok, int64_t q_head, const T *k, const T *v,           \
                      int64_t blk_stride, int64_t tok_stride, int64_t head_stride,                  \
@@ -86,11 +93,9 @@ static inline float exp_nonpos(float x) {
             /* scores: each key is read once, for every query head that shares it */              \
             for (int64_t p = first; p < len; p++) {                                                \
                 const T *kp = k + table[p / block_size] * blk_stride + (p % block_size) * tok_stride; \
-                if (p + AHEAD < len) {                                                             \
-                    const char *next = (const char *)(k + table[(p + AHEAD) / block_size] * blk_stride + \
-                                       ((p + AHEAD) % block_size) * tok_stride + h0 * head_stride); \
-                    for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(next + b);           \
-                }                                                                                  \
+                if (p + AHEAD < len)                                                               \
+                    prefetch_row((const char *)(k + h0 * head_stride), table, p + AHEAD, block_size,  \
+                                 blk_stride * (int64_t)sizeof(T), tok_stride * (int64_t)sizeof(T), span); \
                 for (int j = 0; j < nq; j++) {                                                     \
                     const T *kh = kp + (h0 + j / groups) * head_stride;                            \
                     const float *qj = qf + j * dim;                                                \
@@ -114,11 +119,9 @@ static inline float exp_nonpos(float x) {
             }                                                                                      \
             for (int64_t p = first; p < len; p++) {                                                \
                 const T *vp = v + table[p / block_size] * blk_stride + (p % block_size) * tok_stride; \
-                if (p + AHEAD < len) {                                                             \
-                    const char *next = (const char *)(v + table[(p + AHEAD) / block_size] * blk_stride + \
-                                       ((p + AHEAD) % block_size) * tok_stride + h0 * head_stride); \
-                    for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(next + b);           \
-                }                                                                                  \
+                if (p + AHEAD < len)                                                               \
+                    prefetch_row((const char *)(v + h0 * head_stride), table, p + AHEAD, block_size,  \
+                                 blk_stride * (int64_t)sizeof(T), tok_stride * (int64_t)sizeof(T), span); \
                 for (int j = 0; j < nq; j++) {                                                     \
                     const T *vh = vp + (h0 + j / groups) * head_stride;                            \
                     float w = sc[j * count + (p - first)];                                         \
