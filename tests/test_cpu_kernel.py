@@ -146,3 +146,22 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
     assert built.parent == tmp_path and built.stat().st_size > 0
     stamp = built.stat().st_mtime_ns
     assert cpu_kernel._build(cc) == built and built.stat().st_mtime_ns == stamp  # reused, not rebuilt
+
+
+@needs_kernel
+def test_bfloat16_decode_by_the_kernel_gives_generates_bfloat16_tokens(llama_dir):
+    """A bfloat16 pool: the kernel widens it to float32 on load and rounds its output to nearest
+    even; greedy tokens equal transformers' `generate` run in bfloat16 (same checkpoint)."""
+    from transformers import AutoModelForCausalLM
+
+    engine = LLMEngine(EngineConfig(model_path=llama_dir, dtype="bfloat16", num_blocks=256, chunk_size=16))
+    assert engine.runner.decode_kernel is not None and engine.runner.small_gemm is None  # the GEMM is float32 only
+    rng = random.Random(5)
+    prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(1, 60))] for _ in range(6)]
+    got = staggered_tokens(engine, prompts, 12)
+    model = AutoModelForCausalLM.from_pretrained(llama_dir, dtype=torch.bfloat16).eval()
+    with torch.inference_mode():
+        expected = [model.generate(torch.tensor([p]), max_new_tokens=12, min_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+                    for p in prompts]
+    assert got == expected
+    assert engine.allocator.num_used == 0
