@@ -128,8 +128,8 @@ def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     out = query.new_empty(1, num_tokens, num_heads, head_dim)
     if real < num_tokens:
         out[0, real:] = 0  # padding rows attend to nothing; zeros keep them finite
-    rows = paged.decode_rows
-    if rows is not None and rows.lens.shape[0]:
+    rows = paged.decode_rows  # None without decode rows or without the kernel
+    if rows is not None:
         n = rows.lens.shape[0]
         q = query[0, :, :n].transpose(0, 1)  # [n, H, D], a view
         rows.kernel(q if q.stride(2) == 1 else q.contiguous(), k_cache, v_cache, rows.tables, rows.lens,

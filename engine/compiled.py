@@ -101,7 +101,6 @@ class Forward:
         self.device = device
         self.prepack = prepack
         self.small_gemm = small_gemm  # cpu_kernel.SmallGemm for linears on a few rows, or None
-        self.small_gemm_layers = 0
         self.fallback_reason: str | None = None
         self.graphs_reason: str | None = None  # why CUDA graphs were asked for and are not used
         self._compiled = None
@@ -155,7 +154,6 @@ class Forward:
     def _pack(self, skip: nn.Module | None = None) -> None:
         if self.prepack:
             dense.pack_linears(self.model, self.device, skip=skip, gemm=self.small_gemm)
-            self.small_gemm_layers = dense.small_gemm_layers(self.model)
 
     def __call__(self, input_ids, positions, sample_rows, decode_only: bool = False):
         """`decode_only`: the step has one token per row and no prefill, so it may be padded to a

@@ -50,8 +50,7 @@ class KernelUnavailable(RuntimeError):
 class DecodeKernel:
     """`pd_paged_decode`, called with tensors."""
 
-    def __init__(self, lib: ctypes.CDLL, path: Path) -> None:
-        self.path = path
+    def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.pd_paged_decode
         self._fn.restype = _INT
         self._fn.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
@@ -108,7 +107,6 @@ class SmallGemm:
 
 @dataclasses.dataclass(frozen=True)
 class Kernels:
-    path: Path
     decode: DecodeKernel
     gemm: SmallGemm
 
@@ -179,7 +177,7 @@ def _load() -> Kernels:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
-    return Kernels(path, DecodeKernel(lib, path), SmallGemm(lib))
+    return Kernels(DecodeKernel(lib), SmallGemm(lib))
 
 
 def load() -> tuple[Kernels | None, str]:

@@ -52,8 +52,7 @@ class PackedLinear(nn.Module):
             flat = x.reshape(rows, self.in_features)
             if flat.stride(1) != 1 or flat.stride(0) != self.in_features:
                 flat = flat.contiguous()
-            bias = None if self.bias is None else self.bias.detach()
-            return self.gemm(flat, self.panels, bias, self.out_features).view(*x.shape[:-1], self.out_features)
+            return self.gemm(flat, self.panels, self.bias, self.out_features).view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:

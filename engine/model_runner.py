@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import attention, compiled, cpu_kernel, features
+from engine import attention, compiled, cpu_kernel, dense, features
 from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_pool
 from engine.memory import ModelShape, num_kv_blocks
@@ -80,10 +80,10 @@ class ModelRunner:
                                                        self.shape.head_dim, self.device)
         self.windows = sorted({f.sliding_window for f in self.layer_features if f.sliding_window})
         self.block_size = config.block_size
-        self.kernels, self.kernel_reason = self._cpu_kernels()
-        self.decode_kernel = self.kernels.decode if self.kernels else None
+        kernels, self.kernel_reason = self._cpu_kernels()
+        self.decode_kernel = kernels.decode if kernels else None
         # float32 linears on a few rows (decode steps) by the kernel, from panel-packed weights
-        self.small_gemm = self.kernels.gemm if self.kernels and self.dtype == torch.float32 else None
+        self.small_gemm = kernels.gemm if kernels and self.dtype == torch.float32 else None
         self.num_blocks = self._num_blocks()
         self.kv = allocate_kv_pool(self.shape.num_layers, self.num_blocks, self.block_size,
                                    self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
@@ -110,7 +110,7 @@ class ModelRunner:
             how = f"eager (engine.compile: {self.config.compile})"
         if self.decode_kernel is not None:
             how += ", decode attention by the CPU kernel"
-            if self.forward.small_gemm_layers:
+            if dense.small_gemm_layers(self.model):
                 how += f", linears on up to {cpu_kernel.SMALL_ROWS} rows by the CPU kernel"
         else:
             how += f", decode attention by SDPA ({self.kernel_reason})"

@@ -83,11 +83,11 @@ def test_the_small_gemm_equals_linear_and_takes_only_few_rows(bias):
 @needs_kernel
 def test_an_engine_with_the_kernels_runs_few_row_linears_on_them(llama_dir):
     runner = ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16))
-    assert runner.forward.small_gemm_layers == sum(1 for m in runner.model.modules() if isinstance(m, dense.PackedLinear))
-    assert runner.forward.small_gemm_layers > 0
+    assert dense.small_gemm_layers(runner.model) == sum(1 for m in runner.model.modules() if isinstance(m, dense.PackedLinear))
+    assert dense.small_gemm_layers(runner.model) > 0
     assert f"linears on up to {cpu_kernel.SMALL_ROWS} rows by the CPU kernel" in runner.describe()
     off = ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16, cpu_kernels="off"))
-    assert off.forward.small_gemm_layers == 0 and "by the CPU kernel" not in off.describe()
+    assert dense.small_gemm_layers(off.model) == 0 and "by the CPU kernel" not in off.describe()
 
 
 @needs_kernel

@@ -53,12 +53,13 @@ static inline float exp_nonpos(float x) {
     return p * scale;
 }
 
-/* Prefetch `span` bytes of key (value) position p: base, plus its block's and slot's offsets in bytes. */
-static inline void prefetch_row(const char *base, const int64_t *table, int64_t p, int block_size,
-                                int64_t blk_bytes, int64_t tok_bytes, int64_t span) {
-    const char *row = base + table[p / block_size] * blk_bytes + (p % block_size) * tok_bytes;
-    for (int64_t b = 0; b < span; b += 64) __builtin_prefetch(row + b);
+static inline void prefetch_span(const void *start, int64_t span) {
+    for (int64_t b = 0; b < span; b += 64) __builtin_prefetch((const char *)start + b);
 }
+
+/* Key (value) position p of the task's row in the pool that `base` points into (the names are
+   the decode function's own: its row's block table, block size and strides). */
+#define AT(base, p) ((base) + table[(p) / block_size] * blk_stride + ((p) % block_size) * tok_stride)
 
 #define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                         \
     static int NAME(const T *q, int64_t q_tok, int64_t q_head, const T *k, const T *v,           \
@@ -92,10 +93,8 @@ static inline void prefetch_row(const char *base, const int64_t *table, int64_t 
             }                                                                                      \
             /* scores: each key is read once, for every query head that shares it */              \
             for (int64_t p = first; p < len; p++) {                                                \
-                const T *kp = k + table[p / block_size] * blk_stride + (p % block_size) * tok_stride; \
-                if (p + AHEAD < len)                                                               \
-                    prefetch_row((const char *)(k + h0 * head_stride), table, p + AHEAD, block_size,  \
-                                 blk_stride * (int64_t)sizeof(T), tok_stride * (int64_t)sizeof(T), span); \
+                const T *kp = AT(k, p);                                                            \
+                if (p + AHEAD < len) prefetch_span(AT(k, p + AHEAD) + h0 * head_stride, span);    \
                 for (int j = 0; j < nq; j++) {                                                     \
                     const T *kh = kp + (h0 + j / groups) * head_stride;                            \
                     const float *qj = qf + j * dim;                                                \
@@ -118,10 +117,8 @@ static inline void prefetch_row(const char *base, const int64_t *table, int64_t 
                 inv[j] = 1.0f / sum;                                                               \
             }                                                                                      \
             for (int64_t p = first; p < len; p++) {                                                \
-                const T *vp = v + table[p / block_size] * blk_stride + (p % block_size) * tok_stride; \
-                if (p + AHEAD < len)                                                               \
-                    prefetch_row((const char *)(v + h0 * head_stride), table, p + AHEAD, block_size,  \
-                                 blk_stride * (int64_t)sizeof(T), tok_stride * (int64_t)sizeof(T), span); \
+                const T *vp = AT(v, p);                                                            \
+                if (p + AHEAD < len) prefetch_span(AT(v, p + AHEAD) + h0 * head_stride, span);    \
                 for (int j = 0; j < nq; j++) {                                                     \
                     const T *vh = vp + (h0 + j / groups) * head_stride;                            \
                     float w = sc[j * count + (p - first)];                                         \
