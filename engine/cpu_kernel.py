@@ -40,7 +40,7 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _I64, _PTR, _INT, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
-SMALL_ROWS = 16  # the most rows the small-batch GEMM takes; oneDNN is faster from about 32
+SMALL_ROWS = 64  # the most rows the small-batch GEMM takes; oneDNN is faster from about 128
 
 
 class KernelUnavailable(RuntimeError):

@@ -14,8 +14,8 @@ built in. The packed weight replaces the module's parameter; a weight shared wit
 
 With pdserve's CPU kernels (`engine.cpu_kernels`, engine/cpu_kernel.py), each packed linear also
 keeps its weight in 16-column panels for the small-batch GEMM, which takes products of up to
-`SMALL_ROWS` rows (a decode step: 1.6-1.7x oneDNN's speed at 1-4 rows, 1.2x at 16, here) while
-oneDNN keeps the larger ones (prefill chunks), where it is faster. That second copy doubles the
+`SMALL_ROWS` rows (a decode step: about 1.7x oneDNN's speed at 1-16 rows, 1.1x at 64, here) while
+oneDNN keeps the larger ones (prefill chunks), where it is faster (from about 128 rows). That second copy doubles the
 memory of the linear weights.
 """
 

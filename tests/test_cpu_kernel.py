@@ -65,19 +65,20 @@ def test_the_kernel_attends_each_row_over_its_own_keys(dtype, tol, rows, dim, wi
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_small_gemm_equals_linear_and_takes_only_few_rows(bias):
     """Panels of 16 columns (here 40 outputs: two whole panels and a part), tiles of up to six rows
-    (1-16 rows: every tile size), inputs strided or not; past SMALL_ROWS rows oneDNN takes over."""
+    (1-SMALL_ROWS rows: every tile size and tile count), inputs strided or not; past SMALL_ROWS rows
+    oneDNN takes over."""
     torch.manual_seed(3)
     linear = nn.Linear(72, 40, bias=bias)
     packed = dense.PackedLinear(linear, keep_weight=False, gemm=KERNELS.gemm)
     calls = []
     gemm = packed.gemm
     packed.gemm = lambda *a: calls.append(a[0].shape[0]) or gemm(*a)
-    for rows in (*range(1, cpu_kernel.SMALL_ROWS + 1), cpu_kernel.SMALL_ROWS + 1, 40):
+    for rows in (*range(1, cpu_kernel.SMALL_ROWS + 1), cpu_kernel.SMALL_ROWS + 1, 2 * cpu_kernel.SMALL_ROWS):
         x = torch.randn(1, rows, 72)
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
     wide = torch.randn(1, 5, 144)[..., ::2]  # a strided view: copied before the kernel reads it
     torch.testing.assert_close(packed(wide), linear(wide), rtol=1e-5, atol=1e-5)
-    assert calls == [*range(1, cpu_kernel.SMALL_ROWS + 1), 5]  # 17 and 40 rows went to oneDNN
+    assert calls == [*range(1, cpu_kernel.SMALL_ROWS + 1), 5]  # the two larger products went to oneDNN
 
 
 @needs_kernel
