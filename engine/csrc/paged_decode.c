@@ -5,6 +5,9 @@ head read each key and value once, in place in its block (no gather, no padding,
 three passes: scores (q.k * scale, soft-capped when asked), a max-subtracted exp, and the
 probability-weighted sum of values. Each pass prefetches the key (value) a few positions ahead,
 which may sit in another block anywhere in the pool. Float32 throughout; bfloat16 pools are widened on load.
+Every pass runs on 8-lane vectors (GCC/Clang vector extensions, so it builds for any target): dot
+products in two sums over the head dimension, the max and a vector exp over the scores, the value
+sum eight lanes at a time; a head dimension that is no multiple of 8 finishes in scalars.
 A task's arithmetic never depends on the other rows of the step, so a row's result does not
 depend on what it is batched with.
 
@@ -20,6 +23,11 @@ with a sliding window, all of [0, lens[i]) without (window 0).
 
 #define AHEAD 4 /* keys prefetched ahead: blocks are scattered, and a hardware prefetcher stops at a page */
 
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
 static inline float bf16_load(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
     float f;
@@ -34,23 +42,61 @@ static inline uint16_t bf16_store(float f) { /* round to nearest even */
     return (uint16_t)(u >> 16);
 }
 
-/* e^x for x <= 0 to about one ulp (Cephes' expf), written so the compiler vectorizes it */
-static inline float exp_nonpos(float x) {
-    x = fmaxf(x, -87.0f); /* e^-87 is still a normal float */
-    float n = floorf(x * 1.44269504088896341f + 0.5f);
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float z = r * r;
-    float p = 1.9875691500e-4f;
+static inline v8f f32_load8(const float *p) {
+    v8f x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline v8f bf16_load8(const uint16_t *p) { /* eight bfloat16 widened: their bits, shifted up */
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    v8u u = __builtin_convertvector(h, v8u) << 16;
+    v8f x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static inline void store8(float *p, v8f x) { memcpy(p, &x, sizeof x); }
+
+static inline float hsum(v8f x) {
+    float lanes[8];
+    memcpy(lanes, &x, sizeof lanes);
+    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
+static inline v8f vmax(v8f a, v8f b) {
+    v8i more = a > b;
+    v8i bits = ((v8i)a & more) | ((v8i)b & ~more);
+    return (v8f)bits;
+}
+
+/* e^x for x <= 0 (eight at once) to about one ulp: Cephes' expf, with n = round(x / ln 2) by the
+   float magic-number trick (round to nearest even, so |r| <= ln 2 / 2 as Cephes' floor(. + 0.5)) */
+static inline v8f exp_nonpos8(v8f x) {
+    const v8f magic = (v8f){0} + 12582912.0f; /* 1.5 * 2^23 */
+    x = vmax(x, (v8f){0} - 87.0f);           /* e^-87 is still a normal float */
+    v8f n = (x * 1.44269504088896341f + magic) - magic;
+    v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8f z = r * r;
+    v8f p = (v8f){0} + 1.9875691500e-4f;
     p = p * r + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
     p = p * z + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, sizeof scale);
-    return p * scale;
+    v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return p * (v8f)bits;
+}
+
+static inline float exp_nonpos(float x) { /* the same, for the tail of a row */
+    float lanes[8] = {x};
+    v8f v;
+    memcpy(&v, lanes, sizeof v);
+    v = exp_nonpos8(v);
+    memcpy(lanes, &v, sizeof v);
+    return lanes[0];
 }
 
 static inline void prefetch_span(const void *start, int64_t span) {
@@ -61,7 +107,7 @@ static inline void prefetch_span(const void *start, int64_t span) {
    the decode function's own: its row's block table, block size and strides). */
 #define AT(base, p) ((base) + table[(p) / block_size] * blk_stride + ((p) % block_size) * tok_stride)
 
-#define DEFINE_DECODE(NAME, T, LOAD, STORE)                                                         \
+#define DEFINE_DECODE(NAME, T, LOAD, LOAD8, STORE)                                                 \
     static int NAME(const T *q, int64_t q_tok, int64_t q_head, const T *k, const T *v,           \
                      int64_t blk_stride, int64_t tok_stride, int64_t head_stride,                  \
                      const int64_t *tables, int64_t table_stride, const int64_t *lens, T *out,     \
@@ -98,22 +144,35 @@ static inline void prefetch_span(const void *start, int64_t span) {
                 for (int j = 0; j < nq; j++) {                                                     \
                     const T *kh = kp + (h0 + j / groups) * head_stride;                            \
                     const float *qj = qf + j * dim;                                                \
-                    float s = 0.0f;                                                                \
-                    _Pragma("omp simd reduction(+ : s)")                                           \
-                    for (int d = 0; d < dim; d++) s += qj[d] * LOAD(kh[d]);                        \
+                    v8f s0 = {0}, s1 = {0};                                                        \
+                    int d = 0;                                                                     \
+                    for (; d + 16 <= dim; d += 16) {                                               \
+                        s0 += f32_load8(qj + d) * LOAD8(kh + d);                                   \
+                        s1 += f32_load8(qj + d + 8) * LOAD8(kh + d + 8);                           \
+                    }                                                                              \
+                    if (d + 8 <= dim) s0 += f32_load8(qj + d) * LOAD8(kh + d), d += 8;             \
+                    float s = hsum(s0 + s1);                                                       \
+                    for (; d < dim; d++) s += qj[d] * LOAD(kh[d]);                                 \
                     sc[j * count + (p - first)] = softcap > 0.0f ? tanhf(s / softcap) * softcap : s; \
                 }                                                                                  \
             }                                                                                      \
             float inv[nq];                                                                         \
             for (int j = 0; j < nq; j++) {                                                         \
-                float *row = sc + j * count, top = -INFINITY, sum = 0.0f;                          \
-                _Pragma("omp simd reduction(max : top)")                                           \
-                for (int64_t c = 0; c < count; c++) top = fmaxf(top, row[c]);                      \
-                _Pragma("omp simd reduction(+ : sum)")                                             \
-                for (int64_t c = 0; c < count; c++) {                                              \
-                    row[c] = exp_nonpos(row[c] - top);                                             \
-                    sum += row[c];                                                                 \
+                float *row = sc + j * count;                                                       \
+                v8f top8 = (v8f){0} - INFINITY, sum8 = {0};                                        \
+                int64_t c = 0;                                                                     \
+                for (; c + 8 <= count; c += 8) top8 = vmax(top8, f32_load8(row + c));             \
+                float lanes[8], top = -INFINITY, sum;                                              \
+                memcpy(lanes, &top8, sizeof lanes);                                                \
+                for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;                 \
+                for (; c < count; c++) top = row[c] > top ? row[c] : top;                          \
+                for (c = 0; c + 8 <= count; c += 8) {                                              \
+                    v8f e = exp_nonpos8(f32_load8(row + c) - top);                                 \
+                    store8(row + c, e);                                                            \
+                    sum8 += e;                                                                     \
                 }                                                                                  \
+                sum = hsum(sum8);                                                                  \
+                for (; c < count; c++) sum += row[c] = exp_nonpos(row[c] - top);                  \
                 inv[j] = 1.0f / sum;                                                               \
             }                                                                                      \
             for (int64_t p = first; p < len; p++) {                                                \
@@ -122,9 +181,11 @@ static inline void prefetch_span(const void *start, int64_t span) {
                 for (int j = 0; j < nq; j++) {                                                     \
                     const T *vh = vp + (h0 + j / groups) * head_stride;                            \
                     float w = sc[j * count + (p - first)];                                         \
+                    v8f w8 = {w, w, w, w, w, w, w, w};                                             \
                     float *a = acc + j * dim;                                                      \
-                    _Pragma("omp simd")                                                            \
-                    for (int d = 0; d < dim; d++) a[d] += w * LOAD(vh[d]);                         \
+                    int d = 0;                                                                     \
+                    for (; d + 8 <= dim; d += 8) store8(a + d, f32_load8(a + d) + w8 * LOAD8(vh + d)); \
+                    for (; d < dim; d++) a[d] += w * LOAD(vh[d]);                                  \
                 }                                                                                  \
             }                                                                                      \
             for (int j = 0; j < nq; j++) {                                                         \
@@ -138,8 +199,8 @@ static inline void prefetch_span(const void *start, int64_t span) {
 
 #define F32_LOAD(x) (x)
 #define F32_STORE(x) (x)
-DEFINE_DECODE(decode_f32, float, F32_LOAD, F32_STORE)
-DEFINE_DECODE(decode_bf16, uint16_t, bf16_load, bf16_store)
+DEFINE_DECODE(decode_f32, float, F32_LOAD, f32_load8, F32_STORE)
+DEFINE_DECODE(decode_bf16, uint16_t, bf16_load, bf16_load8, bf16_store)
 
 /* dtype: 0 = float32, 1 = bfloat16 (q, the pool and out alike). Returns 0; -1 for a dtype it
    does not know; -2 when a task could not allocate its scores (its rows are not written). */
