@@ -7,7 +7,9 @@ which reads the metadata from there, writes the new K/V into their slots of the 
 - decode tokens with the CPU decode kernel (engine/cpu_kernel.py: every row straight from its
   blocks, no copy, no padding), or without it in a few padded SDPA calls, grouped by context
   length (little padding);
-- each prefill chunk over its own context (fresh prompts straight from K/V, causal).
+- each prefill chunk over its own context: by the CPU prefill kernel straight from the pool
+  (tiled, the causal half skipped), or by SDPA (fresh prompts straight from K/V, causal; a
+  chunk after cached context over its gathered blocks with a mask).
 A decode-only step padded to a CUDA-graph bucket (engine/compiled.py) has more rows than slots:
 the rows past the step's tokens write no KV and come out as zeros.
 
@@ -51,6 +53,10 @@ class PrefillChunk:
     ctx_blocks: torch.Tensor | None  # [ceil(ctx / bs)] blocks holding all keys; None = fresh prompt (keys == chunk)
     mask: torch.Tensor | None  # [q, ctx_blocks * bs] bool, True = attend; None = plain causal
     window_masks: dict[int, torch.Tensor | None] = field(default_factory=dict)  # window -> [q, keys] bool; None = causal
+    # for the CPU prefill kernel instead (no masks, no gather): the sequence's blocks holding keys
+    # 0 .. its last query, int64 on the CPU, and the position of the chunk's first query
+    table: torch.Tensor | None = None
+    first_pos: int = 0
 
 
 @dataclass
@@ -81,6 +87,7 @@ class StepMetadata:
     decode_groups: list[DecodeGroup]  # decode tokens come first in the row, by context length
     prefills: list[PrefillChunk]
     decode_rows: DecodeRows | None = None  # instead of decode_groups, where the kernel runs
+    prefill_kernel: cpu_kernel.PrefillKernel | None = None  # attends every prefill chunk, where it runs
 
 
 _current: list[StepMetadata] = []  # the step being computed (a stack of at most one)
@@ -138,6 +145,11 @@ def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         mask = group.window_masks[sliding_window] if sliding_window else group.mask
         _decode(query, k_cache, v_cache, group, mask, scaling, softcap, out[0])
     for chunk in paged.prefills:
+        if paged.prefill_kernel is not None:
+            q = query[0, :, chunk.start:chunk.end].transpose(0, 1)  # [q, H, D], a view
+            paged.prefill_kernel(q if q.stride(2) == 1 else q.contiguous(), k_cache, v_cache, chunk.table,
+                                 chunk.first_pos, out[0, chunk.start:chunk.end], scaling, sliding_window, softcap)
+            continue
         mask = chunk.window_masks[sliding_window] if sliding_window else chunk.mask
         _prefill(query, key, value, k_cache, v_cache, chunk, mask, scaling, softcap, out[0])
     return out

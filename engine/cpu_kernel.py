@@ -3,6 +3,9 @@
 - decode attention (paged_decode.c): decode rows attend straight from their blocks in the pool:
   no gathered copy of whole blocks, no padding to a group's longest context, no mask
   (docs/engine_speed.md, "Decode attention");
+- prefill attention (paged_prefill.c): a prompt chunk's queries attend straight from the pool
+  too, tiled so keys and queries are each read once per tile, the causal half skipped
+  (docs/engine_speed.md, "Prefill attention");
 - small-batch GEMM (small_gemm.c): a linear layer on a few rows (a decode step) from weights
   packed in 16-column panels (engine/dense.py; docs/engine_speed.md, "Small-batch linears").
 
@@ -33,6 +36,7 @@ from pathlib import Path
 import torch
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
+HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 BUILD_TIMEOUT_S = 120
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -78,6 +82,39 @@ class DecodeKernel:
             raise RuntimeError(f"pd_paged_decode failed ({rc}) for dtype {query.dtype}")
 
 
+class PrefillKernel:
+    """`pd_paged_prefill`, called with tensors."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.pd_paged_prefill
+        self._fn.restype = _INT
+        self._fn.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT, _PTR,
+                             _I64, _I64, _INT, _INT, _INT, _INT, _FLOAT, _INT, _FLOAT, _INT]
+
+    def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 table: torch.Tensor, first_pos: int, out: torch.Tensor, scale: float,
+                 window: int, softcap: float) -> None:
+        """One chunk of one sequence: query `[q, H, D]` at positions first_pos .. first_pos + q - 1,
+        k/v_cache `[blocks, block_size, KVH, D]` (one layer's views of the pool, the chunk's keys
+        already written), table `[>= ceil((first_pos + q) / block_size)]` int64, the sequence's
+        blocks; out `[q, H, D]` written in place. The last dim of each is contiguous."""
+        n, heads, dim = query.shape
+        _, block_size, kv_heads, _ = k_cache.shape
+        assert k_cache.stride() == v_cache.stride() and table.dtype == torch.int64 and table.is_contiguous()
+        assert query.stride(2) == k_cache.stride(3) == out.stride(2) == 1
+        assert query.dtype == k_cache.dtype == out.dtype
+        assert table.shape[0] * block_size >= first_pos + n, "the table must cover every key of the chunk"
+        rc = self._fn(DTYPES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
+                      k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
+                      k_cache.stride(2), table.data_ptr(), first_pos, n, out.data_ptr(), out.stride(0),
+                      out.stride(1), heads, kv_heads, dim, block_size, scale, window, softcap,
+                      torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError(f"the prefill kernel could not allocate its buffers for {n} queries")
+        if rc != 0:
+            raise RuntimeError(f"pd_paged_prefill failed ({rc}) for dtype {query.dtype}")
+
+
 class SmallGemm:
     """`sg_pack` / `sg_gemm`: float32 `x @ W^T + bias` for up to SMALL_ROWS rows."""
 
@@ -108,6 +145,7 @@ class SmallGemm:
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     decode: DecodeKernel
+    prefill: PrefillKernel
     gemm: SmallGemm
 
 
@@ -140,7 +178,7 @@ def _build(cc: str) -> Path:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise KernelUnavailable(f"{cc} --version failed: {e}") from e
     # -march=native: the CPU's flags are part of the name, so hosts sharing a cache never share a build
-    sources = [f"{path.name}\0{path.read_text()}" for path in SOURCES]
+    sources = [f"{path.name}\0{path.read_text()}" for path in (*SOURCES, *HEADERS)]
     key = hashlib.sha256("\0".join([*sources, cc, version, *FLAGS, sys.platform, _cpu_flags()]).encode())
     target = cache_dir() / f"pdserve_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
@@ -167,7 +205,8 @@ def _build(cc: str) -> Path:
 
 
 def _names() -> str:
-    return " and ".join(path.name for path in SOURCES)
+    names = [path.name for path in SOURCES]
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
 
 
 @functools.cache
@@ -177,7 +216,7 @@ def _load() -> Kernels:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
-    return Kernels(DecodeKernel(lib), SmallGemm(lib))
+    return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib))
 
 
 def load() -> tuple[Kernels | None, str]:

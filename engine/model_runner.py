@@ -82,6 +82,7 @@ class ModelRunner:
         self.block_size = config.block_size
         kernels, self.kernel_reason = self._cpu_kernels()
         self.decode_kernel = kernels.decode if kernels else None
+        self.prefill_kernel = kernels.prefill if kernels else None
         # float32 linears on a few rows (decode steps) by the kernel, from panel-packed weights
         self.small_gemm = kernels.gemm if kernels and self.dtype == torch.float32 else None
         self.num_blocks = self._num_blocks()
@@ -109,7 +110,7 @@ class ModelRunner:
         else:
             how = f"eager (engine.compile: {self.config.compile})"
         if self.decode_kernel is not None:
-            how += ", decode attention by the CPU kernel"
+            how += ", decode and prefill attention by the CPU kernels"
             if dense.small_gemm_layers(self.model):
                 how += f", linears on up to {cpu_kernel.SMALL_ROWS} rows by the CPU kernel"
         else:
@@ -186,7 +187,8 @@ class ModelRunner:
         meta = attention.StepMetadata(kv=self.kv, slot_blocks=torch.tensor(slot_blocks, device=dev),
                                       slot_offsets=torch.tensor(slot_offsets, device=dev),
                                       decode_groups=[] if self.decode_kernel else self._decode_groups(decodes),
-                                      prefills=chunks, decode_rows=self._decode_rows(decodes))
+                                      prefills=chunks, decode_rows=self._decode_rows(decodes),
+                                      prefill_kernel=self.prefill_kernel)
         return (torch.tensor([ids], device=dev), torch.tensor([pos], device=dev), meta,
                 torch.tensor(sample_rows, dtype=torch.long, device=dev))
 
@@ -213,6 +215,9 @@ class ModelRunner:
 
     def _chunk(self, it: ScheduledItem, row: int) -> attention.PrefillChunk:
         q = it.num_tokens
+        if self.prefill_kernel is not None:  # no masks, no gather: the kernel reads the blocks
+            table = torch.tensor(it.request.block_ids[:-(-it.end // self.block_size)], dtype=torch.long)
+            return attention.PrefillChunk(row, row + q, None, None, table=table, first_pos=it.start)
         if it.start == 0:
             return self._fresh_chunk(row, q)
         num_blocks = -(-it.end // self.block_size)  # the keys: whole blocks, the last one partly filled

@@ -62,6 +62,31 @@ def test_the_kernel_attends_each_row_over_its_own_keys(dtype, tol, rows, dim, wi
 
 
 @needs_kernel
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])  # online softmax: rescaled sums
+@pytest.mark.parametrize("first_pos, queries, heads, kv_heads, dim", [
+    (0, 1, 6, 2, 64), (0, 7, 4, 4, 20), (0, 45, 9, 3, 64), (13, 1, 8, 1, 72), (30, 50, 6, 2, 64),
+    (53, 11, 9, 3, 16), (5, 40, 8, 1, 72)])
+@pytest.mark.parametrize("window, softcap", [(0, 0.0), (9, 0.0), (0, 5.0)])
+def test_the_prefill_kernel_attends_each_query_over_the_keys_up_to_its_own(dtype, tol, first_pos, queries, heads,
+                                                                           kv_heads, dim, window, softcap):
+    """A chunk of `queries` queries at positions first_pos.. (a fresh prompt at 0, or after a cached
+    prefix), keys scattered over the pool: each query attends as the decode row of its own
+    position would. Tiles of 32 rows across several queries and heads, steps of 24 keys, partial
+    tiles, windows, soft-caps, head dims off the vector width, one to eight heads per KV head."""
+    torch.manual_seed(first_pos + queries + dim)
+    layers, blocks, block_size = 2, 48, 4
+    pool = torch.randn(blocks, layers, 2, block_size, kv_heads, dim).to(dtype)
+    k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]
+    table = torch.randperm(blocks)[:-(-(first_pos + queries) // block_size)]
+    query = torch.randn(1, heads, queries, dim).to(dtype)[0].transpose(0, 1)  # [q, H, D], strided like the op's
+    out = torch.full((queries, heads, dim), float("nan"), dtype=dtype)
+    KERNELS.prefill(query, k_cache, v_cache, table, first_pos, out, 0.3, window, softcap)
+    lens = torch.arange(first_pos + 1, first_pos + queries + 1)
+    expected = _reference(query, k_cache, v_cache, table.expand(queries, -1), lens, 0.3, window, softcap)
+    torch.testing.assert_close(out.double(), expected, rtol=tol, atol=tol)
+
+
+@needs_kernel
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_small_gemm_equals_linear_and_takes_only_few_rows(bias):
     """Panels of 16 columns (here 40 outputs: two whole panels and a part), tiles of up to six rows
@@ -94,14 +119,14 @@ def test_an_engine_with_the_kernels_runs_few_row_linears_on_them(llama_dir):
 @needs_kernel
 @pytest.mark.parametrize("family", ["llama", "gemma2"])
 @pytest.mark.parametrize("setting", ["on", "off"])
-def test_decode_rows_by_the_kernel_or_by_sdpa_give_generates_tokens(family_dir, llama_dir, family, setting):
+def test_attention_by_the_kernels_or_by_sdpa_gives_generates_tokens(family_dir, llama_dir, family, setting):
     """Gemma 2 is the family that asks most of decode attention: windows on 3 of 4 layers,
     soft-capping, query_pre_attn_scalar; 4-token blocks the window does not divide."""
     path = llama_dir if family == "llama" else family_dir("gemma2")
     engine = LLMEngine(EngineConfig(model_path=path, dtype="float32", num_blocks=256, block_size=4, chunk_size=5,
                                     max_num_batched_tokens=64, cpu_kernels=setting))
     assert (engine.runner.decode_kernel is not None) == (setting == "on")
-    assert ("decode attention by the CPU kernel" in engine.runner.describe()) == (setting == "on")
+    assert ("decode and prefill attention by the CPU kernels" in engine.runner.describe()) == (setting == "on")
     rng = random.Random(21)
     prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(1, 60))] for _ in range(6)]
     prompts.append([rng.randrange(10, 2000) for _ in range(4 * WINDOW)])  # several windows long
@@ -130,7 +155,7 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
     failing = tmp_path / "failing-cc"
     failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo failing-cc 1.0 && exit 0\necho 'error: no space' >&2\nexit 1\n")
     failing.chmod(0o755)
-    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build paged_decode.c and small_gemm.c: error: no space"):
+    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build paged_decode.c, paged_prefill.c and small_gemm.c: error: no space"):
         cpu_kernel._build(str(failing))
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"] == []  # nothing half-built left behind
     blocked = tmp_path / "a-file"
@@ -147,6 +172,10 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
     assert built.parent == tmp_path and built.stat().st_size > 0
     stamp = built.stat().st_mtime_ns
     assert cpu_kernel._build(cc) == built and built.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    header = tmp_path / "vec.h"  # the sources' shared header is part of the name too
+    header.write_text(cpu_kernel.HEADERS[0].read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(cpu_kernel, "HEADERS", (header,))
+    assert cpu_kernel._build(cc) != built
 
 
 @needs_kernel

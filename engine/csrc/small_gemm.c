@@ -14,20 +14,7 @@ more sums in flight), so a row's result does not depend on the other rows. */
 #include <stddef.h>
 #include <string.h>
 
-typedef float v8f __attribute__((vector_size(32)));
-
-static inline v8f load8(const float *p) {
-    v8f x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
-/* One x value in every lane, read straight from memory (vbroadcastss m32): no shuffle uop to
-   compete with the FMAs. */
-static inline v8f splat(const float *p) {
-    float s = *p;
-    return (v8f){s, s, s, s, s, s, s, s};
-}
+#include "vec.h"
 
 void sg_pack(const float *w, int64_t n, int64_t k, float *out) {
     int64_t panels = (n + 15) / 16;
@@ -57,8 +44,8 @@ static inline void store_rows(v8f (*a)[2], int rows, const float *bias, float *y
         for (int r = 0; r < R; r++) a[r][0] = a[r][1] = odd[r][0] = odd[r][1] = (v8f){0};         \
         int j = 0;                                                                                 \
         for (; R <= 2 && j + 1 < k; j += 2) {                                                      \
-            v8f w0 = load8(w + j * 16), w1 = load8(w + j * 16 + 8);                                \
-            v8f u0 = load8(w + j * 16 + 16), u1 = load8(w + j * 16 + 24);                          \
+            v8f w0 = f32_load8(w + j * 16), w1 = f32_load8(w + j * 16 + 8);                                \
+            v8f u0 = f32_load8(w + j * 16 + 16), u1 = f32_load8(w + j * 16 + 24);                          \
             for (int r = 0; r < R; r++) {                                                          \
                 v8f b = splat(x + r * ldx + j), c = splat(x + r * ldx + j + 1);             \
                 a[r][0] += b * w0;                                                                 \
@@ -69,7 +56,7 @@ static inline void store_rows(v8f (*a)[2], int rows, const float *bias, float *y
         }                                                                                          \
         for (; j < k; j++) {                                                                       \
             if (pf) __builtin_prefetch(pf + j * 16, 0, 1);                                         \
-            v8f w0 = load8(w + j * 16), w1 = load8(w + j * 16 + 8);                                \
+            v8f w0 = f32_load8(w + j * 16), w1 = f32_load8(w + j * 16 + 8);                                \
             for (int r = 0; r < R; r++) {                                                          \
                 v8f b = splat(x + r * ldx + j);                                                 \
                 a[r][0] += b * w0;                                                                 \

@@ -1,0 +1,189 @@
+/* Prefill attention straight from the paged KV pool, on the CPU (engine/cpu_kernel.py builds it).
+
+One chunk of one sequence: queries at positions pos0 .. pos0 + nq - 1, whose keys and values are
+already in the pool (the chunk's own included), reached through the sequence's block table. A
+query at position t sees keys [t - window + 1, t] with a sliding window, all of [0, t] without.
+
+A task is one KV head and a tile of up to 32 query rows: the heads sharing that KV head, for a
+few consecutive positions (row r is position pos0 + r / groups, query head kv * groups + r % groups).
+It walks the keys its rows see in steps of KSTEP positions, each step aligned to an absolute
+position (so a row's result depends on its own position only, never on how rows were tiled):
+the step's keys and values are widened to float32 in a small buffer, then
+- scores, transposed (keys x rows): six keys times sixteen rows of 8-lane sums in registers
+  over the head dimension, the queries packed dimension-major once per task (scaled);
+- an online softmax across steps, vectorized across rows: running max and sum per row, the
+  finished part rescaled when the max grows; keys a row may not see weigh exactly 0;
+- the weighted sum of values: four rows times sixteen dimensions in registers over the step's keys.
+The causal half of the chunk is never computed, beyond the step that holds the diagonal.
+
+Strides are in elements, as in paged_decode.c: key p of KV head h is at
+k[table[p / block_size] * blk_stride + (p % block_size) * tok_stride + h * head_stride + d].
+*/
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "vec.h"
+
+#define ROWS 32  /* query rows of a task: four vectors of eight */
+#define KSTEP 24 /* keys per online-softmax step: four tiles of six */
+
+/* n values of a float32 or bfloat16 (dtype 1) array into float32 */
+static inline void widen(const void *src, int dtype, float *dst, int n) {
+    if (dtype == 0) {
+        memcpy(dst, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    const uint16_t *h = src;
+    for (int d = 0; d < n; d++) dst[d] = bf16_load(h[d]);
+}
+
+/* st[j][r] = sum over d of kf[j][d] * qt[d][r], for keys j0 .. j0 + 5 and rows r0 .. r0 + 15 */
+static inline void scores_tile(const float *kf, const float *qt, float *st, int dim, int j0, int r0) {
+    v8f a[6][2];
+    for (int j = 0; j < 6; j++) a[j][0] = a[j][1] = (v8f){0};
+    for (int d = 0; d < dim; d++) {
+        v8f q0 = f32_load8(qt + d * ROWS + r0), q1 = f32_load8(qt + d * ROWS + r0 + 8);
+        for (int j = 0; j < 6; j++) {
+            v8f kj = splat(kf + (j0 + j) * dim + d);
+            a[j][0] += kj * q0;
+            a[j][1] += kj * q1;
+        }
+    }
+    for (int j = 0; j < 6; j++) {
+        store8(st + (j0 + j) * ROWS + r0, a[j][0]);
+        store8(st + (j0 + j) * ROWS + r0 + 8, a[j][1]);
+    }
+}
+
+/* o[r][d..d+W) = o[r][d..d+W) * corr[r] + sum over keys j of st[j][r] * vf[j][d..d+W), rows
+   r0 .. r0 + 3, W = 8 * V lanes */
+#define VALUES_TILE(V)                                                                            \
+    static inline void values_tile##V(const float *st, const float *vf, const float *corr,        \
+                                      float *o, int dim, int r0, int d0) {                        \
+        v8f a[4][V];                                                                              \
+        for (int r = 0; r < 4; r++)                                                               \
+            for (int x = 0; x < V; x++) a[r][x] = f32_load8(o + (r0 + r) * dim + d0 + 8 * x) * corr[r0 + r]; \
+        for (int j = 0; j < KSTEP; j++) {                                                         \
+            v8f vv[V];                                                                            \
+            for (int x = 0; x < V; x++) vv[x] = f32_load8(vf + j * dim + d0 + 8 * x);             \
+            for (int r = 0; r < 4; r++) {                                                         \
+                v8f w = splat(st + j * ROWS + r0 + r);                                            \
+                for (int x = 0; x < V; x++) a[r][x] += w * vv[x];                                 \
+            }                                                                                     \
+        }                                                                                         \
+        for (int r = 0; r < 4; r++)                                                               \
+            for (int x = 0; x < V; x++) store8(o + (r0 + r) * dim + d0 + 8 * x, a[r][x]);         \
+    }
+VALUES_TILE(1)
+VALUES_TILE(2)
+
+/* dtype: 0 = float32, 1 = bfloat16 (q, the pool and out alike). q [nq][heads][dim] and out
+   likewise, by their token / head strides; table: the sequence's blocks, covering keys
+   0 .. pos0 + nq - 1. Returns 0; -1 for a dtype it does not know; -2 when a task could not
+   allocate its buffers (its rows are not written). */
+int pd_paged_prefill(int dtype, const void *q, int64_t q_tok, int64_t q_head, const void *k,
+                     const void *v, int64_t blk_stride, int64_t tok_stride, int64_t head_stride,
+                     const int64_t *table, int64_t pos0, int nq, void *out, int64_t out_tok,
+                     int64_t out_head, int heads, int kv_heads, int dim, int block_size, float scale,
+                     int window, float softcap, int threads) {
+    if (dtype != 0 && dtype != 1) return -1;
+    size_t elem = dtype == 0 ? sizeof(float) : sizeof(uint16_t);
+    int groups = heads / kv_heads, per_head = nq * groups, tiles = (per_head + ROWS - 1) / ROWS;
+    int failed = 0;
+    _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")
+    for (int task = 0; task < tiles * kv_heads; task++) {
+        int tile = tiles - 1 - task / kv_heads, h = task % kv_heads; /* longest rows first */
+        int rows = per_head - tile * ROWS < ROWS ? per_head - tile * ROWS : ROWS;
+        float *buf = malloc(sizeof(float) * (size_t)(2 * ROWS * dim + 2 * KSTEP * dim + KSTEP * ROWS));
+        if (buf == NULL) {
+            _Pragma("omp atomic write") failed = 1;
+            continue;
+        }
+        float *qt = buf, *o = qt + ROWS * dim, *kf = o + ROWS * dim, *vf = kf + KSTEP * dim;
+        float *st = vf + KSTEP * dim;
+        float m[ROWS], l[ROWS], corr[ROWS], row_q[dim];
+        int32_t pos[ROWS]; /* each row's position; -1 for the padding rows past `rows` */
+        memset(qt, 0, sizeof(float) * ROWS * dim);
+        memset(o, 0, sizeof(float) * ROWS * dim);
+        for (int r = 0; r < ROWS; r++) {
+            m[r] = -INFINITY, l[r] = 0.0f, pos[r] = -1;
+            if (r >= rows) continue;
+            int g = tile * ROWS + r, t = g / groups, head = h * groups + g % groups;
+            pos[r] = (int32_t)(pos0 + t);
+            widen((const char *)q + ((int64_t)t * q_tok + (int64_t)head * q_head) * (int64_t)elem, dtype, row_q, dim);
+            for (int d = 0; d < dim; d++) qt[d * ROWS + r] = row_q[d] * scale;
+        }
+        int64_t last = pos[rows - 1], lo = pos[0] - (window > 0 ? window - 1 : pos[0]);
+        if (lo < 0) lo = 0;
+        for (int64_t p0 = lo / KSTEP * KSTEP; p0 <= last; p0 += KSTEP) {
+            for (int j = 0; j < KSTEP; j++) { /* this step's keys and values; zeros past `last` */
+                int64_t p = p0 + j;
+                if (p > last) {
+                    memset(kf + j * dim, 0, sizeof(float) * (size_t)dim);
+                    memset(vf + j * dim, 0, sizeof(float) * (size_t)dim);
+                    continue;
+                }
+                int64_t at = (table[p / block_size] * blk_stride + (p % block_size) * tok_stride
+                              + h * head_stride) * (int64_t)elem;
+                widen((const char *)k + at, dtype, kf + j * dim, dim);
+                widen((const char *)v + at, dtype, vf + j * dim, dim);
+            }
+            for (int j0 = 0; j0 < KSTEP; j0 += 6) /* padding rows past `rows`: only to the tile's edge */
+                for (int r0 = 0; r0 < rows; r0 += 16) scores_tile(kf, qt, st, dim, j0, r0);
+            for (int r0 = 0; r0 < ROWS; r0 += 8) { /* eight rows at a time: mask, max, exp, sums */
+                v8f m8 = f32_load8(m + r0), top = m8, sum = {0}, none = (v8f){0} - INFINITY;
+                v8i pos8;
+                memcpy(&pos8, pos + r0, sizeof pos8);
+                for (int j = 0; j < KSTEP; j++) {
+                    float *s = st + j * ROWS + r0;
+                    if (softcap > 0.0f)
+                        for (int x = 0; x < 8; x++) s[x] = tanhf(s[x] / softcap) * softcap;
+                    v8i p8 = (v8i){0} + (int32_t)(p0 + j);
+                    v8i sees = p8 <= pos8;
+                    if (window > 0) sees &= p8 > pos8 - window;
+                    v8f s8 = select8(sees, f32_load8(s), none);
+                    store8(s, s8);
+                    top = vmax(top, s8);
+                }
+                v8f base = select8(top == none, (v8f){0}, top); /* rows that saw nothing yet: any finite base */
+                v8f c8 = select8(m8 == none, (v8f){0}, exp_nonpos8(m8 - base));
+                for (int j = 0; j < KSTEP; j++) {
+                    float *s = st + j * ROWS + r0;
+                    v8f s8 = f32_load8(s), e = select8(s8 == none, (v8f){0}, exp_nonpos8(s8 - base));
+                    store8(s, e);
+                    sum += e;
+                }
+                store8(l + r0, f32_load8(l + r0) * c8 + sum);
+                store8(m + r0, top);
+                store8(corr + r0, c8);
+            }
+            for (int r0 = 0; r0 < rows; r0 += 4) {
+                int d = 0;
+                for (; d + 16 <= dim; d += 16) values_tile2(st, vf, corr, o, dim, r0, d);
+                if (d + 8 <= dim) values_tile1(st, vf, corr, o, dim, r0, d), d += 8;
+                for (int r = r0; r < r0 + 4; r++)
+                    for (int dd = d; dd < dim; dd++) {
+                        float a = o[r * dim + dd] * corr[r];
+                        for (int j = 0; j < KSTEP; j++) a += st[j * ROWS + r] * vf[j * dim + dd];
+                        o[r * dim + dd] = a;
+                    }
+            }
+        }
+        for (int r = 0; r < rows; r++) {
+            int g = tile * ROWS + r, t = g / groups, head = h * groups + g % groups;
+            char *dst = (char *)out + ((int64_t)t * out_tok + (int64_t)head * out_head) * (int64_t)elem;
+            float inv = 1.0f / l[r];
+            for (int d = 0; d < dim; d++) {
+                float x = o[r * dim + d] * inv;
+                if (dtype == 0)
+                    ((float *)dst)[d] = x;
+                else
+                    ((uint16_t *)dst)[d] = bf16_store(x);
+            }
+        }
+        free(buf);
+    }
+    return failed ? -2 : 0;
+}

@@ -1,0 +1,92 @@
+/* 8-lane float vectors for pdserve's CPU kernels, in GCC/Clang vector extensions (so they build
+   for any target: AVX2 registers on x86-64, two NEON registers on arm64) and the scalar helpers
+   they share: bfloat16 widening and rounding, a vector exp for softmax. */
+#ifndef PDSERVE_VEC_H
+#define PDSERVE_VEC_H
+
+#include <stdint.h>
+#include <string.h>
+
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint32_t v8u __attribute__((vector_size(32)));
+typedef uint16_t v8h __attribute__((vector_size(16)));
+
+static inline float bf16_load(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline uint16_t bf16_store(float f) { /* round to nearest even */
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+
+static inline v8f f32_load8(const float *p) {
+    v8f x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline v8f bf16_load8(const uint16_t *p) { /* eight bfloat16 widened: their bits, shifted up */
+    v8h h;
+    memcpy(&h, p, sizeof h);
+    v8u u = __builtin_convertvector(h, v8u) << 16;
+    v8f x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static inline void store8(float *p, v8f x) { memcpy(p, &x, sizeof x); }
+
+static inline float hsum(v8f x) {
+    float lanes[8];
+    memcpy(lanes, &x, sizeof lanes);
+    return ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5])) + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]));
+}
+
+/* lanes of a where mask is set (all ones), of b elsewhere */
+static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
+
+static inline v8f vmax(v8f a, v8f b) { return select8(a > b, a, b); }
+
+/* e^x for x <= 0 (eight at once) to about one ulp: Cephes' expf, with n = round(x / ln 2) by the
+   float magic-number trick (round to nearest even, so |r| <= ln 2 / 2 as Cephes' floor(. + 0.5)) */
+static inline v8f exp_nonpos8(v8f x) {
+    const v8f magic = (v8f){0} + 12582912.0f; /* 1.5 * 2^23 */
+    x = vmax(x, (v8f){0} - 87.0f);           /* e^-87 is still a normal float */
+    v8f n = (x * 1.44269504088896341f + magic) - magic;
+    v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    v8f z = r * r;
+    v8f p = (v8f){0} + 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * z + r + 1.0f;
+    v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
+    return p * (v8f)bits;
+}
+
+static inline float exp_nonpos(float x) { /* the same, for the tail of a row */
+    float lanes[8] = {x};
+    v8f v;
+    memcpy(&v, lanes, sizeof v);
+    v = exp_nonpos8(v);
+    memcpy(lanes, &v, sizeof v);
+    return lanes[0];
+}
+
+/* One float in every lane, read straight from memory (vbroadcastss m32 on x86: no shuffle uop to
+   compete with the FMAs). */
+static inline v8f splat(const float *p) {
+    float s = *p;
+    return (v8f){s, s, s, s, s, s, s, s};
+}
+
+#endif
