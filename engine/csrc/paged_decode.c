@@ -33,94 +33,94 @@ static inline void prefetch_span(const void *start, int64_t span) {
    the decode function's own: its row's block table, block size and strides). */
 #define AT(base, p) ((base) + table[(p) / block_size] * blk_stride + ((p) % block_size) * tok_stride)
 
-#define DEFINE_DECODE(NAME, T, LOAD, LOAD8, STORE)                                                 \
-    static int NAME(const T *q, int64_t q_tok, int64_t q_head, const T *k, const T *v,           \
-                     int64_t blk_stride, int64_t tok_stride, int64_t head_stride,                  \
-                     const int64_t *tables, int64_t table_stride, const int64_t *lens, T *out,     \
-                     int64_t out_tok, int64_t out_head, int n, int heads, int kv_heads, int dim,   \
-                     int block_size, float scale, int window, float softcap, int threads) {        \
-        int groups = heads / kv_heads;                                                             \
-        int parts = n >= 2 * threads ? 1 : kv_heads; /* few rows: split each row's heads too */   \
-        int failed = 0;                                                                            \
-        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                      \
-        for (int task = 0; task < n * parts; task++) {                                             \
-            int i = task / parts, part = task % parts;                                             \
-            int h0 = part * kv_heads / parts, h1 = (part + 1) * kv_heads / parts;                  \
-            int nq = (h1 - h0) * groups; /* query heads h0 * groups .. h1 * groups */              \
-            int64_t len = lens[i];                                                                 \
-            int64_t first = window > 0 && len > window ? len - window : 0;                         \
-            int64_t count = len - first;                                                           \
-            float *buf = malloc(sizeof(float) * (size_t)nq * (size_t)(2 * dim + count));           \
-            if (buf == NULL) {                                                                     \
-                _Pragma("omp atomic write") failed = 1;                                            \
-                continue;                                                                          \
-            }                                                                                      \
-            float *qf = buf, *acc = buf + nq * dim, *sc = buf + 2 * nq * dim;                      \
-            const int64_t *table = tables + i * table_stride;                                      \
-            int64_t span = ((h1 - h0 - 1) * head_stride + dim) * (int64_t)sizeof(T);               \
-            for (int j = 0; j < nq; j++) {                                                         \
-                const T *qj = q + i * q_tok + (int64_t)(h0 * groups + j) * q_head;                 \
-                for (int d = 0; d < dim; d++) qf[j * dim + d] = LOAD(qj[d]) * scale;               \
-                for (int d = 0; d < dim; d++) acc[j * dim + d] = 0.0f;                             \
-            }                                                                                      \
+#define DEFINE_DECODE(NAME, T, LOAD, LOAD8, STORE)                                                  \
+    static int NAME(const T *q, int64_t q_tok, int64_t q_head, const T *k, const T *v,              \
+                     int64_t blk_stride, int64_t tok_stride, int64_t head_stride,                   \
+                     const int64_t *tables, int64_t table_stride, const int64_t *lens, T *out,      \
+                     int64_t out_tok, int64_t out_head, int n, int heads, int kv_heads, int dim,    \
+                     int block_size, float scale, int window, float softcap, int threads) {         \
+        int groups = heads / kv_heads;                                                              \
+        int parts = n >= 2 * threads ? 1 : kv_heads; /* few rows: split each row's heads too */     \
+        int failed = 0;                                                                             \
+        _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                       \
+        for (int task = 0; task < n * parts; task++) {                                              \
+            int i = task / parts, part = task % parts;                                              \
+            int h0 = part * kv_heads / parts, h1 = (part + 1) * kv_heads / parts;                   \
+            int nq = (h1 - h0) * groups; /* query heads h0 * groups .. h1 * groups */               \
+            int64_t len = lens[i];                                                                  \
+            int64_t first = window > 0 && len > window ? len - window : 0;                          \
+            int64_t count = len - first;                                                            \
+            float *buf = malloc(sizeof(float) * (size_t)nq * (size_t)(2 * dim + count));            \
+            if (buf == NULL) {                                                                      \
+                _Pragma("omp atomic write") failed = 1;                                             \
+                continue;                                                                           \
+            }                                                                                       \
+            float *qf = buf, *acc = buf + nq * dim, *sc = buf + 2 * nq * dim;                       \
+            const int64_t *table = tables + i * table_stride;                                       \
+            int64_t span = ((h1 - h0 - 1) * head_stride + dim) * (int64_t)sizeof(T);                \
+            for (int j = 0; j < nq; j++) {                                                          \
+                const T *qj = q + i * q_tok + (int64_t)(h0 * groups + j) * q_head;                  \
+                for (int d = 0; d < dim; d++) qf[j * dim + d] = LOAD(qj[d]) * scale;                \
+                for (int d = 0; d < dim; d++) acc[j * dim + d] = 0.0f;                              \
+            }                                                                                       \
             /* scores: each key is read once, for every query head that shares it */              \
-            for (int64_t p = first; p < len; p++) {                                                \
-                const T *kp = AT(k, p);                                                            \
-                if (p + AHEAD < len) prefetch_span(AT(k, p + AHEAD) + h0 * head_stride, span);    \
-                for (int j = 0; j < nq; j++) {                                                     \
-                    const T *kh = kp + (h0 + j / groups) * head_stride;                            \
-                    const float *qj = qf + j * dim;                                                \
-                    v8f s0 = {0}, s1 = {0};                                                        \
-                    int d = 0;                                                                     \
-                    for (; d + 16 <= dim; d += 16) {                                               \
-                        s0 += f32_load8(qj + d) * LOAD8(kh + d);                                   \
-                        s1 += f32_load8(qj + d + 8) * LOAD8(kh + d + 8);                           \
-                    }                                                                              \
-                    if (d + 8 <= dim) s0 += f32_load8(qj + d) * LOAD8(kh + d), d += 8;             \
-                    float s = hsum(s0 + s1);                                                       \
-                    for (; d < dim; d++) s += qj[d] * LOAD(kh[d]);                                 \
+            for (int64_t p = first; p < len; p++) {                                                 \
+                const T *kp = AT(k, p);                                                             \
+                if (p + AHEAD < len) prefetch_span(AT(k, p + AHEAD) + h0 * head_stride, span);      \
+                for (int j = 0; j < nq; j++) {                                                      \
+                    const T *kh = kp + (h0 + j / groups) * head_stride;                             \
+                    const float *qj = qf + j * dim;                                                 \
+                    v8f s0 = {0}, s1 = {0};                                                         \
+                    int d = 0;                                                                      \
+                    for (; d + 16 <= dim; d += 16) {                                                \
+                        s0 += f32_load8(qj + d) * LOAD8(kh + d);                                    \
+                        s1 += f32_load8(qj + d + 8) * LOAD8(kh + d + 8);                            \
+                    }                                                                               \
+                    if (d + 8 <= dim) s0 += f32_load8(qj + d) * LOAD8(kh + d), d += 8;              \
+                    float s = hsum(s0 + s1);                                                        \
+                    for (; d < dim; d++) s += qj[d] * LOAD(kh[d]);                                  \
                     sc[j * count + (p - first)] = softcap > 0.0f ? tanhf(s / softcap) * softcap : s; \
-                }                                                                                  \
-            }                                                                                      \
-            float inv[nq];                                                                         \
-            for (int j = 0; j < nq; j++) {                                                         \
-                float *row = sc + j * count;                                                       \
-                v8f top8 = (v8f){0} - INFINITY, sum8 = {0};                                        \
-                int64_t c = 0;                                                                     \
-                for (; c + 8 <= count; c += 8) top8 = vmax(top8, f32_load8(row + c));             \
-                float lanes[8], top = -INFINITY, sum;                                              \
-                memcpy(lanes, &top8, sizeof lanes);                                                \
-                for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;                 \
-                for (; c < count; c++) top = row[c] > top ? row[c] : top;                          \
-                for (c = 0; c + 8 <= count; c += 8) {                                              \
-                    v8f e = exp_nonpos8(f32_load8(row + c) - top);                                 \
-                    store8(row + c, e);                                                            \
-                    sum8 += e;                                                                     \
-                }                                                                                  \
-                sum = hsum(sum8);                                                                  \
-                for (; c < count; c++) sum += row[c] = exp_nonpos(row[c] - top);                  \
-                inv[j] = 1.0f / sum;                                                               \
-            }                                                                                      \
-            for (int64_t p = first; p < len; p++) {                                                \
-                const T *vp = AT(v, p);                                                            \
-                if (p + AHEAD < len) prefetch_span(AT(v, p + AHEAD) + h0 * head_stride, span);    \
-                for (int j = 0; j < nq; j++) {                                                     \
-                    const T *vh = vp + (h0 + j / groups) * head_stride;                            \
-                    float w = sc[j * count + (p - first)];                                         \
-                    v8f w8 = {w, w, w, w, w, w, w, w};                                             \
-                    float *a = acc + j * dim;                                                      \
-                    int d = 0;                                                                     \
+                }                                                                                   \
+            }                                                                                       \
+            float inv[nq];                                                                          \
+            for (int j = 0; j < nq; j++) {                                                          \
+                float *row = sc + j * count;                                                        \
+                v8f top8 = (v8f){0} - INFINITY, sum8 = {0};                                         \
+                int64_t c = 0;                                                                      \
+                for (; c + 8 <= count; c += 8) top8 = vmax(top8, f32_load8(row + c));               \
+                float lanes[8], top = -INFINITY, sum;                                               \
+                memcpy(lanes, &top8, sizeof lanes);                                                 \
+                for (int l = 0; l < 8; l++) top = lanes[l] > top ? lanes[l] : top;                  \
+                for (; c < count; c++) top = row[c] > top ? row[c] : top;                           \
+                for (c = 0; c + 8 <= count; c += 8) {                                               \
+                    v8f e = exp_nonpos8(f32_load8(row + c) - top);                                  \
+                    store8(row + c, e);                                                             \
+                    sum8 += e;                                                                      \
+                }                                                                                   \
+                sum = hsum(sum8);                                                                   \
+                for (; c < count; c++) sum += row[c] = exp_nonpos(row[c] - top);                    \
+                inv[j] = 1.0f / sum;                                                                \
+            }                                                                                       \
+            for (int64_t p = first; p < len; p++) {                                                 \
+                const T *vp = AT(v, p);                                                             \
+                if (p + AHEAD < len) prefetch_span(AT(v, p + AHEAD) + h0 * head_stride, span);      \
+                for (int j = 0; j < nq; j++) {                                                      \
+                    const T *vh = vp + (h0 + j / groups) * head_stride;                             \
+                    float w = sc[j * count + (p - first)];                                          \
+                    v8f w8 = {w, w, w, w, w, w, w, w};                                              \
+                    float *a = acc + j * dim;                                                       \
+                    int d = 0;                                                                      \
                     for (; d + 8 <= dim; d += 8) store8(a + d, f32_load8(a + d) + w8 * LOAD8(vh + d)); \
-                    for (; d < dim; d++) a[d] += w * LOAD(vh[d]);                                  \
-                }                                                                                  \
-            }                                                                                      \
-            for (int j = 0; j < nq; j++) {                                                         \
-                T *o = out + i * out_tok + (int64_t)(h0 * groups + j) * out_head;                  \
-                for (int d = 0; d < dim; d++) o[d] = STORE(acc[j * dim + d] * inv[j]);             \
-            }                                                                                      \
-            free(buf);                                                                             \
-        }                                                                                          \
-        return failed ? -2 : 0; /* -2: out of memory for a task's scores */                       \
+                    for (; d < dim; d++) a[d] += w * LOAD(vh[d]);                                   \
+                }                                                                                   \
+            }                                                                                       \
+            for (int j = 0; j < nq; j++) {                                                          \
+                T *o = out + i * out_tok + (int64_t)(h0 * groups + j) * out_head;                   \
+                for (int d = 0; d < dim; d++) o[d] = STORE(acc[j * dim + d] * inv[j]);              \
+            }                                                                                       \
+            free(buf);                                                                              \
+        }                                                                                           \
+        return failed ? -2 : 0; /* -2: out of memory for a task's scores */                         \
     }
 
 #define F32_LOAD(x) (x)

@@ -59,22 +59,22 @@ static inline void scores_tile(const float *kf, const float *qt, float *st, int 
 
 /* o[r][d..d+W) = o[r][d..d+W) * corr[r] + sum over keys j of st[j][r] * vf[j][d..d+W), rows
    r0 .. r0 + 3, W = 8 * V lanes */
-#define VALUES_TILE(V)                                                                            \
-    static inline void values_tile##V(const float *st, const float *vf, const float *corr,        \
-                                      float *o, int dim, int r0, int d0) {                        \
-        v8f a[4][V];                                                                              \
-        for (int r = 0; r < 4; r++)                                                               \
+#define VALUES_TILE(V)                                                                              \
+    static inline void values_tile##V(const float *st, const float *vf, const float *corr,          \
+                                      float *o, int dim, int r0, int d0) {                          \
+        v8f a[4][V];                                                                                \
+        for (int r = 0; r < 4; r++)                                                                 \
             for (int x = 0; x < V; x++) a[r][x] = f32_load8(o + (r0 + r) * dim + d0 + 8 * x) * corr[r0 + r]; \
-        for (int j = 0; j < KSTEP; j++) {                                                         \
-            v8f vv[V];                                                                            \
-            for (int x = 0; x < V; x++) vv[x] = f32_load8(vf + j * dim + d0 + 8 * x);             \
-            for (int r = 0; r < 4; r++) {                                                         \
-                v8f w = splat(st + j * ROWS + r0 + r);                                            \
-                for (int x = 0; x < V; x++) a[r][x] += w * vv[x];                                 \
-            }                                                                                     \
-        }                                                                                         \
-        for (int r = 0; r < 4; r++)                                                               \
-            for (int x = 0; x < V; x++) store8(o + (r0 + r) * dim + d0 + 8 * x, a[r][x]);         \
+        for (int j = 0; j < KSTEP; j++) {                                                           \
+            v8f vv[V];                                                                              \
+            for (int x = 0; x < V; x++) vv[x] = f32_load8(vf + j * dim + d0 + 8 * x);               \
+            for (int r = 0; r < 4; r++) {                                                           \
+                v8f w = splat(st + j * ROWS + r0 + r);                                              \
+                for (int x = 0; x < V; x++) a[r][x] += w * vv[x];                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < 4; r++)                                                                 \
+            for (int x = 0; x < V; x++) store8(o + (r0 + r) * dim + d0 + 8 * x, a[r][x]);           \
     }
 VALUES_TILE(1)
 VALUES_TILE(2)

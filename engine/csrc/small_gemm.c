@@ -38,36 +38,36 @@ static inline void store_rows(v8f (*a)[2], int rows, const float *bias, float *y
 }
 
 #define TILE(R)                                                                                     \
-    static void tile##R(const float *x, int64_t ldx, const float *w, int k, const float *bias,    \
-                        float *y, int64_t ldy, int n0, int cols, const float *pf) {            \
-        v8f a[R][2], odd[R][2];                                                                    \
-        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = odd[r][0] = odd[r][1] = (v8f){0};         \
-        int j = 0;                                                                                 \
-        for (; R <= 2 && j + 1 < k; j += 2) {                                                      \
-            v8f w0 = f32_load8(w + j * 16), w1 = f32_load8(w + j * 16 + 8);                                \
-            v8f u0 = f32_load8(w + j * 16 + 16), u1 = f32_load8(w + j * 16 + 24);                          \
-            for (int r = 0; r < R; r++) {                                                          \
-                v8f b = splat(x + r * ldx + j), c = splat(x + r * ldx + j + 1);             \
-                a[r][0] += b * w0;                                                                 \
-                a[r][1] += b * w1;                                                                 \
-                odd[r][0] += c * u0;                                                               \
-                odd[r][1] += c * u1;                                                               \
-            }                                                                                      \
-        }                                                                                          \
-        for (; j < k; j++) {                                                                       \
-            if (pf) __builtin_prefetch(pf + j * 16, 0, 1);                                         \
-            v8f w0 = f32_load8(w + j * 16), w1 = f32_load8(w + j * 16 + 8);                                \
-            for (int r = 0; r < R; r++) {                                                          \
-                v8f b = splat(x + r * ldx + j);                                                 \
-                a[r][0] += b * w0;                                                                 \
-                a[r][1] += b * w1;                                                                 \
-            }                                                                                      \
-        }                                                                                          \
-        for (int r = 0; r < R; r++) {                                                              \
-            a[r][0] += odd[r][0];                                                                  \
-            a[r][1] += odd[r][1];                                                                  \
-        }                                                                                          \
-        store_rows(a, R, bias, y, ldy, n0, cols);                                                  \
+    static void tile##R(const float *x, int64_t ldx, const float *w, int k, const float *bias,      \
+                        float *y, int64_t ldy, int n0, int cols, const float *pf) {                 \
+        v8f a[R][2], odd[R][2];                                                                     \
+        for (int r = 0; r < R; r++) a[r][0] = a[r][1] = odd[r][0] = odd[r][1] = (v8f){0};           \
+        int j = 0;                                                                                  \
+        for (; R <= 2 && j + 1 < k; j += 2) {                                                       \
+            v8f w0 = f32_load8(w + j * 16), w1 = f32_load8(w + j * 16 + 8);                         \
+            v8f u0 = f32_load8(w + j * 16 + 16), u1 = f32_load8(w + j * 16 + 24);                   \
+            for (int r = 0; r < R; r++) {                                                           \
+                v8f b = splat(x + r * ldx + j), c = splat(x + r * ldx + j + 1);                     \
+                a[r][0] += b * w0;                                                                  \
+                a[r][1] += b * w1;                                                                  \
+                odd[r][0] += c * u0;                                                                \
+                odd[r][1] += c * u1;                                                                \
+            }                                                                                       \
+        }                                                                                           \
+        for (; j < k; j++) {                                                                        \
+            if (pf) __builtin_prefetch(pf + j * 16, 0, 1);                                          \
+            v8f w0 = f32_load8(w + j * 16), w1 = f32_load8(w + j * 16 + 8);                         \
+            for (int r = 0; r < R; r++) {                                                           \
+                v8f b = splat(x + r * ldx + j);                                                     \
+                a[r][0] += b * w0;                                                                  \
+                a[r][1] += b * w1;                                                                  \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < R; r++) {                                                               \
+            a[r][0] += odd[r][0];                                                                   \
+            a[r][1] += odd[r][1];                                                                   \
+        }                                                                                           \
+        store_rows(a, R, bias, y, ldy, n0, cols);                                                   \
     }
 TILE(1)
 TILE(2)
