@@ -71,7 +71,7 @@ def test_the_prefill_kernel_attends_each_query_over_the_keys_up_to_its_own(dtype
                                                                            kv_heads, dim, window, softcap):
     """A chunk of `queries` queries at positions first_pos.. (a fresh prompt at 0, or after a cached
     prefix), keys scattered over the pool: each query attends as the decode row of its own
-    position would. Tiles of 32 rows across several queries and heads, steps of 24 keys, partial
+    position would. Tiles of 48 rows across several queries and heads, steps of 24 keys, partial
     tiles, windows, soft-caps, head dims off the vector width, one to eight heads per KV head."""
     torch.manual_seed(first_pos + queries + dim)
     layers, blocks, block_size = 2, 48, 4

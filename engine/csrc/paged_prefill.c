@@ -4,7 +4,7 @@ One chunk of one sequence: queries at positions pos0 .. pos0 + nq - 1, whose key
 already in the pool (the chunk's own included), reached through the sequence's block table. A
 query at position t sees keys [t - window + 1, t] with a sliding window, all of [0, t] without.
 
-A task is one KV head and a tile of up to 32 query rows: the heads sharing that KV head, for a
+A task is one KV head and a tile of up to 48 query rows: the heads sharing that KV head, for a
 few consecutive positions (row r is position pos0 + r / groups, query head kv * groups + r % groups).
 It walks the keys its rows see in steps of KSTEP positions, each step aligned to an absolute
 position (so a row's result depends on its own position only, never on how rows were tiled):
@@ -13,7 +13,7 @@ the step's keys and values are widened to float32 in a small buffer, then
   over the head dimension, the queries packed dimension-major once per task (scaled);
 - an online softmax across steps, vectorized across rows: running max and sum per row, the
   finished part rescaled when the max grows; keys a row may not see weigh exactly 0;
-- the weighted sum of values: four rows times sixteen dimensions in registers over the step's keys.
+- the weighted sum of values: six rows times sixteen dimensions in registers over the step's keys.
 The causal half of the chunk is never computed, beyond the step that holds the diagonal.
 
 Strides are in elements, as in paged_decode.c: key p of KV head h is at
@@ -26,7 +26,8 @@ k[table[p / block_size] * blk_stride + (p % block_size) * tok_stride + h * head_
 
 #include "vec.h"
 
-#define ROWS 32  /* query rows of a task: four vectors of eight */
+#define ROWS 48  /* query rows of a task: six vectors of eight */
+#define VROWS 6  /* rows of a value-sum tile: with sixteen dimensions, twelve sums in registers */
 #define KSTEP 24 /* keys per online-softmax step: four tiles of six */
 
 /* n values of a float32 or bfloat16 (dtype 1) array into float32 */
@@ -58,22 +59,22 @@ static inline void scores_tile(const float *kf, const float *qt, float *st, int 
 }
 
 /* o[r][d..d+W) = o[r][d..d+W) * corr[r] + sum over keys j of st[j][r] * vf[j][d..d+W), rows
-   r0 .. r0 + 3, W = 8 * V lanes */
+   r0 .. r0 + VROWS - 1, W = 8 * V lanes */
 #define VALUES_TILE(V)                                                                              \
     static inline void values_tile##V(const float *st, const float *vf, const float *corr,          \
                                       float *o, int dim, int r0, int d0) {                          \
-        v8f a[4][V];                                                                                \
-        for (int r = 0; r < 4; r++)                                                                 \
+        v8f a[VROWS][V];                                                                                \
+        for (int r = 0; r < VROWS; r++)                                                                 \
             for (int x = 0; x < V; x++) a[r][x] = f32_load8(o + (r0 + r) * dim + d0 + 8 * x) * corr[r0 + r]; \
         for (int j = 0; j < KSTEP; j++) {                                                           \
             v8f vv[V];                                                                              \
             for (int x = 0; x < V; x++) vv[x] = f32_load8(vf + j * dim + d0 + 8 * x);               \
-            for (int r = 0; r < 4; r++) {                                                           \
+            for (int r = 0; r < VROWS; r++) {                                                           \
                 v8f w = splat(st + j * ROWS + r0 + r);                                              \
                 for (int x = 0; x < V; x++) a[r][x] += w * vv[x];                                   \
             }                                                                                       \
         }                                                                                           \
-        for (int r = 0; r < 4; r++)                                                                 \
+        for (int r = 0; r < VROWS; r++)                                                                 \
             for (int x = 0; x < V; x++) store8(o + (r0 + r) * dim + d0 + 8 * x, a[r][x]);           \
     }
 VALUES_TILE(1)
@@ -159,11 +160,11 @@ int pd_paged_prefill(int dtype, const void *q, int64_t q_tok, int64_t q_head, co
                 store8(m + r0, top);
                 store8(corr + r0, c8);
             }
-            for (int r0 = 0; r0 < rows; r0 += 4) {
+            for (int r0 = 0; r0 < rows; r0 += VROWS) {
                 int d = 0;
                 for (; d + 16 <= dim; d += 16) values_tile2(st, vf, corr, o, dim, r0, d);
                 if (d + 8 <= dim) values_tile1(st, vf, corr, o, dim, r0, d), d += 8;
-                for (int r = r0; r < r0 + 4; r++)
+                for (int r = r0; r < r0 + VROWS; r++)
                     for (int dd = d; dd < dim; dd++) {
                         float a = o[r * dim + dd] * corr[r];
                         for (int j = 0; j < KSTEP; j++) a += st[j * ROWS + r] * vf[j * dim + dd];
