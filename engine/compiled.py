@@ -154,6 +154,7 @@ class Forward:
     def _pack(self, skip: nn.Module | None = None) -> None:
         if self.prepack:
             dense.pack_linears(self.model, self.device, skip=skip, gemm=self.small_gemm)
+            dense.fuse_rms_norms(self.model, self.device, skip=skip)
 
     def __call__(self, input_ids, positions, sample_rows, decode_only: bool = False):
         """`decode_only`: the step has one token per row and no prefill, so it may be padded to a

@@ -15,8 +15,14 @@ built in. The packed weight replaces the module's parameter; a weight shared wit
 With pdserve's CPU kernels (`engine.cpu_kernels`, engine/cpu_kernel.py), each packed linear also
 keeps its weight in 16-column panels for the small-batch GEMM, which takes products of up to
 `SMALL_ROWS` rows (a decode step: about 1.7x oneDNN's speed at 1-16 rows, 1.1x at 64, here) while
-oneDNN keeps the larger ones (prefill chunks), where it is faster (from about 128 rows). That second copy doubles the
-memory of the linear weights.
+oneDNN keeps the larger ones (prefill chunks), where it is faster (from about 128 rows). That
+second copy doubles the memory of the linear weights.
+
+The norms around them: an RMSNorm module written as transformers' Llama / Qwen / Mistral ones are
+(square, mean, add eps, rsqrt, two multiplies: six passes over the hidden states) becomes one
+`F.rms_norm` call, torch's fused kernel, where that gives the module's own output bit for bit on
+probe inputs (checked per module at load; Gemma's `1 + weight` norm, for one, fails the check and
+stays as it is). A 512-token prefill's 61 norms on SmolLM2: 23-49 ms eager, 9-10 ms fused.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import logging
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.cpu_kernel import SMALL_ROWS
@@ -83,4 +90,62 @@ def pack_linears(model: nn.Module, device: torch.device, skip: nn.Module | None 
              for name, child in parent.named_children() if type(child) is nn.Linear and child.weight.dtype in PACKABLE]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child, keep_weight=uses[id(child.weight)] > 1, gemm=gemm))
+    return len(swaps)
+
+
+class FusedRMSNorm(nn.Module):
+    """An RMSNorm module's forward as one `F.rms_norm` call; same inputs, same outputs."""
+
+    def __init__(self, norm: nn.Module, eps: float):
+        super().__init__()
+        self.weight = norm.weight
+        self.eps = eps
+        self.normalized_shape = (norm.weight.shape[0],)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape[0]}, eps={self.eps}, fused=F.rms_norm"
+
+
+def _norm_eps(module: nn.Module) -> float | None:
+    """The epsilon of an RMSNorm-shaped module (a class named *RMSNorm with a 1-D weight), else None."""
+    weight = getattr(module, "weight", None)
+    if not type(module).__name__.endswith("RMSNorm") or not isinstance(weight, nn.Parameter) or weight.dim() != 1:
+        return None
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    return float(eps) if isinstance(eps, float) else None
+
+
+@torch.inference_mode()
+def _fuses_exactly(module: nn.Module, fused: FusedRMSNorm) -> bool:
+    generator = torch.Generator().manual_seed(0)
+    size = fused.normalized_shape[0]
+    for rows, scale in ((1, 1.0), (7, 30.0), (64, 1e-3)):
+        x = (torch.randn(1, rows, size, generator=generator) * scale).to(module.weight.device, module.weight.dtype)
+        if not torch.equal(module(x), fused(x)):
+            return False
+    return True
+
+
+def fuse_rms_norms(model: nn.Module, device: torch.device, skip: nn.Module | None = None) -> int:
+    """Swap every RMSNorm module of `model` (outside `skip`) whose output `F.rms_norm` reproduces
+    bit for bit (on probe inputs of 1, 7 and 64 rows at three scales) for a `FusedRMSNorm`; on CPU
+    only (GPU kernels of the two may round differently); returns how many."""
+    if device.type != "cpu":
+        return 0
+    skipped = set(map(id, skip.modules())) if skip is not None else set()
+    swaps = []
+    for parent in model.modules():
+        if id(parent) in skipped:
+            continue
+        for name, child in parent.named_children():
+            eps = _norm_eps(child)
+            if eps is not None:
+                fused = FusedRMSNorm(child, eps)
+                if _fuses_exactly(child, fused):
+                    swaps.append((parent, name, fused))
+    for parent, name, fused in swaps:
+        setattr(parent, name, fused)
     return len(swaps)

@@ -59,6 +59,23 @@ def test_packed_linear_equals_linear_on_any_row_count():
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
+def test_rms_norms_are_fused_where_f_rms_norm_gives_their_output_bit_for_bit(llama_dir, family_dir):
+    """Llama's norms become one `F.rms_norm` call each (the eager engine above runs them,
+    token-exact); Gemma 2's `1 + weight` norms fail the load-time check and stay as they are."""
+    engine = _engine(llama_dir, compile="off")
+    model = engine.runner.model
+    fused = [m for m in model.modules() if isinstance(m, dense.FusedRMSNorm)]
+    assert len(fused) == 2 * model.config.num_hidden_layers + 1  # two per layer and the final one
+    assert not [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and not isinstance(m, dense.FusedRMSNorm)]
+    x = torch.randn(1, 5, model.config.hidden_size) * 3
+    norm = fused[0]
+    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight  # Llama's own formula
+    assert torch.equal(norm(x), expected)
+    gemma = _engine(family_dir("gemma2"), compile="off").runner.model
+    assert not [m for m in gemma.modules() if isinstance(m, dense.FusedRMSNorm)]
+    assert dense.fuse_rms_norms(gemma, torch.device("cpu")) == 0
+
+
 def test_compiled_forward_is_token_exact_with_windows_soft_caps_and_scaling_and_never_recompiles(family_dir):
     """The suite's one compile (inductor costs 40 s or more here), on the family that asks most of
     the paged-attention op: Gemma 2 (windows on 3 of 4 layers, soft-capping, query_pre_attn_scalar),
