@@ -63,18 +63,21 @@ def test_colocated_requests_wait_for_kv_in_the_router_queue_not_an_engine_queue(
     def run(key, prompt, max_tokens):
         out[key] = client.tokens(prompt, max_tokens=max_tokens, ignore_eos=True)[0]
     threads = [threading.Thread(target=run, args=(i, p, 100)) for i, p in enumerate(big)]
-    for t in threads:
-        t.start()
-    wait_until(lambda: sum(bool(life.output_token_ids) for life in cluster.router.lives.values()) == 4, 60,
-               "the four long requests decoding")
-    threads.append(threading.Thread(target=run, args=("small", small, 8)))
-    threads[-1].start()
-    wait_until(lambda: cluster.router.admission.waiting == 1, 10, "the small request queued in the router")
-    queued = [life for life in cluster.router.lives.values() if life.decode is None]
-    assert len(queued) == 1 and queued[0].phase is Phase.QUEUED
-    stats = ray.get([w.actor.stats.remote() for w in cluster.router.pools.all()], timeout=30)
-    assert sum(st.waiting for st in stats) == 0  # no engine holds it in a queue
-    assert sum(len(life.output_token_ids) < 100 for life in cluster.router.lives.values()) >= 4  # still decoding
+    # slow steps (100 decode steps: 10 s or more) keep the long requests' blocks held while the
+    # small one arrives, however fast the engine decodes; normal speed again once it is seen queued
+    with faults(cluster, step_delay_s=0.1):
+        for t in threads:
+            t.start()
+        wait_until(lambda: sum(bool(life.output_token_ids) for life in cluster.router.lives.values()) == 4, 60,
+                   "the four long requests decoding")
+        threads.append(threading.Thread(target=run, args=("small", small, 8)))
+        threads[-1].start()
+        wait_until(lambda: cluster.router.admission.waiting == 1, 10, "the small request queued in the router")
+        queued = [life for life in cluster.router.lives.values() if life.decode is None]
+        assert len(queued) == 1 and queued[0].phase is Phase.QUEUED
+        stats = ray.get([w.actor.stats.remote() for w in cluster.router.pools.all()], timeout=30)
+        assert sum(st.waiting for st in stats) == 0  # no engine holds it in a queue
+        assert sum(len(life.output_token_ids) < 100 for life in cluster.router.lives.values()) >= 4  # still decoding
     for t in threads:
         t.join(60)
     assert out["small"] == hf_greedy(llama_dir, small, 8, ignore_eos=True)
