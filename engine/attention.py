@@ -138,16 +138,14 @@ def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     rows = paged.decode_rows  # None without decode rows or without the kernel
     if rows is not None:
         n = rows.lens.shape[0]
-        q = query[0, :, :n].transpose(0, 1)  # [n, H, D], a view
-        rows.kernel(q if q.stride(2) == 1 else q.contiguous(), k_cache, v_cache, rows.tables, rows.lens,
-                    out[0, :n], scaling, sliding_window, softcap)
+        rows.kernel(_token_major(query, 0, n), k_cache, v_cache, rows.tables, rows.lens, out[0, :n], scaling,
+                    sliding_window, softcap)
     for group in paged.decode_groups:
         mask = group.window_masks[sliding_window] if sliding_window else group.mask
         _decode(query, k_cache, v_cache, group, mask, scaling, softcap, out[0])
     for chunk in paged.prefills:
         if paged.prefill_kernel is not None:
-            q = query[0, :, chunk.start:chunk.end].transpose(0, 1)  # [q, H, D], a view
-            paged.prefill_kernel(q if q.stride(2) == 1 else q.contiguous(), k_cache, v_cache, chunk.table,
+            paged.prefill_kernel(_token_major(query, chunk.start, chunk.end), k_cache, v_cache, chunk.table,
                                  chunk.first_pos, out[0, chunk.start:chunk.end], scaling, sliding_window, softcap)
             continue
         mask = chunk.window_masks[sliding_window] if sliding_window else chunk.mask
@@ -158,6 +156,13 @@ def paged_attention_op(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
 @paged_attention_op.register_fake
 def _(query, key, value, layer_idx, scaling, sliding_window, softcap):
     return query.new_empty(1, query.shape[2], query.shape[1], query.shape[3])
+
+
+def _token_major(query: torch.Tensor, start: int, end: int) -> torch.Tensor:
+    """Tokens [start, end) of `query` `[1, H, T, D]` as `[n, H, D]` for the CPU kernels: a view, copied
+    only when its last dim is not contiguous."""
+    q = query[0, :, start:end].transpose(0, 1)
+    return q if q.stride(2) == 1 else q.contiguous()
 
 
 def window_mask(queries: torch.Tensor, keys: torch.Tensor, window: int) -> torch.Tensor:

@@ -77,17 +77,23 @@ def small_gemm_layers(model: nn.Module) -> int:
     return sum(1 for m in model.modules() if isinstance(m, PackedLinear) and m.gemm is not None)
 
 
+def _children(model: nn.Module, skip: nn.Module | None) -> list[tuple[nn.Module, str, nn.Module]]:
+    """(parent, name, child) for every direct child of every module of `model` outside `skip`."""
+    skipped = set(map(id, skip.modules())) if skip is not None else set()
+    return [(parent, name, child) for parent in model.modules() if id(parent) not in skipped
+            for name, child in parent.named_children()]
+
+
 def pack_linears(model: nn.Module, device: torch.device, skip: nn.Module | None = None, gemm=None) -> int:
     """Swap every packable `nn.Linear` in `model` (outside `skip`) for a `PackedLinear` (with the
     small-batch GEMM's panels too when `gemm` is given); returns how many."""
     if not can_pack(model, device):
         return 0
-    skipped = set(map(id, skip.modules())) if skip is not None else set()
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
-    swaps = [(parent, name, child) for parent in model.modules() if id(parent) not in skipped
-             for name, child in parent.named_children() if type(child) is nn.Linear and child.weight.dtype in PACKABLE]
+    swaps = [(parent, name, child) for parent, name, child in _children(model, skip)
+             if type(child) is nn.Linear and child.weight.dtype in PACKABLE]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child, keep_weight=uses[id(child.weight)] > 1, gemm=gemm))
     return len(swaps)
@@ -135,17 +141,11 @@ def fuse_rms_norms(model: nn.Module, device: torch.device, skip: nn.Module | Non
     only (GPU kernels of the two may round differently); returns how many."""
     if device.type != "cpu":
         return 0
-    skipped = set(map(id, skip.modules())) if skip is not None else set()
     swaps = []
-    for parent in model.modules():
-        if id(parent) in skipped:
-            continue
-        for name, child in parent.named_children():
-            eps = _norm_eps(child)
-            if eps is not None:
-                fused = FusedRMSNorm(child, eps)
-                if _fuses_exactly(child, fused):
-                    swaps.append((parent, name, fused))
+    for parent, name, child in _children(model, skip):
+        eps = _norm_eps(child)
+        if eps is not None and _fuses_exactly(child, fused := FusedRMSNorm(child, eps)):
+            swaps.append((parent, name, fused))
     for parent, name, fused in swaps:
         setattr(parent, name, fused)
     return len(swaps)

@@ -63,18 +63,18 @@ static inline void scores_tile(const float *kf, const float *qt, float *st, int 
 #define VALUES_TILE(V)                                                                              \
     static inline void values_tile##V(const float *st, const float *vf, const float *corr,          \
                                       float *o, int dim, int r0, int d0) {                          \
-        v8f a[VROWS][V];                                                                                \
-        for (int r = 0; r < VROWS; r++)                                                                 \
+        v8f a[VROWS][V];                                                                            \
+        for (int r = 0; r < VROWS; r++)                                                             \
             for (int x = 0; x < V; x++) a[r][x] = f32_load8(o + (r0 + r) * dim + d0 + 8 * x) * corr[r0 + r]; \
         for (int j = 0; j < KSTEP; j++) {                                                           \
             v8f vv[V];                                                                              \
             for (int x = 0; x < V; x++) vv[x] = f32_load8(vf + j * dim + d0 + 8 * x);               \
-            for (int r = 0; r < VROWS; r++) {                                                           \
+            for (int r = 0; r < VROWS; r++) {                                                       \
                 v8f w = splat(st + j * ROWS + r0 + r);                                              \
                 for (int x = 0; x < V; x++) a[r][x] += w * vv[x];                                   \
             }                                                                                       \
         }                                                                                           \
-        for (int r = 0; r < VROWS; r++)                                                                 \
+        for (int r = 0; r < VROWS; r++)                                                             \
             for (int x = 0; x < V; x++) store8(o + (r0 + r) * dim + d0 + 8 * x, a[r][x]);           \
     }
 VALUES_TILE(1)
@@ -116,8 +116,7 @@ int pd_paged_prefill(int dtype, const void *q, int64_t q_tok, int64_t q_head, co
             widen((const char *)q + ((int64_t)t * q_tok + (int64_t)head * q_head) * (int64_t)elem, dtype, row_q, dim);
             for (int d = 0; d < dim; d++) qt[d * ROWS + r] = row_q[d] * scale;
         }
-        int64_t last = pos[rows - 1], lo = pos[0] - (window > 0 ? window - 1 : pos[0]);
-        if (lo < 0) lo = 0;
+        int64_t last = pos[rows - 1], lo = window > 0 && pos[0] >= window ? pos[0] - window + 1 : 0;
         for (int64_t p0 = lo / KSTEP * KSTEP; p0 <= last; p0 += KSTEP) {
             for (int j = 0; j < KSTEP; j++) { /* this step's keys and values; zeros past `last` */
                 int64_t p = p0 + j;
