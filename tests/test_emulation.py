@@ -254,7 +254,7 @@ def test_a_real_engine_on_an_absurdly_fast_device_overruns_and_is_marked_not_fai
             got.setdefault(out.request_id, []).extend(out.token_ids)
             if out.finished and sum(len(v) for v in got.values()) == 24:
                 done.set()
-    loop = EngineLoop(LLMEngine(config), on_outputs, pace=pacer.pace)
+    loop = EngineLoop(lambda: LLMEngine(config), on_outputs, pace=pacer.pace)
     try:
         for i, p in enumerate(prompts):
             loop.call(lambda e, i=i, p=p: e.add_request(f"r{i}", prompt_token_ids=p, sampling=sampling)).result(10)
@@ -280,7 +280,7 @@ def test_a_paced_steps_record_and_its_prompts_compute_time_are_the_emulated_step
         if any(o.finished for o in outs):
             done.set()
     engine = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=64))
-    loop = EngineLoop(engine, on_outputs, pace=pacer.pace)
+    loop = EngineLoop(lambda: engine, on_outputs, pace=pacer.pace)
     try:
         sampling = SamplingParams(max_tokens=3, ignore_eos=True)
         loop.call(lambda e: e.add_request("r", prompt_token_ids=list(range(10, 30)), sampling=sampling)).result(10)
@@ -303,7 +303,7 @@ def test_the_host_work_between_busy_steps_counts_against_the_next_steps_model(ll
         paced.append((began, time.perf_counter()))
 
     done = threading.Event()
-    loop = EngineLoop(LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=64)),
+    loop = EngineLoop(lambda: LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=64)),
                       lambda outs: (time.sleep(host_work_s), any(o.finished for o in outs) and done.set()), pace=pace)
     try:
         sampling = SamplingParams(max_tokens=3, ignore_eos=True)

@@ -252,7 +252,7 @@ def test_a_request_whose_detokenizing_raises_fails_alone(engine):
 
 def test_a_failing_step_fails_its_requests_and_the_loop_lives_on(engine, monkeypatch):
     outputs = []
-    loop = EngineLoop(engine, outputs.extend, name="test")
+    loop = EngineLoop(lambda: engine, outputs.extend, name="test")
     real_execute = engine.runner.execute
 
     def broken(items):
@@ -285,7 +285,7 @@ def test_before_step_runs_before_every_step_and_its_failure_fails_the_step(engin
 
     monkeypatch.setattr(engine, "step", step)
     outputs: list[RequestOutput] = []
-    loop = EngineLoop(engine, outputs.extend, name="hook", before_step=before_step)
+    loop = EngineLoop(lambda: engine, outputs.extend, name="hook", before_step=before_step)
     loop.call(lambda e: e.add_request("h", prompt_token_ids=[4, 5, 6],
                                       sampling=SamplingParams(max_tokens=20, ignore_eos=True))).result(10)
     deadline = time.monotonic() + 10
@@ -319,7 +319,7 @@ def test_a_failed_step_fails_its_requests_retryably_and_the_named_culprit_alone_
             raise failure
 
     outputs: list[RequestOutput] = []
-    loop = EngineLoop(engine, outputs.extend, name="isolate", before_step=before_step)
+    loop = EngineLoop(lambda: engine, outputs.extend, name="isolate", before_step=before_step)
     sampling = SamplingParams(max_tokens=4, ignore_eos=True)
     loop.call(lambda e: (e.add_request("short", prompt_token_ids=[4, 5, 6], sampling=sampling),
                          e.add_request("other", prompt_token_ids=[7, 8, 9, 10], sampling=sampling))).result(10)
@@ -352,7 +352,7 @@ def test_the_beat_comes_from_the_engine_thread_and_goes_silent_while_a_step_hang
     from worker_runtime.engine_loop import BEAT_S
 
     release = threading.Event()
-    loop = EngineLoop(engine, lambda outs: None, name="beat", before_step=lambda: release.wait(30))
+    loop = EngineLoop(lambda: engine, lambda outs: None, name="beat", before_step=lambda: release.wait(30))
     time.sleep(3 * BEAT_S)
     idle = loop.beat()
     assert idle.silent_s < 2 * BEAT_S and idle.steps == 0 and idle.name == "beat"

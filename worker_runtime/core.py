@@ -50,15 +50,19 @@ class WorkerCore:
         self.cpu = cpu
         self.pool = pool
         self.node_ip = node_ip  # where peers reach this worker's channels
-        self.engine = LLMEngine(config)
-        log.info("%s: %s, malloc %s, %d torch threads", name, self.engine.runner.describe(), malloc.in_use(),
-                 torch.get_num_threads())
         self.pacer = Pacer(emulation) if emulation is not None else None  # worker_runtime/pacing.py
+        hook = (lambda: faults.before_step(self.engine)) if faults is not None else None  # a no-op with faults off
+
+        def make_engine() -> LLMEngine:  # on the loop's thread, which runs every torch op of the engine
+            engine = LLMEngine(config)
+            log.info("%s: %s, malloc %s, %d torch threads", name, engine.runner.describe(), malloc.in_use(),
+                     torch.get_num_threads())
+            return engine
+        self.loop = EngineLoop(make_engine, on_outputs, name=name, before_step=hook, after_step=after_step,
+                               pace=self.pacer.pace if self.pacer is not None else None)
+        self.engine = self.loop.engine
         if self.pacer is not None:
             self.pacer.wait_startup(began)
-        hook = (lambda: faults.before_step(self.engine)) if faults is not None else None  # a no-op with faults off
-        self.loop = EngineLoop(self.engine, on_outputs, name=name, before_step=hook, after_step=after_step,
-                               pace=self.pacer.pace if self.pacer is not None else None)
         self.served = 0
         self.cache_seq = 0  # of the last CacheDelta sent
         self.aio: asyncio.AbstractEventLoop | None = None

@@ -1,5 +1,13 @@
 """Runs an `LLMEngine` on one background thread; other threads talk to it through `call`.
 
+The loop builds its engine on that thread too (`make_engine`), so every torch op of the engine
+(load, warm-up, steps) starts from one thread. GNU OpenMP gives each thread that starts a
+parallel region a team of its own, and once a process's OpenMP threads outnumber its cores it
+stops letting idle team threads spin between parallel regions: they sleep on a futex after a
+few hundred spins and are woken for each op. A worker that loaded its model on the actor's
+thread and stepped on this one had two teams, and its steps ran about 1.3x slower than the same
+engine stepped where it was built (docs/engine_speed.md, "One OpenMP team per worker").
+
 The engine is not thread-safe, so every touch (add, reserve, abort, ...) is queued with
 `call(fn)` and runs on the loop thread between two steps; the caller gets a
 `concurrent.futures.Future`. Each step's outputs go to `on_outputs` (on the loop thread).
@@ -44,18 +52,17 @@ BEAT_S = 0.25  # an idle loop stamps its beat this often
 
 
 class EngineLoop:
-    def __init__(self, engine: LLMEngine, on_outputs: Callable[[list[RequestOutput]], None], name: str = "engine",
-                 before_step: Callable[[], None] | None = None,
+    def __init__(self, make_engine: Callable[[], LLMEngine], on_outputs: Callable[[list[RequestOutput]], None],
+                 name: str = "engine", before_step: Callable[[], None] | None = None,
                  after_step: Callable[[LLMEngine], None] | None = None,
                  pace: Callable[[LLMEngine, float], None] | None = None):
-        self.engine = engine
+        """Starts the thread and returns once it has built the engine (`make_engine()`, on that
+        thread); an error building it is raised here, and the thread is gone."""
         self._on_outputs = on_outputs
         self._before_step = before_step
         self._after_step = after_step
         self._pace = pace
         self._free_since: float | None = None  # the loop's time free with work waiting (see `pace`)
-        if pace is not None:
-            engine.pace = self._pace_step
         self._inbox: list[tuple[Callable[[LLMEngine], Any], Future]] = []
         self._wake = threading.Condition()
         self._stopped = False
@@ -63,8 +70,22 @@ class EngineLoop:
         self.beat_at = time.monotonic()  # written by the loop thread only
         self.steps = 0
         self.failed_steps_in_a_row = 0
-        self._thread = threading.Thread(target=self._run, name=f"{name}-loop", daemon=True)
+        built: Future = Future()
+        self._thread = threading.Thread(target=self._run, args=(make_engine, built), name=f"{name}-loop", daemon=True)
         self._thread.start()
+        self.engine: LLMEngine = built.result()  # no deadline: the router's worker_start_timeout_s bounds a start
+
+    def _build(self, make_engine: Callable[[], LLMEngine], built: Future) -> bool:
+        try:
+            engine = make_engine()
+        except BaseException as e:  # handed to the constructor, which raises it
+            built.set_exception(e)
+            return False
+        if self._pace is not None:
+            engine.pace = self._pace_step
+        self.engine = engine
+        built.set_result(engine)
+        return True
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
         fut: Future = Future()
@@ -91,7 +112,9 @@ class EngineLoop:
         began = self._free_since if self._free_since is not None else time.perf_counter()
         self._pace(self.engine, began)
 
-    def _run(self) -> None:
+    def _run(self, make_engine: Callable[[], LLMEngine], built: Future) -> None:
+        if not self._build(make_engine, built):
+            return
         while True:
             with self._wake:
                 while not self._inbox and not self.engine.has_unfinished() and not self._stopped:
