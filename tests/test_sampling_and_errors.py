@@ -3,6 +3,7 @@ handling, bad requests, and failures that stay with the one request that caused 
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import replace
 
@@ -248,6 +249,34 @@ def test_a_request_whose_detokenizing_raises_fails_alone(engine):
     _assert_only_the_victim_failed(
         undisturbed, outs,
         "detokenizing failed: UnicodeDecodeError: 'utf-8' codec can't decode byte 0xff in position 0: invalid start byte")
+
+
+def test_the_loop_builds_its_engine_on_the_thread_that_steps_it(engine):
+    """One thread runs every torch op of a worker's engine (one OpenMP team: engine_loop.py)."""
+    built_on = []
+
+    def make():
+        built_on.append(threading.current_thread())
+        return engine
+    loop = EngineLoop(make, lambda outs: None, name="where")
+    try:
+        assert loop.engine is engine
+        stepped_on = loop.call(lambda e: threading.current_thread()).result(10)
+        assert built_on == [stepped_on] and stepped_on.name == "where-loop"
+        assert stepped_on is not threading.current_thread()
+    finally:
+        loop.stop()
+
+
+def test_an_engine_that_fails_to_build_fails_the_loops_start_and_leaves_no_thread():
+    def broken():
+        raise ValueError("config.json names no architecture pdserve knows")
+    with pytest.raises(ValueError, match="names no architecture"):
+        EngineLoop(broken, lambda outs: None, name="broken")
+    deadline = time.monotonic() + 10
+    while any(t.name == "broken-loop" for t in threading.enumerate()):
+        assert time.monotonic() < deadline, "the loop thread outlived its failed build"
+        time.sleep(0.01)
 
 
 def test_a_failing_step_fails_its_requests_and_the_loop_lives_on(engine, monkeypatch):

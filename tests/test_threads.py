@@ -7,7 +7,7 @@ import pytest
 
 from router.config.loader import parse_config
 from router.config.typed_yaml import ConfigError
-from worker_runtime.threads import auto_threads
+from worker_runtime.threads import auto_threads, wait_env
 
 
 @pytest.mark.parametrize("share, pinned, colocated, cores, threads", [
@@ -39,3 +39,25 @@ def test_auto_is_the_default_and_an_engine_config_leaves_it_to_the_worker():
 def test_bad_thread_counts_name_the_key(value, message):
     with pytest.raises(ConfigError, match=message):
         parse_config({"decode": {"torch_threads": value}})
+
+
+@pytest.mark.parametrize("threads, share, colocated, pinned, env", [
+    (None, 1.0, True, False, {"OMP_WAIT_POLICY": "PASSIVE"}),  # colocated auto: 2 threads on a 1-CPU share
+    (None, 1.0, False, False, {}),                              # 1P+1D auto: 1 thread, no OpenMP team
+    (None, 2.0, False, False, {}),                              # 2 threads that own their 2 CPUs spin
+    (2, 2.0, True, False, {}),                                  # one colocated worker owning both cores
+    (2, 1.0, True, False, {"OMP_WAIT_POLICY": "PASSIVE"}),      # bench_peer's @2x2
+    (4, 2.0, False, False, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    (None, 8.0, True, True, {}),                                # pinned: one thread
+])
+def test_workers_whose_threads_outnumber_their_cpu_share_wait_passively(threads, share, colocated, pinned, env,
+                                                                        monkeypatch):
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
+    assert wait_env(threads, share, colocated, pinned) == env
+
+
+@pytest.mark.parametrize("name", ["OMP_WAIT_POLICY", "GOMP_SPINCOUNT"])
+def test_an_openmp_wait_setting_in_the_routers_environment_wins(name, monkeypatch):
+    monkeypatch.setenv(name, "ACTIVE" if name == "OMP_WAIT_POLICY" else "1000")
+    assert wait_env(None, 1.0, True, False) == {}

@@ -55,8 +55,8 @@ class WorkerCore:
 
         def make_engine() -> LLMEngine:  # on the loop's thread, which runs every torch op of the engine
             engine = LLMEngine(config)
-            log.info("%s: %s, malloc %s, %d torch threads", name, engine.runner.describe(), malloc.in_use(),
-                     torch.get_num_threads())
+            log.info("%s: %s, malloc %s, %d torch threads (OpenMP waits %s)", name, engine.runner.describe(),
+                     malloc.in_use(), torch.get_num_threads(), os.environ.get("OMP_WAIT_POLICY", "spinning").lower())
             return engine
         self.loop = EngineLoop(make_engine, on_outputs, name=name, before_step=hook, after_step=after_step,
                                pace=self.pacer.pace if self.pacer is not None else None)

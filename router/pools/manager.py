@@ -31,7 +31,7 @@ from router.lifecycle.outcomes import CannotPlace
 from router.lifecycle.worker_calls import CALL_FAILURES, short
 from router.pools.placement import Placer
 from router.pools.worker_view import WorkerState, WorkerView
-from worker_runtime import malloc
+from worker_runtime import malloc, threads
 from worker_runtime.faults import FaultConfig
 
 log = logging.getLogger(__name__)
@@ -107,12 +107,14 @@ class PoolManager:
         transfer = self.transfer if self.config.mode == "disaggregated" else None
         health.starting += 1
         try:
-            env = malloc.worker_env(sec.malloc, on_gpu=sec.num_gpus > 0)
+            cpu = self._next_cpu(pool)
+            engine = self.config.engine_config(sec, device="cuda" if sec.num_gpus else "cpu")
+            env = malloc.worker_env(sec.malloc, on_gpu=sec.num_gpus > 0) | threads.wait_env(
+                engine.torch_threads, sec.num_cpus, colocated=transfer is None, pinned=cpu is not None)
             actor = ray.remote(cls).options(
                 name=None, max_concurrency=1000, max_restarts=0, **_placement(sec),
                 **({"runtime_env": {"env_vars": env}} if env else {}),
-            ).remote(name, self.config.engine_config(sec, device="cuda" if sec.num_gpus else "cpu"), transfer,
-                     self._next_cpu(pool), self.faults, self.emulation)
+            ).remote(name, engine, transfer, cpu, self.faults, self.emulation)
             try:
                 info = await within(actor.ready.remote(), self.config.router.worker_start_timeout_s)
             except BaseException:
