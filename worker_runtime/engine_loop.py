@@ -3,9 +3,9 @@
 The loop builds its engine on that thread too (`make_engine`), so every torch op of the engine
 (load, warm-up, steps) starts from one thread. GNU OpenMP gives each thread that starts a
 parallel region a team of its own, and once a process's OpenMP threads outnumber its cores it
-stops letting idle team threads spin between parallel regions: they sleep on a futex after a
-few hundred spins and are woken for each op. A worker that loaded its model on the actor's
-thread and stepped on this one had two teams, and its steps ran about 1.3x slower than the same
+stops letting idle team threads spin between parallel regions: they sleep on a futex after about
+a hundred spins and are woken for each op. A worker that loaded its model on the actor's
+thread and stepped on this one had two teams, and its steps ran 1.25-1.4x slower than the same
 engine stepped where it was built (docs/engine_speed.md, "One OpenMP team per worker").
 
 The engine is not thread-safe, so every touch (add, reserve, abort, ...) is queued with
