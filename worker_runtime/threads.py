@@ -24,7 +24,6 @@ from __future__ import annotations
 import math
 import os
 
-
 UNCAPPED = 1 << 16  # `auto_threads(cores=)` where the worker's node is not known
 
 
