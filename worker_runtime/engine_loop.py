@@ -52,6 +52,8 @@ BEAT_S = 0.25  # an idle loop stamps its beat this often
 
 
 class EngineLoop:
+    engine: LLMEngine  # built on the loop thread (`_build`)
+
     def __init__(self, make_engine: Callable[[], LLMEngine], on_outputs: Callable[[list[RequestOutput]], None],
                  name: str = "engine", before_step: Callable[[], None] | None = None,
                  after_step: Callable[[LLMEngine], None] | None = None,
@@ -73,18 +75,18 @@ class EngineLoop:
         built: Future = Future()
         self._thread = threading.Thread(target=self._run, args=(make_engine, built), name=f"{name}-loop", daemon=True)
         self._thread.start()
-        self.engine: LLMEngine = built.result()  # no deadline: the router's worker_start_timeout_s bounds a start
+        built.result()  # raises the build's error; no deadline: the router's worker_start_timeout_s bounds a start
 
     def _build(self, make_engine: Callable[[], LLMEngine], built: Future) -> bool:
+        """Sets `self.engine` (on the loop thread, before anything else reads it); False if it failed."""
         try:
-            engine = make_engine()
+            self.engine = make_engine()
         except BaseException as e:  # handed to the constructor, which raises it
             built.set_exception(e)
             return False
         if self._pace is not None:
-            engine.pace = self._pace_step
-        self.engine = engine
-        built.set_result(engine)
+            self.engine.pace = self._pace_step
+        built.set_result(None)
         return True
 
     def call(self, fn: Callable[[LLMEngine], Any]) -> Future:
