@@ -108,7 +108,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     """transformers' attention-function signature -> the opaque op; returns `[1, T, H, D]`."""
     probe = features.active_probe()
     if probe is not None:
-        return probe.record(module, query, key, attention_mask, scaling, sliding_window, softcap, kwargs)
+        return probe.record(module, query, key, value, attention_mask, scaling, sliding_window, softcap, kwargs)
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
     return torch.ops.pdserve.paged_attention(query, key, value, module.layer_idx, float(scaling),

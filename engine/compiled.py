@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine import attention, dense
+from engine import attention, dense, fused
 
 log = logging.getLogger(__name__)
 
@@ -95,12 +95,16 @@ class Forward:
     """`(input_ids [1, T], positions [1, T], sample_rows [n]) -> logits [1, n, V]`."""
 
     def __init__(self, model: nn.Module, mode: str, device: torch.device, cuda_graphs: bool = False,
-                 prepack: bool = True, graph_buckets: tuple[int, ...] = (), small_gemm=None):
+                 prepack: bool = True, graph_buckets: tuple[int, ...] = (), small_gemm=None, rope=None,
+                 fuse: bool = True):
         self.model = model
         self.decoder = model.get_decoder()
         self.device = device
         self.prepack = prepack
         self.small_gemm = small_gemm  # cpu_kernel.SmallGemm for linears on a few rows, or None
+        self.rope = rope  # cpu_kernel.Rope for fused layers' rotary, or None
+        self.fuse = fuse  # fused q|k|v and gate|up layers where linears are packed (engine/fused.py)
+        self.fused_layers = (0, 0)  # (attention modules, MLPs) fused
         self.fallback_reason: str | None = None
         self.graphs_reason: str | None = None  # why CUDA graphs were asked for and are not used
         self._compiled = None
@@ -153,6 +157,9 @@ class Forward:
 
     def _pack(self, skip: nn.Module | None = None) -> None:
         if self.prepack:
+            if self.fuse:
+                self.fused_layers = fused.fuse_layers(self.model, self.device, gemm=self.small_gemm, rope=self.rope,
+                                                      skip=skip)
             dense.pack_linears(self.model, self.device, skip=skip, gemm=self.small_gemm)
             dense.fuse_rms_norms(self.model, self.device, skip=skip)
 

@@ -7,7 +7,9 @@
   too, tiled so keys and queries are each read once per tile, the causal half skipped
   (docs/engine_speed.md, "Prefill attention");
 - small-batch GEMM (small_gemm.c): a linear layer on a few rows (a decode step) from weights
-  packed in 16-column panels (engine/dense.py; docs/engine_speed.md, "Small-batch linears").
+  packed in 16-column panels (engine/dense.py; docs/engine_speed.md, "Small-batch linears");
+- rotary embedding (rope.c): in place on a fused q|k|v projection, bit for bit transformers'
+  (engine/fused.py).
 
 Plain C with OpenMP, compiled together by the host's C compiler (`cc`, or `$CC`) with `-O3
 -march=native` into `$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`), named by a hash
@@ -142,11 +144,30 @@ class SmallGemm:
         return out
 
 
+class Rope:
+    """`pd_rope`: rotary embedding in place on float32 q and k heads."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.pd_rope
+        self._fn.restype = None
+        self._fn.argtypes = [_PTR, _I64, _INT, _INT, _PTR, _PTR, _I64, _INT, _INT]
+
+    def __call__(self, x: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """x `[T, >= heads * dim]` float32 (rows of heads, each `dim` contiguous): its first `heads`
+        heads rotated in place; cos/sin `[T, dim]` float32, rows contiguous."""
+        tokens = x.shape[0]
+        assert x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] >= heads * dim
+        assert cos.shape == sin.shape == (tokens, dim) and cos.stride() == sin.stride() and cos.stride(1) == 1
+        self._fn(x.data_ptr(), x.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0), tokens,
+                 torch.get_num_threads())
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     decode: DecodeKernel
     prefill: PrefillKernel
     gemm: SmallGemm
+    rope: Rope
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -216,7 +237,7 @@ def _load() -> Kernels:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
-    return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib))
+    return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib), Rope(lib))
 
 
 def load() -> tuple[Kernels | None, str]:

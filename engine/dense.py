@@ -77,7 +77,7 @@ def small_gemm_layers(model: nn.Module) -> int:
     return sum(1 for m in model.modules() if isinstance(m, PackedLinear) and m.gemm is not None)
 
 
-def _children(model: nn.Module, skip: nn.Module | None) -> list[tuple[nn.Module, str, nn.Module]]:
+def child_modules(model: nn.Module, skip: nn.Module | None) -> list[tuple[nn.Module, str, nn.Module]]:
     """(parent, name, child) for every direct child of every module of `model` outside `skip`."""
     skipped = set(map(id, skip.modules())) if skip is not None else set()
     return [(parent, name, child) for parent in model.modules() if id(parent) not in skipped
@@ -92,7 +92,7 @@ def pack_linears(model: nn.Module, device: torch.device, skip: nn.Module | None 
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
-    swaps = [(parent, name, child) for parent, name, child in _children(model, skip)
+    swaps = [(parent, name, child) for parent, name, child in child_modules(model, skip)
              if type(child) is nn.Linear and child.weight.dtype in PACKABLE]
     for parent, name, child in swaps:
         setattr(parent, name, PackedLinear(child, keep_weight=uses[id(child.weight)] > 1, gemm=gemm))
@@ -142,7 +142,7 @@ def fuse_rms_norms(model: nn.Module, device: torch.device, skip: nn.Module | Non
     if device.type != "cpu":
         return 0
     swaps = []
-    for parent, name, child in _children(model, skip):
+    for parent, name, child in child_modules(model, skip):
         eps = _norm_eps(child)
         if eps is not None and _fuses_exactly(child, fused := FusedRMSNorm(child, eps)):
             swaps.append((parent, name, fused))

@@ -12,6 +12,8 @@ weights, no memory), so the router refuses a checkpoint before starting any work
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +49,7 @@ class AttentionProbe:
     kv_shapes: set[tuple[int, int]] = field(default_factory=set)
     lacking: list[str] = field(default_factory=list)
 
-    def record(self, module, query, key, attention_mask, scaling, sliding_window, softcap, kwargs):
+    def record(self, module, query, key, value, attention_mask, scaling, sliding_window, softcap, kwargs):
         self.layers[module.layer_idx] = LayerFeatures(scaling if scaling is not None else query.shape[-1] ** -0.5,
                                                       sliding_window, softcap)
         self.kv_shapes.add((key.shape[1], key.shape[3]))
@@ -62,12 +64,24 @@ class AttentionProbe:
         return query.new_zeros(b, t, h, d), None
 
 
-_probing: list[AttentionProbe] = []  # the probe of the forward now running, if any
+_probing: list = []  # the probe of the forward now running, if any
 
 
-def active_probe() -> AttentionProbe | None:
-    """The probe paged attention records into instead of attending (only during `probe_features`)."""
+def active_probe():
+    """The probe paged attention records into instead of attending (an `AttentionProbe` during
+    `probe_features`; engine/fused.py's check of a fused layer has one of its own)."""
     return _probing[-1] if _probing else None
+
+
+@contextlib.contextmanager
+def probing(probe) -> Iterator[None]:
+    """While in the block, paged attention calls `probe.record(module, query, key, value,
+    attention_mask, scaling, sliding_window, softcap, kwargs)` and returns what it returns."""
+    _probing.append(probe)
+    try:
+        yield
+    finally:
+        _probing.pop()
 
 
 @torch.inference_mode()
@@ -77,14 +91,12 @@ def probe_features(model, num_layers: int, kv_heads: int, head_dim: int, device)
     probe = AttentionProbe()
     name = getattr(model.config, "model_type", "model")
     one = torch.ones(1, 1, dtype=torch.long, device=device)
-    _probing.append(probe)
     try:  # an explicit 2D mask spares transformers' packed-sequence check, which the meta device cannot run
-        model(input_ids=one, attention_mask=one, use_cache=False)
+        with probing(probe):
+            model(input_ids=one, attention_mask=one, use_cache=False)
     except Exception:
         if not probe.lacking:  # a model that cannot run one token: its own error says why
             raise
-    finally:
-        _probing.pop()
     if probe.lacking:
         raise UnsupportedModel(f"{name} checkpoints need {', '.join(dict.fromkeys(probe.lacking))}, "
                                "which pdserve's paged attention does not serve")

@@ -5,7 +5,8 @@ the rows whose sequences need a new token go through the LM head (`logits_to_kee
 
 The forward is transformers' own module tree with two swaps: attention is the opaque paged op
 (engine/attention.py), whose decode rows run the CPU decode kernel (engine/cpu_kernel.py) where
-it builds, and, on CPU, linear layers run on oneDNN-prepacked weights (engine/dense.py).
+it builds, and, on CPU, linear layers run on oneDNN-prepacked weights (engine/dense.py), with
+Llama-shaped attention and MLP modules on stacked q|k|v and gate|up linears (engine/fused.py).
 `engine.compile` may then compile it (engine/compiled.py).
 """
 
@@ -85,11 +86,13 @@ class ModelRunner:
         self.prefill_kernel = kernels.prefill if kernels else None
         # float32 linears on a few rows (decode steps) by the kernel, from panel-packed weights
         self.small_gemm = kernels.gemm if kernels and self.dtype == torch.float32 else None
+        rope = kernels.rope if kernels and self.dtype == torch.float32 else None
         self.num_blocks = self._num_blocks()
         self.kv = allocate_kv_pool(self.shape.num_layers, self.num_blocks, self.block_size,
                                    self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
         self.forward = compiled.Forward(self.model, config.compile, self.device, config.cuda_graphs,
-                                        prepack=config.prepack_linears, small_gemm=self.small_gemm,
+                                        prepack=config.prepack_linears, small_gemm=self.small_gemm, rope=rope,
+                                        fuse=config.fuse_layers,
                                         graph_buckets=compiled.graph_buckets(config.max_num_seqs))
         self.forward.warm_up(self.fresh_prompt_metadata)
 
@@ -115,6 +118,10 @@ class ModelRunner:
                 how += f", linears on up to {cpu_kernel.SMALL_ROWS} rows by the CPU kernel"
         else:
             how += f", decode attention by SDPA ({self.kernel_reason})"
+        attn, mlps = self.forward.fused_layers
+        if attn or mlps:
+            rotary = "by the CPU kernel" if self.forward.rope is not None else "by torch"
+            how += f", {attn} attention modules on one q|k|v linear (rotary {rotary}) and {mlps} MLPs on one gate|up"
         return f"{self.hf_config.model_type} in {dtype} on {self.device}, {how}"
 
     def _cpu_kernels(self) -> tuple[cpu_kernel.Kernels | None, str]:

@@ -138,7 +138,8 @@ def test_without_a_kernel_auto_runs_sdpa_and_says_why_and_on_refuses(llama_dir, 
     monkeypatch.setattr(cpu_kernel, "load", lambda: (None, "no C compiler on PATH (cc, gcc or $CC)"))
     runner = ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16))
     assert runner.decode_kernel is None
-    assert runner.describe().endswith("decode attention by SDPA (no C compiler on PATH (cc, gcc or $CC))")
+    assert ", decode attention by SDPA (no C compiler on PATH (cc, gcc or $CC))," in runner.describe()
+    assert runner.describe().endswith("(rotary by torch) and 2 MLPs on one gate|up")  # fused layers need no kernel
     with pytest.raises(ValueError, match=r"cpu_kernels is on, but no C compiler on PATH"):
         ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16, cpu_kernels="on"))
     with pytest.raises(ValueError, match=r"cpu_kernels is on, but the kernel runs on CPU in float32 or "
@@ -155,7 +156,7 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
     failing = tmp_path / "failing-cc"
     failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo failing-cc 1.0 && exit 0\necho 'error: no space' >&2\nexit 1\n")
     failing.chmod(0o755)
-    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build paged_decode.c, paged_prefill.c and small_gemm.c: error: no space"):
+    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build paged_decode.c, paged_prefill.c, rope.c and small_gemm.c: error: no space"):
         cpu_kernel._build(str(failing))
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"] == []  # nothing half-built left behind
     blocked = tmp_path / "a-file"

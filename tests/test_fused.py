@@ -1,0 +1,128 @@
+"""Fused layers (engine/fused.py): one q|k|v linear with rotary in place, one gate|up linear.
+
+The rotary kernel is transformers' rotary bit for bit; a module is swapped only where its fused
+form gives its outputs bit for bit (a module that differs stays, with a log line naming it); and
+engines with and without fused layers give transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from torch import nn
+from transformers import AutoModelForCausalLM
+from transformers.models.llama.modeling_llama import LlamaMLP, apply_rotary_pos_emb
+
+from engine import attention, cpu_kernel, dense, fused
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from scripts.device_check import staggered_tokens
+from tests.reference import hf_greedy
+
+CPU = torch.device("cpu")
+
+
+def _kernels() -> cpu_kernel.Kernels:
+    kernels, why = cpu_kernel.load()
+    if kernels is None:
+        pytest.skip(f"no CPU kernels here: {why}")
+    return kernels
+
+
+@pytest.mark.parametrize("tokens", [1, 5, 64, 130])  # 64 and up: OpenMP threads share the rows
+def test_rope_kernel_is_transformers_rotary_bit_for_bit(tokens):
+    rope = _kernels().rope
+    g = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, dim = 6, 2, 32
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * dim + 8, generator=g) * 3  # rows padded: a strided view
+    x = qkv[:, : (heads + 2 * kv_heads) * dim]
+    angles = torch.rand(tokens, dim // 2, generator=g) * 500
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos(), angles.sin()
+    q = x[:, : heads * dim].reshape(1, tokens, heads, dim).transpose(1, 2).clone()
+    k = x[:, heads * dim: (heads + kv_heads) * dim].reshape(1, tokens, kv_heads, dim).transpose(1, 2).clone()
+    v, tail = x[:, (heads + kv_heads) * dim:].clone(), qkv[:, x.shape[1]:].clone()
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+    rope(x, heads + kv_heads, dim, cos, sin)
+    assert torch.equal(x[:, : heads * dim].reshape(1, tokens, heads, dim).transpose(1, 2), want_q)
+    assert torch.equal(x[:, heads * dim: (heads + kv_heads) * dim].reshape(1, tokens, kv_heads, dim).transpose(1, 2),
+                       want_k)
+    assert torch.equal(x[:, (heads + kv_heads) * dim:], v) and torch.equal(qkv[:, x.shape[1]:], tail)  # untouched
+
+
+class DoubledMLP(LlamaMLP):
+    """Llama's MLP with one change its fused form would not make."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+class BrokenMLP(LlamaMLP):
+    """One whose forward fails: the check cannot call it."""
+
+    def forward(self, x):
+        raise RuntimeError("not today")
+
+
+def _loaded(path: str):
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation="pdserve_paged").eval()
+
+
+def test_fuse_layers_swaps_modules_that_match_bit_for_bit_and_names_the_rest(family_dir, caplog):
+    attention.register()
+    model = _loaded(family_dir("llama"))
+    layers = model.model.layers
+    assert len(layers) >= 3
+    odd = DoubledMLP(model.config)
+    odd.load_state_dict(layers[1].mlp.state_dict())
+    layers[1].mlp = odd
+    broken = BrokenMLP(model.config)
+    broken.load_state_dict(layers[0].mlp.state_dict())
+    layers[0].mlp = broken
+    kernels = _kernels()
+    with caplog.at_level(logging.INFO, logger="engine.fused"):
+        attn, mlps = fused.fuse_layers(model, CPU, gemm=kernels.gemm, rope=kernels.rope)
+    assert (attn, mlps) == (len(layers), len(layers) - 2)
+    assert all(isinstance(layer.self_attn, fused.FusedAttention) for layer in layers)
+    assert isinstance(layers[1].mlp, DoubledMLP) and isinstance(layers[0].mlp, BrokenMLP)
+    assert all(isinstance(layer.mlp, fused.FusedMLP) for layer in layers[2:])
+    assert "LlamaDecoderLayer.mlp (DoubledMLP) stays unfused: its fused form does not give" in caplog.text
+    assert "LlamaDecoderLayer.mlp (BrokenMLP) stays unfused: the check could not call it (RuntimeError: not today)" \
+        in caplog.text
+    # every linear of the modules it looked at is packed, the unfused one's too
+    assert isinstance(layers[1].mlp.gate_proj, dense.PackedLinear)
+    assert layers[0].self_attn.qkv_proj.out_features == sum(
+        n * model.config.head_dim for n in (model.config.num_attention_heads, 2 * model.config.num_key_value_heads))
+
+
+def test_a_layer_without_rotary_stays_unfused(family_dir):
+    """SmolLM3 leaves rotary out of every fourth layer (NoPE): that layer's fused form would rotate,
+    so the check keeps its module as it is."""
+    engine = LLMEngine(EngineConfig(model_path=family_dir("smollm3"), dtype="float32", num_blocks=64))
+    layers = engine.runner.model.model.layers
+    kept = [i for i, layer in enumerate(layers) if not isinstance(layer.self_attn, fused.FusedAttention)]
+    assert kept == [i for i, rope in enumerate(engine.runner.hf_config.no_rope_layers) if not rope]
+    assert engine.runner.forward.fused_layers == (len(layers) - len(kept), len(layers))
+
+
+def test_fused_and_unfused_engines_give_transformers_greedy_tokens(llama_dir):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(1, 90))] for _ in range(6)]
+    want = [hf_greedy(llama_dir, p, 10, ignore_eos=True) for p in prompts]
+    for fuse, kernels in ((True, "auto"), (True, "off"), (False, "auto")):  # kernels off: torch's rotary
+        engine = LLMEngine(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=256, chunk_size=16,
+                                        fuse_layers=fuse, cpu_kernels=kernels))
+        assert engine.runner.forward.fused_layers == ((2, 2) if fuse else (0, 0))
+        rope = engine.runner.model.model.layers[0].self_attn.rope if fuse else None
+        assert (rope is not None) == (fuse and kernels == "auto")
+        assert staggered_tokens(engine, prompts, 10) == want, (fuse, kernels)
+        assert engine.allocator.num_used == 0
+
+
+def test_nothing_is_fused_where_linears_are_not_packed(llama_dir):
+    engine = LLMEngine(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=64, prepack_linears=False))
+    assert engine.runner.forward.fused_layers == (0, 0)
+    assert not [m for m in engine.runner.model.modules() if isinstance(m, fused.FusedAttention | fused.FusedMLP)]
+    assert [m for m in engine.runner.model.modules() if type(m) is nn.Linear]
