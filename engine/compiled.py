@@ -95,14 +95,15 @@ class Forward:
     """`(input_ids [1, T], positions [1, T], sample_rows [n]) -> logits [1, n, V]`."""
 
     def __init__(self, model: nn.Module, mode: str, device: torch.device, cuda_graphs: bool = False,
-                 prepack: bool = True, graph_buckets: tuple[int, ...] = (), small_gemm=None, rope=None,
-                 fuse: bool = True):
+                 prepack: bool = True, graph_buckets: tuple[int, ...] = (), kernels=None, fuse: bool = True):
         self.model = model
         self.decoder = model.get_decoder()
         self.device = device
         self.prepack = prepack
-        self.small_gemm = small_gemm  # cpu_kernel.SmallGemm for linears on a few rows, or None
-        self.rope = rope  # cpu_kernel.Rope for fused layers' rotary, or None
+        # pdserve's CPU kernels for a float32 forward (cpu_kernel.Kernels), or None: torch's ops
+        self.small_gemm = kernels.gemm if kernels else None  # linears on a few rows
+        self.rope = kernels.rope if kernels else None  # fused layers' rotary
+        self.rms_norm = kernels.rms_norm if kernels else None  # fused norms
         self.fuse = fuse  # fused q|k|v and gate|up layers where linears are packed (engine/fused.py)
         self.fused_layers = (0, 0)  # (attention modules, MLPs) fused
         self.fallback_reason: str | None = None
@@ -161,7 +162,7 @@ class Forward:
                 self.fused_layers = fused.fuse_layers(self.model, self.device, gemm=self.small_gemm, rope=self.rope,
                                                       skip=skip)
             dense.pack_linears(self.model, self.device, skip=skip, gemm=self.small_gemm)
-            dense.fuse_rms_norms(self.model, self.device, skip=skip)
+            dense.fuse_rms_norms(self.model, self.device, skip=skip, kernel=self.rms_norm)
 
     def __call__(self, input_ids, positions, sample_rows, decode_only: bool = False):
         """`decode_only`: the step has one token per row and no prefill, so it may be padded to a

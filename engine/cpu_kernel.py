@@ -9,7 +9,8 @@
 - small-batch GEMM (small_gemm.c): a linear layer on a few rows (a decode step) from weights
   packed in 16-column panels (engine/dense.py; docs/engine_speed.md, "Small-batch linears");
 - rotary embedding (rope.c): in place on a fused q|k|v projection, bit for bit transformers'
-  (engine/fused.py).
+  (engine/fused.py);
+- RMSNorm (rms_norm.c): one call per norm, bit for bit torch's `F.rms_norm` (engine/dense.py).
 
 Plain C with OpenMP, compiled together by the host's C compiler (`cc`, or `$CC`) with `-O3
 -march=native` into `$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`), named by a hash
@@ -162,12 +163,34 @@ class Rope:
                  torch.get_num_threads())
 
 
+class RmsNorm:
+    """`pd_rms_norm`: float32 RMSNorm rows."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.pd_rms_norm
+        self._fn.restype = None
+        self._fn.argtypes = [_PTR, _I64, _PTR, _FLOAT, _PTR, _I64, _INT, _INT, _INT]
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x `[..., n]` float32 (rows contiguous), weight `[n]` -> a new tensor of x's shape."""
+        n = x.shape[-1]
+        flat = x.reshape(-1, n)
+        if flat.stride(1) != 1:
+            flat = flat.contiguous()
+        assert x.dtype == weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape == (n,)
+        out = torch.empty(x.shape, dtype=torch.float32)
+        self._fn(flat.data_ptr(), flat.stride(0), weight.data_ptr(), eps, out.data_ptr(), n, flat.shape[0], n,
+                 torch.get_num_threads())
+        return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     decode: DecodeKernel
     prefill: PrefillKernel
     gemm: SmallGemm
     rope: Rope
+    rms_norm: RmsNorm
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -237,7 +260,7 @@ def _load() -> Kernels:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
-    return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib), Rope(lib))
+    return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib), Rope(lib), RmsNorm(lib))
 
 
 def load() -> tuple[Kernels | None, str]:

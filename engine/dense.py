@@ -20,9 +20,11 @@ second copy doubles the memory of the linear weights.
 
 The norms around them: an RMSNorm module written as transformers' Llama / Qwen / Mistral ones are
 (square, mean, add eps, rsqrt, two multiplies: six passes over the hidden states) becomes one
-`F.rms_norm` call, torch's fused kernel, where that gives the module's own output bit for bit on
-probe inputs (checked per module at load; Gemma's `1 + weight` norm, for one, fails the check and
-stays as it is). A 512-token prefill's 61 norms on SmolLM2: 23-49 ms eager, 9-10 ms fused.
+call, where that gives the module's own output bit for bit on probe inputs (checked per module at
+load; Gemma's `1 + weight` norm, for one, fails the check and stays as it is): pdserve's CPU kernel
+(engine/csrc/rms_norm.c, float32: torch's own sum order, so its bits) where it builds and matches,
+else `F.rms_norm` (on CPU a chain of eight torch ops: 45-50 us per norm at 16 rows, mostly dispatch).
+A 512-token prefill's 61 norms on SmolLM2: 23-49 ms eager, 9-10 ms as `F.rms_norm`.
 """
 
 from __future__ import annotations
@@ -100,19 +102,24 @@ def pack_linears(model: nn.Module, device: torch.device, skip: nn.Module | None 
 
 
 class FusedRMSNorm(nn.Module):
-    """An RMSNorm module's forward as one `F.rms_norm` call; same inputs, same outputs."""
+    """An RMSNorm module's forward as one call (pdserve's CPU kernel, or torch's `F.rms_norm`);
+    same inputs, same outputs."""
 
-    def __init__(self, norm: nn.Module, eps: float):
+    def __init__(self, norm: nn.Module, eps: float, kernel=None):
         super().__init__()
         self.weight = norm.weight
         self.eps = eps
         self.normalized_shape = (norm.weight.shape[0],)
+        self.kernel = kernel  # cpu_kernel.RmsNorm, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None and x.dtype == torch.float32 and not torch.compiler.is_compiling():
+            return self.kernel(x, self.weight, self.eps)
         return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape[0]}, eps={self.eps}, fused=F.rms_norm"
+        how = "the CPU kernel" if self.kernel is not None else "F.rms_norm"
+        return f"{self.normalized_shape[0]}, eps={self.eps}, fused={how}"
 
 
 def _norm_eps(module: nn.Module) -> float | None:
@@ -135,17 +142,22 @@ def _fuses_exactly(module: nn.Module, fused: FusedRMSNorm) -> bool:
     return True
 
 
-def fuse_rms_norms(model: nn.Module, device: torch.device, skip: nn.Module | None = None) -> int:
-    """Swap every RMSNorm module of `model` (outside `skip`) whose output `F.rms_norm` reproduces
-    bit for bit (on probe inputs of 1, 7 and 64 rows at three scales) for a `FusedRMSNorm`; on CPU
+def fuse_rms_norms(model: nn.Module, device: torch.device, skip: nn.Module | None = None, kernel=None) -> int:
+    """Swap every RMSNorm module of `model` (outside `skip`) whose output a fused norm reproduces
+    bit for bit (on probe inputs of 1, 7 and 64 rows at three scales) for a `FusedRMSNorm`: on
+    pdserve's CPU kernel (`kernel`, float32) where that one matches, else on `F.rms_norm`; on CPU
     only (GPU kernels of the two may round differently); returns how many."""
     if device.type != "cpu":
         return 0
     swaps = []
     for parent, name, child in child_modules(model, skip):
         eps = _norm_eps(child)
-        if eps is not None and _fuses_exactly(child, fused := FusedRMSNorm(child, eps)):
-            swaps.append((parent, name, fused))
+        if eps is None:
+            continue
+        for candidate in (kernel, None) if kernel is not None else (None,):
+            if _fuses_exactly(child, fused := FusedRMSNorm(child, eps, candidate)):
+                swaps.append((parent, name, fused))
+                break
     for parent, name, fused in swaps:
         setattr(parent, name, fused)
     return len(swaps)

@@ -85,13 +85,13 @@ class ModelRunner:
         self.decode_kernel = kernels.decode if kernels else None
         self.prefill_kernel = kernels.prefill if kernels else None
         # float32 linears on a few rows (decode steps) by the kernel, from panel-packed weights
-        self.small_gemm = kernels.gemm if kernels and self.dtype == torch.float32 else None
-        rope = kernels.rope if kernels and self.dtype == torch.float32 else None
+        dense_kernels = kernels if kernels and self.dtype == torch.float32 else None  # float32 only
+        self.small_gemm = dense_kernels.gemm if dense_kernels else None
         self.num_blocks = self._num_blocks()
         self.kv = allocate_kv_pool(self.shape.num_layers, self.num_blocks, self.block_size,
                                    self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
         self.forward = compiled.Forward(self.model, config.compile, self.device, config.cuda_graphs,
-                                        prepack=config.prepack_linears, small_gemm=self.small_gemm, rope=rope,
+                                        prepack=config.prepack_linears, kernels=dense_kernels,
                                         fuse=config.fuse_layers,
                                         graph_buckets=compiled.graph_buckets(config.max_num_seqs))
         self.forward.warm_up(self.fresh_prompt_metadata)

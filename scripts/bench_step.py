@@ -4,8 +4,10 @@ One process holds one `LLMEngine` per variant on the same checkpoint:
 - `plain`: eager, torch's default CPU linear (MKL GEMM) — the engine before the fast paths;
 - `sdpa`: eager, linear weights prepacked for oneDNN (engine/dense.py), decode attention by SDPA
   over gathered blocks (`engine.cpu_kernels: off`);
-- `packed`: eager, prepacked linears and decode attention by the CPU kernel (the default on CPU:
-  engine/cpu_kernel.py);
+- `unfused`: eager, prepacked linears and the CPU kernels, every projection on its own
+  (`fuse_layers` off);
+- `packed`: eager, prepacked linears, the CPU kernels and fused layers (the default on CPU:
+  engine/cpu_kernel.py, engine/fused.py);
 - `compiled`: `engine.compile: on` (inductor around the opaque paged-attention op), with `--compile`;
 - `bfloat16`: the packed eager path in bfloat16, with `--bf16`.
 Each variant is brought to the same state (every request decoding at `--context` tokens, or one
@@ -42,6 +44,7 @@ from worker_runtime import malloc
 VARIANTS = {  # name -> EngineConfig overrides
     "plain": {"compile": "off", "prepack_linears": False, "dtype": "float32"},
     "sdpa": {"compile": "off", "dtype": "float32", "cpu_kernels": "off"},
+    "unfused": {"compile": "off", "dtype": "float32", "fuse_layers": False},
     "packed": {"compile": "off", "dtype": "float32"},
     "compiled": {"compile": "on", "dtype": "float32"},
     "bfloat16": {"compile": "off", "dtype": "bfloat16"},
@@ -124,7 +127,7 @@ def main() -> None:
     malloc.exec_as_worker(args.malloc)
     model = _model(args.model)
     torch.set_num_threads(args.threads)
-    names = ["plain", "sdpa", "packed"] + ["compiled"] * args.compile + ["bfloat16"] * args.bf16
+    names = ["plain", "sdpa", "unfused", "packed"] + ["compiled"] * args.compile + ["bfloat16"] * args.bf16
     host = None if args.no_floor else {**host_measure.reads(args.threads, sweeps=4),
                                        "flops": host_measure.flops(args.threads)}
     cases: dict[str, dict] = {}

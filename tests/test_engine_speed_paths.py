@@ -8,10 +8,11 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from checkpoints.families import WINDOW
-from engine import compiled, dense
+from engine import compiled, cpu_kernel, dense
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import computes_bf16, resolve_dtype
@@ -67,6 +68,7 @@ def test_rms_norms_are_fused_where_f_rms_norm_gives_their_output_bit_for_bit(lla
     fused = [m for m in model.modules() if isinstance(m, dense.FusedRMSNorm)]
     assert len(fused) == 2 * model.config.num_hidden_layers + 1  # two per layer and the final one
     assert not [m for m in model.modules() if type(m).__name__.endswith("RMSNorm") and not isinstance(m, dense.FusedRMSNorm)]
+    assert all(m.kernel is not None for m in fused)  # pdserve's CPU kernel where it builds: it matched
     x = torch.randn(1, 5, model.config.hidden_size) * 3
     norm = fused[0]
     expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight  # Llama's own formula
@@ -74,6 +76,34 @@ def test_rms_norms_are_fused_where_f_rms_norm_gives_their_output_bit_for_bit(lla
     gemma = _engine(family_dir("gemma2"), compile="off").runner.model
     assert not [m for m in gemma.modules() if isinstance(m, dense.FusedRMSNorm)]
     assert dense.fuse_rms_norms(gemma, torch.device("cpu")) == 0
+
+
+@pytest.mark.parametrize("size", [576, 64, 1536, 4096, 100])
+def test_rms_norm_kernel_is_f_rms_norm_bit_for_bit(size):
+    """The CPU kernel sums the squares in the order torch's CPU sum does (eight-lane vectors, four
+    accumulators cascaded every sixteen steps), so it gives `F.rms_norm`'s bits; 32 rows and more
+    split over threads."""
+    kernels, why = cpu_kernel.load()
+    if kernels is None:
+        pytest.skip(f"no CPU kernels here: {why}")
+    g = torch.Generator().manual_seed(size)
+    weight = torch.randn(size, generator=g)
+    for rows in (1, 7, 16, 40, 100):
+        for scale in (1.0, 30.0, 1e-3):
+            x = torch.randn(1, rows, size, generator=g) * scale
+            assert torch.equal(kernels.rms_norm(x, weight, 1e-6), F.rms_norm(x, (size,), weight, 1e-6)), (rows, scale)
+    strided = torch.randn(rows, size + 8, generator=g)[:, :size]  # rows apart by more than their length
+    assert torch.equal(kernels.rms_norm(strided, weight, 1e-5), F.rms_norm(strided, (size,), weight, 1e-5))
+
+
+def test_a_norm_the_kernel_does_not_match_is_fused_on_f_rms_norm(llama_dir):
+    model = _engine(llama_dir, compile="off", prepack_linears=False).runner.model  # norms left unfused
+    assert not [m for m in model.modules() if isinstance(m, dense.FusedRMSNorm)]
+
+    def off_by_a_bit(x, weight, eps):
+        return F.rms_norm(x, (x.shape[-1],), weight, eps) * (1 + 2 ** -20)
+    assert dense.fuse_rms_norms(model, torch.device("cpu"), kernel=off_by_a_bit) == 2 * model.config.num_hidden_layers + 1
+    assert all(m.kernel is None for m in model.modules() if isinstance(m, dense.FusedRMSNorm))
 
 
 def test_compiled_forward_is_token_exact_with_windows_soft_caps_and_scaling_and_never_recompiles(family_dir):
