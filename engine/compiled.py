@@ -104,6 +104,7 @@ class Forward:
         self.small_gemm = kernels.gemm if kernels else None  # linears on a few rows
         self.rope = kernels.rope if kernels else None  # fused layers' rotary
         self.rms_norm = kernels.rms_norm if kernels else None  # fused norms
+        self.silu_mul = kernels.silu_mul if kernels else None  # fused MLPs' activation
         self.fuse = fuse  # fused q|k|v and gate|up layers where linears are packed (engine/fused.py)
         self.fused_layers = (0, 0)  # (attention modules, MLPs) fused
         self.fallback_reason: str | None = None
@@ -160,7 +161,7 @@ class Forward:
         if self.prepack:
             if self.fuse:
                 self.fused_layers = fused.fuse_layers(self.model, self.device, gemm=self.small_gemm, rope=self.rope,
-                                                      skip=skip)
+                                                      silu_mul=self.silu_mul, skip=skip)
             dense.pack_linears(self.model, self.device, skip=skip, gemm=self.small_gemm)
             dense.fuse_rms_norms(self.model, self.device, skip=skip, kernel=self.rms_norm)
 

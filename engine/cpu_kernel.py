@@ -10,7 +10,9 @@
   packed in 16-column panels (engine/dense.py; docs/engine_speed.md, "Small-batch linears");
 - rotary embedding (rope.c): in place on a fused q|k|v projection, bit for bit transformers'
   (engine/fused.py);
-- RMSNorm (rms_norm.c): one call per norm, bit for bit torch's `F.rms_norm` (engine/dense.py).
+- RMSNorm (rms_norm.c): one call per norm, bit for bit torch's `F.rms_norm` (engine/dense.py);
+- SiLU times up (silu_mul.c): a gated MLP's activation on its fused gate|up projection, bit for
+  bit torch's on an AVX2 + FMA host (engine/fused.py).
 
 Plain C with OpenMP, compiled together by the host's C compiler (`cc`, or `$CC`) with `-O3
 -march=native` into `$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`), named by a hash
@@ -184,6 +186,28 @@ class RmsNorm:
         return out
 
 
+class SiluMul:
+    """`pd_silu_mul`: silu(gate) * up over the two halves of float32 rows."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.pd_silu_mul
+        self._fn.restype = _INT
+        self._fn.argtypes = [_PTR, _I64, _PTR, _I64, _INT, _INT, _INT]
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """h `[..., 2n]` float32 (gate, then up; rows contiguous) -> `[..., n]`; KernelUnavailable
+        where it cannot give torch's bits (no AVX2 + FMA, or n no multiple of 8)."""
+        n = h.shape[-1] // 2
+        flat = h.reshape(-1, 2 * n)
+        if flat.stride(1) != 1:
+            flat = flat.contiguous()
+        assert h.dtype == torch.float32
+        out = torch.empty(*h.shape[:-1], n, dtype=torch.float32)
+        if self._fn(flat.data_ptr(), flat.stride(0), out.data_ptr(), n, flat.shape[0], n, torch.get_num_threads()) != 0:
+            raise KernelUnavailable(f"pd_silu_mul does not match torch here (width {n}, or no AVX2 + FMA)")
+        return out
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     decode: DecodeKernel
@@ -191,6 +215,7 @@ class Kernels:
     gemm: SmallGemm
     rope: Rope
     rms_norm: RmsNorm
+    silu_mul: SiluMul
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -260,7 +285,7 @@ def _load() -> Kernels:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
-    return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib), Rope(lib), RmsNorm(lib))
+    return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib), Rope(lib), RmsNorm(lib), SiluMul(lib))
 
 
 def load() -> tuple[Kernels | None, str]:

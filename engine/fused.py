@@ -11,7 +11,8 @@ is a pass over the chunk's activations. Here:
   engine/csrc/rope.c: products and sums rounded as torch rounds them), and q, k, v handed to paged
   attention as views of that one output;
 - `FusedMLP`: gate and up stacked into one linear, the activation on the gate half times the up
-  half, then down.
+  half (for SiLU, one CPU kernel call, `pd_silu_mul`, engine/csrc/silu_mul.c: torch's own exp,
+  reproduced), then down.
 
 Each is swapped in only where it gives the module's own outputs bit for bit — its q, k, v, the
 keyword arguments it hands the attention function, and its output — on probe inputs of 1, 7, 64
@@ -31,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine import attention, dense, features
+from engine import attention, cpu_kernel, dense, features
 
 log = logging.getLogger(__name__)
 
@@ -99,14 +100,21 @@ class FusedAttention(nn.Module):
 class FusedMLP(nn.Module):
     """A gated MLP's forward on one stacked gate|up linear; same outputs."""
 
-    def __init__(self, mlp: nn.Module, gate_up: nn.Module):
+    def __init__(self, mlp: nn.Module, gate_up: nn.Module, silu_mul=None):
         super().__init__()
         self.gate_up_proj, self.down_proj, self.act_fn = gate_up, mlp.down_proj, mlp.act_fn
         self.intermediate = mlp.gate_proj.out_features
+        self.silu_mul = silu_mul  # cpu_kernel.SiluMul for a SiLU activation, or None: torch's ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate, dim=-1)
+        gate_up = self.gate_up_proj(x)
+        if self.silu_mul is not None and gate_up.dtype == torch.float32 and not torch.compiler.is_compiling():
+            return self.down_proj(self.silu_mul(gate_up))
+        gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)
+
+    def extra_repr(self) -> str:
+        return f"activation={'silu(gate) * up by the CPU kernel' if self.silu_mul is not None else 'torch'}"
 
 
 @dataclass
@@ -171,16 +179,20 @@ def _fuse_attention(attn: nn.Module, device: torch.device, gemm, rope) -> FusedA
 
 
 @torch.inference_mode()
-def _fuse_mlp(mlp: nn.Module, device: torch.device, gemm) -> FusedMLP | None:
+def _fuse_mlp(mlp: nn.Module, device: torch.device, gemm, silu_mul) -> FusedMLP | None:
     gate_up = _stacked([mlp.gate_proj, mlp.up_proj])
     size, dtype = gate_up.in_features, gate_up.weight.dtype
     dense.pack_linears(mlp, device, gemm=gemm)
     dense.pack_linears(holder := nn.Sequential(gate_up), device, gemm=gemm)
-    candidate = FusedMLP(mlp, holder[0])
-    for x, _ in _probe_inputs(size, dtype, device):
-        if not _same(mlp(x), candidate(x)):
-            return None
-    return candidate
+    silu = type(mlp.act_fn).__name__ in ("SiLU", "SiLUActivation")
+    for kernel in (silu_mul, None) if silu and silu_mul is not None else (None,):
+        candidate = FusedMLP(mlp, holder[0], kernel)
+        try:
+            if all(_same(mlp(x), candidate(x)) for x, _ in _probe_inputs(size, dtype, device)):
+                return candidate
+        except cpu_kernel.KernelUnavailable:
+            continue  # the kernel cannot give torch's bits here: torch's ops, checked the same way
+    return None
 
 
 def _is_attention(module: nn.Module) -> bool:
@@ -200,7 +212,7 @@ def _is_gated_mlp(module: nn.Module) -> bool:
             and gate.in_features == up.in_features and gate.out_features == up.out_features == down.in_features)
 
 
-def fuse_layers(model: nn.Module, device: torch.device, gemm=None, rope=None,
+def fuse_layers(model: nn.Module, device: torch.device, gemm=None, rope=None, silu_mul=None,
                 skip: nn.Module | None = None) -> tuple[int, int]:
     """Swap each Llama-shaped attention and gated MLP of `model` (outside `skip`) whose fused form
     gives its outputs bit for bit for a `FusedAttention` / `FusedMLP`; their linears are packed
@@ -214,7 +226,7 @@ def fuse_layers(model: nn.Module, device: torch.device, gemm=None, rope=None,
             continue
         why = "its fused form does not give its outputs bit for bit"
         try:
-            swap = _fuse_attention(child, device, gemm, rope) if _is_attention(child) else _fuse_mlp(child, device, gemm)
+            swap = _fuse_attention(child, device, gemm, rope) if _is_attention(child) else _fuse_mlp(child, device, gemm, silu_mul)
         except Exception as exc:  # noqa: BLE001 - a module the probe cannot call is served as it is
             swap, why = None, f"the check could not call it ({type(exc).__name__}: {exc})"
         if swap is None:

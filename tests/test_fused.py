@@ -11,6 +11,7 @@ import random
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP, apply_rotary_pos_emb
@@ -52,6 +53,34 @@ def test_rope_kernel_is_transformers_rotary_bit_for_bit(tokens):
     assert torch.equal(x[:, (heads + kv_heads) * dim:], v) and torch.equal(qkv[:, x.shape[1]:], tail)  # untouched
 
 
+@pytest.mark.parametrize("width", [1536, 64, 4096])
+def test_silu_mul_kernel_is_torch_silu_times_up_bit_for_bit(width):
+    silu_mul = _kernels().silu_mul
+    g = torch.Generator().manual_seed(width)
+    for rows in (1, 7, 64, 300):  # 300 x 4096 and up: threads share the rows
+        for scale in (1.0, 12.0, 200.0, 1e-3):  # 200: e^-x overflows and underflows
+            h = torch.randn(1, rows, 2 * width, generator=g) * scale
+            gate, up = h.split(width, dim=-1)
+            try:
+                got = silu_mul(h)
+            except cpu_kernel.KernelUnavailable:
+                pytest.skip("this host has no AVX2 + FMA: the kernel defers to torch")
+            assert torch.equal(got, F.silu(gate) * up), (rows, scale)
+
+
+def test_silu_mul_kernel_refuses_a_width_torch_finishes_in_scalars():
+    with pytest.raises(cpu_kernel.KernelUnavailable, match="width 12"):
+        _kernels().silu_mul(torch.randn(3, 24))
+
+
+def _avx2_fma() -> bool:
+    try:
+        _kernels().silu_mul(torch.zeros(1, 16))
+        return True
+    except cpu_kernel.KernelUnavailable:
+        return False
+
+
 class DoubledMLP(LlamaMLP):
     """Llama's MLP with one change its fused form would not make."""
 
@@ -82,12 +111,15 @@ def test_fuse_layers_swaps_modules_that_match_bit_for_bit_and_names_the_rest(fam
     broken.load_state_dict(layers[0].mlp.state_dict())
     layers[0].mlp = broken
     kernels = _kernels()
+
+    def refusing(h):  # a kernel that cannot give torch's bits here: the MLPs run torch's ops instead
+        raise cpu_kernel.KernelUnavailable("not here")
     with caplog.at_level(logging.INFO, logger="engine.fused"):
-        attn, mlps = fused.fuse_layers(model, CPU, gemm=kernels.gemm, rope=kernels.rope)
+        attn, mlps = fused.fuse_layers(model, CPU, gemm=kernels.gemm, rope=kernels.rope, silu_mul=refusing)
     assert (attn, mlps) == (len(layers), len(layers) - 2)
     assert all(isinstance(layer.self_attn, fused.FusedAttention) for layer in layers)
     assert isinstance(layers[1].mlp, DoubledMLP) and isinstance(layers[0].mlp, BrokenMLP)
-    assert all(isinstance(layer.mlp, fused.FusedMLP) for layer in layers[2:])
+    assert all(isinstance(layer.mlp, fused.FusedMLP) and layer.mlp.silu_mul is None for layer in layers[2:])
     assert "LlamaDecoderLayer.mlp (DoubledMLP) stays unfused: its fused form does not give" in caplog.text
     assert "LlamaDecoderLayer.mlp (BrokenMLP) stays unfused: the check could not call it (RuntimeError: not today)" \
         in caplog.text
@@ -115,8 +147,9 @@ def test_fused_and_unfused_engines_give_transformers_greedy_tokens(llama_dir):
         engine = LLMEngine(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=256, chunk_size=16,
                                         fuse_layers=fuse, cpu_kernels=kernels))
         assert engine.runner.forward.fused_layers == ((2, 2) if fuse else (0, 0))
-        rope = engine.runner.model.model.layers[0].self_attn.rope if fuse else None
-        assert (rope is not None) == (fuse and kernels == "auto")
+        layer = engine.runner.model.model.layers[0]
+        assert (fuse and layer.self_attn.rope is not None) == (fuse and kernels == "auto")
+        assert (fuse and layer.mlp.silu_mul is not None) == (fuse and kernels == "auto" and _avx2_fma())
         assert staggered_tokens(engine, prompts, 10) == want, (fuse, kernels)
         assert engine.allocator.num_used == 0
 

@@ -1,0 +1,59 @@
+/* A gated MLP's activation on the CPU: out = silu(gate) * up, gate and up the two halves of one
+   fused gate|up projection's rows (engine/fused.py).
+
+silu(x) = x / (1 + e^-x), bit for bit as torch's CPU kernel computes it on an AVX2 + FMA host:
+its vector path takes e^x from SLEEF's expf (1-ulp variant), whose steps are reproduced here
+with the same fused multiply-adds and roundings; the product with `up` is rounded on its own.
+Elsewhere (no AVX2 + FMA, or a row that is no multiple of 8 wide, which torch finishes with a
+scalar exp) it returns -1 and the caller takes torch's ops. A load-time probe checks the bits
+before any layer uses it. */
+#include <stdint.h>
+
+#if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+
+/* SLEEF's xexpf (sleefsimdsp.c) on eight lanes */
+static inline __m256 sleef_expf8(__m256 d) {
+    __m256i q = _mm256_cvtps_epi32(_mm256_mul_ps(d, _mm256_set1_ps(1.442695040888963407359924681001892137f)));
+    __m256 qf = _mm256_cvtepi32_ps(q);
+    __m256 s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-0.693145751953125f), d);
+    s = _mm256_fmadd_ps(qf, _mm256_set1_ps(-1.428606765330187045e-06f), s);
+    __m256 u = _mm256_set1_ps(0.000198527617612853646278381f);
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00139304355252534151077271f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.00833336077630519866943359f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.0416664853692054748535156f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.166666671633720397949219f));
+    u = _mm256_fmadd_ps(u, s, _mm256_set1_ps(0.5f));
+    u = _mm256_add_ps(_mm256_set1_ps(1.0f), _mm256_fmadd_ps(_mm256_mul_ps(s, s), u, s));
+    /* ldexp in two steps, so 2^q never overflows: u * 2^(q >> 1) * 2^(q - (q >> 1)) */
+    __m256i half = _mm256_srai_epi32(q, 1);
+    __m256 p1 = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(half, _mm256_set1_epi32(0x7f)), 23));
+    __m256 p2 = _mm256_castsi256_ps(
+        _mm256_slli_epi32(_mm256_add_epi32(_mm256_sub_epi32(q, half), _mm256_set1_epi32(0x7f)), 23));
+    u = _mm256_mul_ps(_mm256_mul_ps(u, p1), p2);
+    u = _mm256_andnot_ps(_mm256_cmp_ps(d, _mm256_set1_ps(-104.0f), _CMP_LT_OQ), u);
+    return _mm256_blendv_ps(u, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(_mm256_set1_ps(100.0f), d, _CMP_LT_OQ));
+}
+
+/* x [rows][2 * n] (row stride x_stride): gate = x[r][0, n), up = x[r][n, 2n); out [rows][n]. */
+int pd_silu_mul(const float *x, int64_t x_stride, float *out, int64_t out_stride, int rows, int n, int threads) {
+    if (n % 8 != 0) return -1;
+    _Pragma("omp parallel for schedule(static) if((int64_t)rows * n >= 65536) num_threads(threads)")
+    for (int r = 0; r < rows; r++) {
+        const float *g = x + r * x_stride, *u = g + n;
+        float *o = out + r * out_stride;
+        for (int i = 0; i < n; i += 8) {
+            __m256 gv = _mm256_loadu_ps(g + i);
+            __m256 e = sleef_expf8(_mm256_xor_ps(gv, _mm256_set1_ps(-0.0f)));
+            __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(silu, _mm256_loadu_ps(u + i)));
+        }
+    }
+    return 0;
+}
+#else
+int pd_silu_mul(const float *x, int64_t x_stride, float *out, int64_t out_stride, int rows, int n, int threads) {
+    (void)x, (void)x_stride, (void)out, (void)out_stride, (void)rows, (void)n, (void)threads;
+    return -1;
+}
+#endif
