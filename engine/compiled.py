@@ -163,7 +163,7 @@ class Forward:
                 self.fused_layers = fused.fuse_layers(self.model, self.device, gemm=self.small_gemm, rope=self.rope,
                                                       silu_mul=self.silu_mul, skip=skip)
             dense.pack_linears(self.model, self.device, skip=skip, gemm=self.small_gemm)
-            dense.fuse_rms_norms(self.model, self.device, skip=skip, kernel=self.rms_norm)
+            dense.fuse_rms_norms(self.model, self.device, skip=skip, kernel=self.rms_norm if self.fuse else None)
 
     def __call__(self, input_ids, positions, sample_rows, decode_only: bool = False):
         """`decode_only`: the step has one token per row and no prefill, so it may be padded to a

@@ -30,7 +30,8 @@ class EngineConfig:
     cuda_graphs: bool = False  # with compile on CUDA: capture the dense pieces into CUDA graphs
     cpu_kernels: str = "auto"  # decode attention and small-batch linears by pdserve's CPU kernels (engine/cpu_kernel.py): auto | on | off
     prepack_linears: bool = True  # oneDNN-prepacked linear weights on CPU (engine/dense.py); off = to compare
-    fuse_layers: bool = True  # with prepacked linears: fused q|k|v + rotary and gate|up (engine/fused.py); off = to compare
+    # with prepacked linears: fused q|k|v + rotary, gate|up + SiLU (engine/fused.py) and the norm kernel; off = to compare
+    fuse_layers: bool = True
 
     def __post_init__(self) -> None:
         checks = {

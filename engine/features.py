@@ -91,15 +91,17 @@ def probe_features(model, num_layers: int, kv_heads: int, head_dim: int, device)
     probe = AttentionProbe()
     name = getattr(model.config, "model_type", "model")
     one = torch.ones(1, 1, dtype=torch.long, device=device)
+    failure: Exception | None = None
     try:  # an explicit 2D mask spares transformers' packed-sequence check, which the meta device cannot run
         with probing(probe):
             model(input_ids=one, attention_mask=one, use_cache=False)
-    except Exception:
+    except Exception as exc:
         if not probe.lacking:  # a model that cannot run one token: its own error says why
             raise
+        failure = exc  # it failed on a feature the probe named: the refusal below says which, chained to it
     if probe.lacking:
         raise UnsupportedModel(f"{name} checkpoints need {', '.join(dict.fromkeys(probe.lacking))}, "
-                               "which pdserve's paged attention does not serve")
+                               "which pdserve's paged attention does not serve") from failure
     if sorted(probe.layers) != list(range(num_layers)):
         raise UnsupportedModel(f"{name} checkpoints have layers without attention (recurrent or state-space "
                                "state), which pdserve's paged KV cache does not hold")

@@ -4,8 +4,8 @@ One process holds one `LLMEngine` per variant on the same checkpoint:
 - `plain`: eager, torch's default CPU linear (MKL GEMM) — the engine before the fast paths;
 - `sdpa`: eager, linear weights prepacked for oneDNN (engine/dense.py), decode attention by SDPA
   over gathered blocks (`engine.cpu_kernels: off`);
-- `unfused`: eager, prepacked linears and the CPU kernels, every projection on its own
-  (`fuse_layers` off);
+- `unfused`: eager, prepacked linears and the attention and GEMM kernels, every projection on its
+  own, norms by `F.rms_norm` (`fuse_layers` off: no fused layers, no rotary, SiLU or norm kernel);
 - `packed`: eager, prepacked linears, the CPU kernels and fused layers (the default on CPU:
   engine/cpu_kernel.py, engine/fused.py);
 - `compiled`: `engine.compile: on` (inductor around the opaque paged-attention op), with `--compile`;

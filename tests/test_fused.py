@@ -150,6 +150,8 @@ def test_fused_and_unfused_engines_give_transformers_greedy_tokens(llama_dir):
         layer = engine.runner.model.model.layers[0]
         assert (fuse and layer.self_attn.rope is not None) == (fuse and kernels == "auto")
         assert (fuse and layer.mlp.silu_mul is not None) == (fuse and kernels == "auto" and _avx2_fma())
+        norms = [m for m in engine.runner.model.modules() if isinstance(m, dense.FusedRMSNorm)]
+        assert norms and all((m.kernel is not None) == (fuse and kernels == "auto") for m in norms)
         assert staggered_tokens(engine, prompts, 10) == want, (fuse, kernels)
         assert engine.allocator.num_used == 0
 
