@@ -49,7 +49,17 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _I64, _PTR, _INT, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
-SMALL_ROWS = 64  # the most rows the small-batch GEMM takes; oneDNN is faster from about 128
+
+def _gemm_rows(capability: str) -> int:
+    """The most rows the GEMM takes (`PackedLinear` hands larger products to oneDNN). Where torch
+    vectorizes with AVX2, as on this project's host, the GEMM (8-lane, like oneDNN there) was the
+    faster at every row count measured, 1 to 1024 (docs/engine_speed.md, "Small-batch linears"):
+    512 keeps every step of the default token budget on it. Where oneDNN has wider vectors
+    (AVX-512) or another ISA, it keeps what the GEMM did not measurably win there: past 64 rows."""
+    return 512 if capability == "AVX2" else 64
+
+
+SMALL_ROWS = _gemm_rows(torch.backends.cpu.get_cpu_capability())
 
 
 class KernelUnavailable(RuntimeError):
@@ -138,7 +148,7 @@ class SmallGemm:
         return panels
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-        """x `[M, K]` (rows contiguous) -> `[M, n]`. Any M works; past SMALL_ROWS oneDNN is faster."""
+        """x `[M, K]` (rows contiguous) -> `[M, n]`. Any M works; past SMALL_ROWS oneDNN takes the product."""
         m, k = x.shape
         assert x.dtype == torch.float32 and x.stride(1) == 1
         out = torch.empty(m, n, dtype=torch.float32)

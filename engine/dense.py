@@ -13,10 +13,10 @@ built in. The packed weight replaces the module's parameter; a weight shared wit
 (tied embeddings and LM head) is left in place and the packed copy sits beside it.
 
 With pdserve's CPU kernels (`engine.cpu_kernels`, engine/cpu_kernel.py), each packed linear also
-keeps its weight in 16-column panels for the small-batch GEMM, which takes products of up to
-`SMALL_ROWS` rows (a decode step: about 1.7x oneDNN's speed at 1-16 rows, 1.1x at 64, here) while
-oneDNN keeps the larger ones (prefill chunks), where it is faster (from about 128 rows). That
-second copy doubles the memory of the linear weights.
+keeps its weight in 16-column panels for the CPU GEMM, which takes products of up to `SMALL_ROWS`
+rows (on this project's AVX2 host 512, prefill chunks of the default budget too: 2x oneDNN's speed
+at 16 rows, 1.1x at 512) while oneDNN keeps the larger ones. That second copy doubles the memory
+of the linear weights.
 
 The norms around them: an RMSNorm module written as transformers' Llama / Qwen / Mistral ones are
 (square, mean, add eps, rsqrt, two multiplies: six passes over the hidden states) becomes one

@@ -107,6 +107,17 @@ def test_the_small_gemm_equals_linear_and_takes_only_few_rows(bias):
 
 
 @needs_kernel
+def test_the_small_gemm_gives_a_row_the_same_bits_in_any_batch():
+    """Each output is one sum over k in order, whatever tile its row falls in: a sequence's logits do
+    not change with the batch it decodes in (1 row alone, or any row of 2..SMALL_ROWS)."""
+    torch.manual_seed(5)
+    weight, x = torch.randn(40, 72), torch.randn(cpu_kernel.SMALL_ROWS, 72)
+    panels = KERNELS.gemm.pack(weight)
+    alone = torch.cat([KERNELS.gemm(x[i:i + 1], panels, None, 40) for i in range(len(x))])
+    for rows in range(2, cpu_kernel.SMALL_ROWS + 1):
+        assert torch.equal(KERNELS.gemm(x[:rows], panels, None, 40), alone[:rows]), f"{rows} rows"
+
+@needs_kernel
 def test_an_engine_with_the_kernels_runs_few_row_linears_on_them(llama_dir):
     runner = ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16))
     assert dense.small_gemm_layers(runner.model) == sum(1 for m in runner.model.modules() if isinstance(m, dense.PackedLinear))
