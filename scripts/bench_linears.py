@@ -3,10 +3,11 @@
 One model's linear shapes (every layer's Q/K/V/O projections and MLP, random float32 weights;
 the LM head left out) at each row count: oneDNN on its prepacked weights (`PackedLinear` without
 the GEMM) against the small-batch GEMM on its panels, called at every row count, also past the
-`SMALL_ROWS` where `PackedLinear` hands products back to oneDNN (to show why it does). The two
-take turns for `--rounds` rounds; each prints its best time per pass over all layers.
+`SMALL_ROWS` where `PackedLinear` hands products back to oneDNN (to check where the cut belongs on
+this host). The two take turns for `--rounds` rounds; each prints its best time per pass over all
+layers.
 
-    python -m scripts.bench_linears [--model DIR] [--rows 1,4,16,32,64,256] [--threads 2]
+    python -m scripts.bench_linears [--model DIR] [--rows 1,4,16,64,256,512,1024] [--threads 2]
                                     [--rounds 5] [--json]
 """
 
@@ -37,7 +38,7 @@ def layer_shapes(hf_config) -> list[tuple[int, int]]:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="checkpoint directory (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--rows", default="1,4,16,32,64,256")
+    p.add_argument("--rows", default="1,4,16,64,256,512,1024")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--json", action="store_true")
