@@ -50,13 +50,13 @@ _I64, _PTR, _INT, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes
 
 
 
-def _gemm_rows(capability: str) -> int:
-    """The most rows the GEMM takes (`PackedLinear` hands larger products to oneDNN). Where torch
-    vectorizes with AVX2, as on this project's host, the GEMM (8-lane, like oneDNN there) was the
-    faster at every row count measured, 1 to 1024 (docs/engine_speed.md, "Small-batch linears"):
-    512 keeps every step of the default token budget on it. Where oneDNN has wider vectors
+def _gemm_rows(capability: str) -> int | None:
+    """The most rows the GEMM takes (`PackedLinear` hands larger products to oneDNN), or None: every
+    product, and no oneDNN copy of the weights is kept. Where torch vectorizes with AVX2, as on this
+    project's host, the GEMM (8-lane, like oneDNN there) was the faster at every row count measured,
+    1 to 2048 (docs/engine_speed.md, "Small-batch linears"): None. Where oneDNN has wider vectors
     (AVX-512) or another ISA, it keeps what the GEMM did not measurably win there: past 64 rows."""
-    return 512 if capability == "AVX2" else 64
+    return None if capability == "AVX2" else 64
 
 
 SMALL_ROWS = _gemm_rows(torch.backends.cpu.get_cpu_capability())
@@ -131,7 +131,7 @@ class PrefillKernel:
 
 
 class SmallGemm:
-    """`sg_pack` / `sg_gemm`: float32 `x @ W^T + bias` for up to SMALL_ROWS rows."""
+    """`sg_pack` / `sg_gemm`: float32 `x @ W^T + bias` (for up to SMALL_ROWS rows, where that is set)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._pack, self._gemm = lib.sg_pack, lib.sg_gemm
@@ -148,7 +148,7 @@ class SmallGemm:
         return panels
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-        """x `[M, K]` (rows contiguous) -> `[M, n]`. Any M works; past SMALL_ROWS oneDNN takes the product."""
+        """x `[M, K]` (rows contiguous) -> `[M, n]`, for any M."""
         m, k = x.shape
         assert x.dtype == torch.float32 and x.stride(1) == 1
         out = torch.empty(m, n, dtype=torch.float32)

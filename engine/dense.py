@@ -12,10 +12,11 @@ Only plain `nn.Linear` modules with a float32 weight on CPU are packed, and only
 built in. The packed weight replaces the module's parameter; a weight shared with another module
 (tied embeddings and LM head) is left in place and the packed copy sits beside it.
 
-With pdserve's CPU kernels (`engine.cpu_kernels`, engine/cpu_kernel.py), each packed linear also
-keeps its weight in 16-column panels for the CPU GEMM, which takes products of up to `SMALL_ROWS`
-rows (on this project's AVX2 host 512, prefill chunks of the default budget too: 2x oneDNN's speed
-at 16 rows, 1.1x at 512) while oneDNN keeps the larger ones. That second copy doubles the memory
+With pdserve's CPU kernels (`engine.cpu_kernels`, engine/cpu_kernel.py), each packed linear keeps
+its weight in 16-column panels for the CPU GEMM. Where torch vectorizes with AVX2 (this project's
+host) the GEMM takes every product, decode rows and prefill chunks alike (2x oneDNN's speed at 16
+rows, 1.1x at 512 to 2048), and no oneDNN copy is made: the panels replace the weight. Elsewhere
+(`SMALL_ROWS` = 64) it takes products of up to 64 rows and oneDNN the larger ones, a second copy
 of the linear weights.
 
 The norms around them: an RMSNorm module written as transformers' Llama / Qwen / Mistral ones are
@@ -43,12 +44,16 @@ PACKABLE = (torch.float32,)  # oneDNN's bf16 path needs AVX512-BF16/AMX, which `
 
 
 class PackedLinear(nn.Module):
-    """`nn.Linear`'s forward on a oneDNN-packed weight; same inputs, same outputs."""
+    """`nn.Linear`'s forward on prepacked weights (oneDNN's, the CPU GEMM's panels, or both); same
+    inputs, same outputs."""
 
-    def __init__(self, linear: nn.Linear, keep_weight: bool, gemm=None):
+    def __init__(self, linear: nn.Linear, keep_weight: bool, gemm=None, small_rows: int | None = SMALL_ROWS):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+        # the GEMM's cut (None: it takes every product, and oneDNN's copy is not made)
+        self.small_rows = small_rows if gemm is not None else 0  # 0: oneDNN takes everything
+        self.packed = (torch.ops.mkldnn._reorder_linear_weight(linear.weight.detach())
+                       if self.small_rows is not None else None)
         self.bias = linear.bias
         # a weight other modules use too (tied embeddings) stays reachable as it was
         self.weight = linear.weight if keep_weight else None
@@ -57,7 +62,8 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // self.in_features
-        if self.gemm is not None and rows <= SMALL_ROWS and not torch.compiler.is_compiling():
+        if self.gemm is not None and (self.packed is None
+                                      or (rows <= self.small_rows and not torch.compiler.is_compiling())):
             flat = x.reshape(rows, self.in_features)
             if flat.stride(1) != 1 or flat.stride(0) != self.in_features:
                 flat = flat.contiguous()
@@ -65,8 +71,13 @@ class PackedLinear(nn.Module):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
     def extra_repr(self) -> str:
-        small = f", small_gemm=panels up to {SMALL_ROWS} rows" if self.gemm is not None else ""
-        return f"in_features={self.in_features}, out_features={self.out_features}, packed=onednn{small}"
+        if self.gemm is None:
+            packed = "onednn"
+        elif self.packed is None:
+            packed = "gemm panels, every product"
+        else:
+            packed = f"gemm panels up to {self.small_rows} rows, onednn past"
+        return f"in_features={self.in_features}, out_features={self.out_features}, packed={packed}"
 
 
 def can_pack(model: nn.Module, device: torch.device) -> bool:

@@ -16,7 +16,7 @@ is a pass over the chunk's activations. Here:
 
 Each is swapped in only where it gives the module's own outputs bit for bit — its q, k, v, the
 keyword arguments it hands the attention function, and its output — on probe inputs of 1, 7, 64
-and `SMALL_ROWS` + 1 rows (the small-batch GEMM's and oneDNN's sides of it), checked per module at
+and 100 rows (or `SMALL_ROWS` + 1 where oneDNN takes the products past it), checked per module at
 load with the linears packed as they will serve. A module with anything else inside (Qwen3's q/k
 norms, Gemma's scaled activations) fails the check or is not a candidate, and stays as it is. The
 swap only happens where linears are prepacked (engine/dense.py) and outside a compiled decoder,
@@ -36,7 +36,8 @@ from engine import attention, cpu_kernel, dense, features
 
 log = logging.getLogger(__name__)
 
-PROBE_ROWS = (1, 7, 64, cpu_kernel.SMALL_ROWS + 1)  # either side of SMALL_ROWS: the GEMM's and oneDNN's products
+# either side of SMALL_ROWS (the GEMM's products and oneDNN's) where it is set; a prefill chunk's size where not
+PROBE_ROWS = (1, 7, 64, 100 if cpu_kernel.SMALL_ROWS is None else cpu_kernel.SMALL_ROWS + 1)
 
 
 def _stacked(linears: list[nn.Linear]) -> nn.Linear:

@@ -115,7 +115,8 @@ class ModelRunner:
         if self.decode_kernel is not None:
             how += ", decode and prefill attention by the CPU kernels"
             if dense.small_gemm_layers(self.model):
-                how += f", linears on up to {cpu_kernel.SMALL_ROWS} rows by the CPU kernel"
+                how += (", linears by the CPU kernel" if cpu_kernel.SMALL_ROWS is None
+                        else f", linears on up to {cpu_kernel.SMALL_ROWS} rows by the CPU kernel")
         else:
             how += f", decode attention by SDPA ({self.kernel_reason})"
         attn, mlps = self.forward.fused_layers
@@ -153,7 +154,7 @@ class ModelRunner:
             budget = cfg.kv_cache_memory
         else:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            if self.small_gemm is not None:  # the small-batch GEMM's panels: a second copy of the linears
+            if self.small_gemm is not None and cpu_kernel.SMALL_ROWS is not None:  # panels beside oneDNN's copy
                 weights += sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
                                if type(m) is torch.nn.Linear)
             budget = int(device_memory(self.device) * cfg.memory_fraction) - weights - cfg.runtime_overhead

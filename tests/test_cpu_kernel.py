@@ -88,33 +88,43 @@ def test_the_prefill_kernel_attends_each_query_over_the_keys_up_to_its_own(dtype
 
 @needs_kernel
 @pytest.mark.parametrize("bias", [True, False])
-def test_the_small_gemm_equals_linear_and_takes_only_few_rows(bias):
+@pytest.mark.parametrize("small_rows", [64, None])
+def test_the_small_gemm_equals_linear_and_takes_the_rows_it_is_set_to(bias, small_rows):
     """Panels of 16 columns (here 40 outputs: two whole panels and a part), tiles of up to six rows
-    (1-SMALL_ROWS rows: every tile size and tile count), inputs strided or not; past SMALL_ROWS rows
-    oneDNN takes over."""
+    (every tile size and tile count), inputs strided or not. With a cut (`SMALL_ROWS` where oneDNN has
+    wider vectors) oneDNN takes the larger products; without one (AVX2 hosts) the GEMM takes every
+    product and no oneDNN copy of the weight is made."""
     torch.manual_seed(3)
     linear = nn.Linear(72, 40, bias=bias)
-    packed = dense.PackedLinear(linear, keep_weight=False, gemm=KERNELS.gemm)
+    packed = dense.PackedLinear(linear, keep_weight=False, gemm=KERNELS.gemm, small_rows=small_rows)
+    assert (packed.packed is None) == (small_rows is None)
     calls = []
     gemm = packed.gemm
     packed.gemm = lambda *a: calls.append(a[0].shape[0]) or gemm(*a)
-    for rows in (*range(1, cpu_kernel.SMALL_ROWS + 1), cpu_kernel.SMALL_ROWS + 1, 2 * cpu_kernel.SMALL_ROWS):
+    counts = (*range(1, 130), 512, 1100)
+    for rows in counts:
         x = torch.randn(1, rows, 72)
         torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
     wide = torch.randn(1, 5, 144)[..., ::2]  # a strided view: copied before the kernel reads it
     torch.testing.assert_close(packed(wide), linear(wide), rtol=1e-5, atol=1e-5)
-    assert calls == [*range(1, cpu_kernel.SMALL_ROWS + 1), 5]  # the two larger products went to oneDNN
+    taken = [rows for rows in counts if small_rows is None or rows <= small_rows]
+    assert calls == [*taken, 5]  # the others went to oneDNN
+
+
+def test_the_gemm_takes_every_product_where_torch_vectorizes_with_avx2():
+    assert cpu_kernel._gemm_rows("AVX2") is None
+    assert cpu_kernel._gemm_rows("AVX512") == cpu_kernel._gemm_rows("DEFAULT") == 64
 
 
 @needs_kernel
 def test_the_small_gemm_gives_a_row_the_same_bits_in_any_batch():
     """Each output is one sum over k in order, whatever tile its row falls in: a sequence's logits do
-    not change with the batch it decodes in (1 row alone, or any row of 2..SMALL_ROWS)."""
+    not change with the batch it decodes in (1 row alone, or any row of 2..300)."""
     torch.manual_seed(5)
-    weight, x = torch.randn(40, 72), torch.randn(cpu_kernel.SMALL_ROWS, 72)
+    weight, x = torch.randn(40, 72), torch.randn(300, 72)
     panels = KERNELS.gemm.pack(weight)
     alone = torch.cat([KERNELS.gemm(x[i:i + 1], panels, None, 40) for i in range(len(x))])
-    for rows in range(2, cpu_kernel.SMALL_ROWS + 1):
+    for rows in range(2, len(x) + 1):
         assert torch.equal(KERNELS.gemm(x[:rows], panels, None, 40), alone[:rows]), f"{rows} rows"
 
 @needs_kernel
@@ -122,7 +132,11 @@ def test_an_engine_with_the_kernels_runs_few_row_linears_on_them(llama_dir):
     runner = ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16))
     assert dense.small_gemm_layers(runner.model) == sum(1 for m in runner.model.modules() if isinstance(m, dense.PackedLinear))
     assert dense.small_gemm_layers(runner.model) > 0
-    assert f"linears on up to {cpu_kernel.SMALL_ROWS} rows by the CPU kernel" in runner.describe()
+    said = (", linears by the CPU kernel" if cpu_kernel.SMALL_ROWS is None
+            else f", linears on up to {cpu_kernel.SMALL_ROWS} rows by the CPU kernel")
+    assert said in runner.describe()
+    packed = [m for m in runner.model.modules() if isinstance(m, dense.PackedLinear)]
+    assert all((m.packed is None) == (cpu_kernel.SMALL_ROWS is None) for m in packed)  # oneDNN's copy only with a cut
     off = ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16, cpu_kernels="off"))
     assert dense.small_gemm_layers(off.model) == 0 and "by the CPU kernel" not in off.describe()
 
