@@ -49,7 +49,6 @@ DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 _I64, _PTR, _INT, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
-
 def _gemm_rows(capability: str) -> int | None:
     """The most rows the GEMM takes (`PackedLinear` hands larger products to oneDNN), or None: every
     product, and no oneDNN copy of the weights is kept. Where torch vectorizes with AVX2, as on this
@@ -60,6 +59,7 @@ def _gemm_rows(capability: str) -> int | None:
 
 
 SMALL_ROWS = _gemm_rows(torch.backends.cpu.get_cpu_capability())
+GEMM_REACH = "every product" if SMALL_ROWS is None else f"up to {SMALL_ROWS} rows"  # what it takes, in words
 
 
 class KernelUnavailable(RuntimeError):

@@ -115,8 +115,7 @@ class ModelRunner:
         if self.decode_kernel is not None:
             how += ", decode and prefill attention by the CPU kernels"
             if dense.small_gemm_layers(self.model):
-                how += (", linears by the CPU kernel" if cpu_kernel.SMALL_ROWS is None
-                        else f", linears on up to {cpu_kernel.SMALL_ROWS} rows by the CPU kernel")
+                how += f", linears by the CPU kernel ({cpu_kernel.GEMM_REACH})"
         else:
             how += f", decode attention by SDPA ({self.kernel_reason})"
         attn, mlps = self.forward.fused_layers

@@ -2,10 +2,10 @@
 
 One model's linear shapes (every layer's Q/K/V/O projections and MLP, random float32 weights;
 the LM head left out) at each row count: oneDNN on its prepacked weights (`PackedLinear` without
-the GEMM) against the small-batch GEMM on its panels, called at every row count, also past the
-`SMALL_ROWS` where `PackedLinear` hands products back to oneDNN where that is set (to check where
-the cut belongs, or that the GEMM wins everywhere, on this host). The two take turns for `--rounds` rounds; each prints its best time per pass over all
-layers.
+the GEMM) against the GEMM on its panels, called at every row count, also past `SMALL_ROWS` where
+that is set and `PackedLinear` hands the larger products to oneDNN (to check where the cut belongs
+on this host, or that the GEMM wins everywhere). The two take turns for `--rounds` rounds; each
+prints its best time per pass over all layers.
 
     python -m scripts.bench_linears [--model DIR] [--rows 1,4,16,64,256,512,1024] [--threads 2]
                                     [--rounds 5] [--json]
@@ -76,8 +76,7 @@ def main() -> None:
         print(json.dumps(report, indent=1))
         return
     print(f"{report['model']}: {len(shapes)} linears ({report['layers']} layers), {args.threads} thread(s); "
-          + ("the engine uses the GEMM for every product" if cpu_kernel.SMALL_ROWS is None
-             else f"the engine uses the GEMM up to {cpu_kernel.SMALL_ROWS} rows"))
+          f"the engine uses the GEMM for {cpu_kernel.GEMM_REACH}")
     print(f"{'rows':>6}{'onednn ms':>12}{'GEMM ms':>10}{'ratio':>8}")
     for rows, best in results.items():
         print(f"{rows:>6}{1e3 * best['onednn']:>12.1f}{1e3 * best['small_gemm']:>10.1f}"

@@ -127,14 +127,13 @@ def test_the_small_gemm_gives_a_row_the_same_bits_in_any_batch():
     for rows in range(2, len(x) + 1):
         assert torch.equal(KERNELS.gemm(x[:rows], panels, None, 40), alone[:rows]), f"{rows} rows"
 
+
 @needs_kernel
 def test_an_engine_with_the_kernels_runs_few_row_linears_on_them(llama_dir):
     runner = ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16))
     assert dense.small_gemm_layers(runner.model) == sum(1 for m in runner.model.modules() if isinstance(m, dense.PackedLinear))
     assert dense.small_gemm_layers(runner.model) > 0
-    said = (", linears by the CPU kernel" if cpu_kernel.SMALL_ROWS is None
-            else f", linears on up to {cpu_kernel.SMALL_ROWS} rows by the CPU kernel")
-    assert said in runner.describe()
+    assert f", linears by the CPU kernel ({cpu_kernel.GEMM_REACH})" in runner.describe()
     packed = [m for m in runner.model.modules() if isinstance(m, dense.PackedLinear)]
     assert all((m.packed is None) == (cpu_kernel.SMALL_ROWS is None) for m in packed)  # oneDNN's copy only with a cut
     off = ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16, cpu_kernels="off"))

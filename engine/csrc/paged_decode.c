@@ -5,8 +5,8 @@ head read each key and value once, in place in its block (no gather, no padding,
 three passes: scores (q.k * scale, soft-capped when asked), a max-subtracted exp, and the
 probability-weighted sum of values (four keys at a time, so each running sum is loaded and stored
 once per four keys; 25% faster with the pool in cache, a few percent when it streams from memory).
-Each pass prefetches the key (value) a few positions ahead,
-which may sit in another block anywhere in the pool. Float32 throughout; bfloat16 pools are widened on load.
+Each pass prefetches the key (value) a few positions ahead, which may sit in another block
+anywhere in the pool. Float32 throughout; bfloat16 pools are widened on load.
 Every pass runs on 8-lane vectors (GCC/Clang vector extensions, so it builds for any target): dot
 products in two sums over the head dimension, the max and a vector exp over the scores, the value
 sum eight lanes at a time; a head dimension that is no multiple of 8 finishes in scalars.
