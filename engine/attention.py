@@ -35,6 +35,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -88,6 +89,7 @@ class StepMetadata:
     prefills: list[PrefillChunk]
     decode_rows: DecodeRows | None = None  # instead of decode_groups, where the kernel runs
     prefill_kernel: cpu_kernel.PrefillKernel | None = None  # attends every prefill chunk, where it runs
+    kernel_step: Any = None  # engine/kernel_layer.py's arguments for this step, built by its first layer
 
 
 _current: list[StepMetadata] = []  # the step being computed (a stack of at most one)

@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine import attention, dense, fused
+from engine import attention, dense, fused, kernel_layer
 
 log = logging.getLogger(__name__)
 
@@ -95,7 +95,8 @@ class Forward:
     """`(input_ids [1, T], positions [1, T], sample_rows [n]) -> logits [1, n, V]`."""
 
     def __init__(self, model: nn.Module, mode: str, device: torch.device, cuda_graphs: bool = False,
-                 prepack: bool = True, graph_buckets: tuple[int, ...] = (), kernels=None, fuse: bool = True):
+                 prepack: bool = True, graph_buckets: tuple[int, ...] = (), kernels=None, fuse: bool = True,
+                 kernel_layers: bool = True):
         self.model = model
         self.decoder = model.get_decoder()
         self.device = device
@@ -107,6 +108,9 @@ class Forward:
         self.silu_mul = kernels.silu_mul if kernels else None  # fused MLPs' activation
         self.fuse = fuse  # fused q|k|v and gate|up layers where linears are packed (engine/fused.py)
         self.fused_layers = (0, 0)  # (attention modules, MLPs) fused
+        # with `fuse`: each decoder layer that is all the kernels' as one call (engine/kernel_layer.py)
+        self.layer_kernel = kernels if kernel_layers else None
+        self.kernel_layers = 0  # decoder layers so swapped
         self.fallback_reason: str | None = None
         self.graphs_reason: str | None = None  # why CUDA graphs were asked for and are not used
         self._compiled = None
@@ -164,6 +168,8 @@ class Forward:
                                                       silu_mul=self.silu_mul, skip=skip)
             dense.pack_linears(self.model, self.device, skip=skip, gemm=self.small_gemm)
             dense.fuse_rms_norms(self.model, self.device, skip=skip, kernel=self.rms_norm if self.fuse else None)
+            if self.fuse and self.layer_kernel is not None and skip is None:
+                self.kernel_layers = kernel_layer.swap_layers(self.model, self.layer_kernel)
 
     def __call__(self, input_ids, positions, sample_rows, decode_only: bool = False):
         """`decode_only`: the step has one token per row and no prefill, so it may be padded to a

@@ -32,6 +32,8 @@ class EngineConfig:
     prepack_linears: bool = True  # oneDNN-prepacked linear weights on CPU (engine/dense.py); off = to compare
     # with prepacked linears: fused q|k|v + rotary, gate|up + SiLU (engine/fused.py) and the norm kernel; off = to compare
     fuse_layers: bool = True
+    # with fused layers and the CPU kernels: each decoder layer one kernel call (engine/kernel_layer.py); off = to compare
+    kernel_layers: bool = True
 
     def __post_init__(self) -> None:
         checks = {

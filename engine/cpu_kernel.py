@@ -12,7 +12,9 @@
   (engine/fused.py);
 - RMSNorm (rms_norm.c): one call per norm, bit for bit torch's `F.rms_norm` (engine/dense.py);
 - SiLU times up (silu_mul.c): a gated MLP's activation on its fused gate|up projection, bit for
-  bit torch's on an AVX2 + FMA host (engine/fused.py).
+  bit torch's on an AVX2 + FMA host (engine/fused.py);
+- a whole decoder layer (layer.c): the kernels above called in a Llama layer's order from C, one
+  call per layer, and the new tokens' K/V written to their slots (engine/kernel_layer.py).
 
 Plain C with OpenMP, compiled together by the host's C compiler (`cc`, or `$CC`) with `-O3
 -march=native` into `$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`), named by a hash
@@ -218,6 +220,23 @@ class SiluMul:
         return out
 
 
+class LayerKernel:
+    """`pd_layer_forward`: one decoder layer; its arguments are engine/kernel_layer.py's structures."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.pd_layer_forward
+        self._fn.restype = _INT
+        self._fn.argtypes = [_PTR, _PTR, _PTR, _PTR]
+
+    def __call__(self, layer: ctypes.Structure, step: ctypes.Structure, x: torch.Tensor, out: torch.Tensor) -> None:
+        """x `[T, hidden]` float32, contiguous; out likewise, written (may be x)."""
+        rc = self._fn(ctypes.addressof(layer), ctypes.addressof(step), x.data_ptr(), out.data_ptr())
+        if rc == -2:
+            raise MemoryError(f"a decoder layer's attention could not allocate its buffers for {x.shape[0]} tokens")
+        if rc != 0:
+            raise RuntimeError(f"pd_layer_forward failed ({rc})")
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     decode: DecodeKernel
@@ -226,6 +245,7 @@ class Kernels:
     rope: Rope
     rms_norm: RmsNorm
     silu_mul: SiluMul
+    layer: LayerKernel
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -295,7 +315,8 @@ def _load() -> Kernels:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
-    return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib), Rope(lib), RmsNorm(lib), SiluMul(lib))
+    return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib), Rope(lib), RmsNorm(lib), SiluMul(lib),
+                   LayerKernel(lib))
 
 
 def load() -> tuple[Kernels | None, str]:

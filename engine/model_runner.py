@@ -92,7 +92,7 @@ class ModelRunner:
                                    self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
         self.forward = compiled.Forward(self.model, config.compile, self.device, config.cuda_graphs,
                                         prepack=config.prepack_linears, kernels=dense_kernels,
-                                        fuse=config.fuse_layers,
+                                        fuse=config.fuse_layers, kernel_layers=config.kernel_layers,
                                         graph_buckets=compiled.graph_buckets(config.max_num_seqs))
         self.forward.warm_up(self.fresh_prompt_metadata)
 
@@ -122,6 +122,8 @@ class ModelRunner:
         if attn or mlps:
             rotary = "by the CPU kernel" if self.forward.rope is not None else "by torch"
             how += f", {attn} attention modules on one q|k|v linear (rotary {rotary}) and {mlps} MLPs on one gate|up"
+        if self.forward.kernel_layers:
+            how += f", {self.forward.kernel_layers} decoder layers as one kernel call each"
         return f"{self.hf_config.model_type} in {dtype} on {self.device}, {how}"
 
     def _cpu_kernels(self) -> tuple[cpu_kernel.Kernels | None, str]:

@@ -6,8 +6,10 @@ One process holds one `LLMEngine` per variant on the same checkpoint:
   over gathered blocks (`engine.cpu_kernels: off`);
 - `unfused`: eager, prepacked linears and the attention and GEMM kernels, every projection on its
   own, norms by `F.rms_norm` (`fuse_layers` off: no fused layers, no rotary, SiLU or norm kernel);
-- `packed`: eager, prepacked linears, the CPU kernels and fused layers (the default on CPU:
-  engine/cpu_kernel.py, engine/fused.py);
+- `modules`: eager, prepacked linears, the CPU kernels and fused layers, each decoder layer still
+  its modules (`kernel_layers` off: engine/cpu_kernel.py, engine/fused.py);
+- `packed`: all of that with each decoder layer one kernel call (the default on CPU:
+  engine/kernel_layer.py);
 - `compiled`: `engine.compile: on` (inductor around the opaque paged-attention op), with `--compile`;
 - `bfloat16`: the packed eager path in bfloat16, with `--bf16`.
 Each variant is brought to the same state (every request decoding at `--context` tokens, or one
@@ -19,7 +21,8 @@ graphs the compiled variant built after its warm-up (it must be 0). It runs with
 CPU worker would (`--malloc`: tcmalloc preloaded where the host has it, by restarting itself).
 
     python -m scripts.bench_step [--model DIR] [--batches 1,4,16,64] [--context 256] [--prefill 512]
-                                 [--threads 2] [--compile] [--bf16] [--malloc auto|system] [--json]
+                                 [--threads 2] [--compile] [--bf16] [--variants modules,packed]
+                                 [--malloc auto|system] [--json]
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ VARIANTS = {  # name -> EngineConfig overrides
     "plain": {"compile": "off", "prepack_linears": False, "dtype": "float32"},
     "sdpa": {"compile": "off", "dtype": "float32", "cpu_kernels": "off"},
     "unfused": {"compile": "off", "dtype": "float32", "fuse_layers": False},
+    "modules": {"compile": "off", "dtype": "float32", "kernel_layers": False},
     "packed": {"compile": "off", "dtype": "float32"},
     "compiled": {"compile": "on", "dtype": "float32"},
     "bfloat16": {"compile": "off", "dtype": "bfloat16"},
@@ -120,6 +124,8 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="add the compiled variant (minutes to compile on CPU)")
     p.add_argument("--bf16", action="store_true", help="add the bfloat16 variant")
     p.add_argument("--no-floor", action="store_true", help="skip measuring this host's bandwidth and FLOP/s")
+    p.add_argument("--variants", default="", help="comma-separated variants to run instead of the default set "
+                   "(the first is the others' baseline)")
     p.add_argument("--malloc", default="auto", choices=("auto", "system"),
                    help="the allocator, as a worker's `malloc` (auto: tcmalloc where the host has it)")
     p.add_argument("--json", action="store_true")
@@ -127,7 +133,11 @@ def main() -> None:
     malloc.exec_as_worker(args.malloc)
     model = _model(args.model)
     torch.set_num_threads(args.threads)
-    names = ["plain", "sdpa", "unfused", "packed"] + ["compiled"] * args.compile + ["bfloat16"] * args.bf16
+    names = args.variants.split(",") if args.variants else (
+        ["plain", "sdpa", "unfused", "modules", "packed"] + ["compiled"] * args.compile + ["bfloat16"] * args.bf16)
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        p.error(f"unknown variant {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
     host = None if args.no_floor else {**host_measure.reads(args.threads, sweeps=4),
                                        "flops": host_measure.flops(args.threads)}
     cases: dict[str, dict] = {}
@@ -160,12 +170,13 @@ def main() -> None:
 
 def format_report(r: dict) -> str:
     names = r["variants"]
+    base = names[0]  # plain, unless --variants says otherwise
     head = f"{'ms per step':16}" + "".join(f"{n:>11}" for n in names)
-    head += "".join(f"{n + '/plain':>16}" for n in names[1:]) + ("  floor   best/floor" if r["host"] else "")
+    head += "".join(f"{n + '/' + base:>16}" for n in names[1:]) + ("  floor   best/floor" if r["host"] else "")
     lines = [f"{r['model']}, {r['threads']} thread(s), {r['malloc']} malloc, torch {r['torch']}", head]
     for case, row in r["cases"].items():
         line = f"{case:16}" + "".join(f"{1e3 * row[n]:11.1f}" for n in names)
-        line += "".join(f"{row[n] / row['plain']:16.2f}" for n in names[1:])
+        line += "".join(f"{row[n] / row[base]:16.2f}" for n in names[1:])
         if "floor" in row:
             best = min(row[n] for n in names)
             line += f"{1e3 * row['floor']:7.1f}{best / row['floor']:13.2f}"

@@ -1,0 +1,113 @@
+/* A whole Llama-shaped decoder layer in one call, on the CPU, float32 (engine/kernel_layer.py).
+
+The layer an eager step runs as about twenty Python-level calls (modules, torch ops, and one
+ctypes call per kernel) runs here as the same kernels called in the same order on the same
+buffers, so its output is the module path's bit for bit (engine/kernel_layer.py checks that at load,
+layer by layer):
+
+    h = rms_norm(x, norm1)                  pd_rms_norm
+    qkv = h @ [Wq; Wk; Wv]^T (+ bias)       sg_gemm
+    rotary on qkv's q and k heads           pd_rope
+    k, v -> their slots in the pool         pd_kv_write
+    a = attention(q, the pool)              pd_paged_decode (decode rows), pd_paged_prefill (chunks)
+    y = x + a @ Wo^T (+ bias)               sg_gemm, then the sum
+    h = rms_norm(y, norm2)                  pd_rms_norm
+    g = silu(h @ Wgate^T) * (h @ Wup^T)     sg_gemm on the stacked gate|up, pd_silu_mul
+    y = y + g @ Wdown^T                     sg_gemm, then the sum
+
+Each kernel forks its own OpenMP team as it does when Python calls it. The token rows of the step
+are laid out as the runner lays them out: decode rows first, then each prefill chunk's queries. */
+#include <stdint.h>
+#include <string.h>
+
+void pd_rms_norm(const float *x, int64_t x_stride, const float *w, float eps, float *out, int64_t out_stride,
+                 int rows, int n, int threads);
+void sg_gemm(const float *x, int64_t ldx, const float *panels, const float *bias, float *y, int64_t ldy, int m,
+             int n, int k, int threads);
+void pd_rope(float *x, int64_t tok_stride, int heads, int dim, const float *cos, const float *sin,
+             int64_t cs_stride, int tokens, int threads);
+int pd_silu_mul(const float *x, int64_t x_stride, float *out, int64_t out_stride, int rows, int n, int threads);
+int pd_paged_decode(int dtype, const void *q, int64_t q_tok, int64_t q_head, const void *k, const void *v,
+                    int64_t blk_stride, int64_t tok_stride, int64_t head_stride, const int64_t *tables,
+                    int64_t table_stride, const int64_t *lens, void *out, int64_t out_tok, int64_t out_head,
+                    int n, int heads, int kv_heads, int dim, int block_size, float scale, int window,
+                    float softcap, int threads);
+int pd_paged_prefill(int dtype, const void *q, int64_t q_tok, int64_t q_head, const void *k, const void *v,
+                     int64_t blk_stride, int64_t tok_stride, int64_t head_stride, const int64_t *table,
+                     int64_t pos0, int nq, void *out, int64_t out_tok, int64_t out_head, int heads,
+                     int kv_heads, int dim, int block_size, float scale, int window, float softcap,
+                     int threads);
+
+/* One layer's weights and shape (engine/kernel_layer.py's LayerArgs; the field order is shared). */
+typedef struct {
+    const float *norm1, *qkv, *qkv_bias, *o, *o_bias, *norm2, *gate_up, *gate_up_bias, *down, *down_bias;
+    float eps1, eps2, scale, softcap;
+    int64_t layer; /* its index in the pool */
+    int32_t hidden, heads, kv_heads, dim, inter, window;
+} pd_layer;
+
+/* One step: what every layer reads (engine/kernel_layer.py's StepArgs). */
+typedef struct {
+    float *kv;                      /* the pool, [blocks, layers, 2, block_size, kv_heads, dim] */
+    int64_t blk_stride, layer_stride, tok_stride; /* in floats; V sits layer_stride / 2 past K */
+    const int64_t *slot_blocks, *slot_offsets; /* [tokens] where each token's K/V goes */
+    const int64_t *tables, *lens;   /* decode rows: [decodes, table_stride] and [decodes] */
+    int64_t table_stride;
+    const int64_t *chunks;          /* [chunks, 4]: start, end, first position, address of its table */
+    const float *cos, *sin;         /* [tokens, dim] each */
+    float *h, *qkv, *attn, *gu, *act, *tmp; /* scratch, [tokens, ...] */
+    int32_t tokens, decodes, n_chunks, block_size, threads;
+} pd_step;
+
+/* Each of `tokens` rows' K and V (kv_heads * dim floats each, at src + heads_before * dim of its qkv
+   row) into its slot of one layer's pool. */
+void pd_kv_write(const float *qkv, int64_t qkv_stride, int64_t k_at, int64_t v_at, int64_t width, float *k,
+                 float *v, int64_t blk_stride, int64_t tok_stride, const int64_t *blocks, const int64_t *offsets,
+                 int tokens) {
+    for (int t = 0; t < tokens; t++) {
+        int64_t slot = blocks[t] * blk_stride + offsets[t] * tok_stride;
+        memcpy(k + slot, qkv + t * qkv_stride + k_at, sizeof(float) * (size_t)width);
+        memcpy(v + slot, qkv + t * qkv_stride + v_at, sizeof(float) * (size_t)width);
+    }
+}
+
+static void add_rows(const float *a, const float *b, float *out, int64_t n) {
+    for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+}
+
+/* x [tokens, hidden] in, out [tokens, hidden] written (out may be x). Returns 0, or the failing
+   kernel's code: -2 out of memory in attention, -3 pd_silu_mul cannot give torch's bits here. */
+int pd_layer_forward(const pd_layer *L, const pd_step *S, const float *x, float *out) {
+    int T = S->tokens, th = S->threads, hid = L->hidden, dim = L->dim;
+    int q_width = L->heads * dim, kv_width = L->kv_heads * dim, qkv_n = q_width + 2 * kv_width;
+    float *k = S->kv + L->layer * S->layer_stride, *v = k + S->layer_stride / 2;
+
+    pd_rms_norm(x, hid, L->norm1, L->eps1, S->h, hid, T, hid, th);
+    sg_gemm(S->h, hid, L->qkv, L->qkv_bias, S->qkv, qkv_n, T, qkv_n, hid, th);
+    pd_rope(S->qkv, qkv_n, L->heads + L->kv_heads, dim, S->cos, S->sin, dim, T, th);
+    pd_kv_write(S->qkv, qkv_n, q_width, q_width + kv_width, kv_width, k, v, S->blk_stride, S->tok_stride,
+                S->slot_blocks, S->slot_offsets, T);
+    if (S->decodes > 0) {
+        int rc = pd_paged_decode(0, S->qkv, qkv_n, dim, k, v, S->blk_stride, S->tok_stride, dim, S->tables,
+                                 S->table_stride, S->lens, S->attn, q_width, dim, S->decodes, L->heads,
+                                 L->kv_heads, dim, S->block_size, L->scale, L->window, L->softcap, th);
+        if (rc != 0) return rc;
+    }
+    for (int c = 0; c < S->n_chunks; c++) {
+        const int64_t *chunk = S->chunks + 4 * c;
+        int64_t start = chunk[0];
+        int rc = pd_paged_prefill(0, S->qkv + start * qkv_n, qkv_n, dim, k, v, S->blk_stride, S->tok_stride, dim,
+                                  (const int64_t *)(intptr_t)chunk[3], chunk[2], (int)(chunk[1] - start),
+                                  S->attn + start * q_width, q_width, dim, L->heads, L->kv_heads, dim,
+                                  S->block_size, L->scale, L->window, L->softcap, th);
+        if (rc != 0) return rc;
+    }
+    sg_gemm(S->attn, q_width, L->o, L->o_bias, S->tmp, hid, T, hid, q_width, th);
+    add_rows(x, S->tmp, out, (int64_t)T * hid);
+    pd_rms_norm(out, hid, L->norm2, L->eps2, S->h, hid, T, hid, th);
+    sg_gemm(S->h, hid, L->gate_up, L->gate_up_bias, S->gu, 2 * L->inter, T, 2 * L->inter, hid, th);
+    if (pd_silu_mul(S->gu, 2 * L->inter, S->act, L->inter, T, L->inter, th) != 0) return -3;
+    sg_gemm(S->act, L->inter, L->down, L->down_bias, S->tmp, hid, T, hid, L->inter, th);
+    add_rows(out, S->tmp, out, (int64_t)T * hid);
+    return 0;
+}

@@ -1,0 +1,281 @@
+"""Whole decoder layers as one CPU kernel call each (engine/csrc/layer.c), float32 on CPU.
+
+After engine/fused.py and engine/dense.py, a Llama-shaped layer's step is already the CPU kernels'
+work: two norms, four GEMMs, rotary, the attention kernels, SiLU times up. What is left around
+them is Python: about twenty module calls, torch ops and ctypes calls per layer (two residual
+sums, two `index_put_` for the new K/V, views, allocations), 3-4 ms of a 16-row decode step on
+SmolLM2 (docs/engine_speed.md, "One call per layer"). `KernelLayer` makes the layer one ctypes
+call: the same kernels in the same order on the same buffers, so the same bits.
+
+A layer is swapped only where all of it is the kernels' (a `FusedAttention` with the rotary
+kernel, a `FusedMLP` with the SiLU kernel, both norms on the RMSNorm kernel, every linear on the
+GEMM's panels), in a layer class known to be `x + attn(norm1(x))` then `y + mlp(norm2(y))`
+(`LAYER_TYPES`), and where a scratch step through it (decode rows and prefill chunks, written
+into a scratch pool) gives the module path's output and pool bit for bit. A step it does not take
+(its decode rows in SDPA groups, prefill chunks without the prefill kernel, more rows than the
+GEMM takes, a traced forward) runs the module path, unchanged.
+
+`StepArgs` is built once per step, by the first layer, and shared by the others: the pool, the
+new tokens' slots, the decode rows' tables, the prefill chunks, the rotary tables and scratch
+buffers for the step's rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine import attention, cpu_kernel, dense, features, fused
+
+log = logging.getLogger(__name__)
+
+# decoder layers whose forward is exactly residual + attention(norm), residual + mlp(norm)
+LAYER_TYPES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "SmolLM3DecoderLayer"})
+
+_P, _F, _I32, _I64 = ctypes.c_void_p, ctypes.c_float, ctypes.c_int32, ctypes.c_int64
+
+
+class LayerArgs(ctypes.Structure):
+    """engine/csrc/layer.c's `pd_layer`: one layer's weights (the GEMM's panels) and shape."""
+
+    _fields_ = [*((name, _P) for name in ("norm1", "qkv", "qkv_bias", "o", "o_bias", "norm2", "gate_up",
+                                          "gate_up_bias", "down", "down_bias")),
+                *((name, _F) for name in ("eps1", "eps2", "scale", "softcap")),
+                ("layer", _I64),
+                *((name, _I32) for name in ("hidden", "heads", "kv_heads", "dim", "inter", "window"))]
+
+
+class StepArgs(ctypes.Structure):
+    """engine/csrc/layer.c's `pd_step`: what every layer of one step reads."""
+
+    _fields_ = [("kv", _P),
+                *((name, _I64) for name in ("blk_stride", "layer_stride", "tok_stride")),
+                *((name, _P) for name in ("slot_blocks", "slot_offsets", "tables", "lens")),
+                ("table_stride", _I64),
+                *((name, _P) for name in ("chunks", "cos", "sin", "h", "qkv", "attn", "gu", "act", "tmp")),
+                *((name, _I32) for name in ("tokens", "decodes", "n_chunks", "block_size", "threads"))]
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    dim: int
+    inter: int
+
+
+@dataclass
+class Step:
+    """A step's `StepArgs` and the tensors its addresses point into (kept alive with it)."""
+
+    args: StepArgs
+    cos: torch.Tensor  # the rotary tables it was built for: a new forward brings new ones
+    keep: tuple
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def _build_step(meta: attention.StepMetadata, shape: Shape, cos: torch.Tensor, sin: torch.Tensor) -> Step:
+    tokens = cos.shape[0]
+    kv = meta.kv
+    widths = (shape.hidden, (shape.heads + 2 * shape.kv_heads) * shape.dim, shape.heads * shape.dim,
+              2 * shape.inter, shape.inter, shape.hidden)
+    scratch = torch.empty(tokens * sum(widths), dtype=torch.float32)
+    buffers, at = [], 0
+    for width in widths:
+        buffers.append(scratch[at:at + tokens * width].data_ptr())
+        at += tokens * width
+    chunks = torch.tensor([[c.start, c.end, c.first_pos, c.table.data_ptr()] for c in meta.prefills],
+                          dtype=torch.int64).reshape(-1, 4)
+    rows = meta.decode_rows
+    args = StepArgs(kv.data_ptr(), kv.stride(0), kv.stride(1), kv.stride(3),
+                    meta.slot_blocks.data_ptr(), meta.slot_offsets.data_ptr(),
+                    _ptr(rows.tables) if rows else None, _ptr(rows.lens) if rows else None,
+                    rows.tables.stride(0) if rows else 0, chunks.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                    *buffers, tokens, rows.lens.shape[0] if rows else 0, len(meta.prefills), kv.shape[3],
+                    torch.get_num_threads())
+    return Step(args, cos, (scratch, chunks, cos, sin, [c.table for c in meta.prefills]))
+
+
+def _kernels_take(meta: attention.StepMetadata, tokens: int) -> bool:
+    """Whether every attention of this step goes through the CPU kernels, on an unpadded float32 pool."""
+    rows = meta.decode_rows
+    return (not meta.decode_groups and (not meta.prefills or meta.prefill_kernel is not None)
+            and meta.slot_blocks.shape[0] == tokens and meta.kv.dtype == torch.float32
+            and meta.kv.device.type == "cpu" and meta.kv.is_contiguous()
+            and all(c.table is not None and c.table.dtype == torch.int64 and c.table.is_contiguous()
+                    and c.table.shape[0] * meta.kv.shape[3] >= c.end - c.start + c.first_pos for c in meta.prefills)
+            and (rows is None or (rows.tables.dtype == rows.lens.dtype == torch.int64 and rows.tables.stride(1) == 1
+                                  and rows.lens.is_contiguous())))
+
+
+class KernelLayer:
+    """A decoder layer's forward (set on the module as its `forward`): one `pd_layer_forward` call
+    where the step allows, the module's own forward otherwise. The module keeps its children, so
+    everything that walks the model sees the layer it was."""
+
+    def __init__(self, layer: nn.Module, args: LayerArgs, shape: Shape, kernel: cpu_kernel.LayerKernel,
+                 max_rows: int | None):
+        self.module_forward = layer.forward  # the module path; the module holds what args points into
+        self.args, self.shape, self.kernel = args, shape, kernel
+        self.max_rows = max_rows  # the GEMM's cut (None: every product)
+
+    def __call__(self, hidden_states: torch.Tensor, *args, position_embeddings=None, **kwargs) -> torch.Tensor:
+        step = self._step(hidden_states, position_embeddings)
+        if step is None:
+            return self.module_forward(hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
+        out = torch.empty_like(hidden_states)
+        self.kernel(self.args, step.args, hidden_states, out)
+        return out
+
+    def _step(self, x: torch.Tensor, position_embeddings) -> Step | None:
+        if (torch.compiler.is_compiling() or not attention._current or features.active_probe() is not None
+                or position_embeddings is None):
+            return None
+        tokens = x.shape[1] if x.dim() == 3 and x.shape[0] == 1 else -1
+        cos, sin = position_embeddings
+        if (tokens < 1 or (self.max_rows is not None and tokens > self.max_rows) or x.dtype != torch.float32
+                or x.device.type != "cpu" or not x.is_contiguous() or x.shape[2] != self.shape.hidden
+                or cos.shape != (1, tokens, self.shape.dim) or sin.shape != cos.shape
+                or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous())):
+            return None
+        meta = attention._current[-1]
+        step = meta.kernel_step
+        if step is None or step.cos is not cos:  # the first layer of this forward builds it
+            if not _kernels_take(meta, tokens):
+                return None
+            step = meta.kernel_step = _build_step(meta, self.shape, cos[0], sin[0])
+        return step
+
+
+def _gemm_only(linears: list[nn.Module]) -> tuple[bool, int | None]:
+    """Whether each linear is on the GEMM's panels, and the most rows all of them take there."""
+    if not all(isinstance(m, dense.PackedLinear) and m.gemm is not None and m.panels is not None
+               and (m.bias is None or m.bias.is_contiguous()) for m in linears):
+        return False, None
+    cuts = {m.small_rows if m.packed is not None else None for m in linears}
+    return len(cuts) == 1, cuts.pop()
+
+
+def layer_args(layer: nn.Module) -> tuple[LayerArgs, Shape, int | None] | None:
+    """The kernel's arguments for `layer`, or None where the layer is not all the kernels'."""
+    if type(layer).__name__ not in LAYER_TYPES or {n for n, _ in layer.named_children()} != {
+            "self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}:
+        return None
+    attn, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+    if not (isinstance(attn, fused.FusedAttention) and attn.rope is not None and isinstance(mlp, fused.FusedMLP)
+            and mlp.silu_mul is not None and all(isinstance(n, dense.FusedRMSNorm) and n.kernel is not None
+                                                 and n.weight.dtype == torch.float32 and n.weight.is_contiguous()
+                                                 for n in (norm1, norm2))):
+        return None
+    linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
+    gemm_only, max_rows = _gemm_only(linears)
+    if not gemm_only:
+        return None
+    shape = Shape(norm1.normalized_shape[0], attn.heads, attn.kv_heads, attn.head_dim, mlp.intermediate)
+    scaling = attn.call.get("scaling")
+    args = LayerArgs(norm1.weight.data_ptr(), attn.qkv_proj.panels.data_ptr(), _ptr(attn.qkv_proj.bias),
+                     attn.o_proj.panels.data_ptr(), _ptr(attn.o_proj.bias), norm2.weight.data_ptr(),
+                     mlp.gate_up_proj.panels.data_ptr(), _ptr(mlp.gate_up_proj.bias), mlp.down_proj.panels.data_ptr(),
+                     _ptr(mlp.down_proj.bias), norm1.eps, norm2.eps,
+                     float(scaling) if scaling is not None else attn.head_dim ** -0.5,
+                     float(attn.call.get("softcap") or 0.0), attn.layer_idx, shape.hidden, shape.heads,
+                     shape.kv_heads, shape.dim, shape.inter, int(attn.call.get("sliding_window") or 0))
+    return args, shape, max_rows
+
+
+def _probe_step(kernels: cpu_kernel.Kernels, shape: Shape, layers: int, tokens_of: list[tuple[int, int]],
+                generator: torch.Generator) -> attention.StepMetadata:
+    """A step over a scratch pool of random keys: for each (first position, queries) of `tokens_of`,
+    one query is a decode row and more are a prefill chunk (decode rows first, as the runner orders them)."""
+    block_size, blocks = 4, 64
+    kv = torch.randn(blocks, layers, 2, block_size, shape.kv_heads, shape.dim, generator=generator)
+    free = torch.randperm(blocks, generator=generator).tolist()
+    decodes = [(p, q) for p, q in tokens_of if q == 1]
+    chunks = [(p, q) for p, q in tokens_of if q > 1]
+    width = max(-(-(p + q) // block_size) for p, q in tokens_of)
+    slot_blocks, slot_offsets, tables, prefills = [], [], [], []
+    row = 0
+    for first, queries in decodes + chunks:
+        table = [free.pop() for _ in range(-(-(first + queries) // block_size))]
+        for pos in range(first, first + queries):
+            slot_blocks.append(table[pos // block_size])
+            slot_offsets.append(pos % block_size)
+        if queries == 1:
+            tables.append(table + [0] * (width - len(table)))
+        else:
+            prefills.append(attention.PrefillChunk(row, row + queries, None, None, table=torch.tensor(table),
+                                                   first_pos=first))
+        row += queries
+    rows = attention.DecodeRows(kernels.decode, torch.tensor(tables).reshape(len(decodes), width),
+                                torch.tensor([p + 1 for p, _ in decodes], dtype=torch.int64)) if decodes else None
+    return attention.StepMetadata(kv, torch.tensor(slot_blocks), torch.tensor(slot_offsets), [], prefills,
+                                  decode_rows=rows, prefill_kernel=kernels.prefill)
+
+
+# scratch steps a swapped layer must match: decode rows alone; decode rows with a fresh prompt and
+# a chunk after cached context
+PROBE_STEPS = ([(8, 1)], [(0, 1), (5, 1), (12, 1), (0, 3), (5, 7)])
+
+
+@torch.inference_mode()
+def _same_as_module(layer: nn.Module, candidate: KernelLayer, kernels: cpu_kernel.Kernels) -> bool:
+    """The layer's module forward and one kernel call, on each scratch step: same output, same pool."""
+    generator = torch.Generator().manual_seed(0)
+    shape = candidate.shape
+    for tokens_of in PROBE_STEPS:
+        tokens = sum(q for _, q in tokens_of)
+        if candidate.max_rows is not None and tokens > candidate.max_rows:
+            continue
+        meta = _probe_step(kernels, shape, int(candidate.args.layer) + 1, tokens_of, generator)
+        x = torch.randn(1, tokens, shape.hidden, generator=generator)
+        angles = torch.rand(1, tokens, shape.dim // 2, generator=generator) * 100.0
+        angles = torch.cat((angles, angles), dim=-1)
+        position_embeddings = (angles.cos(), angles.sin())
+        outs, pools = [], []
+        for module in (layer, candidate):
+            run = attention.StepMetadata(meta.kv.clone(), meta.slot_blocks, meta.slot_offsets, [], meta.prefills,
+                                         decode_rows=meta.decode_rows, prefill_kernel=meta.prefill_kernel)
+            with attention.step_context(run):
+                outs.append(module(x, attention_mask=None, position_embeddings=position_embeddings))
+            pools.append(run.kv)
+        if run.kernel_step is None:  # the kernel did not take the step it must take
+            return False
+        if not (torch.equal(outs[0], outs[1]) and torch.equal(pools[0], pools[1])):
+            return False
+    return True
+
+
+def swap_layers(model: nn.Module, kernels: cpu_kernel.Kernels) -> int:
+    """Give each decoder layer of `model` that is all the kernels' and whose one call gives its
+    module's outputs bit for bit on the scratch steps a `KernelLayer` as its forward; returns how many."""
+    layers = getattr(model.get_decoder(), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        return 0
+    swapped = 0
+    for i, layer in enumerate(layers):
+        found = layer_args(layer)
+        if found is None:
+            continue
+        if isinstance(layer.forward, KernelLayer):
+            swapped += 1
+            continue
+        candidate = KernelLayer(layer, *found[:2], kernels.layer, found[2])
+        try:
+            same = _same_as_module(layer, candidate, kernels)
+        except Exception as exc:  # noqa: BLE001 - a layer the check cannot run is served as it is
+            log.info("decoder layer %d stays a module: its check failed (%s: %s)", i, type(exc).__name__, exc)
+            continue
+        if not same:
+            log.info("decoder layer %d stays a module: one call does not give its outputs bit for bit", i)
+            continue
+        layer.forward = candidate
+        swapped += 1
+    return swapped

@@ -1,0 +1,158 @@
+"""Whole decoder layers as one CPU kernel call (engine/kernel_layer.py, engine/csrc/layer.c).
+
+A layer gets the one-call forward only where all of it is the kernels' and the call gives its
+module's output and pool bit for bit (a layer that differs stays a module, with a log line); a
+step the call does not take runs the module; and engines with and without it give transformers'
+greedy tokens, the call taking every step it can."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import random
+
+import pytest
+import torch
+
+from engine import attention, cpu_kernel, kernel_layer
+from engine.config import EngineConfig
+from engine.llm_engine import LLMEngine
+from scripts.device_check import staggered_tokens
+from tests.reference import hf_greedy
+
+
+def _kernels() -> cpu_kernel.Kernels:
+    kernels, why = cpu_kernel.load()
+    if kernels is None:
+        pytest.skip(f"no CPU kernels here: {why}")
+    return kernels
+
+
+def _silu_kernel_here() -> bool:
+    try:
+        _kernels().silu_mul(torch.zeros(1, 16))
+        return True
+    except cpu_kernel.KernelUnavailable:
+        return False
+
+
+@pytest.fixture
+def needs_layers():
+    if not _silu_kernel_here():
+        pytest.skip("no AVX2 + FMA: the SiLU kernel defers to torch, so no layer is all the kernels'")
+
+
+class Counting:
+    """Counts the calls the layer kernel takes."""
+
+    def __init__(self, kernel):
+        self.kernel, self.calls = kernel, 0
+
+    def __call__(self, *args):
+        self.calls += 1
+        return self.kernel(*args)
+
+
+def _engine(path: str, **overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_path=path, dtype="float32", num_blocks=256, chunk_size=16, **overrides))
+
+
+def test_engines_with_and_without_one_call_per_layer_give_transformers_greedy_tokens(llama_dir, needs_layers):
+    rng = random.Random(11)
+    prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(1, 90))] for _ in range(6)]
+    want = [hf_greedy(llama_dir, p, 10, ignore_eos=True) for p in prompts]
+    for on in (True, False):
+        engine = _engine(llama_dir, kernel_layers=on)
+        layers = engine.runner.model.model.layers
+        assert engine.runner.forward.kernel_layers == (len(layers) if on else 0)
+        calls = []
+        for layer in layers:
+            assert isinstance(layer.forward, kernel_layer.KernelLayer) == on
+            if on:
+                layer.forward.kernel = Counting(layer.forward.kernel)
+                calls.append(layer.forward.kernel)
+        assert ("decoder layers as one kernel call each" in engine.runner.describe()) == on
+        assert staggered_tokens(engine, prompts, 10) == want, on
+        assert engine.allocator.num_used == 0
+        if on:  # every step (mixed decode rows, fresh prompts and chunks) went through the one call
+            assert len({c.calls for c in calls}) == 1 and calls[0].calls >= 10 + len(prompts)
+
+
+@pytest.mark.parametrize("family, swapped", [("mistral", True), ("qwen2", True), ("smollm3", True),
+                                             ("qwen3", False), ("gemma2", False), ("granite", False)])
+def test_only_layers_that_are_all_the_kernels_are_one_call(family_dir, family, swapped, needs_layers):
+    """Mistral's and Qwen2's windowed layers take the call with their window; SmolLM3's NoPE layers
+    (attention left unfused) stay modules; Qwen3's q/k norms, Gemma's norms and Granite's
+    multipliers keep every layer a module. The families' tokens are checked in test_families.py."""
+    engine = _engine(family_dir(family))
+    layers = engine.runner.model.model.layers
+    one_call = [isinstance(layer.forward, kernel_layer.KernelLayer) for layer in layers]
+    if family == "smollm3":
+        assert one_call == [bool(rope) for rope in engine.runner.hf_config.no_rope_layers]
+    else:
+        assert one_call == [swapped] * len(layers)
+    assert engine.runner.forward.kernel_layers == sum(one_call)
+
+
+def _fused_engine(path: str) -> LLMEngine:
+    return _engine(path, kernel_layers=False)  # fused modules, no one-call forward yet
+
+
+def test_a_layer_whose_one_call_differs_stays_a_module(llama_dir, monkeypatch, caplog, needs_layers):
+    engine = _fused_engine(llama_dir)
+    model = engine.runner.model
+    real = kernel_layer.layer_args
+
+    def off_by_eps(layer):  # layer 1's arguments name a different epsilon than its norm's
+        args, shape, max_rows = real(layer)
+        if layer.self_attn.layer_idx == 1:
+            args.eps1 *= 2
+        return args, shape, max_rows
+
+    monkeypatch.setattr(kernel_layer, "layer_args", off_by_eps)
+    with caplog.at_level(logging.INFO, logger="engine.kernel_layer"):
+        assert kernel_layer.swap_layers(model, _kernels()) == len(model.model.layers) - 1
+    assert not isinstance(model.model.layers[1].forward, kernel_layer.KernelLayer)
+    assert isinstance(model.model.layers[0].forward, kernel_layer.KernelLayer)
+    assert "decoder layer 1 stays a module: one call does not give its outputs bit for bit" in caplog.text
+
+
+def _run(module, meta: attention.StepMetadata, x, position_embeddings):
+    run = dataclasses.replace(meta, kv=meta.kv.clone(), kernel_step=None)
+    with attention.step_context(run):
+        out = module(x, attention_mask=None, position_embeddings=position_embeddings)
+    return out, run
+
+
+def test_a_step_with_more_rows_than_the_gemm_takes_runs_the_module(llama_dir, needs_layers):
+    """Where oneDNN takes products past the GEMM's cut (`SMALL_ROWS`, hosts with AVX-512), a step
+    of more rows runs the layer's modules: same output, same pool, no one-call step built."""
+    engine = _fused_engine(llama_dir)
+    layer = engine.runner.model.model.layers[0]
+    found = kernel_layer.layer_args(layer)
+    assert found is not None
+    kernels = _kernels()
+    candidate = kernel_layer.KernelLayer(layer, *found[:2], kernels.layer, max_rows=4)
+    shape = candidate.shape
+    g = torch.Generator().manual_seed(3)
+    tokens_of = kernel_layer.PROBE_STEPS[1]
+    tokens = sum(q for _, q in tokens_of)
+    meta = kernel_layer._probe_step(kernels, shape, 1, tokens_of, g)
+    x = torch.randn(1, tokens, shape.hidden, generator=g)
+    angles = torch.rand(1, tokens, shape.dim, generator=g)
+    position_embeddings = (angles.cos(), angles.sin())
+    assert candidate._step(x, position_embeddings) is None  # outside a step, too
+    want, want_run = _run(layer, meta, x, position_embeddings)
+    got, got_run = _run(candidate, meta, x, position_embeddings)
+    assert got_run.kernel_step is None
+    assert torch.equal(got, want) and torch.equal(got_run.kv, want_run.kv)
+
+
+@pytest.mark.parametrize("code, error", [(-2, "could not allocate its buffers for 3 tokens"),
+                                         (-3, r"pd_layer_forward failed \(-3\)")])
+def test_a_failing_layer_call_raises_what_failed(code, error):
+    failing = cpu_kernel.LayerKernel.__new__(cpu_kernel.LayerKernel)
+    failing._fn = lambda *args: code
+    x = torch.zeros(3, 8)
+    with pytest.raises(MemoryError if code == -2 else RuntimeError, match=error):
+        failing(kernel_layer.LayerArgs(), kernel_layer.StepArgs(), x, x)
