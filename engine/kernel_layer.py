@@ -74,7 +74,7 @@ class Step:
     """A step's `StepArgs` and the tensors its addresses point into (kept alive with it)."""
 
     args: StepArgs
-    cos: torch.Tensor  # the rotary tables it was built for: a new forward brings new ones
+    cos: torch.Tensor  # the rotary table it was built for: each forward hands its layers a new one
     keep: tuple
 
 
@@ -83,7 +83,8 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _build_step(meta: attention.StepMetadata, shape: Shape, cos: torch.Tensor, sin: torch.Tensor) -> Step:
-    tokens = cos.shape[0]
+    """cos/sin `[1, T, dim]`: the rotary tables this forward hands every layer."""
+    tokens = cos.shape[1]
     kv = meta.kv
     widths = (shape.hidden, (shape.heads + 2 * shape.kv_heads) * shape.dim, shape.heads * shape.dim,
               2 * shape.inter, shape.inter, shape.hidden)
@@ -151,7 +152,7 @@ class KernelLayer:
         if step is None or step.cos is not cos:  # the first layer of this forward builds it
             if not _kernels_take(meta, tokens):
                 return None
-            step = meta.kernel_step = _build_step(meta, self.shape, cos[0], sin[0])
+            step = meta.kernel_step = _build_step(meta, self.shape, cos, sin)
         return step
 
 

@@ -57,12 +57,17 @@ def _engine(path: str, **overrides) -> LLMEngine:
     return LLMEngine(EngineConfig(model_path=path, dtype="float32", num_blocks=256, chunk_size=16, **overrides))
 
 
-def test_engines_with_and_without_one_call_per_layer_give_transformers_greedy_tokens(llama_dir, needs_layers):
+def test_engines_with_and_without_one_call_per_layer_give_transformers_greedy_tokens(llama_dir, needs_layers,
+                                                                                      monkeypatch):
     rng = random.Random(11)
     prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(1, 90))] for _ in range(6)]
     want = [hf_greedy(llama_dir, p, 10, ignore_eos=True) for p in prompts]
+    builds = []
+    real_build = kernel_layer._build_step
+    monkeypatch.setattr(kernel_layer, "_build_step", lambda *a: builds.append(1) or real_build(*a))
     for on in (True, False):
         engine = _engine(llama_dir, kernel_layers=on)
+        builds.clear()
         layers = engine.runner.model.model.layers
         assert engine.runner.forward.kernel_layers == (len(layers) if on else 0)
         calls = []
@@ -76,6 +81,7 @@ def test_engines_with_and_without_one_call_per_layer_give_transformers_greedy_to
         assert engine.allocator.num_used == 0
         if on:  # every step (mixed decode rows, fresh prompts and chunks) went through the one call
             assert len({c.calls for c in calls}) == 1 and calls[0].calls >= 10 + len(prompts)
+            assert len(builds) == calls[0].calls  # one step's arguments, built by its first layer, serve all
 
 
 @pytest.mark.parametrize("family, swapped", [("mistral", True), ("qwen2", True), ("smollm3", True),
