@@ -223,10 +223,17 @@ class SiluMul:
 class LayerKernel:
     """`pd_layer_forward`: one decoder layer; its arguments are engine/kernel_layer.py's structures."""
 
+    KINDS = ("small ops", "gemm", "decode attention", "prefill attention")  # layer.c's LAYER_* order
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.pd_layer_forward
         self._fn.restype = _INT
         self._fn.argtypes = [_PTR, _PTR, _PTR, _PTR]
+        self._seconds = (ctypes.c_double * len(self.KINDS)).in_dll(lib, "pd_layer_seconds")
+
+    def seconds(self) -> dict[str, float]:
+        """Wall seconds every call so far spent on each kind of work (`KINDS`), summed over the process."""
+        return dict(zip(self.KINDS, self._seconds, strict=True))
 
     def __call__(self, layer: ctypes.Structure, step: ctypes.Structure, x: torch.Tensor, out: torch.Tensor) -> None:
         """x `[T, hidden]` float32, contiguous; out likewise, written (may be x)."""

@@ -12,6 +12,10 @@ runs `--steps` steps under torch.profiler and, separately, timed. The table spli
 - KV gather: index_select of whole blocks for attention
 - KV write: index_put_ of the new tokens' K/V into the pool
 - elementwise: norms, rotary, activations, residual adds
+A decoder layer run as one kernel call (engine/kernel_layer.py) is one opaque call to the profiler:
+its GEMMs, its attention (the K/V writes included) and its small ops come from the kernel's own
+clock (`pd_layer_seconds`, read around the timed steps) into dense matmul, attention (kernel) and
+elementwise.
 - copy + alloc: copies, casts, empty tensors, cat
 - other ops: every other aten op
 - python (forward): the model forward's wall time not spent in any op (module calls, hooks, glue)
@@ -141,16 +145,22 @@ def profile_case(engine: LLMEngine, steps: int) -> dict[str, float]:
         for _ in range(steps):
             engine.step()
     ops = _op_seconds(prof)
+    kernels, _ = cpu_kernel.load()
+    before = kernels.layer.seconds() if kernels else {}
     with Regions(engine) as regions:
         t0 = time.perf_counter()
         for _ in range(steps):
             engine.step()
         wall = time.perf_counter() - t0
+    layers = {kind: s - before[kind] for kind, s in kernels.layer.seconds().items()} if kernels else {}
     r = regions.seconds
     op_total = sum(ops.values())
     scale = r["forward"] / op_total if op_total > r["forward"] else 1.0  # profiler overhead inflates op times
     row = {cat: ops.get(cat, 0.0) * scale for cat in ROWS if cat not in
            ("schedule + prepare", "python (forward)", "sampler", "bookkeeping")}
+    for kind, cat in (("gemm", "dense matmul"), ("decode attention", "attention (kernel)"),
+                      ("prefill attention", "attention (kernel)"), ("small ops", "elementwise")):
+        row[cat] += layers.get(kind, 0.0)
     row["schedule + prepare"] = r["schedule"] + r["prepare"]
     row["python (forward)"] = max(0.0, r["forward"] - sum(row[c] for c in row if c != "schedule + prepare"))
     row["sampler"] = r["sampler"]

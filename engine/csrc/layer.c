@@ -16,12 +16,27 @@ layer by layer):
     y = y + g @ Wdown^T                     sg_gemm, then the sum
 
 Each kernel forks its own OpenMP team as it does when Python calls it. The token rows of the step
-are laid out as the runner lays them out: decode rows first, then each prefill chunk's queries. */
+are laid out as the runner lays them out: decode rows first, then each prefill chunk's queries.
+
+`pd_layer_seconds` adds up the wall time of each kind of work across calls (a profiler sees one
+opaque call; scripts/profile_step.py reads these): LAYER_SMALL the norms, rotary, activation and
+residual sums, LAYER_GEMM the four products, LAYER_DECODE the K/V writes and decode attention,
+LAYER_PREFILL the prefill chunks' attention. Two clock reads per kernel, about 10 us a step. */
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
-double pd_phase[8];
-static double now_s(void) { struct timespec t; clock_gettime(CLOCK_MONOTONIC, &t); return t.tv_sec + 1e-9 * t.tv_nsec; }
+
+enum { LAYER_SMALL, LAYER_GEMM, LAYER_DECODE, LAYER_PREFILL, LAYER_KINDS };
+double pd_layer_seconds[LAYER_KINDS];
+
+static double now_s(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* the time since the last mark, to `kind` */
+#define MARK(kind) (t1 = now_s(), pd_layer_seconds[kind] += t1 - t0, t0 = t1)
 
 void pd_rms_norm(const float *x, int64_t x_stride, const float *w, float eps, float *out, int64_t out_stride,
                  int rows, int n, int threads);
@@ -87,11 +102,11 @@ int pd_layer_forward(const pd_layer *L, const pd_step *S, const float *x, float 
 
     double t0 = now_s(), t1;
     pd_rms_norm(x, hid, L->norm1, L->eps1, S->h, hid, T, hid, th);
-    t1 = now_s(); pd_phase[0] += t1 - t0; t0 = t1;
+    MARK(LAYER_SMALL);
     sg_gemm(S->h, hid, L->qkv, L->qkv_bias, S->qkv, qkv_n, T, qkv_n, hid, th);
-    t1 = now_s(); pd_phase[1] += t1 - t0; t0 = t1;
+    MARK(LAYER_GEMM);
     pd_rope(S->qkv, qkv_n, L->heads + L->kv_heads, dim, S->cos, S->sin, dim, T, th);
-    t1 = now_s(); pd_phase[0] += t1 - t0; t0 = t1;
+    MARK(LAYER_SMALL);
     pd_kv_write(S->qkv, qkv_n, q_width, q_width + kv_width, kv_width, k, v, S->blk_stride, S->tok_stride,
                 S->slot_blocks, S->slot_offsets, T);
     if (S->decodes > 0) {
@@ -100,7 +115,7 @@ int pd_layer_forward(const pd_layer *L, const pd_step *S, const float *x, float 
                                  L->kv_heads, dim, S->block_size, L->scale, L->window, L->softcap, th);
         if (rc != 0) return rc;
     }
-    t1 = now_s(); pd_phase[2] += t1 - t0; t0 = t1;
+    MARK(LAYER_DECODE);
     for (int c = 0; c < S->n_chunks; c++) {
         const int64_t *chunk = S->chunks + 4 * c;
         int64_t start = chunk[0];
@@ -110,20 +125,19 @@ int pd_layer_forward(const pd_layer *L, const pd_step *S, const float *x, float 
                                   S->block_size, L->scale, L->window, L->softcap, th);
         if (rc != 0) return rc;
     }
-    t1 = now_s(); pd_phase[3] += t1 - t0; t0 = t1;
+    MARK(LAYER_PREFILL);
     sg_gemm(S->attn, q_width, L->o, L->o_bias, S->tmp, hid, T, hid, q_width, th);
-    t1 = now_s(); pd_phase[1] += t1 - t0; t0 = t1;
+    MARK(LAYER_GEMM);
     add_rows(x, S->tmp, out, (int64_t)T * hid);
-    t1 = now_s(); pd_phase[0] += t1 - t0; t0 = t1;
     pd_rms_norm(out, hid, L->norm2, L->eps2, S->h, hid, T, hid, th);
-    t1 = now_s(); pd_phase[0] += t1 - t0; t0 = t1;
+    MARK(LAYER_SMALL);
     sg_gemm(S->h, hid, L->gate_up, L->gate_up_bias, S->gu, 2 * L->inter, T, 2 * L->inter, hid, th);
-    t1 = now_s(); pd_phase[1] += t1 - t0; t0 = t1;
+    MARK(LAYER_GEMM);
     if (pd_silu_mul(S->gu, 2 * L->inter, S->act, L->inter, T, L->inter, th) != 0) return -3;
-    t1 = now_s(); pd_phase[0] += t1 - t0; t0 = t1;
+    MARK(LAYER_SMALL);
     sg_gemm(S->act, L->inter, L->down, L->down_bias, S->tmp, hid, T, hid, L->inter, th);
-    t1 = now_s(); pd_phase[1] += t1 - t0; t0 = t1;
+    MARK(LAYER_GEMM);
     add_rows(out, S->tmp, out, (int64_t)T * hid);
-    t1 = now_s(); pd_phase[0] += t1 - t0; t0 = t1;
+    MARK(LAYER_SMALL);
     return 0;
 }
