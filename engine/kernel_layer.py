@@ -75,6 +75,7 @@ class Step:
 
     args: StepArgs
     cos: torch.Tensor  # the rotary table it was built for: each forward hands its layers a new one
+    shape: Shape  # the layer shape its scratch buffers are sized for
     keep: tuple
 
 
@@ -102,7 +103,7 @@ def _build_step(meta: attention.StepMetadata, shape: Shape, cos: torch.Tensor, s
                     rows.tables.stride(0) if rows else 0, chunks.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                     *buffers, tokens, rows.lens.shape[0] if rows else 0, len(meta.prefills), kv.shape[3],
                     torch.get_num_threads())
-    return Step(args, cos, (scratch, chunks, cos, sin, [c.table for c in meta.prefills]))
+    return Step(args, cos, shape, (scratch, chunks, cos, sin, [c.table for c in meta.prefills]))
 
 
 def _kernels_take(meta: attention.StepMetadata, tokens: int) -> bool:
@@ -110,6 +111,7 @@ def _kernels_take(meta: attention.StepMetadata, tokens: int) -> bool:
     rows = meta.decode_rows
     return (not meta.decode_groups and (not meta.prefills or meta.prefill_kernel is not None)
             and meta.slot_blocks.shape[0] == tokens and meta.kv.dtype == torch.float32
+            and all(t.dtype == torch.int64 and t.is_contiguous() for t in (meta.slot_blocks, meta.slot_offsets))
             and meta.kv.device.type == "cpu" and meta.kv.is_contiguous()
             and all(c.table is not None and c.table.dtype == torch.int64 and c.table.is_contiguous()
                     and c.table.shape[0] * meta.kv.shape[3] >= c.end - c.start + c.first_pos for c in meta.prefills)
@@ -149,7 +151,7 @@ class KernelLayer:
             return None
         meta = attention._current[-1]
         step = meta.kernel_step
-        if step is None or step.cos is not cos:  # the first layer of this forward builds it
+        if step is None or step.cos is not cos or step.shape != self.shape:  # the forward's first layer builds it
             if not _kernels_take(meta, tokens):
                 return None
             step = meta.kernel_step = _build_step(meta, self.shape, cos, sin)
