@@ -19,26 +19,12 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from scripts.device_check import staggered_tokens
 from tests.reference import hf_greedy
-
-
-def _kernels() -> cpu_kernel.Kernels:
-    kernels, why = cpu_kernel.load()
-    if kernels is None:
-        pytest.skip(f"no CPU kernels here: {why}")
-    return kernels
-
-
-def _silu_kernel_here() -> bool:
-    try:
-        _kernels().silu_mul(torch.zeros(1, 16))
-        return True
-    except cpu_kernel.KernelUnavailable:
-        return False
+from tests.test_fused import _avx2_fma, _kernels
 
 
 @pytest.fixture
 def needs_layers():
-    if not _silu_kernel_here():
+    if not _avx2_fma():
         pytest.skip("no AVX2 + FMA: the SiLU kernel defers to torch, so no layer is all the kernels'")
 
 
