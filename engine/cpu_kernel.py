@@ -223,7 +223,7 @@ class SiluMul:
 class LayerKernel:
     """`pd_layer_forward`: one decoder layer; its arguments are engine/kernel_layer.py's structures."""
 
-    KINDS = ("small ops", "gemm", "decode attention", "prefill attention")  # layer.c's LAYER_* order
+    KINDS = ("small ops", "gemm", "kv write", "decode attention", "prefill attention")  # layer.c's LAYER_* order
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.pd_layer_forward

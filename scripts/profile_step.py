@@ -13,9 +13,9 @@ runs `--steps` steps under torch.profiler and, separately, timed. The table spli
 - KV write: index_put_ of the new tokens' K/V into the pool
 - elementwise: norms, rotary, activations, residual adds
 A decoder layer run as one kernel call (engine/kernel_layer.py) is one opaque call to the profiler:
-its GEMMs, its attention (the K/V writes included) and its small ops come from the kernel's own
-clock (`pd_layer_seconds`, read around the timed steps) into dense matmul, attention (kernel) and
-elementwise.
+its GEMMs, its K/V writes, its attention and its small ops come from the kernel's own clock
+(`pd_layer_seconds`, read around the timed steps) into dense matmul, KV write, attention (kernel)
+and elementwise.
 - copy + alloc: copies, casts, empty tensors, cat
 - other ops: every other aten op
 - python (forward): the model forward's wall time not spent in any op (module calls, hooks, glue)
@@ -158,7 +158,7 @@ def profile_case(engine: LLMEngine, steps: int) -> dict[str, float]:
     scale = r["forward"] / op_total if op_total > r["forward"] else 1.0  # profiler overhead inflates op times
     row = {cat: ops.get(cat, 0.0) * scale for cat in ROWS if cat not in
            ("schedule + prepare", "python (forward)", "sampler", "bookkeeping")}
-    for kind, cat in (("gemm", "dense matmul"), ("decode attention", "attention (kernel)"),
+    for kind, cat in (("gemm", "dense matmul"), ("kv write", "KV write"), ("decode attention", "attention (kernel)"),
                       ("prefill attention", "attention (kernel)"), ("small ops", "elementwise")):
         row[cat] += layers.get(kind, 0.0)
     row["schedule + prepare"] = r["schedule"] + r["prepare"]

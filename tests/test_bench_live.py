@@ -121,6 +121,12 @@ def test_bench_run_writes_a_full_report_and_prometheus_counts_it(cluster, tmp_pa
     summary = json.loads((tmp_path / "summary.json").read_text())["arrangements"]["router"]
     for key in ("ttft_ms", "itl_ms", "tpot_ms", "e2e_ms"):
         for stat in ("mean", "p50", "p95", "p99"):
+            if key == "itl_ms" and stat != "mean":
+                # the tokens of one message share its arrival (bench/metrics.py): where the tiny
+                # model decodes faster than its stream is read, messages carry several tokens and
+                # most gaps are 0, so the low percentiles may be 0
+                assert math.isfinite(summary[key][stat]) and summary[key][stat] >= 0, (key, stat)
+                continue
             _assert_positive_finite(f"{key}.{stat}", summary[key][stat])
     for key in ("output_tok_per_s", "goodput_req_per_s", "slo_attainment"):
         _assert_positive_finite(key, summary[key])

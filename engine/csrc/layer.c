@@ -20,13 +20,14 @@ are laid out as the runner lays them out: decode rows first, then each prefill c
 
 `pd_layer_seconds` adds up the wall time of each kind of work across calls (a profiler sees one
 opaque call; scripts/profile_step.py reads these): LAYER_SMALL the norms, rotary, activation and
-residual sums, LAYER_GEMM the four products, LAYER_DECODE the K/V writes and decode attention,
-LAYER_PREFILL the prefill chunks' attention. Two clock reads per kernel, about 10 us a step. */
+residual sums, LAYER_GEMM the four products, LAYER_KV_WRITE the new tokens' K/V into their
+slots, LAYER_DECODE the decode rows' attention, LAYER_PREFILL the prefill chunks'. A clock read
+per kernel, about 10 us a step. */
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
 
-enum { LAYER_SMALL, LAYER_GEMM, LAYER_DECODE, LAYER_PREFILL, LAYER_KINDS };
+enum { LAYER_SMALL, LAYER_GEMM, LAYER_KV_WRITE, LAYER_DECODE, LAYER_PREFILL, LAYER_KINDS };
 double pd_layer_seconds[LAYER_KINDS];
 
 static double now_s(void) {
@@ -109,6 +110,7 @@ int pd_layer_forward(const pd_layer *L, const pd_step *S, const float *x, float 
     MARK(LAYER_SMALL);
     pd_kv_write(S->qkv, qkv_n, q_width, q_width + kv_width, kv_width, k, v, S->blk_stride, S->tok_stride,
                 S->slot_blocks, S->slot_offsets, T);
+    MARK(LAYER_KV_WRITE);
     if (S->decodes > 0) {
         int rc = pd_paged_decode(0, S->qkv, qkv_n, dim, k, v, S->blk_stride, S->tok_stride, dim, S->tables,
                                  S->table_stride, S->lens, S->attn, q_width, dim, S->decodes, L->heads,
