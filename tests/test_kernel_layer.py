@@ -109,6 +109,19 @@ def test_a_layer_whose_one_call_differs_stays_a_module(llama_dir, monkeypatch, c
     assert "decoder layer 1 stays a module: one call does not give its outputs bit for bit" in caplog.text
 
 
+def test_a_layer_whose_check_cannot_run_stays_a_module(llama_dir, monkeypatch, caplog, needs_layers):
+    model = _fused_engine(llama_dir).runner.model
+
+    def failing(layer, candidate, kernels):
+        raise RuntimeError("no scratch pool today")
+
+    monkeypatch.setattr(kernel_layer, "_same_as_module", failing)
+    with caplog.at_level(logging.INFO, logger="engine.kernel_layer"):
+        assert kernel_layer.swap_layers(model, _kernels()) == 0
+    assert not any(isinstance(layer.forward, kernel_layer.KernelLayer) for layer in model.model.layers)
+    assert "decoder layer 0 stays a module: its check failed (RuntimeError: no scratch pool today)" in caplog.text
+
+
 def _run(module, meta: attention.StepMetadata, x, position_embeddings):
     run = dataclasses.replace(meta, kv=meta.kv.clone(), kernel_step=None)
     with attention.step_context(run):
