@@ -139,6 +139,13 @@ class KernelLayer:
         return out
 
     def _step(self, x: torch.Tensor, position_embeddings) -> Step | None:
+        if attention._current and position_embeddings is not None:  # the forward's later layers: checked once
+            step = attention._current[-1].kernel_step
+            if (step is not None and step.cos is position_embeddings[0] and step.shape == self.shape
+                    and (self.max_rows is None or step.args.tokens <= self.max_rows)
+                    and x.shape == (1, step.args.tokens, self.shape.hidden) and x.dtype == torch.float32
+                    and x.is_contiguous() and not torch.compiler.is_compiling()):
+                return step
         if (torch.compiler.is_compiling() or not attention._current or features.active_probe() is not None
                 or position_embeddings is None):
             return None
