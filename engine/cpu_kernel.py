@@ -13,6 +13,8 @@
 - RMSNorm (rms_norm.c): one call per norm, bit for bit torch's `F.rms_norm` (engine/dense.py);
 - SiLU times up (silu_mul.c): a gated MLP's activation on its fused gate|up projection, bit for
   bit torch's on an AVX2 + FMA host (engine/fused.py);
+- greedy argmax (argmax.c): each logit row's, as torch's, the rows shared among threads
+  (engine/sampler.py);
 - a whole decoder layer (layer.c): the kernels above called in a Llama layer's order from C, one
   call per layer, and the new tokens' K/V written to their slots (engine/kernel_layer.py).
 
@@ -220,6 +222,23 @@ class SiluMul:
         return out
 
 
+class Argmax:
+    """`pd_argmax`: each float32 row's argmax, as torch's `argmax(dim=-1)` gives it."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.pd_argmax
+        self._fn.restype = None
+        self._fn.argtypes = [_PTR, _I64, _INT, _INT, _PTR, _INT]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[rows, n]` float32 on the CPU, n >= 1, rows contiguous -> `[rows]` int64."""
+        rows, n = x.shape
+        assert x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1 and n >= 1
+        out = torch.empty(rows, dtype=torch.int64)
+        self._fn(x.data_ptr(), x.stride(0), rows, n, out.data_ptr(), torch.get_num_threads())
+        return out
+
+
 class LayerKernel:
     """`pd_layer_forward`: one decoder layer; its arguments are engine/kernel_layer.py's structures."""
 
@@ -253,6 +272,7 @@ class Kernels:
     rms_norm: RmsNorm
     silu_mul: SiluMul
     layer: LayerKernel
+    argmax: Argmax
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -323,7 +343,7 @@ def _load() -> Kernels:
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
     return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib), Rope(lib), RmsNorm(lib), SiluMul(lib),
-                   LayerKernel(lib))
+                   LayerKernel(lib), Argmax(lib))
 
 
 def load() -> tuple[Kernels | None, str]:

@@ -275,7 +275,7 @@ class LLMEngine:
         for it in items:
             self._register(it.request, it.start, it.end)
             it.request.num_computed_tokens += it.num_tokens
-        tokens = sample_isolated(logits, sampling, self._generator)
+        tokens = sample_isolated(logits, sampling, self._generator, self.runner.argmax)
         outputs = [self._emit(req, tok) for req, tok in zip(sampling, tokens, strict=True)]
         if self.pace is not None:
             self.pace()  # sleeps out the emulated step: recorded below as the step's time

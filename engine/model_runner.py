@@ -84,6 +84,7 @@ class ModelRunner:
         kernels, self.kernel_reason = self._cpu_kernels()
         self.decode_kernel = kernels.decode if kernels else None
         self.prefill_kernel = kernels.prefill if kernels else None
+        self.argmax = kernels.argmax if kernels else None  # greedy sampling's, on the CPU
         # float32 linears on a few rows (decode steps) by the kernel, from panel-packed weights
         dense_kernels = kernels if kernels and self.dtype == torch.float32 else None  # float32 only
         self.small_gemm = dense_kernels.gemm if dense_kernels else None

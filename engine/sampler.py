@@ -20,9 +20,19 @@ log = logging.getLogger(__name__)
 _MASK64 = (1 << 64) - 1
 
 
-def sample(logits: torch.Tensor, requests: list[Request], default_gen: torch.Generator) -> list[int]:
+def greedy(logits: torch.Tensor, argmax=None) -> torch.Tensor:
+    """`logits.argmax(dim=-1)` for `[N, V]` rows: by `argmax` (the engine's CPU kernel,
+    cpu_kernel.Argmax, where it runs them: torch's runs one thread, 0.45 ms for 16 x 49k logits
+    here) when the rows are float32 on the CPU, else by torch."""
+    if (argmax is not None and logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu"
+            and logits.shape[1] > 0 and logits.stride(1) == 1):
+        return argmax(logits)
+    return logits.argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, requests: list[Request], default_gen: torch.Generator, argmax=None) -> list[int]:
     """logits `[N, V]` float32, one row per request -> one token id per request."""
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = greedy(logits, argmax).tolist()
     for i, req in enumerate(requests):
         if not req.sampling.greedy:
             tokens[i] = _sample_row(logits[i], req, _generator(req, default_gen))
@@ -30,19 +40,19 @@ def sample(logits: torch.Tensor, requests: list[Request], default_gen: torch.Gen
 
 
 def sample_isolated(logits: torch.Tensor, requests: list[Request],
-                    default_gen: torch.Generator) -> list[int | Exception]:
+                    default_gen: torch.Generator, argmax=None) -> list[int | Exception]:
     """Like `sample`, but a request whose sampling raises gets its exception instead of a token
     and the others still get theirs: the batch is tried first, then row by row."""
     try:
-        return sample(logits, requests, default_gen)
+        return sample(logits, requests, default_gen, argmax)
     except Exception as e:
         log.warning("batched sampling failed (%s); sampling row by row", e)
-        return [_sample_alone(logits[i:i + 1], req, default_gen) for i, req in enumerate(requests)]
+        return [_sample_alone(logits[i:i + 1], req, default_gen, argmax) for i, req in enumerate(requests)]
 
 
-def _sample_alone(logits: torch.Tensor, req: Request, default_gen: torch.Generator) -> int | Exception:
+def _sample_alone(logits: torch.Tensor, req: Request, default_gen: torch.Generator, argmax=None) -> int | Exception:
     try:
-        return sample(logits, [req], default_gen)[0]
+        return sample(logits, [req], default_gen, argmax)[0]
     except Exception as e:
         log.exception("sampling failed for request %r", req.request_id)
         return e

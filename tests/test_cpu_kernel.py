@@ -180,7 +180,7 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
     failing = tmp_path / "failing-cc"
     failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo failing-cc 1.0 && exit 0\necho 'error: no space' >&2\nexit 1\n")
     failing.chmod(0o755)
-    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build layer.c, paged_decode.c, paged_prefill.c, rms_norm.c, rope.c, silu_mul.c and small_gemm.c: error: no space"):
+    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build argmax.c, layer.c, paged_decode.c, paged_prefill.c, rms_norm.c, rope.c, silu_mul.c and small_gemm.c: error: no space"):
         cpu_kernel._build(str(failing))
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"] == []  # nothing half-built left behind
     blocked = tmp_path / "a-file"
@@ -220,3 +220,40 @@ def test_bfloat16_decode_by_the_kernel_gives_generates_bfloat16_tokens(llama_dir
                     for p in prompts]
     assert got == expected
     assert engine.allocator.num_used == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows, n", [(1, 1), (1, 7), (3, 8), (2, 9), (16, 49152), (5, 1003), (64, 2048)])
+def test_the_argmax_kernel_gives_torchs_argmax(rows, n):
+    argmax = KERNELS.argmax
+    g = torch.Generator().manual_seed(rows * n)
+    x = torch.randn(rows, n, generator=g) * 10
+    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    # ties keep the first largest (same lane and across lanes), -0.0 and 0.0 tie, -inf rows
+    tied = torch.zeros(rows, n)
+    tied[:, n // 2:] = torch.tensor(-0.0)
+    assert torch.equal(argmax(tied), tied.argmax(dim=-1))
+    spread = x.clone()
+    spread[:, n - 1] = spread[:, max(0, n - 4)] = spread.max() + 1  # the same best twice: the first
+    assert torch.equal(argmax(spread), spread.argmax(dim=-1))
+    assert torch.equal(argmax(torch.full((rows, n), float("-inf"))), torch.zeros(rows, dtype=torch.int64))
+    # a NaN anywhere is the answer (torch's), the first of several
+    nan = x.clone()
+    nan[rows - 1, n // 3] = float("nan")
+    nan[rows - 1, n - 1] = float("nan")
+    assert torch.equal(argmax(nan), nan.argmax(dim=-1))
+    # rows of a wider tensor (a strided view, as the LM head's rows may be)
+    wide = torch.randn(rows, n + 5, generator=g)[:, :n]
+    assert torch.equal(argmax(wide), wide.argmax(dim=-1))
+
+
+def test_greedy_sampling_takes_the_engines_argmax_where_it_runs_and_torchs_elsewhere(llama_dir):
+    from engine import sampler
+    logits = torch.randn(4, 300)
+    seen = []
+    assert torch.equal(sampler.greedy(logits, lambda x: seen.append(x) or x.argmax(dim=-1)), logits.argmax(-1))
+    assert len(seen) == 1
+    assert torch.equal(sampler.greedy(logits.double(), lambda x: 1 / 0), logits.double().argmax(-1))  # not float32
+    on = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=32)).runner
+    off = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=32, cpu_kernels="off")).runner
+    assert (on.argmax is not None) == (KERNEL is not None) and off.argmax is None
