@@ -78,3 +78,17 @@ def test_the_linears_bench_times_both_paths_at_every_row_count(llama_dir, monkey
     assert report["small_rows"] == cpu_kernel.SMALL_ROWS
     assert set(report["seconds"]) == {"1", "17"}
     assert all(0 < t < 60 for row in report["seconds"].values() for t in row.values())
+
+
+def test_bench_steps_report_rates_each_variant_against_the_first_and_the_floor():
+    from scripts.bench_step import format_report
+    report = {"model": "m", "threads": 2, "malloc": "tcmalloc", "torch": "2.13", "recompilations": 0,
+              "host": {"bandwidth": 30e9, "flops": 180e9},
+              "host_samples": [{"bandwidth": 30e9, "flops": 170e9}, {"bandwidth": 25e9, "flops": 180e9}],
+              "variants": ["modules", "packed"],
+              "cases": {"decode b=16": {"modules": 0.050, "packed": 0.040, "floor": 0.024}}}
+    lines = format_report(report).splitlines()
+    assert lines[1].split() == ["ms", "per", "step", "modules", "packed", "packed/modules", "floor", "best/floor"]
+    assert lines[2].split() == ["decode", "b=16", "50.0", "40.0", "0.80", "24.0", "1.67"]
+    assert lines[3] == ("host: 30.0 GB/s read, 180.0 GFLOP/s float32 matmul (the best of 30.0 GB/s 170.0 GFLOP/s, "
+                        "25.0 GB/s 180.0 GFLOP/s)")
