@@ -255,10 +255,11 @@ class LayerKernel:
         return dict(zip(self.KINDS, self._seconds, strict=True))
 
     def __call__(self, layer: ctypes.Structure, step: ctypes.Structure, x: torch.Tensor, out: torch.Tensor) -> None:
-        """x `[T, hidden]` float32, contiguous; out likewise, written (may be x)."""
+        """x `[..., T, hidden]` float32, contiguous; out likewise, written (may be x)."""
         rc = self._fn(ctypes.addressof(layer), ctypes.addressof(step), x.data_ptr(), out.data_ptr())
         if rc == -2:
-            raise MemoryError(f"a decoder layer's attention could not allocate its buffers for {x.shape[0]} tokens")
+            tokens = x.numel() // x.shape[-1]
+            raise MemoryError(f"a decoder layer's attention could not allocate its buffers for {tokens} tokens")
         if rc != 0:
             raise RuntimeError(f"pd_layer_forward failed ({rc})")
 

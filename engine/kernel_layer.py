@@ -23,6 +23,7 @@ buffers for the step's rows.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -139,30 +140,25 @@ class KernelLayer:
         return out
 
     def _step(self, x: torch.Tensor, position_embeddings) -> Step | None:
-        if attention._current and position_embeddings is not None:  # the forward's later layers: checked once
-            step = attention._current[-1].kernel_step
-            if (step is not None and step.cos is position_embeddings[0] and step.shape == self.shape
-                    and (self.max_rows is None or step.args.tokens <= self.max_rows)
-                    and x.shape == (1, step.args.tokens, self.shape.hidden) and x.dtype == torch.float32
-                    and x.is_contiguous() and not torch.compiler.is_compiling()):
-                return step
-        if (torch.compiler.is_compiling() or not attention._current or features.active_probe() is not None
-                or position_embeddings is None):
+        """The step's arguments where this layer's call can take it, else None (the module runs)."""
+        if torch.compiler.is_compiling() or not attention._current or position_embeddings is None:
             return None
-        tokens = x.shape[1] if x.dim() == 3 and x.shape[0] == 1 else -1
-        cos, sin = position_embeddings
-        if (tokens < 1 or (self.max_rows is not None and tokens > self.max_rows) or x.dtype != torch.float32
-                or x.device.type != "cpu" or not x.is_contiguous() or x.shape[2] != self.shape.hidden
-                or cos.shape != (1, tokens, self.shape.dim) or sin.shape != cos.shape
-                or cos.dtype != torch.float32 or not (cos.is_contiguous() and sin.is_contiguous())):
-            return None
-        meta = attention._current[-1]
+        meta, (cos, sin) = attention._current[-1], position_embeddings
         step = meta.kernel_step
-        if step is None or step.cos is not cos or step.shape != self.shape:  # the forward's first layer builds it
-            if not _kernels_take(meta, tokens):
+        if step is None or step.cos is not cos or step.shape != self.shape:  # the forward's first layer
+            if (features.active_probe() is not None or cos.dim() != 3 or cos.shape[0] != 1
+                    or cos.shape[2] != self.shape.dim or sin.shape != cos.shape or cos.dtype != torch.float32
+                    or not (cos.is_contiguous() and sin.is_contiguous())
+                    or not self._fits(x, cos.shape[1]) or not _kernels_take(meta, cos.shape[1])):
                 return None
             step = meta.kernel_step = _build_step(meta, self.shape, cos, sin)
-        return step
+            return step
+        return step if self._fits(x, step.args.tokens) else None  # later layers: the step is checked
+
+    def _fits(self, x: torch.Tensor, tokens: int) -> bool:
+        """x is `[1, tokens, hidden]` float32 on the CPU, contiguous, within the GEMM's cut."""
+        return ((self.max_rows is None or tokens <= self.max_rows) and x.shape == (1, tokens, self.shape.hidden)
+                and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous())
 
 
 def _gemm_only(linears: list[nn.Module]) -> tuple[bool, int | None]:
@@ -251,8 +247,7 @@ def _same_as_module(layer: nn.Module, candidate: KernelLayer, kernels: cpu_kerne
         position_embeddings = (angles.cos(), angles.sin())
         outs, pools = [], []
         for module in (layer, candidate):
-            run = attention.StepMetadata(meta.kv.clone(), meta.slot_blocks, meta.slot_offsets, [], meta.prefills,
-                                         decode_rows=meta.decode_rows, prefill_kernel=meta.prefill_kernel)
+            run = dataclasses.replace(meta, kv=meta.kv.clone())
             with attention.step_context(run):
                 outs.append(module(x, attention_mask=None, position_embeddings=position_embeddings))
             pools.append(run.kv)
@@ -271,11 +266,11 @@ def swap_layers(model: nn.Module, kernels: cpu_kernel.Kernels) -> int:
         return 0
     swapped = 0
     for i, layer in enumerate(layers):
+        if isinstance(layer.forward, KernelLayer):  # swapped before
+            swapped += 1
+            continue
         found = layer_args(layer)
         if found is None:
-            continue
-        if isinstance(layer.forward, KernelLayer):
-            swapped += 1
             continue
         candidate = KernelLayer(layer, *found[:2], kernels.layer, found[2])
         try:

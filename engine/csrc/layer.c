@@ -78,9 +78,9 @@ typedef struct {
     int32_t tokens, decodes, n_chunks, block_size, threads;
 } pd_step;
 
-/* Each of `tokens` rows' K and V (kv_heads * dim floats each, at src + heads_before * dim of its qkv
-   row) into its slot of one layer's pool. */
-void pd_kv_write(const float *qkv, int64_t qkv_stride, int64_t k_at, int64_t v_at, int64_t width, float *k,
+/* Each of `tokens` rows' K and V (`width` floats each, at k_at and v_at of its qkv row) into its
+   slot of one layer's pool. */
+static void pd_kv_write(const float *qkv, int64_t qkv_stride, int64_t k_at, int64_t v_at, int64_t width, float *k,
                  float *v, int64_t blk_stride, int64_t tok_stride, const int64_t *blocks, const int64_t *offsets,
                  int tokens) {
     for (int t = 0; t < tokens; t++) {
