@@ -223,10 +223,12 @@ def test_a_worker_whose_steps_keep_failing_is_replaced_and_nothing_is_lost(busy,
     client = Client(busy.address)
     victim = busy.router.pools.workers["decode"][0]
     set_worker_faults([victim], fail_steps=1000)
-    prompts = [_prompt(300 + i) for i in range(8)]
+    # up to 16 requests, one after another, until the victim is replaced: each lands on the emptier
+    # worker, the victim included, and how many it gets before its third failed step depends on timing
+    prompts = [_prompt(300 + i) for i in range(16)]
     references = [hf_greedy(llama_dir, p, 12, ignore_eos=True) for p in prompts]
     out: dict = {}
-    for i, p in enumerate(prompts):  # one after another: each lands on the emptier worker, the victim included
+    for i, p in enumerate(prompts):
         _stream(client, p, out, i, max_tokens=12, ignore_eos=True).join(60)
         if victim.stopped:
             break
