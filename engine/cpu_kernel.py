@@ -151,13 +151,14 @@ class SmallGemm:
         self._pack(weight.data_ptr(), n, k, panels.data_ptr())
         return panels
 
-    def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor:
-        """x `[M, K]` (rows contiguous) -> `[M, n]`, for any M."""
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
+                 threads: int | None = None) -> torch.Tensor:
+        """x `[M, K]` (rows contiguous) -> `[M, n]`, for any M; on torch's thread count unless told."""
         m, k = x.shape
         assert x.dtype == torch.float32 and x.stride(1) == 1
         out = torch.empty(m, n, dtype=torch.float32)
         self._gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-                   out.data_ptr(), n, m, n, k, torch.get_num_threads())
+                   out.data_ptr(), n, m, n, k, threads or torch.get_num_threads())
         return out
 
 

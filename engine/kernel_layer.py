@@ -77,6 +77,7 @@ class Step:
     args: StepArgs
     cos: torch.Tensor  # the rotary table it was built for: each forward hands its layers a new one
     shape: Shape  # the layer shape its scratch buffers are sized for
+    outs: tuple[torch.Tensor, torch.Tensor]  # [1, T, hidden] each: the layers' outputs in turn
     keep: tuple
 
 
@@ -90,11 +91,12 @@ def _build_step(meta: attention.StepMetadata, shape: Shape, cos: torch.Tensor, s
     kv = meta.kv
     widths = (shape.hidden, (shape.heads + 2 * shape.kv_heads) * shape.dim, shape.heads * shape.dim,
               2 * shape.inter, shape.inter, shape.hidden)
-    scratch = torch.empty(tokens * sum(widths), dtype=torch.float32)
+    scratch = torch.empty(tokens * (sum(widths) + 2 * shape.hidden), dtype=torch.float32)
     buffers, at = [], 0
     for width in widths:
         buffers.append(scratch[at:at + tokens * width].data_ptr())
         at += tokens * width
+    outs = tuple(scratch[at:].view(2, 1, tokens, shape.hidden).unbind(0))
     chunks = torch.tensor([[c.start, c.end, c.first_pos, c.table.data_ptr()] for c in meta.prefills],
                           dtype=torch.int64).reshape(-1, 4)
     rows = meta.decode_rows
@@ -104,7 +106,7 @@ def _build_step(meta: attention.StepMetadata, shape: Shape, cos: torch.Tensor, s
                     rows.tables.stride(0) if rows else 0, chunks.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                     *buffers, tokens, rows.lens.shape[0] if rows else 0, len(meta.prefills), kv.shape[3],
                     torch.get_num_threads())
-    return Step(args, cos, shape, (scratch, chunks, cos, sin, [c.table for c in meta.prefills]))
+    return Step(args, cos, shape, outs, (scratch, chunks, cos, sin, [c.table for c in meta.prefills]))
 
 
 def _kernels_take(meta: attention.StepMetadata, tokens: int) -> bool:
@@ -135,13 +137,15 @@ class KernelLayer:
         step = self._step(hidden_states, position_embeddings)
         if step is None:
             return self.module_forward(hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
-        out = torch.empty_like(hidden_states)
+        # the step's two output buffers in turn, so a layer's output is the next one's input and no
+        # layer allocates (the model keeps only the latest hidden states; a probe runs the modules)
+        out = step.outs[1] if hidden_states is step.outs[0] else step.outs[0]
         self.kernel(self.args, step.args, hidden_states, out)
         return out
 
     def _step(self, x: torch.Tensor, position_embeddings) -> Step | None:
         """The step's arguments where this layer's call can take it, else None (the module runs)."""
-        if torch.compiler.is_compiling() or not attention._current or position_embeddings is None:
+        if not attention._current or position_embeddings is None or torch.compiler.is_compiling():
             return None
         meta, (cos, sin) = attention._current[-1], position_embeddings
         step = meta.kernel_step
@@ -153,7 +157,10 @@ class KernelLayer:
                 return None
             step = meta.kernel_step = _build_step(meta, self.shape, cos, sin)
             return step
-        return step if self._fits(x, step.args.tokens) else None  # later layers: the step is checked
+        # later layers: the step is checked; an input that is the previous layer's output fits
+        if x is step.outs[0] or x is step.outs[1]:
+            return step if self.max_rows is None or step.args.tokens <= self.max_rows else None
+        return step if self._fits(x, step.args.tokens) else None
 
     def _fits(self, x: torch.Tensor, tokens: int) -> bool:
         """x is `[1, tokens, hidden]` float32 on the CPU, contiguous, within the GEMM's cut."""

@@ -4,7 +4,11 @@ cannot be built (`engine.cpu_kernels: auto` runs SDPA and says why; `on` refuses
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -17,6 +21,8 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from scripts.device_check import staggered_tokens
 from tests.reference import hf_greedy
+
+ROOT = Path(__file__).resolve().parent.parent
 
 KERNELS, WHY = cpu_kernel.load()
 KERNEL = KERNELS.decode if KERNELS else None
@@ -126,6 +132,33 @@ def test_the_small_gemm_gives_a_row_the_same_bits_in_any_batch():
     alone = torch.cat([KERNELS.gemm(x[i:i + 1], panels, None, 40) for i in range(len(x))])
     for rows in range(2, len(x) + 1):
         assert torch.equal(KERNELS.gemm(x[:rows], panels, None, 40), alone[:rows]), f"{rows} rows"
+
+
+_TEAMS = """
+import sys, torch
+from engine import cpu_kernel
+gemm = cpu_kernel.load()[0].gemm
+torch.manual_seed(7)
+weight, x = torch.randn(200, 96), torch.randn(16, 96)
+panels = gemm.pack(weight)
+alone = gemm(x, panels, None, 200, threads=1)
+for threads in (2, 3, 8, 500):  # 500: more threads than jobs
+    assert torch.equal(gemm(x, panels, None, 200, threads=threads), alone), threads
+print("ok")
+"""
+
+
+@needs_kernel
+@pytest.mark.parametrize("limit", [None, "2"])
+def test_the_small_gemm_gives_the_same_bits_on_any_team(limit):
+    """The threads share the jobs and take the rest of a slower one's share from its back: every job is
+    done once, by whichever thread, so the product is the same bits on 1, 2, 3, 8 or 500 threads, and
+    when the OpenMP runtime gives a smaller team than asked for (OMP_THREAD_LIMIT=2 with 8 asked: the
+    shares nobody owns are taken from the back)."""
+    env = {**os.environ, **({"OMP_THREAD_LIMIT": limit} if limit else {})}
+    done = subprocess.run([sys.executable, "-c", _TEAMS], env=env, cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
 
 
 @needs_kernel

@@ -13,11 +13,19 @@ spread evenly over its k: that keeps the demand on memory level instead of burst
 tile. Against the first tile alone doing all the reading, SmolLM2's 120 packed linears at 16 rows
 went from 26.1 to 19.0 ms (2 threads, 130 to 179 GFLOP/s, the host's peak being about 205).
 
-Each output is a plain sum over k in order, whatever the tile, so a row's result depends neither
-on the other rows nor on how many there are (batch-invariant, bit for bit). */
+The threads split the jobs evenly, each a contiguous run of panels, and a thread that finishes its
+run takes jobs from the back of another's (sg_gemm): at 16 rows the two threads of this 2-core host
+stream ~27 GB/s of weights between them, and their shares of memory bandwidth are often unequal (a
+neighbour on the host), so a static split left one thread waiting at the barrier for the other:
+measured per thread over the 120 linears, 26-31 ms against 44-51 ms.
+
+Each output is a plain sum over k in order, whatever the tile or thread, so a row's result depends
+neither on the other rows nor on how many there are (batch-invariant, bit for bit). */
 #include <stdint.h>
 #include <stddef.h>
 #include <string.h>
+
+#include <omp.h>
 
 #include "vec.h"
 
@@ -70,28 +78,65 @@ TILE(4)
 TILE(5)
 TILE(6)
 
-/* x [m][ldx], panels from sg_pack, bias [n] or NULL, y [m][ldy]. */
+/* Job `job` (panel job / tiles, tile job % tiles); `ahead`: read the next panel ahead while this
+   one computes (the thread's next job is most likely that panel's). */
+static void run_job(const float *x, int64_t ldx, const float *panels, const float *bias, float *y, int64_t ldy,
+                    int m, int n, int k, int count, int tiles, int job, int ahead) {
+    int p = job / tiles, t = job % tiles;
+    int m0 = t * m / tiles, rows = (t + 1) * m / tiles - m0; /* tiles as even as m allows */
+    int n0 = p * 16, cols = n - n0 < 16 ? n - n0 : 16;
+    const float *w = panels + (int64_t)p * k * 16, *xt = x + (int64_t)m0 * ldx;
+    float *yt = y + (int64_t)m0 * ldy;
+    /* tile t of this panel reads ahead lines [t * k / tiles, ...) of the next, one every `tiles` k;
+       one or two rows are paced by memory alone and read ahead nothing */
+    const float *pf = ahead && m > 2 && p + 1 < count ? w + (int64_t)k * 16 + (int64_t)(t * k / tiles) * 16 : NULL;
+    switch (rows) {
+    case 1: tile1(xt, ldx, w, k, bias, yt, ldy, n0, cols, pf, tiles); break;
+    case 2: tile2(xt, ldx, w, k, bias, yt, ldy, n0, cols, pf, tiles); break;
+    case 3: tile3(xt, ldx, w, k, bias, yt, ldy, n0, cols, pf, tiles); break;
+    case 4: tile4(xt, ldx, w, k, bias, yt, ldy, n0, cols, pf, tiles); break;
+    case 5: tile5(xt, ldx, w, k, bias, yt, ldy, n0, cols, pf, tiles); break;
+    default: tile6(xt, ldx, w, k, bias, yt, ldy, n0, cols, pf, tiles); break;
+    }
+}
+
+/* A range of jobs [front, back) in one word, so that its owner taking the front and a thief taking
+   the back never both get the same job. */
+static inline int take(uint64_t *range, int from_back) {
+    uint64_t seen = __atomic_load_n(range, __ATOMIC_RELAXED);
+    for (;;) {
+        uint32_t front = (uint32_t)(seen >> 32), back = (uint32_t)seen;
+        if (front >= back) return -1;
+        uint64_t want = from_back ? (seen & ~(uint64_t)UINT32_MAX) | (back - 1) : seen + ((uint64_t)1 << 32);
+        if (__atomic_compare_exchange_n(range, &seen, want, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return (int)(from_back ? back - 1 : front);
+    }
+}
+
+/* x [m][ldx], panels from sg_pack, bias [n] or NULL, y [m][ldy].
+
+   Each thread owns an even, contiguous share of the jobs (panel by panel, so the panel it reads
+   ahead is its own next) and works through it from the front; a thread that runs out takes jobs
+   from the back of another's share. On a host whose cores are not equally fast at the moment (a
+   neighbour on one, or the two threads' shares of memory bandwidth unequal) the threads then finish
+   together instead of the faster one waiting at the barrier. */
 void sg_gemm(const float *x, int64_t ldx, const float *panels, const float *bias, float *y,
              int64_t ldy, int m, int n, int k, int threads) {
-    int count = (n + 15) / 16, tiles = (m + 5) / 6;
-    _Pragma("omp parallel for schedule(static) num_threads(threads)")
-    for (int job = 0; job < count * tiles; job++) {
-        int p = job / tiles, t = job % tiles;
-        int m0 = t * m / tiles, rows = (t + 1) * m / tiles - m0; /* tiles as even as m allows */
-        int n0 = p * 16, cols = n - n0 < 16 ? n - n0 : 16;
-        const float *w = panels + (int64_t)p * k * 16, *xt = x + (int64_t)m0 * ldx;
-        float *yt = y + (int64_t)m0 * ldy;
-        /* tile t of this panel reads ahead lines [t * k / tiles, ...) of the next, one every `tiles`
-           k (static schedule: a thread takes consecutive jobs, so the next panel is its own next job);
-           one or two rows are paced by memory alone and read ahead nothing */
-        const float *pf = m > 2 && p + 1 < count ? w + (int64_t)k * 16 + (int64_t)(t * k / tiles) * 16 : NULL;
-        switch (rows) {
-        case 1: tile1(xt, ldx, w, k, bias, yt, ldy, n0, cols, pf, tiles); break;
-        case 2: tile2(xt, ldx, w, k, bias, yt, ldy, n0, cols, pf, tiles); break;
-        case 3: tile3(xt, ldx, w, k, bias, yt, ldy, n0, cols, pf, tiles); break;
-        case 4: tile4(xt, ldx, w, k, bias, yt, ldy, n0, cols, pf, tiles); break;
-        case 5: tile5(xt, ldx, w, k, bias, yt, ldy, n0, cols, pf, tiles); break;
-        default: tile6(xt, ldx, w, k, bias, yt, ldy, n0, cols, pf, tiles); break;
+    int count = (n + 15) / 16, tiles = (m + 5) / 6, jobs = count * tiles;
+    if (threads > jobs) threads = jobs;
+    if (threads < 1) threads = 1;
+    uint64_t ranges[threads];
+    for (int i = 0; i < threads; i++)
+        ranges[i] = (uint64_t)((int64_t)jobs * i / threads) << 32 | (uint64_t)((int64_t)jobs * (i + 1) / threads);
+    _Pragma("omp parallel num_threads(threads)") {
+        int me = omp_get_thread_num(), job;
+        /* a smaller team than asked for: the shares nobody owns are taken from the back too */
+        while ((job = take(&ranges[me], 0)) >= 0)
+            run_job(x, ldx, panels, bias, y, ldy, m, n, k, count, tiles, job, 1);
+        for (int i = 1; i <= threads; i++) {
+            uint64_t *other = &ranges[(me + i) % threads];
+            while ((job = take(other, 1)) >= 0)
+                run_job(x, ldx, panels, bias, y, ldy, m, n, k, count, tiles, job, 0);
         }
     }
 }
