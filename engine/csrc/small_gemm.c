@@ -125,16 +125,16 @@ void sg_gemm(const float *x, int64_t ldx, const float *panels, const float *bias
     int count = (n + 15) / 16, tiles = (m + 5) / 6, jobs = count * tiles;
     if (threads > jobs) threads = jobs;
     if (threads < 1) threads = 1;
-    uint64_t ranges[threads];
+    struct { _Alignas(64) uint64_t jobs; } ranges[threads]; /* a cache line each: no false sharing */
     for (int i = 0; i < threads; i++)
-        ranges[i] = (uint64_t)((int64_t)jobs * i / threads) << 32 | (uint64_t)((int64_t)jobs * (i + 1) / threads);
+        ranges[i].jobs = (uint64_t)((int64_t)jobs * i / threads) << 32 | (uint64_t)((int64_t)jobs * (i + 1) / threads);
     _Pragma("omp parallel num_threads(threads)") {
         int me = omp_get_thread_num(), job;
         /* a smaller team than asked for: the shares nobody owns are taken from the back too */
-        while ((job = take(&ranges[me], 0)) >= 0)
+        while ((job = take(&ranges[me].jobs, 0)) >= 0)
             run_job(x, ldx, panels, bias, y, ldy, m, n, k, count, tiles, job, 1);
         for (int i = 1; i <= threads; i++) {
-            uint64_t *other = &ranges[(me + i) % threads];
+            uint64_t *other = &ranges[(me + i) % threads].jobs;
             while ((job = take(other, 1)) >= 0)
                 run_job(x, ldx, panels, bias, y, ldy, m, n, k, count, tiles, job, 0);
         }
