@@ -291,3 +291,54 @@ def swap_layers(model: nn.Module, kernels: cpu_kernel.Kernels) -> int:
         layer.forward = candidate
         swapped += 1
     return swapped
+
+
+# decoder models whose forward is exactly embed -> rotary -> layers -> norm, under a plain lm_head
+DECODER_TYPES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "SmolLM3Model"})
+HEAD_TYPES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "SmolLM3ForCausalLM"})
+
+
+class KernelDecoder:
+    """The decoder's forward where every layer is a `KernelLayer`: the embedding, the rotary tables,
+    one `pd_layer_forward` call per layer straight from here, the final norm. The same modules and
+    kernels on the same inputs as the model's own forward (so the same bits), without what a kernel
+    step does not read: the attention masks, the module call around each layer, the output records.
+    Half a millisecond to a millisecond of Python a step on SmolLM2, where the layers' work is ~40 ms
+    (docs/engine_speed.md, "One call per layer")."""
+
+    def __init__(self, decoder: nn.Module, layers: list[KernelLayer]):
+        self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
+        self.layers = layers
+        self.max_rows = layers[0].max_rows  # every layer's (kernel_decoder checks they agree)
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The last hidden states `[1, T, hidden]`, or None where the step is not all the kernels'
+        (the caller runs the model's forward instead)."""
+        x = self.embed(input_ids)
+        cos_sin = self.rotary(x, position_ids=positions)
+        step = self.layers[0]._step(x, cos_sin)  # the first layer's checks, and the step's arguments
+        if step is None or (self.max_rows is not None and step.args.tokens > self.max_rows):
+            return None
+        for layer in self.layers:
+            out = step.outs[1] if x is step.outs[0] else step.outs[0]
+            layer.kernel(layer.args, step.args, x, out)
+            x = out
+        return self.norm(x)
+
+
+def kernel_decoder(model: nn.Module) -> KernelDecoder | None:
+    """A `KernelDecoder` for `model` where its decoder is one of `DECODER_TYPES` under one of
+    `HEAD_TYPES`, with every layer it runs swapped (`swap_layers`) alike; None otherwise."""
+    decoder = model.get_decoder()
+    if type(model).__name__ not in HEAD_TYPES or type(decoder).__name__ not in DECODER_TYPES:
+        return None
+    layers = getattr(decoder, "layers", None)
+    if (not isinstance(layers, nn.ModuleList) or len(layers) != decoder.config.num_hidden_layers
+            or not all(hasattr(decoder, name) for name in ("embed_tokens", "rotary_emb", "norm"))):
+        return None
+    kernels = [layer.forward for layer in layers]
+    if not kernels or not all(isinstance(k, KernelLayer) for k in kernels):
+        return None
+    if len({(k.shape, k.max_rows) for k in kernels}) != 1:
+        return None
+    return KernelDecoder(decoder, kernels)

@@ -125,6 +125,8 @@ class ModelRunner:
             how += f", {attn} attention modules on one q|k|v linear (rotary {rotary}) and {mlps} MLPs on one gate|up"
         if self.forward.kernel_layers:
             how += f", {self.forward.kernel_layers} decoder layers as one kernel call each"
+            if self.forward.kernel_decoder is not None:
+                how += " (the decoder's loop too)"
         return f"{self.hf_config.model_type} in {dtype} on {self.device}, {how}"
 
     def _cpu_kernels(self) -> tuple[cpu_kernel.Kernels | None, str]:

@@ -86,6 +86,45 @@ def test_only_layers_that_are_all_the_kernels_are_one_call(family_dir, family, s
     assert engine.runner.forward.kernel_layers == sum(one_call)
 
 
+def test_the_decoder_loop_calls_the_layers_where_every_layer_is_one_call(llama_dir, family_dir, monkeypatch,
+                                                                          needs_layers):
+    """Where every layer is one call, the decoder's own loop runs as direct calls (`KernelDecoder`):
+    the logits of each step equal the model's own forward's bit for bit; a step the layers would
+    not take (a probe running) goes to the model's forward; a model with a layer left a module
+    (SmolLM3's NoPE layers) keeps its forward."""
+    engine = _engine(llama_dir)
+    forward = engine.runner.forward
+    assert forward.kernel_decoder is not None
+    assert "(the decoder's loop too)" in engine.runner.describe()
+    compared = []
+    real = type(forward)._logits
+
+    def both(self, input_ids, positions, sample_rows):
+        mine = real(self, input_ids, positions, sample_rows)  # the pool takes the same K/V twice
+        decoder, self.kernel_decoder = self.kernel_decoder, None
+        try:
+            theirs = real(self, input_ids, positions, sample_rows)
+        finally:
+            self.kernel_decoder = decoder
+        compared.append(torch.equal(mine, theirs))
+        return mine
+
+    monkeypatch.setattr(type(forward), "_logits", both)
+    rng = random.Random(5)
+    prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(1, 40))] for _ in range(3)]
+    assert staggered_tokens(engine, prompts, 6) == [hf_greedy(llama_dir, p, 6, ignore_eos=True) for p in prompts]
+    assert compared and all(compared)
+    assert _engine(family_dir("smollm3")).runner.forward.kernel_decoder is None
+    decoder = forward.kernel_decoder
+    meta = kernel_layer._probe_step(_kernels(), decoder.layers[0].shape, len(decoder.layers), [(8, 1)],
+                                    torch.Generator().manual_seed(1))
+    x, positions = torch.tensor([[17]]), torch.tensor([[8]])
+    with torch.inference_mode(), attention.step_context(meta):
+        assert decoder(x, positions) is not None
+        monkeypatch.setattr(kernel_layer.features, "active_probe", lambda: object())
+        assert decoder(x, positions) is None
+
+
 def _fused_engine(path: str) -> LLMEngine:
     return _engine(path, kernel_layers=False)  # fused modules, no one-call forward yet
 
