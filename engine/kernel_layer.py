@@ -298,6 +298,46 @@ DECODER_TYPES = frozenset({"LlamaModel", "MistralModel", "Qwen2Model", "SmolLM3M
 HEAD_TYPES = frozenset({"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "SmolLM3ForCausalLM"})
 
 
+class RotaryTable:
+    """A rotary module's (cos, sin) for a step's positions, looked up in a table of its own outputs
+    for positions [0, size) instead of computed each step (a quarter of the Python left in a 16-row
+    step). The module is elementwise in the position (position x inverse frequency, then cos and sin),
+    so a row of the table is what the module gives that position in any step; each build checks that
+    on batches of several sizes and offsets, and a table that differs is dropped for the module.
+    Rotary types that change with the positions seen (dynamic, longrope) keep the module."""
+
+    def __init__(self, rotary: nn.Module):
+        self.rotary = rotary
+        kind = str(getattr(rotary, "rope_type", "default"))
+        self.usable = "dynamic" not in kind and "longrope" not in kind
+        self.cos: torch.Tensor | None = None  # [1, size, dim]
+        self.sin: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions `[1, T]` -> (cos, sin) `[1, T, dim]` each, in x's dtype, as the module gives them."""
+        if self.usable and positions.shape[0] == 1:
+            top = int(positions.max()) + 1 if positions.numel() else 0
+            if (self.cos is None or top > self.cos.shape[1] or self.cos.dtype != x.dtype
+                    or self.cos.device != x.device):
+                self._build(x, max(top, 2 * self.cos.shape[1] if self.cos is not None else 4096))
+            if self.usable:
+                return self.cos.index_select(1, positions[0]), self.sin.index_select(1, positions[0])
+        return self.rotary(x, position_ids=positions)
+
+    def _build(self, x: torch.Tensor, size: int) -> None:
+        everything = torch.arange(size, device=x.device)[None]
+        self.cos, self.sin = self.rotary(x[:, :1], position_ids=everything)
+        g = torch.Generator().manual_seed(size)
+        for tokens in (1, 3, 7, 16, 33):
+            at = torch.randint(0, max(size - tokens, 1), (1,), generator=g).item()
+            positions = everything[:, at:at + tokens]
+            cos, sin = self.rotary(x[:, :1], position_ids=positions)
+            if not (torch.equal(cos, self.cos[:, at:at + tokens]) and torch.equal(sin, self.sin[:, at:at + tokens])):
+                log.info("rotary tables computed each step: a table's rows differ from the module's")
+                self.usable, self.cos, self.sin = False, None, None
+                return
+
+
 class KernelDecoder:
     """The decoder's forward where every layer is a `KernelLayer`: the embedding, the rotary tables,
     one `pd_layer_forward` call per layer straight from here, the final norm. The same modules and
@@ -307,7 +347,8 @@ class KernelDecoder:
     (docs/engine_speed.md, "One call per layer")."""
 
     def __init__(self, decoder: nn.Module, layers: list[KernelLayer]):
-        self.embed, self.rotary, self.norm = decoder.embed_tokens, decoder.rotary_emb, decoder.norm
+        self.embed, self.norm = decoder.embed_tokens, decoder.norm
+        self.rotary = RotaryTable(decoder.rotary_emb)
         self.layers = layers
         self.max_rows = layers[0].max_rows  # every layer's (kernel_decoder checks they agree)
 
@@ -315,7 +356,7 @@ class KernelDecoder:
         """The last hidden states `[1, T, hidden]`, or None where the step is not all the kernels'
         (the caller runs the model's forward instead)."""
         x = self.embed(input_ids)
-        cos_sin = self.rotary(x, position_ids=positions)
+        cos_sin = self.rotary(x, positions)
         step = self.layers[0]._step(x, cos_sin)  # the first layer's checks, and the step's arguments
         if step is None or (self.max_rows is not None and step.args.tokens > self.max_rows):
             return None

@@ -125,6 +125,38 @@ def test_the_decoder_loop_calls_the_layers_where_every_layer_is_one_call(llama_d
         assert decoder(x, positions) is None
 
 
+def test_rotary_tables_are_the_modules_outputs_for_any_positions(llama_dir, caplog):
+    """The table's (cos, sin) for a step's positions equal the rotary module's bit for bit, for steps
+    of any size and positions past the first table (it grows); a module whose output depends on the
+    batch it is given (not elementwise in the position) gets no table; dynamic rotary keeps the module."""
+    rotary = _engine(llama_dir).runner.model.model.rotary_emb
+    table = kernel_layer.RotaryTable(rotary)
+    x = torch.randn(1, 1, 8)
+    g = torch.Generator().manual_seed(2)
+    for tokens in (1, 2, 5, 16, 64, 300):
+        positions = torch.randint(0, 6000, (1, tokens), generator=g)
+        got, want = table(x, positions), rotary(x, position_ids=positions)
+        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), tokens
+    assert table.usable and table.cos.shape[1] >= 6000
+
+    class BatchDependent(torch.nn.Module):
+        rope_type = "default"
+
+        def forward(self, x, position_ids):
+            cos, sin = rotary(x, position_ids=position_ids)
+            return cos + position_ids.shape[1], sin
+
+    odd = kernel_layer.RotaryTable(BatchDependent())
+    positions = torch.tensor([[3, 4, 5]])
+    with caplog.at_level(logging.INFO, logger="engine.kernel_layer"):
+        got = odd(x, positions)
+    assert not odd.usable and torch.equal(got[0], rotary(x, position_ids=positions)[0] + 3)
+    assert "rotary tables computed each step" in caplog.text
+    dynamic = BatchDependent()
+    dynamic.rope_type = "dynamic"
+    assert not kernel_layer.RotaryTable(dynamic).usable
+
+
 def _fused_engine(path: str) -> LLMEngine:
     return _engine(path, kernel_layers=False)  # fused modules, no one-call forward yet
 
