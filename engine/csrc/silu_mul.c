@@ -35,10 +35,11 @@ static inline __m256 sleef_expf8(__m256 d) {
     return _mm256_blendv_ps(u, _mm256_set1_ps(__builtin_inff()), _mm256_cmp_ps(_mm256_set1_ps(100.0f), d, _CMP_LT_OQ));
 }
 
-/* x [rows][2 * n] (row stride x_stride): gate = x[r][0, n), up = x[r][n, 2n); out [rows][n]. */
+/* x [rows][2 * n] (row stride x_stride): gate = x[r][0, n), up = x[r][n, 2n); out [rows][n].
+   Split over the threads from 16k outputs (SmolLM2's 16-row decode step: 18 -> 12 us a layer). */
 int pd_silu_mul(const float *x, int64_t x_stride, float *out, int64_t out_stride, int rows, int n, int threads) {
     if (n % 8 != 0) return -1;
-    _Pragma("omp parallel for schedule(static) if((int64_t)rows * n >= 65536) num_threads(threads)")
+    _Pragma("omp parallel for schedule(static) if((int64_t)rows * n >= 16384) num_threads(threads)")
     for (int r = 0; r < rows; r++) {
         const float *g = x + r * x_stride, *u = g + n;
         float *o = out + r * out_stride;
