@@ -75,7 +75,7 @@ class Regions:
     def __init__(self, engine: LLMEngine) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
         self._targets = [(engine.runner, "_prepare", "prepare"), (engine.scheduler, "schedule", "schedule"),
-                         (engine.runner.model, "forward", "forward"),
+                         (engine.runner.forward, "_logits", "forward"),  # the model's forward or the kernel decoder's
                          (llm_engine_module, "sample_isolated", "sampler")]
 
     def __enter__(self) -> Regions:
