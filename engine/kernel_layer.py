@@ -304,7 +304,10 @@ class RotaryTable:
     step). The module is elementwise in the position (position x inverse frequency, then cos and sin),
     so a row of the table is what the module gives that position in any step; each build checks that
     on batches of several sizes and offsets, and a table that differs is dropped for the module.
-    Rotary types that change with the positions seen (dynamic, longrope) keep the module."""
+    Rotary types that change with the positions seen (dynamic, longrope) keep the module, and so do
+    positions past `MAX_POSITIONS` (the table stays under 64 MB at a head dimension of 128)."""
+
+    MAX_POSITIONS = 65536
 
     def __init__(self, rotary: nn.Module):
         self.rotary = rotary
@@ -315,11 +318,12 @@ class RotaryTable:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions `[1, T]` -> (cos, sin) `[1, T, dim]` each, in x's dtype, as the module gives them."""
-        if self.usable and positions.shape[0] == 1:
-            top = int(positions.max()) + 1 if positions.numel() else 0
+        top = int(positions.max()) + 1 if positions.numel() else 0
+        if self.usable and positions.shape[0] == 1 and top <= self.MAX_POSITIONS:
             if (self.cos is None or top > self.cos.shape[1] or self.cos.dtype != x.dtype
                     or self.cos.device != x.device):
-                self._build(x, max(top, 2 * self.cos.shape[1] if self.cos is not None else 4096))
+                grown = 2 * self.cos.shape[1] if self.cos is not None else 4096
+                self._build(x, min(max(top, grown), self.MAX_POSITIONS))
             if self.usable:
                 return self.cos.index_select(1, positions[0]), self.sin.index_select(1, positions[0])
         return self.rotary(x, position_ids=positions)

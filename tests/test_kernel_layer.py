@@ -138,6 +138,9 @@ def test_rotary_tables_are_the_modules_outputs_for_any_positions(llama_dir, capl
         got, want = table(x, positions), rotary(x, position_ids=positions)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), tokens
     assert table.usable and table.cos.shape[1] >= 6000
+    far = torch.tensor([[5, kernel_layer.RotaryTable.MAX_POSITIONS + 3]])  # past the table's cap: the module's
+    assert torch.equal(table(x, far)[0], rotary(x, position_ids=far)[0])
+    assert table.cos.shape[1] <= kernel_layer.RotaryTable.MAX_POSITIONS
 
     class BatchDependent(torch.nn.Module):
         rope_type = "default"
