@@ -100,16 +100,20 @@ static void run_job(const float *x, int64_t ldx, const float *panels, const floa
     }
 }
 
-/* A range of jobs [front, back) in one word, so that its owner taking the front and a thief taking
-   the back never both get the same job. */
-static inline int take(uint64_t *range, int from_back) {
+/* A range of jobs [front, back) in one word, so that its owner taking from the front and a thief
+   taking from the back never both get the same job. Takes up to `most` jobs; returns how many,
+   the first at *first. */
+static inline int take(uint64_t *range, int from_back, int most, int *first) {
     uint64_t seen = __atomic_load_n(range, __ATOMIC_RELAXED);
     for (;;) {
         uint32_t front = (uint32_t)(seen >> 32), back = (uint32_t)seen;
-        if (front >= back) return -1;
-        uint64_t want = from_back ? (seen & ~(uint64_t)UINT32_MAX) | (back - 1) : seen + ((uint64_t)1 << 32);
-        if (__atomic_compare_exchange_n(range, &seen, want, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
-            return (int)(from_back ? back - 1 : front);
+        if (front >= back) return 0;
+        uint32_t got = back - front < (uint32_t)most ? back - front : (uint32_t)most;
+        uint64_t want = from_back ? (seen & ~(uint64_t)UINT32_MAX) | (back - got) : seen + ((uint64_t)got << 32);
+        if (__atomic_compare_exchange_n(range, &seen, want, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED)) {
+            *first = (int)(from_back ? back - got : front);
+            return (int)got;
+        }
     }
 }
 
@@ -129,14 +133,16 @@ void sg_gemm(const float *x, int64_t ldx, const float *panels, const float *bias
     for (int i = 0; i < threads; i++)
         ranges[i].jobs = (uint64_t)((int64_t)jobs * i / threads) << 32 | (uint64_t)((int64_t)jobs * (i + 1) / threads);
     _Pragma("omp parallel num_threads(threads)") {
-        int me = omp_get_thread_num(), job;
-        /* a smaller team than asked for: the shares nobody owns are taken from the back too */
-        while ((job = take(&ranges[me].jobs, 0)) >= 0)
-            run_job(x, ldx, panels, bias, y, ldy, m, n, k, count, tiles, job, 1);
+        int me = omp_get_thread_num(), first, got;
+        /* a panel's tiles at a time, one compare-and-swap each; a smaller team than asked for:
+           the shares nobody owns are taken from the back too */
+        while ((got = take(&ranges[me].jobs, 0, tiles, &first)) > 0)
+            for (int job = first; job < first + got; job++)
+                run_job(x, ldx, panels, bias, y, ldy, m, n, k, count, tiles, job, 1);
         for (int i = 1; i <= threads; i++) {
             uint64_t *other = &ranges[(me + i) % threads].jobs;
-            while ((job = take(other, 1)) >= 0)
-                run_job(x, ldx, panels, bias, y, ldy, m, n, k, count, tiles, job, 0);
+            while ((got = take(other, 1, 1, &first)) > 0)
+                run_job(x, ldx, panels, bias, y, ldy, m, n, k, count, tiles, first, 0);
         }
     }
 }
