@@ -18,13 +18,16 @@ for `--rounds` rounds, so a noisy neighbour slows all of them alike; each report
 The floor is `pdserve plan --measure`'s: the larger of weight + KV bytes over measured read
 bandwidth and the step's FLOPs over measured float32 matmul throughput, each rate measured before
 and after the cases and the better one kept (a neighbour that slowed one measurement does not
-lower the bar). `recompilations` counts
+lower the bar). With `--paired`
+the host is also measured at the start of every round, and `paired` is the median over rounds of
+the round's best step over that round's floor (a shared host's load changes by the minute).
+`recompilations` counts
 graphs the compiled variant built after its warm-up (it must be 0). It runs with the allocator a
 CPU worker would (`--malloc`: tcmalloc preloaded where the host has it, by restarting itself).
 
     python -m scripts.bench_step [--model DIR] [--batches 1,4,16,64] [--context 256] [--prefill 512]
                                  [--threads 2] [--compile] [--bf16] [--variants modules,packed]
-                                 [--malloc auto|system] [--json]
+                                 [--paired] [--malloc auto|system] [--json]
 """
 
 from __future__ import annotations
@@ -57,8 +60,10 @@ VARIANTS = {  # name -> EngineConfig overrides
 }
 
 
-def _host(threads: int) -> dict[str, float]:
-    return {"bandwidth": host_measure.reads(threads, sweeps=4)["bandwidth"], "flops": host_measure.flops(threads)}
+def _host(threads: int, quick: bool = False) -> dict[str, float]:
+    """This host's read bandwidth and float32 matmul FLOP/s now (`quick`: fewer repeats, for a round)."""
+    return {"bandwidth": host_measure.reads(threads, sweeps=2 if quick else 4)["bandwidth"],
+            "flops": host_measure.flops(threads, repeats=3 if quick else 5)}
 
 
 def _engine(model: str, batch: int, threads: int, overrides: dict) -> LLMEngine:
@@ -96,19 +101,37 @@ def _timed_steps(engine: LLMEngine, steps: int) -> list[float]:
     return out
 
 
-def side_by_side(engines: dict[str, LLMEngine], steps: int, rounds: int, before_round=None) -> dict[str, float]:
-    """Median step (s) per variant, the variants taking turns each round."""
+def side_by_side(engines: dict[str, LLMEngine], steps: int, rounds: int, before_round=None,
+                 on_round=None, per_round: list | None = None) -> dict[str, float]:
+    """Median step (s) per variant, the variants taking turns each round. `on_round()` runs at the
+    start of each round (`--paired`: the host measured); `per_round` gets each round's medians."""
     times: dict[str, list[float]] = {name: [] for name in engines}
     for engine in engines.values():
         if before_round:
             before_round(engine)
         engine.step()  # warm
     for _ in range(rounds):
+        if on_round:
+            on_round()
+        this_round = {}
         for name, engine in engines.items():
             if before_round:
                 before_round(engine)
-            times[name] += _timed_steps(engine, steps)
+            this_round[name] = _timed_steps(engine, steps)
+            times[name] += this_round[name]
+        if per_round is not None:
+            per_round.append({name: statistics.median(t) for name, t in this_round.items()})
     return {name: statistics.median(t) for name, t in times.items()}
+
+
+def _paired(case: dict, rounds: list[dict], hosts: list[dict], shape: ModelShape, params: int) -> None:
+    """`--paired`: each round's best step over the floor from the host measured just before it, and
+    their median (`paired`): on a shared host whose load changes by the minute, the step and its
+    floor then see the same neighbours."""
+    ratios = [min(r.values()) / floor_s(shape, params, 4, case["batch"], case["context"], case["tokens"],
+                                        h["bandwidth"], h["flops"]) for r, h in zip(rounds, hosts, strict=True)]
+    case["paired_rounds"] = [{"ratio": ratio, **host} for ratio, host in zip(ratios, hosts, strict=True)]
+    case["paired"] = statistics.median(ratios)
 
 
 def floor_s(shape: ModelShape, params: int, dtype_bytes: int, batch: int, context: int, tokens: int,
@@ -130,6 +153,8 @@ def main() -> None:
     p.add_argument("--compile", action="store_true", help="add the compiled variant (minutes to compile on CPU)")
     p.add_argument("--bf16", action="store_true", help="add the bfloat16 variant")
     p.add_argument("--no-floor", action="store_true", help="skip measuring this host's bandwidth and FLOP/s")
+    p.add_argument("--paired", action="store_true", help="also measure the host at the start of every round and "
+                   "report the median of each round's best step over that round's floor")
     p.add_argument("--variants", default="", help="comma-separated variants to run instead of the default set "
                    "(the first is the others' baseline)")
     p.add_argument("--malloc", default="auto", choices=("auto", "system"),
@@ -145,28 +170,38 @@ def main() -> None:
     if unknown:
         p.error(f"unknown variant {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
     host_samples = [] if args.no_floor else [_host(args.threads)]
+    paired = args.paired and not args.no_floor
+    shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model))
+    params = shape.num_params
     cases: dict[str, dict] = {}
     recompilations = 0
+
+    def run(case: dict, engines: dict[str, LLMEngine], steps: int, before_round=None) -> dict:
+        rounds, hosts = [], []
+        on_round = (lambda: hosts.append(_host(args.threads, quick=True))) if paired else None
+        case.update(side_by_side(engines, steps, args.rounds, before_round=before_round, on_round=on_round,
+                                 per_round=rounds))
+        if paired:
+            _paired(case, rounds, hosts, shape, params)
+        return case
+
     for batch in (int(b) for b in args.batches.split(",")):
         engines = {n: _engine(model, batch, args.threads, VARIANTS[n]) for n in names}
         for engine in engines.values():
             _decoding(engine, batch, args.context, args.steps)
-        cases[f"decode b={batch}"] = {"batch": batch, "tokens": batch, "context": args.context,
-                                      **side_by_side(engines, args.steps, args.rounds)}
+        cases[f"decode b={batch}"] = run({"batch": batch, "tokens": batch, "context": args.context}, engines,
+                                         args.steps)
         recompilations += sum(e.runner.forward.recompilations for e in engines.values())
         del engines
     if args.prefill:
         engines = {n: _engine(model, 1, args.threads, VARIANTS[n]) for n in names}
         refill = lambda e: _queue_prefills(e, args.prefill, 1 + 1)  # noqa: E731 - one per timed step
-        cases[f"prefill {args.prefill}"] = {"batch": 1, "tokens": args.prefill, "context": 0,
-                                            **side_by_side(engines, 1, args.rounds, before_round=refill)}
+        cases[f"prefill {args.prefill}"] = run({"batch": 1, "tokens": args.prefill, "context": 0}, engines, 1,
+                                               before_round=refill)
         recompilations += sum(e.runner.forward.recompilations for e in engines.values())
     if host_samples:  # again after the cases; the floor takes the best of each rate (the lowest floor)
         host_samples.append(_host(args.threads))
     host = {key: max(h[key] for h in host_samples) for key in ("bandwidth", "flops")} if host_samples else None
-    hf_config = AutoConfig.from_pretrained(model)
-    shape = ModelShape.from_hf_config(hf_config)
-    params = shape.num_params
     if host:
         for case in cases.values():
             case["floor"] = floor_s(shape, params, 4, case["batch"], case["context"], case["tokens"],
@@ -182,6 +217,8 @@ def format_report(r: dict) -> str:
     base = names[0]  # plain, unless --variants says otherwise
     head = f"{'ms per step':16}" + "".join(f"{n:>11}" for n in names)
     head += "".join(f"{n + '/' + base:>16}" for n in names[1:]) + ("  floor   best/floor" if r["host"] else "")
+    paired = any("paired" in row for row in r["cases"].values())
+    head += "  paired" if paired else ""
     lines = [f"{r['model']}, {r['threads']} thread(s), {r['malloc']} malloc, torch {r['torch']}", head]
     for case, row in r["cases"].items():
         line = f"{case:16}" + "".join(f"{1e3 * row[n]:11.1f}" for n in names)
@@ -189,11 +226,16 @@ def format_report(r: dict) -> str:
         if "floor" in row:
             best = min(row[n] for n in names)
             line += f"{1e3 * row['floor']:7.1f}{best / row['floor']:13.2f}"
+        if "paired" in row:
+            line += f"{row['paired']:8.2f}"
         lines.append(line)
     if r["host"]:
         lines.append(f"host: {r['host']['bandwidth'] / 1e9:.1f} GB/s read, {r['host']['flops'] / 1e9:.1f} GFLOP/s "
                      "float32 matmul (the best of " + ", ".join(f"{h['bandwidth'] / 1e9:.1f} GB/s {h['flops'] / 1e9:.1f} "
                                                              "GFLOP/s" for h in r["host_samples"]) + ")")
+    if paired:
+        lines.append("paired: the median over rounds of the round's best step over the floor from the host "
+                     "measured at the round's start")
     lines.append(f"recompilations after warm-up: {r['recompilations']}")
     return "\n".join(lines)
 

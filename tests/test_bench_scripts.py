@@ -80,6 +80,30 @@ def test_the_linears_bench_times_both_paths_at_every_row_count(llama_dir, monkey
     assert all(0 < t < 60 for row in report["seconds"].values() for t in row.values())
 
 
+def test_bench_steps_paired_ratio_is_each_rounds_best_over_its_own_floor():
+    """`--paired`: round r's best variant over the floor from the host measured at round r's start, the
+    median of those; the report adds the column."""
+    from engine.memory import ModelShape
+    from scripts.bench_step import _paired, floor_s, format_report
+    params = 1_000_000
+    shape = ModelShape(name="m", num_layers=2, num_kv_heads=2, head_dim=16, num_params=params)
+    case = {"batch": 16, "tokens": 16, "context": 256}
+    hosts = [{"bandwidth": 30e9, "flops": 180e9}, {"bandwidth": 15e9, "flops": 90e9}, {"bandwidth": 20e9, "flops": 100e9}]
+    rounds = [{"modules": 0.05, "packed": 0.004}, {"modules": 0.03, "packed": 0.006}, {"modules": 0.02, "packed": 0.01}]
+    _paired(case, rounds, hosts, shape, params)
+    want = [best / floor_s(shape, params, 4, 16, 256, 16, h["bandwidth"], h["flops"])
+            for best, h in zip((0.004, 0.006, 0.01), hosts, strict=True)]
+    assert [r["ratio"] for r in case["paired_rounds"]] == want
+    assert case["paired"] == sorted(want)[1]
+    report = {"model": "m", "threads": 2, "malloc": "tcmalloc", "torch": "2.13", "recompilations": 0,
+              "host": {"bandwidth": 30e9, "flops": 180e9}, "host_samples": [{"bandwidth": 30e9, "flops": 180e9}],
+              "variants": ["modules", "packed"],
+              "cases": {"decode b=16": {"modules": 0.050, "packed": 0.040, "floor": 0.024, "paired": 1.41}}}
+    lines = format_report(report).splitlines()
+    assert lines[1].split()[-1] == "paired" and lines[2].split()[-1] == "1.41"
+    assert lines[-2].startswith("paired: the median over rounds")
+
+
 def test_bench_steps_report_rates_each_variant_against_the_first_and_the_floor():
     from scripts.bench_step import format_report
     report = {"model": "m", "threads": 2, "malloc": "tcmalloc", "torch": "2.13", "recompilations": 0,
