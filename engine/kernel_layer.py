@@ -80,6 +80,12 @@ class Step:
     outs: tuple[torch.Tensor, torch.Tensor]  # [1, T, hidden] each: the layers' outputs in turn
     keep: tuple
 
+    def out_for(self, x: torch.Tensor) -> torch.Tensor:
+        """The output buffer for a layer whose input is x: the one x is not, so a layer's output is
+        the next one's input and no layer allocates (the model keeps only the latest hidden states;
+        a probe runs the modules)."""
+        return self.outs[1] if x is self.outs[0] else self.outs[0]
+
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
@@ -137,9 +143,7 @@ class KernelLayer:
         step = self._step(hidden_states, position_embeddings)
         if step is None:
             return self.module_forward(hidden_states, *args, position_embeddings=position_embeddings, **kwargs)
-        # the step's two output buffers in turn, so a layer's output is the next one's input and no
-        # layer allocates (the model keeps only the latest hidden states; a probe runs the modules)
-        out = step.outs[1] if hidden_states is step.outs[0] else step.outs[0]
+        out = step.out_for(hidden_states)
         self.kernel(self.args, step.args, hidden_states, out)
         return out
 
@@ -318,7 +322,7 @@ class RotaryTable:
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions `[1, T]` -> (cos, sin) `[1, T, dim]` each, in x's dtype, as the module gives them."""
-        top = int(positions.max()) + 1 if positions.numel() else 0
+        top = int(positions.max()) + 1 if self.usable and positions.numel() else 0
         if self.usable and positions.shape[0] == 1 and top <= self.MAX_POSITIONS:
             if (self.cos is None or top > self.cos.shape[1] or self.cos.dtype != x.dtype
                     or self.cos.device != x.device):
@@ -353,8 +357,7 @@ class KernelDecoder:
     def __init__(self, decoder: nn.Module, layers: list[KernelLayer]):
         self.embed, self.norm = decoder.embed_tokens, decoder.norm
         self.rotary = RotaryTable(decoder.rotary_emb)
-        self.layers = layers
-        self.max_rows = layers[0].max_rows  # every layer's (kernel_decoder checks they agree)
+        self.layers = layers  # one shape and GEMM cut (kernel_decoder checks): the first's checks hold for all
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The last hidden states `[1, T, hidden]`, or None where the step is not all the kernels'
@@ -362,10 +365,10 @@ class KernelDecoder:
         x = self.embed(input_ids)
         cos_sin = self.rotary(x, positions)
         step = self.layers[0]._step(x, cos_sin)  # the first layer's checks, and the step's arguments
-        if step is None or (self.max_rows is not None and step.args.tokens > self.max_rows):
+        if step is None:
             return None
         for layer in self.layers:
-            out = step.outs[1] if x is step.outs[0] else step.outs[0]
+            out = step.out_for(x)
             layer.kernel(layer.args, step.args, x, out)
             x = out
         return self.norm(x)
