@@ -250,6 +250,9 @@ class LayerKernel:
         self._fn.restype = _INT
         self._fn.argtypes = [_PTR, _PTR, _PTR, _PTR]
         self._seconds = (ctypes.c_double * len(self.KINDS)).in_dll(lib, "pd_layer_seconds")
+        self._decoder = lib.pd_decoder_forward
+        self._decoder.restype = _INT
+        self._decoder.argtypes = [_PTR, _INT, _PTR, _PTR, _PTR, _PTR, _PTR, _FLOAT, _PTR]
 
     def seconds(self) -> dict[str, float]:
         """Wall seconds every call so far spent on each kind of work (`KINDS`), summed over the process."""
@@ -258,11 +261,24 @@ class LayerKernel:
     def __call__(self, layer: ctypes.Structure, step: ctypes.Structure, x: torch.Tensor, out: torch.Tensor) -> None:
         """x `[..., T, hidden]` float32, contiguous; out likewise, written (may be x)."""
         rc = self._fn(ctypes.addressof(layer), ctypes.addressof(step), x.data_ptr(), out.data_ptr())
+        self._check(rc, "pd_layer_forward", x)
+
+    def decoder(self, layers: ctypes.Array, step: ctypes.Structure, x: torch.Tensor,
+                outs: tuple[torch.Tensor, torch.Tensor], norm: torch.Tensor, eps: float, normed: torch.Tensor) -> None:
+        """`pd_decoder_forward`: every layer of `layers` (an array of the layer structures) in turn,
+        the outputs in `outs` by turns, then RMSNorm(last output; norm, eps) into `normed` (all
+        `[..., T, hidden]` float32, contiguous)."""
+        rc = self._decoder(ctypes.addressof(layers), len(layers), ctypes.addressof(step), x.data_ptr(),
+                           outs[0].data_ptr(), outs[1].data_ptr(), norm.data_ptr(), eps, normed.data_ptr())
+        self._check(rc, "pd_decoder_forward", x)
+
+    @staticmethod
+    def _check(rc: int, name: str, x: torch.Tensor) -> None:
         if rc == -2:
             tokens = x.numel() // x.shape[-1]
             raise MemoryError(f"a decoder layer's attention could not allocate its buffers for {tokens} tokens")
         if rc != 0:
-            raise RuntimeError(f"pd_layer_forward failed ({rc})")
+            raise RuntimeError(f"{name} failed ({rc})")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,14 +29,21 @@ def needs_layers():
 
 
 class Counting:
-    """Counts the calls the layer kernel takes."""
+    """Counts the layer kernel's runs of its layer: a call for the layer alone, or a decoder call
+    (`pd_decoder_forward`), which runs every layer (`siblings`: every layer's counter)."""
 
-    def __init__(self, kernel):
-        self.kernel, self.calls = kernel, 0
+    def __init__(self, kernel, siblings: list):
+        self.kernel, self.calls, self.siblings = kernel, 0, siblings
 
     def __call__(self, *args):
         self.calls += 1
         return self.kernel(*args)
+
+    def decoder(self, table, *args):
+        assert len(table) == len(self.siblings)
+        for counter in self.siblings:
+            counter.calls += 1
+        return self.kernel.decoder(table, *args)
 
 
 def _engine(path: str, **overrides) -> LLMEngine:
@@ -60,7 +67,7 @@ def test_engines_with_and_without_one_call_per_layer_give_transformers_greedy_to
         for layer in layers:
             assert isinstance(layer.forward, kernel_layer.KernelLayer) == on
             if on:
-                layer.forward.kernel = Counting(layer.forward.kernel)
+                layer.forward.kernel = Counting(layer.forward.kernel, calls)
                 calls.append(layer.forward.kernel)
         assert ("decoder layers as one kernel call each" in engine.runner.describe()) == on
         assert staggered_tokens(engine, prompts, 10) == want, on
@@ -94,7 +101,7 @@ def test_the_decoder_loop_calls_the_layers_where_every_layer_is_one_call(llama_d
     (SmolLM3's NoPE layers) keeps its forward."""
     engine = _engine(llama_dir)
     forward = engine.runner.forward
-    assert forward.kernel_decoder is not None
+    assert forward.kernel_decoder is not None and forward.kernel_decoder.table is not None  # one call for all
     assert "(the decoder's loop too)" in engine.runner.describe()
     compared = []
     real = type(forward)._logits
@@ -120,7 +127,12 @@ def test_the_decoder_loop_calls_the_layers_where_every_layer_is_one_call(llama_d
                                     torch.Generator().manual_seed(1))
     x, positions = torch.tensor([[17]]), torch.tensor([[8]])
     with torch.inference_mode(), attention.step_context(meta):
-        assert decoder(x, positions) is not None
+        one_call = decoder(x, positions)
+        table, decoder.table = decoder.table, None  # the layers called one by one, the norm as a module
+        try:
+            assert torch.equal(decoder(x, positions), one_call)  # the pool takes the same K/V twice
+        finally:
+            decoder.table = table
         monkeypatch.setattr(kernel_layer.features, "active_probe", lambda: object())
         assert decoder(x, positions) is None
 
@@ -228,10 +240,12 @@ def test_a_step_with_more_rows_than_the_gemm_takes_runs_the_module(llama_dir, ne
 
 
 @pytest.mark.parametrize("code, error", [(-2, "could not allocate its buffers for 3 tokens"),
-                                         (-3, r"pd_layer_forward failed \(-3\)")])
+                                         (-3, r"pd_(layer|decoder)_forward failed \(-3\)")])
 def test_a_failing_layer_call_raises_what_failed(code, error):
     failing = cpu_kernel.LayerKernel.__new__(cpu_kernel.LayerKernel)
-    failing._fn = lambda *args: code
+    failing._fn = failing._decoder = lambda *args: code
     x = torch.zeros(3, 8)
     with pytest.raises(MemoryError if code == -2 else RuntimeError, match=error):
         failing(kernel_layer.LayerArgs(), kernel_layer.StepArgs(), x, x)
+    with pytest.raises(MemoryError if code == -2 else RuntimeError, match=error):
+        failing.decoder((kernel_layer.LayerArgs * 2)(), kernel_layer.StepArgs(), x, (x, x), x[0], 1e-6, x)

@@ -143,3 +143,24 @@ int pd_layer_forward(const pd_layer *L, const pd_step *S, const float *x, float 
     MARK(LAYER_SMALL);
     return 0;
 }
+
+/* A step's whole decoder after the embedding (engine/kernel_layer.py's KernelDecoder): each layer in
+   turn, layer i writing outs[i % 2] from the one before (x for the first), then the final RMSNorm of
+   the last output into `normed`, all as the Python loop calls them (the same kernels, the same bits)
+   without a ctypes call and a torch allocation per layer. Returns 0, or the first failing layer's
+   code (its outputs and the later layers' are not written). */
+int pd_decoder_forward(const pd_layer *layers, int n, const pd_step *S, const float *x, float *out0, float *out1,
+                       const float *norm, float eps, float *normed) {
+    const float *in = x;
+    for (int i = 0; i < n; i++) {
+        float *out = i % 2 ? out1 : out0;
+        int rc = pd_layer_forward(layers + i, S, in, out);
+        if (rc != 0) return rc;
+        in = out;
+    }
+    int hid = n > 0 ? layers[0].hidden : 0;
+    double t0 = now_s(), t1;
+    pd_rms_norm(in, hid, norm, eps, normed, hid, S->tokens, hid, S->threads);
+    MARK(LAYER_SMALL);
+    return 0;
+}
