@@ -17,9 +17,28 @@ from protocol.errors import InvalidRequest
 _WINDOW = 6  # tokens of left context; byte-level BPE merges never reach further back
 
 
+def _decoder(tokenizer):
+    """`tokenizer.decode(ids, skip_special_tokens=True)` as one call. For a transformers fast
+    tokenizer that neither overrides decoding nor cleans up spaces, that is its Rust backend's
+    decode (transformers' `_decode` calls it and returns its text): a third of the time per call
+    (1.5 against 5 us here), and a decode step calls it twice per row."""
+    try:
+        from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+        from transformers.tokenization_utils_tokenizers import TokenizersBackend
+    except ImportError:  # another transformers layout: the tokenizer's own decode
+        TokenizersBackend = None
+    kind = type(tokenizer)
+    if (TokenizersBackend is not None and isinstance(tokenizer, TokenizersBackend)
+            and kind.decode is PreTrainedTokenizerBase.decode and kind._decode is TokenizersBackend._decode
+            and not tokenizer.clean_up_tokenization_spaces):
+        backend = tokenizer.backend_tokenizer
+        return lambda ids: backend.decode(ids, skip_special_tokens=True)
+    return lambda ids: tokenizer.decode(ids, skip_special_tokens=True)
+
+
 class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_token_ids: list[int], stop: tuple[str, ...] = ()):
-        self._tokenizer = tokenizer
+        self._decode = _decoder(tokenizer)
         self._ids = self._context(prompt_token_ids)
         self._prefix_offset = 0
         self._read_offset = len(self._ids)
@@ -27,9 +46,6 @@ class IncrementalDetokenizer:
         self._holdback = max((len(s) for s in stop), default=1) - 1
         self.text = ""  # all output text so far (cut at a stop string once one is seen)
         self._emitted = 0  # characters of `text` already handed out
-
-    def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     def _context(self, prompt_token_ids: list[int]) -> list[int]:
         """The prompt's last tokens as left context; none if they end mid-character, so that

@@ -4,12 +4,13 @@ repeats nor drops a character."""
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
 from transformers import AutoTokenizer
 
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, _decoder
 from protocol.errors import InvalidRequest
 
 
@@ -137,3 +138,25 @@ def test_mark_emitted_refuses_more_than_the_text(tok):
     detok.add_token(tok.encode("hello", add_special_tokens=False)[0])
     with pytest.raises(InvalidRequest, match=r"emitted_chars is 99 but the output text so far has \d+ characters"):
         detok.mark_emitted(99)
+
+
+def test_the_decoder_is_the_backends_where_that_is_what_decode_returns(tok, byte_ids):
+    """A transformers fast tokenizer that neither cleans up spaces nor overrides decoding is decoded
+    by its Rust backend directly (transformers' `_decode` returns the backend's text): the same text
+    for any ids, special tokens and broken UTF-8 included. A tokenizer that cleans up, or any other
+    object with a `decode`, is called as it is."""
+    fast = _decoder(tok)
+    assert "backend" in fast.__code__.co_freevars  # the backend's decode, not transformers' wrapper
+    rng = random.Random(3)
+    for _ in range(200):
+        ids = _random_ids(rng, tok, byte_ids, rng.randint(0, 12))
+        assert fast(ids) == tok.decode(ids, skip_special_tokens=True)
+
+    class Own:
+        def decode(self, ids, skip_special_tokens=False):
+            return f"{len(ids)} {skip_special_tokens}"
+
+    assert _decoder(Own())([1, 2]) == "2 True"
+    cleaning = copy.deepcopy(tok)
+    cleaning.clean_up_tokenization_spaces = True
+    assert "backend" not in _decoder(cleaning).__code__.co_freevars
