@@ -44,6 +44,8 @@ from pathlib import Path
 
 import torch
 
+from engine import hugepages
+
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
@@ -142,12 +144,13 @@ class SmallGemm:
         self._pack.restype = self._gemm.restype = None
         self._pack.argtypes = [_PTR, _I64, _I64, _PTR]
         self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT]
+        self._arena = hugepages.Arena()  # every step reads the panels end to end: 2 MiB pages
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """`[N, K]` float32 -> its panels, `[ceil(N / 16) * K * 16]`."""
         n, k = weight.shape
         weight = weight.detach().contiguous()
-        panels = torch.empty(-(-n // 16) * k * 16, dtype=torch.float32)
+        panels = self._arena.take(-(-n // 16) * k * 16)
         self._pack(weight.data_ptr(), n, k, panels.data_ptr())
         return panels
 

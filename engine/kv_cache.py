@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
+from engine import hugepages
+
 
 class BlockAllocator:
     def __init__(self, num_blocks: int, enable_caching: bool = True):
@@ -172,4 +174,7 @@ def allocate_kv_pool(
 ) -> torch.Tensor:
     # [num_blocks, layers, 2, block_size, kv_heads, head_dim]: block-major, so each block is one
     # contiguous run of bytes that a KV channel sends and receives in place
-    return torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
+    if torch.device(device).type == "cpu":  # a step reads a few KB from blocks all over it: 2 MiB pages
+        return hugepages.zeros(*shape, dtype=dtype)[0]
+    return torch.zeros(*shape, dtype=dtype, device=device)
