@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine import attention, dense, fused, kernel_layer
+from engine import attention, dense, fused, kernel_decoder, kernel_layer
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class Forward:
         # with `fuse`: each decoder layer that is all the kernels' as one call (engine/kernel_layer.py)
         self.layer_kernel = kernels if kernel_layers else None
         self.kernel_layers = 0  # decoder layers so swapped
-        self.kernel_decoder: kernel_layer.KernelDecoder | None = None  # all of them: the decoder's loop too
+        self.kernel_decoder: kernel_decoder.KernelDecoder | None = None  # all of them: the decoder's loop too
         self.fallback_reason: str | None = None
         self.graphs_reason: str | None = None  # why CUDA graphs were asked for and are not used
         self._compiled = None
@@ -171,7 +171,7 @@ class Forward:
             dense.fuse_rms_norms(self.model, self.device, skip=skip, kernel=self.rms_norm if self.fuse else None)
             if self.fuse and self.layer_kernel is not None and skip is None:
                 self.kernel_layers = kernel_layer.swap_layers(self.model, self.layer_kernel)
-                self.kernel_decoder = kernel_layer.kernel_decoder(self.model)
+                self.kernel_decoder = kernel_decoder.kernel_decoder(self.model)
 
     def __call__(self, input_ids, positions, sample_rows, decode_only: bool = False):
         """`decode_only`: the step has one token per row and no prefill, so it may be padded to a

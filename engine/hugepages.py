@@ -58,12 +58,11 @@ def ask_huge_pages(t: torch.Tensor) -> bool:
     return _madvise()(start, end - start, MADV_HUGEPAGE) == 0
 
 
-def zeros(*shape: int, dtype: torch.dtype) -> tuple[torch.Tensor, bool]:
-    """`torch.zeros(shape, dtype)` on the CPU, on 2 MiB pages where the host gives them; and whether
-    they were asked for."""
+def zeros(*shape: int, dtype: torch.dtype) -> torch.Tensor:
+    """`torch.zeros(shape, dtype)` on the CPU, on 2 MiB pages where the host gives them."""
     t = torch.empty(*shape, dtype=dtype)
-    asked = ask_huge_pages(t)
-    return t.zero_(), asked
+    ask_huge_pages(t)
+    return t.zero_()
 
 
 class Arena:

@@ -176,5 +176,5 @@ def allocate_kv_pool(
     # contiguous run of bytes that a KV channel sends and receives in place
     shape = (num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim)
     if torch.device(device).type == "cpu":  # a step reads a few KB from blocks all over it: 2 MiB pages
-        return hugepages.zeros(*shape, dtype=dtype)[0]
+        return hugepages.zeros(*shape, dtype=dtype)
     return torch.zeros(*shape, dtype=dtype, device=device)

@@ -56,8 +56,8 @@ def test_the_kv_pool_is_zeros_on_huge_pages():
     assert pool.shape == (96, 4, 2, 16, 2, 64) and pool.is_contiguous() and not pool.any()
     first_huge = -(-pool.data_ptr() // hugepages.HUGE_PAGE) * hugepages.HUGE_PAGE
     assert "hg" in _vm_flags(first_huge)  # madvise(MADV_HUGEPAGE) took
-    small, asked = hugepages.zeros(1000, dtype=torch.float32)  # no whole 2 MiB page inside: nothing to ask
-    assert not asked and not small.any()
+    small = hugepages.zeros(1000, dtype=torch.float32)
+    assert not small.any() and not hugepages.ask_huge_pages(small)  # no whole 2 MiB page inside: nothing to ask
 
 
 @needs_thp

@@ -14,7 +14,7 @@ import random
 import pytest
 import torch
 
-from engine import attention, cpu_kernel, kernel_layer
+from engine import attention, cpu_kernel, kernel_decoder, kernel_layer
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from scripts.device_check import staggered_tokens
@@ -142,7 +142,7 @@ def test_rotary_tables_are_the_modules_outputs_for_any_positions(llama_dir, capl
     of any size and positions past the first table (it grows); a module whose output depends on the
     batch it is given (not elementwise in the position) gets no table; dynamic rotary keeps the module."""
     rotary = _engine(llama_dir).runner.model.model.rotary_emb
-    table = kernel_layer.RotaryTable(rotary)
+    table = kernel_decoder.RotaryTable(rotary)
     x = torch.randn(1, 1, 8)
     g = torch.Generator().manual_seed(2)
     for tokens in (1, 2, 5, 16, 64, 300):
@@ -150,9 +150,9 @@ def test_rotary_tables_are_the_modules_outputs_for_any_positions(llama_dir, capl
         got, want = table(x, positions), rotary(x, position_ids=positions)
         assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), tokens
     assert table.usable and table.cos.shape[1] >= 6000
-    far = torch.tensor([[5, kernel_layer.RotaryTable.MAX_POSITIONS + 3]])  # past the table's cap: the module's
+    far = torch.tensor([[5, kernel_decoder.RotaryTable.MAX_POSITIONS + 3]])  # past the table's cap: the module's
     assert torch.equal(table(x, far)[0], rotary(x, position_ids=far)[0])
-    assert table.cos.shape[1] <= kernel_layer.RotaryTable.MAX_POSITIONS
+    assert table.cos.shape[1] <= kernel_decoder.RotaryTable.MAX_POSITIONS
 
     class BatchDependent(torch.nn.Module):
         rope_type = "default"
@@ -161,15 +161,15 @@ def test_rotary_tables_are_the_modules_outputs_for_any_positions(llama_dir, capl
             cos, sin = rotary(x, position_ids=position_ids)
             return cos + position_ids.shape[1], sin
 
-    odd = kernel_layer.RotaryTable(BatchDependent())
+    odd = kernel_decoder.RotaryTable(BatchDependent())
     positions = torch.tensor([[3, 4, 5]])
-    with caplog.at_level(logging.INFO, logger="engine.kernel_layer"):
+    with caplog.at_level(logging.INFO, logger="engine.kernel_decoder"):
         got = odd(x, positions)
     assert not odd.usable and torch.equal(got[0], rotary(x, position_ids=positions)[0] + 3)
     assert "rotary tables computed each step" in caplog.text
     dynamic = BatchDependent()
     dynamic.rope_type = "dynamic"
-    assert not kernel_layer.RotaryTable(dynamic).usable
+    assert not kernel_decoder.RotaryTable(dynamic).usable
 
 
 def _fused_engine(path: str) -> LLMEngine:
