@@ -328,8 +328,8 @@ async def _closed_by_server(port: int, sent: bytes, drip_s: float | None = None)
     """Opens a raw connection, sends `sent` (all at once, or a byte every `drip_s`: slowloris) and
     returns the seconds until the server closed it without a byte of reply; fails after 10 s."""
     loop = asyncio.get_running_loop()
+    started = loop.time()  # before the connect: the server's deadline starts when it accepts, inside it
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    started = loop.time()
 
     async def send() -> None:
         try:
