@@ -40,6 +40,7 @@ import torch
 from torch import nn
 
 from engine import attention, dense, fused, kernel_decoder, kernel_layer
+from engine.greedy_head import GreedyHead
 
 log = logging.getLogger(__name__)
 
@@ -96,7 +97,7 @@ class Forward:
 
     def __init__(self, model: nn.Module, mode: str, device: torch.device, cuda_graphs: bool = False,
                  prepack: bool = True, graph_buckets: tuple[int, ...] = (), kernels=None, fuse: bool = True,
-                 kernel_layers: bool = True):
+                 kernel_layers: bool = True, greedy_head: bool = True):
         self.model = model
         self.decoder = model.get_decoder()
         self.device = device
@@ -112,6 +113,9 @@ class Forward:
         self.layer_kernel = kernels if kernel_layers else None
         self.kernel_layers = 0  # decoder layers so swapped
         self.kernel_decoder: kernel_decoder.KernelDecoder | None = None  # all of them: the decoder's loop too
+        # with the kernel decoder: an all-greedy step's tokens without the float32 logits (engine/greedy_head.py)
+        self.greedy_head: GreedyHead | None = None
+        self.greedy_reason = "" if greedy_head else "engine.greedy_head: off"  # why there is none
         self.fallback_reason: str | None = None
         self.graphs_reason: str | None = None  # why CUDA graphs were asked for and are not used
         self._compiled = None
@@ -172,28 +176,39 @@ class Forward:
             if self.fuse and self.layer_kernel is not None and skip is None:
                 self.kernel_layers = kernel_layer.swap_layers(self.model, self.layer_kernel)
                 self.kernel_decoder = kernel_decoder.kernel_decoder(self.model)
+        if self.kernel_decoder is None:
+            self.greedy_reason = self.greedy_reason or "the decoder is not the kernel's"
+        elif not self.greedy_reason:
+            self.greedy_reason = GreedyHead.fits(self.model.lm_head) or ""
+            self.greedy_head = None if self.greedy_reason else GreedyHead(self.model.lm_head)
 
-    def __call__(self, input_ids, positions, sample_rows, decode_only: bool = False):
+    def __call__(self, input_ids, positions, sample_rows, decode_only: bool = False, greedy: bool = False):
         """`decode_only`: the step has one token per row and no prefill, so it may be padded to a
-        bucket and replay that bucket's CUDA graphs."""
+        bucket and replay that bucket's CUDA graphs. `greedy`: every sampled row is greedy, so the
+        greedy tokens `[n]` (int64) may come back instead of the logits."""
         size = bucket_for(input_ids.shape[1], self.buckets) if decode_only else None
         if size is None:
-            return self._logits(input_ids, positions, sample_rows)
+            return self._logits(input_ids, positions, sample_rows, greedy)
         input_ids, positions = pad_tokens(input_ids, positions, size)
         self._use_graphed = self._graphed is not None
         try:
             if self._use_graphed:
                 torch.compiler.cudagraph_mark_step_begin()  # last step's graph outputs are consumed
                 self.graph_steps += 1
-            return self._logits(input_ids, positions, sample_rows)
+            return self._logits(input_ids, positions, sample_rows, greedy)
         finally:
             self._use_graphed = False
 
-    def _logits(self, input_ids, positions, sample_rows):
+    def _logits(self, input_ids, positions, sample_rows, greedy: bool = False):
         if self.kernel_decoder is not None:
             hidden = self.kernel_decoder(input_ids, positions)
             if hidden is not None:  # the head as the model's forward applies it
-                return self.model.lm_head(hidden[:, sample_rows, :])
+                rows = hidden[:, sample_rows, :]
+                if greedy and self.greedy_head is not None and rows.shape[1]:
+                    tokens = self.greedy_head(rows[0])
+                    if tokens is not None:
+                        return tokens
+                return self.model.lm_head(rows)
         return self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
                           logits_to_keep=sample_rows).logits
 

@@ -34,6 +34,8 @@ class EngineConfig:
     fuse_layers: bool = True
     # with fused layers and the CPU kernels: each decoder layer one kernel call (engine/kernel_layer.py); off = to compare
     kernel_layers: bool = True
+    # with the decoder as kernel calls: an all-greedy step's tokens from a half-float head (engine/greedy_head.py); off = to compare
+    greedy_head: bool = True
 
     def __post_init__(self) -> None:
         checks = {

@@ -140,10 +140,13 @@ class SmallGemm:
     """`sg_pack` / `sg_gemm`: float32 `x @ W^T + bias` (for up to SMALL_ROWS rows, where that is set)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._pack, self._gemm = lib.sg_pack, lib.sg_gemm
+        self._pack, self._gemm, self._greedy = lib.sg_pack, lib.sg_gemm, lib.sg_greedy
         self._pack.restype = self._gemm.restype = None
         self._pack.argtypes = [_PTR, _I64, _I64, _PTR]
         self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT]
+        self._greedy.restype = _INT
+        self._greedy.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _INT, _INT, ctypes.c_double,
+                                 ctypes.c_double, _PTR, _PTR, _INT]
         self._arena = hugepages.Arena()  # every step reads the panels end to end: 2 MiB pages
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
@@ -153,6 +156,29 @@ class SmallGemm:
         panels = self._arena.take(-(-n // 16) * k * 16)
         self._pack(weight.data_ptr(), n, k, panels.data_ptr())
         return panels
+
+    def half(self, panels: torch.Tensor) -> torch.Tensor:
+        """The panels rounded to IEEE half floats (to nearest even), laid out alike: the greedy head's
+        first pass."""
+        half = self._arena.take(panels.numel() // 2).view(torch.float16)
+        half.copy_(panels)
+        return half
+
+    def greedy(self, x: torch.Tensor, panels: torch.Tensor, half: torch.Tensor, bias: torch.Tensor | None,
+               norms: torch.Tensor, rel: float, abs_: float, approx: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """`sg_greedy`: x `[M, K]` (rows contiguous) -> (`[M]` int64, the argmax of each row of
+        `x @ W^T + bias` as `self(...)` computes it; `[M]` int32, the float32 panels each row reread),
+        or None where a value is not finite. `norms`: `[n]` float32, each at least its |W_j|;
+        `approx`: `[>= M * n]` float32 scratch."""
+        m, k = x.shape
+        n = norms.numel()
+        assert x.dtype == torch.float32 and x.stride(1) == 1 and approx.numel() >= m * n
+        tokens, reread = torch.empty(m, dtype=torch.int64), torch.empty(m, dtype=torch.int32)
+        rc = self._greedy(x.data_ptr(), x.stride(0), panels.data_ptr(), half.data_ptr(),
+                          None if bias is None else bias.data_ptr(), norms.data_ptr(), approx.data_ptr(), m, n, k,
+                          rel, abs_, tokens.data_ptr(), reread.data_ptr(), torch.get_num_threads())
+        return (tokens, reread) if rc == 0 else None
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
                  threads: int | None = None) -> torch.Tensor:

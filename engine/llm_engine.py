@@ -269,13 +269,16 @@ class LLMEngine:
         self.last_step = tuple(StepItem(it.num_tokens, it.end) for it in items)
         step_kind = _step_kind(items)
         t1 = time.perf_counter()
-        logits = self.runner.execute(items)
-        t2 = time.perf_counter()
         sampling = [it.request for it in items if it.samples]
+        out = self.runner.execute(items, greedy=all(req.sampling.greedy for req in sampling))
+        t2 = time.perf_counter()
         for it in items:
             self._register(it.request, it.start, it.end)
             it.request.num_computed_tokens += it.num_tokens
-        tokens = sample_isolated(logits, sampling, self._generator, self.runner.argmax)
+        if out.dim() == 1:  # every row greedy, and the runner found the tokens without the logits
+            tokens: list[int | Exception] = out.tolist()
+        else:
+            tokens = sample_isolated(out, sampling, self._generator, self.runner.argmax)
         outputs = [self._emit(req, tok) for req, tok in zip(sampling, tokens, strict=True)]
         if self.pace is not None:
             self.pace()  # sleeps out the emulated step: recorded below as the step's time

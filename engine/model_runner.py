@@ -94,6 +94,7 @@ class ModelRunner:
         self.forward = compiled.Forward(self.model, config.compile, self.device, config.cuda_graphs,
                                         prepack=config.prepack_linears, kernels=dense_kernels,
                                         fuse=config.fuse_layers, kernel_layers=config.kernel_layers,
+                                        greedy_head=config.greedy_head,
                                         graph_buckets=compiled.graph_buckets(config.max_num_seqs))
         self.forward.warm_up(self.fresh_prompt_metadata)
 
@@ -127,6 +128,8 @@ class ModelRunner:
             how += f", {self.forward.kernel_layers} decoder layers as one kernel call each"
             if self.forward.kernel_decoder is not None:
                 how += " (the decoder's loop too)"
+        if self.forward.greedy_head is not None:
+            how += ", greedy steps' tokens from a half-float copy of the LM head"
         return f"{self.hf_config.model_type} in {dtype} on {self.device}, {how}"
 
     def _cpu_kernels(self) -> tuple[cpu_kernel.Kernels | None, str]:
@@ -161,6 +164,9 @@ class ModelRunner:
             if self.small_gemm is not None and cpu_kernel.SMALL_ROWS is not None:  # panels beside oneDNN's copy
                 weights += sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
                                if type(m) is torch.nn.Linear)
+            head = self.model.get_output_embeddings()
+            if self.small_gemm is not None and self.config.greedy_head and head is not None:
+                weights += head.weight.numel() * 2  # the greedy head's half-float copy, where it is made
             budget = int(device_memory(self.device) * cfg.memory_fraction) - weights - cfg.runtime_overhead
         blocks = num_kv_blocks(self.shape, self.dtype, budget, self.block_size)
         if blocks < 1:
@@ -169,12 +175,14 @@ class ModelRunner:
         return blocks
 
     @torch.inference_mode()
-    def execute(self, items: list[ScheduledItem]) -> torch.Tensor:
-        """Run one step; returns float32 logits `[n_sampling, vocab]` in the order of `items`."""
+    def execute(self, items: list[ScheduledItem], greedy: bool = False) -> torch.Tensor:
+        """Run one step; returns float32 logits `[n_sampling, vocab]` in the order of `items`, or,
+        with `greedy` (every sampled row samples greedily), maybe their greedy tokens `[n_sampling]`
+        (int64) instead: the argmax of those logits, found without them (engine/greedy_head.py)."""
         input_ids, positions, meta, sample_rows = self._prepare(items)
         with attention.step_context(meta):
-            logits = self.forward(input_ids, positions, sample_rows, decode_only=not meta.prefills)
-        return logits[0].float()  # [n_sampling, V]
+            out = self.forward(input_ids, positions, sample_rows, decode_only=not meta.prefills, greedy=greedy)
+        return out if out.dim() == 1 else out[0].float()
 
     def _prepare(self, items: list[ScheduledItem]):
         """Flatten `items` (decodes first, as the scheduler orders them) into one row."""

@@ -181,11 +181,11 @@ def test_decode_steps_padded_to_a_bucket_stay_token_exact(llama_dir):
     widths: list[tuple[int, int]] = []  # (rows run, slots written) of each padded step
     plain = forward._logits
 
-    def spy(input_ids, positions, sample_rows):
+    def spy(input_ids, positions, sample_rows, greedy=False):
         from engine import attention
 
         widths.append((input_ids.shape[1], attention._current[-1].slot_blocks.shape[0]))
-        return plain(input_ids, positions, sample_rows)
+        return plain(input_ids, positions, sample_rows, greedy)
 
     forward._logits = spy
     prompts = _prompts(5, seed=13, lo=1, hi=40)

@@ -106,7 +106,7 @@ def test_the_decoder_loop_calls_the_layers_where_every_layer_is_one_call(llama_d
     compared = []
     real = type(forward)._logits
 
-    def both(self, input_ids, positions, sample_rows):
+    def both(self, input_ids, positions, sample_rows, greedy=False):  # logits, greedy or not: compared here
         mine = real(self, input_ids, positions, sample_rows)  # the pool takes the same K/V twice
         decoder, self.kernel_decoder = self.kernel_decoder, None
         try:

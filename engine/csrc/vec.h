@@ -1,11 +1,14 @@
 /* 8-lane float vectors for pdserve's CPU kernels, in GCC/Clang vector extensions (so they build
    for any target: AVX2 registers on x86-64, two NEON registers on arm64) and the scalar helpers
-   they share: bfloat16 widening and rounding, a vector exp for softmax. */
+   they share: bfloat16 widening and rounding, half-float widening, a vector exp for softmax. */
 #ifndef PDSERVE_VEC_H
 #define PDSERVE_VEC_H
 
 #include <stdint.h>
 #include <string.h>
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 typedef float v8f __attribute__((vector_size(32)));
 typedef int32_t v8i __attribute__((vector_size(32)));
@@ -40,6 +43,34 @@ static inline v8f bf16_load8(const uint16_t *p) { /* eight bfloat16 widened: the
     memcpy(&x, &u, sizeof x);
     return x;
 }
+
+/* Eight IEEE half floats widened (exactly): one instruction where the CPU converts them (F16C). */
+#if defined(__F16C__)
+static inline v8f f16_load8(const uint16_t *p) {
+    __m256 wide = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    v8f x;
+    memcpy(&x, &wide, sizeof x);
+    return x;
+}
+#else
+static inline float f16_load(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31u, mant = h & 1023u, u;
+    if (exp == 0) { /* zero or subnormal: mant * 2^-24, exact in float */
+        float f = (float)mant * 0x1p-24f;
+        return sign ? -f : f;
+    }
+    u = sign | (exp == 31 ? 0x7F800000u | mant << 13 : (exp + 112) << 23 | mant << 13);
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+static inline v8f f16_load8(const uint16_t *p) {
+    v8f x;
+    for (int l = 0; l < 8; l++) x[l] = f16_load(p[l]);
+    return x;
+}
+#endif
 
 static inline void store8(float *p, v8f x) { memcpy(p, &x, sizeof x); }
 

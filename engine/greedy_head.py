@@ -1,0 +1,93 @@
+"""The LM head of an all-greedy step: each row's argmax without reading all of the head's float32 weights.
+
+A decode step whose rows all sample greedily needs the largest of each row's logits, not the
+logits. The head is the biggest single weight of a small model (SmolLM2-135M: 49152 x 576 float32,
+113 MB, a fifth of a step's reads at 16 rows), so it first runs on a copy of its panels in IEEE
+half floats (half the bytes), which pins every float32 logit to a narrow window, and then reruns
+in float32 only the few panels whose columns can still be the largest. The token is the one the
+full float32 product and argmax give, bit for bit; it is not an approximation:
+
+For row x and column j, let L_j be the float32 logit as the GEMM computes it (a plain sum over k
+in order) and A_j the same sum over f16(W_j), W rounded to nearest half float: |f16(w) - w| <=
+u |w| + t with u = 2^-11 (and t = 2^-25 for values in the subnormal range). With S_j = sum_k |x_k|
+|W_jk| <= |x| |W_j| (Cauchy-Schwarz), sum_k |x_k| <= sqrt(K) |x|, and g = K 2^-24 / (1 - K 2^-24)
+the float32 rounding of a K-term sum:
+
+    |L_j - A_j| <= (u + g (2 + u)) |W_j| |x| + t (1 + g) sqrt(K) |x| = D_j.
+
+The argmax j* of L then has A_j* + D_j* >= L_j* >= L_i >= A_i - D_i for every i: it is among the
+columns with A_j + D_j >= max_i (A_i - D_i). Those columns' panels are multiplied by x in float32
+exactly as the GEMM does (the same tile code: the same bits), and the largest, the first on a
+tie (torch's argmax's rule), is the token. A row with a value that is not finite takes the full
+product, as does a head with a weight beyond half float's range (none is built).
+
+Only steps whose every sampled row is greedy use it; any other step computes the logits
+(engine/model_runner.py). docs/engine_speed.md has the window's width and the step's figures.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+HALF_ROUNDING = 2.0**-11  # relative error of rounding float32 to an IEEE half float, to nearest
+HALF_SUBNORMAL = 2.0**-25  # the absolute error below half float's normal range
+HALF_LARGEST = 65504.0
+
+
+def bounds(k: int) -> tuple[float, float]:
+    """(rel, abs): D_j = |x| (rel |W_j| + abs) for a K-long row x."""
+    g = k * 2.0**-24 / (1 - k * 2.0**-24)
+    return HALF_ROUNDING + g * (2 + HALF_ROUNDING), HALF_SUBNORMAL * (1 + g) * math.sqrt(k)
+
+
+def column_norms(panels: torch.Tensor, k: int, n: int) -> torch.Tensor:
+    """|W_j| for each of the n columns of GEMM panels, in float32 rounded up."""
+    columns = panels.view(-1, k, 16)  # [panel, k, column]: a panel's 16 rows of W
+    norms = torch.cat([part.double().square().sum(1).sqrt().flatten() for part in columns.split(64)])[:n]
+    return torch.nextafter(norms.float(), torch.tensor(math.inf))
+
+
+class GreedyHead:
+    """`(x [M, K] float32) -> [M] int64 greedy tokens` of a `dense.PackedLinear` with GEMM panels,
+    or None where the full product must be taken (a value that is not finite)."""
+
+    def __init__(self, head) -> None:
+        self.gemm, self.panels, self.bias = head.gemm, head.panels, head.bias
+        self.n, self.k = head.out_features, head.in_features
+        self.half = self.gemm.half(self.panels)
+        self.norms = column_norms(self.panels, self.k, self.n)
+        self.rel, self.abs = bounds(self.k)
+        self._approx = torch.empty(0)
+        self.calls = self.full = 0  # steps it ran; of those, the ones that took the full product
+        self.rows = self.reread = 0  # rows it gave tokens for; the float32 panels it reread for them
+
+    @staticmethod
+    def fits(head) -> str | None:
+        """Why `head` gets no greedy head, or None: it does."""
+        if getattr(head, "panels", None) is None:
+            return "the LM head is not on the CPU GEMM's panels"
+        if head.panels.abs().max() >= HALF_LARGEST:
+            return "a weight of the LM head is beyond half float's range"
+        return None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        m = x.shape[0]
+        if self._approx.numel() < m * self.n:
+            self._approx = torch.empty(m * self.n)
+        found = self.gemm.greedy(x.contiguous(), self.panels, self.half, self.bias, self.norms, self.rel, self.abs,
+                                 self._approx)
+        self.calls += 1
+        if found is None:
+            self.full += 1
+            return None
+        tokens, reread = found
+        self.rows += m
+        self.reread += int(reread.sum())
+        return tokens
+
+    @property
+    def nbytes(self) -> int:
+        """The memory it adds: the half-float panels and the norms."""
+        return self.half.numel() * self.half.element_size() + self.norms.numel() * 4

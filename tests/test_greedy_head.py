@@ -1,0 +1,122 @@
+"""The greedy LM head (engine/greedy_head.py): an all-greedy step's tokens from a half-float copy of
+the head's panels, bit for bit the argmax of the full float32 product, on exact ties, near ties, tiny
+(subnormal) weights and a bias; the full product where a value is not finite; in the engine,
+token-exact against transformers' `generate`, and only on steps whose every row is greedy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from engine import cpu_kernel, dense
+from engine.config import EngineConfig
+from engine.greedy_head import GreedyHead
+from engine.llm_engine import LLMEngine
+from protocol.sampling import SamplingParams
+from tests.reference import hf_greedy
+
+KERNELS, WHY = cpu_kernel.load()
+pytestmark = pytest.mark.skipif(KERNELS is None, reason=f"no CPU kernels here: {WHY}")
+
+
+def _head(n: int, k: int, bias: bool, scale: float = 0.05, seed: int = 0) -> dense.PackedLinear:
+    torch.manual_seed(seed)
+    linear = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k) * scale)
+        linear.weight[300] = linear.weight[7]  # an exact tie: the first index wins
+        linear.weight[11] = linear.weight[10] * (1 + 2**-20)  # a near tie, far inside the half-float window
+        if bias:
+            linear.bias[300] = linear.bias[7]
+    return dense.PackedLinear(linear, keep_weight=False, gemm=KERNELS.gemm, small_rows=None)
+
+
+def _full_argmax(head: dense.PackedLinear, x: torch.Tensor) -> torch.Tensor:
+    return KERNELS.argmax(head(x))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 5, 16, 23])
+def test_the_greedy_head_gives_the_full_products_argmax_bit_for_bit(bias, rows):
+    """Random rows, and rows pointing at the tied and near-tied columns (where the half-float
+    estimates cannot tell them apart and the float32 rerun must), against argmax over the full
+    float32 product by the same GEMM. Few panels are reread: the window is narrow."""
+    n, k = 1003, 72  # a part panel at the end
+    head = _head(n, k, bias)
+    x = torch.randn(rows, k) * 4
+    w = head.panels.view(-1, k, 16)  # [panel, k, column]
+    column = lambda j: w[j // 16, :, j % 16]  # noqa: E731
+    if rows >= 5:
+        x[1], x[2], x[3] = column(7) * 200, column(10) * 200, -column(11) * 200
+    greedy = GreedyHead(head)
+    tokens = greedy(x)
+    assert tokens is not None and torch.equal(tokens, _full_argmax(head, x))
+    if rows >= 5:
+        assert tokens[1] == 7  # not 300: the first of equal logits
+    assert greedy.rows == rows and greedy.full == 0
+    assert greedy.reread < rows * 8, "the window should leave a handful of panels per row, not all 63"
+
+
+def test_the_window_holds_for_tiny_weights_and_a_long_row():
+    """Weights below half float's normal range (rounded with an absolute, not a relative, error) and
+    a 2048-long row (the float32 sums' own rounding grows with K): still the full argmax, every row."""
+    for scale, k in ((3e-6, 64), (0.02, 2048)):
+        head = _head(700, k, bias=False, scale=scale, seed=3)
+        x = torch.randn(40, k) * 30
+        greedy = GreedyHead(head)
+        assert torch.equal(greedy(x), _full_argmax(head, x)), (scale, k)
+
+
+def test_a_value_that_is_not_finite_takes_the_full_product_and_a_weight_beyond_half_float_gets_no_head():
+    head = _head(400, 32, bias=False)
+    greedy = GreedyHead(head)
+    for bad in (float("nan"), float("inf")):
+        x = torch.randn(3, 32)
+        x[1, 4] = bad
+        assert greedy(x) is None
+    assert greedy.full == 2 and greedy.calls == 2
+    assert GreedyHead.fits(head) is None
+    with torch.no_grad():
+        head.panels[5] = 7e4
+    assert GreedyHead.fits(head) == "a weight of the LM head is beyond half float's range"
+
+
+def _engine(path: str, **kw) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_path=path, num_blocks=256, dtype="float32", **kw))
+
+
+def _run(engine: LLMEngine, prompts: list[list[int]], sampling: list[SamplingParams]) -> list[list[int]]:
+    for i, (prompt, params) in enumerate(zip(prompts, sampling, strict=True)):
+        engine.add_request(f"r{i}", prompt_token_ids=prompt, sampling=params)
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for o in engine.step():
+            out.setdefault(o.request_id, []).extend(o.token_ids)
+    assert engine.allocator.num_used == 0
+    return [out[f"r{i}"] for i in range(len(prompts))]
+
+
+def test_greedy_steps_take_the_half_float_head_and_give_generates_tokens(llama_dir):
+    engine = _engine(llama_dir)
+    head = engine.runner.forward.greedy_head
+    assert head is not None and "half-float copy of the LM head" in engine.runner.describe()
+    prompts = [[11, 12, 13], list(range(40, 75)), [5] * 9]
+    greedy = SamplingParams(max_tokens=12, ignore_eos=True)
+    assert _run(engine, prompts, [greedy] * 3) == [hf_greedy(llama_dir, p, 12, ignore_eos=True) for p in prompts]
+    assert head.rows >= 3 * 12 and head.full == 0
+
+
+def test_a_step_with_a_sampled_row_computes_the_logits_and_samples_as_without_the_greedy_head(llama_dir):
+    """One sampled request among greedy ones: its steps take the full head (the greedy head is not
+    called), and every request gets the tokens an engine without the greedy head gives."""
+    prompts = [[11, 12, 13], list(range(40, 60))]
+    sampling = [SamplingParams(max_tokens=10, ignore_eos=True),
+                SamplingParams(max_tokens=6, temperature=0.9, seed=4, ignore_eos=True)]
+    engine = _engine(llama_dir)
+    head = engine.runner.forward.greedy_head
+    got = _run(engine, prompts, sampling)
+    off = _engine(llama_dir, greedy_head=False)
+    assert off.runner.forward.greedy_head is None and off.runner.forward.greedy_reason == "engine.greedy_head: off"
+    assert got == _run(off, prompts, sampling)
+    assert head.rows == 10 - 6  # the greedy request's steps after the sampled one finished
