@@ -9,7 +9,9 @@ One process holds one `LLMEngine` per variant on the same checkpoint:
 - `modules`: eager, prepacked linears, the CPU kernels and fused layers, each decoder layer still
   its modules (`kernel_layers` off: engine/cpu_kernel.py, engine/fused.py);
 - `packed`: all of that with each decoder layer one kernel call (the default on CPU:
-  engine/kernel_layer.py);
+  engine/kernel_layer.py), and an all-greedy step's tokens from the half-float head
+  (engine/greedy_head.py; every request here is greedy);
+- `fullhead`: `packed` with `greedy_head` off: the float32 logits and the argmax;
 - `compiled`: `engine.compile: on` (inductor around the opaque paged-attention op), with `--compile`;
 - `bfloat16`: the packed eager path in bfloat16, with `--bf16`.
 Each variant is brought to the same state (every request decoding at `--context` tokens, or one
@@ -55,6 +57,7 @@ VARIANTS = {  # name -> EngineConfig overrides
     "unfused": {"compile": "off", "dtype": "float32", "fuse_layers": False},
     "modules": {"compile": "off", "dtype": "float32", "kernel_layers": False},
     "packed": {"compile": "off", "dtype": "float32"},
+    "fullhead": {"compile": "off", "dtype": "float32", "greedy_head": False},
     "compiled": {"compile": "on", "dtype": "float32"},
     "bfloat16": {"compile": "off", "dtype": "bfloat16"},
 }

@@ -29,7 +29,9 @@ def free_port() -> int:
 
 def cluster_config(model_path: str, **overrides) -> ClusterConfig:
     raw = {
-        "model": {"path": model_path},
+        # float32, as the references (transformers' float32 `generate`): `auto` is bfloat16 on a CPU
+        # that computes it natively (AVX512-BF16 or AMX), and bfloat16 greedy text is not float32's
+        "model": {"path": model_path, "dtype": "float32"},
         "router": {"port": 0, "metrics_port": 0, "shutdown_grace_s": 5},  # 0: the bound port is read back
         # one torch thread per worker, as before `torch_threads: auto`: many workers share 2 cores in
         # the suite; the session's default cluster (conftest `served`) runs auto

@@ -35,7 +35,7 @@ from router.lifecycle.attempt import QueueWaits
 
 def _engine(path: str, **kw) -> LLMEngine:
     kw.setdefault("num_blocks", 256)
-    return LLMEngine(EngineConfig(model_path=path, enable_prefix_caching=False, **kw))
+    return LLMEngine(EngineConfig(model_path=path, enable_prefix_caching=False, **{"dtype": "float32", **kw}))
 
 
 def _drain(engine: LLMEngine, kinds: dict[str, str], timings: dict | None = None) -> None:

@@ -287,6 +287,6 @@ def test_greedy_sampling_takes_the_engines_argmax_where_it_runs_and_torchs_elsew
     assert torch.equal(sampler.greedy(logits, lambda x: seen.append(x) or x.argmax(dim=-1)), logits.argmax(-1))
     assert len(seen) == 1
     assert torch.equal(sampler.greedy(logits.double(), lambda x: 1 / 0), logits.double().argmax(-1))  # not float32
-    on = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=32)).runner
-    off = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=32, cpu_kernels="off")).runner
+    on = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=32, dtype="float32")).runner
+    off = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=32, dtype="float32", cpu_kernels="off")).runner
     assert (on.argmax is not None) == (KERNEL is not None) and off.argmax is None

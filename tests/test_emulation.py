@@ -242,7 +242,7 @@ def test_a_real_engine_on_an_absurdly_fast_device_overruns_and_is_marked_not_fai
     faster than an H100, paced by the engine loop; the tokens are the unpaced engine's."""
     fast = dataclasses.replace(H100, name="absurd", bandwidth=3.35e18, flops=989e18)
     pacer = Pacer(Emulation(CostModel(LLAMA_8B, fast, step_overhead_s=0.0), LinkModel(50e9), 5e9))
-    config = EngineConfig(model_path=llama_dir, num_blocks=64)
+    config = EngineConfig(model_path=llama_dir, num_blocks=64, dtype="float32")
     prompts = [list(range(10 + i, 30 + i)) for i in range(3)]
     sampling = SamplingParams(max_tokens=8, ignore_eos=True)
     expected = LLMEngine(config).generate(prompts, sampling)
@@ -279,7 +279,7 @@ def test_a_paced_steps_record_and_its_prompts_compute_time_are_the_emulated_step
         outputs.extend(outs)
         if any(o.finished for o in outs):
             done.set()
-    engine = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=64))
+    engine = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=64, dtype="float32"))
     loop = EngineLoop(lambda: engine, on_outputs, pace=pacer.pace)
     try:
         sampling = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -303,7 +303,7 @@ def test_the_host_work_between_busy_steps_counts_against_the_next_steps_model(ll
         paced.append((began, time.perf_counter()))
 
     done = threading.Event()
-    loop = EngineLoop(lambda: LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=64)),
+    loop = EngineLoop(lambda: LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=64, dtype="float32")),
                       lambda outs: (time.sleep(host_work_s), any(o.finished for o in outs) and done.set()), pace=pace)
     try:
         sampling = SamplingParams(max_tokens=3, ignore_eos=True)
@@ -463,7 +463,7 @@ def test_a_step_record_carries_what_the_cost_model_needs_and_a_run_fits_from_its
     from protocol.sampling import SamplingParams
     from router.config.emulate import emulated_shape
 
-    engine = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=64))
+    engine = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=64, dtype="float32"))
     shapes = []
     for i, n in enumerate((5, 9)):
         engine.add_request(f"r{i}", prompt_token_ids=list(range(20, 20 + n)),

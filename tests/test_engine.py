@@ -22,6 +22,7 @@ def _prompts(n: int, seed: int, lo: int = 3, hi: int = 60, vocab: int = 2000) ->
 
 def _engine(path: str, **kw) -> LLMEngine:
     kw.setdefault("num_blocks", 256)
+    kw.setdefault("dtype", "float32")  # the references' (`auto` is bfloat16 on a CPU with AVX512-BF16 or AMX)
     return LLMEngine(EngineConfig(model_path=path, **kw))
 
 

@@ -36,7 +36,7 @@ def _prompts(n: int, seed: int, lo: int = 2 * WINDOW, hi: int = 5 * WINDOW) -> l
 def _engine(family_dir, family: str) -> LLMEngine:
     """One engine per family for the module; each test leaves it idle with every block free."""
     if family not in _ENGINES:
-        _ENGINES[family] = LLMEngine(EngineConfig(model_path=family_dir(family), block_size=BLOCK, num_blocks=256,
+        _ENGINES[family] = LLMEngine(EngineConfig(model_path=family_dir(family), dtype="float32", block_size=BLOCK, num_blocks=256,
                                                   chunk_size=CHUNK, max_num_batched_tokens=64))
     return _ENGINES[family]
 
@@ -142,7 +142,7 @@ SINKS_REFUSAL = "gpt_oss checkpoints need attention sinks, which pdserve's paged
 def test_sinks_are_refused_at_load_naming_the_feature(sinks_dir):
     """Refused, never served wrongly: by the engine (a worker's load) and from config.json alone."""
     with pytest.raises(features.UnsupportedModel) as err:
-        LLMEngine(EngineConfig(model_path=sinks_dir, num_blocks=8))
+        LLMEngine(EngineConfig(model_path=sinks_dir, num_blocks=8, dtype="float32"))
     assert str(err.value) == SINKS_REFUSAL
     with pytest.raises(features.UnsupportedModel, match=f"^{SINKS_REFUSAL}$"):
         probe_checkpoint(sinks_dir)

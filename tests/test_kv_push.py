@@ -48,7 +48,7 @@ class DeferredLoop:
 
 class Harness:
     def __init__(self, path: str, stream: bool = True, faults: FaultConfig | None = None) -> None:
-        self.engine = LLMEngine(EngineConfig(model_path=path, num_blocks=64, block_size=16, chunk_size=32,
+        self.engine = LLMEngine(EngineConfig(model_path=path, dtype="float32", num_blocks=64, block_size=16, chunk_size=32,
                                              max_num_batched_tokens=32, enable_prefix_caching=False))
         self.loop, self.sender = DeferredLoop(), Recorder()
         self.failed: list[tuple[str, str]] = []

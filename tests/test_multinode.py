@@ -306,7 +306,7 @@ def host(tmp_path_factory, no_shared_ray):
 @pytest.fixture(scope="module")
 def two_nodes(host, llama_dir):
     config = {
-        "model": {"path": llama_dir},
+        "model": {"path": llama_dir, "dtype": "float32"},  # the references' (as tests/cluster_util.py)
         "router": {"host": "127.0.0.1", "port": 0, "restart_backoff_s": 0.2, "unresponsive_s": 5,
                    "worker_start_timeout_s": 90, "queue_timeout_s": 90, "shutdown_grace_s": 1},
         "prefill": {"replicas": 1, "num_cpus": 0.5, "resources": {"prefill_node": 1}},

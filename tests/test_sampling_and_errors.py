@@ -23,7 +23,7 @@ from worker_runtime.engine_loop import EngineLoop
 
 @pytest.fixture(scope="module")
 def engine(llama_dir) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=128))
+    return LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=128, dtype="float32"))
 
 
 def test_same_seed_same_tokens(engine):
