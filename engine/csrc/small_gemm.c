@@ -55,10 +55,13 @@ static inline void store_row(const float sums[16], const float *bias, float *yr,
    one line of the next panel every pf_every lines' worth of k is read ahead from pf. */
 #if defined(__AVX512F__)
 /* AVX-512: a panel's 16 columns are one register, a row's sums one more: half the multiply-adds of
-   AVX2's two registers per row. Tiles of up to 8 rows (16 rows: 8 + 8): measured on a 2-core Xeon
-   with AVX-512, SmolLM2's LM head at 16 rows took 5.6 ms in tiles of 8, 5.9 of 12, 6.2-6.4 of 16
-   (one tile per panel: the next panel read ahead over one tile's k, not two, came in too late),
-   against 6.7-6.9 ms with AVX2's tiles of 6. */
+   AVX2's two registers per row; and a job takes two neighbouring panels (below), 8 rows x 2 panels
+   of sums in 16 of the 32 registers. Tiles of up to 8 rows (16 rows: 8 + 8). Measured on a 2-core
+   Xeon with AVX-512 (2026-12-03; 16 rows, 2 threads): in cache (a 7 MB weight, again and again) 234-245
+   GFLOP/s one panel a job, 270-286 two; streaming a 424 MB weight from memory, 17.7-18.4 GB/s one
+   panel a job, 18.5-18.9 two (one row: 29-31 against 32.5 GB/s). Tiles of 12 or 16 rows, one panel,
+   were slower than 8 (the head's 16 rows in one tile read the next panel ahead over one tile's k,
+   not two). */
 #define TILE_ROWS 8
 typedef float v16f __attribute__((vector_size(64)));
 
@@ -109,6 +112,47 @@ static inline v16f splat16(const float *p) { /* a broadcast from memory, folded 
     case 1: NAME##1 ARGS; break; case 2: NAME##2 ARGS; break; case 3: NAME##3 ARGS; break;          \
     case 4: NAME##4 ARGS; break; case 5: NAME##5 ARGS; break; case 6: NAME##6 ARGS; break;          \
     case 7: NAME##7 ARGS; break; default: NAME##8 ARGS; break;
+
+/* Two neighbouring panels at once (w, and w + 16 k): each row's broadcast feeds two multiply-adds,
+   so a k takes 2 panel loads and R broadcasts for 2R multiply-adds, where one panel takes 1 + R
+   for R. The next two panels are read ahead, two lines at a time. */
+#define PANELS_PER_JOB 2
+#define TILE2(R, NAME, WT, LOAD, PF_K)                                                              \
+    static void NAME##R(const float *x, int64_t ldx, const WT *w, int k, const float *bias,        \
+                        float *y, int64_t ldy, int n0, int cols, int cols2, const WT *pf,           \
+                        int pf_every) {                                                             \
+        v16f a[R], b[R];                                                                            \
+        const WT *w2 = w + (int64_t)k * 16;                                                         \
+        for (int r = 0; r < R; r++) a[r] = b[r] = (v16f){0};                                        \
+        int countdown = pf_every * PF_K;                                                            \
+        for (int j = 0; j < k; j++) {                                                               \
+            if (pf && --countdown == 0) {                                                           \
+                __builtin_prefetch(pf, 0, 1);                                                       \
+                __builtin_prefetch(pf + 16 * PF_K, 0, 1);                                           \
+                pf += 32 * PF_K;                                                                    \
+                countdown = pf_every * PF_K;                                                        \
+            }                                                                                       \
+            v16f w0 = LOAD##16(w + j * 16), w1 = LOAD##16(w2 + j * 16);                             \
+            for (int r = 0; r < R; r++) {                                                           \
+                v16f s = splat16(x + r * ldx + j);                                                  \
+                a[r] += s * w0;                                                                     \
+                b[r] += s * w1;                                                                     \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < R; r++) {                                                               \
+            float sums[16];                                                                         \
+            memcpy(sums, &a[r], sizeof sums);                                                       \
+            store_row(sums, bias, y + (int64_t)r * ldy, n0, cols);                                  \
+            memcpy(sums, &b[r], sizeof sums);                                                       \
+            store_row(sums, bias, y + (int64_t)r * ldy, n0 + 16, cols2);                            \
+        }                                                                                           \
+    }
+#define TILES2(NAME, WT, LOAD, PF_K)                                                                \
+    TILE2(1, NAME, WT, LOAD, PF_K) TILE2(2, NAME, WT, LOAD, PF_K) TILE2(3, NAME, WT, LOAD, PF_K)    \
+    TILE2(4, NAME, WT, LOAD, PF_K) TILE2(5, NAME, WT, LOAD, PF_K) TILE2(6, NAME, WT, LOAD, PF_K)    \
+    TILE2(7, NAME, WT, LOAD, PF_K) TILE2(8, NAME, WT, LOAD, PF_K)
+TILES2(pair_tile, float, f32_load, 1)
+TILES2(half_pair_tile, uint16_t, f16_load, 2)
 #else
 /* AVX2 (or NEON): a row's 16 sums are two 8-lane registers; six rows' twelve fill the 16 registers
    with the panel's two and a broadcast. */
@@ -145,26 +189,42 @@ static inline v16f splat16(const float *p) { /* a broadcast from memory, folded 
 #define TILE_CASES(NAME, ARGS)                                                                      \
     case 1: NAME##1 ARGS; break; case 2: NAME##2 ARGS; break; case 3: NAME##3 ARGS; break;          \
     case 4: NAME##4 ARGS; break; case 5: NAME##5 ARGS; break; default: NAME##6 ARGS; break;
+#define PANELS_PER_JOB 1
 #endif
 TILES(tile, float, f32_load, 1)
 TILES(half_tile, uint16_t, f16_load, 2)
 
 #define RUN_TILE(NAME) switch (rows) { TILE_CASES(NAME, (xt, ldx, w, k, bias, yt, ldy, n0, cols, pf, tiles)) }
+#define RUN_PAIR(NAME) switch (rows) { TILE_CASES(NAME, (xt, ldx, w, k, bias, yt, ldy, n0, cols, cols2, pf, tiles)) }
 
-/* Job `job` (panel job / tiles, tile job % tiles) on float32 panels, or on half-float ones where
-   `half` is set; `ahead`: read the next panel ahead while this one computes (the thread's next
-   job is most likely that panel's). */
+/* Job `job` (PANELS_PER_JOB panels from panel job / tiles * PANELS_PER_JOB, tile job % tiles) on
+   float32 panels, or on half-float ones where `half` is set; `ahead`: read the next panels ahead
+   while these compute (the thread's next job is most likely theirs). */
 static void run_job(const float *x, int64_t ldx, const void *panels, int half, const float *bias, float *y,
                     int64_t ldy, int m, int n, int k, int count, int tiles, int job, int ahead) {
-    int p = job / tiles, t = job % tiles;
+    int p = job / tiles * PANELS_PER_JOB, t = job % tiles;
     int m0 = t * m / tiles, rows = (t + 1) * m / tiles - m0; /* tiles as even as m allows */
     int n0 = p * 16, cols = n - n0 < 16 ? n - n0 : 16;
     const float *xt = x + (int64_t)m0 * ldx;
     float *yt = y + (int64_t)m0 * ldy;
-    /* tile t of this panel reads ahead lines [t * k / tiles, ...) of the next, one every `tiles`
-       lines; one or two rows are paced by memory alone and read ahead nothing */
-    int64_t next = (int64_t)k * 16 + (int64_t)(t * k / tiles) * 16;
-    int reads_ahead = ahead && m > 2 && p + 1 < count;
+    /* tile t of these panels reads ahead lines [t * span / tiles, ...) of the next, span lines in
+       all, evenly over its k; one or two rows are paced by memory alone and read ahead nothing */
+    int64_t span = (int64_t)PANELS_PER_JOB * k;
+    int64_t next = span * 16 + t * span / tiles * 16;
+    int reads_ahead = ahead && m > 2 && p + PANELS_PER_JOB < count;
+#if PANELS_PER_JOB == 2
+    if (p + 1 < count) {
+        int cols2 = n - n0 - 16 < 16 ? n - n0 - 16 : 16;
+        if (half) {
+            const uint16_t *w = (const uint16_t *)panels + (int64_t)p * k * 16, *pf = reads_ahead ? w + next : NULL;
+            RUN_PAIR(half_pair_tile)
+        } else {
+            const float *w = (const float *)panels + (int64_t)p * k * 16, *pf = reads_ahead ? w + next : NULL;
+            RUN_PAIR(pair_tile)
+        }
+        return;
+    }
+#endif
     if (half) {
         const uint16_t *w = (const uint16_t *)panels + (int64_t)p * k * 16, *pf = reads_ahead ? w + next : NULL;
         RUN_TILE(half_tile)
@@ -200,7 +260,8 @@ static inline int take(uint64_t *range, int from_back, int most, int *first) {
    together instead of the faster one waiting at the barrier. */
 static void gemm(const float *x, int64_t ldx, const void *panels, int half, const float *bias, float *y,
                  int64_t ldy, int m, int n, int k, int threads) {
-    int count = (n + 15) / 16, tiles = (m + TILE_ROWS - 1) / TILE_ROWS, jobs = count * tiles;
+    int count = (n + 15) / 16, tiles = (m + TILE_ROWS - 1) / TILE_ROWS;
+    int jobs = (count + PANELS_PER_JOB - 1) / PANELS_PER_JOB * tiles;
     if (threads > jobs) threads = jobs;
     if (threads < 1) threads = 1;
     struct { _Alignas(64) uint64_t jobs; } ranges[threads]; /* a cache line each: no false sharing */
