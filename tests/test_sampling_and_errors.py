@@ -284,7 +284,7 @@ def test_a_failing_step_fails_its_requests_and_the_loop_lives_on(engine, monkeyp
     loop = EngineLoop(lambda: engine, outputs.extend, name="test")
     real_execute = engine.runner.execute
 
-    def broken(items):
+    def broken(items, greedy=False):
         raise RuntimeError("boom")
 
     monkeypatch.setattr(engine.runner, "execute", broken)
