@@ -53,6 +53,19 @@ static inline void store_row(const float sums[16], const float *bias, float *yr,
 /* A tile of R rows times one panel of weights of type WT (float, or IEEE half as uint16_t: the greedy
    head's first pass), widened by LOAD; PF_K: how many k one cache line of the panel holds. Every k,
    one line of the next panel every pf_every lines' worth of k is read ahead from pf. */
+/* A tile function's name and parameters (TILE below, per vector width). */
+#define TILE_HEAD(R, NAME, WT)                                                                      \
+    static void NAME##R(const float *x, int64_t ldx, const WT *w, int k, const float *bias,        \
+                        float *y, int64_t ldy, int n0, int cols, const WT *pf, int pf_every)
+
+/* In a tile's k loop: one line of the next panel from pf, every pf_every lines' worth of k. */
+#define READ_AHEAD_LINE(PF_K)                                                                       \
+    if (pf && --countdown == 0) {                                                                   \
+        __builtin_prefetch(pf, 0, 1);                                                               \
+        pf += 16 * PF_K;                                                                            \
+        countdown = pf_every * PF_K;                                                                \
+    }
+
 #if defined(__AVX512F__)
 /* AVX-512: a panel's 16 columns are one register, a row's sums one more: half the multiply-adds of
    AVX2's two registers per row; and a job takes two neighbouring panels (below), 8 rows x 2 panels
@@ -84,17 +97,12 @@ static inline v16f splat16(const float *p) { /* a broadcast from memory, folded 
 }
 
 #define TILE(R, NAME, WT, LOAD, PF_K)                                                               \
-    static void NAME##R(const float *x, int64_t ldx, const WT *w, int k, const float *bias,        \
-                        float *y, int64_t ldy, int n0, int cols, const WT *pf, int pf_every) {      \
+    TILE_HEAD(R, NAME, WT) {                                                                        \
         v16f a[R];                                                                                  \
         for (int r = 0; r < R; r++) a[r] = (v16f){0};                                               \
         int countdown = pf_every * PF_K;                                                            \
         for (int j = 0; j < k; j++) {                                                               \
-            if (pf && --countdown == 0) {                                                           \
-                __builtin_prefetch(pf, 0, 1);                                                       \
-                pf += 16 * PF_K;                                                                    \
-                countdown = pf_every * PF_K;                                                        \
-            }                                                                                       \
+            READ_AHEAD_LINE(PF_K)                                                                   \
             v16f w0 = LOAD##16(w + j * 16);                                                         \
             for (int r = 0; r < R; r++) a[r] += splat16(x + r * ldx + j) * w0;                      \
         }                                                                                           \
@@ -158,17 +166,12 @@ TILES2(half_pair_tile, uint16_t, f16_load, 2)
    with the panel's two and a broadcast. */
 #define TILE_ROWS 6
 #define TILE(R, NAME, WT, LOAD, PF_K)                                                               \
-    static void NAME##R(const float *x, int64_t ldx, const WT *w, int k, const float *bias,        \
-                        float *y, int64_t ldy, int n0, int cols, const WT *pf, int pf_every) {      \
+    TILE_HEAD(R, NAME, WT) {                                                                        \
         v8f a[R][2];                                                                                \
         for (int r = 0; r < R; r++) a[r][0] = a[r][1] = (v8f){0};                                   \
         int countdown = pf_every * PF_K;                                                            \
         for (int j = 0; j < k; j++) {                                                               \
-            if (pf && --countdown == 0) {                                                           \
-                __builtin_prefetch(pf, 0, 1);                                                       \
-                pf += 16 * PF_K;                                                                    \
-                countdown = pf_every * PF_K;                                                        \
-            }                                                                                       \
+            READ_AHEAD_LINE(PF_K)                                                                   \
             v8f w0 = LOAD##8(w + j * 16), w1 = LOAD##8(w + j * 16 + 8);                             \
             for (int r = 0; r < R; r++) {                                                           \
                 v8f b = splat(x + r * ldx + j);                                                     \
@@ -196,6 +199,15 @@ TILES(half_tile, uint16_t, f16_load, 2)
 
 #define RUN_TILE(NAME) switch (rows) { TILE_CASES(NAME, (xt, ldx, w, k, bias, yt, ldy, n0, cols, pf, tiles)) }
 #define RUN_PAIR(NAME) switch (rows) { TILE_CASES(NAME, (xt, ldx, w, k, bias, yt, ldy, n0, cols, cols2, pf, tiles)) }
+/* RUN(NAME) on this job's panels, float32 ones, or half-float ones (half_NAME) where `half` is set */
+#define ON_PANELS(RUN, NAME)                                                                        \
+    if (half) {                                                                                     \
+        const uint16_t *w = (const uint16_t *)panels + (int64_t)p * k * 16, *pf = reads_ahead ? w + next : NULL; \
+        RUN(half_##NAME)                                                                            \
+    } else {                                                                                        \
+        const float *w = (const float *)panels + (int64_t)p * k * 16, *pf = reads_ahead ? w + next : NULL; \
+        RUN(NAME)                                                                                   \
+    }
 
 /* Job `job` (PANELS_PER_JOB panels from panel job / tiles * PANELS_PER_JOB, tile job % tiles) on
    float32 panels, or on half-float ones where `half` is set; `ahead`: read the next panels ahead
@@ -215,23 +227,11 @@ static void run_job(const float *x, int64_t ldx, const void *panels, int half, c
 #if PANELS_PER_JOB == 2
     if (p + 1 < count) {
         int cols2 = n - n0 - 16 < 16 ? n - n0 - 16 : 16;
-        if (half) {
-            const uint16_t *w = (const uint16_t *)panels + (int64_t)p * k * 16, *pf = reads_ahead ? w + next : NULL;
-            RUN_PAIR(half_pair_tile)
-        } else {
-            const float *w = (const float *)panels + (int64_t)p * k * 16, *pf = reads_ahead ? w + next : NULL;
-            RUN_PAIR(pair_tile)
-        }
+        ON_PANELS(RUN_PAIR, pair_tile)
         return;
     }
 #endif
-    if (half) {
-        const uint16_t *w = (const uint16_t *)panels + (int64_t)p * k * 16, *pf = reads_ahead ? w + next : NULL;
-        RUN_TILE(half_tile)
-    } else {
-        const float *w = (const float *)panels + (int64_t)p * k * 16, *pf = reads_ahead ? w + next : NULL;
-        RUN_TILE(tile)
-    }
+    ON_PANELS(RUN_TILE, tile)
 }
 
 /* A range of jobs [front, back) in one word, so that its owner taking from the front and a thief
