@@ -73,8 +73,9 @@ static inline void store_row(const float sums[16], const float *bias, float *yr,
    Xeon with AVX-512 (2026-12-03; 16 rows, 2 threads): in cache (a 7 MB weight, again and again) 234-245
    GFLOP/s one panel a job, 270-286 two; streaming a 424 MB weight from memory, 17.7-18.4 GB/s one
    panel a job, 18.5-18.9 two (one row: 29-31 against 32.5 GB/s). Tiles of 12 or 16 rows, one panel,
-   were slower than 8 (the head's 16 rows in one tile read the next panel ahead over one tile's k,
-   not two). */
+   were slower than 8 (SmolLM2's 113 MB head read again and again, partly from the L3: 5.9 and
+   6.2-6.4 ms against 5.6; 16 rows in one tile read the next panel ahead over one tile's k, not
+   two). */
 #define TILE_ROWS 8
 typedef float v16f __attribute__((vector_size(64)));
 
