@@ -114,8 +114,9 @@ class Forward:
         self.kernel_layers = 0  # decoder layers so swapped
         self.kernel_decoder: kernel_decoder.KernelDecoder | None = None  # all of them: the decoder's loop too
         # with the kernel decoder: an all-greedy step's tokens without the float32 logits (engine/greedy_head.py)
+        self._want_greedy_head = greedy_head
         self.greedy_head: GreedyHead | None = None
-        self.greedy_reason = "" if greedy_head else "engine.greedy_head: off"  # why there is none
+        self.greedy_reason: str | None = "engine.greedy_head: off"  # why there is none (None: there is)
         self.fallback_reason: str | None = None
         self.graphs_reason: str | None = None  # why CUDA graphs were asked for and are not used
         self._compiled = None
@@ -176,11 +177,10 @@ class Forward:
             if self.fuse and self.layer_kernel is not None and skip is None:
                 self.kernel_layers = kernel_layer.swap_layers(self.model, self.layer_kernel)
                 self.kernel_decoder = kernel_decoder.kernel_decoder(self.model)
-        if self.kernel_decoder is None:
-            self.greedy_reason = self.greedy_reason or "the decoder is not the kernel's"
-        elif not self.greedy_reason:
-            self.greedy_reason = GreedyHead.fits(self.model.lm_head) or ""
-            self.greedy_head = None if self.greedy_reason else GreedyHead(self.model.lm_head)
+        if self._want_greedy_head:
+            self.greedy_reason = ("the decoder is not the kernel's" if self.kernel_decoder is None
+                                  else GreedyHead.fits(self.model.lm_head))
+            self.greedy_head = GreedyHead(self.model.lm_head) if self.greedy_reason is None else None
 
     def __call__(self, input_ids, positions, sample_rows, decode_only: bool = False, greedy: bool = False):
         """`decode_only`: the step has one token per row and no prefill, so it may be padded to a

@@ -158,8 +158,7 @@ class SmallGemm:
         return panels
 
     def half(self, panels: torch.Tensor) -> torch.Tensor:
-        """The panels rounded to IEEE half floats (to nearest even), laid out alike: the greedy head's
-        first pass."""
+        """The panels rounded to half floats (nearest even), laid out alike: the greedy head's first pass."""
         half = self._arena.take(panels.numel() // 2).view(torch.float16)
         half.copy_(panels)
         return half

@@ -68,7 +68,8 @@ class GreedyHead:
         """Why `head` gets no greedy head, or None: it does."""
         if getattr(head, "panels", None) is None:
             return "the LM head is not on the CPU GEMM's panels"
-        if head.panels.abs().max() >= HALF_LARGEST:
+        low, high = torch.aminmax(head.panels)
+        if max(-low, high) >= HALF_LARGEST:
             return "a weight of the LM head is beyond half float's range"
         return None
 
@@ -86,8 +87,3 @@ class GreedyHead:
         self.rows += m
         self.reread += int(reread.sum())
         return tokens
-
-    @property
-    def nbytes(self) -> int:
-        """The memory it adds: the half-float panels and the norms."""
-        return self.half.numel() * self.half.element_size() + self.norms.numel() * 4

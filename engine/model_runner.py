@@ -130,6 +130,8 @@ class ModelRunner:
                 how += " (the decoder's loop too)"
         if self.forward.greedy_head is not None:
             how += ", greedy steps' tokens from a half-float copy of the LM head"
+        elif self.forward.kernel_decoder is not None:
+            how += f", greedy steps through the float32 LM head ({self.forward.greedy_reason})"
         return f"{self.hf_config.model_type} in {dtype} on {self.device}, {how}"
 
     def _cpu_kernels(self) -> tuple[cpu_kernel.Kernels | None, str]:

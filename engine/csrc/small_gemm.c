@@ -58,11 +58,11 @@ static inline void store_row(const float sums[16], const float *bias, float *yr,
     static void NAME##R(const float *x, int64_t ldx, const WT *w, int k, const float *bias,        \
                         float *y, int64_t ldy, int n0, int cols, const WT *pf, int pf_every)
 
-/* In a tile's k loop: one line of the next panel from pf, every pf_every lines' worth of k. */
-#define READ_AHEAD_LINE(PF_K)                                                                       \
+/* In a tile's k loop: LINES lines of the next panels from pf, every pf_every lines' worth of k. */
+#define READ_AHEAD(PF_K, LINES)                                                                     \
     if (pf && --countdown == 0) {                                                                   \
-        __builtin_prefetch(pf, 0, 1);                                                               \
-        pf += 16 * PF_K;                                                                            \
+        for (int l = 0; l < LINES; l++) __builtin_prefetch(pf + 16 * PF_K * l, 0, 1);               \
+        pf += 16 * PF_K * LINES;                                                                    \
         countdown = pf_every * PF_K;                                                                \
     }
 
@@ -103,7 +103,7 @@ static inline v16f splat16(const float *p) { /* a broadcast from memory, folded 
         for (int r = 0; r < R; r++) a[r] = (v16f){0};                                               \
         int countdown = pf_every * PF_K;                                                            \
         for (int j = 0; j < k; j++) {                                                               \
-            READ_AHEAD_LINE(PF_K)                                                                   \
+            READ_AHEAD(PF_K, 1)                                                                     \
             v16f w0 = LOAD##16(w + j * 16);                                                         \
             for (int r = 0; r < R; r++) a[r] += splat16(x + r * ldx + j) * w0;                      \
         }                                                                                           \
@@ -135,12 +135,7 @@ static inline v16f splat16(const float *p) { /* a broadcast from memory, folded 
         for (int r = 0; r < R; r++) a[r] = b[r] = (v16f){0};                                        \
         int countdown = pf_every * PF_K;                                                            \
         for (int j = 0; j < k; j++) {                                                               \
-            if (pf && --countdown == 0) {                                                           \
-                __builtin_prefetch(pf, 0, 1);                                                       \
-                __builtin_prefetch(pf + 16 * PF_K, 0, 1);                                           \
-                pf += 32 * PF_K;                                                                    \
-                countdown = pf_every * PF_K;                                                        \
-            }                                                                                       \
+            READ_AHEAD(PF_K, 2)                                                                     \
             v16f w0 = LOAD##16(w + j * 16), w1 = LOAD##16(w2 + j * 16);                             \
             for (int r = 0; r < R; r++) {                                                           \
                 v16f s = splat16(x + r * ldx + j);                                                  \
@@ -172,7 +167,7 @@ TILES2(half_pair_tile, uint16_t, f16_load, 2)
         for (int r = 0; r < R; r++) a[r][0] = a[r][1] = (v8f){0};                                   \
         int countdown = pf_every * PF_K;                                                            \
         for (int j = 0; j < k; j++) {                                                               \
-            READ_AHEAD_LINE(PF_K)                                                                   \
+            READ_AHEAD(PF_K, 1)                                                                     \
             v8f w0 = LOAD##8(w + j * 16), w1 = LOAD##8(w + j * 16 + 8);                             \
             for (int r = 0; r < R; r++) {                                                           \
                 v8f b = splat(x + r * ldx + j);                                                     \
