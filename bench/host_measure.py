@@ -59,12 +59,12 @@ def reads(threads: int, checkpoint: Path | None = None, sweeps: int = 12) -> dic
     return found
 
 
-def flops(threads: int, repeats: int = 5) -> float:
-    """FLOP/s of a GEMM_SIZE^3 float32 matmul (2 n^3 FLOPs)."""
+def flops(threads: int, repeats: int = 5, dtype: str = "float32") -> float:
+    """FLOP/s of a GEMM_SIZE^3 matmul (2 n^3 FLOPs) in `dtype` (float32, or bfloat16)."""
     import torch
 
     torch.set_num_threads(threads)
-    a, b = torch.rand(GEMM_SIZE, GEMM_SIZE), torch.rand(GEMM_SIZE, GEMM_SIZE)
+    a, b = (torch.rand(GEMM_SIZE, GEMM_SIZE, dtype=getattr(torch, dtype)) for _ in range(2))
     a @ b
     return 2 * GEMM_SIZE**3 / min(_time(lambda: a @ b) for _ in range(repeats))
 

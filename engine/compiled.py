@@ -102,15 +102,17 @@ class Forward:
         self.decoder = model.get_decoder()
         self.device = device
         self.prepack = prepack
-        # pdserve's CPU kernels for a float32 forward (cpu_kernel.Kernels), or None: torch's ops
-        self.small_gemm = kernels.gemm if kernels else None  # linears on a few rows
+        # pdserve's CPU kernels (cpu_kernel.Kernels), or None: torch's ops. Rotary and the norms take
+        # float32 and bfloat16; the GEMM, the activation and whole layers float32 only
+        float32 = next(model.parameters()).dtype == torch.float32
+        self.small_gemm = kernels.gemm if kernels and float32 else None  # linears on a few rows
         self.rope = kernels.rope if kernels else None  # fused layers' rotary
         self.rms_norm = kernels.rms_norm if kernels else None  # fused norms
-        self.silu_mul = kernels.silu_mul if kernels else None  # fused MLPs' activation
+        self.silu_mul = kernels.silu_mul if kernels and float32 else None  # fused MLPs' activation
         self.fuse = fuse  # fused q|k|v and gate|up layers where linears are packed (engine/fused.py)
         self.fused_layers = (0, 0)  # (attention modules, MLPs) fused
         # with `fuse`: each decoder layer that is all the kernels' as one call (engine/kernel_layer.py)
-        self.layer_kernel = kernels if kernel_layers else None
+        self.layer_kernel = kernels if kernel_layers and float32 else None
         self.kernel_layers = 0  # decoder layers so swapped
         self.kernel_decoder: kernel_decoder.KernelDecoder | None = None  # all of them: the decoder's loop too
         # with the kernel decoder: an all-greedy step's tokens without the float32 logits (engine/greedy_head.py)

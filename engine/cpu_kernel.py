@@ -191,41 +191,48 @@ class SmallGemm:
 
 
 class Rope:
-    """`pd_rope`: rotary embedding in place on float32 q and k heads."""
+    """`pd_rope` / `pd_rope_bf16`: rotary embedding in place on float32 or bfloat16 q and k heads."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.pd_rope
-        self._fn.restype = None
-        self._fn.argtypes = [_PTR, _I64, _INT, _INT, _PTR, _PTR, _I64, _INT, _INT]
+        self._fns = {torch.float32: lib.pd_rope, torch.bfloat16: lib.pd_rope_bf16}
+        for fn in self._fns.values():
+            fn.restype = None
+            fn.argtypes = [_PTR, _I64, _INT, _INT, _PTR, _PTR, _I64, _INT, _INT]
 
     def __call__(self, x: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
-        """x `[T, >= heads * dim]` float32 (rows of heads, each `dim` contiguous): its first `heads`
-        heads rotated in place; cos/sin `[T, dim]` float32, rows contiguous."""
+        """x `[T, >= heads * dim]` float32 or bfloat16 (rows of heads, each `dim` contiguous): its first
+        `heads` heads rotated in place; cos/sin `[T, dim]` in x's dtype, rows contiguous."""
         tokens = x.shape[0]
-        assert x.dtype == cos.dtype == sin.dtype == torch.float32 and x.stride(1) == 1 and x.shape[1] >= heads * dim
+        assert x.dtype == cos.dtype == sin.dtype and x.dtype in self._fns
+        assert x.stride(1) == 1 and x.shape[1] >= heads * dim
         assert cos.shape == sin.shape == (tokens, dim) and cos.stride() == sin.stride() and cos.stride(1) == 1
-        self._fn(x.data_ptr(), x.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0), tokens,
-                 torch.get_num_threads())
+        self._fns[x.dtype](x.data_ptr(), x.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                           tokens, torch.get_num_threads())
 
 
 class RmsNorm:
-    """`pd_rms_norm`: float32 RMSNorm rows."""
+    """`pd_rms_norm` / `pd_rms_norm_bf16`: RMSNorm rows in float32 or bfloat16."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.pd_rms_norm
-        self._fn.restype = None
-        self._fn.argtypes = [_PTR, _I64, _PTR, _FLOAT, _PTR, _I64, _INT, _INT, _INT]
+        self._fns = {torch.float32: lib.pd_rms_norm, torch.bfloat16: lib.pd_rms_norm_bf16}
+        self._fns[torch.float32].restype = None
+        self._fns[torch.bfloat16].restype = _INT
+        for fn in self._fns.values():
+            fn.argtypes = [_PTR, _I64, _PTR, _FLOAT, _PTR, _I64, _INT, _INT, _INT]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """x `[..., n]` float32 (rows contiguous), weight `[n]` -> a new tensor of x's shape."""
+        """x `[..., n]` float32 or bfloat16 (rows contiguous), weight `[n]` of x's dtype -> a new tensor
+        of x's shape."""
         n = x.shape[-1]
         flat = x.reshape(-1, n)
         if flat.stride(1) != 1:
             flat = flat.contiguous()
-        assert x.dtype == weight.dtype == torch.float32 and weight.is_contiguous() and weight.shape == (n,)
-        out = torch.empty(x.shape, dtype=torch.float32)
-        self._fn(flat.data_ptr(), flat.stride(0), weight.data_ptr(), eps, out.data_ptr(), n, flat.shape[0], n,
-                 torch.get_num_threads())
+        assert x.dtype == weight.dtype and x.dtype in self._fns and weight.is_contiguous() and weight.shape == (n,)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        rc = self._fns[x.dtype](flat.data_ptr(), flat.stride(0), weight.data_ptr(), eps, out.data_ptr(), n,
+                                flat.shape[0], n, torch.get_num_threads())
+        if rc:
+            raise MemoryError(f"the RMSNorm kernel could not allocate a float32 row of {n}")
         return out
 
 

@@ -8,7 +8,8 @@ what inductor's `freezing` pass does for a compiled CPU graph; this module does 
 the uncompiled engine gets it too and a compiled one keeps it (the packed linear is an extern
 call inductor leaves as it is).
 
-Only plain `nn.Linear` modules with a float32 weight on CPU are packed, and only when oneDNN is
+Only plain `nn.Linear` modules with a float32 weight (or bfloat16, where the CPU computes it natively:
+`packable`) on CPU are packed, and only when oneDNN is
 built in. The packed weight replaces the module's parameter; a weight shared with another module
 (tied embeddings and LM head) is left in place and the packed copy sits beside it.
 
@@ -40,7 +41,18 @@ from engine.cpu_kernel import SMALL_ROWS
 
 log = logging.getLogger(__name__)
 
-PACKABLE = (torch.float32,)  # oneDNN's bf16 path needs AVX512-BF16/AMX, which `cpu_computes_bf16` checks
+
+
+def cpu_computes_bf16() -> bool:
+    """The CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): oneDNN's bf16 kernels run there."""
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def packable(dtype: torch.dtype) -> bool:
+    """Weights of `dtype` are prepacked: float32 always; bfloat16 where the CPU computes it natively
+    (oneDNN's packed bf16 linear gives `F.linear`'s bits at twice its speed there; elsewhere oneDNN
+    emulates bf16 and torch's own path is kept). The small-batch GEMM takes float32 only."""
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_computes_bf16())
 
 
 class PackedLinear(nn.Module):
@@ -57,7 +69,7 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         # a weight other modules use too (tied embeddings) stays reachable as it was
         self.weight = linear.weight if keep_weight else None
-        self.gemm = gemm  # cpu_kernel.SmallGemm, or None
+        self.gemm = gemm  # cpu_kernel.SmallGemm (float32 weights), or None
         self.panels = gemm.pack(linear.weight) if gemm is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -82,7 +94,7 @@ class PackedLinear(nn.Module):
 
 def can_pack(model: nn.Module, device: torch.device) -> bool:
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and next(model.parameters()).dtype in PACKABLE)
+            and packable(next(model.parameters()).dtype))
 
 
 def small_gemm_layers(model: nn.Module) -> int:
@@ -106,9 +118,10 @@ def pack_linears(model: nn.Module, device: torch.device, skip: nn.Module | None 
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
     swaps = [(parent, name, child) for parent, name, child in child_modules(model, skip)
-             if type(child) is nn.Linear and child.weight.dtype in PACKABLE]
+             if type(child) is nn.Linear and packable(child.weight.dtype)]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, keep_weight=uses[id(child.weight)] > 1, gemm=gemm))
+        setattr(parent, name, PackedLinear(child, keep_weight=uses[id(child.weight)] > 1,
+                                           gemm=gemm if child.weight.dtype == torch.float32 else None))
     return len(swaps)
 
 
@@ -124,7 +137,7 @@ class FusedRMSNorm(nn.Module):
         self.kernel = kernel  # cpu_kernel.RmsNorm, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.dtype == torch.float32 and not torch.compiler.is_compiling():
+        if self.kernel is not None and x.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling():
             return self.kernel(x, self.weight, self.eps)
         return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
 
@@ -156,7 +169,7 @@ def _fuses_exactly(module: nn.Module, fused: FusedRMSNorm) -> bool:
 def fuse_rms_norms(model: nn.Module, device: torch.device, skip: nn.Module | None = None, kernel=None) -> int:
     """Swap every RMSNorm module of `model` (outside `skip`) whose output a fused norm reproduces
     bit for bit (on probe inputs of 1, 7 and 64 rows at three scales) for a `FusedRMSNorm`: on
-    pdserve's CPU kernel (`kernel`, float32) where that one matches, else on `F.rms_norm`; on CPU
+    pdserve's CPU kernel (`kernel`, float32 or bfloat16) where that one matches, else on `F.rms_norm`; on CPU
     only (GPU kernels of the two may round differently); returns how many."""
     if device.type != "cpu":
         return 0

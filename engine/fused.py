@@ -36,6 +36,7 @@ from engine import attention, cpu_kernel, dense, features
 
 log = logging.getLogger(__name__)
 
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the rotary kernel's (engine/csrc/rope.c)
 # either side of SMALL_ROWS (the GEMM's products and oneDNN's) where it is set; a prefill chunk's size where not
 PROBE_ROWS = (1, 7, 64, 100 if cpu_kernel.SMALL_ROWS is None else cpu_kernel.SMALL_ROWS + 1)
 
@@ -77,7 +78,7 @@ class FusedAttention(nn.Module):
         q_end = self.heads * self.head_dim
         k_end = q_end + self.kv_heads * self.head_dim
         cos, sin = position_embeddings
-        if self.rope is not None and qkv.dtype == torch.float32 and not torch.compiler.is_compiling():
+        if self.rope is not None and qkv.dtype in KERNEL_DTYPES and not torch.compiler.is_compiling():
             flat = qkv.view(-1, qkv.shape[-1])
             self.rope(flat, self.heads + self.kv_heads, self.head_dim, cos.reshape(flat.shape[0], -1),
                       sin.reshape(flat.shape[0], -1))
@@ -165,18 +166,18 @@ def _fuse_attention(attn: nn.Module, device: torch.device, gemm, rope) -> FusedA
     dtype = qkv.weight.dtype
     dense.pack_linears(attn, device, gemm=gemm)
     dense.pack_linears(holder := nn.Sequential(qkv), device, gemm=gemm)
-    candidate = None
+    probes = []
     for x, angles in _probe_inputs(qkv.in_features, dtype, device, attn.head_dim):
         calls, out = _attention_call(attn, x, angles)
         if len(calls) != 1:
             return None
-        if candidate is None:
-            call = dict(zip(("scaling", "sliding_window", "softcap"), calls[0][3:], strict=True))
-            candidate = FusedAttention(attn, holder[0], heads, kv_heads, call, rope)
-        fused_calls, fused_out = _attention_call(candidate, x, angles)
-        if not (_same(calls, fused_calls) and _same(out, fused_out)):
-            return None
-    return candidate
+        probes.append((x, angles, calls, out))
+    call = dict(zip(("scaling", "sliding_window", "softcap"), probes[0][2][0][3:], strict=True))
+    for kernel in (rope, None) if rope is not None else (None,):  # the rotary kernel, else torch's ops
+        candidate = FusedAttention(attn, holder[0], heads, kv_heads, call, kernel)
+        if all(_same((calls, out), _attention_call(candidate, x, angles)) for x, angles, calls, out in probes):
+            return candidate
+    return None
 
 
 @torch.inference_mode()

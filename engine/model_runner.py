@@ -61,7 +61,7 @@ def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
 def computes_bf16(device: torch.device) -> bool:
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
+    return device.type == "cpu" and dense.cpu_computes_bf16()
 
 
 class ModelRunner:
@@ -86,13 +86,12 @@ class ModelRunner:
         self.prefill_kernel = kernels.prefill if kernels else None
         self.argmax = kernels.argmax if kernels else None  # greedy sampling's, on the CPU
         # float32 linears on a few rows (decode steps) by the kernel, from panel-packed weights
-        dense_kernels = kernels if kernels and self.dtype == torch.float32 else None  # float32 only
-        self.small_gemm = dense_kernels.gemm if dense_kernels else None
+        self.small_gemm = kernels.gemm if kernels and self.dtype == torch.float32 else None
         self.num_blocks = self._num_blocks()
         self.kv = allocate_kv_pool(self.shape.num_layers, self.num_blocks, self.block_size,
                                    self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
         self.forward = compiled.Forward(self.model, config.compile, self.device, config.cuda_graphs,
-                                        prepack=config.prepack_linears, kernels=dense_kernels,
+                                        prepack=config.prepack_linears, kernels=kernels,
                                         fuse=config.fuse_layers, kernel_layers=config.kernel_layers,
                                         greedy_head=config.greedy_head,
                                         graph_buckets=compiled.graph_buckets(config.max_num_seqs))

@@ -18,9 +18,11 @@ Each variant is brought to the same state (every request decoding at `--context`
 `--prefill`-token prompt waiting), then the variants take turns, `--steps` steps each per round,
 for `--rounds` rounds, so a noisy neighbour slows all of them alike; each reports the median step.
 The floor is `pdserve plan --measure`'s: the larger of weight + KV bytes over measured read
-bandwidth and the step's FLOPs over measured float32 matmul throughput, each rate measured before
-and after the cases and the better one kept (a neighbour that slowed one measurement does not
-lower the bar). With `--paired`
+bandwidth and the step's FLOPs over measured matmul throughput, each rate measured before and
+after the cases and the better one kept (a neighbour that slowed one measurement does not lower
+the bar). It is per dtype: the float32 variants' best step against float32's floor (4-byte weights
+and KV, float32 matmul FLOP/s), the `bfloat16` variant against bfloat16's (2 bytes, bfloat16
+matmul FLOP/s: AMX where the CPU has it). With `--paired`
 the host is also measured at the start of every round, and `paired` is the median over rounds of
 the round's best step over that round's floor (a shared host's load changes by the minute).
 `recompilations` counts
@@ -63,10 +65,32 @@ VARIANTS = {  # name -> EngineConfig overrides
 }
 
 
-def _host(threads: int, quick: bool = False) -> dict[str, float]:
-    """This host's read bandwidth and float32 matmul FLOP/s now (`quick`: fewer repeats, for a round)."""
-    return {"bandwidth": host_measure.reads(threads, sweeps=2 if quick else 4)["bandwidth"],
-            "flops": host_measure.flops(threads, repeats=3 if quick else 5)}
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def _dtype(name: str) -> str:
+    return VARIANTS[name]["dtype"]
+
+
+def _host(threads: int, dtypes: set[str], quick: bool = False) -> dict[str, float]:
+    """This host's read bandwidth and matmul FLOP/s in each of `dtypes` now (`flops` for float32,
+    `flops_bfloat16`; `quick`: fewer repeats, for a round)."""
+    found = {"bandwidth": host_measure.reads(threads, sweeps=2 if quick else 4)["bandwidth"]}
+    for dtype in sorted(dtypes):
+        key = "flops" if dtype == "float32" else f"flops_{dtype}"
+        found[key] = host_measure.flops(threads, repeats=3 if quick else 5, dtype=dtype)
+    return found
+
+
+def _floors(case: dict, names: list[str], host: dict, shape: ModelShape, params: int) -> dict[str, tuple[float, float]]:
+    """dtype -> (its variants' best step in `case`, that dtype's floor on `host`)."""
+    out = {}
+    for dtype in sorted({_dtype(n) for n in names}):
+        best = min(case[n] for n in names if _dtype(n) == dtype)
+        flops = host["flops" if dtype == "float32" else f"flops_{dtype}"]
+        out[dtype] = best, floor_s(shape, params, DTYPE_BYTES[dtype], case["batch"], case["context"],
+                                   case["tokens"], host["bandwidth"], flops)
+    return out
 
 
 def _engine(model: str, batch: int, threads: int, overrides: dict) -> LLMEngine:
@@ -129,12 +153,15 @@ def side_by_side(engines: dict[str, LLMEngine], steps: int, rounds: int, before_
 
 def _paired(case: dict, rounds: list[dict], hosts: list[dict], shape: ModelShape, params: int) -> None:
     """`--paired`: each round's best step over the floor from the host measured just before it, and
-    their median (`paired`): on a shared host whose load changes by the minute, the step and its
-    floor then see the same neighbours."""
-    ratios = [min(r.values()) / floor_s(shape, params, 4, case["batch"], case["context"], case["tokens"],
-                                        h["bandwidth"], h["flops"]) for r, h in zip(rounds, hosts, strict=True)]
-    case["paired_rounds"] = [{"ratio": ratio, **host} for ratio, host in zip(ratios, hosts, strict=True)]
-    case["paired"] = statistics.median(ratios)
+    their median (`paired`; `paired_bfloat16` for the bfloat16 variant): on a shared host whose load
+    changes by the minute, the step and its floor then see the same neighbours."""
+    names = list(rounds[0])
+    per_round = [_floors({**case, **r}, names, h, shape, params) for r, h in zip(rounds, hosts, strict=True)]
+    for dtype in per_round[0]:
+        ratios = [best / floor for best, floor in (f[dtype] for f in per_round)]
+        suffix = "" if dtype == "float32" else f"_{dtype}"
+        case[f"paired_rounds{suffix}"] = [{"ratio": ratio, **host} for ratio, host in zip(ratios, hosts, strict=True)]
+        case[f"paired{suffix}"] = statistics.median(ratios)
 
 
 def floor_s(shape: ModelShape, params: int, dtype_bytes: int, batch: int, context: int, tokens: int,
@@ -172,7 +199,8 @@ def main() -> None:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         p.error(f"unknown variant {', '.join(unknown)} (known: {', '.join(VARIANTS)})")
-    host_samples = [] if args.no_floor else [_host(args.threads)]
+    dtypes = {_dtype(n) for n in names}
+    host_samples = [] if args.no_floor else [_host(args.threads, dtypes)]
     paired = args.paired and not args.no_floor
     shape = ModelShape.from_hf_config(AutoConfig.from_pretrained(model))
     params = shape.num_params
@@ -181,7 +209,7 @@ def main() -> None:
 
     def run(case: dict, engines: dict[str, LLMEngine], steps: int, before_round=None) -> dict:
         rounds, hosts = [], []
-        on_round = (lambda: hosts.append(_host(args.threads, quick=True))) if paired else None
+        on_round = (lambda: hosts.append(_host(args.threads, dtypes, quick=True))) if paired else None
         case.update(side_by_side(engines, steps, args.rounds, before_round=before_round, on_round=on_round,
                                  per_round=rounds))
         if paired:
@@ -203,12 +231,12 @@ def main() -> None:
                                                before_round=refill)
         recompilations += sum(e.runner.forward.recompilations for e in engines.values())
     if host_samples:  # again after the cases; the floor takes the best of each rate (the lowest floor)
-        host_samples.append(_host(args.threads))
-    host = {key: max(h[key] for h in host_samples) for key in ("bandwidth", "flops")} if host_samples else None
+        host_samples.append(_host(args.threads, dtypes))
+    host = {key: max(h[key] for h in host_samples) for key in host_samples[0]} if host_samples else None
     if host:
         for case in cases.values():
-            case["floor"] = floor_s(shape, params, 4, case["batch"], case["context"], case["tokens"],
-                                    host["bandwidth"], host["flops"])
+            for dtype, (_, floor) in _floors(case, names, host, shape, params).items():
+                case["floor" if dtype == "float32" else f"floor_{dtype}"] = floor
     report = {"model": model, "threads": args.threads, "malloc": malloc.in_use(), "torch": torch.__version__, "host": host,
               "host_samples": host_samples,
               "variants": names, "cases": cases, "recompilations": recompilations}
@@ -218,30 +246,36 @@ def main() -> None:
 def format_report(r: dict) -> str:
     names = r["variants"]
     base = names[0]  # plain, unless --variants says otherwise
+    dtypes = sorted({_dtype(n) for n in names}, reverse=True)  # float32 first
+    suffix = {d: "" if d == "float32" else f"_{d}" for d in dtypes}
+    tag = {d: "" if len(dtypes) == 1 else {"float32": " f32", "bfloat16": " bf16"}[d] for d in dtypes}
+    paired = any("paired" + suffix[d] in row for row in r["cases"].values() for d in dtypes)
     head = f"{'ms per step':16}" + "".join(f"{n:>11}" for n in names)
-    head += "".join(f"{n + '/' + base:>16}" for n in names[1:]) + ("  floor   best/floor" if r["host"] else "")
-    paired = any("paired" in row for row in r["cases"].values())
-    head += "  paired" if paired else ""
+    head += "".join(f"{n + '/' + base:>16}" for n in names[1:])
+    if r["host"]:
+        head += "".join(f"{'floor' + tag[d]:>11}{'best/floor' + tag[d]:>16}" + (f"{'paired' + tag[d]:>12}" if paired else "")
+                        for d in dtypes)
     lines = [f"{r['model']}, {r['threads']} thread(s), {r['malloc']} malloc, torch {r['torch']}", head]
     for case, row in r["cases"].items():
         line = f"{case:16}" + "".join(f"{1e3 * row[n]:11.1f}" for n in names)
         line += "".join(f"{row[n] / row[base]:16.2f}" for n in names[1:])
-        if "floor" in row:
-            best = min(row[n] for n in names)
-            line += f"{1e3 * row['floor']:7.1f}{best / row['floor']:13.2f}"
-        if "paired" in row:
-            line += f"{row['paired']:8.2f}"
+        for d in dtypes:
+            if "floor" + suffix[d] in row:
+                best = min(row[n] for n in names if _dtype(n) == d)
+                line += f"{1e3 * row['floor' + suffix[d]]:11.1f}{best / row['floor' + suffix[d]]:16.2f}"
+            if "paired" + suffix[d] in row:
+                line += f"{row['paired' + suffix[d]]:12.2f}"
         lines.append(line)
     if r["host"]:
-        lines.append(f"host: {r['host']['bandwidth'] / 1e9:.1f} GB/s read, {r['host']['flops'] / 1e9:.1f} GFLOP/s "
-                     "float32 matmul (the best of " + ", ".join(f"{h['bandwidth'] / 1e9:.1f} GB/s {h['flops'] / 1e9:.1f} "
-                                                             "GFLOP/s" for h in r["host_samples"]) + ")")
+        def rates(h: dict) -> str:
+            return f"{h['bandwidth'] / 1e9:.1f} GB/s read, " + ", ".join(
+                f"{h['flops' + suffix[d]] / 1e9:.1f} GFLOP/s {d} matmul" for d in dtypes)
+        lines.append(f"host: {rates(r['host'])} (the best of " + "; ".join(map(rates, r["host_samples"])) + ")")
     if paired:
-        lines.append("paired: the median over rounds of the round's best step over the floor from the host "
-                     "measured at the round's start")
+        lines.append("paired: the median over rounds of the round's best step (of that dtype) over the floor from "
+                     "the host measured at the round's start")
     lines.append(f"recompilations after warm-up: {r['recompilations']}")
     return "\n".join(lines)
-
 
 if __name__ == "__main__":
     main()

@@ -114,5 +114,34 @@ def test_bench_steps_report_rates_each_variant_against_the_first_and_the_floor()
     lines = format_report(report).splitlines()
     assert lines[1].split() == ["ms", "per", "step", "modules", "packed", "packed/modules", "floor", "best/floor"]
     assert lines[2].split() == ["decode", "b=16", "50.0", "40.0", "0.80", "24.0", "1.67"]
-    assert lines[3] == ("host: 30.0 GB/s read, 180.0 GFLOP/s float32 matmul (the best of 30.0 GB/s 170.0 GFLOP/s, "
-                        "25.0 GB/s 180.0 GFLOP/s)")
+    assert lines[3] == ("host: 30.0 GB/s read, 180.0 GFLOP/s float32 matmul (the best of 30.0 GB/s read, 170.0 "
+                        "GFLOP/s float32 matmul; 25.0 GB/s read, 180.0 GFLOP/s float32 matmul)")
+
+
+def test_bench_steps_bfloat16_variant_is_held_to_bfloat16s_floor():
+    """The bfloat16 variant against 2-byte weights and KV and bfloat16 matmul FLOP/s; the float32
+    variants' best against float32's floor, each round paired with its own host."""
+    from engine.memory import ModelShape
+    from scripts.bench_step import _paired, floor_s, format_report
+    params = 1_000_000
+    shape = ModelShape(name="m", num_layers=2, num_kv_heads=2, head_dim=16, num_params=params)
+    case = {"batch": 16, "tokens": 16, "context": 256}
+    hosts = [{"bandwidth": 30e9, "flops": 180e9, "flops_bfloat16": 900e9},
+             {"bandwidth": 10e9, "flops": 90e9, "flops_bfloat16": 400e9}]
+    rounds = [{"packed": 0.004, "bfloat16": 0.003}, {"packed": 0.006, "bfloat16": 0.001}]
+    _paired(case, rounds, hosts, shape, params)
+    f32 = [best / floor_s(shape, params, 4, 16, 256, 16, h["bandwidth"], h["flops"])
+           for best, h in zip((0.004, 0.006), hosts, strict=True)]
+    bf16 = [best / floor_s(shape, params, 2, 16, 256, 16, h["bandwidth"], h["flops_bfloat16"])
+            for best, h in zip((0.003, 0.001), hosts, strict=True)]
+    assert [r["ratio"] for r in case["paired_rounds"]] == f32  # the bfloat16 step is not float32's best
+    assert [r["ratio"] for r in case["paired_rounds_bfloat16"]] == bf16
+    assert case["paired_bfloat16"] == (bf16[0] + bf16[1]) / 2
+    host = {"bandwidth": 20e9, "flops": 100e9, "flops_bfloat16": 500e9}
+    report = {"model": "m", "threads": 2, "malloc": "tcmalloc", "torch": "2.13", "recompilations": 0,
+              "host": host, "host_samples": [host], "variants": ["packed", "bfloat16"],
+              "cases": {"decode b=16": {"packed": 0.040, "bfloat16": 0.030, "floor": 0.020, "floor_bfloat16": 0.012}}}
+    lines = format_report(report).splitlines()
+    assert lines[1].split()[-4:] == ["floor", "bf16", "best/floor", "bf16"]
+    assert lines[2].split() == ["decode", "b=16", "40.0", "30.0", "0.75", "20.0", "2.00", "12.0", "2.50"]
+    assert lines[3].startswith("host: 20.0 GB/s read, 100.0 GFLOP/s float32 matmul, 500.0 GFLOP/s bfloat16 matmul")

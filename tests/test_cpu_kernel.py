@@ -237,6 +237,26 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
 
 
 @needs_kernel
+@pytest.mark.parametrize("rows, dim, kv_heads, heads, window", [(1, 64, 3, 9, 0), (17, 72, 2, 6, 9), (5, 20, 1, 4, 0)])
+def test_bfloat16_decode_is_the_float32_kernel_on_the_widened_pool_rounded(rows, dim, kv_heads, heads, window):
+    """A bfloat16 pool's keys and values are widened once per group of keys (exactly), then the
+    float32 arithmetic runs: the output is the float32 kernel's on the widened inputs, rounded to
+    bfloat16, bit for bit."""
+    torch.manual_seed(rows * dim)
+    blocks, block_size = 48, 16
+    pool = torch.randn(blocks, 2, 2, block_size, kv_heads, dim).bfloat16()
+    lens = torch.tensor([random.Random(i).randint(1, 300) for i in range(rows)])
+    tables = torch.stack([torch.randperm(blocks)[:-(-300 // block_size)] for _ in range(rows)])
+    query = torch.randn(rows, heads, dim).bfloat16()
+    out = torch.empty(rows, heads, dim, dtype=torch.bfloat16)
+    KERNEL(query, pool[:, 1, 0], pool[:, 1, 1], tables, lens, out, 0.125, window, 0.0)
+    wide = pool.float()
+    want = torch.empty(rows, heads, dim)
+    KERNEL(query.float(), wide[:, 1, 0], wide[:, 1, 1], tables, lens, want, 0.125, window, 0.0)
+    assert torch.equal(out.view(torch.int16), want.bfloat16().view(torch.int16))
+
+
+@needs_kernel
 def test_bfloat16_decode_by_the_kernel_gives_generates_bfloat16_tokens(llama_dir):
     """A bfloat16 pool: the kernel widens it to float32 on load and rounds its output to nearest
     even; greedy tokens equal transformers' `generate` run in bfloat16 (same checkpoint)."""

@@ -96,6 +96,28 @@ def test_rms_norm_kernel_is_f_rms_norm_bit_for_bit(size):
     assert torch.equal(kernels.rms_norm(strided, weight, 1e-5), F.rms_norm(strided, (size,), weight, 1e-5))
 
 
+@pytest.mark.parametrize("size", [576, 100])
+def test_rms_norm_kernel_is_llamas_norm_bit_for_bit_in_bfloat16(size):
+    """bfloat16 rows: widened, normalized in float32 (the float32 kernel's sum order), rounded, times
+    the bfloat16 weight: transformers' LlamaRMSNorm in bfloat16, bit for bit."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    kernels, why = cpu_kernel.load()
+    if kernels is None:
+        pytest.skip(f"no CPU kernels here: {why}")
+    g = torch.Generator().manual_seed(size)
+    norm = LlamaRMSNorm(size, eps=1e-5).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(size, generator=g) * 2)
+    for rows in (1, 16, 40):  # 32 rows and more split over threads
+        for scale in (1.0, 30.0, 1e-3):
+            x = (torch.randn(1, rows, size, generator=g) * scale).bfloat16()
+            with torch.no_grad():
+                want = norm(x)
+            assert torch.equal(kernels.rms_norm(x, norm.weight.detach(), 1e-5).view(torch.int16),
+                               want.view(torch.int16)), (rows, scale)
+
+
 def test_a_norm_the_kernel_does_not_match_is_fused_on_f_rms_norm(llama_dir):
     model = _engine(llama_dir, compile="off", prepack_linears=False).runner.model  # norms left unfused
     assert not [m for m in model.modules() if isinstance(m, dense.FusedRMSNorm)]

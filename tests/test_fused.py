@@ -53,6 +53,49 @@ def test_rope_kernel_is_transformers_rotary_bit_for_bit(tokens):
     assert torch.equal(x[:, (heads + kv_heads) * dim:], v) and torch.equal(qkv[:, x.shape[1]:], tail)  # untouched
 
 
+@pytest.mark.parametrize("tokens", [1, 7, 130])
+def test_rope_kernel_is_transformers_rotary_bit_for_bit_in_bfloat16(tokens):
+    """bfloat16 q|k|v and angles: each product and the sum rounded to bfloat16 as torch's ops round them."""
+    rope = _kernels().rope
+    g = torch.Generator().manual_seed(tokens)
+    heads, kv_heads, dim = 9, 3, 64
+    x = (torch.randn(tokens, (heads + 2 * kv_heads) * dim, generator=g) * 3).bfloat16()
+    angles = torch.rand(tokens, dim // 2, generator=g) * 500
+    angles = torch.cat((angles, angles), dim=-1)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    q = x[:, : heads * dim].reshape(1, tokens, heads, dim).transpose(1, 2).clone()
+    k = x[:, heads * dim: (heads + kv_heads) * dim].reshape(1, tokens, kv_heads, dim).transpose(1, 2).clone()
+    v = x[:, (heads + kv_heads) * dim:].clone()
+    want_q, want_k = apply_rotary_pos_emb(q, k, cos[None], sin[None])
+    rope(x, heads + kv_heads, dim, cos, sin)
+    got_q = x[:, : heads * dim].reshape(1, tokens, heads, dim).transpose(1, 2)
+    got_k = x[:, heads * dim: (heads + kv_heads) * dim].reshape(1, tokens, kv_heads, dim).transpose(1, 2)
+    assert torch.equal(got_q.view(torch.int16), want_q.view(torch.int16))  # bits: -0.0 and NaN count too
+    assert torch.equal(got_k.view(torch.int16), want_k.view(torch.int16))
+    assert torch.equal(x[:, (heads + kv_heads) * dim:], v)
+
+
+def test_bfloat16_engine_fuses_with_the_rotary_and_norm_kernels_and_packed_linears(llama_dir):
+    """Where the CPU computes bfloat16 natively, a bfloat16 engine's linears are prepacked for
+    oneDNN (no small-batch GEMM: float32 only), its attention and MLPs fused, rotary and norms by the
+    kernels, each checked bit for bit at load; elsewhere torch's linears stay."""
+    kernels = _kernels()
+    engine = LLMEngine(EngineConfig(model_path=llama_dir, dtype="bfloat16", num_blocks=64))
+    model = engine.runner.model
+    if not dense.cpu_computes_bf16():
+        assert not [m for m in model.modules() if isinstance(m, dense.PackedLinear)]
+        return
+    linears = [m for m in model.modules() if isinstance(m, dense.PackedLinear)]
+    assert linears and all(m.gemm is None and m.packed is not None for m in linears)
+    assert not [m for m in model.modules() if type(m) is nn.Linear]
+    layers = engine.runner.hf_config.num_hidden_layers
+    assert engine.runner.forward.fused_layers == (layers, layers)
+    assert all(layer.self_attn.rope is kernels.rope for layer in model.model.layers)
+    norms = [m for m in model.modules() if isinstance(m, dense.FusedRMSNorm)]
+    assert len(norms) == 2 * layers + 1 and all(n.kernel is kernels.rms_norm for n in norms)
+    assert engine.runner.forward.kernel_layers == 0 and engine.runner.small_gemm is None
+
+
 @pytest.mark.parametrize("width", [1536, 64, 4096])
 def test_silu_mul_kernel_is_torch_silu_times_up_bit_for_bit(width):
     silu_mul = _kernels().silu_mul

@@ -5,9 +5,16 @@ out = x * (1 / sqrt(mean(x * x) + eps)) * weight, each product, sum and quotient
 own (never fused into a multiply-add), the squares summed in the order torch's CPU sum kernel sums
 a contiguous row: eight-lane vectors in four interleaved accumulators, cascaded every sixteen
 steps, a remainder of whole vectors into the first, the four added in order, then the row's
-scalar tail, then the eight lanes in order. */
+scalar tail, then the eight lanes in order.
+
+In bfloat16 (pd_rms_norm_bf16), as transformers' Llama-style norms compute it: the row widened to
+float32, normalized as above, rounded to bfloat16, then times the bfloat16 weight (a float32
+product rounded to bfloat16, as torch's bfloat16 multiply rounds it). */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+
+#include <omp.h>
 
 #include "vec.h"
 
@@ -87,4 +94,30 @@ void pd_rms_norm(const float *x, int64_t x_stride, const float *w, float eps, fl
                  int rows, int n, int threads) {
     _Pragma("omp parallel for schedule(static) if(rows >= 32) num_threads(threads)")
     for (int r = 0; r < rows; r++) norm_row(x + r * x_stride, w, eps, out + r * out_stride, n);
+}
+
+NO_CONTRACT static void norm_row_bf16(const uint16_t *x, const uint16_t *w, float eps, uint16_t *out, float *wide,
+                                      int n) {
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#endif
+    for (int d = 0; d < n; d++) wide[d] = bf16_load(x[d]);
+    float r = 1.0f / sqrtf(sum_squares(wide, n) / (float)n + eps);
+    for (int d = 0; d < n; d++) {
+        float y = bf16_load(bf16_store(wide[d] * r));
+        out[d] = bf16_store(bf16_load(w[d]) * y);
+    }
+}
+
+/* Returns 0, or -1 when a row's float32 copy could not be allocated (no row of out is written then). */
+int pd_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, float eps, uint16_t *out,
+                     int64_t out_stride, int rows, int n, int threads) {
+    int nthreads = rows >= 32 ? threads : 1;
+    float *wide = malloc(sizeof(float) * (size_t)n * (size_t)nthreads);
+    if (wide == NULL) return -1;
+    _Pragma("omp parallel for schedule(static) if(rows >= 32) num_threads(threads)")
+    for (int r = 0; r < rows; r++)
+        norm_row_bf16(x + r * x_stride, w, eps, out + r * out_stride, wide + (int64_t)omp_get_thread_num() * n, n);
+    free(wide);
+    return 0;
 }

@@ -6,8 +6,12 @@ Each of `tokens` rows holds `heads` heads of `dim` floats, contiguous, from x + 
 cos[t * cs_stride + d] and sin[t * cs_stride + d], d < dim, each half a copy of the other as
 transformers builds them. A head x becomes x * cos + rotate_half(x) * sin, with rotate_half(x) =
 (-x[half:], x[:half]): the products and the sum each rounded on their own, never fused into one
-multiply-add, so the result is transformers' own bit for bit. */
+multiply-add, so the result is transformers' own bit for bit. In bfloat16 (pd_rope_bf16) each
+product and the sum are rounded to bfloat16 as torch's bfloat16 ops round them (computed in float32,
+exact for a product of two bfloat16, then rounded to nearest even). */
 #include <stdint.h>
+
+#include "vec.h"
 
 #if defined(__clang__)
 #define NO_CONTRACT
@@ -35,4 +39,25 @@ void pd_rope(float *x, int64_t tok_stride, int heads, int dim, const float *cos,
     for (int t = 0; t < tokens; t++)
         for (int h = 0; h < heads; h++)
             rope_head(x + t * tok_stride + (int64_t)h * dim, cos + t * cs_stride, sin + t * cs_stride, half);
+}
+
+static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
+
+static void rope_head_bf16(uint16_t *x, const uint16_t *c, const uint16_t *s, int half) {
+    for (int d = 0; d < half; d++) {
+        float a = bf16_load(x[d]), b = bf16_load(x[d + half]);
+        float lo = bf16_round(a * bf16_load(c[d])) + bf16_round(-b * bf16_load(s[d]));
+        float hi = bf16_round(b * bf16_load(c[d + half])) + bf16_round(a * bf16_load(s[d + half]));
+        x[d] = bf16_store(lo);
+        x[d + half] = bf16_store(hi);
+    }
+}
+
+void pd_rope_bf16(uint16_t *x, int64_t tok_stride, int heads, int dim, const uint16_t *cos, const uint16_t *sin,
+                  int64_t cs_stride, int tokens, int threads) {
+    int half = dim / 2;
+    _Pragma("omp parallel for schedule(static) if(tokens >= 64) num_threads(threads)")
+    for (int t = 0; t < tokens; t++)
+        for (int h = 0; h < heads; h++)
+            rope_head_bf16(x + t * tok_stride + (int64_t)h * dim, cos + t * cs_stride, sin + t * cs_stride, half);
 }
