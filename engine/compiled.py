@@ -103,12 +103,12 @@ class Forward:
         self.device = device
         self.prepack = prepack
         # pdserve's CPU kernels (cpu_kernel.Kernels), or None: torch's ops. Rotary and the norms take
-        # float32 and bfloat16; the GEMM, the activation and whole layers float32 only
+        # float32 and bfloat16 (so does the activation); the GEMM and whole layers float32 only
         float32 = next(model.parameters()).dtype == torch.float32
         self.small_gemm = kernels.gemm if kernels and float32 else None  # linears on a few rows
         self.rope = kernels.rope if kernels else None  # fused layers' rotary
         self.rms_norm = kernels.rms_norm if kernels else None  # fused norms
-        self.silu_mul = kernels.silu_mul if kernels and float32 else None  # fused MLPs' activation
+        self.silu_mul = kernels.silu_mul if kernels else None  # fused MLPs' activation
         self.fuse = fuse  # fused q|k|v and gate|up layers where linears are packed (engine/fused.py)
         self.fused_layers = (0, 0)  # (attention modules, MLPs) fused
         # with `fuse`: each decoder layer that is all the kernels' as one call (engine/kernel_layer.py)

@@ -237,24 +237,27 @@ class RmsNorm:
 
 
 class SiluMul:
-    """`pd_silu_mul`: silu(gate) * up over the two halves of float32 rows."""
+    """`pd_silu_mul` / `pd_silu_mul_bf16`: silu(gate) * up over the two halves of float32 or bfloat16 rows."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.pd_silu_mul
-        self._fn.restype = _INT
-        self._fn.argtypes = [_PTR, _I64, _PTR, _I64, _INT, _INT, _INT]
+        self._fns = {torch.float32: lib.pd_silu_mul, torch.bfloat16: lib.pd_silu_mul_bf16}
+        for fn in self._fns.values():
+            fn.restype = _INT
+            fn.argtypes = [_PTR, _I64, _PTR, _I64, _INT, _INT, _INT]
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
-        """h `[..., 2n]` float32 (gate, then up; rows contiguous) -> `[..., n]`; KernelUnavailable
-        where it cannot give torch's bits (no AVX2 + FMA, or n no multiple of 8)."""
+        """h `[..., 2n]` float32 or bfloat16 (gate, then up; rows contiguous) -> `[..., n]`;
+        KernelUnavailable where it cannot give torch's bits (no AVX2 + FMA, or n no multiple of 8,
+        32 in bfloat16)."""
         n = h.shape[-1] // 2
         flat = h.reshape(-1, 2 * n)
         if flat.stride(1) != 1:
             flat = flat.contiguous()
-        assert h.dtype == torch.float32
-        out = torch.empty(*h.shape[:-1], n, dtype=torch.float32)
-        if self._fn(flat.data_ptr(), flat.stride(0), out.data_ptr(), n, flat.shape[0], n, torch.get_num_threads()) != 0:
-            raise KernelUnavailable(f"pd_silu_mul does not match torch here (width {n}, or no AVX2 + FMA)")
+        assert h.dtype in self._fns
+        out = torch.empty(*h.shape[:-1], n, dtype=h.dtype)
+        if self._fns[h.dtype](flat.data_ptr(), flat.stride(0), out.data_ptr(), n, flat.shape[0], n,
+                              torch.get_num_threads()) != 0:
+            raise KernelUnavailable(f"pd_silu_mul does not match torch here ({h.dtype}, width {n}, or no AVX2 + FMA)")
         return out
 
 

@@ -77,8 +77,8 @@ def test_rope_kernel_is_transformers_rotary_bit_for_bit_in_bfloat16(tokens):
 
 def test_bfloat16_engine_fuses_with_the_rotary_and_norm_kernels_and_packed_linears(llama_dir):
     """Where the CPU computes bfloat16 natively, a bfloat16 engine's linears are prepacked for
-    oneDNN (no small-batch GEMM: float32 only), its attention and MLPs fused, rotary and norms by the
-    kernels, each checked bit for bit at load; elsewhere torch's linears stay."""
+    oneDNN (no small-batch GEMM: float32 only), its attention and MLPs fused, rotary, norms and the
+    activation by the kernels, each checked bit for bit at load; elsewhere torch's linears stay."""
     kernels = _kernels()
     engine = LLMEngine(EngineConfig(model_path=llama_dir, dtype="bfloat16", num_blocks=64))
     model = engine.runner.model
@@ -93,6 +93,7 @@ def test_bfloat16_engine_fuses_with_the_rotary_and_norm_kernels_and_packed_linea
     assert all(layer.self_attn.rope is kernels.rope for layer in model.model.layers)
     norms = [m for m in model.modules() if isinstance(m, dense.FusedRMSNorm)]
     assert len(norms) == 2 * layers + 1 and all(n.kernel is kernels.rms_norm for n in norms)
+    assert all(layer.mlp.silu_mul is kernels.silu_mul for layer in model.model.layers)
     assert engine.runner.forward.kernel_layers == 0 and engine.runner.small_gemm is None
 
 
@@ -109,6 +110,9 @@ def test_silu_mul_kernel_is_torch_silu_times_up_bit_for_bit(width):
             except cpu_kernel.KernelUnavailable:
                 pytest.skip("this host has no AVX2 + FMA: the kernel defers to torch")
             assert torch.equal(got, F.silu(gate) * up), (rows, scale)
+            hb = h.bfloat16()
+            gate, up = hb.split(width, dim=-1)
+            assert torch.equal(silu_mul(hb).view(torch.int16), (F.silu(gate) * up).view(torch.int16)), (rows, scale)
 
 
 def test_silu_mul_kernel_refuses_a_width_torch_finishes_in_scalars():

@@ -6,8 +6,15 @@ its vector path takes e^x from SLEEF's expf (1-ulp variant), whose steps are rep
 with the same fused multiply-adds and roundings; the product with `up` is rounded on its own.
 Elsewhere (no AVX2 + FMA, or a row that is no multiple of 8 wide, which torch finishes with a
 scalar exp) it returns -1 and the caller takes torch's ops. A load-time probe checks the bits
-before any layer uses it. */
+before any layer uses it.
+
+In bfloat16 (pd_silu_mul_bf16), as torch computes `act_fn(gate) * up` there: the gate widened,
+silu in float32 as above, rounded to bfloat16; the product with the widened `up` rounded again.
+Rows a multiple of 32 wide only (torch's bfloat16 vectors hold 32 on AVX-512 and finish a shorter
+tail in scalars). */
 #include <stdint.h>
+
+#include "vec.h"
 
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -52,8 +59,35 @@ int pd_silu_mul(const float *x, int64_t x_stride, float *out, int64_t out_stride
     }
     return 0;
 }
+
+int pd_silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t out_stride, int rows, int n,
+                     int threads) {
+    if (n % 32 != 0) return -1;
+    _Pragma("omp parallel for schedule(static) if((int64_t)rows * n >= 16384) num_threads(threads)")
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *g = x + r * x_stride, *u = g + n;
+        uint16_t *o = out + r * out_stride;
+        for (int i = 0; i < n; i += 8) {
+            v8f gw = bf16_load8(g + i), uw = bf16_load8(u + i);
+            __m256 gv;
+            memcpy(&gv, &gw, sizeof gv);
+            __m256 e = sleef_expf8(_mm256_xor_ps(gv, _mm256_set1_ps(-0.0f)));
+            float silu[8], up[8];
+            _mm256_storeu_ps(silu, _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
+            memcpy(up, &uw, sizeof up);
+            for (int l = 0; l < 8; l++) o[i + l] = bf16_store(bf16_load(bf16_store(silu[l])) * up[l]);
+        }
+    }
+    return 0;
+}
 #else
 int pd_silu_mul(const float *x, int64_t x_stride, float *out, int64_t out_stride, int rows, int n, int threads) {
+    (void)x, (void)x_stride, (void)out, (void)out_stride, (void)rows, (void)n, (void)threads;
+    return -1;
+}
+
+int pd_silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t out_stride, int rows, int n,
+                     int threads) {
     (void)x, (void)x_stride, (void)out, (void)out_stride, (void)rows, (void)n, (void)threads;
     return -1;
 }
