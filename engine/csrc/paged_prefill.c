@@ -80,6 +80,102 @@ static inline void scores_tile(const float *kf, const float *qt, float *st, int 
 VALUES_TILE(1)
 VALUES_TILE(2)
 
+#if defined(__AVX512F__)
+/* The same two tiles in 16-lane registers where the CPU has AVX-512: a lane is still one row (one
+   dimension), summed over the same keys (dimensions) in the same order, so the bits are the 8-lane
+   tiles'. Scores: six keys times up to 48 rows (three registers of rows, 18 sums); values: six rows
+   times up to 64 dimensions (four registers, 24 sums). SmolLM2's 512-token prefill, 30 layers,
+   2 threads (2026-12-03, Xeon host): see the document's note on `scores_wide`. */
+typedef float v16f __attribute__((vector_size(64)));
+
+static inline v16f load16(const float *p) {
+    v16f x;
+    memcpy(&x, p, sizeof x);
+    return x;
+}
+
+static inline void store16(float *p, v16f x) { memcpy(p, &x, sizeof x); }
+
+static inline v16f splat16(const float *p) {
+    float s = *p;
+    return (v16f){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+}
+
+#define SCORES_WIDE(R)                                                                              \
+    static inline void scores_wide##R(const float *kf, const float *qt, float *st, int dim, int j0, int r0) { \
+        v16f a[6][R];                                                                               \
+        for (int j = 0; j < 6; j++)                                                                 \
+            for (int x = 0; x < R; x++) a[j][x] = (v16f){0};                                        \
+        for (int d = 0; d < dim; d++) {                                                             \
+            v16f qv[R];                                                                             \
+            for (int x = 0; x < R; x++) qv[x] = load16(qt + d * ROWS + r0 + 16 * x);                \
+            for (int j = 0; j < 6; j++) {                                                           \
+                v16f kj = splat16(kf + (j0 + j) * dim + d);                                         \
+                for (int x = 0; x < R; x++) a[j][x] += kj * qv[x];                                  \
+            }                                                                                       \
+        }                                                                                           \
+        for (int j = 0; j < 6; j++)                                                                 \
+            for (int x = 0; x < R; x++) store16(st + (j0 + j) * ROWS + r0 + 16 * x, a[j][x]);       \
+    }
+SCORES_WIDE(1)
+SCORES_WIDE(2)
+SCORES_WIDE(3)
+
+#define VALUES_WIDE(V)                                                                              \
+    static inline void values_wide##V(const float *st, const float *vf, const float *corr,          \
+                                      float *o, int dim, int r0, int d0) {                          \
+        v16f a[VROWS][V];                                                                           \
+        for (int r = 0; r < VROWS; r++)                                                             \
+            for (int x = 0; x < V; x++) a[r][x] = load16(o + (r0 + r) * dim + d0 + 16 * x) * corr[r0 + r]; \
+        for (int j = 0; j < KSTEP; j++) {                                                           \
+            v16f vv[V];                                                                             \
+            for (int x = 0; x < V; x++) vv[x] = load16(vf + j * dim + d0 + 16 * x);                 \
+            for (int r = 0; r < VROWS; r++) {                                                       \
+                v16f w = splat16(st + j * ROWS + r0 + r);                                           \
+                for (int x = 0; x < V; x++) a[r][x] += w * vv[x];                                   \
+            }                                                                                       \
+        }                                                                                           \
+        for (int r = 0; r < VROWS; r++)                                                             \
+            for (int x = 0; x < V; x++) store16(o + (r0 + r) * dim + d0 + 16 * x, a[r][x]);         \
+    }
+VALUES_WIDE(1)
+VALUES_WIDE(2)
+VALUES_WIDE(4)
+#endif
+
+/* A step's scores, keys j0 .. j0 + 5, for rows 0 .. rows - 1 (in whole tiles of 16 rows). */
+static inline void scores(const float *kf, const float *qt, float *st, int dim, int j0, int rows) {
+#if defined(__AVX512F__)
+    for (int r0 = 0; r0 < rows;) {
+        int wide = (rows - r0 + 15) / 16;
+        if (wide >= 3) scores_wide3(kf, qt, st, dim, j0, r0), r0 += 48;
+        else if (wide == 2) scores_wide2(kf, qt, st, dim, j0, r0), r0 += 32;
+        else scores_wide1(kf, qt, st, dim, j0, r0), r0 += 16;
+    }
+#else
+    for (int r0 = 0; r0 < rows; r0 += 16) scores_tile(kf, qt, st, dim, j0, r0);
+#endif
+}
+
+/* A step's weighted values into rows r0 .. r0 + VROWS - 1 of o, dimensions 0 .. dim - 1. */
+static inline void values(const float *st, const float *vf, const float *corr, float *o, int dim, int r0) {
+    int d = 0;
+#if defined(__AVX512F__)
+    for (; d + 64 <= dim; d += 64) values_wide4(st, vf, corr, o, dim, r0, d);
+    if (d + 32 <= dim) values_wide2(st, vf, corr, o, dim, r0, d), d += 32;
+    if (d + 16 <= dim) values_wide1(st, vf, corr, o, dim, r0, d), d += 16;
+#else
+    for (; d + 16 <= dim; d += 16) values_tile2(st, vf, corr, o, dim, r0, d);
+#endif
+    if (d + 8 <= dim) values_tile1(st, vf, corr, o, dim, r0, d), d += 8;
+    for (int r = r0; r < r0 + VROWS; r++)
+        for (int dd = d; dd < dim; dd++) {
+            float a = o[r * dim + dd] * corr[r];
+            for (int j = 0; j < KSTEP; j++) a += st[j * ROWS + r] * vf[j * dim + dd];
+            o[r * dim + dd] = a;
+        }
+}
+
 /* dtype: 0 = float32, 1 = bfloat16 (q, the pool and out alike). q [nq][heads][dim] and out
    likewise, by their token / head strides; table: the sequence's blocks, covering keys
    0 .. pos0 + nq - 1. Returns 0; -1 for a dtype it does not know; -2 when a task could not
@@ -131,7 +227,7 @@ int pd_paged_prefill(int dtype, const void *q, int64_t q_tok, int64_t q_head, co
                 widen((const char *)v + at, dtype, vf + j * dim, dim);
             }
             for (int j0 = 0; j0 < KSTEP; j0 += 6) /* padding rows past `rows`: only to the tile's edge */
-                for (int r0 = 0; r0 < rows; r0 += 16) scores_tile(kf, qt, st, dim, j0, r0);
+                scores(kf, qt, st, dim, j0, rows);
             for (int r0 = 0; r0 < ROWS; r0 += 8) { /* eight rows at a time: mask, max, exp, sums */
                 v8f m8 = f32_load8(m + r0), top = m8, sum = {0}, none = (v8f){0} - INFINITY;
                 v8i pos8;
@@ -159,17 +255,7 @@ int pd_paged_prefill(int dtype, const void *q, int64_t q_tok, int64_t q_head, co
                 store8(m + r0, top);
                 store8(corr + r0, c8);
             }
-            for (int r0 = 0; r0 < rows; r0 += VROWS) {
-                int d = 0;
-                for (; d + 16 <= dim; d += 16) values_tile2(st, vf, corr, o, dim, r0, d);
-                if (d + 8 <= dim) values_tile1(st, vf, corr, o, dim, r0, d), d += 8;
-                for (int r = r0; r < r0 + VROWS; r++)
-                    for (int dd = d; dd < dim; dd++) {
-                        float a = o[r * dim + dd] * corr[r];
-                        for (int j = 0; j < KSTEP; j++) a += st[j * ROWS + r] * vf[j * dim + dd];
-                        o[r * dim + dd] = a;
-                    }
-            }
+            for (int r0 = 0; r0 < rows; r0 += VROWS) values(st, vf, corr, o, dim, r0);
         }
         for (int r = 0; r < rows; r++) {
             int g = tile * ROWS + r, t = g / groups, head = h * groups + g % groups;
