@@ -39,7 +39,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine import attention, dense, fused, kernel_decoder, kernel_layer
+from engine import attention, dense, fused, kernel_decoder, kernel_layer, lean_decoder
 from engine.greedy_head import GreedyHead
 
 log = logging.getLogger(__name__)
@@ -115,6 +115,8 @@ class Forward:
         self.layer_kernel = kernels if kernel_layers and float32 else None
         self.kernel_layers = 0  # decoder layers so swapped
         self.kernel_decoder: kernel_decoder.KernelDecoder | None = None  # all of them: the decoder's loop too
+        # fused layers that are not one call (bfloat16): the decoder's loop as direct calls (engine/lean_decoder.py)
+        self.lean_decoder: lean_decoder.LeanDecoder | None = None
         # with the kernel decoder: an all-greedy step's tokens without the float32 logits (engine/greedy_head.py)
         self._want_greedy_head = greedy_head
         self.greedy_head: GreedyHead | None = None
@@ -179,6 +181,8 @@ class Forward:
             if self.fuse and self.layer_kernel is not None and skip is None:
                 self.kernel_layers = kernel_layer.swap_layers(self.model, self.layer_kernel)
                 self.kernel_decoder = kernel_decoder.kernel_decoder(self.model)
+            if self.fuse and self.kernel_decoder is None and skip is None:
+                self.lean_decoder = lean_decoder.lean_decoder(self.model)
         if self._want_greedy_head:
             self.greedy_reason = ("the decoder is not the kernel's" if self.kernel_decoder is None
                                   else GreedyHead.fits(self.model.lm_head))
@@ -211,6 +215,8 @@ class Forward:
                     if tokens is not None:
                         return tokens
                 return self.model.lm_head(rows)
+        elif self.lean_decoder is not None:
+            return self.model.lm_head(self.lean_decoder(input_ids, positions)[:, sample_rows, :])
         return self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
                           logits_to_keep=sample_rows).logits
 

@@ -127,6 +127,8 @@ class ModelRunner:
             how += f", {self.forward.kernel_layers} decoder layers as one kernel call each"
             if self.forward.kernel_decoder is not None:
                 how += " (the decoder's loop too)"
+        elif self.forward.lean_decoder is not None:
+            how += ", the decoder's loop as direct calls"
         if self.forward.greedy_head is not None:
             how += ", greedy steps' tokens from a half-float copy of the LM head"
         elif self.forward.kernel_decoder is not None:

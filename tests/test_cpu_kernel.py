@@ -196,7 +196,7 @@ def test_without_a_kernel_auto_runs_sdpa_and_says_why_and_on_refuses(llama_dir, 
     runner = ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16))
     assert runner.decode_kernel is None
     assert ", decode attention by SDPA (no C compiler on PATH (cc, gcc or $CC))," in runner.describe()
-    assert runner.describe().endswith("(rotary by torch) and 2 MLPs on one gate|up")  # fused layers need no kernel
+    assert runner.describe().endswith("(rotary by torch) and 2 MLPs on one gate|up, the decoder's loop as direct calls")
     with pytest.raises(ValueError, match=r"cpu_kernels is on, but no C compiler on PATH"):
         ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16, cpu_kernels="on"))
     with pytest.raises(ValueError, match=r"cpu_kernels is on, but the kernel runs on CPU in float32 or "

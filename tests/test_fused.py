@@ -95,6 +95,31 @@ def test_bfloat16_engine_fuses_with_the_rotary_and_norm_kernels_and_packed_linea
     assert len(norms) == 2 * layers + 1 and all(n.kernel is kernels.rms_norm for n in norms)
     assert all(layer.mlp.silu_mul is kernels.silu_mul for layer in model.model.layers)
     assert engine.runner.forward.kernel_layers == 0 and engine.runner.small_gemm is None
+    assert engine.runner.forward.lean_decoder is not None and engine.runner.describe().endswith(
+        "the decoder's loop as direct calls")
+
+
+def test_the_decoders_loop_as_direct_calls_gives_the_model_forwards_tokens_and_logits(llama_dir):
+    """engine/lean_decoder.py runs the same modules on the same inputs as the model's forward: greedy
+    tokens of staggered prompts and the logits of each step equal, bit for bit, in bfloat16 (where
+    a different rounding anywhere shows) and in float32 without the layer kernel."""
+    for dtype, extra in (("bfloat16", {}), ("float32", {"kernel_layers": False})):
+        runs = []
+        for lean in (True, False):
+            engine = LLMEngine(EngineConfig(model_path=llama_dir, dtype=dtype, num_blocks=256, chunk_size=16, **extra))
+            assert (engine.runner.forward.lean_decoder is not None) == (dtype == "float32" or dense.cpu_computes_bf16())
+            if not lean:
+                engine.runner.forward.lean_decoder = None
+            logits = []
+            forward = engine.runner.forward._logits
+            engine.runner.forward._logits = lambda *a, _f=forward, _l=logits: _l.append(_f(*a)) or _l[-1]
+            rng = random.Random(11)
+            prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(1, 40))] for _ in range(5)]
+            runs.append((staggered_tokens(engine, prompts, 12), logits))
+            assert engine.allocator.num_used == 0
+        (tokens, logits), (want_tokens, want_logits) = runs
+        assert tokens == want_tokens and len(logits) == len(want_logits)
+        assert all(torch.equal(a, b) for a, b in zip(logits, want_logits, strict=True)), dtype
 
 
 @pytest.mark.parametrize("width", [1536, 64, 4096])

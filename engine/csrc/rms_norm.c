@@ -101,9 +101,13 @@ NO_CONTRACT static void norm_row_bf16(const uint16_t *x, const uint16_t *w, floa
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #endif
-    for (int d = 0; d < n; d++) wide[d] = bf16_load(x[d]);
+    int d = 0;
+    for (; d + 8 <= n; d += 8) store8(wide + d, bf16_load8(x + d));
+    for (; d < n; d++) wide[d] = bf16_load(x[d]);
     float r = 1.0f / sqrtf(sum_squares(wide, n) / (float)n + eps);
-    for (int d = 0; d < n; d++) {
+    v8f rv = (v8f){0} + r;
+    for (d = 0; d + 8 <= n; d += 8) bf16_store8(out + d, bf16_load8(w + d) * bf16_round8(f32_load8(wide + d) * rv));
+    for (; d < n; d++) {
         float y = bf16_load(bf16_store(wide[d] * r));
         out[d] = bf16_store(bf16_load(w[d]) * y);
     }

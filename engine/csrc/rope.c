@@ -44,7 +44,15 @@ void pd_rope(float *x, int64_t tok_stride, int heads, int dim, const float *cos,
 static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
 
 static void rope_head_bf16(uint16_t *x, const uint16_t *c, const uint16_t *s, int half) {
-    for (int d = 0; d < half; d++) {
+    int d = 0;
+    for (; d + 8 <= half; d += 8) {
+        v8f a = bf16_load8(x + d), b = bf16_load8(x + d + half);
+        v8f lo = bf16_round8(a * bf16_load8(c + d)) + bf16_round8(-b * bf16_load8(s + d));
+        v8f hi = bf16_round8(b * bf16_load8(c + d + half)) + bf16_round8(a * bf16_load8(s + d + half));
+        bf16_store8(x + d, lo);
+        bf16_store8(x + d + half, hi);
+    }
+    for (; d < half; d++) {
         float a = bf16_load(x[d]), b = bf16_load(x[d + half]);
         float lo = bf16_round(a * bf16_load(c[d])) + bf16_round(-b * bf16_load(s[d]));
         float hi = bf16_round(b * bf16_load(c[d + half])) + bf16_round(a * bf16_load(s[d + half]));

@@ -72,10 +72,10 @@ int pd_silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t
             __m256 gv;
             memcpy(&gv, &gw, sizeof gv);
             __m256 e = sleef_expf8(_mm256_xor_ps(gv, _mm256_set1_ps(-0.0f)));
-            float silu[8], up[8];
-            _mm256_storeu_ps(silu, _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e)));
-            memcpy(up, &uw, sizeof up);
-            for (int l = 0; l < 8; l++) o[i + l] = bf16_store(bf16_load(bf16_store(silu[l])) * up[l]);
+            __m256 silu = _mm256_div_ps(gv, _mm256_add_ps(_mm256_set1_ps(1.0f), e));
+            v8f sw;
+            memcpy(&sw, &silu, sizeof sw);
+            bf16_store8(o + i, bf16_round8(sw) * uw);
         }
     }
     return 0;

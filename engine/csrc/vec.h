@@ -44,6 +44,24 @@ static inline v8f bf16_load8(const uint16_t *p) { /* eight bfloat16 widened: the
     return x;
 }
 
+/* Eight floats rounded to bfloat16 (nearest even, as bf16_store), kept as floats / stored as bfloat16. */
+static inline v8u bf16_rounded_bits8(v8f x) {
+    v8u u;
+    memcpy(&u, &x, sizeof u);
+    return u + 0x7FFFu + ((u >> 16) & 1u);
+}
+
+static inline v8f bf16_round8(v8f x) {
+    v8u u = bf16_rounded_bits8(x) & 0xFFFF0000u;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static inline void bf16_store8(uint16_t *p, v8f x) {
+    v8h h = __builtin_convertvector(bf16_rounded_bits8(x) >> 16, v8h);
+    memcpy(p, &h, sizeof h);
+}
+
 /* Eight IEEE half floats widened (exactly): one instruction where the CPU converts them (F16C). */
 #if defined(__F16C__)
 static inline v8f f16_load8(const uint16_t *p) {

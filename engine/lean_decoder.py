@@ -1,0 +1,64 @@
+"""The decoder's loop as direct calls, for fused layers that are not one kernel call (bfloat16 on CPU).
+
+A decode step of a small model on CPU spends milliseconds in transformers' module machinery around
+the work: the decoder's forward (masks, rotary, cache checks, output records), each layer's call
+with its keyword arguments, and `nn.Module.__call__` around each of a layer's nine modules. Where
+every layer is a Llama-shaped decoder layer (`kernel_layer.LAYER_TYPES`) whose attention and MLP
+are fused (engine/fused.py: `FusedAttention`, `FusedMLP`), this runs the same modules' forwards on
+the same inputs in the same order: the embedding, the rotary (cos, sin) from the rotary module's
+own table (`RotaryTable`), then per layer `x + attn(norm1(x))` and `x + mlp(norm2(x))`, as the
+layer's forward writes them, and the final norm. The same ops, so the same bits as the model's
+forward; an engine test compares the two bit for bit. Float32 steps whose layers are one kernel
+call each take `KernelDecoder` instead.
+
+SmolLM2-135M in bfloat16, 16 decode rows (2026-12-03, Xeon host): docs/engine_speed.md, "bfloat16
+decode".
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from engine import fused
+from engine.kernel_decoder import DECODER_TYPES, HEAD_TYPES, RotaryTable
+from engine.kernel_layer import LAYER_TYPES
+
+
+class LeanDecoder:
+    """`(input_ids [1, T], positions [1, T]) -> last hidden states [1, T, hidden]`, the decoder's
+    forward without transformers' module machinery."""
+
+    def __init__(self, decoder: nn.Module):
+        self.embed, self.norm = decoder.embed_tokens, decoder.norm
+        self.rotary = RotaryTable(decoder.rotary_emb)
+        self.layers = [(layer.input_layernorm.forward, layer.self_attn.forward, layer.post_attention_layernorm.forward,
+                        layer.mlp.forward) for layer in decoder.layers]
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed(input_ids)
+        cos_sin = self.rotary(x, positions)
+        for norm1, attn, norm2, mlp in self.layers:
+            x = x + attn(norm1(x), cos_sin)[0]
+            x = x + mlp(norm2(x))
+        return self.norm(x)
+
+
+def lean_decoder(model: nn.Module) -> LeanDecoder | None:
+    """A `LeanDecoder` for `model` where its decoder is one of `DECODER_TYPES` under one of
+    `HEAD_TYPES` and every layer is a `LAYER_TYPES` layer of a fused attention and a fused MLP
+    between its two norms; None otherwise (the model's forward serves)."""
+    decoder = model.get_decoder()
+    if type(model).__name__ not in HEAD_TYPES or type(decoder).__name__ not in DECODER_TYPES:
+        return None
+    layers = getattr(decoder, "layers", None)
+    if (not isinstance(layers, nn.ModuleList) or len(layers) != decoder.config.num_hidden_layers
+            or not all(hasattr(decoder, name) for name in ("embed_tokens", "rotary_emb", "norm"))):
+        return None
+    for layer in layers:
+        if (type(layer).__name__ not in LAYER_TYPES or "forward" in vars(layer)
+                or {n for n, _ in layer.named_children()} != {"self_attn", "mlp", "input_layernorm",
+                                                              "post_attention_layernorm"}
+                or not isinstance(layer.self_attn, fused.FusedAttention) or not isinstance(layer.mlp, fused.FusedMLP)):
+            return None
+    return LeanDecoder(decoder)
