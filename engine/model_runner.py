@@ -83,11 +83,7 @@ class ModelRunner:
         self.block_size = config.block_size
         kernels, self.kernel_reason = self._cpu_kernels()
         self.decode_kernel = kernels.decode if kernels else None
-        # bfloat16 prefill chunks where the CPU computes bfloat16 natively: torch's SDPA (its flash
-        # attention, AMX here) ran 1.7-2.5x the prefill kernel's speed on SmolLM2's chunks
-        # (docs/engine_speed.md, "bfloat16 decode"); the kernel computes in float32 throughout
-        self.sdpa_prefills = self.dtype == torch.bfloat16 and self.device.type == "cpu" and dense.cpu_computes_bf16()
-        self.prefill_kernel = kernels.prefill if kernels and not self.sdpa_prefills else None
+        self.prefill_kernel = kernels.prefill if kernels else None
         self.argmax = kernels.argmax if kernels else None  # greedy sampling's, on the CPU
         # float32 linears on a few rows (decode steps) by the kernel, from panel-packed weights
         self.small_gemm = kernels.gemm if kernels and self.dtype == torch.float32 else None
@@ -117,9 +113,7 @@ class ModelRunner:
             how = f"eager (compile failed: {self.forward.fallback_reason})"
         else:
             how = f"eager (engine.compile: {self.config.compile})"
-        if self.decode_kernel is not None and self.prefill_kernel is None:
-            how += ", decode attention by the CPU kernel, prefill chunks by SDPA (bfloat16 on a CPU computing it natively)"
-        elif self.decode_kernel is not None:
+        if self.decode_kernel is not None:
             how += ", decode and prefill attention by the CPU kernels"
             if dense.small_gemm_layers(self.model):
                 how += f", linears by the CPU kernel ({cpu_kernel.GEMM_REACH})"
