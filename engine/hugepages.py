@@ -80,7 +80,9 @@ class Arena:
         self._lock = threading.Lock()
 
     def take(self, numel: int) -> torch.Tensor:
-        with self._lock:
+        # outside inference mode, whoever asks: a chunk made under it would hold inference tensors,
+        # which later views (the next caller's panels, a test poking a weight) could not write
+        with self._lock, torch.inference_mode(False):
             at = -(-self._at // 16) * 16
             if self._chunk is None or at + numel > self._chunk.numel():
                 self._chunk, at = self._new_chunk(max(self.CHUNK // 4, numel)), 0

@@ -75,3 +75,14 @@ def test_the_arena_hands_out_aligned_disjoint_views_in_huge_page_chunks():
     assert len(set(chunks[:4])) == 1 and len(set(chunks)) == 3  # the big one filled its chunk: the last, a new one
     for first in (views[0], views[4], views[5]):  # each chunk starts on a 2 MiB page asked for
         assert first.data_ptr() % hugepages.HUGE_PAGE == 0 and "hg" in _vm_flags(first.data_ptr())
+
+
+def test_an_arena_view_taken_in_inference_mode_is_a_normal_tensor():
+    """The GEMM's panels are packed under inference mode (the fusing probes run there); a chunk made
+    there would hold inference tensors, and a later view of it could not be written outside."""
+    arena = hugepages.Arena()
+    with torch.inference_mode():
+        first = arena.take(64)
+    second = arena.take(64)  # the same chunk, outside
+    assert not first.is_inference() and not second.is_inference()
+    first[0] = second[0] = 1.0
