@@ -104,9 +104,9 @@ class KernelDecoder:
         return self.norm(x)
 
 
-def kernel_decoder(model: nn.Module) -> KernelDecoder | None:
-    """A `KernelDecoder` for `model` where its decoder is one of `DECODER_TYPES` under one of
-    `HEAD_TYPES`, with every layer it runs swapped (`swap_layers`) alike; None otherwise."""
+def plain_decoder(model: nn.Module) -> nn.Module | None:
+    """`model`'s decoder where it is one of `DECODER_TYPES` under one of `HEAD_TYPES`, with its
+    embedding, rotary, norm and one module per layer (the loop a decoder of these is); else None."""
     decoder = model.get_decoder()
     if type(model).__name__ not in HEAD_TYPES or type(decoder).__name__ not in DECODER_TYPES:
         return None
@@ -114,7 +114,16 @@ def kernel_decoder(model: nn.Module) -> KernelDecoder | None:
     if (not isinstance(layers, nn.ModuleList) or len(layers) != decoder.config.num_hidden_layers
             or not all(hasattr(decoder, name) for name in ("embed_tokens", "rotary_emb", "norm"))):
         return None
-    kernels = [layer.forward for layer in layers]
+    return decoder
+
+
+def kernel_decoder(model: nn.Module) -> KernelDecoder | None:
+    """A `KernelDecoder` for `model` where its decoder is a `plain_decoder` with every layer it runs
+    swapped (`swap_layers`) alike; None otherwise."""
+    decoder = plain_decoder(model)
+    if decoder is None:
+        return None
+    kernels = [layer.forward for layer in decoder.layers]
     if not kernels or not all(isinstance(k, KernelLayer) for k in kernels):
         return None
     if len({(k.shape, k.max_rows) for k in kernels}) != 1:

@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from engine import fused
-from engine.kernel_decoder import DECODER_TYPES, HEAD_TYPES, RotaryTable
+from engine.kernel_decoder import RotaryTable, plain_decoder
 from engine.kernel_layer import LAYER_TYPES
 
 
@@ -45,17 +45,13 @@ class LeanDecoder:
 
 
 def lean_decoder(model: nn.Module) -> LeanDecoder | None:
-    """A `LeanDecoder` for `model` where its decoder is one of `DECODER_TYPES` under one of
-    `HEAD_TYPES` and every layer is a `LAYER_TYPES` layer of a fused attention and a fused MLP
-    between its two norms; None otherwise (the model's forward serves)."""
-    decoder = model.get_decoder()
-    if type(model).__name__ not in HEAD_TYPES or type(decoder).__name__ not in DECODER_TYPES:
+    """A `LeanDecoder` for `model` where its decoder is a `plain_decoder` and every layer is a
+    `LAYER_TYPES` layer of a fused attention and a fused MLP between its two norms; None otherwise
+    (the model's forward serves)."""
+    decoder = plain_decoder(model)
+    if decoder is None:
         return None
-    layers = getattr(decoder, "layers", None)
-    if (not isinstance(layers, nn.ModuleList) or len(layers) != decoder.config.num_hidden_layers
-            or not all(hasattr(decoder, name) for name in ("embed_tokens", "rotary_emb", "norm"))):
-        return None
-    for layer in layers:
+    for layer in decoder.layers:
         if (type(layer).__name__ not in LAYER_TYPES or "forward" in vars(layer)
                 or {n for n, _ in layer.named_children()} != {"self_attn", "mlp", "input_layernorm",
                                                               "post_attention_layernorm"}

@@ -32,13 +32,17 @@ NO_CONTRACT static void rope_head(float *x, const float *c, const float *s, int 
     }
 }
 
+/* Every token's first `heads` heads through HEAD (rope_head or rope_head_bf16). */
+#define EVERY_HEAD(HEAD)                                                                            \
+    int half = dim / 2;                                                                             \
+    _Pragma("omp parallel for schedule(static) if(tokens >= 64) num_threads(threads)")              \
+    for (int t = 0; t < tokens; t++)                                                                \
+        for (int h = 0; h < heads; h++)                                                             \
+            HEAD(x + t * tok_stride + (int64_t)h * dim, cos + t * cs_stride, sin + t * cs_stride, half);
+
 void pd_rope(float *x, int64_t tok_stride, int heads, int dim, const float *cos, const float *sin,
              int64_t cs_stride, int tokens, int threads) {
-    int half = dim / 2;
-    _Pragma("omp parallel for schedule(static) if(tokens >= 64) num_threads(threads)")
-    for (int t = 0; t < tokens; t++)
-        for (int h = 0; h < heads; h++)
-            rope_head(x + t * tok_stride + (int64_t)h * dim, cos + t * cs_stride, sin + t * cs_stride, half);
+    EVERY_HEAD(rope_head)
 }
 
 static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
@@ -63,9 +67,5 @@ static void rope_head_bf16(uint16_t *x, const uint16_t *c, const uint16_t *s, in
 
 void pd_rope_bf16(uint16_t *x, int64_t tok_stride, int heads, int dim, const uint16_t *cos, const uint16_t *sin,
                   int64_t cs_stride, int tokens, int threads) {
-    int half = dim / 2;
-    _Pragma("omp parallel for schedule(static) if(tokens >= 64) num_threads(threads)")
-    for (int t = 0; t < tokens; t++)
-        for (int h = 0; h < heads; h++)
-            rope_head_bf16(x + t * tok_stride + (int64_t)h * dim, cos + t * cs_stride, sin + t * cs_stride, half);
+    EVERY_HEAD(rope_head_bf16)
 }
