@@ -134,7 +134,7 @@ class FusedRMSNorm(nn.Module):
         self.weight = norm.weight
         self.eps = eps
         self.normalized_shape = (norm.weight.shape[0],)
-        self.kernel = kernel  # cpu_kernel.RmsNorm, or None
+        self.kernel = kernel  # cpu_ops.RmsNorm, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel is not None and x.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling():

@@ -69,7 +69,7 @@ class FusedAttention(nn.Module):
         self.heads, self.kv_heads = heads, kv_heads
         self.qkv_proj, self.o_proj = qkv, attn.o_proj
         self.call = call  # what the module hands the attention function: scaling, sliding_window, softcap
-        self.rope = rope  # cpu_kernel.Rope, or None: torch's ops
+        self.rope = rope  # cpu_ops.Rope, or None: torch's ops
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings: tuple[torch.Tensor, torch.Tensor],
                 attention_mask: torch.Tensor | None = None, **kwargs):
@@ -106,7 +106,7 @@ class FusedMLP(nn.Module):
         super().__init__()
         self.gate_up_proj, self.down_proj, self.act_fn = gate_up, mlp.down_proj, mlp.act_fn
         self.intermediate = mlp.gate_proj.out_features
-        self.silu_mul = silu_mul  # cpu_kernel.SiluMul for a SiLU activation, or None: torch's ops
+        self.silu_mul = silu_mul  # cpu_ops.SiluMul for a SiLU activation, or None: torch's ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)

@@ -22,7 +22,7 @@ _MASK64 = (1 << 64) - 1
 
 def greedy(logits: torch.Tensor, argmax=None) -> torch.Tensor:
     """`logits.argmax(dim=-1)` for `[N, V]` rows: by `argmax` (the engine's CPU kernel,
-    cpu_kernel.Argmax, where it runs them: torch's runs one thread, 0.45 ms for 16 x 49k logits
+    cpu_ops.Argmax, where it runs them: torch's runs one thread, 0.45 ms for 16 x 49k logits
     here) when the rows are float32 on the CPU, else by torch."""
     if (argmax is not None and logits.dim() == 2 and logits.dtype == torch.float32 and logits.device.type == "cpu"
             and logits.shape[1] > 0 and logits.stride(1) == 1):

@@ -1,0 +1,108 @@
+"""pdserve's small CPU kernels around the linears and attention (engine/csrc/*.c, built with the
+others by engine/cpu_kernel.py), each bit for bit the torch ops it replaces:
+
+- rotary embedding (rope.c): in place on a fused q|k|v projection, float32 or bfloat16, as
+  transformers' rotary rounds (engine/fused.py);
+- RMSNorm (rms_norm.c): one call per norm, float32 as torch's `F.rms_norm`, bfloat16 as
+  transformers' Llama-style norm (engine/dense.py);
+- SiLU times up (silu_mul.c): a gated MLP's activation on its fused gate|up projection, float32
+  or bfloat16, as torch's on an AVX2 + FMA host (engine/fused.py);
+- greedy argmax (argmax.c): each logit row's, as torch's, the rows shared among threads
+  (engine/sampler.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from engine.cpu_kernel import _FLOAT, _I64, _INT, _PTR, KernelUnavailable
+
+
+class Rope:
+    """`pd_rope` / `pd_rope_bf16`: rotary embedding in place on float32 or bfloat16 q and k heads."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns = {torch.float32: lib.pd_rope, torch.bfloat16: lib.pd_rope_bf16}
+        for fn in self._fns.values():
+            fn.restype = None
+            fn.argtypes = [_PTR, _I64, _INT, _INT, _PTR, _PTR, _I64, _INT, _INT]
+
+    def __call__(self, x: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """x `[T, >= heads * dim]` float32 or bfloat16 (rows of heads, each `dim` contiguous): its first
+        `heads` heads rotated in place; cos/sin `[T, dim]` in x's dtype, rows contiguous."""
+        tokens = x.shape[0]
+        assert x.dtype == cos.dtype == sin.dtype and x.dtype in self._fns
+        assert x.stride(1) == 1 and x.shape[1] >= heads * dim
+        assert cos.shape == sin.shape == (tokens, dim) and cos.stride() == sin.stride() and cos.stride(1) == 1
+        self._fns[x.dtype](x.data_ptr(), x.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
+                           tokens, torch.get_num_threads())
+
+
+class RmsNorm:
+    """`pd_rms_norm` / `pd_rms_norm_bf16`: RMSNorm rows in float32 or bfloat16."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns = {torch.float32: lib.pd_rms_norm, torch.bfloat16: lib.pd_rms_norm_bf16}
+        self._fns[torch.float32].restype = None
+        self._fns[torch.bfloat16].restype = _INT
+        for fn in self._fns.values():
+            fn.argtypes = [_PTR, _I64, _PTR, _FLOAT, _PTR, _I64, _INT, _INT, _INT]
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """x `[..., n]` float32 or bfloat16 (rows contiguous), weight `[n]` of x's dtype -> a new tensor
+        of x's shape."""
+        n = x.shape[-1]
+        flat = x.reshape(-1, n)
+        if flat.stride(1) != 1:
+            flat = flat.contiguous()
+        assert x.dtype == weight.dtype and x.dtype in self._fns and weight.is_contiguous() and weight.shape == (n,)
+        out = torch.empty(x.shape, dtype=x.dtype)
+        rc = self._fns[x.dtype](flat.data_ptr(), flat.stride(0), weight.data_ptr(), eps, out.data_ptr(), n,
+                                flat.shape[0], n, torch.get_num_threads())
+        if rc:
+            raise MemoryError(f"the RMSNorm kernel could not allocate a float32 row of {n}")
+        return out
+
+
+class SiluMul:
+    """`pd_silu_mul` / `pd_silu_mul_bf16`: silu(gate) * up over the two halves of float32 or bfloat16 rows."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns = {torch.float32: lib.pd_silu_mul, torch.bfloat16: lib.pd_silu_mul_bf16}
+        for fn in self._fns.values():
+            fn.restype = _INT
+            fn.argtypes = [_PTR, _I64, _PTR, _I64, _INT, _INT, _INT]
+
+    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+        """h `[..., 2n]` float32 or bfloat16 (gate, then up; rows contiguous) -> `[..., n]`;
+        KernelUnavailable where it cannot give torch's bits (no AVX2 + FMA, or n no multiple of 8,
+        32 in bfloat16)."""
+        n = h.shape[-1] // 2
+        flat = h.reshape(-1, 2 * n)
+        if flat.stride(1) != 1:
+            flat = flat.contiguous()
+        assert h.dtype in self._fns
+        out = torch.empty(*h.shape[:-1], n, dtype=h.dtype)
+        if self._fns[h.dtype](flat.data_ptr(), flat.stride(0), out.data_ptr(), n, flat.shape[0], n,
+                              torch.get_num_threads()) != 0:
+            raise KernelUnavailable(f"pd_silu_mul does not match torch here ({h.dtype}, width {n}, or no AVX2 + FMA)")
+        return out
+
+
+class Argmax:
+    """`pd_argmax`: each float32 row's argmax, as torch's `argmax(dim=-1)` gives it."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.pd_argmax
+        self._fn.restype = None
+        self._fn.argtypes = [_PTR, _I64, _INT, _INT, _PTR, _INT]
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        """x `[rows, n]` float32 on the CPU, n >= 1, rows contiguous -> `[rows]` int64."""
+        rows, n = x.shape
+        assert x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1 and n >= 1
+        out = torch.empty(rows, dtype=torch.int64)
+        self._fn(x.data_ptr(), x.stride(0), rows, n, out.data_ptr(), torch.get_num_threads())
+        return out
