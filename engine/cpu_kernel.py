@@ -37,14 +37,11 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 
-from engine import hugepages
-
-if TYPE_CHECKING:
-    from engine import cpu_ops
+from engine import cpu_ops, hugepages
+from engine.cpu_ops import _FLOAT, _I64, _INT, _PTR, KernelUnavailable  # noqa: F401 - KernelUnavailable: cpu_kernel's error too
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
@@ -52,7 +49,6 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 BUILD_TIMEOUT_S = 120
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
-_I64, _PTR, _INT, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
 def _gemm_rows(capability: str) -> int | None:
@@ -66,10 +62,6 @@ def _gemm_rows(capability: str) -> int | None:
 
 SMALL_ROWS = _gemm_rows(torch.backends.cpu.get_cpu_capability())
 GEMM_REACH = "every product" if SMALL_ROWS is None else f"up to {SMALL_ROWS} rows"  # what it takes, in words
-
-
-class KernelUnavailable(RuntimeError):
-    """The kernel cannot be built or loaded here; the message says why."""
 
 
 class DecodeKernel:
@@ -310,8 +302,6 @@ def _load() -> Kernels:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
-    from engine import cpu_ops  # it imports this module's names
-
     return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib), cpu_ops.Rope(lib), cpu_ops.RmsNorm(lib),
                    cpu_ops.SiluMul(lib), LayerKernel(lib), cpu_ops.Argmax(lib))
 

@@ -1,5 +1,6 @@
 """pdserve's small CPU kernels around the linears and attention (engine/csrc/*.c, built with the
-others by engine/cpu_kernel.py), each bit for bit the torch ops it replaces:
+others by engine/cpu_kernel.py, which imports this module's ctypes helpers and error), each bit for
+bit the torch ops it replaces:
 
 - rotary embedding (rope.c): in place on a fused q|k|v projection, float32 or bfloat16, as
   transformers' rotary rounds (engine/fused.py);
@@ -17,7 +18,12 @@ import ctypes
 
 import torch
 
-from engine.cpu_kernel import _FLOAT, _I64, _INT, _PTR, KernelUnavailable
+_I64, _PTR, _INT, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class KernelUnavailable(RuntimeError):
+    """A kernel cannot be built, loaded or give torch's bits here; the message says why (raised as
+    `cpu_kernel.KernelUnavailable` too)."""
 
 
 class Rope:
