@@ -13,7 +13,9 @@ One process holds one `LLMEngine` per variant on the same checkpoint:
   (engine/greedy_head.py; every request here is greedy);
 - `fullhead`: `packed` with `greedy_head` off: the float32 logits and the argmax;
 - `compiled`: `engine.compile: on` (inductor around the opaque paged-attention op), with `--compile`;
-- `bfloat16`: the packed eager path in bfloat16, with `--bf16`.
+- `bfloat16`: the eager path in bfloat16, with `--bf16` (where the CPU computes bfloat16 natively:
+  linears prepacked for oneDNN, fused layers with the bfloat16 rotary, norm and activation kernels,
+  the decoder's loop as direct calls, engine/lean_decoder.py).
 Each variant is brought to the same state (every request decoding at `--context` tokens, or one
 `--prefill`-token prompt waiting), then the variants take turns, `--steps` steps each per round,
 for `--rounds` rounds, so a noisy neighbour slows all of them alike; each reports the median step.
