@@ -47,7 +47,7 @@ SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
 BUILD_TIMEOUT_S = 120
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what the kernels take, and their C code for it
 
 
 

@@ -51,9 +51,8 @@ class RmsNorm:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fns = {torch.float32: lib.pd_rms_norm, torch.bfloat16: lib.pd_rms_norm_bf16}
-        self._fns[torch.float32].restype = None
-        self._fns[torch.bfloat16].restype = _INT
         for fn in self._fns.values():
+            fn.restype = None
             fn.argtypes = [_PTR, _I64, _PTR, _FLOAT, _PTR, _I64, _INT, _INT, _INT]
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -65,10 +64,8 @@ class RmsNorm:
             flat = flat.contiguous()
         assert x.dtype == weight.dtype and x.dtype in self._fns and weight.is_contiguous() and weight.shape == (n,)
         out = torch.empty(x.shape, dtype=x.dtype)
-        rc = self._fns[x.dtype](flat.data_ptr(), flat.stride(0), weight.data_ptr(), eps, out.data_ptr(), n,
-                                flat.shape[0], n, torch.get_num_threads())
-        if rc:
-            raise MemoryError(f"the RMSNorm kernel could not allocate a float32 row of {n}")
+        self._fns[x.dtype](flat.data_ptr(), flat.stride(0), weight.data_ptr(), eps, out.data_ptr(), n,
+                           flat.shape[0], n, torch.get_num_threads())
         return out
 
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_kernel import SMALL_ROWS
+from engine.cpu_kernel import DTYPES, SMALL_ROWS
 
 log = logging.getLogger(__name__)
 
@@ -137,7 +137,7 @@ class FusedRMSNorm(nn.Module):
         self.kernel = kernel  # cpu_ops.RmsNorm, or None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.kernel is not None and x.dtype in (torch.float32, torch.bfloat16) and not torch.compiler.is_compiling():
+        if self.kernel is not None and x.dtype in DTYPES and not torch.compiler.is_compiling():
             return self.kernel(x, self.weight, self.eps)
         return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
 

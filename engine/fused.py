@@ -36,7 +36,6 @@ from engine import attention, cpu_kernel, dense, features
 
 log = logging.getLogger(__name__)
 
-KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # the rotary and activation kernels' (rope.c, silu_mul.c)
 # either side of SMALL_ROWS (the GEMM's products and oneDNN's) where it is set; a prefill chunk's size where not
 PROBE_ROWS = (1, 7, 64, 100 if cpu_kernel.SMALL_ROWS is None else cpu_kernel.SMALL_ROWS + 1)
 
@@ -78,7 +77,7 @@ class FusedAttention(nn.Module):
         q_end = self.heads * self.head_dim
         k_end = q_end + self.kv_heads * self.head_dim
         cos, sin = position_embeddings
-        if self.rope is not None and qkv.dtype in KERNEL_DTYPES and not torch.compiler.is_compiling():
+        if self.rope is not None and qkv.dtype in cpu_kernel.DTYPES and not torch.compiler.is_compiling():
             flat = qkv.view(-1, qkv.shape[-1])
             self.rope(flat, self.heads + self.kv_heads, self.head_dim, cos.reshape(flat.shape[0], -1),
                       sin.reshape(flat.shape[0], -1))
@@ -110,7 +109,7 @@ class FusedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.silu_mul is not None and gate_up.dtype in KERNEL_DTYPES and not torch.compiler.is_compiling():
+        if self.silu_mul is not None and gate_up.dtype in cpu_kernel.DTYPES and not torch.compiler.is_compiling():
             return self.down_proj(self.silu_mul(gate_up))
         gate, up = gate_up.split(self.intermediate, dim=-1)
         return self.down_proj(self.act_fn(gate) * up)

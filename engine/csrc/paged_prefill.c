@@ -40,52 +40,57 @@ static inline void widen(const void *src, int dtype, float *dst, int n) {
     for (int d = 0; d < n; d++) dst[d] = bf16_load(h[d]);
 }
 
-/* st[j][r] = sum over d of kf[j][d] * qt[d][r], for keys j0 .. j0 + 5 and rows r0 .. r0 + 15 */
-static inline void scores_tile(const float *kf, const float *qt, float *st, int dim, int j0, int r0) {
-    v8f a[6][2];
-    for (int j = 0; j < 6; j++) a[j][0] = a[j][1] = (v8f){0};
-    for (int d = 0; d < dim; d++) {
-        v8f q0 = f32_load8(qt + d * ROWS + r0), q1 = f32_load8(qt + d * ROWS + r0 + 8);
-        for (int j = 0; j < 6; j++) {
-            v8f kj = splat(kf + (j0 + j) * dim + d);
-            a[j][0] += kj * q0;
-            a[j][1] += kj * q1;
-        }
-    }
-    for (int j = 0; j < 6; j++) {
-        store8(st + (j0 + j) * ROWS + r0, a[j][0]);
-        store8(st + (j0 + j) * ROWS + r0 + 8, a[j][1]);
-    }
-}
+/* The two tiles, for a vector type VT of LANES floats (LOAD, STORE, SPLAT its helpers). A lane is
+   one query row (scores) or one dimension (values), summed over the same keys (dimensions) in the
+   same order at either width, so 8-lane and 16-lane tiles give the same bits.
 
-/* o[r][d..d+W) = o[r][d..d+W) * corr[r] + sum over keys j of st[j][r] * vf[j][d..d+W), rows
-   r0 .. r0 + VROWS - 1, W = 8 * V lanes */
-#define VALUES_TILE(V)                                                                              \
-    static inline void values_tile##V(const float *st, const float *vf, const float *corr,          \
-                                      float *o, int dim, int r0, int d0) {                          \
-        v8f a[VROWS][V];                                                                            \
+   SCORES: st[j][r] = sum over d of kf[j][d] * qt[d][r], keys j0 .. j0 + 5, rows r0 .. r0 + R * LANES - 1. */
+#define SCORES(NAME, VT, LANES, LOAD, STORE, SPLAT, R)                                              \
+    static inline void NAME##R(const float *kf, const float *qt, float *st, int dim, int j0, int r0) { \
+        VT a[6][R];                                                                                 \
+        for (int j = 0; j < 6; j++)                                                                 \
+            for (int x = 0; x < R; x++) a[j][x] = (VT){0};                                          \
+        for (int d = 0; d < dim; d++) {                                                             \
+            VT qv[R];                                                                               \
+            for (int x = 0; x < R; x++) qv[x] = LOAD(qt + d * ROWS + r0 + LANES * x);               \
+            for (int j = 0; j < 6; j++) {                                                           \
+                VT kj = SPLAT(kf + (j0 + j) * dim + d);                                             \
+                for (int x = 0; x < R; x++) a[j][x] += kj * qv[x];                                  \
+            }                                                                                       \
+        }                                                                                           \
+        for (int j = 0; j < 6; j++)                                                                 \
+            for (int x = 0; x < R; x++) STORE(st + (j0 + j) * ROWS + r0 + LANES * x, a[j][x]);      \
+    }
+
+/* VALUES: o[r][d0 .. d0 + W) = o[r][d0 .. d0 + W) * corr[r] + sum over keys j of st[j][r] *
+   vf[j][d0 .. d0 + W), rows r0 .. r0 + VROWS - 1, W = V * LANES. */
+#define VALUES(NAME, VT, LANES, LOAD, STORE, SPLAT, V)                                              \
+    static inline void NAME##V(const float *st, const float *vf, const float *corr, float *o, int dim, \
+                               int r0, int d0) {                                                    \
+        VT a[VROWS][V];                                                                             \
         for (int r = 0; r < VROWS; r++)                                                             \
-            for (int x = 0; x < V; x++) a[r][x] = f32_load8(o + (r0 + r) * dim + d0 + 8 * x) * corr[r0 + r]; \
+            for (int x = 0; x < V; x++) a[r][x] = LOAD(o + (r0 + r) * dim + d0 + LANES * x) * corr[r0 + r]; \
         for (int j = 0; j < KSTEP; j++) {                                                           \
-            v8f vv[V];                                                                              \
-            for (int x = 0; x < V; x++) vv[x] = f32_load8(vf + j * dim + d0 + 8 * x);               \
+            VT vv[V];                                                                               \
+            for (int x = 0; x < V; x++) vv[x] = LOAD(vf + j * dim + d0 + LANES * x);                \
             for (int r = 0; r < VROWS; r++) {                                                       \
-                v8f w = splat(st + j * ROWS + r0 + r);                                              \
+                VT w = SPLAT(st + j * ROWS + r0 + r);                                               \
                 for (int x = 0; x < V; x++) a[r][x] += w * vv[x];                                   \
             }                                                                                       \
         }                                                                                           \
         for (int r = 0; r < VROWS; r++)                                                             \
-            for (int x = 0; x < V; x++) store8(o + (r0 + r) * dim + d0 + 8 * x, a[r][x]);           \
+            for (int x = 0; x < V; x++) STORE(o + (r0 + r) * dim + d0 + LANES * x, a[r][x]);        \
     }
-VALUES_TILE(1)
-VALUES_TILE(2)
+
+/* 8 lanes: sixteen rows of scores (two registers, twelve sums), sixteen dimensions of values */
+SCORES(scores_tile, v8f, 8, f32_load8, store8, splat, 2)
+VALUES(values_tile, v8f, 8, f32_load8, store8, splat, 1)
+VALUES(values_tile, v8f, 8, f32_load8, store8, splat, 2)
 
 #if defined(__AVX512F__)
-/* The same two tiles in 16-lane registers where the CPU has AVX-512: a lane is still one row (one
-   dimension), summed over the same keys (dimensions) in the same order, so the bits are the 8-lane
-   tiles'. Scores: six keys times up to 48 rows (three registers of rows, 18 sums); values: six rows
-   times up to 64 dimensions (four registers, 24 sums). SmolLM2's 512-token prefill, 30 layers,
-   2 threads (2026-12-03, Xeon host): see the document's note on `scores_wide`. */
+/* 16 lanes where the CPU has AVX-512: scores for up to 48 rows (three registers, 18 sums), values
+   for up to 64 dimensions (four registers, 24 sums). SmolLM2's 512-token prefill, 30 layers, 2
+   threads (2026-12-03, Xeon host): bfloat16 65.4 -> 58 ms, float32 71.2 -> 61 against 8 lanes. */
 typedef float v16f __attribute__((vector_size(64)));
 
 static inline v16f load16(const float *p) {
@@ -101,46 +106,12 @@ static inline v16f splat16(const float *p) {
     return (v16f){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
 }
 
-#define SCORES_WIDE(R)                                                                              \
-    static inline void scores_wide##R(const float *kf, const float *qt, float *st, int dim, int j0, int r0) { \
-        v16f a[6][R];                                                                               \
-        for (int j = 0; j < 6; j++)                                                                 \
-            for (int x = 0; x < R; x++) a[j][x] = (v16f){0};                                        \
-        for (int d = 0; d < dim; d++) {                                                             \
-            v16f qv[R];                                                                             \
-            for (int x = 0; x < R; x++) qv[x] = load16(qt + d * ROWS + r0 + 16 * x);                \
-            for (int j = 0; j < 6; j++) {                                                           \
-                v16f kj = splat16(kf + (j0 + j) * dim + d);                                         \
-                for (int x = 0; x < R; x++) a[j][x] += kj * qv[x];                                  \
-            }                                                                                       \
-        }                                                                                           \
-        for (int j = 0; j < 6; j++)                                                                 \
-            for (int x = 0; x < R; x++) store16(st + (j0 + j) * ROWS + r0 + 16 * x, a[j][x]);       \
-    }
-SCORES_WIDE(1)
-SCORES_WIDE(2)
-SCORES_WIDE(3)
-
-#define VALUES_WIDE(V)                                                                              \
-    static inline void values_wide##V(const float *st, const float *vf, const float *corr,          \
-                                      float *o, int dim, int r0, int d0) {                          \
-        v16f a[VROWS][V];                                                                           \
-        for (int r = 0; r < VROWS; r++)                                                             \
-            for (int x = 0; x < V; x++) a[r][x] = load16(o + (r0 + r) * dim + d0 + 16 * x) * corr[r0 + r]; \
-        for (int j = 0; j < KSTEP; j++) {                                                           \
-            v16f vv[V];                                                                             \
-            for (int x = 0; x < V; x++) vv[x] = load16(vf + j * dim + d0 + 16 * x);                 \
-            for (int r = 0; r < VROWS; r++) {                                                       \
-                v16f w = splat16(st + j * ROWS + r0 + r);                                           \
-                for (int x = 0; x < V; x++) a[r][x] += w * vv[x];                                   \
-            }                                                                                       \
-        }                                                                                           \
-        for (int r = 0; r < VROWS; r++)                                                             \
-            for (int x = 0; x < V; x++) store16(o + (r0 + r) * dim + d0 + 16 * x, a[r][x]);         \
-    }
-VALUES_WIDE(1)
-VALUES_WIDE(2)
-VALUES_WIDE(4)
+SCORES(scores_wide, v16f, 16, load16, store16, splat16, 1)
+SCORES(scores_wide, v16f, 16, load16, store16, splat16, 2)
+SCORES(scores_wide, v16f, 16, load16, store16, splat16, 3)
+VALUES(values_wide, v16f, 16, load16, store16, splat16, 1)
+VALUES(values_wide, v16f, 16, load16, store16, splat16, 2)
+VALUES(values_wide, v16f, 16, load16, store16, splat16, 4)
 #endif
 
 /* A step's scores, keys j0 .. j0 + 5, for rows 0 .. rows - 1 (in whole tiles of 16 rows). */
@@ -153,7 +124,7 @@ static inline void scores(const float *kf, const float *qt, float *st, int dim, 
         else scores_wide1(kf, qt, st, dim, j0, r0), r0 += 16;
     }
 #else
-    for (int r0 = 0; r0 < rows; r0 += 16) scores_tile(kf, qt, st, dim, j0, r0);
+    for (int r0 = 0; r0 < rows; r0 += 16) scores_tile2(kf, qt, st, dim, j0, r0);
 #endif
 }
 

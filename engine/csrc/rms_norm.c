@@ -12,9 +12,6 @@ float32, normalized as above, rounded to bfloat16, then times the bfloat16 weigh
 product rounded to bfloat16, as torch's bfloat16 multiply rounds it). */
 #include <math.h>
 #include <stdint.h>
-#include <stdlib.h>
-
-#include <omp.h>
 
 #include "vec.h"
 
@@ -96,11 +93,11 @@ void pd_rms_norm(const float *x, int64_t x_stride, const float *w, float eps, fl
     for (int r = 0; r < rows; r++) norm_row(x + r * x_stride, w, eps, out + r * out_stride, n);
 }
 
-NO_CONTRACT static void norm_row_bf16(const uint16_t *x, const uint16_t *w, float eps, uint16_t *out, float *wide,
-                                      int n) {
+NO_CONTRACT static void norm_row_bf16(const uint16_t *x, const uint16_t *w, float eps, uint16_t *out, int n) {
 #if defined(__clang__)
 #pragma clang fp contract(off)
 #endif
+    float wide[n]; /* the row widened: a hidden size's floats on the stack */
     int d = 0;
     for (; d + 8 <= n; d += 8) store8(wide + d, bf16_load8(x + d));
     for (; d < n; d++) wide[d] = bf16_load(x[d]);
@@ -113,15 +110,8 @@ NO_CONTRACT static void norm_row_bf16(const uint16_t *x, const uint16_t *w, floa
     }
 }
 
-/* Returns 0, or -1 when a row's float32 copy could not be allocated (no row of out is written then). */
-int pd_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, float eps, uint16_t *out,
-                     int64_t out_stride, int rows, int n, int threads) {
-    int nthreads = rows >= 32 ? threads : 1;
-    float *wide = malloc(sizeof(float) * (size_t)n * (size_t)nthreads);
-    if (wide == NULL) return -1;
+void pd_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, float eps, uint16_t *out,
+                      int64_t out_stride, int rows, int n, int threads) {
     _Pragma("omp parallel for schedule(static) if(rows >= 32) num_threads(threads)")
-    for (int r = 0; r < rows; r++)
-        norm_row_bf16(x + r * x_stride, w, eps, out + r * out_stride, wide + (int64_t)omp_get_thread_num() * n, n);
-    free(wide);
-    return 0;
+    for (int r = 0; r < rows; r++) norm_row_bf16(x + r * x_stride, w, eps, out + r * out_stride, n);
 }
