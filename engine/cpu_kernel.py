@@ -103,6 +103,15 @@ class PrefillKernel:
         self._fn.restype = _INT
         self._fn.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT, _PTR,
                              _I64, _I64, _INT, _INT, _INT, _INT, _FLOAT, _INT, _FLOAT, _INT]
+        self._amx = lib.pd_prefill_amx
+        self._amx.restype = _INT
+        self._amx.argtypes = [_INT]
+
+    def use_amx(self, enable: bool) -> bool:
+        """Whether bfloat16 chunks compute their scores with AMX tiles where the CPU and the OS allow
+        it (the default), or on vectors as float32 chunks do; returns whether AMX is now in use.
+        Process-wide: for tests and measurements of either path."""
+        return bool(self._amx(int(enable)))
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  table: torch.Tensor, first_pos: int, out: torch.Tensor, scale: float,

@@ -77,24 +77,11 @@ static inline void store_row(const float sums[16], const float *bias, float *yr,
    6.2-6.4 ms against 5.6; 16 rows in one tile read the next panel ahead over one tile's k, not
    two). */
 #define TILE_ROWS 8
-typedef float v16f __attribute__((vector_size(64)));
-
-static inline v16f f32_load16(const float *p) {
-    v16f x;
-    memcpy(&x, p, sizeof x);
-    return x;
-}
-
 static inline v16f f16_load16(const uint16_t *p) {
     __m512 wide = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
     v16f x;
     memcpy(&x, &wide, sizeof x);
     return x;
-}
-
-static inline v16f splat16(const float *p) { /* a broadcast from memory, folded into the FMA */
-    float s = *p;
-    return (v16f){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
 }
 
 #define TILE(R, NAME, WT, LOAD, PF_K)                                                               \

@@ -103,24 +103,50 @@ static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask)
 
 static inline v8f vmax(v8f a, v8f b) { return select8(a > b, a, b); }
 
-/* e^x for x <= 0 (eight at once) to about one ulp: Cephes' expf, with n = round(x / ln 2) by the
-   float magic-number trick (round to nearest even, so |r| <= ln 2 / 2 as Cephes' floor(. + 0.5)) */
-static inline v8f exp_nonpos8(v8f x) {
-    const v8f magic = (v8f){0} + 12582912.0f; /* 1.5 * 2^23 */
-    x = vmax(x, (v8f){0} - 87.0f);           /* e^-87 is still a normal float */
-    v8f n = (x * 1.44269504088896341f + magic) - magic;
-    v8f r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    v8f z = r * r;
-    v8f p = (v8f){0} + 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * z + r + 1.0f;
-    v8i bits = (__builtin_convertvector(n, v8i) + 127) << 23;
-    return p * (v8f)bits;
+/* Sixteen floats: a pair of AVX2 registers, or one AVX-512 register where the CPU has them. Every
+   op is lane by lane, so a lane's bits do not depend on the width it was computed at. */
+typedef float v16f __attribute__((vector_size(64)));
+typedef int32_t v16i __attribute__((vector_size(64)));
+
+static inline v16f f32_load16(const float *p) {
+    v16f x;
+    memcpy(&x, p, sizeof x);
+    return x;
 }
+
+static inline void store16(float *p, v16f x) { memcpy(p, &x, sizeof x); }
+
+static inline v16f splat16(const float *p) { /* a broadcast from memory, folded into the FMA */
+    float s = *p;
+    return (v16f){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
+}
+
+static inline v16f select16(v16i mask, v16f a, v16f b) { return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask)); }
+
+static inline v16f vmax16(v16f a, v16f b) { return select16(a > b, a, b); }
+
+/* e^x for x <= 0, a vector VF of floats (VI its ints) at once, to about one ulp: Cephes' expf, with
+   n = round(x / ln 2) by the float magic-number trick (round to nearest even, so |r| <= ln 2 / 2 as
+   Cephes' floor(. + 0.5)) */
+#define EXP_NONPOS(NAME, VF, VI, VMAX)                                                              \
+    static inline VF NAME(VF x) {                                                                  \
+        const VF magic = (VF){0} + 12582912.0f; /* 1.5 * 2^23 */                                   \
+        x = VMAX(x, (VF){0} - 87.0f);           /* e^-87 is still a normal float */                \
+        VF n = (x * 1.44269504088896341f + magic) - magic;                                         \
+        VF r = x - n * 0.693359375f + n * 2.12194440e-4f;                                          \
+        VF z = r * r;                                                                              \
+        VF p = (VF){0} + 1.9875691500e-4f;                                                         \
+        p = p * r + 1.3981999507e-3f;                                                              \
+        p = p * r + 8.3334519073e-3f;                                                              \
+        p = p * r + 4.1665795894e-2f;                                                              \
+        p = p * r + 1.6666665459e-1f;                                                              \
+        p = p * r + 5.0000001201e-1f;                                                              \
+        p = p * z + r + 1.0f;                                                                      \
+        VI bits = (__builtin_convertvector(n, VI) + 127) << 23;                                    \
+        return p * (VF)bits;                                                                       \
+    }
+EXP_NONPOS(exp_nonpos8, v8f, v8i, vmax)
+EXP_NONPOS(exp_nonpos16, v16f, v16i, vmax16)
 
 static inline float exp_nonpos(float x) { /* the same, for the tail of a row */
     float lanes[8] = {x};
