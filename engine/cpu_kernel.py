@@ -4,8 +4,8 @@
   no gathered copy of whole blocks, no padding to a group's longest context, no mask
   (docs/engine_speed.md, "Decode attention");
 - prefill attention (paged_prefill.c): a prompt chunk's queries attend straight from the pool
-  too, tiled so keys and queries are each read once per tile, the causal half skipped
-  (docs/engine_speed.md, "Prefill attention");
+  too, tiled so keys and queries are each read once per tile, the causal half skipped; bfloat16
+  chunks on AMX tiles where the CPU has them (amx.h; docs/engine_speed.md, "Prefill attention");
 - small-batch GEMM (small_gemm.c): a linear layer on a few rows (a decode step) from weights
   packed in 16-column panels (engine/dense.py; docs/engine_speed.md, "Small-batch linears");
 - rotary embedding (rope.c), RMSNorm (rms_norm.c), SiLU times up (silu_mul.c) and greedy argmax
@@ -45,7 +45,7 @@ from engine.cpu_ops import _FLOAT, _I64, _INT, _PTR, KernelUnavailable  # noqa: 
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11")
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-Wno-psabi")  # psabi: 16-lane vectors in static helpers on AVX2 hosts
 BUILD_TIMEOUT_S = 120
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what the kernels take, and their C code for it
 
@@ -103,15 +103,6 @@ class PrefillKernel:
         self._fn.restype = _INT
         self._fn.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT, _PTR,
                              _I64, _I64, _INT, _INT, _INT, _INT, _FLOAT, _INT, _FLOAT, _INT]
-        self._amx = lib.pd_prefill_amx
-        self._amx.restype = _INT
-        self._amx.argtypes = [_INT]
-
-    def use_amx(self, enable: bool) -> bool:
-        """Whether bfloat16 chunks compute their scores with AMX tiles where the CPU and the OS allow
-        it (the default), or on vectors as float32 chunks do; returns whether AMX is now in use.
-        Process-wide: for tests and measurements of either path."""
-        return bool(self._amx(int(enable)))
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  table: torch.Tensor, first_pos: int, out: torch.Tensor, scale: float,
@@ -232,6 +223,21 @@ class LayerKernel:
             raise RuntimeError(f"{name} failed ({rc})")
 
 
+class AmxSwitch:
+    """`pd_use_amx`: whether bfloat16 prefill chunks attend on AMX tiles where the CPU and the OS
+    allow it (the default), or on vectors as float32 chunks do. Process-wide: for tests and
+    measurements of either path."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fn = lib.pd_use_amx
+        self._fn.restype = _INT
+        self._fn.argtypes = [_INT]
+
+    def __call__(self, enable: bool) -> bool:
+        """Sets it; returns whether the tiles are now in use."""
+        return bool(self._fn(int(enable)))
+
+
 @dataclasses.dataclass(frozen=True)
 class Kernels:
     decode: DecodeKernel
@@ -242,6 +248,7 @@ class Kernels:
     silu_mul: cpu_ops.SiluMul
     layer: LayerKernel
     argmax: cpu_ops.Argmax
+    use_amx: AmxSwitch
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -312,7 +319,7 @@ def _load() -> Kernels:
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
     return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib), cpu_ops.Rope(lib), cpu_ops.RmsNorm(lib),
-                   cpu_ops.SiluMul(lib), LayerKernel(lib), cpu_ops.Argmax(lib))
+                   cpu_ops.SiluMul(lib), LayerKernel(lib), cpu_ops.Argmax(lib), AmxSwitch(lib))
 
 
 def load() -> tuple[Kernels | None, str]:

@@ -76,11 +76,11 @@ PREFILL_PATHS = pytest.mark.parametrize("dtype, amx", [(torch.float32, False), (
 def prefill_path(dtype, amx):
     """The prefill kernel with bfloat16 scores and values on AMX tiles (where this host has them), or
     on vectors; float32 chunks always take the vectors."""
-    if amx and not KERNELS.prefill.use_amx(True):
+    if amx and not KERNELS.use_amx(True):
         pytest.skip("no AMX here (CPU or OS): the vector path is tested alone")
-    KERNELS.prefill.use_amx(amx)
+    KERNELS.use_amx(amx)
     yield
-    KERNELS.prefill.use_amx(True)
+    KERNELS.use_amx(True)
 
 
 @needs_kernel

@@ -33,6 +33,7 @@ k[table[p / block_size] * blk_stride + (p % block_size) * tok_stride + h * head_
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "vec.h"
 
 #define ROWS 48      /* query rows of a task: six vectors of eight */
@@ -255,39 +256,13 @@ static int vector_task(const Call *c, int tile, int h, int rows) {
     return 0;
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
-#include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#define HAVE_AMX 1
-
+#if HAVE_AMX
 typedef uint32_t v16u __attribute__((vector_size(64)));
 
 static inline int all_ones16(v16f x) { /* every row's max the same as before the step */
     for (int i = 0; i < 16; i++)
         if (x[i] != 1.0f) return 0;
     return 1;
-}
-
-/* Whether this process may use AMX's tile registers: Linux asks each process to request them once
-   (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); a kernel that refuses leaves the vector path. */
-static int amx_permitted(void) {
-    static int state; /* 0 unknown, 1 yes, -1 no */
-    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
-    return state == 1;
-}
-
-/* All eight tiles 16 rows of 64 bytes (16 floats, 32 bfloat16 or 16 bfloat16 pairs a row). */
-static void amx_configure(void) {
-    struct {
-        uint8_t palette, start_row, reserved[14];
-        uint16_t colsb[16];
-        uint8_t rows[16];
-    } __attribute__((packed)) cfg;
-    memset(&cfg, 0, sizeof cfg);
-    cfg.palette = 1;
-    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
-    _tile_loadconfig(&cfg);
 }
 
 /* The call's keys base .. base + nk - 1 of each KV head (nk a multiple of 32; zeros past `last`),
@@ -431,18 +406,16 @@ static int amx_task(const Call *c, int tile, int h, int rows, const uint16_t *kc
     free(buf);
     return 0;
 }
-#else
-#define HAVE_AMX 0
-static int amx_permitted(void) { return 0; }
 #endif
 
-static int amx_enabled = 1; /* pd_prefill_amx */
+int pd_amx_enabled = 1;
 
-/* Whether bfloat16 chunks take AMX tiles (where the CPU and the OS have them): on (1) or off (0), for
-   tests and measurements of either path; returns whether AMX will be used. */
-int pd_prefill_amx(int enable) {
-    amx_enabled = enable != 0;
-    return HAVE_AMX && amx_enabled && amx_permitted();
+/* Whether bfloat16 prefill chunks take AMX tiles where the CPU and the OS have them: on (1, the
+   default) or off (0), for tests and measurements of either path; returns whether the tiles will be
+   used. */
+int pd_use_amx(int enable) {
+    pd_amx_enabled = enable != 0;
+    return amx_ready();
 }
 
 /* dtype: 0 = float32, 1 = bfloat16 (q, the pool and out alike). q [nq][heads][dim] and out
@@ -461,7 +434,7 @@ int pd_paged_prefill(int dtype, const void *q, int64_t q_tok, int64_t q_head, co
               .out_tok = out_tok, .out_head = out_head, .q = q, .k = k, .v = v, .out = out, .table = table,
               .scale = scale, .softcap = softcap};
     int per_head = nq * c.groups, tiles = (per_head + ROWS - 1) / ROWS;
-    int amx = dtype == 1 && dim % 32 == 0 && HAVE_AMX && amx_enabled && amx_permitted();
+    int amx = dtype == 1 && dim % 32 == 0 && amx_ready();
     uint16_t *kc = NULL, *vt = NULL;
     int64_t base = 0, nk = 0;
     if (amx) { /* every key any row sees, from the first row's window on */

@@ -1,0 +1,51 @@
+/* AMX tiles for the prefill attention kernel (paged_prefill.c), where the CPU has them
+   (AMX-TILE and AMX-BF16, built with -march=native) and Linux lets the process use them.
+   bfloat16 products on tiles are exact in float32 and summed in float32, in an order fixed by the
+   output element alone, so a row's result never depends on which tile it shared. */
+#ifndef PDSERVE_AMX_H
+#define PDSERVE_AMX_H
+
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define HAVE_AMX 1
+
+/* Whether this process may use the tile registers: Linux asks each process to request them once
+   (arch_prctl ARCH_REQ_XCOMP_PERM for XTILEDATA); where it refuses, the kernels keep their vectors.
+   Called before a parallel region (the answer is cached). */
+static inline int amx_permitted(void) {
+    static int state; /* 0 unknown, 1 yes, -1 no */
+    if (state == 0) state = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0 ? 1 : -1;
+    return state == 1;
+}
+
+/* This thread's eight tiles, each 16 rows of 64 bytes (16 floats, 32 bfloat16 or 16 bfloat16 pairs a row). */
+static inline void amx_configure(void) {
+    struct {
+        uint8_t palette, start_row, reserved[14];
+        uint16_t colsb[16];
+        uint8_t rows[16];
+    } __attribute__((packed)) cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+#else
+#define HAVE_AMX 0
+static inline int amx_permitted(void) { return 0; }
+#endif
+
+extern int pd_amx_enabled; /* pd_use_amx (paged_prefill.c) */
+
+/* Whether bfloat16 attention takes the tiles now. (Decode rows do not: SmolLM2's 16-row step, 257
+   keys, scores on tiles staged sixteen keys at a time, took 7.2-8.1 ms for 30 layers against 6.2-6.6
+   on vectors, 2026-12-03: three query heads fill 3 of a tile's 16 columns, and every tile's result
+   goes through memory.) */
+static inline int amx_ready(void) { return HAVE_AMX && pd_amx_enabled && amx_permitted(); }
+
+#endif
