@@ -103,9 +103,11 @@ class Forward:
         self.device = device
         self.prepack = prepack
         # pdserve's CPU kernels (cpu_kernel.Kernels), or None: torch's ops. Rotary and the norms take
-        # float32 and bfloat16 (so does the activation); the GEMM and whole layers float32 only
-        float32 = next(model.parameters()).dtype == torch.float32
-        self.small_gemm = kernels.gemm if kernels and float32 else None  # linears on a few rows
+        # float32 and bfloat16 (so does the activation); the GEMM float32, or bfloat16 on AMX; whole
+        # layers float32 only
+        dtype = next(model.parameters()).dtype
+        float32 = dtype == torch.float32
+        self.small_gemm = kernels.gemm_for(dtype) if kernels else None  # linears on a few rows
         self.rope = kernels.rope if kernels else None  # fused layers' rotary
         self.rms_norm = kernels.rms_norm if kernels else None  # fused norms
         self.silu_mul = kernels.silu_mul if kernels else None  # fused MLPs' activation

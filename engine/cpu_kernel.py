@@ -8,6 +8,7 @@
   chunks on AMX tiles where the CPU has them (amx.h; docs/engine_speed.md, "Prefill attention");
 - small-batch GEMM (small_gemm.c): a linear layer on a few rows (a decode step) from weights
   packed in 16-column panels (engine/dense.py; docs/engine_speed.md, "Small-batch linears");
+  in bfloat16 on AMX tiles (amx_gemm.c), where the CPU has them;
 - rotary embedding (rope.c), RMSNorm (rms_norm.c), SiLU times up (silu_mul.c) and greedy argmax
   (argmax.c): the small ops around them, bit for bit torch's (engine/cpu_ops.py has their
   wrappers);
@@ -131,6 +132,10 @@ class PrefillKernel:
 class SmallGemm:
     """`sg_pack` / `sg_gemm`: float32 `x @ W^T + bias` (for up to SMALL_ROWS rows, where that is set)."""
 
+    dtype = torch.float32
+    max_rows = SMALL_ROWS  # None: every product (no oneDNN copy)
+    reach = GEMM_REACH
+
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._pack, self._gemm, self._greedy = lib.sg_pack, lib.sg_gemm, lib.sg_greedy
         self._pack.restype = self._gemm.restype = None
@@ -179,6 +184,53 @@ class SmallGemm:
         out = torch.empty(m, n, dtype=torch.float32)
         self._gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
                    out.data_ptr(), n, m, n, k, threads or torch.get_num_threads())
+        return out
+
+
+class AmxGemm:
+    """`pd_amx_pack` / `pd_amx_gemm`: bfloat16 `x @ W^T + bias` on AMX tiles for up to `max_rows` rows
+    (engine/csrc/amx_gemm.c), where the CPU has AMX and the OS lets the process use it (`ready`)."""
+
+    dtype = torch.bfloat16
+    max_rows = 64  # oneDNN takes larger products
+    reach = "bfloat16 up to 64 rows on AMX tiles"
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._pack, self._gemm, self._ready = lib.pd_amx_pack, lib.pd_amx_gemm, lib.pd_amx_gemm_ready
+        self._pack.restype = None
+        self._pack.argtypes = [_PTR, _I64, _I64, _PTR]
+        self._gemm.restype = self._ready.restype = _INT
+        self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _I64, _I64, _INT]
+        self._ready.argtypes = []
+        self._arena = hugepages.Arena()  # every step reads the panels end to end: 2 MiB pages
+
+    def ready(self) -> bool:
+        return bool(self._ready())
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        """`[N, K]` bfloat16 -> its panels, `[ceil(N / 16) * ceil(K / 32) * 512]` bfloat16."""
+        n, k = weight.shape
+        assert weight.dtype == torch.bfloat16
+        weight = weight.detach().contiguous()
+        numel = -(-n // 16) * -(-k // 32) * 512
+        panels = self._arena.take(numel // 2).view(torch.bfloat16)
+        self._pack(weight.data_ptr(), n, k, panels.data_ptr())
+        return panels
+
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
+                 threads: int | None = None) -> torch.Tensor:
+        """x `[M, K]` bfloat16 (rows contiguous, M <= max_rows) -> `[M, n]` bfloat16."""
+        m, k = x.shape
+        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and m <= self.max_rows
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        if m == 0:
+            return out
+        rc = self._gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                        out.data_ptr(), n, m, n, k, threads or torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError(f"the AMX GEMM could not stage {m} rows")
+        if rc != 0:
+            raise RuntimeError(f"pd_amx_gemm failed ({rc}): AMX unavailable, or {m} rows")
         return out
 
 
@@ -249,6 +301,14 @@ class Kernels:
     layer: LayerKernel
     argmax: cpu_ops.Argmax
     use_amx: AmxSwitch
+    amx_gemm: AmxGemm
+
+    def gemm_for(self, dtype: torch.dtype) -> SmallGemm | AmxGemm | None:
+        """The GEMM that takes few-row linears of `dtype` weights here: float32 always, bfloat16 where
+        AMX runs; None: oneDNN takes them all."""
+        if dtype == torch.float32:
+            return self.gemm
+        return self.amx_gemm if dtype == torch.bfloat16 and self.amx_gemm.ready() else None
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -319,7 +379,7 @@ def _load() -> Kernels:
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
     return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib), cpu_ops.Rope(lib), cpu_ops.RmsNorm(lib),
-                   cpu_ops.SiluMul(lib), LayerKernel(lib), cpu_ops.Argmax(lib), AmxSwitch(lib))
+                   cpu_ops.SiluMul(lib), LayerKernel(lib), cpu_ops.Argmax(lib), AmxSwitch(lib), AmxGemm(lib))
 
 
 def load() -> tuple[Kernels | None, str]:

@@ -18,7 +18,9 @@ its weight in 16-column panels for the CPU GEMM. Where torch vectorizes with AVX
 host) the GEMM takes every product, decode rows and prefill chunks alike (2x oneDNN's speed at 16
 rows, 1.1x at 512 to 2048), and no oneDNN copy is made: the panels replace the weight. Elsewhere
 (`SMALL_ROWS` = 64) it takes products of up to 64 rows and oneDNN the larger ones, a second copy
-of the linear weights.
+of the linear weights. bfloat16 weights get the same split where the CPU has AMX: products of up to
+64 rows on AMX tiles (`cpu_kernel.AmxGemm`, engine/csrc/amx_gemm.c, about 1.7x oneDNN's speed at 16
+rows here), larger ones by oneDNN.
 
 The norms around them: an RMSNorm module written as transformers' Llama / Qwen / Mistral ones are
 (square, mean, add eps, rsqrt, two multiplies: six passes over the hidden states) becomes one
@@ -51,7 +53,7 @@ def cpu_computes_bf16() -> bool:
 def packable(dtype: torch.dtype) -> bool:
     """Weights of `dtype` are prepacked: float32 always; bfloat16 where the CPU computes it natively
     (oneDNN's packed bf16 linear gives `F.linear`'s bits at twice its speed there; elsewhere oneDNN
-    emulates bf16 and torch's own path is kept). The small-batch GEMM takes float32 only."""
+    emulates bf16 and torch's own path is kept)."""
     return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_computes_bf16())
 
 
@@ -69,7 +71,7 @@ class PackedLinear(nn.Module):
         self.bias = linear.bias
         # a weight other modules use too (tied embeddings) stays reachable as it was
         self.weight = linear.weight if keep_weight else None
-        self.gemm = gemm  # cpu_kernel.SmallGemm (float32 weights), or None
+        self.gemm = gemm  # cpu_kernel.SmallGemm (float32 weights), cpu_kernel.AmxGemm (bfloat16), or None
         self.panels = gemm.pack(linear.weight) if gemm is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,8 +122,9 @@ def pack_linears(model: nn.Module, device: torch.device, skip: nn.Module | None 
     swaps = [(parent, name, child) for parent, name, child in child_modules(model, skip)
              if type(child) is nn.Linear and packable(child.weight.dtype)]
     for parent, name, child in swaps:
-        setattr(parent, name, PackedLinear(child, keep_weight=uses[id(child.weight)] > 1,
-                                           gemm=gemm if child.weight.dtype == torch.float32 else None))
+        takes = gemm is not None and child.weight.dtype == gemm.dtype
+        setattr(parent, name, PackedLinear(child, keep_weight=uses[id(child.weight)] > 1, gemm=gemm if takes else None,
+                                           small_rows=gemm.max_rows if takes else SMALL_ROWS))
     return len(swaps)
 
 

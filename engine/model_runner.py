@@ -85,8 +85,9 @@ class ModelRunner:
         self.decode_kernel = kernels.decode if kernels else None
         self.prefill_kernel = kernels.prefill if kernels else None
         self.argmax = kernels.argmax if kernels else None  # greedy sampling's, on the CPU
-        # float32 linears on a few rows (decode steps) by the kernel, from panel-packed weights
-        self.small_gemm = kernels.gemm if kernels and self.dtype == torch.float32 else None
+        # linears on a few rows (decode steps) by the kernel, from panel-packed weights: float32, or
+        # bfloat16 on AMX tiles
+        self.small_gemm = kernels.gemm_for(self.dtype) if kernels else None
         self.num_blocks = self._num_blocks()
         self.kv = allocate_kv_pool(self.shape.num_layers, self.num_blocks, self.block_size,
                                    self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
@@ -116,7 +117,7 @@ class ModelRunner:
         if self.decode_kernel is not None:
             how += ", decode and prefill attention by the CPU kernels"
             if dense.small_gemm_layers(self.model):
-                how += f", linears by the CPU kernel ({cpu_kernel.GEMM_REACH})"
+                how += f", linears by the CPU kernel ({self.small_gemm.reach})"
         else:
             how += f", decode attention by SDPA ({self.kernel_reason})"
         attn, mlps = self.forward.fused_layers
@@ -164,11 +165,12 @@ class ModelRunner:
             budget = cfg.kv_cache_memory
         else:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
-            if self.small_gemm is not None and cpu_kernel.SMALL_ROWS is not None:  # panels beside oneDNN's copy
+            if self.small_gemm is not None and self.small_gemm.max_rows is not None:  # panels beside oneDNN's copy
                 weights += sum(m.weight.numel() * m.weight.element_size() for m in self.model.modules()
                                if type(m) is torch.nn.Linear)
             head = self.model.get_output_embeddings()
-            if self.small_gemm is not None and self.config.greedy_head and head is not None:
+            if (self.small_gemm is not None and self.dtype == torch.float32 and self.config.greedy_head
+                    and head is not None):
                 weights += head.weight.numel() * 2  # the greedy head's half-float copy, where it is made
             budget = int(device_memory(self.device) * cfg.memory_fraction) - weights - cfg.runtime_overhead
         blocks = num_kv_blocks(self.shape, self.dtype, budget, self.block_size)

@@ -6,7 +6,7 @@ runs `--steps` steps under torch.profiler and, separately, timed. The table spli
 
 - schedule + prepare: the scheduler and the runner flattening the step into tensors
 - dense matmul: projections and MLP (aten mm/addmm/linear, oneDNN's prepacked linear, the CPU
-  kernel's small-batch GEMM), self time
+  kernels' small-batch GEMMs: float32, and bfloat16 on AMX tiles), self time
 - attention (kernel): the paged-attention op's own time: the CPU decode kernel, and the op's glue
 - SDPA: scaled_dot_product_attention's own kernels (prefill chunks; decodes without the kernel)
 - KV gather: index_select of whole blocks for attention
@@ -123,19 +123,25 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 @contextlib.contextmanager
 def _labelled_gemm() -> Iterator[None]:
-    """The small-batch GEMM is a ctypes call, which the profiler does not see: while profiling,
-    each call runs inside a `pdserve::small_gemm` region (never while timing: it costs a little)."""
-    call = cpu_kernel.SmallGemm.__call__
+    """The small-batch GEMMs (float32, and bfloat16 on AMX) are ctypes calls, which the profiler does
+    not see: while profiling, each call runs inside a `pdserve::small_gemm` region (never while
+    timing: it costs a little)."""
+    gemms = (cpu_kernel.SmallGemm, cpu_kernel.AmxGemm)
+    calls = [gemm.__call__ for gemm in gemms]
 
-    def labelled(self, *args, **kwargs):
-        with record_function("pdserve::small_gemm"):
-            return call(self, *args, **kwargs)
+    def labelled(call):
+        def run(self, *args, **kwargs):
+            with record_function("pdserve::small_gemm"):
+                return call(self, *args, **kwargs)
+        return run
 
-    cpu_kernel.SmallGemm.__call__ = labelled
+    for gemm, call in zip(gemms, calls, strict=True):
+        gemm.__call__ = labelled(call)
     try:
         yield
     finally:
-        cpu_kernel.SmallGemm.__call__ = call
+        for gemm, call in zip(gemms, calls, strict=True):
+            gemm.__call__ = call
 
 
 def profile_case(engine: LLMEngine, steps: int) -> dict[str, float]:

@@ -77,8 +77,9 @@ def test_rope_kernel_is_transformers_rotary_bit_for_bit_in_bfloat16(tokens):
 
 def test_bfloat16_engine_fuses_with_the_rotary_and_norm_kernels_and_packed_linears(llama_dir):
     """Where the CPU computes bfloat16 natively, a bfloat16 engine's linears are prepacked for
-    oneDNN (no small-batch GEMM: float32 only), its attention and MLPs fused, rotary, norms and the
-    activation by the kernels, each checked bit for bit at load; elsewhere torch's linears stay."""
+    oneDNN (and, where it has AMX, packed for the AMX GEMM too, which takes up to 64 rows), its
+    attention and MLPs fused, rotary, norms and the activation by the kernels, each checked bit for
+    bit at load; elsewhere torch's linears stay."""
     kernels = _kernels()
     engine = LLMEngine(EngineConfig(model_path=llama_dir, dtype="bfloat16", num_blocks=64))
     model = engine.runner.model
@@ -86,7 +87,9 @@ def test_bfloat16_engine_fuses_with_the_rotary_and_norm_kernels_and_packed_linea
         assert not [m for m in model.modules() if isinstance(m, dense.PackedLinear)]
         return
     linears = [m for m in model.modules() if isinstance(m, dense.PackedLinear)]
-    assert linears and all(m.gemm is None and m.packed is not None for m in linears)
+    amx = kernels.gemm_for(torch.bfloat16)  # the AMX GEMM where it runs, else None
+    assert linears and all(m.gemm is amx and m.packed is not None for m in linears)
+    assert all(m.small_rows == 64 and m.panels is not None for m in linears) if amx else True
     assert not [m for m in model.modules() if type(m) is nn.Linear]
     layers = engine.runner.hf_config.num_hidden_layers
     assert engine.runner.forward.fused_layers == (layers, layers)
@@ -94,7 +97,7 @@ def test_bfloat16_engine_fuses_with_the_rotary_and_norm_kernels_and_packed_linea
     norms = [m for m in model.modules() if isinstance(m, dense.FusedRMSNorm)]
     assert len(norms) == 2 * layers + 1 and all(n.kernel is kernels.rms_norm for n in norms)
     assert all(layer.mlp.silu_mul is kernels.silu_mul for layer in model.model.layers)
-    assert engine.runner.forward.kernel_layers == 0 and engine.runner.small_gemm is None
+    assert engine.runner.forward.kernel_layers == 0 and engine.runner.small_gemm is amx
     assert engine.runner.forward.lean_decoder is not None and engine.runner.describe().endswith(
         "the decoder's loop as direct calls")
 
