@@ -14,7 +14,9 @@ tiles of sixteen). Every output is one float32 sum of exact products in the orde
 the group or the row count, then the bias added and rounded once to bfloat16 (nearest even): a
 row's result does not depend on what it is batched with. SmolLM2-135M's linears at 16 rows,
 2 threads (2026-12-03, Xeon host with AMX): 9.6 ms for its 269 MB of weights (28 GB/s), where
-oneDNN's packed bfloat16 linears took 16.4 ms in the engine's step. */
+oneDNN's packed bfloat16 linears took 16.4 ms in the engine's step. Past 64 rows oneDNN stays the
+faster: a 2 x 2 tile blocking over panel pairs (rows from L2, panels from L1) took 2.46 ms for a
+SmolLM2 layer's four linears at 512 rows against oneDNN's 1.93. */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -43,6 +45,13 @@ void pd_amx_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *panels) {
 int pd_amx_gemm_ready(void) { return amx_permitted(); }
 
 #if HAVE_AMX
+/* `cols` sums of one row plus their bias (or none), rounded to bfloat16 (nearest even) into o. */
+static inline void store_sums(const float *s, const uint16_t *bias, uint16_t *o, int64_t cols) {
+    int64_t j = 0;
+    for (; j + 8 <= cols; j += 8) bf16_store8(o + j, bias ? f32_load8(s + j) + bf16_load8(bias + j) : f32_load8(s + j));
+    for (; j < cols; j++) o[j] = bf16_store(bias ? s[j] + bf16_load(bias[j]) : s[j]);
+}
+
 /* Tile (p, c): panel p's values of k 32 c .. 32 c + 31. */
 #define PANEL(p, c) (panels + ((int64_t)(p) * (kp / 2) + (int64_t)(c) * 16) * 32)
 
@@ -110,14 +119,11 @@ static void panels_of(const uint16_t *xs, const uint16_t *panels, const uint16_t
         STORE(0) STORE(1) STORE(2) STORE(3)
 #undef STORE
         int64_t col0 = p0 * 16, cols = (int64_t)cnt * 16 < n - col0 ? (int64_t)cnt * 16 : n - col0;
-        for (int r = 0; r < rows; r++) {
-            const float *s = sums + (int64_t)r * group * 16;
-            uint16_t *o = out + r * out_stride + col0;
-            for (int64_t j = 0; j < cols; j++)
-                o[j] = bf16_store(bias ? s[j] + bf16_load(bias[col0 + j]) : s[j]);
-        }
+        for (int r = 0; r < rows; r++)
+            store_sums(sums + (int64_t)r * group * 16, bias ? bias + col0 : NULL, out + r * out_stride + col0, cols);
     }
 }
+
 #undef PANEL
 #endif
 
