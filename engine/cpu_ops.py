@@ -47,13 +47,32 @@ class Rope:
 
 
 class RmsNorm:
-    """`pd_rms_norm` / `pd_rms_norm_bf16`: RMSNorm rows in float32 or bfloat16."""
+    """`pd_rms_norm` / `pd_rms_norm_bf16`: RMSNorm rows in float32 or bfloat16; `add` the residual add
+    before it in the same pass (`pd_add_rms_norm[_bf16]`)."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fns = {torch.float32: lib.pd_rms_norm, torch.bfloat16: lib.pd_rms_norm_bf16}
         for fn in self._fns.values():
             fn.restype = None
             fn.argtypes = [_PTR, _I64, _PTR, _FLOAT, _PTR, _I64, _INT, _INT, _INT]
+        self._adds = {torch.float32: lib.pd_add_rms_norm, torch.bfloat16: lib.pd_add_rms_norm_bf16}
+        for fn in self._adds.values():
+            fn.restype = None
+            fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _FLOAT, _PTR, _PTR, _INT, _INT, _INT]
+
+    def add(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """x, y `[..., n]` of one shape and dtype (rows contiguous) -> (`x + y`, its norm), each a new
+        tensor of that shape: torch's add and `self(x + y, ...)` bit for bit."""
+        n = x.shape[-1]
+        a, b = x.reshape(-1, n), y.reshape(-1, n)
+        a = a if a.stride(1) == 1 else a.contiguous()
+        b = b if b.stride(1) == 1 else b.contiguous()
+        assert x.shape == y.shape and x.dtype == y.dtype == weight.dtype and x.dtype in self._adds
+        assert weight.is_contiguous() and weight.shape == (n,)
+        total, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
+        self._adds[x.dtype](a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), weight.data_ptr(), eps,
+                            total.data_ptr(), out.data_ptr(), a.shape[0], n, torch.get_num_threads())
+        return total, out
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """x `[..., n]` float32 or bfloat16 (rows contiguous), weight `[n]` of x's dtype -> a new tensor

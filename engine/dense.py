@@ -144,6 +144,15 @@ class FusedRMSNorm(nn.Module):
             return self.kernel(x, self.weight, self.eps)
         return F.rms_norm(x, self.normalized_shape, self.weight, self.eps)
 
+    def add(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`x + y`, this norm of it): a residual add and the norm after it, in one pass on the kernel
+        (same bits as the two ops)."""
+        if (self.kernel is not None and x.dtype in DTYPES and x.shape == y.shape and x.dtype == y.dtype
+                and not torch.compiler.is_compiling()):
+            return self.kernel.add(x, y, self.weight, self.eps)
+        total = x + y
+        return total, self(total)
+
     def extra_repr(self) -> str:
         how = "the CPU kernel" if self.kernel is not None else "F.rms_norm"
         return f"{self.normalized_shape[0]}, eps={self.eps}, fused={how}"

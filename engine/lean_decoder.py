@@ -7,7 +7,9 @@ every layer is a Llama-shaped decoder layer (`kernel_layer.LAYER_TYPES`) whose a
 are fused (engine/fused.py: `FusedAttention`, `FusedMLP`), this runs the same modules' forwards on
 the same inputs in the same order: the embedding, the rotary (cos, sin) from the rotary module's
 own table (`RotaryTable`), then per layer `x + attn(norm1(x))` and `x + mlp(norm2(x))`, as the
-layer's forward writes them, and the final norm. The same ops, so the same bits as the model's
+layer's forward writes them, and the final norm. Each residual add and the norm after it (the
+next layer's input norm, or the final norm) run as one pass where the norm is fused
+(`FusedRMSNorm.add`: the same add, the same norm). The same ops, so the same bits as the model's
 forward; an engine test compares the two bit for bit. Float32 steps whose layers are one kernel
 call each take `KernelDecoder` instead.
 
@@ -20,7 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine import fused
+from engine import dense, fused
 from engine.kernel_decoder import RotaryTable, plain_decoder
 from engine.kernel_layer import LAYER_TYPES
 
@@ -30,18 +32,34 @@ class LeanDecoder:
     forward without transformers' module machinery."""
 
     def __init__(self, decoder: nn.Module):
-        self.embed, self.norm = decoder.embed_tokens, decoder.norm
+        self.embed, self.first_norm = decoder.embed_tokens, decoder.layers[0].input_layernorm.forward
         self.rotary = RotaryTable(decoder.rotary_emb)
-        self.layers = [(layer.input_layernorm.forward, layer.self_attn.forward, layer.post_attention_layernorm.forward,
-                        layer.mlp.forward) for layer in decoder.layers]
+        # each layer's attention, then its post-attention norm with the residual add before it, its
+        # MLP, then the next layer's input norm (the final norm after the last) with its add
+        norms = [layer.input_layernorm for layer in decoder.layers[1:]] + [decoder.norm]
+        self.layers = [(layer.self_attn.forward, _add_then(layer.post_attention_layernorm), layer.mlp.forward,
+                        _add_then(after)) for layer, after in zip(decoder.layers, norms, strict=True)]
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         x = self.embed(input_ids)
         cos_sin = self.rotary(x, positions)
-        for norm1, attn, norm2, mlp in self.layers:
-            x = x + attn(norm1(x), cos_sin)[0]
-            x = x + mlp(norm2(x))
-        return self.norm(x)
+        h = self.first_norm(x)
+        for attn, add_norm2, mlp, add_next in self.layers:
+            x, h = add_norm2(x, attn(h, cos_sin)[0])
+            x, h = add_next(x, mlp(h))
+        return h
+
+
+def _add_then(norm: nn.Module):
+    """`(x, y) -> (x + y, norm(x + y))`: one pass where the norm is fused (`FusedRMSNorm.add`), else the
+    two ops."""
+    if isinstance(norm, dense.FusedRMSNorm):
+        return norm.add
+
+    def add_then(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        total = x + y
+        return total, norm(total)
+    return add_then
 
 
 def lean_decoder(model: nn.Module) -> LeanDecoder | None:

@@ -1,14 +1,15 @@
 """The linears of a decode step, oneDNN's prepacked path against the small-batch GEMM, side by side.
 
-One model's linear shapes (every layer's Q/K/V/O projections and MLP, random float32 weights;
-the LM head left out) at each row count: oneDNN on its prepacked weights (`PackedLinear` without
-the GEMM) against the GEMM on its panels, called at every row count, also past `SMALL_ROWS` where
-that is set and `PackedLinear` hands the larger products to oneDNN (to check where the cut belongs
-on this host, or that the GEMM wins everywhere). The two take turns for `--rounds` rounds; each
-prints its best time per pass over all layers.
+One model's linear shapes (every layer's Q/K/V/O projections and MLP, random weights; the LM head
+left out) at each row count: oneDNN on its prepacked weights (`PackedLinear` without the GEMM)
+against the GEMM on its panels, called at every row count, also past `SMALL_ROWS` where that is set
+and `PackedLinear` hands the larger products to oneDNN (to check where the cut belongs on this
+host, or that the GEMM wins everywhere). `--dtype bfloat16` compares oneDNN's bfloat16 linears
+with the AMX GEMM (engine/csrc/amx_gemm.c; where the CPU has AMX, at up to its 64 rows). The two
+take turns for `--rounds` rounds; each prints its best time per pass over all layers.
 
     python -m scripts.bench_linears [--model DIR] [--rows 1,4,16,64,256,512,1024] [--threads 2]
-                                    [--rounds 5] [--json]
+                                    [--dtype float32|bfloat16] [--rounds 5] [--json]
 """
 
 from __future__ import annotations
@@ -41,23 +42,31 @@ def main() -> None:
     p.add_argument("--rows", default="1,4,16,64,256,512,1024")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     kernels, why = cpu_kernel.load()
     if kernels is None:
         raise SystemExit(f"bench_linears: no CPU kernels here: {why}")
+    dtype = getattr(torch, args.dtype)
+    gemm = kernels.gemm_for(dtype)
+    if gemm is None or not dense.packable(dtype):
+        raise SystemExit(f"bench_linears: no {args.dtype} GEMM here (bfloat16 needs AMX)")
+    rows_list = [int(r) for r in args.rows.split(",")]
+    if gemm.max_rows is not None and dtype != torch.float32 and max(rows_list) > gemm.max_rows:
+        raise SystemExit(f"bench_linears: the {args.dtype} GEMM takes at most {gemm.max_rows} rows")
     torch.set_num_threads(args.threads)
     hf_config = AutoConfig.from_pretrained(_model(args.model))
     shapes = layer_shapes(hf_config) * hf_config.num_hidden_layers
     torch.manual_seed(0)
-    linears = [nn.Linear(k, n, bias=False) for n, k in shapes]
+    linears = [nn.Linear(k, n, bias=False, dtype=dtype) for n, k in shapes]
     onednn = [dense.PackedLinear(m, keep_weight=False) for m in linears]
-    panels = [(kernels.gemm.pack(m.weight), m.out_features) for m in linears]
+    panels = [(gemm.pack(m.weight), m.out_features) for m in linears]
     del linears
     results: dict[int, dict[str, float]] = {}
     with torch.inference_mode():
-        for rows in (int(r) for r in args.rows.split(",")):
-            inputs = {k: torch.randn(1, rows, k) for _, k in shapes}
+        for rows in rows_list:
+            inputs = {k: torch.randn(1, rows, k, dtype=dtype) for _, k in shapes}
             flat = {k: x[0] for k, x in inputs.items()}
             best = {"onednn": float("inf"), "small_gemm": float("inf")}
             for _ in range(args.rounds):
@@ -66,17 +75,17 @@ def main() -> None:
                     layer(inputs[layer.in_features])
                 t1 = time.perf_counter()
                 for (_, k), (weights, out) in zip(shapes, panels, strict=True):
-                    kernels.gemm(flat[k], weights, None, out)
+                    gemm(flat[k], weights, None, out)
                 t2 = time.perf_counter()
                 best = {"onednn": min(best["onednn"], t1 - t0), "small_gemm": min(best["small_gemm"], t2 - t1)}
             results[rows] = best
     report = {"model": hf_config.model_type, "layers": hf_config.num_hidden_layers, "threads": args.threads,
-              "small_rows": cpu_kernel.SMALL_ROWS, "seconds": results}
+              "dtype": args.dtype, "small_rows": gemm.max_rows, "seconds": results}
     if args.json:
         print(json.dumps(report, indent=1))
         return
-    print(f"{report['model']}: {len(shapes)} linears ({report['layers']} layers), {args.threads} thread(s); "
-          f"the engine uses the GEMM for {cpu_kernel.GEMM_REACH}")
+    print(f"{report['model']}: {len(shapes)} {args.dtype} linears ({report['layers']} layers), {args.threads} "
+          f"thread(s); the engine uses the GEMM for {gemm.reach}")
     print(f"{'rows':>6}{'onednn ms':>12}{'GEMM ms':>10}{'ratio':>8}")
     for rows, best in results.items():
         print(f"{rows:>6}{1e3 * best['onednn']:>12.1f}{1e3 * best['small_gemm']:>10.1f}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from scripts.bench_cluster import ttft_breakdown
 from scripts.bench_handoff import summarize
@@ -77,6 +78,32 @@ def test_the_linears_bench_times_both_paths_at_every_row_count(llama_dir, monkey
     report = json.loads(capsys.readouterr().out)
     assert report["small_rows"] == cpu_kernel.SMALL_ROWS
     assert set(report["seconds"]) == {"1", "17"}
+    assert all(0 < t < 60 for row in report["seconds"].values() for t in row.values())
+
+
+def test_bench_linears_compares_the_amx_gemm_in_bfloat16(llama_dir, capsys, monkeypatch):
+    """`--dtype bfloat16`: oneDNN's bfloat16 linears against the AMX GEMM where the CPU has AMX; a
+    row count past the GEMM's 64 is refused with a message, and a host without AMX says so."""
+    import json
+    import sys
+
+    from engine import cpu_kernel
+    from scripts import bench_linears
+
+    kernels = cpu_kernel.load()[0]
+    argv = ["bench_linears", "--model", llama_dir, "--rounds", "1", "--threads", "1", "--dtype", "bfloat16", "--json"]
+    if kernels is None or kernels.gemm_for(torch.bfloat16) is None:
+        monkeypatch.setattr(sys, "argv", [*argv, "--rows", "1"])
+        with pytest.raises(SystemExit, match="no bfloat16 GEMM here"):
+            bench_linears.main()
+        return
+    monkeypatch.setattr(sys, "argv", [*argv, "--rows", "1,65"])
+    with pytest.raises(SystemExit, match="at most 64 rows"):
+        bench_linears.main()
+    monkeypatch.setattr(sys, "argv", [*argv, "--rows", "1,16"])
+    bench_linears.main()
+    report = json.loads(capsys.readouterr().out)
+    assert report["dtype"] == "bfloat16" and report["small_rows"] == 64 and set(report["seconds"]) == {"1", "16"}
     assert all(0 < t < 60 for row in report["seconds"].values() for t in row.values())
 
 

@@ -118,6 +118,26 @@ def test_rms_norm_kernel_is_llamas_norm_bit_for_bit_in_bfloat16(size):
                                want.view(torch.int16)), (rows, scale)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("size", [576, 100])
+def test_the_residual_add_and_norm_in_one_pass_are_the_two_ops_bit_for_bit(dtype, size):
+    """`RmsNorm.add(x, y)`: torch's `x + y` (in bfloat16 the float32 sum rounded) and the norm kernel
+    on it, both outputs bit for bit, rows strided or not, 32 rows and more split over threads."""
+    kernels, why = cpu_kernel.load()
+    if kernels is None:
+        pytest.skip(f"no CPU kernels here: {why}")
+    g = torch.Generator().manual_seed(size)
+    weight = (torch.randn(size, generator=g) * 2).to(dtype)
+    for rows in (1, 16, 40):
+        for scale in (1.0, 30.0, 1e-3):
+            x = (torch.randn(1, rows, size, generator=g) * scale).to(dtype)
+            y = (torch.randn(rows, size + 4, generator=g) * scale).to(dtype)[:, :size].unsqueeze(0)  # strided rows
+            total, normed = kernels.rms_norm.add(x, y, weight, 1e-5)
+            assert torch.equal(total.view(-1).view(torch.int8), (x + y).view(-1).view(torch.int8)), (rows, scale)
+            want = kernels.rms_norm(x + y, weight, 1e-5)
+            assert torch.equal(normed.view(-1).view(torch.int8), want.view(-1).view(torch.int8)), (rows, scale)
+
+
 def test_a_norm_the_kernel_does_not_match_is_fused_on_f_rms_norm(llama_dir):
     model = _engine(llama_dir, compile="off", prepack_linears=False).runner.model  # norms left unfused
     assert not [m for m in model.modules() if isinstance(m, dense.FusedRMSNorm)]

@@ -115,3 +115,31 @@ void pd_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, fl
     _Pragma("omp parallel for schedule(static) if(rows >= 32) num_threads(threads)")
     for (int r = 0; r < rows; r++) norm_row_bf16(x + r * x_stride, w, eps, out + r * out_stride, n);
 }
+
+/* A residual add and the next norm in one pass over each row (the decoder's x = x + h; norm(x)):
+   sum = x + y as torch adds them (float32; in bfloat16 the float32 sum of the widened values,
+   rounded to nearest even), written to `sum`, then that row normalized into `out` as above. Rows of
+   x, y, sum and out are `n` contiguous values, x_stride / y_stride / n apart. */
+void pd_add_rms_norm(const float *x, int64_t x_stride, const float *y, int64_t y_stride, const float *w, float eps,
+                     float *sum, float *out, int rows, int n, int threads) {
+    _Pragma("omp parallel for schedule(static) if(rows >= 32) num_threads(threads)")
+    for (int r = 0; r < rows; r++) {
+        const float *a = x + r * x_stride, *b = y + r * y_stride;
+        float *s = sum + (int64_t)r * n;
+        for (int d = 0; d < n; d++) s[d] = a[d] + b[d];
+        norm_row(s, w, eps, out + (int64_t)r * n, n);
+    }
+}
+
+void pd_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *y, int64_t y_stride,
+                          const uint16_t *w, float eps, uint16_t *sum, uint16_t *out, int rows, int n, int threads) {
+    _Pragma("omp parallel for schedule(static) if(rows >= 32) num_threads(threads)")
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *a = x + r * x_stride, *b = y + r * y_stride;
+        uint16_t *s = sum + (int64_t)r * n;
+        int d = 0;
+        for (; d + 8 <= n; d += 8) bf16_store8(s + d, bf16_load8(a + d) + bf16_load8(b + d));
+        for (; d < n; d++) s[d] = bf16_store(bf16_load(a[d]) + bf16_load(b[d]));
+        norm_row_bf16(s, w, eps, out + (int64_t)r * n, n);
+    }
+}
