@@ -188,12 +188,17 @@ class SmallGemm:
 
 
 class AmxGemm:
-    """`pd_amx_pack` / `pd_amx_gemm`: bfloat16 `x @ W^T + bias` on AMX tiles for up to `max_rows` rows
-    (engine/csrc/amx_gemm.c), where the CPU has AMX and the OS lets the process use it (`ready`)."""
+    """`pd_amx_pack` / `pd_amx_gemm`: bfloat16 `x @ W^T + bias` on AMX tiles for up to `kernel_rows`
+    rows (engine/csrc/amx_gemm.c), where the CPU has AMX and the OS lets the process use it (`ready`);
+    `PackedLinear` gives it up to `max_rows`."""
 
     dtype = torch.bfloat16
-    max_rows = 64  # oneDNN takes larger products
-    reach = "bfloat16 up to 64 rows on AMX tiles"
+    kernel_rows = 64  # the most rows one call takes
+    # the engine's cut: oneDNN takes larger products. SmolLM2's 210 linears, 2 threads (bench_linears
+    # --dtype bfloat16, 2026-12-03): 0.66x oneDNN's time at 1-16 rows, 0.72-0.75x at 24-32, 1.06-1.19x
+    # at 40-64 (three and four row tiles, one panel at a time)
+    max_rows = 32
+    reach = "bfloat16 up to 32 rows on AMX tiles"
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._pack, self._gemm, self._ready = lib.pd_amx_pack, lib.pd_amx_gemm, lib.pd_amx_gemm_ready
@@ -219,9 +224,9 @@ class AmxGemm:
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
                  threads: int | None = None) -> torch.Tensor:
-        """x `[M, K]` bfloat16 (rows contiguous, M <= max_rows) -> `[M, n]` bfloat16."""
+        """x `[M, K]` bfloat16 (rows contiguous, M <= kernel_rows) -> `[M, n]` bfloat16."""
         m, k = x.shape
-        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and m <= self.max_rows
+        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and m <= self.kernel_rows
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if m == 0:
             return out

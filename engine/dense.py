@@ -19,8 +19,8 @@ host) the GEMM takes every product, decode rows and prefill chunks alike (2x one
 rows, 1.1x at 512 to 2048), and no oneDNN copy is made: the panels replace the weight. Elsewhere
 (`SMALL_ROWS` = 64) it takes products of up to 64 rows and oneDNN the larger ones, a second copy
 of the linear weights. bfloat16 weights get the same split where the CPU has AMX: products of up to
-64 rows on AMX tiles (`cpu_kernel.AmxGemm`, engine/csrc/amx_gemm.c, about 1.7x oneDNN's speed at 16
-rows here), larger ones by oneDNN.
+32 rows on AMX tiles (`cpu_kernel.AmxGemm`, engine/csrc/amx_gemm.c, 0.66x oneDNN's time at 1-16
+rows here, 0.72x at 32), larger ones by oneDNN.
 
 The norms around them: an RMSNorm module written as transformers' Llama / Qwen / Mistral ones are
 (square, mean, add eps, rsqrt, two multiplies: six passes over the hidden states) becomes one

@@ -5,7 +5,8 @@ left out) at each row count: oneDNN on its prepacked weights (`PackedLinear` wit
 against the GEMM on its panels, called at every row count, also past `SMALL_ROWS` where that is set
 and `PackedLinear` hands the larger products to oneDNN (to check where the cut belongs on this
 host, or that the GEMM wins everywhere). `--dtype bfloat16` compares oneDNN's bfloat16 linears
-with the AMX GEMM (engine/csrc/amx_gemm.c; where the CPU has AMX, at up to its 64 rows). The two
+with the AMX GEMM (engine/csrc/amx_gemm.c; where the CPU has AMX, at up to its 64 rows, past the
+engine's cut of 32 too). The two
 take turns for `--rounds` rounds; each prints its best time per pass over all layers.
 
     python -m scripts.bench_linears [--model DIR] [--rows 1,4,16,64,256,512,1024] [--threads 2]
@@ -53,8 +54,9 @@ def main() -> None:
     if gemm is None or not dense.packable(dtype):
         raise SystemExit(f"bench_linears: no {args.dtype} GEMM here (bfloat16 needs AMX)")
     rows_list = [int(r) for r in args.rows.split(",")]
-    if gemm.max_rows is not None and dtype != torch.float32 and max(rows_list) > gemm.max_rows:
-        raise SystemExit(f"bench_linears: the {args.dtype} GEMM takes at most {gemm.max_rows} rows")
+    most = getattr(gemm, "kernel_rows", None)  # None: any row count
+    if most is not None and max(rows_list) > most:
+        raise SystemExit(f"bench_linears: the {args.dtype} GEMM takes at most {most} rows")
     torch.set_num_threads(args.threads)
     hf_config = AutoConfig.from_pretrained(_model(args.model))
     shapes = layer_shapes(hf_config) * hf_config.num_hidden_layers

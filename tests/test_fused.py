@@ -77,7 +77,7 @@ def test_rope_kernel_is_transformers_rotary_bit_for_bit_in_bfloat16(tokens):
 
 def test_bfloat16_engine_fuses_with_the_rotary_and_norm_kernels_and_packed_linears(llama_dir):
     """Where the CPU computes bfloat16 natively, a bfloat16 engine's linears are prepacked for
-    oneDNN (and, where it has AMX, packed for the AMX GEMM too, which takes up to 64 rows), its
+    oneDNN (and, where it has AMX, packed for the AMX GEMM too, which takes up to 32 rows), its
     attention and MLPs fused, rotary, norms and the activation by the kernels, each checked bit for
     bit at load; elsewhere torch's linears stay."""
     kernels = _kernels()
@@ -89,7 +89,7 @@ def test_bfloat16_engine_fuses_with_the_rotary_and_norm_kernels_and_packed_linea
     linears = [m for m in model.modules() if isinstance(m, dense.PackedLinear)]
     amx = kernels.gemm_for(torch.bfloat16)  # the AMX GEMM where it runs, else None
     assert linears and all(m.gemm is amx and m.packed is not None for m in linears)
-    assert all(m.small_rows == 64 and m.panels is not None for m in linears) if amx else True
+    assert all(m.small_rows == 32 and m.panels is not None for m in linears) if amx else True
     assert not [m for m in model.modules() if type(m) is nn.Linear]
     layers = engine.runner.hf_config.num_hidden_layers
     assert engine.runner.forward.fused_layers == (layers, layers)

@@ -1,5 +1,6 @@
-/* bfloat16 linears on AMX tiles for a few rows (a decode step): out = x @ W^T + bias, engine/dense.py's
-   `PackedLinear` for up to 64 rows where the CPU has AMX (oneDNN takes larger products).
+/* bfloat16 linears on AMX tiles for a few rows (a decode step): out = x @ W^T + bias, for up to 64
+   rows; engine/dense.py's `PackedLinear` gives it up to 32 (cpu_kernel.AmxGemm.max_rows: past that
+   oneDNN was the faster here) where the CPU has AMX.
 
 A decode step reads every weight once for a handful of rows: it is bound by how fast the weights
 stream from memory, and a tile product (16 rows x 16 columns x 32 of k in one instruction) leaves
@@ -15,7 +16,7 @@ the group or the row count, then the bias added and rounded once to bfloat16 (ne
 row's result does not depend on what it is batched with. SmolLM2-135M's linears at 16 rows,
 2 threads (2026-12-03, Xeon host with AMX): 9.6 ms for its 269 MB of weights (28 GB/s), where
 oneDNN's packed bfloat16 linears took 16.4 ms in the engine's step. Past 64 rows oneDNN stays the
-faster: a 2 x 2 tile blocking over panel pairs (rows from L2, panels from L1) took 2.46 ms for a
+faster too: a 2 x 2 tile blocking over panel pairs (rows from L2, panels from L1) took 2.46 ms for a
 SmolLM2 layer's four linears at 512 rows against oneDNN's 1.93. */
 #include <omp.h>
 #include <stdint.h>
