@@ -257,8 +257,6 @@ static int vector_task(const Call *c, int tile, int h, int rows) {
 }
 
 #if HAVE_AMX
-typedef uint32_t v16u __attribute__((vector_size(64)));
-
 static inline int all_ones16(v16f x) { /* every row's max the same as before the step */
     for (int i = 0; i < 16; i++)
         if (x[i] != 1.0f) return 0;

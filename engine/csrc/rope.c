@@ -49,6 +49,13 @@ static inline float bf16_round(float f) { return bf16_load(bf16_store(f)); }
 
 static void rope_head_bf16(uint16_t *x, const uint16_t *c, const uint16_t *s, int half) {
     int d = 0;
+    for (; d + 16 <= half; d += 16) { /* sixteen at a time, then eight: lane by lane, the same bits */
+        v16f a = bf16_load16(x + d), b = bf16_load16(x + d + half);
+        v16f lo = bf16_round16(a * bf16_load16(c + d)) + bf16_round16(-b * bf16_load16(s + d));
+        v16f hi = bf16_round16(b * bf16_load16(c + d + half)) + bf16_round16(a * bf16_load16(s + d + half));
+        bf16_store16(x + d, lo);
+        bf16_store16(x + d + half, hi);
+    }
     for (; d + 8 <= half; d += 8) {
         v8f a = bf16_load8(x + d), b = bf16_load8(x + d + half);
         v8f lo = bf16_round8(a * bf16_load8(c + d)) + bf16_round8(-b * bf16_load8(s + d));

@@ -67,22 +67,6 @@ static inline __m512 sleef_expf16(__m512 d) {
     return _mm512_mask_mov_ps(u, _mm512_cmp_ps_mask(_mm512_set1_ps(100.0f), d, _CMP_LT_OQ), _mm512_set1_ps(__builtin_inff()));
 }
 
-static inline __m512 widen16(const uint16_t *p) { /* sixteen bfloat16, exactly */
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
-}
-
-/* bf16_store's rounding (nearest even, subnormals kept: not the CPU's vcvtneps2bf16, which flushes
-   them) on sixteen lanes: the bits, and the float they round to */
-static inline __m512i rounded_bits16(__m512 x) {
-    __m512i u = _mm512_castps_si512(x);
-    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    return _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-}
-
-static inline __m512 bf16_round16(__m512 x) {
-    return _mm512_castsi512_ps(_mm512_and_si512(rounded_bits16(x), _mm512_set1_epi32((int)0xFFFF0000u)));
-}
-
 /* silu(g) for sixteen gates */
 static inline __m512 silu16(__m512 g) {
     __m512 e = sleef_expf16(_mm512_xor_ps(g, _mm512_set1_ps(-0.0f)));
@@ -123,8 +107,8 @@ int pd_silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t
         int i = 0;
 #if defined(__AVX512F__)
         for (; i + 16 <= n; i += 16) { /* sixteen at a time */
-            __m512 product = _mm512_mul_ps(bf16_round16(silu16(widen16(g + i))), widen16(u + i));
-            _mm256_storeu_si256((__m256i *)(o + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(rounded_bits16(product), 16)));
+            v16f silu = (v16f)silu16((__m512)bf16_load16(g + i));
+            bf16_store16(o + i, bf16_round16(silu) * bf16_load16(u + i));
         }
 #endif
         for (; i < n; i += 8) {

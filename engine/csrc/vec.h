@@ -121,6 +121,35 @@ static inline v16f splat16(const float *p) { /* a broadcast from memory, folded 
     return (v16f){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s};
 }
 
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef uint16_t v16h __attribute__((vector_size(32)));
+
+static inline v16f bf16_load16(const uint16_t *p) { /* sixteen bfloat16 widened, as bf16_load8 */
+    v16h h;
+    memcpy(&h, p, sizeof h);
+    v16u u = __builtin_convertvector(h, v16u) << 16;
+    v16f x;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static inline v16u bf16_rounded_bits16(v16f x) {
+    v16u u;
+    memcpy(&u, &x, sizeof u);
+    return u + 0x7FFFu + ((u >> 16) & 1u);
+}
+
+static inline v16f bf16_round16(v16f x) { /* as bf16_round8 */
+    v16u u = bf16_rounded_bits16(x) & 0xFFFF0000u;
+    memcpy(&x, &u, sizeof x);
+    return x;
+}
+
+static inline void bf16_store16(uint16_t *p, v16f x) { /* as bf16_store8 */
+    v16h h = __builtin_convertvector(bf16_rounded_bits16(x) >> 16, v16h);
+    memcpy(p, &h, sizeof h);
+}
+
 static inline v16f select16(v16i mask, v16f a, v16f b) { return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask)); }
 
 static inline v16f vmax16(v16f a, v16f b) { return select16(a > b, a, b); }
