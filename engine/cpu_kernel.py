@@ -5,7 +5,8 @@
   (docs/engine_speed.md, "Decode attention");
 - prefill attention (paged_prefill.c): a prompt chunk's queries attend straight from the pool
   too, tiled so keys and queries are each read once per tile, the causal half skipped; bfloat16
-  chunks on AMX tiles where the CPU has them (amx.h; docs/engine_speed.md, "Prefill attention");
+  chunks on AMX tiles where the CPU has them (prefill_amx.c; docs/engine_speed.md, "Prefill
+  attention");
 - small-batch GEMM (small_gemm.c): a linear layer on a few rows (a decode step) from weights
   packed in 16-column panels (engine/dense.py; docs/engine_speed.md, "Small-batch linears");
   in bfloat16 on AMX tiles (amx_gemm.c), where the CPU has them;

@@ -1,5 +1,6 @@
-/* AMX tiles for the prefill attention kernel (paged_prefill.c), where the CPU has them
-   (AMX-TILE and AMX-BF16, built with -march=native) and Linux lets the process use them.
+/* AMX tiles for the prefill attention kernel (prefill_amx.c) and the few-row GEMM (amx_gemm.c),
+   where the CPU has them (AMX-TILE and AMX-BF16, built with -march=native) and Linux lets the
+   process use them.
    bfloat16 products on tiles are exact in float32 and summed in float32, in an order fixed by the
    output element alone, so a row's result never depends on which tile it shared. */
 #ifndef PDSERVE_AMX_H
@@ -40,7 +41,7 @@ static inline void amx_configure(void) {
 static inline int amx_permitted(void) { return 0; }
 #endif
 
-extern int pd_amx_enabled; /* pd_use_amx (paged_prefill.c) */
+extern int pd_amx_enabled; /* pd_use_amx (prefill_amx.c) */
 
 /* Whether bfloat16 attention takes the tiles now. (Decode rows do not: SmolLM2's 16-row step, 257
    keys, scores on tiles staged sixteen keys at a time, took 7.2-8.1 ms for 30 layers against 6.2-6.6

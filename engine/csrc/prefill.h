@@ -1,0 +1,94 @@
+/* What the prefill attention kernel's two paths share (paged_prefill.c: vectors, and the entry
+   point; prefill_amx.c: AMX tiles): a task's rows, the call's arguments, the online-softmax step. */
+#ifndef PDSERVE_PREFILL_H
+#define PDSERVE_PREFILL_H
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#include "vec.h"
+
+#define ROWS 48      /* query rows of a task: six vectors of eight */
+#define KSTEP_AMX 32 /* keys per step on AMX tiles: two tiles' rows of keys, one tile's row of key pairs */
+
+/* One call's arguments, as every task reads them. */
+typedef struct {
+    int dtype, dim, groups, block_size, window;
+    int64_t elem, q_tok, q_head, blk_stride, tok_stride, head_stride, pos0, out_tok, out_head;
+    const void *q, *k, *v;
+    void *out;
+    const int64_t *table;
+    float scale, softcap;
+} Call;
+
+/* Row r of a tile is query head h * groups + g % groups at position pos0 + g / groups, g = tile * ROWS + r. */
+static inline int64_t row_offset(const Call *c, int tile, int h, int r, int64_t tok, int64_t head) {
+    int g = tile * ROWS + r;
+    return ((int64_t)(g / c->groups) * tok + (int64_t)(h * c->groups + g % c->groups) * head) * c->elem;
+}
+
+/* The rows' positions (-1 for the padding rows past `rows`), running maxima and sums. */
+static inline void start_rows(const Call *c, int tile, int rows, int32_t *pos, float *m, float *l) {
+    for (int r = 0; r < ROWS; r++) {
+        m[r] = -INFINITY, l[r] = 0.0f;
+        pos[r] = r < rows ? (int32_t)(c->pos0 + (tile * ROWS + r) / c->groups) : -1;
+    }
+}
+
+/* Row r's output: o[d * o_stride] / l, in the call's dtype. */
+static inline void finish_row(const Call *c, int tile, int h, int r, const float *o, int o_stride, float l) {
+    char *dst = (char *)c->out + row_offset(c, tile, h, r, c->out_tok, c->out_head);
+    float inv = 1.0f / l;
+    for (int d = 0; d < c->dim; d++) {
+        float x = o[d * o_stride] * inv;
+        if (c->dtype == 0)
+            ((float *)dst)[d] = x;
+        else
+            ((uint16_t *)dst)[d] = bf16_store(x);
+    }
+}
+
+/* One online-softmax step over keys p0 .. p0 + ks - 1 (st: their scores, [ks][ROWS], times `post`),
+   sixteen rows at a time: the masked scores' max and exps (st becomes the weights; keys a row may
+   not see weigh exactly 0), each row's running max m and sum l, and corr, the factor its sums so
+   far are scaled by. */
+static inline void softmax_step(float *st, float *m, float *l, float *corr, const int32_t *pos, int64_t p0,
+                                int ks, int window, float softcap, float post) {
+    for (int r0 = 0; r0 < ROWS; r0 += 16) {
+        v16f m16 = f32_load16(m + r0), top = m16, sum = {0}, none = (v16f){0} - INFINITY;
+        v16i pos16;
+        memcpy(&pos16, pos + r0, sizeof pos16);
+        for (int j = 0; j < ks; j++) {
+            float *s = st + j * ROWS + r0;
+            if (post != 1.0f) store16(s, f32_load16(s) * post);
+            if (softcap > 0.0f)
+                for (int x = 0; x < 16; x++) s[x] = tanhf(s[x] / softcap) * softcap;
+            v16i p16 = (v16i){0} + (int32_t)(p0 + j);
+            v16i sees = p16 <= pos16;
+            if (window > 0) sees &= p16 > pos16 - window;
+            v16f s16 = select16(sees, f32_load16(s), none);
+            store16(s, s16);
+            top = vmax16(top, s16);
+        }
+        v16f base = select16(top == none, (v16f){0}, top); /* rows that saw nothing yet: any finite base */
+        v16f c16 = select16(m16 == none, (v16f){0}, exp_nonpos16(m16 - base));
+        for (int j = 0; j < ks; j++) {
+            float *s = st + j * ROWS + r0;
+            v16f s16 = f32_load16(s), e = select16(s16 == none, (v16f){0}, exp_nonpos16(s16 - base));
+            store16(s, e);
+            sum += e;
+        }
+        store16(l + r0, f32_load16(l + r0) * c16 + sum);
+        store16(m + r0, top);
+        store16(corr + r0, c16);
+    }
+}
+
+/* prefill_amx.c, where the CPU has AMX (amx.h's HAVE_AMX) */
+void prefill_amx_gather(const Call *c, int kv_heads, int64_t base, int64_t nk, int64_t last, uint16_t *kc,
+                        uint16_t *vt, int threads);
+int prefill_amx_task(const Call *c, int tile, int h, int rows, const uint16_t *kc, const uint16_t *vt, int64_t base,
+                     int64_t nk);
+
+#endif

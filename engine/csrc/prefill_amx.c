@@ -1,0 +1,171 @@
+/* The prefill attention kernel's bfloat16 path on AMX tiles (paged_prefill.c chooses it, where the
+   CPU and the OS have them; docs/engine_speed.md, "AMX tiles"): the chunk's keys and values gathered
+   once per call (prefill_amx_gather), then each task's scores and value sums as tile products
+   (prefill_amx_task). And the switch that turns it off for tests and measurements (pd_use_amx). */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "amx.h"
+#include "prefill.h"
+
+#if HAVE_AMX
+static inline int all_ones16(v16f x) { /* every row's max the same as before the step */
+    for (int i = 0; i < 16; i++)
+        if (x[i] != 1.0f) return 0;
+    return 1;
+}
+
+/* The call's keys base .. base + nk - 1 of each KV head (nk a multiple of 32; zeros past `last`),
+   gathered from the pool once for every task: kc [kv head][key][dim], rows of the scores' key tiles,
+   and vt [kv head][dim][key], the values transposed, rows of the values' tiles. */
+void prefill_amx_gather(const Call *c, int kv_heads, int64_t base, int64_t nk, int64_t last, uint16_t *kc,
+                        uint16_t *vt, int threads) {
+    int dim = c->dim;
+    int64_t spans = nk / KSTEP_AMX;
+    _Pragma("omp parallel for schedule(static) num_threads(threads)")
+    for (int64_t task = 0; task < kv_heads * spans; task++) {
+        int h = (int)(task / spans);
+        int64_t j0 = task % spans * KSTEP_AMX;
+        uint16_t *kh = kc + (int64_t)h * nk * dim, *vh = vt + (int64_t)h * dim * nk;
+        const uint16_t *vp[KSTEP_AMX];
+        for (int j = 0; j < KSTEP_AMX; j++) {
+            int64_t p = base + j0 + j;
+            if (p > last) {
+                memset(kh + (j0 + j) * dim, 0, sizeof(uint16_t) * (size_t)dim);
+                vp[j] = NULL;
+                continue;
+            }
+            int64_t at = c->table[p / c->block_size] * c->blk_stride + (p % c->block_size) * c->tok_stride
+                         + h * c->head_stride;
+            memcpy(kh + (j0 + j) * dim, (const uint16_t *)c->k + at, sizeof(uint16_t) * (size_t)dim);
+            vp[j] = (const uint16_t *)c->v + at;
+        }
+        for (int d = 0; d < dim; d++) /* the span's values transposed: row d, 32 keys */
+            for (int j = 0; j < KSTEP_AMX; j++) vh[d * nk + j0 + j] = vp[j] ? vp[j][d] : 0;
+    }
+}
+
+/* A step's weights of rows 16x .. 16x + 15 as three bfloat16 parts, each weight w = w0 + w1 + w2
+   exactly (w0 its top 16 bits, w1 the top 16 of w - w0, w2 the rest, which has 8 significant bits
+   at most), laid out as a tile of key pairs: parts[s][k2][r] = part s of (w[2 k2][r], w[2 k2 + 1][r]). */
+static void split_weights(const float *st, int x, uint32_t *parts) {
+    for (int k2 = 0; k2 < KSTEP_AMX / 2; k2++) {
+        v16f a = f32_load16(st + 2 * k2 * ROWS + 16 * x), b = f32_load16(st + (2 * k2 + 1) * ROWS + 16 * x);
+        for (int s = 0; s < 3; s++) {
+            v16u ua, ub;
+            memcpy(&ua, &a, sizeof ua);
+            memcpy(&ub, &b, sizeof ub);
+            ua &= 0xFFFF0000u, ub &= 0xFFFF0000u;
+            v16u pair = ua >> 16 | ub;
+            memcpy(parts + (s * KSTEP_AMX / 2 + k2) * 16, &pair, sizeof pair);
+            v16f ha, hb;
+            memcpy(&ha, &ua, sizeof ha);
+            memcpy(&hb, &ub, sizeof hb);
+            a -= ha, b -= hb; /* exact: the bits below the top 16 */
+        }
+    }
+}
+
+/* A task on AMX tiles (bfloat16, dim a multiple of 32), in steps of 32 keys:
+   - scores, keys x rows: tiles 0-2 the three row tiles' sums for sixteen keys, over the dimensions
+     32 at a time (tile 3 the keys, straight from kc; tile 4 the queries as pairs, qp [dim / 2][ROWS]),
+     scaled in the softmax;
+   - values, transposed (dims x rows, ot [dim][ROWS]): for each row tile, its weights in three exact
+     bfloat16 parts (tiles 5-7), and for sixteen dimensions at a time (two at once, tiles 0 and 1) the
+     sums so far, loaded from ot, plus their values (tiles 3 and 4, straight from vt) times the three
+     parts, stored back. A row tile whose max grew is rescaled on vectors first.
+   A sum's products are exact and its order fixed by its row and key alone, whatever the tile.
+   Returns 0, or -2 when it could not allocate its buffers. */
+int prefill_amx_task(const Call *c, int tile, int h, int rows, const uint16_t *kc, const uint16_t *vt, int64_t base,
+                     int64_t nk) {
+    int dim = c->dim, tiles = (rows + 15) / 16;
+    /* floats: the sums (ot), the step's scores / weights (st); then the queries as bfloat16 pairs (qp)
+       and a row tile's weights in parts (3 x 16 x 16 pairs) */
+    float *buf = malloc(sizeof(float) * ((size_t)dim * ROWS + KSTEP_AMX * ROWS + (size_t)dim / 2 * ROWS + 768));
+    if (buf == NULL) return -2;
+    float *ot = buf, *st = ot + dim * ROWS;
+    uint32_t *qp = (uint32_t *)(st + KSTEP_AMX * ROWS), *parts = qp + dim / 2 * ROWS;
+    float m[ROWS], l[ROWS], corr[ROWS];
+    int32_t pos[ROWS];
+    memset(ot, 0, sizeof(float) * (size_t)dim * ROWS);
+    memset(qp, 0, sizeof(uint32_t) * (size_t)dim / 2 * ROWS);
+    start_rows(c, tile, rows, pos, m, l);
+    for (int r = 0; r < rows; r++) {
+        const uint16_t *qh = (const uint16_t *)((const char *)c->q + row_offset(c, tile, h, r, c->q_tok, c->q_head));
+        for (int d2 = 0; d2 < dim / 2; d2++) qp[d2 * ROWS + r] = (uint32_t)qh[2 * d2] | (uint32_t)qh[2 * d2 + 1] << 16;
+    }
+    amx_configure();
+    int64_t last = pos[rows - 1], lo = c->window > 0 && pos[0] >= c->window ? pos[0] - c->window + 1 : 0;
+    for (int64_t p0 = lo / KSTEP_AMX * KSTEP_AMX; p0 <= last; p0 += KSTEP_AMX) {
+        const uint16_t *keys = kc + ((int64_t)h * nk + (p0 - base)) * dim;
+        for (int half = 0; half < 2; half++) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            for (int c32 = 0; c32 < dim / 32; c32++) {
+                _tile_loadd(3, keys + half * 16 * dim + c32 * 32, dim * sizeof(uint16_t));
+                const uint32_t *b = qp + c32 * 16 * ROWS;
+                _tile_loadd(4, b, ROWS * sizeof(uint32_t));
+                _tile_dpbf16ps(0, 3, 4);
+                if (tiles > 1) {
+                    _tile_loadd(4, b + 16, ROWS * sizeof(uint32_t));
+                    _tile_dpbf16ps(1, 3, 4);
+                }
+                if (tiles > 2) {
+                    _tile_loadd(4, b + 32, ROWS * sizeof(uint32_t));
+                    _tile_dpbf16ps(2, 3, 4);
+                }
+            }
+            float *s0 = st + half * 16 * ROWS;
+            _tile_stored(0, s0, ROWS * sizeof(float));
+            if (tiles > 1) _tile_stored(1, s0 + 16, ROWS * sizeof(float));
+            if (tiles > 2) _tile_stored(2, s0 + 32, ROWS * sizeof(float));
+        }
+        softmax_step(st, m, l, corr, pos, p0, KSTEP_AMX, c->window, c->softcap, c->scale);
+        const uint16_t *vals = vt + (int64_t)h * dim * nk + (p0 - base);
+        for (int x = 0; x < tiles; x++) {
+            split_weights(st, x, parts);
+            _tile_loadd(5, parts, 64);
+            _tile_loadd(6, parts + 256, 64);
+            _tile_loadd(7, parts + 512, 64);
+            v16f cr = f32_load16(corr + 16 * x);
+            if (!all_ones16(cr)) /* a row's max grew: its sums so far rescaled (rare after the first steps) */
+                for (int d = 0; d < dim; d++) {
+                    float *o = ot + d * ROWS + 16 * x;
+                    store16(o, f32_load16(o) * cr);
+                }
+            float *o = ot + 16 * x;
+            for (int n = 0; n < dim / 16; n += 2) { /* two dimension tiles at a time, in tiles 0 and 1 */
+                _tile_loadd(0, o + 16 * n * ROWS, ROWS * sizeof(float));
+                _tile_loadd(1, o + 16 * (n + 1) * ROWS, ROWS * sizeof(float));
+                _tile_loadd(3, vals + (int64_t)16 * n * nk, nk * sizeof(uint16_t));
+                _tile_loadd(4, vals + (int64_t)16 * (n + 1) * nk, nk * sizeof(uint16_t));
+                _tile_dpbf16ps(0, 3, 5);
+                _tile_dpbf16ps(1, 4, 5);
+                _tile_dpbf16ps(0, 3, 6);
+                _tile_dpbf16ps(1, 4, 6);
+                _tile_dpbf16ps(0, 3, 7);
+                _tile_dpbf16ps(1, 4, 7);
+                _tile_stored(0, o + 16 * n * ROWS, ROWS * sizeof(float));
+                _tile_stored(1, o + 16 * (n + 1) * ROWS, ROWS * sizeof(float));
+            }
+        }
+    }
+    _tile_release();
+    for (int r = 0; r < rows; r++) finish_row(c, tile, h, r, ot + r, ROWS, l[r]);
+    free(buf);
+    return 0;
+}
+#endif
+
+int pd_amx_enabled = 1;
+
+/* Whether bfloat16 prefill chunks take AMX tiles where the CPU and the OS have them: on (1, the
+   default) or off (0), for tests and measurements of either path; returns whether the tiles will be
+   used. */
+int pd_use_amx(int enable) {
+    pd_amx_enabled = enable != 0;
+    return amx_ready();
+}
+
