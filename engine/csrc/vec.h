@@ -1,6 +1,7 @@
-/* 8-lane float vectors for pdserve's CPU kernels, in GCC/Clang vector extensions (so they build
-   for any target: AVX2 registers on x86-64, two NEON registers on arm64) and the scalar helpers
-   they share: bfloat16 widening and rounding, half-float widening, a vector exp for softmax. */
+/* 8- and 16-lane float vectors for pdserve's CPU kernels, in GCC/Clang vector extensions (so they
+   build for any target: AVX2 registers on x86-64, two NEON registers on arm64; 16 lanes in one
+   AVX-512 register or two narrower ones) and the scalar helpers they share: bfloat16 widening and
+   rounding, half-float widening, a vector exp for softmax. */
 #ifndef PDSERVE_VEC_H
 #define PDSERVE_VEC_H
 
@@ -35,32 +36,33 @@ static inline v8f f32_load8(const float *p) {
     return x;
 }
 
-static inline v8f bf16_load8(const uint16_t *p) { /* eight bfloat16 widened: their bits, shifted up */
-    v8h h;
-    memcpy(&h, p, sizeof h);
-    v8u u = __builtin_convertvector(h, v8u) << 16;
-    v8f x;
-    memcpy(&x, &u, sizeof x);
-    return x;
-}
-
-/* Eight floats rounded to bfloat16 (nearest even, as bf16_store), kept as floats / stored as bfloat16. */
-static inline v8u bf16_rounded_bits8(v8f x) {
-    v8u u;
-    memcpy(&u, &x, sizeof u);
-    return u + 0x7FFFu + ((u >> 16) & 1u);
-}
-
-static inline v8f bf16_round8(v8f x) {
-    v8u u = bf16_rounded_bits8(x) & 0xFFFF0000u;
-    memcpy(&x, &u, sizeof x);
-    return x;
-}
-
-static inline void bf16_store8(uint16_t *p, v8f x) {
-    v8h h = __builtin_convertvector(bf16_rounded_bits8(x) >> 16, v8h);
-    memcpy(p, &h, sizeof h);
-}
+/* N bfloat16 widened (exactly: their bits shifted up), and N floats rounded to bfloat16 (nearest
+   even, as bf16_store), kept as floats or stored: for a vector VF of N floats (VU, VH its unsigned
+   32- and 16-bit lanes). Lane by lane, so a lane's bits do not depend on N. */
+#define BF16_VECTORS(N, VF, VU, VH)                                                                 \
+    static inline VF bf16_load##N(const uint16_t *p) {                                              \
+        VH h;                                                                                       \
+        memcpy(&h, p, sizeof h);                                                                    \
+        VU u = __builtin_convertvector(h, VU) << 16;                                                \
+        VF x;                                                                                       \
+        memcpy(&x, &u, sizeof x);                                                                   \
+        return x;                                                                                   \
+    }                                                                                               \
+    static inline VU bf16_rounded_bits##N(VF x) {                                                   \
+        VU u;                                                                                       \
+        memcpy(&u, &x, sizeof u);                                                                   \
+        return u + 0x7FFFu + ((u >> 16) & 1u);                                                      \
+    }                                                                                               \
+    static inline VF bf16_round##N(VF x) {                                                          \
+        VU u = bf16_rounded_bits##N(x) & 0xFFFF0000u;                                               \
+        memcpy(&x, &u, sizeof x);                                                                   \
+        return x;                                                                                   \
+    }                                                                                               \
+    static inline void bf16_store##N(uint16_t *p, VF x) {                                           \
+        VH h = __builtin_convertvector(bf16_rounded_bits##N(x) >> 16, VH);                          \
+        memcpy(p, &h, sizeof h);                                                                    \
+    }
+BF16_VECTORS(8, v8f, v8u, v8h)
 
 /* Eight IEEE half floats widened (exactly): one instruction where the CPU converts them (F16C). */
 #if defined(__F16C__)
@@ -124,31 +126,7 @@ static inline v16f splat16(const float *p) { /* a broadcast from memory, folded 
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint16_t v16h __attribute__((vector_size(32)));
 
-static inline v16f bf16_load16(const uint16_t *p) { /* sixteen bfloat16 widened, as bf16_load8 */
-    v16h h;
-    memcpy(&h, p, sizeof h);
-    v16u u = __builtin_convertvector(h, v16u) << 16;
-    v16f x;
-    memcpy(&x, &u, sizeof x);
-    return x;
-}
-
-static inline v16u bf16_rounded_bits16(v16f x) {
-    v16u u;
-    memcpy(&u, &x, sizeof u);
-    return u + 0x7FFFu + ((u >> 16) & 1u);
-}
-
-static inline v16f bf16_round16(v16f x) { /* as bf16_round8 */
-    v16u u = bf16_rounded_bits16(x) & 0xFFFF0000u;
-    memcpy(&x, &u, sizeof x);
-    return x;
-}
-
-static inline void bf16_store16(uint16_t *p, v16f x) { /* as bf16_store8 */
-    v16h h = __builtin_convertvector(bf16_rounded_bits16(x) >> 16, v16h);
-    memcpy(p, &h, sizeof h);
-}
+BF16_VECTORS(16, v16f, v16u, v16h)
 
 static inline v16f select16(v16i mask, v16f a, v16f b) { return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask)); }
 
