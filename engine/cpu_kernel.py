@@ -134,6 +134,7 @@ class SmallGemm:
     """`sg_pack` / `sg_gemm`: float32 `x @ W^T + bias` (for up to SMALL_ROWS rows, where that is set)."""
 
     dtype = torch.float32
+    kernel_rows = None  # one call takes any row count
     max_rows = SMALL_ROWS  # None: every product (no oneDNN copy)
     reach = GEMM_REACH
 

@@ -21,6 +21,12 @@ import torch
 _I64, _PTR, _INT, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
+def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
+    """x as `[rows, width]` with each row contiguous (a view where it already is, else a copy)."""
+    flat = x.reshape(-1, width)
+    return flat if flat.stride(1) == 1 else flat.contiguous()
+
+
 class KernelUnavailable(RuntimeError):
     """A kernel cannot be built, loaded or give torch's bits here; the message says why (raised as
     `cpu_kernel.KernelUnavailable` too)."""
@@ -64,9 +70,7 @@ class RmsNorm:
         """x, y `[..., n]` of one shape and dtype (rows contiguous) -> (`x + y`, its norm), each a new
         tensor of that shape: torch's add and `self(x + y, ...)` bit for bit."""
         n = x.shape[-1]
-        a, b = x.reshape(-1, n), y.reshape(-1, n)
-        a = a if a.stride(1) == 1 else a.contiguous()
-        b = b if b.stride(1) == 1 else b.contiguous()
+        a, b = _rows(x, n), _rows(y, n)
         assert x.shape == y.shape and x.dtype == y.dtype == weight.dtype and x.dtype in self._adds
         assert weight.is_contiguous() and weight.shape == (n,)
         total, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
@@ -78,9 +82,7 @@ class RmsNorm:
         """x `[..., n]` float32 or bfloat16 (rows contiguous), weight `[n]` of x's dtype -> a new tensor
         of x's shape."""
         n = x.shape[-1]
-        flat = x.reshape(-1, n)
-        if flat.stride(1) != 1:
-            flat = flat.contiguous()
+        flat = _rows(x, n)
         assert x.dtype == weight.dtype and x.dtype in self._fns and weight.is_contiguous() and weight.shape == (n,)
         out = torch.empty(x.shape, dtype=x.dtype)
         self._fns[x.dtype](flat.data_ptr(), flat.stride(0), weight.data_ptr(), eps, out.data_ptr(), n,
@@ -102,9 +104,7 @@ class SiluMul:
         KernelUnavailable where it cannot give torch's bits (no AVX2 + FMA, or n no multiple of 8,
         32 in bfloat16)."""
         n = h.shape[-1] // 2
-        flat = h.reshape(-1, 2 * n)
-        if flat.stride(1) != 1:
-            flat = flat.contiguous()
+        flat = _rows(h, 2 * n)
         assert h.dtype in self._fns
         out = torch.empty(*h.shape[:-1], n, dtype=h.dtype)
         if self._fns[h.dtype](flat.data_ptr(), flat.stride(0), out.data_ptr(), n, flat.shape[0], n,
