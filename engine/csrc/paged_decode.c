@@ -239,8 +239,6 @@ ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, cons
                shares it, and eight dot products are summed across lanes together */              \
             for (int64_t c0 = 0; c0 < count; c0 += GROUP) {                                         \
                 int m = count - c0 < GROUP ? (int)(count - c0) : GROUP;                             \
-                for (int e = nq; e < m; e++) /* one key's prefetch per head below; here the rest */ \
-                    if (c0 + e + ahead < count) prefetch_span(k + at[c0 + e + ahead] + h0 * head_stride, span); \
                 if (paired && m == GROUP) {                                                         \
                     for (int e = 0; e < GROUP; e++)                                                 \
                         if (c0 + e + ahead < count) prefetch_span(k + at[c0 + e + ahead] + h0 * head_stride, span); \
@@ -248,6 +246,8 @@ ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, cons
                     for (int kh = 0; kh < h1 - h0; kh++) BY_THREES(groups, SCORES)                  \
                     continue;                                                                       \
                 }                                                                                   \
+                for (int e = nq; e < m; e++) /* one key's prefetch per head below; here the rest */ \
+                    if (c0 + e + ahead < count) prefetch_span(k + at[c0 + e + ahead] + h0 * head_stride, span); \
                 if (staged) widen_group((const uint16_t *)(const void *)k, at + c0, m, h0 * head_stride, span_n, wide);            \
                 for (int j = 0; j < nq; j++) {                                                      \
                     if (j < m && c0 + j + ahead < count) prefetch_span(k + at[c0 + j + ahead] + h0 * head_stride, span); \
@@ -310,10 +310,8 @@ ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, cons
                keys (64 of them held in registers), each key's update still its own, in key order */ \
             for (int64_t c0 = 0; c0 < count; c0 += GROUP) {                                         \
                 int m = count - c0 < GROUP ? (int)(count - c0) : GROUP;                             \
-                for (int e = nq; e < m; e++) /* one key's prefetch per head below; here the rest */ \
-                    if (c0 + e + ahead < count) prefetch_span(v + at[c0 + e + ahead] + h0 * head_stride, span); \
                 if (widened_values) {                                                               \
-                    for (int e = 0; e < m && e < nq; e++)                                           \
+                    for (int e = 0; e < m; e++)                                                     \
                         if (c0 + e + ahead < count) prefetch_span(v + at[c0 + e + ahead] + h0 * head_stride, span); \
                     const uint16_t *held[GROUP];                                                    \
                     for (int kh = 0; kh < h1 - h0; kh++) {                                          \
@@ -327,6 +325,8 @@ ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, cons
                     }                                                                               \
                     continue;                                                                       \
                 }                                                                                   \
+                for (int e = nq; e < m; e++) /* one key's prefetch per head below; here the rest */ \
+                    if (c0 + e + ahead < count) prefetch_span(v + at[c0 + e + ahead] + h0 * head_stride, span); \
                 if (staged) widen_group((const uint16_t *)(const void *)v, at + c0, m, h0 * head_stride, span_n, wide);            \
                 for (int j = 0; j < nq; j++) {                                                      \
                     if (j < m && c0 + j + ahead < count) prefetch_span(v + at[c0 + j + ahead] + h0 * head_stride, span); \
