@@ -279,11 +279,15 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows, dim, kv_heads, heads, window", [(1, 64, 3, 9, 0), (17, 72, 2, 6, 9), (5, 20, 1, 4, 0)])
+@pytest.mark.parametrize("rows, dim, kv_heads, heads, window", [
+    (1, 64, 3, 9, 0), (17, 72, 2, 6, 9), (5, 20, 1, 4, 0),
+    # AVX-512's paths: query heads taken 3 + 1, 2 and 3 + 2 a KV head; values in 32-dim pieces
+    (3, 128, 2, 8, 0), (4, 96, 2, 4, 9), (2, 32, 4, 20, 0)])
 def test_bfloat16_decode_is_the_float32_kernel_on_the_widened_pool_rounded(rows, dim, kv_heads, heads, window):
-    """A bfloat16 pool's keys and values are widened once per group of keys (exactly), then the
-    float32 arithmetic runs: the output is the float32 kernel's on the widened inputs, rounded to
-    bfloat16, bit for bit."""
+    """A bfloat16 pool's keys and values are widened (exactly), then the float32 arithmetic runs
+    (with AVX-512, two keys a 16-lane register and up to three query heads at once, the same sums in
+    the same order): the output is the float32 kernel's on the widened inputs, rounded to bfloat16,
+    bit for bit."""
     torch.manual_seed(rows * dim)
     blocks, block_size = 48, 16
     pool = torch.randn(blocks, 2, 2, block_size, kv_heads, dim).bfloat16()
