@@ -178,6 +178,11 @@ ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, cons
     (staged ? (const float *)(wide + (e) * span_n + hoff[j] - h0 * head_stride)                     \
             : (const float *)(src + at[c0 + (e)] + hoff[j]))
 
+/* Prefetch the keys (values) `ahead` positions past group members from .. m - 1 of src. */
+#define PREFETCH_AHEAD(src, from)                                                                   \
+    for (int e = (from); e < m; e++)                                                                \
+        if (c0 + e + ahead < count) prefetch_span(src + at[c0 + e + ahead] + h0 * head_stride, span)
+
 /* the paired scores and the widened value sums of query heads kh * groups + by .. + nh - 1 */
 #define SCORES(nh, by)                                                                              \
     scores_paired(nh, qq + (kh * groups + (by)) * 2 * dim, dim, wide, kh * head_stride / 8, span_n,  \
@@ -240,14 +245,12 @@ ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, cons
             for (int64_t c0 = 0; c0 < count; c0 += GROUP) {                                         \
                 int m = count - c0 < GROUP ? (int)(count - c0) : GROUP;                             \
                 if (paired && m == GROUP) {                                                         \
-                    for (int e = 0; e < GROUP; e++)                                                 \
-                        if (c0 + e + ahead < count) prefetch_span(k + at[c0 + e + ahead] + h0 * head_stride, span); \
+                    PREFETCH_AHEAD(k, 0);                                                           \
                     widen_pairs((const uint16_t *)(const void *)k, at + c0, h0 * head_stride, span_n, wide); \
                     for (int kh = 0; kh < h1 - h0; kh++) BY_THREES(groups, SCORES)                  \
                     continue;                                                                       \
                 }                                                                                   \
-                for (int e = nq; e < m; e++) /* one key's prefetch per head below; here the rest */ \
-                    if (c0 + e + ahead < count) prefetch_span(k + at[c0 + e + ahead] + h0 * head_stride, span); \
+                PREFETCH_AHEAD(k, nq); /* one key's prefetch per head below; here the rest */       \
                 if (staged) widen_group((const uint16_t *)(const void *)k, at + c0, m, h0 * head_stride, span_n, wide);            \
                 for (int j = 0; j < nq; j++) {                                                      \
                     if (j < m && c0 + j + ahead < count) prefetch_span(k + at[c0 + j + ahead] + h0 * head_stride, span); \
@@ -311,8 +314,7 @@ ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, cons
             for (int64_t c0 = 0; c0 < count; c0 += GROUP) {                                         \
                 int m = count - c0 < GROUP ? (int)(count - c0) : GROUP;                             \
                 if (widened_values) {                                                               \
-                    for (int e = 0; e < m; e++)                                                     \
-                        if (c0 + e + ahead < count) prefetch_span(v + at[c0 + e + ahead] + h0 * head_stride, span); \
+                    PREFETCH_AHEAD(v, 0);                                                           \
                     const uint16_t *held[GROUP];                                                    \
                     for (int kh = 0; kh < h1 - h0; kh++) {                                          \
                         for (int e = 0; e < m; e++)                                                 \
@@ -325,8 +327,7 @@ ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, cons
                     }                                                                               \
                     continue;                                                                       \
                 }                                                                                   \
-                for (int e = nq; e < m; e++) /* one key's prefetch per head below; here the rest */ \
-                    if (c0 + e + ahead < count) prefetch_span(v + at[c0 + e + ahead] + h0 * head_stride, span); \
+                PREFETCH_AHEAD(v, nq); /* one value's prefetch per head below; here the rest */     \
                 if (staged) widen_group((const uint16_t *)(const void *)v, at + c0, m, h0 * head_stride, span_n, wide);            \
                 for (int j = 0; j < nq; j++) {                                                      \
                     if (j < m && c0 + j + ahead < count) prefetch_span(v + at[c0 + j + ahead] + h0 * head_stride, span); \
