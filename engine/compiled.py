@@ -104,9 +104,8 @@ class Forward:
         self.prepack = prepack
         # pdserve's CPU kernels (cpu_kernel.Kernels), or None: torch's ops. Rotary and the norms take
         # float32 and bfloat16 (so does the activation); the GEMM float32, or bfloat16 on AMX; whole
-        # layers float32 only
+        # layers wherever the GEMM takes the dtype
         dtype = next(model.parameters()).dtype
-        float32 = dtype == torch.float32
         self.small_gemm = kernels.gemm_for(dtype) if kernels else None  # linears on a few rows
         self.rope = kernels.rope if kernels else None  # fused layers' rotary
         self.rms_norm = kernels.rms_norm if kernels else None  # fused norms
@@ -114,10 +113,11 @@ class Forward:
         self.fuse = fuse  # fused q|k|v and gate|up layers where linears are packed (engine/fused.py)
         self.fused_layers = (0, 0)  # (attention modules, MLPs) fused
         # with `fuse`: each decoder layer that is all the kernels' as one call (engine/kernel_layer.py)
-        self.layer_kernel = kernels if kernel_layers and float32 else None
+        self.layer_kernel = kernels if kernel_layers and self.small_gemm is not None else None
         self.kernel_layers = 0  # decoder layers so swapped
         self.kernel_decoder: kernel_decoder.KernelDecoder | None = None  # all of them: the decoder's loop too
-        # fused layers that are not one call (bfloat16): the decoder's loop as direct calls (engine/lean_decoder.py)
+        # fused layers: the decoder's loop as direct calls (engine/lean_decoder.py), for the steps the
+        # kernel decoder does not take (more rows than its GEMM's cut), or every step where there is none
         self.lean_decoder: lean_decoder.LeanDecoder | None = None
         # with the kernel decoder: an all-greedy step's tokens without the float32 logits (engine/greedy_head.py)
         self._want_greedy_head = greedy_head
@@ -183,7 +183,7 @@ class Forward:
             if self.fuse and self.layer_kernel is not None and skip is None:
                 self.kernel_layers = kernel_layer.swap_layers(self.model, self.layer_kernel)
                 self.kernel_decoder = kernel_decoder.kernel_decoder(self.model)
-            if self.fuse and self.kernel_decoder is None and skip is None:
+            if self.fuse and skip is None:
                 self.lean_decoder = lean_decoder.lean_decoder(self.model)
         if self._want_greedy_head:
             self.greedy_reason = ("the decoder is not the kernel's" if self.kernel_decoder is None
@@ -217,7 +217,7 @@ class Forward:
                     if tokens is not None:
                         return tokens
                 return self.model.lm_head(rows)
-        elif self.lean_decoder is not None:
+        if self.lean_decoder is not None:
             return self.model.lm_head(self.lean_decoder(input_ids, positions)[:, sample_rows, :])
         return self.model(input_ids=input_ids, position_ids=positions, use_cache=False,
                           logits_to_keep=sample_rows).logits

@@ -260,7 +260,7 @@ class LayerKernel:
         return dict(zip(self.KINDS, self._seconds, strict=True))
 
     def __call__(self, layer: ctypes.Structure, step: ctypes.Structure, x: torch.Tensor, out: torch.Tensor) -> None:
-        """x `[..., T, hidden]` float32, contiguous; out likewise, written (may be x)."""
+        """x `[..., T, hidden]` of the step's dtype, contiguous; out likewise, written (may be x)."""
         rc = self._fn(ctypes.addressof(layer), ctypes.addressof(step), x.data_ptr(), out.data_ptr())
         self._check(rc, "pd_layer_forward", x)
 
@@ -268,7 +268,7 @@ class LayerKernel:
                 outs: tuple[torch.Tensor, torch.Tensor], norm: torch.Tensor, eps: float, normed: torch.Tensor) -> None:
         """`pd_decoder_forward`: every layer of `layers` (an array of the layer structures) in turn,
         the outputs in `outs` by turns, then RMSNorm(last output; norm, eps) into `normed` (all
-        `[..., T, hidden]` float32, contiguous)."""
+        `[..., T, hidden]` of the step's dtype, contiguous)."""
         rc = self._decoder(ctypes.addressof(layers), len(layers), ctypes.addressof(step), x.data_ptr(),
                            outs[0].data_ptr(), outs[1].data_ptr(), norm.data_ptr(), eps, normed.data_ptr())
         self._check(rc, "pd_decoder_forward", x)
@@ -277,7 +277,7 @@ class LayerKernel:
     def _check(rc: int, name: str, x: torch.Tensor) -> None:
         if rc == -2:
             tokens = x.numel() // x.shape[-1]
-            raise MemoryError(f"a decoder layer's attention could not allocate its buffers for {tokens} tokens")
+            raise MemoryError(f"a decoder layer's attention or GEMM could not allocate its buffers for {tokens} tokens")
         if rc != 0:
             raise RuntimeError(f"{name} failed ({rc})")
 

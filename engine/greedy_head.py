@@ -66,8 +66,8 @@ class GreedyHead:
     @staticmethod
     def fits(head) -> str | None:
         """Why `head` gets no greedy head, or None: it does."""
-        if getattr(head, "panels", None) is None:
-            return "the LM head is not on the CPU GEMM's panels"
+        if getattr(head, "panels", None) is None or head.gemm.dtype != torch.float32:
+            return "the LM head is not on the CPU GEMM's float32 panels"
         low, high = torch.aminmax(head.panels)
         if max(-low, high) >= HALF_LARGEST:
             return "a weight of the LM head is beyond half float's range"

@@ -82,7 +82,7 @@ class KernelDecoder:
         # where the norm is the RMSNorm kernel's (the module path's FusedRMSNorm calls the same)
         norm = self.norm
         self.table = (LayerArgs * len(layers))(*(layer.args for layer in layers)) if (
-            isinstance(norm, dense.FusedRMSNorm) and norm.kernel is not None and norm.weight.dtype == torch.float32
+            isinstance(norm, dense.FusedRMSNorm) and norm.kernel is not None and norm.weight.dtype == layers[0].shape.dtype
             and norm.weight.is_contiguous() and norm.weight.device.type == "cpu") else None
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:

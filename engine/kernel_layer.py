@@ -1,4 +1,4 @@
-"""Whole decoder layers as one CPU kernel call each (engine/csrc/layer.c), float32 on CPU.
+"""Whole decoder layers as one CPU kernel call each (engine/csrc/layer.c), float32 or bfloat16 on CPU.
 
 After engine/fused.py and engine/dense.py, a Llama-shaped layer's step is already the CPU kernels'
 work: two norms, four GEMMs, rotary, the attention kernels, SiLU times up. What is left around
@@ -58,7 +58,7 @@ class StepArgs(ctypes.Structure):
                 *((name, _P) for name in ("slot_blocks", "slot_offsets", "tables", "lens")),
                 ("table_stride", _I64),
                 *((name, _P) for name in ("chunks", "cos", "sin", "h", "qkv", "attn", "gu", "act", "tmp")),
-                *((name, _I32) for name in ("tokens", "decodes", "n_chunks", "block_size", "threads"))]
+                *((name, _I32) for name in ("tokens", "decodes", "n_chunks", "block_size", "threads", "dtype"))]
 
 
 @dataclass(frozen=True)
@@ -68,6 +68,7 @@ class Shape:
     kv_heads: int
     dim: int
     inter: int
+    dtype: torch.dtype = torch.float32  # the weights', the pool's and every buffer's
 
 
 @dataclass
@@ -97,7 +98,7 @@ def _build_step(meta: attention.StepMetadata, shape: Shape, cos: torch.Tensor, s
     kv = meta.kv
     widths = (shape.hidden, (shape.heads + 2 * shape.kv_heads) * shape.dim, shape.heads * shape.dim,
               2 * shape.inter, shape.inter, shape.hidden)
-    scratch = torch.empty(tokens * (sum(widths) + 2 * shape.hidden), dtype=torch.float32)
+    scratch = torch.empty(tokens * (sum(widths) + 2 * shape.hidden), dtype=kv.dtype)
     buffers, at = [], 0
     for width in widths:
         buffers.append(scratch[at:at + tokens * width].data_ptr())
@@ -111,15 +112,15 @@ def _build_step(meta: attention.StepMetadata, shape: Shape, cos: torch.Tensor, s
                     _ptr(rows.tables) if rows else None, _ptr(rows.lens) if rows else None,
                     rows.tables.stride(0) if rows else 0, chunks.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                     *buffers, tokens, rows.lens.shape[0] if rows else 0, len(meta.prefills), kv.shape[3],
-                    torch.get_num_threads())
+                    torch.get_num_threads(), cpu_kernel.DTYPES[kv.dtype])
     return Step(args, cos, shape, outs, (scratch, chunks, cos, sin, [c.table for c in meta.prefills]))
 
 
-def _kernels_take(meta: attention.StepMetadata, tokens: int) -> bool:
-    """Whether every attention of this step goes through the CPU kernels, on an unpadded float32 pool."""
+def _kernels_take(meta: attention.StepMetadata, tokens: int, dtype: torch.dtype) -> bool:
+    """Whether every attention of this step goes through the CPU kernels, on an unpadded pool of `dtype`."""
     rows = meta.decode_rows
     return (not meta.decode_groups and (not meta.prefills or meta.prefill_kernel is not None)
-            and meta.slot_blocks.shape[0] == tokens and meta.kv.dtype == torch.float32
+            and meta.slot_blocks.shape[0] == tokens and meta.kv.dtype == dtype
             and all(t.dtype == torch.int64 and t.is_contiguous() for t in (meta.slot_blocks, meta.slot_offsets))
             and meta.kv.device.type == "cpu" and meta.kv.is_contiguous()
             and all(c.table is not None and c.table.dtype == torch.int64 and c.table.is_contiguous()
@@ -155,9 +156,9 @@ class KernelLayer:
         step = meta.kernel_step
         if step is None or step.cos is not cos or step.shape != self.shape:  # the forward's first layer
             if (features.active_probe() is not None or cos.dim() != 3 or cos.shape[0] != 1
-                    or cos.shape[2] != self.shape.dim or sin.shape != cos.shape or cos.dtype != torch.float32
+                    or cos.shape[2] != self.shape.dim or sin.shape != cos.shape or cos.dtype != self.shape.dtype
                     or not (cos.is_contiguous() and sin.is_contiguous())
-                    or not self._fits(x, cos.shape[1]) or not _kernels_take(meta, cos.shape[1])):
+                    or not self._fits(x, cos.shape[1]) or not _kernels_take(meta, cos.shape[1], self.shape.dtype)):
                 return None
             step = meta.kernel_step = _build_step(meta, self.shape, cos, sin)
             return step
@@ -167,9 +168,9 @@ class KernelLayer:
         return step if self._fits(x, step.args.tokens) else None
 
     def _fits(self, x: torch.Tensor, tokens: int) -> bool:
-        """x is `[1, tokens, hidden]` float32 on the CPU, contiguous, within the GEMM's cut."""
+        """x is `[1, tokens, hidden]` of the layer's dtype on the CPU, contiguous, within the GEMM's cut."""
         return ((self.max_rows is None or tokens <= self.max_rows) and x.shape == (1, tokens, self.shape.hidden)
-                and x.dtype == torch.float32 and x.device.type == "cpu" and x.is_contiguous())
+                and x.dtype == self.shape.dtype and x.device.type == "cpu" and x.is_contiguous())
 
 
 def _gemm_only(linears: list[nn.Module]) -> tuple[bool, int | None]:
@@ -187,16 +188,17 @@ def layer_args(layer: nn.Module) -> tuple[LayerArgs, Shape, int | None] | None:
             "self_attn", "mlp", "input_layernorm", "post_attention_layernorm"}:
         return None
     attn, mlp, norm1, norm2 = layer.self_attn, layer.mlp, layer.input_layernorm, layer.post_attention_layernorm
+    dtype = norm1.weight.dtype
     if not (isinstance(attn, fused.FusedAttention) and attn.rope is not None and isinstance(mlp, fused.FusedMLP)
-            and mlp.silu_mul is not None and all(isinstance(n, dense.FusedRMSNorm) and n.kernel is not None
-                                                 and n.weight.dtype == torch.float32 and n.weight.is_contiguous()
-                                                 for n in (norm1, norm2))):
+            and mlp.silu_mul is not None and dtype in cpu_kernel.DTYPES
+            and all(isinstance(n, dense.FusedRMSNorm) and n.kernel is not None and n.weight.dtype == dtype
+                    and n.weight.is_contiguous() for n in (norm1, norm2))):
         return None
     linears = [attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj]
     gemm_only, max_rows = _gemm_only(linears)
-    if not gemm_only:
+    if not gemm_only or any(m.gemm.dtype != dtype for m in linears):
         return None
-    shape = Shape(norm1.normalized_shape[0], attn.heads, attn.kv_heads, attn.head_dim, mlp.intermediate)
+    shape = Shape(norm1.normalized_shape[0], attn.heads, attn.kv_heads, attn.head_dim, mlp.intermediate, dtype)
     scaling = attn.call.get("scaling")
     args = LayerArgs(norm1.weight.data_ptr(), attn.qkv_proj.panels.data_ptr(), _ptr(attn.qkv_proj.bias),
                      attn.o_proj.panels.data_ptr(), _ptr(attn.o_proj.bias), norm2.weight.data_ptr(),
@@ -213,7 +215,7 @@ def _probe_step(kernels: cpu_kernel.Kernels, shape: Shape, layers: int, tokens_o
     """A step over a scratch pool of random keys: for each (first position, queries) of `tokens_of`,
     one query is a decode row and more are a prefill chunk (decode rows first, as the runner orders them)."""
     block_size, blocks = 4, 64
-    kv = torch.randn(blocks, layers, 2, block_size, shape.kv_heads, shape.dim, generator=generator)
+    kv = torch.randn(blocks, layers, 2, block_size, shape.kv_heads, shape.dim, generator=generator).to(shape.dtype)
     free = torch.randperm(blocks, generator=generator).tolist()
     decodes = [(p, q) for p, q in tokens_of if q == 1]
     chunks = [(p, q) for p, q in tokens_of if q > 1]
@@ -252,10 +254,10 @@ def _same_as_module(layer: nn.Module, candidate: KernelLayer, kernels: cpu_kerne
         if candidate.max_rows is not None and tokens > candidate.max_rows:
             continue
         meta = _probe_step(kernels, shape, int(candidate.args.layer) + 1, tokens_of, generator)
-        x = torch.randn(1, tokens, shape.hidden, generator=generator)
+        x = torch.randn(1, tokens, shape.hidden, generator=generator).to(shape.dtype)
         angles = torch.rand(1, tokens, shape.dim // 2, generator=generator) * 100.0
         angles = torch.cat((angles, angles), dim=-1)
-        position_embeddings = (angles.cos(), angles.sin())
+        position_embeddings = (angles.cos().to(shape.dtype), angles.sin().to(shape.dtype))
         outs, pools = [], []
         for module in (layer, candidate):
             run = dataclasses.replace(meta, kv=meta.kv.clone())

@@ -24,7 +24,7 @@ from torch import nn
 
 from engine import dense, fused
 from engine.kernel_decoder import RotaryTable, plain_decoder
-from engine.kernel_layer import LAYER_TYPES
+from engine.kernel_layer import LAYER_TYPES, KernelLayer
 
 
 class LeanDecoder:
@@ -70,7 +70,8 @@ def lean_decoder(model: nn.Module) -> LeanDecoder | None:
     if decoder is None:
         return None
     for layer in decoder.layers:
-        if (type(layer).__name__ not in LAYER_TYPES or "forward" in vars(layer)
+        if (type(layer).__name__ not in LAYER_TYPES
+                or not isinstance(vars(layer).get("forward"), (KernelLayer, type(None)))  # the class's, or one call
                 or {n for n, _ in layer.named_children()} != {"self_attn", "mlp", "input_layernorm",
                                                               "post_attention_layernorm"}
                 or not isinstance(layer.self_attn, fused.FusedAttention) or not isinstance(layer.mlp, fused.FusedMLP)):

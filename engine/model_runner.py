@@ -128,12 +128,14 @@ class ModelRunner:
             how += f", {self.forward.kernel_layers} decoder layers as one kernel call each"
             if self.forward.kernel_decoder is not None:
                 how += " (the decoder's loop too)"
+            if self.forward.lean_decoder is not None and self.small_gemm.max_rows is not None:
+                how += f"; past {self.small_gemm.max_rows} rows the decoder's loop as direct calls"
         elif self.forward.lean_decoder is not None:
             how += ", the decoder's loop as direct calls"
         if self.forward.greedy_head is not None:
             how += ", greedy steps' tokens from a half-float copy of the LM head"
         elif self.forward.kernel_decoder is not None:
-            how += f", greedy steps through the float32 LM head ({self.forward.greedy_reason})"
+            how += f", greedy steps through the {dtype} LM head ({self.forward.greedy_reason})"
         return f"{self.hf_config.model_type} in {dtype} on {self.device}, {how}"
 
     def _cpu_kernels(self) -> tuple[cpu_kernel.Kernels | None, str]:

@@ -46,20 +46,37 @@ class Counting:
         return self.kernel.decoder(table, *args)
 
 
-def _engine(path: str, **overrides) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_path=path, dtype="float32", num_blocks=256, chunk_size=16, **overrides))
+def _engine(path: str, dtype: str = "float32", **overrides) -> LLMEngine:
+    return LLMEngine(EngineConfig(model_path=path, dtype=dtype, num_blocks=256, chunk_size=16, **overrides))
 
 
-def test_engines_with_and_without_one_call_per_layer_give_transformers_greedy_tokens(llama_dir, needs_layers,
+@pytest.fixture(params=["float32", "bfloat16"])
+def layer_dtype(request, needs_layers):
+    """The dtypes whole layers run in: float32 on the float32 GEMM; bfloat16 where the AMX GEMM runs."""
+    if request.param == "bfloat16" and _kernels().gemm_for(torch.bfloat16) is None:
+        pytest.skip("no AMX GEMM here: bfloat16 layers stay modules")
+    return request.param
+
+
+def test_engines_with_and_without_one_call_per_layer_give_transformers_greedy_tokens(llama_dir, layer_dtype,
                                                                                       monkeypatch):
+    """float32: transformers' `generate`'s tokens. bfloat16: the module path's tokens, each step's
+    logits bit for bit (the test below), whose few-row GEMM (AMX tiles) sums in another order than
+    `generate`'s oneDNN, so a random tiny model's near-ties can part from `generate` in the last bit
+    either way (test_cpu_kernel.py checks `generate`'s bfloat16 tokens on prompts that do not). A
+    32-token step budget keeps every step within the AMX GEMM's 32 rows."""
     rng = random.Random(11)
     prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(1, 90))] for _ in range(6)]
-    want = [hf_greedy(llama_dir, p, 10, ignore_eos=True) for p in prompts]
+    if layer_dtype == "float32":
+        want = [hf_greedy(llama_dir, p, 10, ignore_eos=True) for p in prompts]
+    else:
+        want = staggered_tokens(_engine(llama_dir, layer_dtype, kernel_layers=False, max_num_batched_tokens=32),
+                                prompts, 10)
     builds = []
     real_build = kernel_layer._build_step
     monkeypatch.setattr(kernel_layer, "_build_step", lambda *a: builds.append(1) or real_build(*a))
     for on in (True, False):
-        engine = _engine(llama_dir, kernel_layers=on)
+        engine = _engine(llama_dir, layer_dtype, kernel_layers=on, max_num_batched_tokens=32)
         builds.clear()
         layers = engine.runner.model.model.layers
         assert engine.runner.forward.kernel_layers == (len(layers) if on else 0)
@@ -94,12 +111,12 @@ def test_only_layers_that_are_all_the_kernels_are_one_call(family_dir, family, s
 
 
 def test_the_decoder_loop_calls_the_layers_where_every_layer_is_one_call(llama_dir, family_dir, monkeypatch,
-                                                                          needs_layers):
+                                                                          layer_dtype):
     """Where every layer is one call, the decoder's own loop runs as direct calls (`KernelDecoder`):
     the logits of each step equal the model's own forward's bit for bit; a step the layers would
     not take (a probe running) goes to the model's forward; a model with a layer left a module
     (SmolLM3's NoPE layers) keeps its forward."""
-    engine = _engine(llama_dir)
+    engine = _engine(llama_dir, layer_dtype)
     forward = engine.runner.forward
     assert forward.kernel_decoder is not None and forward.kernel_decoder.table is not None  # one call for all
     assert "(the decoder's loop too)" in engine.runner.describe()
@@ -108,20 +125,23 @@ def test_the_decoder_loop_calls_the_layers_where_every_layer_is_one_call(llama_d
 
     def both(self, input_ids, positions, sample_rows, greedy=False):  # logits, greedy or not: compared here
         mine = real(self, input_ids, positions, sample_rows)  # the pool takes the same K/V twice
-        decoder, self.kernel_decoder = self.kernel_decoder, None
+        decoders = self.kernel_decoder, self.lean_decoder
+        self.kernel_decoder = self.lean_decoder = None
         try:
             theirs = real(self, input_ids, positions, sample_rows)
         finally:
-            self.kernel_decoder = decoder
+            self.kernel_decoder, self.lean_decoder = decoders
         compared.append(torch.equal(mine, theirs))
         return mine
 
     monkeypatch.setattr(type(forward), "_logits", both)
     rng = random.Random(5)
     prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(1, 40))] for _ in range(3)]
-    assert staggered_tokens(engine, prompts, 6) == [hf_greedy(llama_dir, p, 6, ignore_eos=True) for p in prompts]
+    tokens = staggered_tokens(engine, prompts, 6)
+    if layer_dtype == "float32":
+        assert tokens == [hf_greedy(llama_dir, p, 6, ignore_eos=True) for p in prompts]
     assert compared and all(compared)
-    assert _engine(family_dir("smollm3")).runner.forward.kernel_decoder is None
+    assert _engine(family_dir("smollm3"), layer_dtype).runner.forward.kernel_decoder is None
     decoder = forward.kernel_decoder
     meta = kernel_layer._probe_step(_kernels(), decoder.layers[0].shape, len(decoder.layers), [(8, 1)],
                                     torch.Generator().manual_seed(1))

@@ -1,22 +1,25 @@
-/* A whole Llama-shaped decoder layer in one call, on the CPU, float32 (engine/kernel_layer.py).
+/* A whole Llama-shaped decoder layer in one call, on the CPU, float32 or bfloat16
+(engine/kernel_layer.py).
 
 The layer an eager step runs as about twenty Python-level calls (modules, torch ops, and one
 ctypes call per kernel) runs here as the same kernels called in the same order on the same
 buffers, so its output is the module path's bit for bit (engine/kernel_layer.py checks that at load,
 layer by layer):
 
-    h = rms_norm(x, norm1)                  pd_rms_norm
-    qkv = h @ [Wq; Wk; Wv]^T (+ bias)       sg_gemm
-    rotary on qkv's q and k heads           pd_rope
-    k, v -> their slots in the pool         pd_kv_write
+    h = rms_norm(x, norm1)                  pd_rms_norm[_bf16]
+    qkv = h @ [Wq; Wk; Wv]^T (+ bias)       sg_gemm (float32), pd_amx_gemm (bfloat16)
+    rotary on qkv's q and k heads           pd_rope[_bf16]
+    k, v -> their slots in the pool         kv_write
     a = attention(q, the pool)              pd_paged_decode (decode rows), pd_paged_prefill (chunks)
-    y = x + a @ Wo^T (+ bias)               sg_gemm, then the sum
-    h = rms_norm(y, norm2)                  pd_rms_norm
-    g = silu(h @ Wgate^T) * (h @ Wup^T)     sg_gemm on the stacked gate|up, pd_silu_mul
-    y = y + g @ Wdown^T                     sg_gemm, then the sum
+    y = x + a @ Wo^T (+ bias)               the GEMM, then
+    h = rms_norm(y, norm2)                  the sum and the norm in one pass, pd_add_rms_norm[_bf16]
+    g = silu(h @ Wgate^T) * (h @ Wup^T)     the GEMM on the stacked gate|up, pd_silu_mul[_bf16]
+    y = y + g @ Wdown^T                     the GEMM, then the sum
 
-Each kernel forks its own OpenMP team as it does when Python calls it. The token rows of the step
-are laid out as the runner lays them out: decode rows first, then each prefill chunk's queries.
+In bfloat16 every tensor between the kernels is bfloat16, rounded where torch's bfloat16 ops round
+(each kernel's own comment says how). Each kernel forks its own OpenMP team as it does when Python
+calls it. The token rows of the step are laid out as the runner lays them out: decode rows first,
+then each prefill chunk's queries.
 
 `pd_layer_seconds` adds up the wall time of each kind of work across calls (a profiler sees one
 opaque call; scripts/profile_step.py reads these): LAYER_SMALL the norms, rotary, activation and
@@ -26,6 +29,8 @@ per kernel, about 10 us a step. */
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+
+#include "vec.h"
 
 enum { LAYER_SMALL, LAYER_GEMM, LAYER_KV_WRITE, LAYER_DECODE, LAYER_PREFILL, LAYER_KINDS };
 double pd_layer_seconds[LAYER_KINDS];
@@ -41,11 +46,23 @@ static double now_s(void) {
 
 void pd_rms_norm(const float *x, int64_t x_stride, const float *w, float eps, float *out, int64_t out_stride,
                  int rows, int n, int threads);
+void pd_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, float eps, uint16_t *out,
+                      int64_t out_stride, int rows, int n, int threads);
+void pd_add_rms_norm(const float *x, int64_t x_stride, const float *y, int64_t y_stride, const float *w, float eps,
+                     float *sum, float *out, int rows, int n, int threads);
+void pd_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *y, int64_t y_stride,
+                          const uint16_t *w, float eps, uint16_t *sum, uint16_t *out, int rows, int n, int threads);
 void sg_gemm(const float *x, int64_t ldx, const float *panels, const float *bias, float *y, int64_t ldy, int m,
              int n, int k, int threads);
+int pd_amx_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
+                int64_t out_stride, int rows, int64_t n, int64_t k, int threads);
 void pd_rope(float *x, int64_t tok_stride, int heads, int dim, const float *cos, const float *sin,
              int64_t cs_stride, int tokens, int threads);
+void pd_rope_bf16(uint16_t *x, int64_t tok_stride, int heads, int dim, const uint16_t *cos, const uint16_t *sin,
+                  int64_t cs_stride, int tokens, int threads);
 int pd_silu_mul(const float *x, int64_t x_stride, float *out, int64_t out_stride, int rows, int n, int threads);
+int pd_silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t out_stride, int rows, int n,
+                     int threads);
 int pd_paged_decode(int dtype, const void *q, int64_t q_tok, int64_t q_head, const void *k, const void *v,
                     int64_t blk_stride, int64_t tok_stride, int64_t head_stride, const int64_t *tables,
                     int64_t table_stride, const int64_t *lens, void *out, int64_t out_tok, int64_t out_head,
@@ -57,9 +74,10 @@ int pd_paged_prefill(int dtype, const void *q, int64_t q_tok, int64_t q_head, co
                      int kv_heads, int dim, int block_size, float scale, int window, float softcap,
                      int threads);
 
-/* One layer's weights and shape (engine/kernel_layer.py's LayerArgs; the field order is shared). */
+/* One layer's weights and shape (engine/kernel_layer.py's LayerArgs; the field order is shared):
+   float32 or bfloat16 alike, as the step's dtype says. */
 typedef struct {
-    const float *norm1, *qkv, *qkv_bias, *o, *o_bias, *norm2, *gate_up, *gate_up_bias, *down, *down_bias;
+    const void *norm1, *qkv, *qkv_bias, *o, *o_bias, *norm2, *gate_up, *gate_up_bias, *down, *down_bias;
     float eps1, eps2, scale, softcap;
     int64_t layer; /* its index in the pool */
     int32_t hidden, heads, kv_heads, dim, inter, window;
@@ -67,79 +85,119 @@ typedef struct {
 
 /* One step: what every layer reads (engine/kernel_layer.py's StepArgs). */
 typedef struct {
-    float *kv;                      /* the pool, [blocks, layers, 2, block_size, kv_heads, dim] */
-    int64_t blk_stride, layer_stride, tok_stride; /* in floats; V sits layer_stride / 2 past K */
+    void *kv;                       /* the pool, [blocks, layers, 2, block_size, kv_heads, dim] */
+    int64_t blk_stride, layer_stride, tok_stride; /* in values; V sits layer_stride / 2 past K */
     const int64_t *slot_blocks, *slot_offsets; /* [tokens] where each token's K/V goes */
     const int64_t *tables, *lens;   /* decode rows: [decodes, table_stride] and [decodes] */
     int64_t table_stride;
     const int64_t *chunks;          /* [chunks, 4]: start, end, first position, address of its table */
-    const float *cos, *sin;         /* [tokens, dim] each */
-    float *h, *qkv, *attn, *gu, *act, *tmp; /* scratch, [tokens, ...] */
+    const void *cos, *sin;          /* [tokens, dim] each */
+    void *h, *qkv, *attn, *gu, *act, *tmp; /* scratch, [tokens, ...] */
     int32_t tokens, decodes, n_chunks, block_size, threads;
+    int32_t dtype;                  /* 0 float32, 1 bfloat16: the pool, the weights, every buffer */
 } pd_step;
 
-/* Each of `tokens` rows' K and V (`width` floats each, at k_at and v_at of its qkv row) into its
+/* value i of a buffer of the step's dtype */
+#define AT(p, i) ((char *)(p) + (int64_t)(i) * (int64_t)es)
+
+/* Each of `tokens` rows' K and V (`width` values each, at k_at and v_at of its qkv row) into its
    slot of one layer's pool. */
-static void pd_kv_write(const float *qkv, int64_t qkv_stride, int64_t k_at, int64_t v_at, int64_t width, float *k,
-                 float *v, int64_t blk_stride, int64_t tok_stride, const int64_t *blocks, const int64_t *offsets,
-                 int tokens) {
+static void kv_write(const void *qkv, int64_t qkv_stride, int64_t k_at, int64_t v_at, int64_t width, void *k, void *v,
+                     int64_t blk_stride, int64_t tok_stride, const int64_t *blocks, const int64_t *offsets,
+                     int tokens, size_t es) {
     for (int t = 0; t < tokens; t++) {
         int64_t slot = blocks[t] * blk_stride + offsets[t] * tok_stride;
-        memcpy(k + slot, qkv + t * qkv_stride + k_at, sizeof(float) * (size_t)width);
-        memcpy(v + slot, qkv + t * qkv_stride + v_at, sizeof(float) * (size_t)width);
+        memcpy(AT(k, slot), AT(qkv, t * qkv_stride + k_at), es * (size_t)width);
+        memcpy(AT(v, slot), AT(qkv, t * qkv_stride + v_at), es * (size_t)width);
     }
 }
 
-static void add_rows(const float *a, const float *b, float *out, int64_t n) {
-    for (int64_t i = 0; i < n; i++) out[i] = a[i] + b[i];
+/* out = a + b over n values, as torch adds them (bfloat16: the float32 sum rounded to nearest even) */
+static void add_rows(int dtype, const void *a, const void *b, void *out, int64_t n) {
+    if (dtype == 0) {
+        const float *x = a, *y = b;
+        float *o = out;
+        for (int64_t i = 0; i < n; i++) o[i] = x[i] + y[i];
+    } else {
+        const uint16_t *x = a, *y = b;
+        uint16_t *o = out;
+        for (int64_t i = 0; i < n; i++) o[i] = bf16_store(bf16_load(x[i]) + bf16_load(y[i]));
+    }
+}
+
+/* y [m, n] = x [m, k] @ the panels' weight^T (+ bias): 0, or the AMX GEMM's failure */
+static int gemm(int dtype, const void *x, int64_t ldx, const void *panels, const void *bias, void *y, int64_t ldy,
+                int m, int n, int k, int threads) {
+    if (dtype == 0) {
+        sg_gemm(x, ldx, panels, bias, y, ldy, m, n, k, threads);
+        return 0;
+    }
+    return pd_amx_gemm(x, ldx, panels, bias, y, ldy, m, n, k, threads);
+}
+
+static void rms_norm(int dtype, const void *x, const void *w, float eps, void *out, int rows, int n, int threads) {
+    if (dtype == 0)
+        pd_rms_norm(x, n, w, eps, out, n, rows, n, threads);
+    else
+        pd_rms_norm_bf16(x, n, w, eps, out, n, rows, n, threads);
 }
 
 /* x [tokens, hidden] in, out [tokens, hidden] written (out may be x). Returns 0, or the failing
-   kernel's code: -2 out of memory in attention, -3 pd_silu_mul cannot give torch's bits here. */
-int pd_layer_forward(const pd_layer *L, const pd_step *S, const float *x, float *out) {
-    int T = S->tokens, th = S->threads, hid = L->hidden, dim = L->dim;
+   kernel's code: -2 out of memory in attention or the GEMM, -3 pd_silu_mul cannot give torch's bits
+   here, -1 the AMX GEMM cannot run (no AMX, or more rows than it takes). */
+int pd_layer_forward(const pd_layer *L, const pd_step *S, const void *x, void *out) {
+    int T = S->tokens, th = S->threads, hid = L->hidden, dim = L->dim, dt = S->dtype, rc;
+    size_t es = dt == 0 ? sizeof(float) : sizeof(uint16_t);
     int q_width = L->heads * dim, kv_width = L->kv_heads * dim, qkv_n = q_width + 2 * kv_width;
-    float *k = S->kv + L->layer * S->layer_stride, *v = k + S->layer_stride / 2;
+    void *k = AT(S->kv, L->layer * S->layer_stride), *v = AT(k, S->layer_stride / 2);
 
     double t0 = now_s(), t1;
-    pd_rms_norm(x, hid, L->norm1, L->eps1, S->h, hid, T, hid, th);
+    rms_norm(dt, x, L->norm1, L->eps1, S->h, T, hid, th);
     MARK(LAYER_SMALL);
-    sg_gemm(S->h, hid, L->qkv, L->qkv_bias, S->qkv, qkv_n, T, qkv_n, hid, th);
+    if ((rc = gemm(dt, S->h, hid, L->qkv, L->qkv_bias, S->qkv, qkv_n, T, qkv_n, hid, th)) != 0) return rc;
     MARK(LAYER_GEMM);
-    pd_rope(S->qkv, qkv_n, L->heads + L->kv_heads, dim, S->cos, S->sin, dim, T, th);
+    if (dt == 0)
+        pd_rope(S->qkv, qkv_n, L->heads + L->kv_heads, dim, S->cos, S->sin, dim, T, th);
+    else
+        pd_rope_bf16(S->qkv, qkv_n, L->heads + L->kv_heads, dim, S->cos, S->sin, dim, T, th);
     MARK(LAYER_SMALL);
-    pd_kv_write(S->qkv, qkv_n, q_width, q_width + kv_width, kv_width, k, v, S->blk_stride, S->tok_stride,
-                S->slot_blocks, S->slot_offsets, T);
+    kv_write(S->qkv, qkv_n, q_width, q_width + kv_width, kv_width, k, v, S->blk_stride, S->tok_stride,
+             S->slot_blocks, S->slot_offsets, T, es);
     MARK(LAYER_KV_WRITE);
     if (S->decodes > 0) {
-        int rc = pd_paged_decode(0, S->qkv, qkv_n, dim, k, v, S->blk_stride, S->tok_stride, dim, S->tables,
-                                 S->table_stride, S->lens, S->attn, q_width, dim, S->decodes, L->heads,
-                                 L->kv_heads, dim, S->block_size, L->scale, L->window, L->softcap, th);
+        rc = pd_paged_decode(dt, S->qkv, qkv_n, dim, k, v, S->blk_stride, S->tok_stride, dim, S->tables,
+                             S->table_stride, S->lens, S->attn, q_width, dim, S->decodes, L->heads,
+                             L->kv_heads, dim, S->block_size, L->scale, L->window, L->softcap, th);
         if (rc != 0) return rc;
     }
     MARK(LAYER_DECODE);
     for (int c = 0; c < S->n_chunks; c++) {
         const int64_t *chunk = S->chunks + 4 * c;
         int64_t start = chunk[0];
-        int rc = pd_paged_prefill(0, S->qkv + start * qkv_n, qkv_n, dim, k, v, S->blk_stride, S->tok_stride, dim,
-                                  (const int64_t *)(intptr_t)chunk[3], chunk[2], (int)(chunk[1] - start),
-                                  S->attn + start * q_width, q_width, dim, L->heads, L->kv_heads, dim,
-                                  S->block_size, L->scale, L->window, L->softcap, th);
+        rc = pd_paged_prefill(dt, AT(S->qkv, start * qkv_n), qkv_n, dim, k, v, S->blk_stride, S->tok_stride, dim,
+                              (const int64_t *)(intptr_t)chunk[3], chunk[2], (int)(chunk[1] - start),
+                              AT(S->attn, start * q_width), q_width, dim, L->heads, L->kv_heads, dim,
+                              S->block_size, L->scale, L->window, L->softcap, th);
         if (rc != 0) return rc;
     }
     MARK(LAYER_PREFILL);
-    sg_gemm(S->attn, q_width, L->o, L->o_bias, S->tmp, hid, T, hid, q_width, th);
+    if ((rc = gemm(dt, S->attn, q_width, L->o, L->o_bias, S->tmp, hid, T, hid, q_width, th)) != 0) return rc;
     MARK(LAYER_GEMM);
-    add_rows(x, S->tmp, out, (int64_t)T * hid);
-    pd_rms_norm(out, hid, L->norm2, L->eps2, S->h, hid, T, hid, th);
+    if (dt == 0)
+        pd_add_rms_norm(x, hid, S->tmp, hid, L->norm2, L->eps2, out, S->h, T, hid, th);
+    else
+        pd_add_rms_norm_bf16(x, hid, S->tmp, hid, L->norm2, L->eps2, out, S->h, T, hid, th);
     MARK(LAYER_SMALL);
-    sg_gemm(S->h, hid, L->gate_up, L->gate_up_bias, S->gu, 2 * L->inter, T, 2 * L->inter, hid, th);
+    if ((rc = gemm(dt, S->h, hid, L->gate_up, L->gate_up_bias, S->gu, 2 * L->inter, T, 2 * L->inter, hid, th)) != 0)
+        return rc;
     MARK(LAYER_GEMM);
-    if (pd_silu_mul(S->gu, 2 * L->inter, S->act, L->inter, T, L->inter, th) != 0) return -3;
+    rc = dt == 0 ? pd_silu_mul(S->gu, 2 * L->inter, S->act, L->inter, T, L->inter, th)
+                 : pd_silu_mul_bf16(S->gu, 2 * L->inter, S->act, L->inter, T, L->inter, th);
+    if (rc != 0) return -3;
     MARK(LAYER_SMALL);
-    sg_gemm(S->act, L->inter, L->down, L->down_bias, S->tmp, hid, T, hid, L->inter, th);
+    if ((rc = gemm(dt, S->act, L->inter, L->down, L->down_bias, S->tmp, hid, T, hid, L->inter, th)) != 0) return rc;
     MARK(LAYER_GEMM);
-    add_rows(out, S->tmp, out, (int64_t)T * hid);
+    add_rows(dt, out, S->tmp, out, (int64_t)T * hid);
     MARK(LAYER_SMALL);
     return 0;
 }
@@ -149,18 +207,18 @@ int pd_layer_forward(const pd_layer *L, const pd_step *S, const float *x, float 
    the last output into `normed`, all as the Python loop calls them (the same kernels, the same bits)
    without a ctypes call and a torch allocation per layer. Returns 0, or the first failing layer's
    code (its outputs and the later layers' are not written). */
-int pd_decoder_forward(const pd_layer *layers, int n, const pd_step *S, const float *x, float *out0, float *out1,
-                       const float *norm, float eps, float *normed) {
-    const float *in = x;
+int pd_decoder_forward(const pd_layer *layers, int n, const pd_step *S, const void *x, void *out0, void *out1,
+                       const void *norm, float eps, void *normed) {
+    const void *in = x;
     for (int i = 0; i < n; i++) {
-        float *out = i % 2 ? out1 : out0;
+        void *out = i % 2 ? out1 : out0;
         int rc = pd_layer_forward(layers + i, S, in, out);
         if (rc != 0) return rc;
         in = out;
     }
     int hid = n > 0 ? layers[0].hidden : 0;
     double t0 = now_s(), t1;
-    pd_rms_norm(in, hid, norm, eps, normed, hid, S->tokens, hid, S->threads);
+    rms_norm(S->dtype, in, norm, eps, normed, S->tokens, hid, S->threads);
     MARK(LAYER_SMALL);
     return 0;
 }
