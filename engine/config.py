@@ -19,7 +19,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
     runtime_overhead: int = 256 << 20
-    max_num_batched_tokens: int = 512  # the per-step token budget
+    max_num_batched_tokens: int = 2048  # the per-step token budget (vLLM's CPU default; docs/engine_speed.md)
     chunk_size: int | None = 256  # longest prefill chunk; None = whole prompts (no chunking)
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True  # reuse the KV of full blocks seen before (protocol/block_hash.py)

@@ -165,7 +165,7 @@ class KVCacheSection:
 
 @dataclass(frozen=True)
 class SchedulerSection:
-    max_num_batched_tokens: int = 512
+    max_num_batched_tokens: int = 2048
     chunk_size: int | None = 256  # null/off = whole prompts
     max_num_seqs: int = 64
 
