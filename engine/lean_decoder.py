@@ -1,4 +1,5 @@
-"""The decoder's loop as direct calls, for fused layers that are not one kernel call (bfloat16 on CPU).
+"""The decoder's loop as direct calls, for fused layers that are not one kernel call, and for the steps
+the kernel decoder does not take (more rows than its GEMM's cut).
 
 A decode step of a small model on CPU spends milliseconds in transformers' module machinery around
 the work: the decoder's forward (masks, rotary, cache checks, output records), each layer's call
@@ -10,8 +11,9 @@ own table (`RotaryTable`), then per layer `x + attn(norm1(x))` and `x + mlp(norm
 layer's forward writes them, and the final norm. Each residual add and the norm after it (the
 next layer's input norm, or the final norm) run as one pass where the norm is fused
 (`FusedRMSNorm.add`: the same add, the same norm). The same ops, so the same bits as the model's
-forward; an engine test compares the two bit for bit. Float32 steps whose layers are one kernel
-call each take `KernelDecoder` instead.
+forward; an engine test compares the two bit for bit. Steps whose layers are one kernel call each
+(float32; bfloat16 where the AMX GEMM runs, up to its 32 rows) take `KernelDecoder` first; a layer
+swapped for one call (`KernelLayer`) is still its modules here, which this loop calls directly.
 
 SmolLM2-135M in bfloat16, 16 decode rows (2026-12-03, Xeon host): docs/engine_speed.md, "bfloat16
 decode".
