@@ -183,7 +183,9 @@ class Forward:
             if self.fuse and self.layer_kernel is not None and skip is None:
                 self.kernel_layers = kernel_layer.swap_layers(self.model, self.layer_kernel)
                 self.kernel_decoder = kernel_decoder.kernel_decoder(self.model)
-            if self.fuse and skip is None:
+            # the lean loop calls the modules, not a swapped layer's one call: where only some layers
+            # are one call (SmolLM3's rotary ones), the model's forward keeps calling theirs
+            if self.fuse and skip is None and (self.kernel_decoder is not None or not self.kernel_layers):
                 self.lean_decoder = lean_decoder.lean_decoder(self.model)
         if self._want_greedy_head:
             self.greedy_reason = ("the decoder is not the kernel's" if self.kernel_decoder is None

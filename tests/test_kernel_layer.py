@@ -96,11 +96,13 @@ def test_engines_with_and_without_one_call_per_layer_give_transformers_greedy_to
 
 @pytest.mark.parametrize("family, swapped", [("mistral", True), ("qwen2", True), ("smollm3", True),
                                              ("qwen3", False), ("gemma2", False), ("granite", False)])
-def test_only_layers_that_are_all_the_kernels_are_one_call(family_dir, family, swapped, needs_layers):
+def test_only_layers_that_are_all_the_kernels_are_one_call(family_dir, family, swapped, layer_dtype):
     """Mistral's and Qwen2's windowed layers take the call with their window; SmolLM3's NoPE layers
     (attention left unfused) stay modules; Qwen3's q/k norms, Gemma's norms and Granite's
-    multipliers keep every layer a module. The families' tokens are checked in test_families.py."""
-    engine = _engine(family_dir(family))
+    multipliers keep every layer a module. The families' tokens are checked in test_families.py
+    (float32); in bfloat16 here, the engine with the calls gives the module path's tokens (windows,
+    Qwen2's q|k|v bias on the AMX GEMM), every step within the GEMM's 32 rows."""
+    engine = _engine(family_dir(family), layer_dtype, max_num_batched_tokens=32)
     layers = engine.runner.model.model.layers
     one_call = [isinstance(layer.forward, kernel_layer.KernelLayer) for layer in layers]
     if family == "smollm3":
@@ -108,6 +110,11 @@ def test_only_layers_that_are_all_the_kernels_are_one_call(family_dir, family, s
     else:
         assert one_call == [swapped] * len(layers)
     assert engine.runner.forward.kernel_layers == sum(one_call)
+    if layer_dtype == "bfloat16" and any(one_call):
+        rng = random.Random(3)
+        prompts = [[rng.randrange(10, 500) for _ in range(rng.randint(1, 40))] for _ in range(3)]
+        modules = _engine(family_dir(family), layer_dtype, max_num_batched_tokens=32, kernel_layers=False)
+        assert staggered_tokens(engine, prompts, 8) == staggered_tokens(modules, prompts, 8)
 
 
 def test_the_decoder_loop_calls_the_layers_where_every_layer_is_one_call(llama_dir, family_dir, monkeypatch,
@@ -141,7 +148,8 @@ def test_the_decoder_loop_calls_the_layers_where_every_layer_is_one_call(llama_d
     if layer_dtype == "float32":
         assert tokens == [hf_greedy(llama_dir, p, 6, ignore_eos=True) for p in prompts]
     assert compared and all(compared)
-    assert _engine(family_dir("smollm3"), layer_dtype).runner.forward.kernel_decoder is None
+    smollm3 = _engine(family_dir("smollm3"), layer_dtype).runner.forward  # its rotary layers one call each
+    assert smollm3.kernel_decoder is None and smollm3.lean_decoder is None  # the model's forward calls them
     decoder = forward.kernel_decoder
     meta = kernel_layer._probe_step(_kernels(), decoder.layers[0].shape, len(decoder.layers), [(8, 1)],
                                     torch.Generator().manual_seed(1))
