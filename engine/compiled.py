@@ -190,7 +190,8 @@ class Forward:
         if self._want_greedy_head:
             self.greedy_reason = ("the decoder is not the kernel's" if self.kernel_decoder is None
                                   else GreedyHead.fits(self.model.lm_head))
-            self.greedy_head = GreedyHead(self.model.lm_head) if self.greedy_reason is None else None
+            tiles = self.layer_kernel.amx_gemm if self.layer_kernel and self.layer_kernel.amx_gemm.ready() else None
+            self.greedy_head = GreedyHead(self.model.lm_head, tiles) if self.greedy_reason is None else None
 
     def __call__(self, input_ids, positions, sample_rows, decode_only: bool = False, greedy: bool = False):
         """`decode_only`: the step has one token per row and no prefill, so it may be padded to a

@@ -168,12 +168,13 @@ class SmallGemm:
         """`sg_greedy`: x `[M, K]` (rows contiguous) -> (`[M]` int64, the argmax of each row of
         `x @ W^T + bias` as `self(...)` computes it; `[M]` int32, the float32 panels each row reread),
         or None where a value is not finite. `norms`: `[n]` float32, each at least its |W_j|;
-        `approx`: `[>= M * n]` float32 scratch."""
+        `approx`: `[>= M * n]` float32 scratch; `half` None: `approx` holds the first pass already
+        (`AmxGemm.head_approx`), `rel` and `abs_` its bound."""
         m, k = x.shape
         n = norms.numel()
         assert x.dtype == torch.float32 and x.stride(1) == 1 and approx.numel() >= m * n
         tokens, reread = torch.empty(m, dtype=torch.int64), torch.empty(m, dtype=torch.int32)
-        rc = self._greedy(x.data_ptr(), x.stride(0), panels.data_ptr(), half.data_ptr(),
+        rc = self._greedy(x.data_ptr(), x.stride(0), panels.data_ptr(), None if half is None else half.data_ptr(),
                           None if bias is None else bias.data_ptr(), norms.data_ptr(), approx.data_ptr(), m, n, k,
                           rel, abs_, tokens.data_ptr(), reread.data_ptr(), torch.get_num_threads())
         return (tokens, reread) if rc == 0 else None
@@ -209,10 +210,26 @@ class AmxGemm:
         self._gemm.restype = self._ready.restype = _INT
         self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _I64, _I64, _INT]
         self._ready.argtypes = []
+        self._head_approx = lib.pd_amx_head_approx
+        self._head_approx.restype = _INT
+        self._head_approx.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _INT, _I64, _I64, _INT]
         self._arena = hugepages.Arena()  # every step reads the panels end to end: 2 MiB pages
 
     def ready(self) -> bool:
         return bool(self._ready())
+
+    def head_approx(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
+                    approx: torch.Tensor) -> bool:
+        """`pd_amx_head_approx`: approx[:M * n] = x `[M, K]` float32 (rows contiguous) times the
+        bfloat16 panels (`pack` of the weight rounded to bfloat16), x in two bfloat16 parts, plus the
+        float32 bias; False where the tiles cannot run (the caller takes another path)."""
+        m, k = x.shape
+        assert x.dtype == torch.float32 and x.stride(1) == 1 and approx.numel() >= m * n
+        rc = self._head_approx(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                               approx.data_ptr(), m, n, k, torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError(f"the AMX head could not stage {m} rows")
+        return rc == 0
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """`[N, K]` bfloat16 -> its panels, `[ceil(N / 16) * ceil(K / 32) * 512]` bfloat16."""

@@ -21,6 +21,14 @@ exactly as the GEMM does (the same tile code: the same bits), and the largest, t
 tie (torch's argmax's rule), is the token. A row with a value that is not finite takes the full
 product, as does a head with a weight beyond half float's range (none is built).
 
+Where the CPU has AMX tiles the first pass runs there instead (`AmxGemm.head_approx`): the weight
+rounded to bfloat16 (the same 57 MB), x split into two bfloat16 parts, both products summed in
+float32 on the tiles, at a fraction of the vectors' arithmetic (the half-float pass is
+compute-bound at 16 rows). Its window is wider (`tile_bounds`: u = 2^-8 for the weight's rounding),
+about 1.3 panels reread per row on SmolLM2's decode steps against 1.0, and the float32 rerun and the
+argmax are the same code. A row whose values are all under 2^-60 takes the full product there (the
+tiles flush values under 2^-126 to zero, which the bound covers only above that).
+
 Only steps whose every sampled row is greedy use it; any other step computes the logits
 (engine/model_runner.py). docs/engine_speed.md has the window's width and the step's figures.
 """
@@ -42,6 +50,16 @@ def bounds(k: int) -> tuple[float, float]:
     return HALF_ROUNDING + g * (2 + HALF_ROUNDING), HALF_SUBNORMAL * (1 + g) * math.sqrt(k)
 
 
+def tile_bounds(k: int) -> tuple[float, float]:
+    """(rel, abs) for the first pass on AMX tiles (`AmxGemm.head_approx`): W rounded to bfloat16
+    (u = 2^-8), x in two bfloat16 parts (2^-16 left over), 2K exact products summed in float32, the
+    float32 product's own rounding; abs for what the tiles flush to zero (values under 2^-126), which
+    the kernel bounds by refusing rows with |x| under 2^-60."""
+    u, g2, g = 2.0**-8, 2 * k * 2.0**-24 / (1 - 2 * k * 2.0**-24), k * 2.0**-24 / (1 - k * 2.0**-24)
+    rel = u + 2.0**-16 * (1 + u) + g2 * (1 + u) ** 2 * (1 + 2.0**-8) + 2.0**-24 + g * (1 + 2.0**-24)
+    return rel * 1.01 + 2.0**-60, 2.0**-120 * math.sqrt(k) + 2 * k * 2.0**-66
+
+
 def column_norms(panels: torch.Tensor, k: int, n: int) -> torch.Tensor:
     """|W_j| for each of the n columns of GEMM panels, in float32 rounded up."""
     columns = panels.view(-1, k, 16)  # [panel, k, column]: a panel's 16 rows of W
@@ -53,12 +71,20 @@ class GreedyHead:
     """`(x [M, K] float32) -> [M] int64 greedy tokens` of a `dense.PackedLinear` with GEMM panels,
     or None where the full product must be taken (a value that is not finite)."""
 
-    def __init__(self, head) -> None:
+    def __init__(self, head, tiles=None) -> None:
         self.gemm, self.panels, self.bias = head.gemm, head.panels, head.bias
         self.n, self.k = head.out_features, head.in_features
-        self.half = self.gemm.half(self.panels)
         self.norms = column_norms(self.panels, self.k, self.n)
-        self.rel, self.abs = bounds(self.k)
+        # the first pass on AMX tiles (`tiles`: a ready cpu_kernel.AmxGemm) from the weight in bfloat16,
+        # else on vectors from a half-float copy
+        self.tiles = tiles
+        if tiles is not None:
+            weight = self.panels.view(-1, self.k, 16).permute(0, 2, 1).reshape(-1, self.k)[:self.n]
+            self.half, self.bf16 = None, tiles.pack(weight.bfloat16())
+            self.rel, self.abs = tile_bounds(self.k)
+        else:
+            self.half, self.bf16 = self.gemm.half(self.panels), None
+            self.rel, self.abs = bounds(self.k)
         self._approx = torch.empty(0)
         self.calls = self.full = 0  # steps it ran; of those, the ones that took the full product
         self.rows = self.reread = 0  # rows it gave tokens for; the float32 panels it reread for them
@@ -77,7 +103,12 @@ class GreedyHead:
         m = x.shape[0]
         if self._approx.numel() < m * self.n:
             self._approx = torch.empty(m * self.n)
-        found = self.gemm.greedy(x.contiguous(), self.panels, self.half, self.bias, self.norms, self.rel, self.abs,
+        x = x.contiguous()
+        if self.tiles is not None and not self._tile_pass(x):
+            self.calls += 1
+            self.full += 1
+            return None
+        found = self.gemm.greedy(x, self.panels, self.half, self.bias, self.norms, self.rel, self.abs,
                                  self._approx)
         self.calls += 1
         if found is None:
@@ -87,3 +118,10 @@ class GreedyHead:
         self.rows += m
         self.reread += int(reread.sum())
         return tokens
+
+    def _tile_pass(self, x: torch.Tensor) -> bool:
+        """The first pass on the tiles into the scratch; False where it cannot serve (the full product)."""
+        smallest = float(x.abs().amax(1).min()) if x.numel() else 0.0
+        if not smallest >= 2.0**-60:  # a row of tiny values (what the tiles flush to zero), or NaN
+            return False
+        return self.tiles.head_approx(x, self.bf16, self.bias, self.n, self._approx)

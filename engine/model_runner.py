@@ -133,7 +133,8 @@ class ModelRunner:
         elif self.forward.lean_decoder is not None:
             how += ", the decoder's loop as direct calls"
         if self.forward.greedy_head is not None:
-            how += ", greedy steps' tokens from a half-float copy of the LM head"
+            copy = "a bfloat16 copy of the LM head on AMX tiles" if self.forward.greedy_head.tiles else "a half-float copy of the LM head"
+            how += f", greedy steps' tokens from {copy}"
         elif self.forward.kernel_decoder is not None:
             how += f", greedy steps through the {dtype} LM head ({self.forward.greedy_reason})"
         return f"{self.hf_config.model_type} in {dtype} on {self.device}, {how}"

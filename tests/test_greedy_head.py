@@ -36,9 +36,19 @@ def _full_argmax(head: dense.PackedLinear, x: torch.Tensor) -> torch.Tensor:
     return KERNELS.argmax(head(x))
 
 
+@pytest.fixture(params=["vectors", "tiles"])
+def tiles(request):
+    """The first pass: on vectors from the half-float copy, or on AMX tiles from a bfloat16 copy."""
+    if request.param == "vectors":
+        return None
+    if not KERNELS.amx_gemm.ready():
+        pytest.skip("no AMX tiles here")
+    return KERNELS.amx_gemm
+
+
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 5, 16, 23])
-def test_the_greedy_head_gives_the_full_products_argmax_bit_for_bit(bias, rows):
+def test_the_greedy_head_gives_the_full_products_argmax_bit_for_bit(bias, rows, tiles):
     """Random rows, and rows pointing at the tied and near-tied columns (where the half-float
     estimates cannot tell them apart and the float32 rerun must), against argmax over the full
     float32 product by the same GEMM. Few panels are reread: the window is narrow."""
@@ -49,7 +59,7 @@ def test_the_greedy_head_gives_the_full_products_argmax_bit_for_bit(bias, rows):
     column = lambda j: w[j // 16, :, j % 16]  # noqa: E731
     if rows >= 5:
         x[1], x[2], x[3] = column(7) * 200, column(10) * 200, -column(11) * 200
-    greedy = GreedyHead(head)
+    greedy = GreedyHead(head, tiles)
     tokens = greedy(x)
     assert tokens is not None and torch.equal(tokens, _full_argmax(head, x))
     if rows >= 5:
@@ -58,24 +68,32 @@ def test_the_greedy_head_gives_the_full_products_argmax_bit_for_bit(bias, rows):
     assert greedy.reread < rows * 8, "the window should leave a handful of panels per row, not all 63"
 
 
-def test_the_window_holds_for_tiny_weights_and_a_long_row():
+def test_the_window_holds_for_tiny_weights_and_a_long_row(tiles):
     """Weights below half float's normal range (rounded with an absolute, not a relative, error) and
     a 2048-long row (the float32 sums' own rounding grows with K): still the full argmax, every row."""
     for scale, k in ((3e-6, 64), (0.02, 2048)):
         head = _head(700, k, bias=False, scale=scale, seed=3)
         x = torch.randn(40, k) * 30
-        greedy = GreedyHead(head)
+        greedy = GreedyHead(head, tiles)
         assert torch.equal(greedy(x), _full_argmax(head, x)), (scale, k)
 
 
-def test_a_value_that_is_not_finite_takes_the_full_product_and_a_weight_beyond_half_float_gets_no_head():
+def test_a_value_that_is_not_finite_takes_the_full_product_and_a_weight_beyond_half_float_gets_no_head(tiles):
+    """On the tiles, a row of values under 2^-60 (where what the tiles flush to zero could matter)
+    takes the full product too."""
     head = _head(400, 32, bias=False)
-    greedy = GreedyHead(head)
+    greedy = GreedyHead(head, tiles)
     for bad in (float("nan"), float("inf")):
         x = torch.randn(3, 32)
         x[1, 4] = bad
         assert greedy(x) is None
     assert greedy.full == 2 and greedy.calls == 2
+    tiny = torch.randn(3, 32)
+    tiny[2] *= 2.0**-70
+    if tiles is not None:
+        assert greedy(tiny) is None and greedy.full == 3
+    else:
+        assert torch.equal(greedy(tiny), _full_argmax(head, tiny))
     assert GreedyHead.fits(head) is None
     with torch.no_grad():
         head.panels[5] = 7e4
@@ -100,7 +118,8 @@ def _run(engine: LLMEngine, prompts: list[list[int]], sampling: list[SamplingPar
 def test_greedy_steps_take_the_half_float_head_and_give_generates_tokens(llama_dir):
     engine = _engine(llama_dir)
     head = engine.runner.forward.greedy_head
-    assert head is not None and "half-float copy of the LM head" in engine.runner.describe()
+    copy = "a bfloat16 copy of the LM head on AMX tiles" if head.tiles is not None else "a half-float copy of the LM head"
+    assert head is not None and copy in engine.runner.describe()
     prompts = [[11, 12, 13], list(range(40, 75)), [5] * 9]
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
     assert _run(engine, prompts, [greedy] * 3) == [hf_greedy(llama_dir, p, 12, ignore_eos=True) for p in prompts]

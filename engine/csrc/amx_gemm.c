@@ -159,3 +159,80 @@ int pd_amx_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, con
     return -1;
 #endif
 }
+
+/* The float32 greedy head's first pass on the tiles (engine/greedy_head.py): approx [rows][n] =
+   x @ b(W)^T + bias, b(W) the head's weight rounded to bfloat16 (`panels`, pd_amx_pack's layout),
+   x float32 split into two bfloat16 parts (x = h + l + e, |e| <= 2^-16 |x|), both products summed
+   in float32 on the tiles; sg_greedy then takes these with the bound for them. Returns 0; -1 where
+   the tiles are unavailable; -2 when it could not allocate. */
+int pd_amx_head_approx(const float *x, int64_t ldx, const uint16_t *panels, const float *bias, float *approx,
+                       int rows, int64_t n, int64_t k, int threads) {
+#if HAVE_AMX
+#define PANEL(p, c) (panels + ((int64_t)(p) * (kp / 2) + (int64_t)(c) * 16) * 32)
+    if (!amx_permitted() || rows < 1) return -1;
+    int64_t kp = padded_k(k), np = (n + 15) / 16;
+    uint16_t *hl = calloc((size_t)(32 * kp), sizeof(uint16_t)); /* 16 rows' high parts, then their low */
+    if (hl == NULL) return -2;
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        int m = rows - r0 < 16 ? rows - r0 : 16;
+        memset(hl, 0, sizeof(uint16_t) * (size_t)(32 * kp));
+        for (int r = 0; r < m; r++)
+            for (int64_t i = 0; i < k; i++) {
+                float v = x[(r0 + r) * ldx + i];
+                uint16_t h = bf16_store(v);
+                hl[r * kp + i] = h, hl[(16 + r) * kp + i] = bf16_store(v - bf16_load(h));
+            }
+        _Pragma("omp parallel num_threads(threads)")
+        {
+            int t = omp_get_thread_num(), count = omp_get_num_threads();
+            float sums[16 * 64];
+            int64_t xrow = kp * (int64_t)sizeof(uint16_t);
+            amx_configure();
+            for (int64_t p0 = np * t / count; p0 < np * (t + 1) / count; p0 += 4) {
+                int cnt = np * (t + 1) / count - p0 < 4 ? (int)(np * (t + 1) / count - p0) : 4;
+                _tile_zero(0);
+                _tile_zero(1);
+                _tile_zero(2);
+                _tile_zero(3);
+                for (int64_t c = 0; c < kp / 32; c++) {
+                    _tile_loadd(4, hl + c * 32, xrow);
+                    _tile_loadd(7, hl + 16 * kp + c * 32, xrow);
+                    _tile_loadd(5, PANEL(p0, c), 64);
+                    _tile_dpbf16ps(0, 4, 5);
+                    _tile_dpbf16ps(0, 7, 5);
+                    if (cnt > 1) {
+                        _tile_loadd(6, PANEL(p0 + 1, c), 64);
+                        _tile_dpbf16ps(1, 4, 6);
+                        _tile_dpbf16ps(1, 7, 6);
+                    }
+                    if (cnt > 2) {
+                        _tile_loadd(5, PANEL(p0 + 2, c), 64);
+                        _tile_dpbf16ps(2, 4, 5);
+                        _tile_dpbf16ps(2, 7, 5);
+                    }
+                    if (cnt > 3) {
+                        _tile_loadd(6, PANEL(p0 + 3, c), 64);
+                        _tile_dpbf16ps(3, 4, 6);
+                        _tile_dpbf16ps(3, 7, 6);
+                    }
+                }
+                _tile_stored(0, sums, 256);
+                if (cnt > 1) _tile_stored(1, sums + 16, 256);
+                if (cnt > 2) _tile_stored(2, sums + 32, 256);
+                if (cnt > 3) _tile_stored(3, sums + 48, 256);
+                int64_t col0 = p0 * 16, cols = (int64_t)cnt * 16 < n - col0 ? (int64_t)cnt * 16 : n - col0;
+                for (int r = 0; r < m; r++)
+                    for (int64_t j = 0; j < cols; j++)
+                        approx[(r0 + r) * n + col0 + j] = sums[r * 64 + j] + (bias ? bias[col0 + j] : 0.0f);
+            }
+            _tile_release();
+        }
+    }
+    free(hl);
+    return 0;
+#undef PANEL
+#else
+    (void)x, (void)ldx, (void)panels, (void)bias, (void)approx, (void)rows, (void)n, (void)k, (void)threads;
+    return -1;
+#endif
+}

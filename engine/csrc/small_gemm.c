@@ -289,7 +289,8 @@ static float lowest_bound(const float *a, const float *norms, int n, float c) {
 /* The greedy token of each row of y = x @ W^T + bias, the argmax of the float32 product bit for bit,
    without reading all of W's float32 panels (engine/greedy_head.py has the argument).
 
-   1. A = x @ f16(W)^T + bias, from `half`, the panels rounded to IEEE half floats (half the bytes).
+   1. A = x @ f16(W)^T + bias, from `half`, the panels rounded to IEEE half floats (half the bytes);
+      or, with half NULL, `approx` as the caller computed it (pd_amx_head_approx), `rel` and `abs_` its bound.
    2. For row r, every float32 logit L_j lies within D_j = |x_r| (rel * norms[j] + abs) of A_j
       (`rel`, `abs`: the rounding's error, from the caller; norms[j] >= |W_j|), so the argmax of L
       is among the columns with A_j + D_j >= max_i (A_i - D_i).
@@ -302,7 +303,7 @@ static float lowest_bound(const float *a, const float *norms, int n, float c) {
 int sg_greedy(const float *x, int64_t ldx, const float *panels, const uint16_t *half, const float *bias,
               const float *norms, float *approx, int m, int n, int k, double rel, double abs_, int64_t *tokens,
               int32_t *reread, int threads) {
-    gemm(x, ldx, half, 1, bias, approx, n, m, n, k, threads);
+    if (half != NULL) gemm(x, ldx, half, 1, bias, approx, n, m, n, k, threads); /* NULL: the caller's approx */
     int failed = 0;
     _Pragma("omp parallel for schedule(dynamic) num_threads(threads) reduction(|:failed)")
     for (int r = 0; r < m; r++) {
