@@ -56,6 +56,33 @@ static inline void store_sums(const float *s, const uint16_t *bias, uint16_t *o,
 /* Tile (p, c): panel p's values of k 32 c .. 32 c + 31. */
 #define PANEL(p, c) (panels + ((int64_t)(p) * (kp / 2) + (int64_t)(c) * 16) * 32)
 
+/* One step c of k (32 values) for four panels p0 .. p0 + cnt - 1 (cnt <= 4) and up to 16 rows: tiles
+   0-3 += the rows (a, in tile 4) times each panel (B tiles 5, 6, 5, 6); with a2, a second set of
+   rows (tile 7) summed into the same tiles right after the first. */
+static inline void four_panels(const uint16_t *a, const uint16_t *a2, int64_t xrow, const uint16_t *panels,
+                               int64_t kp, int64_t p0, int64_t c, int cnt) {
+    _tile_loadd(4, a, xrow);
+    if (a2) _tile_loadd(7, a2, xrow);
+    _tile_loadd(5, PANEL(p0, c), 64);
+    _tile_dpbf16ps(0, 4, 5);
+    if (a2) _tile_dpbf16ps(0, 7, 5);
+    if (cnt > 1) {
+        _tile_loadd(6, PANEL(p0 + 1, c), 64);
+        _tile_dpbf16ps(1, 4, 6);
+        if (a2) _tile_dpbf16ps(1, 7, 6);
+    }
+    if (cnt > 2) {
+        _tile_loadd(5, PANEL(p0 + 2, c), 64);
+        _tile_dpbf16ps(2, 4, 5);
+        if (a2) _tile_dpbf16ps(2, 7, 5);
+    }
+    if (cnt > 3) {
+        _tile_loadd(6, PANEL(p0 + 3, c), 64);
+        _tile_dpbf16ps(3, 4, 6);
+        if (a2) _tile_dpbf16ps(3, 7, 6);
+    }
+}
+
 /* One thread's panels [p_lo, p_hi): sums in tiles 0-3 (row tile r, panel q of the group), the rows'
    32 values of k in tile 4 (and 7), the panels' in tiles 5 and 6; each group's sums stored to `sums`
    ([64][64] floats, row-major by the group's columns), then biased, rounded and written. */
@@ -71,22 +98,8 @@ static void panels_of(const uint16_t *xs, const uint16_t *panels, const uint16_t
         _tile_zero(3);
         for (int64_t c = 0; c < kp / 32; c++) {
             const uint16_t *a = xs + c * 32;
-            if (tiles == 1) { /* four panels: B tiles 5, 6, 5, 6 */
-                _tile_loadd(4, a, xrow);
-                _tile_loadd(5, PANEL(p0, c), 64);
-                _tile_dpbf16ps(0, 4, 5);
-                if (cnt > 1) {
-                    _tile_loadd(6, PANEL(p0 + 1, c), 64);
-                    _tile_dpbf16ps(1, 4, 6);
-                }
-                if (cnt > 2) {
-                    _tile_loadd(5, PANEL(p0 + 2, c), 64);
-                    _tile_dpbf16ps(2, 4, 5);
-                }
-                if (cnt > 3) {
-                    _tile_loadd(6, PANEL(p0 + 3, c), 64);
-                    _tile_dpbf16ps(3, 4, 6);
-                }
+            if (tiles == 1) { /* four panels */
+                four_panels(a, NULL, xrow, panels, kp, p0, c, cnt);
             } else if (tiles == 2) { /* two row tiles (4, 7) by two panels (5, 6) */
                 _tile_loadd(5, PANEL(p0, c), 64);
                 _tile_loadd(4, a, xrow);
@@ -168,7 +181,6 @@ int pd_amx_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, con
 int pd_amx_head_approx(const float *x, int64_t ldx, const uint16_t *panels, const float *bias, float *approx,
                        int rows, int64_t n, int64_t k, int threads) {
 #if HAVE_AMX
-#define PANEL(p, c) (panels + ((int64_t)(p) * (kp / 2) + (int64_t)(c) * 16) * 32)
     if (!amx_permitted() || rows < 1) return -1;
     int64_t kp = padded_k(k), np = (n + 15) / 16;
     uint16_t *hl = calloc((size_t)(32 * kp), sizeof(uint16_t)); /* 16 rows' high parts, then their low */
@@ -194,28 +206,8 @@ int pd_amx_head_approx(const float *x, int64_t ldx, const uint16_t *panels, cons
                 _tile_zero(1);
                 _tile_zero(2);
                 _tile_zero(3);
-                for (int64_t c = 0; c < kp / 32; c++) {
-                    _tile_loadd(4, hl + c * 32, xrow);
-                    _tile_loadd(7, hl + 16 * kp + c * 32, xrow);
-                    _tile_loadd(5, PANEL(p0, c), 64);
-                    _tile_dpbf16ps(0, 4, 5);
-                    _tile_dpbf16ps(0, 7, 5);
-                    if (cnt > 1) {
-                        _tile_loadd(6, PANEL(p0 + 1, c), 64);
-                        _tile_dpbf16ps(1, 4, 6);
-                        _tile_dpbf16ps(1, 7, 6);
-                    }
-                    if (cnt > 2) {
-                        _tile_loadd(5, PANEL(p0 + 2, c), 64);
-                        _tile_dpbf16ps(2, 4, 5);
-                        _tile_dpbf16ps(2, 7, 5);
-                    }
-                    if (cnt > 3) {
-                        _tile_loadd(6, PANEL(p0 + 3, c), 64);
-                        _tile_dpbf16ps(3, 4, 6);
-                        _tile_dpbf16ps(3, 7, 6);
-                    }
-                }
+                for (int64_t c = 0; c < kp / 32; c++)
+                    four_panels(hl + c * 32, hl + 16 * kp + c * 32, xrow, panels, kp, p0, c, cnt);
                 _tile_stored(0, sums, 256);
                 if (cnt > 1) _tile_stored(1, sums + 16, 256);
                 if (cnt > 2) _tile_stored(2, sums + 32, 256);
@@ -230,7 +222,6 @@ int pd_amx_head_approx(const float *x, int64_t ldx, const uint16_t *panels, cons
     }
     free(hl);
     return 0;
-#undef PANEL
 #else
     (void)x, (void)ldx, (void)panels, (void)bias, (void)approx, (void)rows, (void)n, (void)k, (void)threads;
     return -1;
