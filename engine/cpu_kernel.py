@@ -222,7 +222,8 @@ class AmxGemm:
                     approx: torch.Tensor) -> bool:
         """`pd_amx_head_approx`: approx[:M * n] = x `[M, K]` float32 (rows contiguous) times the
         bfloat16 panels (`pack` of the weight rounded to bfloat16), x in two bfloat16 parts, plus the
-        float32 bias; False where the tiles cannot run (the caller takes another path)."""
+        float32 bias; False where the tiles cannot serve (no AMX; a row whose largest |x| is under
+        2^-60, or NaN): the caller takes the full product."""
         m, k = x.shape
         assert x.dtype == torch.float32 and x.stride(1) == 1 and approx.numel() >= m * n
         rc = self._head_approx(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),

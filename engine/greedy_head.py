@@ -104,7 +104,7 @@ class GreedyHead:
         if self._approx.numel() < m * self.n:
             self._approx = torch.empty(m * self.n)
         x = x.contiguous()
-        if self.tiles is not None and not self._tile_pass(x):
+        if self.tiles is not None and not self.tiles.head_approx(x, self.bf16, self.bias, self.n, self._approx):
             self.calls += 1
             self.full += 1
             return None
@@ -118,10 +118,3 @@ class GreedyHead:
         self.rows += m
         self.reread += int(reread.sum())
         return tokens
-
-    def _tile_pass(self, x: torch.Tensor) -> bool:
-        """The first pass on the tiles into the scratch; False where it cannot serve (the full product)."""
-        smallest = float(x.abs().amax(1).min()) if x.numel() else 0.0
-        if not smallest >= 2.0**-60:  # a row of tiny values (what the tiles flush to zero), or NaN
-            return False
-        return self.tiles.head_approx(x, self.bf16, self.bias, self.n, self._approx)

@@ -177,7 +177,8 @@ int pd_amx_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, con
    x @ b(W)^T + bias, b(W) the head's weight rounded to bfloat16 (`panels`, pd_amx_pack's layout),
    x float32 split into two bfloat16 parts (x = h + l + e, |e| <= 2^-16 |x|), both products summed
    in float32 on the tiles; sg_greedy then takes these with the bound for them. Returns 0; -1 where
-   the tiles are unavailable; -2 when it could not allocate. */
+   the tiles are unavailable or a row's largest |x| is under 2^-60 (or NaN): the tiles flush values
+   under 2^-126 to zero, which the bound covers only above that; -2 when it could not allocate. */
 int pd_amx_head_approx(const float *x, int64_t ldx, const uint16_t *panels, const float *bias, float *approx,
                        int rows, int64_t n, int64_t k, int threads) {
 #if HAVE_AMX
@@ -188,12 +189,19 @@ int pd_amx_head_approx(const float *x, int64_t ldx, const uint16_t *panels, cons
     for (int r0 = 0; r0 < rows; r0 += 16) {
         int m = rows - r0 < 16 ? rows - r0 : 16;
         memset(hl, 0, sizeof(uint16_t) * (size_t)(32 * kp));
-        for (int r = 0; r < m; r++)
+        for (int r = 0; r < m; r++) {
+            float top = 0.0f;
             for (int64_t i = 0; i < k; i++) {
                 float v = x[(r0 + r) * ldx + i];
                 uint16_t h = bf16_store(v);
                 hl[r * kp + i] = h, hl[(16 + r) * kp + i] = bf16_store(v - bf16_load(h));
+                top = fabsf(v) > top || v != v ? fabsf(v) : top;
             }
+            if (!(top >= 0x1p-60f)) { /* a row of tiny values, or a NaN */
+                free(hl);
+                return -1;
+            }
+        }
         _Pragma("omp parallel num_threads(threads)")
         {
             int t = omp_get_thread_num(), count = omp_get_num_threads();
