@@ -9,7 +9,8 @@
   attention");
 - small-batch GEMM (small_gemm.c): a linear layer on a few rows (a decode step) from weights
   packed in 16-column panels (engine/dense.py; docs/engine_speed.md, "Small-batch linears");
-  in bfloat16 on AMX tiles (amx_gemm.c), where the CPU has them;
+  in bfloat16 on AMX tiles (amx_gemm.c), where the CPU has them (engine/cpu_gemm.py has their
+  wrappers);
 - rotary embedding (rope.c), RMSNorm (rms_norm.c), SiLU times up (silu_mul.c) and greedy argmax
   (argmax.c): the small ops around them, bit for bit torch's (engine/cpu_ops.py has their
   wrappers);
@@ -42,7 +43,8 @@ from pathlib import Path
 
 import torch
 
-from engine import cpu_ops, hugepages
+from engine import cpu_ops
+from engine.cpu_gemm import GEMM_REACH, SMALL_ROWS, AmxGemm, SmallGemm, _gemm_rows  # noqa: F401 - cpu_kernel's names too
 from engine.cpu_ops import _FLOAT, _I64, _INT, _PTR, KernelUnavailable  # noqa: F401 - KernelUnavailable: cpu_kernel's error too
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
@@ -51,19 +53,6 @@ FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "
 BUILD_TIMEOUT_S = 120
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what the kernels take, and their C code for it
 
-
-
-def _gemm_rows(capability: str) -> int | None:
-    """The most rows the GEMM takes (`PackedLinear` hands larger products to oneDNN), or None: every
-    product, and no oneDNN copy of the weights is kept. Where torch vectorizes with AVX2, as on this
-    project's host, the GEMM (8-lane, like oneDNN there) was the faster at every row count measured,
-    1 to 2048 (docs/engine_speed.md, "Small-batch linears"): None. Where oneDNN has wider vectors
-    (AVX-512) or another ISA, it keeps what the GEMM did not measurably win there: past 64 rows."""
-    return None if capability == "AVX2" else 64
-
-
-SMALL_ROWS = _gemm_rows(torch.backends.cpu.get_cpu_capability())
-GEMM_REACH = "every product" if SMALL_ROWS is None else f"up to {SMALL_ROWS} rows"  # what it takes, in words
 
 
 class DecodeKernel:
@@ -128,135 +117,6 @@ class PrefillKernel:
             raise MemoryError(f"the prefill kernel could not allocate its buffers for {n} queries")
         if rc != 0:
             raise RuntimeError(f"pd_paged_prefill failed ({rc}) for dtype {query.dtype}")
-
-
-class SmallGemm:
-    """`sg_pack` / `sg_gemm`: float32 `x @ W^T + bias` (for up to SMALL_ROWS rows, where that is set)."""
-
-    dtype = torch.float32
-    kernel_rows = None  # one call takes any row count
-    max_rows = SMALL_ROWS  # None: every product (no oneDNN copy)
-    reach = GEMM_REACH
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._pack, self._gemm, self._greedy = lib.sg_pack, lib.sg_gemm, lib.sg_greedy
-        self._pack.restype = self._gemm.restype = None
-        self._pack.argtypes = [_PTR, _I64, _I64, _PTR]
-        self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT]
-        self._greedy.restype = _INT
-        self._greedy.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _INT, _INT, ctypes.c_double,
-                                 ctypes.c_double, _PTR, _PTR, _INT]
-        self._arena = hugepages.Arena()  # every step reads the panels end to end: 2 MiB pages
-
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """`[N, K]` float32 -> its panels, `[ceil(N / 16) * K * 16]`."""
-        n, k = weight.shape
-        weight = weight.detach().contiguous()
-        panels = self._arena.take(-(-n // 16) * k * 16)
-        self._pack(weight.data_ptr(), n, k, panels.data_ptr())
-        return panels
-
-    def half(self, panels: torch.Tensor) -> torch.Tensor:
-        """The panels rounded to half floats (nearest even), laid out alike: the greedy head's first pass."""
-        half = self._arena.take(panels.numel() // 2).view(torch.float16)
-        half.copy_(panels)
-        return half
-
-    def greedy(self, x: torch.Tensor, panels: torch.Tensor, half: torch.Tensor, bias: torch.Tensor | None,
-               norms: torch.Tensor, rel: float, abs_: float, approx: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`sg_greedy`: x `[M, K]` (rows contiguous) -> (`[M]` int64, the argmax of each row of
-        `x @ W^T + bias` as `self(...)` computes it; `[M]` int32, the float32 panels each row reread),
-        or None where a value is not finite. `norms`: `[n]` float32, each at least its |W_j|;
-        `approx`: `[>= M * n]` float32 scratch; `half` None: `approx` holds the first pass already
-        (`AmxGemm.head_approx`), `rel` and `abs_` its bound."""
-        m, k = x.shape
-        n = norms.numel()
-        assert x.dtype == torch.float32 and x.stride(1) == 1 and approx.numel() >= m * n
-        tokens, reread = torch.empty(m, dtype=torch.int64), torch.empty(m, dtype=torch.int32)
-        rc = self._greedy(x.data_ptr(), x.stride(0), panels.data_ptr(), None if half is None else half.data_ptr(),
-                          None if bias is None else bias.data_ptr(), norms.data_ptr(), approx.data_ptr(), m, n, k,
-                          rel, abs_, tokens.data_ptr(), reread.data_ptr(), torch.get_num_threads())
-        return (tokens, reread) if rc == 0 else None
-
-    def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
-                 threads: int | None = None) -> torch.Tensor:
-        """x `[M, K]` (rows contiguous) -> `[M, n]`, for any M; on torch's thread count unless told."""
-        m, k = x.shape
-        assert x.dtype == torch.float32 and x.stride(1) == 1
-        out = torch.empty(m, n, dtype=torch.float32)
-        self._gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-                   out.data_ptr(), n, m, n, k, threads or torch.get_num_threads())
-        return out
-
-
-class AmxGemm:
-    """`pd_amx_pack` / `pd_amx_gemm`: bfloat16 `x @ W^T + bias` on AMX tiles for up to `kernel_rows`
-    rows (engine/csrc/amx_gemm.c), where the CPU has AMX and the OS lets the process use it (`ready`);
-    `PackedLinear` gives it up to `max_rows`."""
-
-    dtype = torch.bfloat16
-    kernel_rows = 64  # the most rows one call takes
-    # the engine's cut: oneDNN takes larger products. SmolLM2's 210 linears, 2 threads (bench_linears
-    # --dtype bfloat16, 2026-12-03): 0.66x oneDNN's time at 1-16 rows, 0.72-0.75x at 24-32, 1.06-1.19x
-    # at 40-64 (three and four row tiles, one panel at a time)
-    max_rows = 32
-    reach = "bfloat16 up to 32 rows on AMX tiles"
-
-    def __init__(self, lib: ctypes.CDLL) -> None:
-        self._pack, self._gemm, self._ready = lib.pd_amx_pack, lib.pd_amx_gemm, lib.pd_amx_gemm_ready
-        self._pack.restype = None
-        self._pack.argtypes = [_PTR, _I64, _I64, _PTR]
-        self._gemm.restype = self._ready.restype = _INT
-        self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _I64, _I64, _INT]
-        self._ready.argtypes = []
-        self._head_approx = lib.pd_amx_head_approx
-        self._head_approx.restype = _INT
-        self._head_approx.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _INT, _I64, _I64, _INT]
-        self._arena = hugepages.Arena()  # every step reads the panels end to end: 2 MiB pages
-
-    def ready(self) -> bool:
-        return bool(self._ready())
-
-    def head_approx(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
-                    approx: torch.Tensor) -> bool:
-        """`pd_amx_head_approx`: approx[:M * n] = x `[M, K]` float32 (rows contiguous) times the
-        bfloat16 panels (`pack` of the weight rounded to bfloat16), x in two bfloat16 parts, plus the
-        float32 bias; False where the tiles cannot serve (no AMX; a row whose largest |x| is under
-        2^-60, or NaN): the caller takes the full product."""
-        m, k = x.shape
-        assert x.dtype == torch.float32 and x.stride(1) == 1 and approx.numel() >= m * n
-        rc = self._head_approx(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-                               approx.data_ptr(), m, n, k, torch.get_num_threads())
-        if rc == -2:
-            raise MemoryError(f"the AMX head could not stage {m} rows")
-        return rc == 0
-
-    def pack(self, weight: torch.Tensor) -> torch.Tensor:
-        """`[N, K]` bfloat16 -> its panels, `[ceil(N / 16) * ceil(K / 32) * 512]` bfloat16."""
-        n, k = weight.shape
-        assert weight.dtype == torch.bfloat16
-        weight = weight.detach().contiguous()
-        numel = -(-n // 16) * -(-k // 32) * 512
-        panels = self._arena.take(numel // 2).view(torch.bfloat16)
-        self._pack(weight.data_ptr(), n, k, panels.data_ptr())
-        return panels
-
-    def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
-                 threads: int | None = None) -> torch.Tensor:
-        """x `[M, K]` bfloat16 (rows contiguous, M <= kernel_rows) -> `[M, n]` bfloat16."""
-        m, k = x.shape
-        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and m <= self.kernel_rows
-        out = torch.empty(m, n, dtype=torch.bfloat16)
-        if m == 0:
-            return out
-        rc = self._gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-                        out.data_ptr(), n, m, n, k, threads or torch.get_num_threads())
-        if rc == -2:
-            raise MemoryError(f"the AMX GEMM could not stage {m} rows")
-        if rc != 0:
-            raise RuntimeError(f"pd_amx_gemm failed ({rc}): AMX unavailable, or {m} rows")
-        return out
 
 
 class LayerKernel:
