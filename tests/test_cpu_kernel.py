@@ -285,15 +285,18 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
     (3, 128, 2, 8, 0), (4, 96, 2, 4, 9), (2, 32, 4, 20, 0)])
 def test_bfloat16_decode_is_the_float32_kernel_on_the_widened_pool_rounded(rows, dim, kv_heads, heads, window):
     """A bfloat16 pool's keys and values are widened (exactly), then the float32 arithmetic runs
-    (with AVX-512, two keys a 16-lane register and up to three query heads at once, the same sums in
+    (with AVX-512, values widened in registers and up to three query heads at once, the same sums in
     the same order): the output is the float32 kernel's on the widened inputs, rounded to bfloat16,
-    bit for bit."""
+    bit for bit. Queries and keys are -1, 0 or 1, so every score is exact whatever the order of its
+    sum (with AVX512_BF16 the scores are vdpbf16ps', not the float32 kernel's): everything after
+    the scores is compared bit for bit."""
     torch.manual_seed(rows * dim)
     blocks, block_size = 48, 16
     pool = torch.randn(blocks, 2, 2, block_size, kv_heads, dim).bfloat16()
+    pool[:, :, 0] = torch.randint(-1, 2, pool[:, :, 0].shape).bfloat16()
     lens = torch.tensor([random.Random(i).randint(1, 300) for i in range(rows)])
     tables = torch.stack([torch.randperm(blocks)[:-(-300 // block_size)] for _ in range(rows)])
-    query = torch.randn(rows, heads, dim).bfloat16()
+    query = torch.randint(-1, 2, (rows, heads, dim)).bfloat16()
     out = torch.empty(rows, heads, dim, dtype=torch.bfloat16)
     KERNEL(query, pool[:, 1, 0], pool[:, 1, 1], tables, lens, out, 0.125, window, 0.0)
     wide = pool.float()

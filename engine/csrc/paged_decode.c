@@ -13,8 +13,10 @@ the arithmetic), and each pass prefetches the keys (values) eight positions ahea
 query head's turn so the misses spread over the work: blocks are scattered anywhere in the pool.
 Float32 throughout; a bfloat16 pool's keys and values are widened once per group (widen_group).
 Every pass runs on 8-lane vectors (GCC/Clang vector extensions, so it builds for any target); a
-head dimension that is no multiple of 8 finishes in scalars. With AVX-512, a bfloat16 pool takes
-16-lane paths with the same bits (LANES16 below).
+head dimension that is no multiple of 8 finishes in scalars. With AVX-512, a bfloat16 pool whose
+head dimension is a multiple of 32 takes decode.h's paths: its scores by vdpbf16ps straight from
+the pool (AVX512_BF16: each dot product's sum in vdpbf16ps' order, not the float32 kernel's), its
+values widened in registers (the same bits as widening first).
 A task's arithmetic never depends on the other rows of the step, so a row's result does not
 depend on what it is batched with.
 
@@ -28,40 +30,19 @@ with a sliding window, all of [0, lens[i]) without (window 0).
 #include <stdlib.h>
 #include <string.h>
 
-#include "vec.h"
+#include "decode.h"
 
 /* How far ahead keys are prefetched (blocks are scattered, and a hardware prefetcher stops at a
    page): AHEAD_BYTES / the element's size keys, the same distance in bytes for either pool, 8 float32
    keys or 16 bfloat16 ones. SmolLM2's shape, 16 rows of 257 keys, 30 layers, 2 threads
    (2026-12-03, Xeon host): bfloat16 7.6 ms at 8 keys ahead, 6.8 at 16, 6.9 at 32; float32 10.0 at
-   8, 11.1 at 16. */
+   8, 11.1 at 16. Into L2 (prefetcht1), not L1 (2026-12-04, C harness, the same shape): bfloat16
+   6.6 -> 6.5 ms, float32 10.3 -> 9.8 ms; farther ahead into L2 is no better (32 bfloat16 keys 6.2
+   -> 6.2, 64 keys 6.5). */
 #define AHEAD_BYTES 32
-#define GROUP 8 /* keys whose dot products with one query head are summed across lanes together */
 
-static inline void prefetch_span(const void *start, int64_t span) {
-    for (int64_t b = 0; b < span; b += 64) __builtin_prefetch((const char *)start + b);
-}
-
-#if defined(__clang__)
-#define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
-#else
-#define SHUFFLE(a, b, ...) __builtin_shuffle(a, b, (v8i){__VA_ARGS__})
-#endif
-
-/* Lane e of the result: the sum of a_e's eight lanes, as ((0 + 1) + (2 + 3)) + ((4 + 5) + (6 + 7)).
-   Pairwise sums of two vectors at a time (vhaddps' pattern), then the halves: 14 shuffles and adds
-   for eight sums, where one at a time takes 32. */
-static inline v8f sum_lanes8(v8f a0, v8f a1, v8f a2, v8f a3, v8f a4, v8f a5, v8f a6, v8f a7) {
-#define PAIRS(x, y) (SHUFFLE(x, y, 0, 2, 8, 10, 4, 6, 12, 14) + SHUFFLE(x, y, 1, 3, 9, 11, 5, 7, 13, 15))
-    v8f lo = PAIRS(PAIRS(a0, a1), PAIRS(a2, a3)), hi = PAIRS(PAIRS(a4, a5), PAIRS(a6, a7));
-#undef PAIRS
-    return SHUFFLE(lo, hi, 0, 1, 2, 3, 8, 9, 10, 11) + SHUFFLE(lo, hi, 4, 5, 6, 7, 12, 13, 14, 15);
-}
-
-static inline float sum_lanes(v8f a) { /* one vector's lanes, summed as sum_lanes8 sums each */
-    float l[8];
-    memcpy(l, &a, sizeof l);
-    return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
+static inline void prefetch_span(const void *start, int64_t span) { /* into L2 (prefetcht1) */
+    for (int64_t b = 0; b < span; b += 64) __builtin_prefetch((const char *)start + b, 0, 2);
 }
 
 /* A bfloat16 pool's keys (values) for one group, heads h0 .. h1 - 1 of each, widened to float32 once
@@ -78,90 +59,6 @@ static inline void widen_group(const uint16_t *src, const int64_t *at, int m, in
         for (; d + 8 <= span_n; d += 8) store8(to + d, bf16_load8(from + d));
         for (; d < span_n; d++) to[d] = bf16_load(from[d]);
     }
-}
-
-/* A bfloat16 pool where the CPU has AVX-512 (LANES16), the same sums in the same order (the same
-   bits, tested against the float32 kernel on the widened pool), in fewer instructions:
-   - scores two keys a register: a group's keys widened into pairs ([e / 2][8-float chunk][e % 2][8]:
-     key 2p's chunk c, then key 2p + 1's), each query head's q held twice over ([chunk][the chunk,
-     the chunk again]), so one 16-lane FMA does both keys' eight lanes; the halves go to sum_lanes8;
-   - the query heads sharing a KV head three at a time (BY_THREES): each key chunk loaded once for
-     all three, twelve sums side by side, so the FMAs' latency is hidden;
-   - values widened in registers (values_bf16), no staging.
-   SmolLM2's shape, 16 rows of 385 keys, 30 layers (2026-12-03, C harness, bfloat16): in cache,
-   one thread 13.9 -> 10.0 ms; from a pool larger than the caches, 2 threads, about 9 ms either way
-   (memory-bound). */
-#if defined(__AVX512F__)
-#define LANES16 1
-#else
-#define LANES16 0
-#endif
-
-static inline void widen_pairs(const uint16_t *src, const int64_t *at, int64_t head0, int64_t span_n,
-                               float *pairs) {
-    for (int e = 0; e < GROUP; e++) {
-        const uint16_t *from = src + at[e] + head0;
-        float *to = pairs + (e / 2) * 2 * span_n + (e % 2) * 8;
-        for (int64_t c = 0; c < span_n / 8; c++) store8(to + 16 * c, bf16_load8(from + 8 * c));
-    }
-}
-
-static inline v8f low8(v16f x) { return __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7); }
-static inline v8f high8(v16f x) { return __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15); }
-
-#define ALWAYS_INLINE static inline __attribute__((always_inline))
-
-/* The eight scores of NH (1 to 3) query heads sharing a KV head against a paired group: qq their q
-   doubled (2 * dim floats a head), `chunk` where the KV head starts in a key's span (in 8-float
-   chunks), dim / 8 chunks; head h's scores to s + h * s_stride. Up to twelve sums side by side, so
-   the FMAs' latency is hidden and each key chunk is loaded once for all NH heads. */
-ALWAYS_INLINE void scores_paired(int nh, const float *qq, int dim, const float *pairs, int64_t chunk,
-                                 int64_t span_n, float *s, int64_t s_stride) {
-    const float *p = pairs + 16 * chunk;
-    int64_t pair = 2 * span_n;
-    v16f a[3][4];
-    for (int h = 0; h < nh; h++)
-        for (int e = 0; e < 4; e++) a[h][e] = (v16f){0};
-    for (int t = 0; t < dim / 8; t++) {
-        v16f k0 = f32_load16(p + 16 * t), k1 = f32_load16(p + pair + 16 * t);
-        v16f k2 = f32_load16(p + 2 * pair + 16 * t), k3 = f32_load16(p + 3 * pair + 16 * t);
-        for (int h = 0; h < nh; h++) {
-            v16f x = f32_load16(qq + h * 2 * dim + 16 * t);
-            a[h][0] += x * k0, a[h][1] += x * k1, a[h][2] += x * k2, a[h][3] += x * k3;
-        }
-    }
-    for (int h = 0; h < nh; h++)
-        store8(s + h * s_stride, sum_lanes8(low8(a[h][0]), high8(a[h][0]), low8(a[h][1]), high8(a[h][1]),
-                                            low8(a[h][2]), high8(a[h][2]), low8(a[h][3]), high8(a[h][3])));
-}
-
-/* The value sums of NH (1 to 3) query heads sharing a KV head over m keys of a bfloat16 pool,
-   widened in registers: 32 values (64 bytes) loaded as 16 pairs, the even dimensions their bits
-   shifted up, the odd ones their low half cleared (both exact), so each 32-dimension piece of a
-   head's sums is held as [16 even | 16 odd] (`acc`; put back in order at the end). Lane by lane, in
-   key order: the same bits as widening first. NZ (1 or 2) pieces a call, at dimension d0. */
-ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, const uint16_t *const *vp, int m,
-                               const float *w, int64_t w_stride) {
-    const v16u low_cleared = (v16u){0} + 0xFFFF0000u;
-    v16f x[3][4];
-    for (int h = 0; h < nh; h++)
-        for (int z = 0; z < 2 * nz; z++) x[h][z] = f32_load16(acc + h * dim + d0 + 16 * z);
-    for (int e = 0; e < m; e++) {
-        v16f wide[4];
-        for (int z = 0; z < nz; z++) {
-            v16u u;
-            memcpy(&u, vp[e] + d0 + 32 * z, sizeof u);
-            v16u even = u << 16, odd = u & low_cleared;
-            memcpy(&wide[2 * z], &even, sizeof even);
-            memcpy(&wide[2 * z + 1], &odd, sizeof odd);
-        }
-        for (int h = 0; h < nh; h++) {
-            v16f we = splat16(w + h * w_stride + e);
-            for (int z = 0; z < 2 * nz; z++) x[h][z] += we * wide[z];
-        }
-    }
-    for (int h = 0; h < nh; h++)
-        for (int z = 0; z < 2 * nz; z++) store16(acc + h * dim + d0 + 16 * z, x[h][z]);
 }
 
 /* A KV head's query heads, three at a time (then two, or one): F(nh, first head) with nh a constant. */
@@ -183,10 +80,10 @@ ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, cons
     for (int e = (from); e < m; e++)                                                                \
         if (c0 + e + ahead < count) prefetch_span(src + at[c0 + e + ahead] + h0 * head_stride, span)
 
-/* the paired scores and the widened value sums of query heads kh * groups + by .. + nh - 1 */
+/* the dotted scores and the widened value sums of query heads kh * groups + by .. + nh - 1 */
 #define SCORES(nh, by)                                                                              \
-    scores_paired(nh, qq + (kh * groups + (by)) * 2 * dim, dim, wide, kh * head_stride / 8, span_n,  \
-                  sc + (kh * groups + (by)) * count + c0, count)
+    scores_dot(nh, (const uint16_t *)(const void *)q + i * q_tok + ((h0 + kh) * groups + (by)) * q_head, q_head, \
+               dim, kp, m, scale, sc + (kh * groups + (by)) * count + c0, count)
 #define VALUES(nh, by, nz)                                                                          \
     values_bf16(nh, nz, acc + (kh * groups + (by)) * dim, dim, d0, held, m, sc + (kh * groups + (by)) * count + c0, count)
 #define VALUES64(nh, by) VALUES(nh, by, 2)
@@ -199,7 +96,7 @@ ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, cons
                      int64_t out_tok, int64_t out_head, int n, int heads, int kv_heads, int dim,    \
                      int block_size, float scale, int window, float softcap, int threads) {         \
         int groups = heads / kv_heads, staged = STAGED, ahead = AHEAD_BYTES / (int)sizeof(T);       \
-        int paired = STAGED && LANES16 && dim % 8 == 0 && head_stride % 8 == 0;                     \
+        int dotted = STAGED && DOT_BF16 && dim % 32 == 0; /* scores_dot: q read in place */          \
         int widened_values = STAGED && LANES16 && dim % 32 == 0; /* values_bf16 */                  \
         int parts = n >= 2 * threads ? 1 : kv_heads; /* few rows: split each row's heads too */     \
         int failed = 0;                                                                             \
@@ -216,15 +113,13 @@ ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, cons
                group's keys (values) widened where the pool is not float32 */                       \
             int64_t *at = malloc(sizeof(int64_t) * (size_t)count                                    \
                                  + sizeof(float) * ((size_t)nq * (size_t)(2 * dim + count)          \
-                                                    + (STAGED ? (size_t)(GROUP * span_n) : 0)       \
-                                                    + (paired ? (size_t)(2 * nq * dim) : 0)));      \
+                                                    + (STAGED ? (size_t)(GROUP * span_n) : 0)));    \
             if (at == NULL) {                                                                       \
                 _Pragma("omp atomic write") failed = 1;                                             \
                 continue;                                                                           \
             }                                                                                       \
             float *qf = (float *)(at + count), *acc = qf + nq * dim, *sc = acc + nq * dim;          \
             float *wide = sc + (int64_t)nq * count; /* staged: GROUP keys' heads h0 .. h1 - 1 */    \
-            float *qq = wide + (STAGED ? GROUP * span_n : 0); /* paired: each head's q doubled */  \
             const int64_t *table = tables + i * table_stride;                                       \
             int64_t hoff[nq]; /* query head j reads KV head h0 + j / groups */                      \
             for (int j = 0; j < nq; j++) hoff[j] = (h0 + j / groups) * head_stride;                \
@@ -235,19 +130,21 @@ ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, cons
             }                                                                                       \
             for (int j = 0; j < nq; j++) {                                                          \
                 const T *qj = q + i * q_tok + (int64_t)(h0 * groups + j) * q_head;                  \
-                for (int d = 0; d < dim; d++) qf[j * dim + d] = LOAD(qj[d]) * scale;                \
+                for (int d = 0; !dotted && d < dim; d++) qf[j * dim + d] = LOAD(qj[d]) * scale;     \
                 for (int d = 0; d < dim; d++) acc[j * dim + d] = 0.0f;                              \
-                for (int d = 0; paired && d < dim; d++)                                             \
-                    qq[j * 2 * dim + d / 8 * 16 + d % 8] = qq[j * 2 * dim + d / 8 * 16 + 8 + d % 8] = qf[j * dim + d]; \
             }                                                                                       \
             /* scores, eight keys at a time: each key is read once for every query head that      \
                shares it, and eight dot products are summed across lanes together */              \
             for (int64_t c0 = 0; c0 < count; c0 += GROUP) {                                         \
                 int m = count - c0 < GROUP ? (int)(count - c0) : GROUP;                             \
-                if (paired && m == GROUP) {                                                         \
+                if (dotted) { /* a short group's missing keys: key c0 again, its scores not stored */ \
                     PREFETCH_AHEAD(k, 0);                                                           \
-                    widen_pairs((const uint16_t *)(const void *)k, at + c0, h0 * head_stride, span_n, wide); \
-                    for (int kh = 0; kh < h1 - h0; kh++) BY_THREES(groups, SCORES)                  \
+                    const uint16_t *kp[GROUP];                                                      \
+                    for (int kh = 0; kh < h1 - h0; kh++) {                                          \
+                        for (int e = 0; e < GROUP; e++)                                             \
+                            kp[e] = (const uint16_t *)(const void *)k + at[c0 + (e < m ? e : 0)] + (h0 + kh) * head_stride; \
+                        BY_THREES(groups, SCORES)                                                   \
+                    }                                                                               \
                     continue;                                                                       \
                 }                                                                                   \
                 PREFETCH_AHEAD(k, nq); /* one key's prefetch per head below; here the rest */       \
