@@ -52,9 +52,10 @@ def _reference(q, k_cache, v_cache, tables, lens, scale, window, softcap) -> tor
 @pytest.mark.parametrize("rows", [1, 3, 17])
 @pytest.mark.parametrize("dim", [16, 20, 64, 72])
 @pytest.mark.parametrize("window, softcap", [(0, 0.0), (9, 0.0), (0, 5.0)])
-def test_the_kernel_attends_each_row_over_its_own_keys(dtype, tol, rows, dim, window, softcap):
+@pytest.mark.parametrize("block_size", [4, 16])  # 16: a bfloat16 pool's scores on AMX tiles, where the host has them
+def test_the_kernel_attends_each_row_over_its_own_keys(dtype, tol, rows, dim, window, softcap, block_size):
     torch.manual_seed(rows)
-    layers, blocks, block_size, kv_heads, heads = 3, 64, 4, 2, 6
+    layers, blocks, kv_heads, heads = 3, 64, 2, 6
     pool = torch.randn(blocks, layers, 2, block_size, kv_heads, dim).to(dtype)
     k_cache, v_cache = pool[:, 1, 0], pool[:, 1, 1]  # one layer's strided views, as the op passes them
     lens = torch.tensor([1, 4, 5, 23, 40][:rows] + [random.Random(i).randint(1, 40) for i in range(rows - 5)])
@@ -255,7 +256,7 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
     failing = tmp_path / "failing-cc"
     failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo failing-cc 1.0 && exit 0\necho 'error: no space' >&2\nexit 1\n")
     failing.chmod(0o755)
-    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build amx_gemm.c, argmax.c, layer.c, paged_decode.c, paged_prefill.c, prefill_amx.c, rms_norm.c, rope.c, silu_mul.c and small_gemm.c: error: no space"):
+    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build amx_gemm.c, argmax.c, decode_amx.c, layer.c, paged_decode.c, paged_prefill.c, prefill_amx.c, rms_norm.c, rope.c, silu_mul.c and small_gemm.c: error: no space"):
         cpu_kernel._build(str(failing))
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"] == []  # nothing half-built left behind
     blocked = tmp_path / "a-file"
@@ -278,18 +279,31 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
     assert cpu_kernel._build(cc) != built
 
 
+@pytest.fixture
+def decode_path(amx):
+    """The decode kernel with a bfloat16 pool's scores on AMX tiles (where this host has them), or on
+    vectors."""
+    if amx and not KERNELS.use_amx(True):
+        pytest.skip("no AMX here (CPU or OS): the vector path is tested alone")
+    KERNELS.use_amx(amx)
+    yield
+    KERNELS.use_amx(True)
+
+
 @needs_kernel
 @pytest.mark.parametrize("rows, dim, kv_heads, heads, window", [
     (1, 64, 3, 9, 0), (17, 72, 2, 6, 9), (5, 20, 1, 4, 0),
     # AVX-512's paths: query heads taken 3 + 1, 2 and 3 + 2 a KV head; values in 32-dim pieces
-    (3, 128, 2, 8, 0), (4, 96, 2, 4, 9), (2, 32, 4, 20, 0)])
-def test_bfloat16_decode_is_the_float32_kernel_on_the_widened_pool_rounded(rows, dim, kv_heads, heads, window):
+    (3, 128, 2, 8, 0), (4, 96, 2, 4, 9), (2, 32, 4, 20, 0), (3, 64, 1, 16, 21)])
+@pytest.mark.parametrize("amx", [True, False], ids=["amx", "vectors"])
+def test_bfloat16_decode_is_the_float32_kernel_on_the_widened_pool_rounded(rows, dim, kv_heads, heads, window, amx,
+                                                                           decode_path):
     """A bfloat16 pool's keys and values are widened (exactly), then the float32 arithmetic runs
     (with AVX-512, values widened in registers and up to three query heads at once, the same sums in
     the same order): the output is the float32 kernel's on the widened inputs, rounded to bfloat16,
     bit for bit. Queries and keys are -1, 0 or 1, so every score is exact whatever the order of its
-    sum (with AVX512_BF16 the scores are vdpbf16ps', not the float32 kernel's): everything after
-    the scores is compared bit for bit."""
+    sum (the scores on AMX tiles, or by vdpbf16ps, are summed in their own orders, not the float32
+    kernel's): everything after the scores is compared bit for bit."""
     torch.manual_seed(rows * dim)
     blocks, block_size = 48, 16
     pool = torch.randn(blocks, 2, 2, block_size, kv_heads, dim).bfloat16()

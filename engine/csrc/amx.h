@@ -1,4 +1,4 @@
-/* AMX tiles for the prefill attention kernel (prefill_amx.c) and the few-row GEMM (amx_gemm.c),
+/* AMX tiles for the attention kernels (prefill_amx.c, decode_amx.c) and the few-row GEMM (amx_gemm.c),
    where the CPU has them (AMX-TILE and AMX-BF16, built with -march=native) and Linux lets the
    process use them.
    bfloat16 products on tiles are exact in float32 and summed in float32, in an order fixed by the
@@ -43,10 +43,10 @@ static inline int amx_permitted(void) { return 0; }
 
 extern int pd_amx_enabled; /* pd_use_amx (prefill_amx.c) */
 
-/* Whether bfloat16 attention takes the tiles now. (Decode rows do not: SmolLM2's 16-row step, 257
-   keys, scores on tiles staged sixteen keys at a time, took 7.2-8.1 ms for 30 layers against 6.2-6.6
-   on vectors, 2026-12-03: three query heads fill 3 of a tile's 16 columns, and every tile's result
-   goes through memory.) */
+/* Whether bfloat16 attention takes the tiles now: prefill chunks' scores and values, decode rows'
+   scores. (A first try at decode scores, keys staged sixteen at a time, took 7.2-8.1 ms for SmolLM2's
+   16-row step against 6.2-6.6 on vectors, 2026-12-03; read straight from the pool, 5.5-5.7 against
+   5.8-5.9, 2026-12-04: decode_amx.c.) */
 static inline int amx_ready(void) { return HAVE_AMX && pd_amx_enabled && amx_permitted(); }
 
 #endif

@@ -1,5 +1,5 @@
-/* The decode kernel's vector pieces (paged_decode.c includes it once): eight dot products' lanes
-   summed together, and a bfloat16 pool's paths where the CPU has AVX-512:
+/* The decode kernel's vector pieces (paged_decode.c and decode_amx.c include it): eight dot products'
+   lanes summed together, the prefetch, and a bfloat16 pool's paths where the CPU has AVX-512:
    - scores by vdpbf16ps (AVX512_BF16), straight from the pool: nothing widened or staged;
    - values widened in registers and summed in float32 (AVX-512F).
    SmolLM2's shape, 16 rows of 257 keys, 30 layers, 2 threads (2026-12-04, Xeon host, C harness):
@@ -15,6 +15,10 @@
 
 #define GROUP 8 /* keys whose dot products with one query head are summed across lanes together */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+static inline void prefetch_span(const void *start, int64_t span) { /* into L2 (prefetcht1) */
+    for (int64_t b = 0; b < span; b += 64) __builtin_prefetch((const char *)start + b, 0, 2);
+}
 
 #if defined(__clang__)
 #define SHUFFLE(a, b, ...) __builtin_shufflevector(a, b, __VA_ARGS__)
@@ -37,6 +41,12 @@ static inline float sum_lanes(v8f a) { /* one vector's lanes, summed as sum_lane
     memcpy(l, &a, sizeof l);
     return ((l[0] + l[1]) + (l[2] + l[3])) + ((l[4] + l[5]) + (l[6] + l[7]));
 }
+
+/* decode_amx.c: a row's bfloat16 scores on AMX tiles */
+void decode_amx_scores(const uint16_t *q, int64_t q_head, const uint16_t *k, int64_t blk_stride, int64_t tok_stride,
+                       int64_t head_stride, const int64_t *table, int block_size, int64_t first, int64_t len,
+                       int kv_heads, int groups, int dim, float scale, float *sc, int64_t span, uint32_t *qb,
+                       float *cbuf);
 
 #if defined(__AVX512F__)
 #define LANES16 1

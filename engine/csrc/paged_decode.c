@@ -14,9 +14,10 @@ query head's turn so the misses spread over the work: blocks are scattered anywh
 Float32 throughout; a bfloat16 pool's keys and values are widened once per group (widen_group).
 Every pass runs on 8-lane vectors (GCC/Clang vector extensions, so it builds for any target); a
 head dimension that is no multiple of 8 finishes in scalars. With AVX-512, a bfloat16 pool whose
-head dimension is a multiple of 32 takes decode.h's paths: its scores by vdpbf16ps straight from
-the pool (AVX512_BF16: each dot product's sum in vdpbf16ps' order, not the float32 kernel's), its
-values widened in registers (the same bits as widening first).
+head dimension is a multiple of 32 takes faster paths for its scores: on AMX tiles (decode_amx.c,
+where blocks hold a multiple of 16 keys and the tiles are on), else by vdpbf16ps straight from the
+pool (AVX512_BF16, decode.h); either way each dot product is summed in its own order, not the
+float32 kernel's. Its values are widened in registers (decode.h: the same bits as widening first).
 A task's arithmetic never depends on the other rows of the step, so a row's result does not
 depend on what it is batched with.
 
@@ -30,6 +31,7 @@ with a sliding window, all of [0, lens[i]) without (window 0).
 #include <stdlib.h>
 #include <string.h>
 
+#include "amx.h"
 #include "decode.h"
 
 /* How far ahead keys are prefetched (blocks are scattered, and a hardware prefetcher stops at a
@@ -40,10 +42,6 @@ with a sliding window, all of [0, lens[i]) without (window 0).
    6.6 -> 6.5 ms, float32 10.3 -> 9.8 ms; farther ahead into L2 is no better (32 bfloat16 keys 6.2
    -> 6.2, 64 keys 6.5). */
 #define AHEAD_BYTES 32
-
-static inline void prefetch_span(const void *start, int64_t span) { /* into L2 (prefetcht1) */
-    for (int64_t b = 0; b < span; b += 64) __builtin_prefetch((const char *)start + b, 0, 2);
-}
 
 /* A bfloat16 pool's keys (values) for one group, heads h0 .. h1 - 1 of each, widened to float32 once
    (exactly: their bits shifted up) into `wide`, [m][span_n]: every query head sharing a KV head then
@@ -97,11 +95,13 @@ static inline void widen_group(const uint16_t *src, const int64_t *at, int m, in
                      int block_size, float scale, int window, float softcap, int threads) {         \
         int groups = heads / kv_heads, staged = STAGED, ahead = AHEAD_BYTES / (int)sizeof(T);       \
         int dotted = STAGED && DOT_BF16 && dim % 32 == 0; /* scores_dot: q read in place */          \
+        int tiled = STAGED && dim % 32 == 0 && block_size % 16 == 0 && groups <= 16 && amx_ready(); \
         int widened_values = STAGED && LANES16 && dim % 32 == 0; /* values_bf16 */                  \
         int parts = n >= 2 * threads ? 1 : kv_heads; /* few rows: split each row's heads too */     \
         int failed = 0;                                                                             \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                       \
         for (int task = 0; task < n * parts; task++) {                                              \
+            int64_t tile_floats = tiled ? 256 * (int64_t)(kv_heads * dim / 32 + 1) : 0;             \
             int i = task / parts, part = task % parts;                                              \
             int h0 = part * kv_heads / parts, h1 = (part + 1) * kv_heads / parts;                   \
             int nq = (h1 - h0) * groups; /* query heads h0 * groups .. h1 * groups */               \
@@ -113,7 +113,8 @@ static inline void widen_group(const uint16_t *src, const int64_t *at, int m, in
                group's keys (values) widened where the pool is not float32 */                       \
             int64_t *at = malloc(sizeof(int64_t) * (size_t)count                                    \
                                  + sizeof(float) * ((size_t)nq * (size_t)(2 * dim + count)          \
-                                                    + (STAGED ? (size_t)(GROUP * span_n) : 0)));    \
+                                                    + (STAGED ? (size_t)(GROUP * span_n) : 0)       \
+                                                    + (size_t)tile_floats));                        \
             if (at == NULL) {                                                                       \
                 _Pragma("omp atomic write") failed = 1;                                             \
                 continue;                                                                           \
@@ -130,12 +131,19 @@ static inline void widen_group(const uint16_t *src, const int64_t *at, int m, in
             }                                                                                       \
             for (int j = 0; j < nq; j++) {                                                          \
                 const T *qj = q + i * q_tok + (int64_t)(h0 * groups + j) * q_head;                  \
-                for (int d = 0; !dotted && d < dim; d++) qf[j * dim + d] = LOAD(qj[d]) * scale;     \
+                for (int d = 0; !dotted && !tiled && d < dim; d++) qf[j * dim + d] = LOAD(qj[d]) * scale; \
                 for (int d = 0; d < dim; d++) acc[j * dim + d] = 0.0f;                              \
+            }                                                                                       \
+            if (tiled) { /* scores on tiles (decode_amx.c); scratch after the widened group's */  \
+                float *cbuf = wide + (STAGED ? GROUP * span_n : 0);                                 \
+                decode_amx_scores((const uint16_t *)(const void *)q + i * q_tok + (int64_t)h0 * groups * q_head, \
+                                  q_head, (const uint16_t *)(const void *)k + h0 * head_stride, blk_stride, \
+                                  tok_stride, head_stride, table, block_size, first, len, h1 - h0, groups, dim, \
+                                  scale, sc, span, (uint32_t *)(void *)(cbuf + 256), cbuf);         \
             }                                                                                       \
             /* scores, eight keys at a time: each key is read once for every query head that      \
                shares it, and eight dot products are summed across lanes together */              \
-            for (int64_t c0 = 0; c0 < count; c0 += GROUP) {                                         \
+            for (int64_t c0 = 0; !tiled && c0 < count; c0 += GROUP) {                               \
                 int m = count - c0 < GROUP ? (int)(count - c0) : GROUP;                             \
                 if (dotted) { /* a short group's missing keys: key c0 again, its scores not stored */ \
                     PREFETCH_AHEAD(k, 0);                                                           \
