@@ -114,17 +114,18 @@ class SiluMul:
 
 
 class Argmax:
-    """`pd_argmax`: each float32 row's argmax, as torch's `argmax(dim=-1)` gives it."""
+    """`pd_argmax[_bf16]`: each float32 (bfloat16) row's argmax, as torch's `argmax(dim=-1)` gives it."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.pd_argmax
-        self._fn.restype = None
-        self._fn.argtypes = [_PTR, _I64, _INT, _INT, _PTR, _INT]
+        self._fns = {torch.float32: lib.pd_argmax, torch.bfloat16: lib.pd_argmax_bf16}
+        for fn in self._fns.values():
+            fn.restype = None
+            fn.argtypes = [_PTR, _I64, _INT, _INT, _PTR, _INT]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        """x `[rows, n]` float32 on the CPU, n >= 1, rows contiguous -> `[rows]` int64."""
+        """x `[rows, n]` float32 or bfloat16 on the CPU, n >= 1, rows contiguous -> `[rows]` int64."""
         rows, n = x.shape
-        assert x.dtype == torch.float32 and x.device.type == "cpu" and x.stride(1) == 1 and n >= 1
+        assert x.dtype in self._fns and x.device.type == "cpu" and x.stride(1) == 1 and n >= 1
         out = torch.empty(rows, dtype=torch.int64)
-        self._fn(x.data_ptr(), x.stride(0), rows, n, out.data_ptr(), torch.get_num_threads())
+        self._fns[x.dtype](x.data_ptr(), x.stride(0), rows, n, out.data_ptr(), torch.get_num_threads())
         return out

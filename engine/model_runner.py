@@ -186,11 +186,18 @@ class ModelRunner:
     def execute(self, items: list[ScheduledItem], greedy: bool = False) -> torch.Tensor:
         """Run one step; returns float32 logits `[n_sampling, vocab]` in the order of `items`, or,
         with `greedy` (every sampled row samples greedily), maybe their greedy tokens `[n_sampling]`
-        (int64) instead: the argmax of those logits, found without them (engine/greedy_head.py)."""
+        (int64) instead: the argmax of those logits, found without them (engine/greedy_head.py), or
+        by the argmax kernel on bfloat16 logits as they are (widened as it reads them)."""
         input_ids, positions, meta, sample_rows = self._prepare(items)
         with attention.step_context(meta):
             out = self.forward(input_ids, positions, sample_rows, decode_only=not meta.prefills, greedy=greedy)
-        return out if out.dim() == 1 else out[0].float()
+        if out.dim() == 1:
+            return out
+        logits = out[0]
+        if greedy and self.argmax is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu" \
+                and logits.shape[1] > 0 and logits.stride(1) == 1:
+            return self.argmax(logits)
+        return logits.float()
 
     def _prepare(self, items: list[ScheduledItem]):
         """Flatten `items` (decodes first, as the scheduler orders them) into one row."""

@@ -343,27 +343,32 @@ def test_bfloat16_decode_by_the_kernel_gives_generates_bfloat16_tokens(llama_dir
 
 @needs_kernel
 @pytest.mark.parametrize("rows, n", [(1, 1), (1, 7), (3, 8), (2, 9), (16, 49152), (5, 1003), (64, 2048)])
-def test_the_argmax_kernel_gives_torchs_argmax(rows, n):
-    argmax = KERNELS.argmax
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_argmax_kernel_gives_torchs_argmax(rows, n, dtype):
+    """torch's argmax of the rows (bfloat16 ones: of the rows converted to float32, which the kernel
+    does not build)."""
+    def check(x: torch.Tensor) -> None:
+        x = x.to(dtype)
+        assert torch.equal(KERNELS.argmax(x), x.float().argmax(dim=-1))
+
     g = torch.Generator().manual_seed(rows * n)
     x = torch.randn(rows, n, generator=g) * 10
-    assert torch.equal(argmax(x), x.argmax(dim=-1))
+    check(x)
     # ties keep the first largest (same lane and across lanes), -0.0 and 0.0 tie, -inf rows
     tied = torch.zeros(rows, n)
     tied[:, n // 2:] = torch.tensor(-0.0)
-    assert torch.equal(argmax(tied), tied.argmax(dim=-1))
+    check(tied)
     spread = x.clone()
     spread[:, n - 1] = spread[:, max(0, n - 4)] = spread.max() + 1  # the same best twice: the first
-    assert torch.equal(argmax(spread), spread.argmax(dim=-1))
-    assert torch.equal(argmax(torch.full((rows, n), float("-inf"))), torch.zeros(rows, dtype=torch.int64))
+    check(spread)
+    assert torch.equal(KERNELS.argmax(torch.full((rows, n), float("-inf"), dtype=dtype)), torch.zeros(rows, dtype=torch.int64))
     # a NaN anywhere is the answer (torch's), the first of several
     nan = x.clone()
     nan[rows - 1, n // 3] = float("nan")
     nan[rows - 1, n - 1] = float("nan")
-    assert torch.equal(argmax(nan), nan.argmax(dim=-1))
+    check(nan)
     # rows of a wider tensor (a strided view, as the LM head's rows may be)
-    wide = torch.randn(rows, n + 5, generator=g)[:, :n]
-    assert torch.equal(argmax(wide), wide.argmax(dim=-1))
+    check(torch.randn(rows, n + 5, generator=g).to(dtype)[:, :n])
 
 
 def test_greedy_sampling_takes_the_engines_argmax_where_it_runs_and_torchs_elsewhere(llama_dir):
