@@ -7,9 +7,11 @@ the pool, 32 dimensions a tile (no gather, no copy), times the query heads shari
 dimension pairs (built once a call, its unused columns zero), summed over the dimensions in one
 tile of 16 keys x 16 heads; the heads' columns come back as vectors, scaled, into their score rows
 (positions outside first .. len - 1 not stored). Each score is one float32 sum of exact products
-in the order of its dimensions, whatever the batch. SmolLM2's shape, 16 rows of 257 keys, 30
-layers, 2 threads (2026-12-04, Xeon host): the step's decode attention 5.8-5.9 ms with scores by
-vdpbf16ps, 5.5-5.7 on tiles; in the C harness with every key in cache, 3.6 -> 3.0 ms. */
+in the order of its dimensions, whatever the batch. The next 16 keys are prefetched into L2 a KV
+head's share at a time, so the misses spread over the work (all at once: 6.1-6.5 against 5.8-6.1
+ms, C harness, cold). SmolLM2's shape, 16 rows of 257 keys, 30 layers, 2 threads (2026-12-04, Xeon
+host): the step's decode attention 5.8-5.9 ms with scores by vdpbf16ps, 5.5-5.7 on tiles; in the C
+harness with every key in cache, 3.6 -> 3.0 ms. */
 #include <stdint.h>
 #include <string.h>
 
@@ -39,14 +41,13 @@ void decode_amx_scores(const uint16_t *q, int64_t q_head, const uint16_t *k, int
     amx_configure();
     for (int64_t p0 = first / 16 * 16; p0 < len; p0 += 16) {
         const uint16_t *keys = k + table[p0 / block_size] * blk_stride + (p0 % block_size) * tok_stride;
-        if (p0 + 16 < len) { /* the next 16 keys into L2 */
-            const char *next = (const char *)(k + table[(p0 + 16) / block_size] * blk_stride
-                                              + ((p0 + 16) % block_size) * tok_stride);
-            for (int e = 0; e < 16; e++) prefetch_span(next + e * tok_stride * (int64_t)sizeof(uint16_t), span);
-        }
+        const char *next = p0 + 16 < len ? (const char *)(k + table[(p0 + 16) / block_size] * blk_stride
+                                                          + ((p0 + 16) % block_size) * tok_stride) : NULL;
         int lo = p0 < first ? (int)(first - p0) : 0, hi = len - p0 < 16 ? (int)(len - p0) : 16;
         __mmask16 stored = (__mmask16)(((1u << hi) - 1) & ~((1u << lo) - 1));
         for (int kh = 0; kh < kv_heads; kh++) {
+            for (int e = 16 * kh / kv_heads; next && e < 16 * (kh + 1) / kv_heads; e++) /* the next 16 keys */
+                prefetch_span(next + e * tok_stride * (int64_t)sizeof(uint16_t), span); /* a share a KV head */
             _tile_zero(0);
             for (int c = 0; c < chunks; c++) {
                 _tile_loadd(1, keys + kh * head_stride + 32 * c, tok_stride * sizeof(uint16_t));

@@ -146,9 +146,10 @@ static inline void widen_group(const uint16_t *src, const int64_t *at, int m, in
             for (int64_t c0 = 0; !tiled && c0 < count; c0 += GROUP) {                               \
                 int m = count - c0 < GROUP ? (int)(count - c0) : GROUP;                             \
                 if (dotted) { /* a short group's missing keys: key c0 again, its scores not stored */ \
-                    PREFETCH_AHEAD(k, 0);                                                           \
                     const uint16_t *kp[GROUP];                                                      \
                     for (int kh = 0; kh < h1 - h0; kh++) {                                          \
+                        for (int e = GROUP * kh / (h1 - h0); e < GROUP * (kh + 1) / (h1 - h0); e++) \
+                            if (c0 + e + ahead < count) prefetch_span(k + at[c0 + e + ahead] + h0 * head_stride, span); \
                         for (int e = 0; e < GROUP; e++)                                             \
                             kp[e] = (const uint16_t *)(const void *)k + at[c0 + (e < m ? e : 0)] + (h0 + kh) * head_stride; \
                         BY_THREES(groups, SCORES)                                                   \
@@ -218,10 +219,11 @@ static inline void widen_group(const uint16_t *src, const int64_t *at, int m, in
                keys (64 of them held in registers), each key's update still its own, in key order */ \
             for (int64_t c0 = 0; c0 < count; c0 += GROUP) {                                         \
                 int m = count - c0 < GROUP ? (int)(count - c0) : GROUP;                             \
-                if (widened_values) {                                                               \
-                    PREFETCH_AHEAD(v, 0);                                                           \
+                if (widened_values) { /* values `ahead`, a KV head's share at a time: spread out */ \
                     const uint16_t *held[GROUP];                                                    \
                     for (int kh = 0; kh < h1 - h0; kh++) {                                          \
+                        for (int e = GROUP * kh / (h1 - h0); e < GROUP * (kh + 1) / (h1 - h0); e++) \
+                            if (c0 + e + ahead < count) prefetch_span(v + at[c0 + e + ahead] + h0 * head_stride, span); \
                         for (int e = 0; e < m; e++)                                                 \
                             held[e] = (const uint16_t *)(const void *)v + at[c0 + e] + (h0 + kh) * head_stride; \
                         for (int d0 = 0, pieces; d0 < dim; d0 += 32 * pieces) {                     \
