@@ -105,14 +105,17 @@ ALWAYS_INLINE void scores_dot(int nh, const uint16_t *q0, int64_t q_head, int di
    widened in registers: 32 values (64 bytes) loaded as 16 pairs, the even dimensions their bits
    shifted up, the odd ones their low half cleared (both exact), so each 32-dimension piece of a
    head's sums is held as [16 even | 16 odd] (`acc`; put back in order at the end). Lane by
-   lane, in key order: the same bits as widening first. NZ (1 or 2) pieces a call, at dimension d0. */
+   lane, in key order: the same bits as widening first. NZ (1 or 2) pieces a call, at dimension d0.
+   pf: where not NULL, pf[e] (where not NULL) is prefetched into L2 as key e is taken in (dim values:
+   a later key of the same KV head), so the misses spread over the work. */
 ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, const uint16_t *const *vp, int m,
-                               const float *w, int64_t w_stride) {
+                               const float *w, int64_t w_stride, const uint16_t *const *pf) {
     const v16u low_cleared = (v16u){0} + 0xFFFF0000u;
     v16f x[3][4];
     for (int h = 0; h < nh; h++)
         for (int z = 0; z < 2 * nz; z++) x[h][z] = f32_load16(acc + h * dim + d0 + 16 * z);
     for (int e = 0; e < m; e++) {
+        if (pf && pf[e]) prefetch_span(pf[e], (int64_t)dim * (int64_t)sizeof(uint16_t));
         v16f wide[4];
         for (int z = 0; z < nz; z++) {
             v16u u;

@@ -40,7 +40,9 @@ with a sliding window, all of [0, lens[i]) without (window 0).
    (2026-12-03, Xeon host): bfloat16 7.6 ms at 8 keys ahead, 6.8 at 16, 6.9 at 32; float32 10.0 at
    8, 11.1 at 16. Into L2 (prefetcht1), not L1 (2026-12-04, C harness, the same shape): bfloat16
    6.6 -> 6.5 ms, float32 10.3 -> 9.8 ms; farther ahead into L2 is no better (32 bfloat16 keys 6.2
-   -> 6.2, 64 keys 6.5). */
+   -> 6.2, 64 keys 6.5). A bfloat16 group's prefetches spread over its work (a KV head's share of the
+   keys at a time; each value where its sums take a key in) rather than all at its start: 6.1-6.5 ->
+   5.5-5.6 ms; then 8, 24 and 32 keys ahead are no better than 16 (5.95, 5.80, 5.68 against 5.66). */
 #define AHEAD_BYTES 32
 
 /* A bfloat16 pool's keys (values) for one group, heads h0 .. h1 - 1 of each, widened to float32 once
@@ -83,7 +85,8 @@ static inline void widen_group(const uint16_t *src, const int64_t *at, int m, in
     scores_dot(nh, (const uint16_t *)(const void *)q + i * q_tok + ((h0 + kh) * groups + (by)) * q_head, q_head, \
                dim, kp, m, scale, sc + (kh * groups + (by)) * count + c0, count)
 #define VALUES(nh, by, nz)                                                                          \
-    values_bf16(nh, nz, acc + (kh * groups + (by)) * dim, dim, d0, held, m, sc + (kh * groups + (by)) * count + c0, count)
+    values_bf16(nh, nz, acc + (kh * groups + (by)) * dim, dim, d0, held, m, sc + (kh * groups + (by)) * count + c0, count, \
+                (by) == 0 && d0 == 0 ? pf : NULL)
 #define VALUES64(nh, by) VALUES(nh, by, 2)
 #define VALUES32(nh, by) VALUES(nh, by, 1)
 
@@ -219,11 +222,11 @@ static inline void widen_group(const uint16_t *src, const int64_t *at, int m, in
                keys (64 of them held in registers), each key's update still its own, in key order */ \
             for (int64_t c0 = 0; c0 < count; c0 += GROUP) {                                         \
                 int m = count - c0 < GROUP ? (int)(count - c0) : GROUP;                             \
-                if (widened_values) { /* values `ahead`, a KV head's share at a time: spread out */ \
-                    const uint16_t *held[GROUP];                                                    \
+                if (widened_values) { /* each KV head's values `ahead`, a key a turn (values_bf16) */ \
+                    const uint16_t *held[GROUP], *pf[GROUP];                                        \
                     for (int kh = 0; kh < h1 - h0; kh++) {                                          \
-                        for (int e = GROUP * kh / (h1 - h0); e < GROUP * (kh + 1) / (h1 - h0); e++) \
-                            if (c0 + e + ahead < count) prefetch_span(v + at[c0 + e + ahead] + h0 * head_stride, span); \
+                        for (int e = 0; e < GROUP; e++)                                             \
+                            pf[e] = c0 + e + ahead < count ? (const uint16_t *)(const void *)v + at[c0 + e + ahead] + (h0 + kh) * head_stride : NULL; \
                         for (int e = 0; e < m; e++)                                                 \
                             held[e] = (const uint16_t *)(const void *)v + at[c0 + e] + (h0 + kh) * head_stride; \
                         for (int d0 = 0, pieces; d0 < dim; d0 += 32 * pieces) {                     \
