@@ -161,9 +161,9 @@ class LayerKernel:
 
 
 class AmxSwitch:
-    """`pd_use_amx`: whether bfloat16 prefill chunks attend on AMX tiles where the CPU and the OS
-    allow it (the default), or on vectors as float32 chunks do. Process-wide: for tests and
-    measurements of either path."""
+    """`pd_use_amx`: whether bfloat16 attention takes AMX tiles where the CPU and the OS allow it
+    (the default: prefill chunks' scores and values, decode rows' scores), or vectors as float32
+    does. Process-wide: for tests and measurements of either path."""
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.pd_use_amx

@@ -161,9 +161,9 @@ int prefill_amx_task(const Call *c, int tile, int h, int rows, const uint16_t *k
 
 int pd_amx_enabled = 1;
 
-/* Whether bfloat16 prefill chunks take AMX tiles where the CPU and the OS have them: on (1, the
-   default) or off (0), for tests and measurements of either path; returns whether the tiles will be
-   used. */
+/* Whether bfloat16 attention takes AMX tiles where the CPU and the OS have them (prefill chunks here,
+   decode rows' scores in decode_amx.c): on (1, the default) or off (0), for tests and measurements
+   of either path; returns whether the tiles will be used. */
 int pd_use_amx(int enable) {
     pd_amx_enabled = enable != 0;
     return amx_ready();
