@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import attention, compiled, cpu_kernel, dense, features
+from engine import attention, compiled, cpu_kernel, dense, features, sampler
 from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_pool
 from engine.memory import ModelShape, num_kv_blocks
@@ -187,16 +187,15 @@ class ModelRunner:
         """Run one step; returns float32 logits `[n_sampling, vocab]` in the order of `items`, or,
         with `greedy` (every sampled row samples greedily), maybe their greedy tokens `[n_sampling]`
         (int64) instead: the argmax of those logits, found without them (engine/greedy_head.py), or
-        by the argmax kernel on bfloat16 logits as they are (widened as it reads them)."""
+        taken from bfloat16 logits as they are (no float32 copy of them: sampler.greedy)."""
         input_ids, positions, meta, sample_rows = self._prepare(items)
         with attention.step_context(meta):
             out = self.forward(input_ids, positions, sample_rows, decode_only=not meta.prefills, greedy=greedy)
         if out.dim() == 1:
             return out
         logits = out[0]
-        if greedy and self.argmax is not None and logits.dtype == torch.bfloat16 and logits.device.type == "cpu" \
-                and logits.shape[1] > 0 and logits.stride(1) == 1:
-            return self.argmax(logits)
+        if greedy and logits.dtype == torch.bfloat16:
+            return sampler.greedy(logits, self.argmax)
         return logits.float()
 
     def _prepare(self, items: list[ScheduledItem]):

@@ -8,7 +8,6 @@
 
 #include "vec.h"
 
-#define F32_LOAD8(p) f32_load8(p)
 #define F32_LOAD(x) (x)
 
 #define DEFINE_ARGMAX_ROW(NAME, T, LOAD8, LOAD)                                                     \
@@ -51,7 +50,7 @@
         return at;                                                                                  \
     }
 
-DEFINE_ARGMAX_ROW(argmax_row, float, F32_LOAD8, F32_LOAD)
+DEFINE_ARGMAX_ROW(argmax_row, float, f32_load8, F32_LOAD)
 DEFINE_ARGMAX_ROW(argmax_row_bf16, uint16_t, bf16_load8, bf16_load)
 
 /* x [rows][stride] float32, n columns; out [rows] int64. */

@@ -75,9 +75,9 @@ static inline void widen_group(const uint16_t *src, const int64_t *at, int m, in
     (staged ? (const float *)(wide + (e) * span_n + hoff[j] - h0 * head_stride)                     \
             : (const float *)(src + at[c0 + (e)] + hoff[j]))
 
-/* Prefetch the keys (values) `ahead` positions past group members from .. m - 1 of src. */
-#define PREFETCH_AHEAD(src, from)                                                                   \
-    for (int e = (from); e < m; e++)                                                                \
+/* Prefetch the keys (values) `ahead` positions past group members from .. to - 1 of src. */
+#define PREFETCH_AHEAD(src, from, to)                                                               \
+    for (int e = (from); e < (to); e++)                                                             \
         if (c0 + e + ahead < count) prefetch_span(src + at[c0 + e + ahead] + h0 * head_stride, span)
 
 /* the dotted scores and the widened value sums of query heads kh * groups + by .. + nh - 1 */
@@ -99,12 +99,12 @@ static inline void widen_group(const uint16_t *src, const int64_t *at, int m, in
         int groups = heads / kv_heads, staged = STAGED, ahead = AHEAD_BYTES / (int)sizeof(T);       \
         int dotted = STAGED && DOT_BF16 && dim % 32 == 0; /* scores_dot: q read in place */          \
         int tiled = STAGED && dim % 32 == 0 && block_size % 16 == 0 && groups <= 16 && amx_ready(); \
+        int64_t tile_floats = tiled ? 256 * (int64_t)(kv_heads * dim / 32 + 1) : 0; /* qb and cbuf */ \
         int widened_values = STAGED && LANES16 && dim % 32 == 0; /* values_bf16 */                  \
         int parts = n >= 2 * threads ? 1 : kv_heads; /* few rows: split each row's heads too */     \
         int failed = 0;                                                                             \
         _Pragma("omp parallel for schedule(dynamic, 1) num_threads(threads)")                       \
         for (int task = 0; task < n * parts; task++) {                                              \
-            int64_t tile_floats = tiled ? 256 * (int64_t)(kv_heads * dim / 32 + 1) : 0;             \
             int i = task / parts, part = task % parts;                                              \
             int h0 = part * kv_heads / parts, h1 = (part + 1) * kv_heads / parts;                   \
             int nq = (h1 - h0) * groups; /* query heads h0 * groups .. h1 * groups */               \
@@ -151,15 +151,14 @@ static inline void widen_group(const uint16_t *src, const int64_t *at, int m, in
                 if (dotted) { /* a short group's missing keys: key c0 again, its scores not stored */ \
                     const uint16_t *kp[GROUP];                                                      \
                     for (int kh = 0; kh < h1 - h0; kh++) {                                          \
-                        for (int e = GROUP * kh / (h1 - h0); e < GROUP * (kh + 1) / (h1 - h0); e++) \
-                            if (c0 + e + ahead < count) prefetch_span(k + at[c0 + e + ahead] + h0 * head_stride, span); \
+                        PREFETCH_AHEAD(k, GROUP * kh / (h1 - h0), GROUP * (kh + 1) / (h1 - h0)); /* a share */ \
                         for (int e = 0; e < GROUP; e++)                                             \
                             kp[e] = (const uint16_t *)(const void *)k + at[c0 + (e < m ? e : 0)] + (h0 + kh) * head_stride; \
                         BY_THREES(groups, SCORES)                                                   \
                     }                                                                               \
                     continue;                                                                       \
                 }                                                                                   \
-                PREFETCH_AHEAD(k, nq); /* one key's prefetch per head below; here the rest */       \
+                PREFETCH_AHEAD(k, nq, m); /* one key's prefetch per head below; here the rest */       \
                 if (staged) widen_group((const uint16_t *)(const void *)k, at + c0, m, h0 * head_stride, span_n, wide);            \
                 for (int j = 0; j < nq; j++) {                                                      \
                     if (j < m && c0 + j + ahead < count) prefetch_span(k + at[c0 + j + ahead] + h0 * head_stride, span); \
@@ -237,7 +236,7 @@ static inline void widen_group(const uint16_t *src, const int64_t *at, int m, in
                     }                                                                               \
                     continue;                                                                       \
                 }                                                                                   \
-                PREFETCH_AHEAD(v, nq); /* one value's prefetch per head below; here the rest */     \
+                PREFETCH_AHEAD(v, nq, m); /* one value's prefetch per head below; here the rest */     \
                 if (staged) widen_group((const uint16_t *)(const void *)v, at + c0, m, h0 * head_stride, span_n, wide);            \
                 for (int j = 0; j < nq; j++) {                                                      \
                     if (j < m && c0 + j + ahead < count) prefetch_span(v + at[c0 + j + ahead] + h0 * head_stride, span); \
