@@ -16,9 +16,9 @@ from __future__ import annotations
 
 import enum
 import threading
-import time
 from dataclasses import dataclass
 
+from protocol import clock
 from protocol.messages import StartDecode
 from worker_runtime.tombstones import Tombstones
 
@@ -69,7 +69,7 @@ class HandoffTable:
         """Record a reservation whose first `cached` blocks already hold their KV and whose next
         `expected` (default: all the rest) will be pushed; False if the request was already ended
         (the caller frees)."""
-        now = time.monotonic() if now is None else now
+        now = clock.now() if now is None else now
         expected = len(blocks) - cached if expected is None else expected
         assert 0 < expected <= len(blocks) - cached, f"{request_id}: {expected} blocks expected of {len(blocks)}"
         with self._lock:
@@ -113,7 +113,7 @@ class HandoffTable:
 
     def start(self, msg: StartDecode, now: float | None = None) -> Outcome:
         """Raises ReservationGone when the reservation ended (lease, failed transfer, cancel)."""
-        now = time.monotonic() if now is None else now
+        now = clock.now() if now is None else now
         with self._lock:
             slot = self._slots.get(msg.request_id)
             if slot is None or slot.cancelled:
@@ -149,7 +149,7 @@ class HandoffTable:
 
     def expire(self, now: float | None = None) -> list[tuple[str, Outcome]]:
         """End every slot whose lease ran out (never one that is landing)."""
-        now = time.monotonic() if now is None else now
+        now = clock.now() if now is None else now
         with self._lock:
             late = [rid for rid, s in self._slots.items() if not s.landing and s.expires_at <= now]
             out = []

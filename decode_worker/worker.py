@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import threading
-import time
 
 import ray
 
@@ -22,6 +21,7 @@ from decode_worker.handoff import Action, HandoffTable, Outcome
 from engine.config import EngineConfig
 from engine.cost_model import Emulation
 from kv_transfer import KVReceiver, KVTransferConfig, Rendezvous
+from protocol import clock
 from protocol.deadline import within
 from protocol.messages import GenerateTask, Reservation, Reserved, StartDecode, WorkerInfo
 from protocol.outputs import FinishReason, RequestOutput
@@ -73,7 +73,7 @@ class DecodeWorker(WorkerCalls):
         """Prefill and decode here, after the tokens an earlier attempt streamed."""
         if self.handoffs.is_ended(task.request_id):  # its abort ran first (Ray need not keep the order)
             return
-        arrived = time.perf_counter()
+        arrived = clock.now()
         await self.core.run(lambda e: e.add_request(task.request_id, prompt_token_ids=task.prompt_token_ids,
                                                     sampling=task.sampling,
                                                     output_token_ids=task.output_token_ids or None,
@@ -141,14 +141,14 @@ class DecodeWorker(WorkerCalls):
     def _resolve_blocks(self, request_id: str, num_blocks: int, first_block: int = 0) -> list[int] | None:
         blocks = self.handoffs.resolve(request_id, num_blocks, first_block)
         if blocks is not None:
-            self._landing_since[request_id] = time.perf_counter()
+            self._landing_since[request_id] = clock.now()
         return blocks
 
     def _on_landed(self, request_id: str, dst_block_ids: list[int], error: BaseException | None) -> None:
         since = self._landing_since.pop(request_id, None)
         if error is None and since is not None:  # summed over the pieces of a streamed push
             seconds, nbytes = self._transfers.get(request_id, (0.0, 0))
-            self._transfers[request_id] = (seconds + time.perf_counter() - since,
+            self._transfers[request_id] = (seconds + clock.now() - since,
                                            nbytes + len(dst_block_ids) * self._block_bytes)
         self._act(request_id, self.handoffs.landed(request_id, error))
 

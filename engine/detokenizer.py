@@ -109,3 +109,19 @@ class IncrementalDetokenizer:
         new = self._unread_text()
         if new:
             self._append(new)
+
+
+class NoText:
+    """The detokenizer of an engine without a tokenizer (`pdserve simulate`): outputs carry token
+    ids only, no text, and no stop string can match."""
+
+    text = ""
+
+    def add_token(self, token_id: int) -> bool:
+        return False
+
+    def mark_emitted(self, num_chars: int) -> None:
+        pass
+
+    def take_delta(self, final: bool) -> str:
+        return ""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -26,13 +25,14 @@ from transformers import AutoTokenizer, GenerationConfig
 
 from engine.config import EngineConfig
 from engine.cost_model import StepItem, StepShape, StepTotals
-from engine.detokenizer import IncrementalDetokenizer
+from engine.detokenizer import IncrementalDetokenizer, NoText
 from engine.kv_cache import BlockAllocator
 from engine.model_runner import ModelRunner, ScheduledItem
 from engine.request import Request, Status
 from engine.sampler import sample_isolated
 from engine.scheduler import PrefixStats, Scheduler
 from engine.telemetry import StepLog
+from protocol import clock
 from protocol.block_hash import block_hashes, salt_root
 from protocol.errors import InvalidRequest
 from protocol.outputs import FinishReason, RequestOutput
@@ -56,16 +56,22 @@ class StepStats:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, runner: ModelRunner | None = None):
+        """`runner`: the forward pass (default: the checkpoint's `ModelRunner`). `pdserve simulate`
+        passes one with no model (simulate/runner.py): it has no tokenizer (prompts are token ids,
+        outputs carry no text) and no EOS (requests end at max_tokens)."""
         if config.torch_threads:
             torch.set_num_threads(config.torch_threads)
         self.config = config
-        self.runner = ModelRunner(config)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+        self.runner = runner or ModelRunner(config)
         hf = self.runner.hf_config
         self.vocab_size = hf.vocab_size
         self.max_model_len = config.max_model_len or hf.max_position_embeddings
-        self.eos_token_ids = _eos_ids(config.model_path, hf, self.tokenizer)
+        if runner is None:
+            self.tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+            self.eos_token_ids = _eos_ids(config.model_path, hf, self.tokenizer)
+        else:
+            self.tokenizer, self.eos_token_ids = None, frozenset()
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len)
         self.allocator = BlockAllocator(self.runner.num_blocks, enable_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.allocator)
@@ -87,7 +93,7 @@ class LLMEngine:
                     sampling: SamplingParams | None = None, prefill_only: bool = False,
                     output_token_ids: list[int] | None = None, emitted_chars: int = 0,
                     arrived_at: float | None = None) -> Request:
-        """Validate (raises InvalidRequest) and queue a request. `arrived_at` (perf_counter): when
+        """Validate (raises InvalidRequest) and queue a request. `arrived_at` (time.monotonic, as protocol.clock reads it on an engine thread): when
         its worker received it, so its TTFT split counts waiting for the engine thread as queueing.
 
         A resumed request brings the `output_token_ids` it already produced elsewhere, the text of
@@ -122,7 +128,8 @@ class LLMEngine:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
 
     def _build(self, request_id: str, ids: list[int], sampling: SamplingParams, prefill_only: bool) -> Request:
-        return Request(request_id, ids, sampling, IncrementalDetokenizer(self.tokenizer, ids, sampling.stop),
+        detokenizer = NoText() if self.tokenizer is None else IncrementalDetokenizer(self.tokenizer, ids, sampling.stop)
+        return Request(request_id, ids, sampling, detokenizer,
                        eos_token_ids=self.eos_token_ids, prefill_only=prefill_only, arrival=next(self._arrivals))
 
     def _replay(self, req: Request, output_token_ids: list[int], emitted_chars: int) -> FinishReason | None:
@@ -258,7 +265,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One forward over the scheduled batch. A failure while sampling or detokenizing one
         request fails only that request; a failure of the forward itself raises."""
-        t0 = time.perf_counter()
+        t0 = clock.now()
         self.last_step = ()
         items = self.scheduler.schedule()
         outputs = self._run(items, t0) if items else []
@@ -268,10 +275,10 @@ class LLMEngine:
     def _run(self, items: list[ScheduledItem], t0: float) -> list[RequestOutput]:
         self.last_step = tuple(StepItem(it.num_tokens, it.end) for it in items)
         step_kind = _step_kind(items)
-        t1 = time.perf_counter()
+        t1 = clock.now()
         sampling = [it.request for it in items if it.samples]
         out = self.runner.execute(items, greedy=all(req.sampling.greedy for req in sampling))
-        t2 = time.perf_counter()
+        t2 = clock.now()
         for it in items:
             self._register(it.request, it.start, it.end)
             it.request.num_computed_tokens += it.num_tokens
@@ -282,7 +289,7 @@ class LLMEngine:
         outputs = [self._emit(req, tok) for req, tok in zip(sampling, tokens, strict=True)]
         if self.pace is not None:
             self.pace()  # sleeps out the emulated step: recorded below as the step's time
-        self._record(items, t0, t1, t2, time.perf_counter())
+        self._record(items, t0, t1, t2, clock.now())
         for req, out in zip(sampling, outputs, strict=True):
             if out.token_ids:  # after _record: a first token's prefill compute includes this step
                 out.step_kind = req.timing.take_kind(step_kind)

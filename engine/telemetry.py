@@ -16,10 +16,10 @@ into the bottleneck report (bench/bottleneck.py).
 from __future__ import annotations
 
 import itertools
-import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from protocol import clock
 from protocol.telemetry import PrefillTiming, StepRecord, TokenKind
 
 
@@ -32,7 +32,7 @@ class StepLog:
 
     def append(self, **fields) -> StepRecord:
         self.last_seq += 1
-        record = StepRecord(self.last_seq, time.time(), **fields)
+        record = StepRecord(self.last_seq, clock.unix(), **fields)
         self._records.append(record)
         return record
 
@@ -56,11 +56,11 @@ class KVWaitClock:
         self._since: float | None = None
 
     def total(self, now: float | None = None) -> float:
-        now = time.perf_counter() if now is None else now
+        now = clock.now() if now is None else now
         return self._total + (now - self._since if self._since is not None else 0.0)
 
     def set_blocked(self, blocked: bool, now: float | None = None) -> None:
-        now = time.perf_counter() if now is None else now
+        now = clock.now() if now is None else now
         if blocked and self._since is None:
             self._since = now
         elif not blocked and self._since is not None:
@@ -72,7 +72,7 @@ class KVWaitClock:
 class RequestTiming:
     """One request's counters for its `PrefillTiming` and the kind of its next token."""
 
-    added_at: float = field(default_factory=time.perf_counter)
+    added_at: float = field(default_factory=clock.now)
     kv_mark: float = 0.0  # the KV clock's total when the request last started waiting
     kv_wait_s: float = 0.0
     compute_s: float = 0.0
@@ -93,5 +93,5 @@ class RequestTiming:
         return kind
 
     def first_token(self) -> PrefillTiming:
-        total = time.perf_counter() - self.added_at
+        total = clock.now() - self.added_at
         return PrefillTiming(max(0.0, total - self.kv_wait_s - self.compute_s), self.kv_wait_s, self.compute_s)

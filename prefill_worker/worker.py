@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import ray
 
@@ -22,6 +21,7 @@ from engine.cost_model import Emulation
 from engine.llm_engine import LLMEngine
 from kv_transfer import KVSender, KVTransferConfig
 from prefill_worker.push import KVPusher
+from protocol import clock
 from protocol.deadline import within
 from protocol.messages import PrefillResult, PrefillTask, TransferFailed
 from protocol.outputs import FinishReason, RequestOutput
@@ -68,7 +68,7 @@ class PrefillWorker(WorkerCalls):
         if task.decode_name not in self._peers:
             raise KeyError(f"{self.core.name} has no handle of {task.decode_name}")
         await self._ensure_channel(task.decode_name, self._peers[task.decode_name])
-        arrived = time.perf_counter()
+        arrived = clock.now()
         if task.request_id in self._aborted:
             raise asyncio.CancelledError(f"{task.request_id} was cancelled")
         out = await self._first_token(task, arrived)
@@ -80,7 +80,7 @@ class PrefillWorker(WorkerCalls):
         if out.finish_reason is FinishReason.PREFILLED:  # the KV's last piece is on its way already
             self.core.aio.call_later(KILL_DELAY_S, self.faults.maybe_kill, "prefill.after_first_token")
         return PrefillResult(task.request_id, out.token_ids[0], out.text, out.finish_reason,
-                             time.perf_counter() - arrived, out.num_cached_tokens, out.step_kind, out.prefill_timing)
+                             clock.now() - arrived, out.num_cached_tokens, out.step_kind, out.prefill_timing)
 
     async def _first_token(self, task: PrefillTask, arrived: float) -> RequestOutput:
         fut = self.core.aio.create_future()

@@ -39,7 +39,8 @@ from proto import pdserve_pb2 as pb
 from router.config.loader import parse_config
 from router.config.typed_yaml import ConfigError
 from router.lifecycle.outcomes import CannotPlace
-from router.pools.manager import PoolManager, labels_match
+from router.pools.actors import labels_match
+from router.pools.manager import PoolManager
 from tests.cluster_util import Client, free_port, kv_bytes
 from tests.reference import hf_greedy
 

@@ -14,10 +14,11 @@ or stays on one thread.
 
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Generic, TypeVar
+
+from protocol.clock import now as clock_now
 
 V = TypeVar("V")
 TOMBSTONE_S = 120.0  # longer than any call's deadline: a late call finds its id still here
@@ -28,7 +29,7 @@ MAX_TOMBSTONES = 100_000
 
 class Tombstones(Generic[V]):
     def __init__(self, ttl_s: float = TOMBSTONE_S, max_size: int = MAX_TOMBSTONES,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = clock_now) -> None:
         self._ttl_s = ttl_s
         self._max_size = max_size
         self._clock = clock

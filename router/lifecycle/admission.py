@@ -4,7 +4,7 @@
 fits) under a FIFO lock, and while it returns None waits for `notify()` (a request ended, a worker
 started, stats changed) or a short tick. Only requests inside `place` count as queued; more
 than `max_queue` of them: QueueFull. The lock is never held across anything without a
-deadline: `try_place`'s worker calls carry their own, and `deadline` (time.monotonic) is the
+deadline: `try_place`'s worker calls carry their own, and `deadline` (the router's clock) is the
 request's own, so an attempt never waits for an answer past it. A request placed again without
 having failed (a Respin) passes `since`, the start of its first wait: its queue timeout runs once.
 
@@ -20,11 +20,11 @@ from __future__ import annotations
 import asyncio
 import math
 import statistics
-import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from protocol import clock
 from protocol.deadline import within
 from router.lifecycle.outcomes import QueueFull, Unavailable
 
@@ -62,10 +62,10 @@ class Admission:
     async def place(self, try_place: Callable[[float], Awaitable[T | None]], accepting: Callable[[], bool],
                     timeout_s: float, since: float | None = None) -> tuple[T, float]:
         """The placement and the seconds spent waiting for capacity (0 when it fit at once).
-        `since`: when this request's wait began (time.monotonic), if before this call."""
+        `since`: when this request's wait began (the router's clock), if before this call."""
         if self.waiting >= self.max_queue:
             raise QueueFull(f"the router queue is full ({self.max_queue} requests waiting)")
-        now = time.monotonic()
+        now = clock.now()
         deadline = (now if since is None else since) + timeout_s
         timed_out = f"no worker had capacity for this request within {timeout_s:g} s"
         if deadline <= now:
@@ -79,10 +79,10 @@ class Admission:
                             + (f"the {left:.2f} s left of its {limit}" if waited_before else limit),
                             retry_after_s=math.ceil(wait_s - left))
         self._count(+1)
-        arrived, waited = time.perf_counter(), self._lock.locked()  # waits from arrival if others are ahead
+        arrived, waited = clock.now(), self._lock.locked()  # waits from arrival if others are ahead
         try:
             try:  # behind the requests queued first, but never past this one's own deadline
-                await within(self._lock.acquire(), max(0.0, deadline - time.monotonic()))
+                await within(self._lock.acquire(), max(0.0, deadline - clock.now()))
             except TimeoutError:
                 raise Unavailable(timed_out) from None
             try:
@@ -90,10 +90,10 @@ class Admission:
                     placed = await try_place(deadline)
                     if placed is not None:
                         self._departed()
-                        return placed, (time.perf_counter() - arrived) if waited else 0.0
+                        return placed, (clock.now() - arrived) if waited else 0.0
                     if not accepting():
                         raise Unavailable("the server is shutting down")
-                    left = deadline - time.monotonic()
+                    left = deadline - clock.now()
                     if left <= 0:
                         raise Unavailable(timed_out)
                     waited = True
@@ -110,7 +110,7 @@ class Admission:
     def _departed(self) -> None:
         """A placement. The interval since the previous one is a service interval if requests
         stayed queued between them: one that spans an empty queue measures arrivals, not service."""
-        now = time.monotonic()
+        now = clock.now()
         if self._last_departure is not None:
             self._intervals.append(now - self._last_departure)
         self._last_departure = now if self.waiting > 1 else None  # others queued: the next interval counts

@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import AsyncIterator
 
+from protocol import clock
 from protocol.deadline import within
 from protocol.messages import GenerateTask, PrefillTask, Reservation, Reserved, StartDecode
 from protocol.outputs import FinishReason, RequestOutput
@@ -111,7 +111,7 @@ class Attempts:
 
     async def _place_pair(self, life: RequestLife, waits: QueueWaits, deadline: float) -> Pair | None:
         """A prefill worker and a decode worker holding the KV's blocks, or None; no reservation
-        waits past `deadline` (time.monotonic), when the request is refused."""
+        waits past `deadline` (the router's clock), when the request is refused."""
         prefill_ready = self._ready_or_wait("prefill", life)
         decode_ready = self._ready_or_wait("decode", life)
         if not prefill_ready or not decode_ready:
@@ -128,7 +128,7 @@ class Attempts:
         pushed = tuple(life.context_token_ids())
         final = len(life.prompt_token_ids) + life.sampling.max_tokens
         for i, decode in enumerate(self.placer.decode_candidates(decode_ready, hashes, needed, final_tokens=final)):
-            wait_s = deadline - time.monotonic()
+            wait_s = deadline - clock.now()
             if wait_s <= 0:
                 break
             self._hold(life, decode, Phase.RESERVING)
@@ -319,7 +319,7 @@ class Attempts:
                 steps = w.engine_steps
 
     def chunk(self, life: RequestLife, out: RequestOutput) -> Chunk:
-        now = time.perf_counter()
+        now = clock.now()
         n = len(out.token_ids)
         gaps = n
         if n and life.first_token_at is None:
@@ -368,7 +368,7 @@ class QueueWaits:
 
     def failed(self, reason: str | None, now: float | None = None) -> None:
         """A placement failed for `reason` (None: it succeeded; the last wait ends)."""
-        now = time.perf_counter() if now is None else now
+        now = clock.now() if now is None else now
         if self._reason is not None:
             self.spent[self._reason] = self.spent.get(self._reason, 0.0) + now - self._since
         self._reason, self._since = reason, now

@@ -17,9 +17,9 @@ from __future__ import annotations
 import asyncio
 import enum
 import secrets
-import time
 from dataclasses import dataclass, field
 
+from protocol import clock
 from protocol.block_hash import extend_hashes, salt_root
 from protocol.sampling import SamplingParams
 from protocol.usage import Usage
@@ -73,7 +73,7 @@ class RequestLife:
     block_hashes: list[bytes] = field(default_factory=list)  # of the context's full blocks, grown lazily
     nonce: str = field(default_factory=lambda: secrets.token_hex(16))
     caller: str = ""  # who sent it (router/frontdoor/access.py caller_id): client ids are unique per caller
-    queued_since: float = field(default_factory=time.monotonic)  # its queue timeout runs from here
+    queued_since: float = field(default_factory=clock.now)  # its queue timeout runs from here
 
     @property
     def scoped_id(self) -> tuple[str, str]:
@@ -105,7 +105,7 @@ class RequestLife:
         `migrated`: the attempt failed (not so for a Respin, whose queue timeout keeps running)."""
         held = self.holders
         if migrated:
-            self.queued_since = time.monotonic()
+            self.queued_since = clock.now()
         self.to(Phase.QUEUED)
         self.attempt += 1
         self.migrations += migrated

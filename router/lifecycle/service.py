@@ -17,11 +17,11 @@ import hashlib
 import itertools
 import logging
 import secrets
-import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from transformers import AutoConfig, AutoTokenizer
 
+from protocol import clock
 from protocol.deadline import within
 from protocol.errors import InvalidRequest
 from protocol.outputs import FinishReason
@@ -36,6 +36,7 @@ from router.lifecycle.outcomes import CannotPlace, Chunk, Respin, Retry, Unavail
 from router.lifecycle.worker_calls import short
 from router.observability.metrics import RouterMetrics
 from router.observability.request_log import RequestLog
+from router.pools.actors import Actors
 from router.pools.manager import PoolManager
 from router.pools.monitor import Monitor
 from router.pools.worker_view import WorkerView
@@ -44,16 +45,23 @@ log = logging.getLogger(__name__)
 
 
 class Router:
-    def __init__(self, config: ClusterConfig, metrics: RouterMetrics | None = None):
+    def __init__(self, config: ClusterConfig, metrics: RouterMetrics | None = None, actors: Actors | None = None,
+                 validator: RequestValidator | None = None, nonce: Callable[[], str] | None = None):
+        """`actors` starts the workers (default: Ray actors); `validator` checks requests (default: the
+        checkpoint's tokenizer and limits); `nonce` makes the unguessable part of attempt ids.
+        `pdserve simulate` passes its own three (simulate/cluster.py)."""
         self.config = config
         self.metrics = metrics or RouterMetrics()
-        hf = AutoConfig.from_pretrained(config.model.path)
-        self.tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-        self.validator = RequestValidator(self.tokenizer, hf.vocab_size,
-                                          config.model.max_model_len or hf.max_position_embeddings,
-                                          config.router.max_prompt_bytes)
+        if validator is None:
+            hf = AutoConfig.from_pretrained(config.model.path)
+            validator = RequestValidator(AutoTokenizer.from_pretrained(config.model.path), hf.vocab_size,
+                                         config.model.max_model_len or hf.max_position_embeddings,
+                                         config.router.max_prompt_bytes)
+        self.validator = validator
+        self.tokenizer = validator.tokenizer
+        self._nonce = nonce or (lambda: secrets.token_hex(16))
         self.intake = Intake(self.validator, config.router.max_preparing, config.router.tokenizer_threads)
-        self.pools = PoolManager(config)
+        self.pools = PoolManager(config, actors)
         self.request_log = RequestLog.open(config.router)  # None unless router.request_log is set
         self.admission = Admission(config.router.max_queue, self.metrics.set_router_queue)
         self.lives: dict[int, RequestLife] = {}
@@ -77,8 +85,8 @@ class Router:
     async def stop(self, grace_s: float) -> None:
         """Stop accepting, let in-flight requests finish within `grace_s`, fail the rest, stop workers."""
         self.accepting = False
-        deadline = time.monotonic() + grace_s
-        while self.lives and time.monotonic() < deadline:
+        deadline = clock.now() + grace_s
+        while self.lives and clock.now() < deadline:
             await asyncio.sleep(0.05)
         for life in list(self.lives.values()):
             life.deliver(life.attempt_id, Unavailable("the server is shutting down"))
@@ -110,12 +118,16 @@ class Router:
         self.check_open()
         validate_request_id(request_id)
         ids = await self.intake.prompt_ids(prompt, prompt_token_ids, messages)
+        return self.accept(request_id, ids, sampling, caller)
+
+    def accept(self, request_id: str, ids: list[int], sampling: SamplingParams, caller: str = "") -> RequestLife:
+        """The request's life, once its prompt is token ids the validator passed (raises InvalidRequest)."""
         self._check_fits(len(ids), sampling)
-        request_id = request_id or f"req-{secrets.token_hex(16)}"  # unguessable
+        request_id = request_id or f"req-{self._nonce()}"  # unguessable
         if (caller, request_id) in self._client_ids:
             raise InvalidRequest(f"request id {request_id!r} is already in flight")
-        return RequestLife(request_id, next(self._keys), ids, self._salted(sampling, caller), time.perf_counter(),
-                           caller=caller)
+        return RequestLife(request_id, next(self._keys), ids, self._salted(sampling, caller), clock.now(),
+                           caller=caller, nonce=self._nonce())
 
     def _salted(self, sampling: SamplingParams, caller: str) -> SamplingParams:
         """With isolate_prefix_cache, the caller's own cache: its salt folds in who it is."""
@@ -161,7 +173,7 @@ class Router:
                 phase = Phase.FAILED if isinstance(e, Exception) else Phase.CANCELLED
                 self._abort_all(life.end(phase), life.attempt_id)
                 if phase is Phase.CANCELLED:  # "cancelled", as a client reads it; failures: pdserve_request_errors
-                    self.metrics.observe_finish(FinishReason.ABORT.public, time.perf_counter() - life.accepted)
+                    self.metrics.observe_finish(FinishReason.ABORT.public, clock.now() - life.accepted)
             raise
         finally:
             self.lives.pop(life.key, None)

@@ -19,6 +19,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any, TextIO
 
+from protocol import clock
 from protocol.block_hash import block_hashes
 from protocol.outputs import FinishReason
 from protocol.usage import Usage
@@ -43,7 +44,7 @@ class RequestLog:
     def __init__(self, handle: TextIO, with_prompts: bool):
         self._handle: TextIO | None = handle
         self._with_prompts = with_prompts
-        self._started = time.perf_counter()
+        self._started = clock.now()
 
     @classmethod
     def open(cls, section: RouterSection) -> RequestLog | None:
@@ -59,7 +60,7 @@ class RequestLog:
 
     def record(self, life: RequestLife, finish_reason: FinishReason, usage: Usage) -> dict[str, Any]:
         """The JSON object of one finished request."""
-        now = time.perf_counter()
+        now = clock.now()
         line = {
             "timestamp": round((life.accepted - self._started) * 1e3, 3),
             "input_length": len(life.prompt_token_ids),

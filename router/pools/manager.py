@@ -15,20 +15,18 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import time
 from dataclasses import dataclass
-
-import ray
 
 from decode_worker.worker import DecodeWorker
 from kv_transfer import KVTransferConfig
 from prefill_worker.worker import PrefillWorker
+from protocol import clock
 from protocol.deadline import within
 from protocol.messages import WorkerStats
 from router.config.emulate import emulation, link_pace
 from router.config.schema import ClusterConfig, PoolSection
-from router.lifecycle.outcomes import CannotPlace
 from router.lifecycle.worker_calls import CALL_FAILURES, short
+from router.pools.actors import Actors, RayActors
 from router.pools.placement import Placer
 from router.pools.worker_view import WorkerState, WorkerView
 from worker_runtime import malloc, threads
@@ -53,12 +51,13 @@ class PoolHealth:
 
     @property
     def last_failure_age_s(self) -> float:
-        return 0.0 if self.last_failure_at is None else time.monotonic() - self.last_failure_at
+        return 0.0 if self.last_failure_at is None else clock.now() - self.last_failure_at
 
 
 class PoolManager:
-    def __init__(self, config: ClusterConfig):
+    def __init__(self, config: ClusterConfig, actors: Actors | None = None):
         self.config = config
+        self.actors = actors or RayActors()  # how a worker is started and killed (simulate: in-process)
         kt = config.kv_transfer
         self.emulation = emulation(config.emulate)  # None: off
         self.transfer = KVTransferConfig(backend=kt.backend, timeout_s=kt.timeout_s, checksum=kt.checksum,
@@ -111,14 +110,11 @@ class PoolManager:
             engine = self.config.engine_config(sec, device="cuda" if sec.num_gpus else "cpu")
             env = malloc.worker_env(sec.malloc, on_gpu=sec.num_gpus > 0) | threads.wait_env(
                 engine.torch_threads, sec.num_cpus, colocated=transfer is None, pinned=cpu is not None)
-            actor = ray.remote(cls).options(
-                name=None, max_concurrency=1000, max_restarts=0, **_placement(sec),
-                **({"runtime_env": {"env_vars": env}} if env else {}),
-            ).remote(name, engine, transfer, cpu, self.faults, self.emulation)
+            actor = self.actors.start(cls, sec, env, (name, engine, transfer, cpu, self.faults, self.emulation))
             try:
                 info = await within(actor.ready.remote(), self.config.router.worker_start_timeout_s)
             except BaseException:
-                ray.kill(actor, no_restart=True)
+                self.actors.kill(actor)
                 raise
         finally:
             health.starting -= 1
@@ -156,9 +152,9 @@ class PoolManager:
         if w in self.workers[w.info.pool]:
             self.workers[w.info.pool].remove(w)
         health = self.health[w.info.pool]
-        health.last_failure, health.last_failure_at = f"{w.name}: {reason}", time.monotonic()
+        health.last_failure, health.last_failure_at = f"{w.name}: {reason}", clock.now()
         self._dead_pending[w.info.pool] += 1
-        ray.kill(w.actor, no_restart=True)
+        self.actors.kill(w.actor)
         return True
 
     async def heal(self) -> None:
@@ -167,7 +163,7 @@ class PoolManager:
             return  # a scale is changing the pool; look again next time
         for pool, health in self.health.items():
             missing = health.target - len(self.live(pool)) - health.starting
-            if missing > 0 and time.monotonic() >= health.next_start_at:
+            if missing > 0 and clock.now() >= health.next_start_at:
                 await asyncio.gather(*(self._replace(pool) for _ in range(missing)), return_exceptions=True)
 
     async def _replace(self, pool: str) -> None:
@@ -180,8 +176,8 @@ class PoolManager:
         except Exception as e:  # noqa: BLE001 - any start failure backs off, is shown in status, retried
             health.failures_in_a_row += 1
             delay = min(MAX_BACKOFF_S, self.config.router.restart_backoff_s * 2 ** (health.failures_in_a_row - 1))
-            health.next_start_at = time.monotonic() + delay
-            health.last_failure, health.last_failure_at = f"starting a {pool} worker: {short(e)}", time.monotonic()
+            health.next_start_at = clock.now() + delay
+            health.last_failure, health.last_failure_at = f"starting a {pool} worker: {short(e)}", clock.now()
             log.error("could not start a %s worker (retry in %.1f s): %s", pool, delay, short(e))
 
     # ---- scaling ----------------------------------------------------------------------
@@ -203,31 +199,19 @@ class PoolManager:
             return [], [w.name for w in victims]
 
     def _check_placeable(self, pool: str, count: int) -> None:
-        sec = self.section(pool)
-        wanted = {"CPU": sec.num_cpus, "GPU": sec.num_gpus, **sec.resources}
-        available = ray.available_resources()
-        for resource, each in wanted.items():
-            need, have = each * count, available.get(resource, 0.0)
-            if each > 0 and need > have:
-                raise CannotPlace(f"cannot start {count} more {pool} worker(s): they need {need:g} {resource} "
-                                  f"but the Ray cluster has {have:g} {resource} available")
-        nodes = [n for n in ray.nodes() if n["Alive"]]
-        if sec.label_selector and not any(labels_match(sec.label_selector, n.get("Labels") or {}) for n in nodes):
-            raise CannotPlace(f"cannot start {count} more {pool} worker(s): no live Ray node has labels matching "
-                              f"{pool}.label_selector {sec.label_selector} (nodes: "
-                              + "; ".join(f"{n['NodeManagerAddress']} {_shown_labels(n)}" for n in nodes) + ")")
+        self.actors.check_placeable(pool, self.section(pool), count)
 
     async def _drain_and_stop(self, w: WorkerView) -> None:
-        deadline = time.monotonic() + self.config.router.drain_timeout_s
+        deadline = clock.now() + self.config.router.drain_timeout_s
         timed_out = False
         while not await self._drained(w):
-            if time.monotonic() > deadline and not timed_out:
+            if clock.now() > deadline and not timed_out:
                 timed_out = True
                 log.warning("%s: drain timed out with %d requests in flight; moving them", w.name, len(w.inflight))
                 if self.on_drain_timeout is not None:
                     self.on_drain_timeout(w)
-                deadline = time.monotonic() + self.config.router.call_timeout_s
-            elif time.monotonic() > deadline:
+                deadline = clock.now() + self.config.router.call_timeout_s
+            elif clock.now() > deadline:
                 break  # they could not all be moved in time: stopping fails them over anyway
             await asyncio.sleep(0.05)
         await self.stop_worker(w)
@@ -261,7 +245,7 @@ class PoolManager:
             log.warning("%s did not shut down cleanly: %s", w.name, short(e))
         w.stop()  # before the kill, so its poll loop ends quietly
         self.placer.forget(w)
-        ray.kill(w.actor, no_restart=True)
+        self.actors.kill(w.actor)
         if w in self.workers[w.info.pool]:
             self.workers[w.info.pool].remove(w)
         log.info("stopped %s", w.name)
@@ -272,27 +256,3 @@ class PoolManager:
         for w in list(self.all()):
             w.drain()
         await asyncio.gather(*(self.stop_worker(w) for w in list(self.all())), return_exceptions=True)
-
-
-def _placement(sec: PoolSection) -> dict:
-    """The Ray options that say where a pool's workers may run."""
-    options = {"num_cpus": sec.num_cpus, "num_gpus": sec.num_gpus, "resources": dict(sec.resources) or None}
-    if sec.label_selector:  # passed only when set: older Rays have no such option
-        options["label_selector"] = dict(sec.label_selector)
-    return options
-
-
-def _shown_labels(node: dict) -> dict[str, str]:
-    return {k: v for k, v in (node.get("Labels") or {}).items() if k != "ray.io/node-id"}  # ids only add noise
-
-
-def labels_match(selector: dict[str, str], labels: dict[str, str]) -> bool:
-    """Ray's label-selector semantics: each key's node label is `value`, not `!value`, one of
-    `in(a,b)`, or none of `!in(a,b)`."""
-    for key, want in selector.items():
-        negate, want = want.startswith("!"), want.removeprefix("!")
-        values = {v.strip() for v in want[3:-1].split(",")} if want.startswith("in(") else {want}
-        if (labels.get(key) in values) == negate:
-            return False
-    return True
-

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Callable
 
+from protocol import clock
 from protocol.deadline import within
 from protocol.messages import TransferFailed
 from router.lifecycle.outcomes import Retry
@@ -145,7 +145,7 @@ class Monitor:
 
     def _silent(self, w: WorkerView, err: BaseException) -> None:
         """A stats or beat call failed: a dead worker is failed; a silent one once `unresponsive_s` passed."""
-        now = time.monotonic()
+        now = clock.now()
         if isinstance(err, CALL_FAILURES) and outcome(err) is Outcome.REPLACE:
             self.lost(w, short(err))
         elif now - w.last_seen > self.unresponsive_s:

@@ -16,10 +16,10 @@ way the workers do. Two sources keep it current:
 from __future__ import annotations
 
 import math
-import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from protocol import clock
 from protocol.messages import CacheDelta
 
 PREDICT_TTL_S = 30.0
@@ -59,7 +59,7 @@ class PrefixIndex:
 
     def predict(self, worker: str, hashes: Sequence[bytes], now: float | None = None) -> None:
         """`worker` is about to hold these blocks (a request was just placed there)."""
-        until = (time.monotonic() if now is None else now) + self.predict_ttl_s
+        until = (clock.now() if now is None else now) + self.predict_ttl_s
         for h in hashes:
             if self._holders.get(h, {}).get(worker, 0.0) < until:
                 self._add(worker, h, until)
@@ -68,7 +68,7 @@ class PrefixIndex:
 
     def match(self, hashes: Sequence[bytes], workers: Sequence[str], now: float | None = None) -> dict[str, int]:
         """For each of `workers`, how many leading blocks of `hashes` it holds."""
-        now = time.monotonic() if now is None else now
+        now = clock.now() if now is None else now
         matched = dict.fromkeys(workers, 0)
         alive = set(workers)
         for i, h in enumerate(hashes):
@@ -82,7 +82,7 @@ class PrefixIndex:
 
     def prune(self, now: float | None = None) -> None:
         """Drop predictions that expired unconfirmed (called with each stats round)."""
-        now = time.monotonic() if now is None else now
+        now = clock.now() if now is None else now
         while self._pending:
             (worker, h), until = next(iter(self._pending.items()))
             if until > now:

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import enum
-import time
 from dataclasses import dataclass, field
 
+from protocol import clock
 from protocol.messages import EngineBeat, WorkerInfo, WorkerStats
 
 SUSPECT_S = 5.0  # how long a worker whose call timed out gets no new requests
@@ -35,7 +35,7 @@ class WorkerView:
     prefill_tokens: dict[str, int] = field(default_factory=dict)  # prefill: attempt id -> tokens to compute
     peers: set[str] = field(default_factory=set)  # prefill: decode workers it holds a handle of
     stats: WorkerStats | None = None
-    last_seen: float = field(default_factory=time.monotonic)  # last answered call
+    last_seen: float = field(default_factory=clock.now)  # last answered call
     engine_steps: int = 0  # steps its engine had run at its last beat (progress, per worker)
     engine_quiet: bool = False  # its engine's last beat was long ago: a call to it would wait
     suspect_until: float = 0.0
@@ -54,7 +54,7 @@ class WorkerView:
 
     @property
     def accepting(self) -> bool:
-        return self.state is WorkerState.READY and not self.engine_quiet and time.monotonic() >= self.suspect_until
+        return self.state is WorkerState.READY and not self.engine_quiet and clock.now() >= self.suspect_until
 
     @property
     def load(self) -> int:
@@ -74,11 +74,11 @@ class WorkerView:
         return True
 
     def suspect(self) -> None:
-        self.suspect_until = time.monotonic() + SUSPECT_S
+        self.suspect_until = clock.now() + SUSPECT_S
 
     # ---- what it answered ----------------------------------------------------------------
     def answered(self) -> None:
-        self.last_seen = time.monotonic()
+        self.last_seen = clock.now()
 
     def heard(self, beat: EngineBeat, quiet_s: float) -> None:
         """Its engine's beat: `quiet_s` or more of silence takes it off placement until it beats again."""

@@ -1,0 +1,135 @@
+"""One simulated run: a cluster config and a workload in, `pdserve bench`'s records out.
+
+The router is built with simulated workers (simulate/actors.py), a validator holding the
+emulated model's limits (no tokenizer: requests are token ids), and attempt nonces from the
+seed. The client side does what the gRPC door and bench's client do: each request arrives at
+its time, is accepted (`Router.accept`: the request checks the door runs) and streamed
+(`Router.generate`); every message's arrival is stamped on the virtual clock and a refusal is
+recorded with the gRPC status the door would send. Afterwards every worker's step records are
+read through its `telemetry` call, as the bench reads a live cluster's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import random
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import looptime
+
+from bench.bottleneck import step_records_to_dicts
+from bench.metrics import RequestRecord
+from bench.workload import RequestSpec, Workload
+from engine.cost_model import Emulation
+from engine.memory import ModelShape
+from protocol import clock
+from protocol.sampling import SamplingParams
+from protocol.validation import RequestValidator
+from router.config.schema import ClusterConfig
+from router.frontdoor.grpc_server import _STATUS as GRPC_STATUS
+from router.lifecycle.service import Router
+from simulate.actors import SimActors
+
+log = logging.getLogger(__name__)
+GRACE_S = 60.0  # simulated seconds the run waits past the last arrival's queue timeout for stragglers
+
+
+@dataclass
+class SimRun:
+    """What one run produced: the client's records, each worker's step records (bench's
+    `collect_steps` shape), and what it cost: simulated and host seconds."""
+
+    records: list[RequestRecord]
+    steps: dict[str, Any]
+    simulated_s: float
+    host_s: float
+    workers: dict[str, str]  # name -> pool, every worker that ran
+    link: dict[str, float]
+
+
+def simulate(config: ClusterConfig, emulation: Emulation, workload: Workload, label: str, seed: int = 0,
+             rpc_s: float | None = None) -> SimRun:
+    """Runs `workload` on `config`'s cluster on a fresh virtual clock; deterministic for a seed."""
+    loop = looptime.new_event_loop(start=0.0, noop_cycles=1_000_000)
+    loop.unix_epoch = 0.0  # step records' end_unix: simulated seconds (protocol.clock.unix)
+    began = time.perf_counter()
+    try:
+        run = loop.run_until_complete(_run(config, emulation, workload, label, seed, rpc_s))
+    finally:
+        loop.close()
+    run.host_s = time.perf_counter() - began
+    return run
+
+
+async def _run(config: ClusterConfig, emulation: Emulation, workload: Workload, label: str, seed: int,
+               rpc_s: float | None) -> SimRun:
+    shape = emulation.cost.shape
+    actors = SimActors(emulation, shape, config.kv_cache.block_size, **({} if rpc_s is None else {"rpc_s": rpc_s}))
+    rng = random.Random(seed)
+    router = Router(config, actors=actors, validator=_validator(shape, config), nonce=lambda: f"{rng.getrandbits(64):016x}")
+    await router.start()
+    t0 = clock.now()
+    client = _Client(router, label, t0)
+    tasks = []
+    for spec in workload.requests:
+        delay = t0 + spec.arrival_s - clock.now()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        tasks.append(asyncio.create_task(client.send(spec)))
+    records = list(await asyncio.gather(*tasks))
+    simulated = clock.now() - t0
+    steps = await _steps(router, t0)
+    workers = {name: ("prefill" if name.startswith("prefill") else "decode") for name in actors.workers}
+    await router.stop(0.0)
+    link = {"pieces": actors.link.pieces, "busy_s": actors.link.busy_s}
+    return SimRun(records, steps, simulated, 0.0, workers, link)
+
+
+def _validator(shape: ModelShape, config: ClusterConfig) -> RequestValidator:
+    """The request limits of the emulated model: its vocabulary and context (token ids only)."""
+    max_len = config.model.max_model_len or shape.max_positions or 131_072
+    return RequestValidator(None, shape.vocab_size or 32_000, max_len, config.router.max_prompt_bytes)
+
+
+async def _steps(router: Router, t0: float) -> dict[str, Any]:
+    out = {}
+    for w in router.pools.all():
+        if w.stopped:
+            continue
+        records = await w.actor.telemetry.remote(0)
+        out[w.name] = {"pool": w.info.pool, "blocks_total": w.info.num_blocks,
+                       "steps": step_records_to_dicts(records, t0)}
+    return out
+
+
+class _Client:
+    def __init__(self, router: Router, label: str, t0: float):
+        self.router, self.label, self.t0 = router, label, t0
+
+    async def send(self, spec: RequestSpec) -> RequestRecord:
+        """Streams one request as bench's gRPC client does; a refusal is recorded, never raised."""
+        times: list[float] = []
+        counts: list[int] = []
+        finish, error, usage = "", None, {}
+        send_s = clock.now() - self.t0
+        sampling = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
+        try:
+            self.router.check_open()
+            life = self.router.accept(spec.request_id, list(spec.prompt_token_ids), sampling)
+            async for chunk in self.router.generate(life):
+                if chunk.token_ids:
+                    times.append(clock.now() - self.t0)
+                    counts.append(len(chunk.token_ids))
+                if chunk.finish_reason is not None:
+                    finish = chunk.finish_reason.public if hasattr(chunk.finish_reason, "public") else str(chunk.finish_reason)
+                if chunk.usage is not None:
+                    usage = dataclasses.asdict(chunk.usage)
+        except tuple(GRPC_STATUS) as e:
+            code = next(code for kind, code in GRPC_STATUS.items() if isinstance(e, kind))
+            error = f"{code.name}: {e}"
+        return RequestRecord(spec.request_id, self.label, send_s, tuple(times), tuple(counts),
+                             spec.num_prompt_tokens, spec.max_tokens, finish, error, usage)

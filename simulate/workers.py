@@ -1,0 +1,150 @@
+"""The pools' workers in the simulation: the real actor classes over a simulated core and link.
+
+`SimPrefillWorker` and `SimDecodeWorker` are `PrefillWorker` and `DecodeWorker` with only their
+construction changed: a `SimCore` (simulate/engine.py) instead of an engine thread, and
+`SimLink` instead of torch.distributed channels. Every call the router makes (`prefill`, `aim`,
+`reserve`, `start`, `generate`, `abort`, `poll`, `stats`, `beat`, ...) runs the serving code, the
+hand-off table and the KV pusher included. A KV piece takes the link model's time for the
+emulated model's bytes of its blocks, in order per (prefill, decode) pair; its blocks are held on
+both sides meanwhile (pinned by the pusher, reserved by the hand-off), and it lands through the
+decode worker's own `_resolve_blocks` / `_on_landed`, as the receiver calls them. A start takes
+the emulated weights load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from decode_worker.handoff import HandoffTable
+from decode_worker.worker import DecodeWorker
+from engine.config import EngineConfig
+from engine.cost_model import Emulation
+from prefill_worker.push import KVPusher
+from prefill_worker.worker import PrefillWorker
+from protocol import clock
+from protocol.messages import WorkerInfo
+from simulate.engine import SimCore, SimRunner
+from worker_runtime.faults import Faults
+from worker_runtime.outbox import Outbox
+from worker_runtime.tombstones import Tombstones
+
+
+class SimLink:
+    """Every prefill -> decode wire of the cluster; `workers`: name -> live simulated worker."""
+
+    def __init__(self, emulation: Emulation, block_size: int):
+        self.bytes_per_block = block_size * emulation.cost.kv_bytes_per_token
+        self.model = emulation.link
+        self.workers: dict[str, SimDecodeWorker] = {}
+        self._free_at: dict[tuple[str, str], float] = {}  # each pair's wire is busy until then
+        self.pieces = 0
+        self.busy_s = 0.0
+
+    def send(self, sender: str, peer: str, request_id: str, block_ids: list[int], first_block: int) -> asyncio.Future:
+        """A piece on the pair's wire after the pieces before it: resolved on the decode side when
+        it starts, landed when it ends; the future ends with it (an error if it could not land)."""
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        decode = self.workers.get(peer)
+        if decode is None:
+            fut.set_exception(ConnectionError(f"{peer} is gone"))
+            return fut
+        start = max(clock.now(), self._free_at.get((sender, peer), 0.0))
+        took = self.model.transfer_s(len(block_ids) * self.bytes_per_block)
+        self._free_at[sender, peer] = start + took
+        self.pieces += 1
+        self.busy_s += took
+        state: dict[str, list[int] | None] = {}
+
+        def begin() -> None:
+            state["dst"] = decode._resolve_blocks(request_id, len(block_ids), first_block)
+
+        def land() -> None:
+            dst = state.get("dst")
+            if dst is None:
+                error = LookupError(f"{peer} holds no reservation for {request_id} (first block {first_block})")
+                fut.set_exception(error)
+                return
+            decode._on_landed(request_id, dst, None)
+            fut.set_result(None)
+        loop.call_at(start, begin)
+        loop.call_at(start + took, land)
+        return fut
+
+
+class _Sender:
+    """What the KV pusher sends through (`KVSender.send`'s signature) for one prefill worker."""
+
+    def __init__(self, link: SimLink, name: str):
+        self._link, self._name = link, name
+        self.peers: set[str] = set()
+
+    def send(self, peer_id: str, request_id: str, src_block_ids: list[int], first_block: int = 0) -> asyncio.Future:
+        self.peers.add(peer_id)
+        return self._link.send(self._name, peer_id, request_id, src_block_ids, first_block)
+
+    @property
+    def num_channels(self) -> int:
+        return len(self.peers)
+
+
+class SimPrefillWorker(PrefillWorker):
+    def __init__(self, name: str, config: EngineConfig, emulation: Emulation, runner: SimRunner, link: SimLink,
+                 stream_chunks: bool, timeout_s: float):
+        self.faults = Faults(None, name)
+        self.core = SimCore(name, "prefill", config, runner, emulation.cost, self._on_outputs, self._after_step)
+        self.sender = _Sender(link, name)
+        self.pusher = KVPusher(self.core.loop, self.sender, self.faults, stream_chunks,
+                               on_failed=self._push_failed, on_ended=self._push_ended)
+        self._timeout_s = timeout_s
+        self._waiters = {}
+        self._channel_locks = {}
+        self._peers = {}
+        self.outbox = Outbox()
+        self._tasks = set()
+        self._aborted = Tombstones(clock=clock.now)
+        self._startup_s = emulation.startup_s
+
+    async def ready(self) -> WorkerInfo:
+        await asyncio.sleep(self._startup_s)  # the emulated weights load
+        return await super().ready()
+
+    async def _ensure_channel(self, decode_name: str, decode_actor) -> None:
+        """The simulated wire needs no channel: a piece finds its decode worker by name."""
+
+    def _num_channels(self) -> int:
+        return self.sender.num_channels
+
+    async def close_channel(self, decode_name: str) -> None:
+        self._peers.pop(decode_name, None)
+        self.sender.peers.discard(decode_name)
+
+    async def shutdown(self) -> None:
+        self.core.stop()
+
+
+class SimDecodeWorker(DecodeWorker):
+    def __init__(self, name: str, config: EngineConfig, emulation: Emulation, runner: SimRunner,
+                 link: SimLink | None):
+        self.faults = Faults(None, name)
+        self.core = SimCore(name, "decode", config, runner, emulation.cost, self._on_outputs)
+        self.outbox = Outbox()
+        self.handoffs = HandoffTable()
+        self._transfers = {}
+        self._landing_since = {}
+        self._block_bytes = runner.block_bytes
+        self.receiver = None  # the wire is the link's (SimLink.send lands pieces through this worker)
+        self._reaper = None
+        self._link = link
+        self._startup_s = emulation.startup_s
+        if link is not None:
+            link.workers[name] = self
+
+    async def ready(self) -> WorkerInfo:
+        await asyncio.sleep(self._startup_s)
+        return await super().ready()
+
+    async def shutdown(self) -> None:
+        if self._link is not None:
+            self._link.workers.pop(self.core.name, None)
+        await super().shutdown()
