@@ -1,4 +1,4 @@
-"""`pdserve` command line: serve, generate, chat, status, scale, convert-gguf, bench, plan, inspect.
+"""`pdserve` command line: serve, generate, chat, status, scale, convert-gguf, bench, plan, inspect, simulate.
 
 The CLI only maps flags onto the config and the gRPC API. Usage and config errors print one
 line naming the problem and exit 2; a failed RPC prints its status and exits 1.
@@ -23,6 +23,7 @@ from protocol.limits import CHAT_MAX_TOKENS
 from router.config.loader import load_config
 from router.config.schema import ClusterConfig
 from router.config.typed_yaml import ConfigError
+from simulate import cli as simulate_cli
 
 DEFAULT_CONFIG = "cluster.yaml"
 
@@ -61,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_cli.add_parser(sub)
     plan_cli.add_parser(sub)
     inspect_workload.add_parser(sub)
+    simulate_cli.add_parser(sub)
     return parser
 
 

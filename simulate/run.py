@@ -49,12 +49,13 @@ class SimRun:
     host_s: float
     workers: dict[str, str]  # name -> pool, every worker that ran
     link: dict[str, float]
+    checks: dict[str, dict] = dataclasses.field(default_factory=dict)  # each worker's block accounting at the end
 
 
 def simulate(config: ClusterConfig, emulation: Emulation, workload: Workload, label: str, seed: int = 0,
              rpc_s: float | None = None) -> SimRun:
     """Runs `workload` on `config`'s cluster on a fresh virtual clock; deterministic for a seed."""
-    loop = looptime.new_event_loop(start=0.0, noop_cycles=1_000_000)
+    loop = looptime.new_event_loop(start=0.0, noop_cycles=0)
     loop.unix_epoch = 0.0  # step records' end_unix: simulated seconds (protocol.clock.unix)
     began = time.perf_counter()
     try:
@@ -83,10 +84,11 @@ async def _run(config: ClusterConfig, emulation: Emulation, workload: Workload, 
     records = list(await asyncio.gather(*tasks))
     simulated = clock.now() - t0
     steps = await _steps(router, t0)
+    checks = {w.name: await w.actor.check.remote() for w in router.pools.all() if not w.stopped}
     workers = {name: ("prefill" if name.startswith("prefill") else "decode") for name in actors.workers}
     await router.stop(0.0)
     link = {"pieces": actors.link.pieces, "busy_s": actors.link.busy_s}
-    return SimRun(records, steps, simulated, 0.0, workers, link)
+    return SimRun(records, steps, simulated, 0.0, workers, link, checks)
 
 
 def _validator(shape: ModelShape, config: ClusterConfig) -> RequestValidator:
@@ -125,7 +127,7 @@ class _Client:
                     times.append(clock.now() - self.t0)
                     counts.append(len(chunk.token_ids))
                 if chunk.finish_reason is not None:
-                    finish = chunk.finish_reason.public if hasattr(chunk.finish_reason, "public") else str(chunk.finish_reason)
+                    finish = chunk.finish_reason.public
                 if chunk.usage is not None:
                     usage = dataclasses.asdict(chunk.usage)
         except tuple(GRPC_STATUS) as e:

@@ -25,7 +25,9 @@ ALLOWED: dict[str, set[str]] = {
                "checkpoints"},
     "client": set(),
     "bench": {"protocol", "engine", "router", "client", "checkpoints"},
-    "cli": {"protocol", "router", "client", "bench", "checkpoints"},
+    "simulate": {"protocol", "engine", "worker_runtime", "kv_transfer", "prefill_worker", "decode_worker", "router",
+                 "bench"},
+    "cli": {"protocol", "router", "client", "bench", "checkpoints", "simulate"},
 }
 PACKAGES = set(ALLOWED) | {"proto"}
 MAX_SHARE = 0.35

@@ -1,0 +1,181 @@
+"""`pdserve simulate`: the cluster of a config, on an emulated device, on a virtual clock.
+
+    pdserve simulate --config cluster.yaml --emulate h100:llama-3.1-8b --trace T.jsonl --workers 16
+    pdserve simulate --config cluster.yaml --emulate h100:llama-3.1-8b --preset steady --rate 40 --duration 60
+
+Each arrangement (`--arrangements`, at `--workers` devices, as `pdserve bench` rearranges them)
+runs in this process on a virtual clock: the router's own admission, placement and request
+lifecycle, and each worker's own scheduler and KV cache manager (simulate/__init__.py). A step
+takes the cost model's time for its shape, a KV piece the link model's. The report is bench's:
+the same tables, summary.json (`--json`: bench's schema), requests.jsonl, plots and HTML, with
+`simulation` added (simulated and host seconds, and the error docs/simulate.md measured). Two
+runs with one `--seed` print the same JSON. `--sweep` runs the seed's study (simulate/sweep.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.arrangements import ARRANGEMENTS, arrangement_config
+from bench.cli import (
+    _add_report_options,
+    _add_workload_options,
+    _positive_float,
+    _positive_int,
+    _workload_options,
+)
+from bench.decision import rank
+from bench.emulation import parse_emulate
+from bench.errors import BenchError
+from bench.metrics import ideal_hit_rate, parse_slo
+from bench.presets import build_workload
+from bench.report import build_summary, format_report, summarize_arrangements, write_report
+from bench.workload import Workload
+from engine.cost_model import Emulation
+from protocol.sizes import PlanError
+from router.config.emulate import check_emulate, emulation
+from router.config.schema import ClusterConfig
+from router.config.typed_yaml import ConfigError
+from simulate.run import SimRun, simulate
+
+ERROR_NOTE = "docs/simulate.md, Fidelity: measured error against the emulated and the real cluster"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "simulate", help="the cluster's own router and schedulers on a virtual clock: 8-64 emulated devices",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", required=True, metavar="YAML", help="the cluster to simulate")
+    parser.add_argument("--emulate", required=True, metavar="DEVICE:MODEL", help="e.g. h100:llama-3.1-8b")
+    parser.add_argument("--arrangements", metavar="NAMES",
+                        help=f"comma-separated, of {', '.join(ARRANGEMENTS)} (default: the config's own cluster)")
+    parser.add_argument("--workers", type=_positive_int, help="devices of every arrangement (with --arrangements)")
+    parser.add_argument("--prefill-workers", type=_positive_int,
+                        help="prefill devices of a disaggregated arrangement (default half of --workers)")
+    parser.add_argument("--duration", type=_positive_float, metavar="S",
+                        help="simulated seconds of arrivals: a trace's first S seconds, or rate x S requests")
+    parser.add_argument("--rpc-latency", type=float, default=None, metavar="S",
+                        help="one-way router <-> worker call latency (default 0.0002)")
+    _add_workload_options(parser)
+    _add_report_options(parser)
+    parser.set_defaults(func=run, out="simulate-out")
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        slo = parse_slo(args.slo)
+        base = _load(args.config)
+        device, model = parse_emulate(args.emulate)
+        base, em = emulated(base, device, model, args.config)
+        configs = cluster_configs(base, args.arrangements, args.workers, args.prefill_workers)
+        workload = build_workload(_workload_options(_with_duration(args), (em.cost.shape.max_positions,
+                                                                           em.cost.shape.vocab_size)))
+    except (BenchError, ConfigError, ValueError) as err:
+        print(f"pdserve simulate: {err}", file=sys.stderr)
+        return 2
+    runs = {name: simulate(cfg, em, workload, name, args.seed, args.rpc_latency) for name, cfg in configs.items()}
+    summary, records, steps = report(runs, workload, slo, base, em, configs, args.cost_per_worker_hour)
+    print(json.dumps(summary, indent=2) if args.json else
+          format_report({n: summary["arrangements"][n] for n in runs}, "arrangement", workload.describe(),
+                        summary["decision"]) + "\n" + format_speed(summary["simulation"]))
+    for name, r in runs.items():  # host time varies from run to run: not in the JSON, which a seed fixes
+        print(f"simulate: {name}: {r.simulated_s:.1f} simulated s in {r.host_s:.1f} host s "
+              f"({r.simulated_s / max(r.host_s, 1e-9):.2f}x real time)", file=sys.stderr)
+    written = write_report(Path(args.out), summary, records, args.plot, steps)
+    if args.report:
+        from bench.html_report import write_html
+
+        written.append(write_html(Path(args.report), summary, records, steps, "arrangement"))
+    for path in written:
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _load(path: str) -> ClusterConfig:
+    from router.config.loader import load_config
+
+    try:
+        return load_config(path)
+    except (OSError, ValueError) as err:
+        raise BenchError(f"--config {path}: {err}") from err
+
+
+def emulated(base: ClusterConfig, device: str, model: str, where: str) -> tuple[ClusterConfig, Emulation]:
+    """The config emulating `device`:`model` (its other emulate keys kept; time_scale 1: simulated
+    time is emulated time) and the resolved emulation. No host memory check: nothing is allocated."""
+    sec = dataclasses.replace(base.emulate, device=device, model=model, time_scale=1.0)
+    cfg = dataclasses.replace(base, emulate=sec,
+                              kv_cache=dataclasses.replace(base.kv_cache, memory=None, num_blocks=None))
+    try:
+        check_emulate(sec, cfg.kv_cache.block_size, where)
+        em = emulation(sec)
+    except (ConfigError, PlanError) as err:
+        raise BenchError(str(err)) from None
+    return cfg, em
+
+
+def cluster_configs(base: ClusterConfig, arrangements: str | None, workers: int | None,
+                    prefill_workers: int | None) -> dict[str, ClusterConfig]:
+    """The config's own cluster (named by its mode), or each arrangement at `workers` devices."""
+    if arrangements is None:
+        if workers or prefill_workers:
+            raise BenchError("--workers and --prefill-workers size --arrangements; without it the config's "
+                             "pools run as they are")
+        return {base.mode: base}
+    names = [n.strip() for n in arrangements.split(",") if n.strip()]
+    out = {}
+    for name in names:
+        label = name if not name.startswith("disaggregated") or prefill_workers is None else \
+            f"{name}-{prefill_workers}P{(workers or 2) - prefill_workers}D"
+        try:
+            out[label] = arrangement_config(base, name, workers or 2, False, prefill_workers)
+        except ValueError as err:
+            raise BenchError(f"--arrangements {name}: {err}") from err
+    return out
+
+
+def _with_duration(args: argparse.Namespace) -> argparse.Namespace:
+    """--duration as bench's options: a trace's window end, or a preset's request count."""
+    if args.duration is None:
+        return args
+    if args.trace or args.preset == "conversation":
+        start = float(args.window.partition(":")[0] or 0)
+        return argparse.Namespace(**vars(args) | {"window": f"{start:g}:{start + args.duration:g}"})
+    if args.rate is None:
+        raise BenchError("--duration with a preset needs --rate (requests = rate x duration)")
+    return argparse.Namespace(**vars(args) | {"num_requests": max(1, round(args.rate * args.duration))})
+
+
+def report(runs: dict[str, SimRun], workload: Workload, slo: Any, base: ClusterConfig, em: Emulation,
+           configs: dict[str, ClusterConfig], cost_per_worker_hour: float | None = None) -> tuple[dict[str, Any], dict, dict]:
+    """bench's summary of the runs, with `simulation`: what each run simulated and what it cost."""
+    records = {name: r.records for name, r in runs.items()}
+    steps = {name: r.steps for name, r in runs.items()}
+    ideal = ideal_hit_rate((r.prompt_token_ids for r in workload.requests), base.kv_cache.block_size)
+    summaries = summarize_arrangements(records, slo, workload.describe().get("burst"), ideal, steps)
+    info = {"config": "simulated", "block_size": base.kv_cache.block_size,
+            "prefix_caching": base.kv_cache.prefix_caching}
+    summary = build_summary(summaries, workload, slo, info, "arrangements")
+    workers = {name: cfg.decode.replicas + (cfg.prefill.replicas if cfg.mode == "disaggregated" else 0)
+               for name, cfg in configs.items()}
+    summary["decision"] = rank(summaries, workers, cost_per_worker_hour, summary["slo"])
+    summary["created_unix_s"] = None  # a seed fixes the whole JSON; the files' own times say when it ran
+    summary["simulation"] = {
+        "assumptions": em.assumptions(), "error": ERROR_NOTE,
+        "runs": {name: {"workers": workers[name], "simulated_s": round(r.simulated_s, 6),
+                        "kv_pieces": r.link["pieces"], "kv_link_busy_s": round(r.link["busy_s"], 6)}
+                 for name, r in runs.items()}}
+    return summary, records, steps
+
+
+def format_speed(sim: dict[str, Any]) -> str:
+    lines = ["", f"simulated: {sim['assumptions']}; error: {sim['error']}"]
+    for name, r in sim["runs"].items():
+        lines.append(f"{name:<28} {r['workers']} devices, {r['simulated_s']:.1f} simulated s")
+    return "\n".join(lines)
