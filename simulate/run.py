@@ -55,7 +55,7 @@ class SimRun:
 def simulate(config: ClusterConfig, emulation: Emulation, workload: Workload, label: str, seed: int = 0,
              rpc_s: float | None = None) -> SimRun:
     """Runs `workload` on `config`'s cluster on a fresh virtual clock; deterministic for a seed."""
-    loop = looptime.new_event_loop(start=0.0, noop_cycles=0)
+    loop = looptime.new_event_loop(start=0.0, noop_cycles=0, resolution=1e-9)  # ns: no step time is rounded away
     loop.unix_epoch = 0.0  # step records' end_unix: simulated seconds (protocol.clock.unix)
     began = time.perf_counter()
     try:

@@ -1,0 +1,112 @@
+"""`pdserve simulate`: the router's and the engine's own code on a virtual clock.
+
+Reference checks: an idle cluster's TTFT and ITL are exactly the cost model's step times; two
+runs with one seed give identical records, with the host slowed on purpose too; a placement rule
+changed in the router's `Placer` changes where the simulator places; blocks are all free at the end.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.presets import WorkloadOptions, build_workload
+from bench.workload import RequestSpec, make_workload
+from engine.cost_model import CostModel, StepItem
+from router.config.loader import load_config
+from router.pools.placement import Placer
+from simulate.cli import emulated
+from simulate.run import simulate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def h100():
+    base = load_config(str(ROOT / "cluster.yaml"))
+    return emulated(base, "h100", "llama-3.1-8b", "test")
+
+
+def _workload(n: int = 40, rate: float = 20.0, input_len: int = 512, preset: str = "shared-prefix"):
+    return build_workload(WorkloadOptions(preset=preset, num_requests=n, rate=rate, input_len=input_len,
+                                          output_len=32, max_context=8192, vocab=(1000, 32000), seed=3))
+
+
+def _disaggregated(cfg, prefill: int, decode: int):
+    return dataclasses.replace(cfg, mode="disaggregated", prefill=dataclasses.replace(cfg.prefill, replicas=prefill),
+                               decode=dataclasses.replace(cfg.decode, replicas=decode))
+
+
+def test_an_idle_cluster_takes_exactly_the_cost_models_step_times(h100):
+    cfg, em = h100
+    cfg = _disaggregated(cfg, 1, 1)
+    prompt = tuple(range(1000, 1200))  # 200 tokens: one chunk
+    workload = make_workload("one", [RequestSpec("r0", 0.0, prompt, 5)], None, {})
+    run = simulate(cfg, em, workload, "disaggregated", rpc_s=0.0)
+    (record,) = run.records
+    assert record.ok and record.output_tokens == 5 and record.finish_reason == "length"
+    cost: CostModel = em.cost
+    prefill = cost.step_s((StepItem(200, 200),))
+    # no link on the path of the first token; each decode step reads one more token of context
+    assert record.message_times_s[0] - record.send_s == pytest.approx(prefill, abs=1e-8)
+    gaps = [b - a for a, b in zip(record.message_times_s, record.message_times_s[1:], strict=False)]
+    # the first decode step waits for the KV's last piece (the link model's time), then runs
+    last_piece = em.link.transfer_s(cfg.kv_cache.block_size * cost.kv_bytes_per_token)
+    assert gaps[0] >= cost.step_s((StepItem(1, 201),)) + last_piece
+    assert gaps[1:] == pytest.approx([cost.step_s((StepItem(1, 201 + i),)) for i in range(1, 4)], abs=1e-8)
+    assert all(c["used"] == 0 for c in run.checks.values()), run.checks
+
+
+def test_one_seed_gives_identical_records_with_the_host_slowed_on_purpose(h100, monkeypatch):
+    cfg, em = h100
+    cfg = _disaggregated(cfg, 2, 2)
+    workload = _workload()
+    first = simulate(cfg, em, workload, "d", seed=7)
+    original = CostModel.step_s
+
+    def slow(self, step):  # host compute that must not enter the virtual clock
+        time.sleep(0.0005)
+        return original(self, step)
+    monkeypatch.setattr(CostModel, "step_s", slow)
+    second = simulate(cfg, em, workload, "d", seed=7)
+    assert second.host_s > first.host_s * 0.5  # it really ran
+    assert first.records == second.records and first.steps == second.steps
+    assert sum(r.ok for r in first.records) == len(workload.requests)
+    assert all(c["used"] == 0 and c["reserved"] == 0 for c in first.checks.values()), first.checks
+
+
+def test_a_placement_rule_changed_in_the_router_changes_the_simulation(h100, monkeypatch):
+    cfg, em = h100
+    cfg = _disaggregated(cfg, 3, 1)
+    workload = _workload(n=24, preset="steady", input_len=256)
+    spread = {r.usage["prefill_worker"] for r in simulate(cfg, em, workload, "d").records}
+    assert len(spread) > 1  # the router's own policy spreads prompts over the pool
+
+    def last_worker(self, workers, hashes, num_tokens, limit=None):
+        return max(workers, key=lambda w: w.name)
+    monkeypatch.setattr(Placer, "pick_prefill", last_worker)
+    pinned = {r.usage["prefill_worker"] for r in simulate(cfg, em, workload, "d").records}
+    assert pinned == {"prefill-2"}
+
+
+def test_the_cli_prints_benchs_schema_the_same_for_a_seed(tmp_path):
+    args = [sys.executable, "-m", "cli", "simulate", "--config", str(ROOT / "cluster.yaml"), "--emulate",
+            "h100:llama-3.1-8b", "--preset", "steady", "--rate", "20", "--duration", "3", "--arrangements",
+            "colocated-chunked,disaggregated", "--workers", "4", "--json", "--slo", "ttft=0.2"]
+    outs = [subprocess.run(args + ["--out", str(tmp_path / str(i))], capture_output=True, text=True, cwd=ROOT,
+                           env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": str(i)}, timeout=300) for i in (1, 2)]
+    assert outs[0].returncode == 0, outs[0].stderr
+    assert outs[0].stdout == outs[1].stdout
+    summary = json.loads(outs[0].stdout)
+    assert set(summary["arrangements"]) == {"colocated-chunked", "disaggregated"}
+    for name in summary["arrangements"]:
+        assert summary["arrangements"][name]["num_errors"] == 0 and summary["arrangements"][name]["num_requests"] == 60
+    assert summary["decision"]["recommendation"]
+    bad = subprocess.run(args[:6] + ["tpu:llama-3.1-8b"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert bad.returncode == 2 and "--emulate 'tpu:llama-3.1-8b'" in bad.stderr
