@@ -108,5 +108,5 @@ def test_the_cli_prints_benchs_schema_the_same_for_a_seed(tmp_path):
     for name in summary["arrangements"]:
         assert summary["arrangements"][name]["num_errors"] == 0 and summary["arrangements"][name]["num_requests"] == 60
     assert summary["decision"]["recommendation"]
-    bad = subprocess.run(args[:6] + ["tpu:llama-3.1-8b"], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    bad = subprocess.run(args[:7] + ["tpu:llama-3.1-8b"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "--emulate 'tpu:llama-3.1-8b'" in bad.stderr
