@@ -37,8 +37,8 @@ from bench.presets import build_workload
 from bench.report import build_summary, format_report, summarize_arrangements, write_report
 from bench.workload import Workload
 from engine.cost_model import Emulation
-from protocol.sizes import PlanError
-from router.config.emulate import check_emulate, emulation
+from protocol.sizes import PlanError, parse_bytes
+from router.config.emulate import CUSTOM, EmulateSection, check_emulate, emulation
 from router.config.schema import ClusterConfig
 from router.config.typed_yaml import ConfigError
 from simulate.run import SimRun, simulate
@@ -51,7 +51,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "simulate", help="the cluster's own router and schedulers on a virtual clock: 8-64 emulated devices",
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, metavar="YAML", help="the cluster to simulate")
-    parser.add_argument("--emulate", required=True, metavar="DEVICE:MODEL", help="e.g. h100:llama-3.1-8b")
+    parser.add_argument("--emulate", required=True, metavar="DEVICE:MODEL",
+                        help="e.g. h100:llama-3.1-8b; `host`: this host measured running the config's checkpoint; "
+                             "`config`: the config's own emulate: section")
     parser.add_argument("--arrangements", metavar="NAMES",
                         help=f"comma-separated, of {', '.join(ARRANGEMENTS)} (default: the config's own cluster)")
     parser.add_argument("--workers", type=_positive_int, help="devices of every arrangement (with --arrangements)")
@@ -71,8 +73,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         slo = parse_slo(args.slo)
         base = _load(args.config)
-        device, model = parse_emulate(args.emulate)
-        base, em = emulated(base, device, model, args.config)
+        base, em = emulated(base, _emulate_section(base, args.emulate), args.config)
         configs = cluster_configs(base, args.arrangements, args.workers, args.prefill_workers)
         workload = build_workload(_workload_options(_with_duration(args), (em.cost.shape.max_positions,
                                                                            em.cost.shape.vocab_size)))
@@ -106,18 +107,38 @@ def _load(path: str) -> ClusterConfig:
         raise BenchError(f"--config {path}: {err}") from err
 
 
-def emulated(base: ClusterConfig, device: str, model: str, where: str) -> tuple[ClusterConfig, Emulation]:
-    """The config emulating `device`:`model` (its other emulate keys kept; time_scale 1: simulated
-    time is emulated time) and the resolved emulation. No host memory check: nothing is allocated."""
-    sec = dataclasses.replace(base.emulate, device=device, model=model, time_scale=1.0)
-    cfg = dataclasses.replace(base, emulate=sec,
-                              kv_cache=dataclasses.replace(base.kv_cache, memory=None, num_blocks=None))
+def _emulate_section(base: ClusterConfig, text: str) -> EmulateSection:
+    """DEVICE:MODEL; `host`: this host measured running the config's checkpoint (simulate/host.py);
+    `config`: the config's own emulate: section as it is (a custom device, a saved host fit)."""
+    if text == "host":
+        from simulate.host import host_section
+
+        return host_section(base)[0]
+    if text == "config":
+        if base.emulate.device is None:
+            raise BenchError("--emulate config: the config has no emulate: section (emulate.device is null)")
+        return base.emulate
+    device, model = parse_emulate(text)
+    return dataclasses.replace(base.emulate, device=device, model=model)
+
+
+def emulated(base: ClusterConfig, sec: EmulateSection, where: str) -> tuple[ClusterConfig, Emulation]:
+    """The config emulating `sec`, at time_scale 1 (simulated time is emulated time), with the
+    KV pool the emulated device leaves; and the resolved emulation. No host memory check: a
+    simulation allocates no KV."""
+    sec = dataclasses.replace(sec, time_scale=1.0)
     try:
-        check_emulate(sec, cfg.kv_cache.block_size, where)
+        check_emulate(sec, base.kv_cache.block_size, where)
         em = emulation(sec)
     except (ConfigError, PlanError) as err:
         raise BenchError(str(err)) from None
-    return cfg, em
+    kv = base.kv_cache
+    if sec.device == CUSTOM and kv.memory and not kv.num_blocks:  # the host itself: the config's own pool
+        block_bytes = kv.block_size * em.cost.kv_bytes_per_token
+        kv = dataclasses.replace(kv, memory=None, num_blocks=parse_bytes(kv.memory) // block_bytes)
+    elif sec.device != CUSTOM:  # an emulated device's pool: what the model leaves of its memory
+        kv = dataclasses.replace(kv, memory=None, num_blocks=None)
+    return dataclasses.replace(base, emulate=sec, kv_cache=kv), em
 
 
 def cluster_configs(base: ClusterConfig, arrangements: str | None, workers: int | None,

@@ -14,6 +14,8 @@ the emulated weights load.
 from __future__ import annotations
 
 import asyncio
+from collections import deque
+from dataclasses import dataclass
 
 from decode_worker.handoff import HandoffTable
 from decode_worker.worker import DecodeWorker
@@ -30,46 +32,57 @@ from worker_runtime.tombstones import Tombstones
 
 
 class SimLink:
-    """Every prefill -> decode wire of the cluster; `workers`: name -> live simulated worker."""
+    """Every prefill -> decode wire of the cluster; `workers`: name -> live simulated decode worker.
+    Each pair's wire carries one piece at a time, in the order they were sent."""
 
     def __init__(self, emulation: Emulation, block_size: int):
         self.bytes_per_block = block_size * emulation.cost.kv_bytes_per_token
         self.model = emulation.link
         self.workers: dict[str, SimDecodeWorker] = {}
-        self._free_at: dict[tuple[str, str], float] = {}  # each pair's wire is busy until then
+        self._queues: dict[tuple[str, str], deque[_Piece]] = {}
         self.pieces = 0
         self.busy_s = 0.0
 
     def send(self, sender: str, peer: str, request_id: str, block_ids: list[int], first_block: int) -> asyncio.Future:
-        """A piece on the pair's wire after the pieces before it: resolved on the decode side when
-        it starts, landed when it ends; the future ends with it (an error if it could not land)."""
-        loop = asyncio.get_running_loop()
-        fut = loop.create_future()
-        decode = self.workers.get(peer)
-        if decode is None:
-            fut.set_exception(ConnectionError(f"{peer} is gone"))
-            return fut
-        start = max(clock.now(), self._free_at.get((sender, peer), 0.0))
-        took = self.model.transfer_s(len(block_ids) * self.bytes_per_block)
-        self._free_at[sender, peer] = start + took
+        """A piece on the pair's wire after the pieces before it; the future ends when it landed
+        (an error if it could not: the decode worker is gone or holds no reservation for it)."""
+        fut = asyncio.get_running_loop().create_future()
+        queue = self._queues.setdefault((sender, peer), deque())
+        queue.append(_Piece(peer, request_id, block_ids, first_block, fut))
+        if len(queue) == 1:
+            self._begin(queue)
+        return fut
+
+    def _begin(self, queue: deque[_Piece]) -> None:
+        """The head piece starts: the receiver resolves its blocks now (as at a header), it lands
+        after the link model's time for its bytes."""
+        piece = queue[0]
+        decode = self.workers.get(piece.peer)
+        dst = decode._resolve_blocks(piece.request_id, len(piece.block_ids), piece.first_block) if decode else None
+        took = self.model.transfer_s(len(piece.block_ids) * self.bytes_per_block)
         self.pieces += 1
         self.busy_s += took
-        state: dict[str, list[int] | None] = {}
+        asyncio.get_running_loop().call_later(took, self._land, queue, decode, dst)
 
-        def begin() -> None:
-            state["dst"] = decode._resolve_blocks(request_id, len(block_ids), first_block)
+    def _land(self, queue: deque[_Piece], decode: SimDecodeWorker | None, dst: list[int] | None) -> None:
+        piece = queue.popleft()
+        if decode is None or dst is None:
+            piece.fut.set_exception(LookupError(f"{piece.peer} is gone or holds no reservation for "
+                                                f"{piece.request_id} (first block {piece.first_block})"))
+        else:
+            decode._on_landed(piece.request_id, dst, None)
+            piece.fut.set_result(None)
+        if queue:
+            self._begin(queue)
 
-        def land() -> None:
-            dst = state.get("dst")
-            if dst is None:
-                error = LookupError(f"{peer} holds no reservation for {request_id} (first block {first_block})")
-                fut.set_exception(error)
-                return
-            decode._on_landed(request_id, dst, None)
-            fut.set_result(None)
-        loop.call_at(start, begin)
-        loop.call_at(start + took, land)
-        return fut
+
+@dataclass
+class _Piece:
+    peer: str
+    request_id: str
+    block_ids: list[int]
+    first_block: int
+    fut: asyncio.Future
 
 
 class _Sender:

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def h100():
     base = load_config(str(ROOT / "cluster.yaml"))
-    return emulated(base, "h100", "llama-3.1-8b", "test")
+    return emulated(base, dataclasses.replace(base.emulate, device="h100", model="llama-3.1-8b"), "test")
 
 
 def _workload(n: int = 40, rate: float = 20.0, input_len: int = 512, preset: str = "shared-prefix"):

@@ -1,0 +1,155 @@
+"""The simulator's error, measured: `pdserve simulate` against the clusters it stands for.
+
+    python -m scripts.bench_simulation [--json] [--only emulated,real,external] [--time-scale 8]
+
+- vs_emulated: `pdserve bench --emulate h100:llama-3.1-8b` (the tests' tiny model computing the
+  tokens, every step paced to the H100 model at `--time-scale`, its figures divided back) against
+  `pdserve simulate` of the same config, arrangements and seeded workload: 1P+1D and colocated x2.
+  The emulated run's own fidelity (its late steps) is printed beside it: an emulated run that is not
+  faithful is no reference.
+- vs_real: the real SmolLM2 cluster on this CPU (`pdserve bench`, no emulation) against
+  `pdserve simulate --emulate host` (this host's profile, measured first: simulate/host.py).
+- vs_external: Vidur (scripts/vidur_compare.py) on a window of the Mooncake conversation trace,
+  colocated, against `pdserve simulate` of the same window; null with the reason if it cannot run.
+
+Each entry gives, per arrangement, TTFT and ITL p50 / p99 of the reference and the simulation (ms)
+and the relative error (simulated / reference - 1), the workload and the commands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PY = sys.executable
+KEYS = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("itl_ms", "p50"), ("itl_ms", "p99"))
+TRACE = Path(os.environ.get("PDSERVE_TRACES", ROOT.parent / "shared" / "traces")) / "mooncake_conversation_trace.jsonl"
+SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
+
+
+def _cli(args: list[str], timeout_s: float) -> dict:
+    """`pdserve ARGS --json`'s summary."""
+    done = subprocess.run([PY, "-m", "cli", *args, "--json", "--no-progress"], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout_s, env=os.environ | {"RAY_USAGE_STATS_ENABLED": "0"})
+    if done.returncode != 0:
+        raise RuntimeError(f"pdserve {' '.join(args[:1])} failed ({done.returncode}): {done.stderr[-2000:]}")
+    return json.loads(done.stdout)
+
+
+def _config(path: Path, model: Path, tiny: bool) -> Path:
+    lines = [f"model: {{path: {model}{', create_tiny: llama' if tiny else ''}}}",
+             "router: {port: 0, metrics_port: null, http_port: null}",
+             "prefill: {replicas: 1, num_cpus: 0.5}", "decode: {replicas: 1, num_cpus: 0.5}",
+             "kv_cache: {block_size: 16, memory: 64MiB}"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def compare(reference: dict, simulated: dict) -> dict:
+    """Per arrangement: each figure's reference, simulated value and relative error."""
+    out = {}
+    for name, ref in reference["arrangements"].items():
+        sim = simulated["arrangements"][name]
+        row = {}
+        for metric, q in KEYS:
+            r, s = ref[metric][q], sim[metric][q]
+            row[f"{metric[:-3]}_{q}"] = {"reference_ms": r, "simulated_ms": s,
+                                          "error": None if not r else s / r - 1}
+        row["failed"] = {"reference": ref["num_errors"], "simulated": sim["num_errors"]}
+        out[name] = row
+    return out
+
+
+def vs_emulated(work: Path, k: float) -> dict:
+    cfg = _config(work / "tiny.yaml", work / "tiny-llama", tiny=True)
+    workload = ["--preset", "steady", "--num-requests", "40", "--rate", "4", "--input-len", "512",
+                "--output-len", "64", "--seed", "1"]
+    common = ["--config", str(cfg), "--emulate", "h100:llama-3.1-8b", "--arrangements", "disaggregated,colocated",
+              "--workers", "2", *workload]
+    bench = ["bench", *common, "--emulate-time-scale", f"{k:g}", "--out", str(work / "bench-emulated")]
+    simulate = ["simulate", *common, "--out", str(work / "sim-emulated")]
+    ref = _cli(bench, 1800)
+    sim = _cli(simulate, 600)
+    fidelity = {n: {key: a.get("emulation", {}).get(key) for key in ("faithful", "overrun_share", "suggested_time_scale")}
+                for n, a in ref["arrangements"].items()}
+    return {"workload": workload, "commands": {"reference": "pdserve " + " ".join(bench),
+                                               "simulated": "pdserve " + " ".join(simulate)},
+            "emulated_fidelity": fidelity, "arrangements": compare(ref, sim)}
+
+
+def vs_real(work: Path) -> dict:
+    if not (SMOLLM2 / "config.json").is_file():
+        return {"ran": False, "why_not": f"{SMOLLM2} is missing: `pdserve convert-gguf --smollm2 {SMOLLM2}` first"}
+    cfg = _config(work / "smollm2.yaml", SMOLLM2, tiny=False)
+    workload = ["--preset", "steady", "--num-requests", "16", "--rate", "0.5", "--input-len", "128",
+                "--output-len", "16", "--seed", "1"]
+    common = ["--config", str(cfg), "--arrangements", "disaggregated,colocated", "--workers", "2", *workload]
+    bench = ["bench", *common, "--out", str(work / "bench-real")]
+    simulate = ["simulate", *common, "--emulate", "host", "--out", str(work / "sim-real")]
+    ref = _cli(bench, 1800)
+    sim = _cli(simulate, 900)
+    return {"workload": workload, "commands": {"reference": "pdserve " + " ".join(bench),
+                                               "simulated": "pdserve " + " ".join(simulate)},
+            "assumptions": sim["simulation"]["assumptions"], "arrangements": compare(ref, sim)}
+
+
+def vs_external(work: Path, vidur_python: str | None) -> dict | None:
+    script = ROOT / "scripts" / "vidur_compare.py"
+    if not script.is_file() or not vidur_python:
+        return None
+    window, replicas = "0:120", "4"
+    cmd = [PY, str(script), "--vidur-python", vidur_python, "--trace", str(TRACE), "--window", window,
+           "--replicas", replicas, "--json"]
+    vidur = json.loads(subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600).stdout)
+    if not vidur.get("ran"):
+        return {"ran": False, "why_not": vidur.get("why_not"), "command": " ".join(cmd)}
+    simulate = ["simulate", "--config", str(ROOT / "cluster.yaml"), "--emulate", "h100:llama-3.1-8b",
+                "--trace", str(TRACE), "--window", window, "--length-scale", "1", "--arrangements",
+                "colocated-chunked", "--workers", replicas, "--out", str(work / "sim-vidur")]
+    sim = _cli(simulate, 1800)["arrangements"]["colocated-chunked"]
+    rows = {f"{m[:-3]}_{q}": {"vidur_ms": vidur["vidur"][m][q], "simulated_ms": sim[m][q],
+                              "difference": sim[m][q] / vidur["vidur"][m][q] - 1} for m, q in KEYS}
+    return {"ran": True, "commands": {"vidur": " ".join(cmd), "simulated": "pdserve " + " ".join(simulate)},
+            "vidur_config": vidur.get("config"), "figures": rows}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default="emulated,real,external")
+    parser.add_argument("--time-scale", type=float, default=8.0, help="the emulated cluster's (default 8)")
+    parser.add_argument("--vidur-python", default=os.environ.get("VIDUR_PYTHON"),
+                        help="a python with vidur installed (scripts/vidur_compare.py)")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    only = set(args.only.split(","))
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-sim-") as tmp:
+        work = Path(tmp)
+        result = {"vs_emulated": vs_emulated(work, args.time_scale) if "emulated" in only else None,
+                  "vs_real": vs_real(work) if "real" in only else None,
+                  "vs_external": vs_external(work, args.vidur_python) if "external" in only else None}
+    print(json.dumps(result, indent=2) if args.json else _table(result))
+    return 0
+
+
+def _table(result: dict) -> str:
+    lines = []
+    for entry, value in result.items():
+        if not value or "arrangements" not in value:
+            lines.append(f"{entry}: {json.dumps(value)}")
+            continue
+        lines.append(f"{entry}:  (reference / simulated ms, error)")
+        for name, row in value["arrangements"].items():
+            cells = [f"{k} {v['reference_ms']:.1f}/{v['simulated_ms']:.1f} {v['error']:+.1%}"
+                     for k, v in row.items() if k != "failed"]
+            lines.append(f"  {name:<16} " + "; ".join(cells))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
