@@ -6,6 +6,7 @@ option the user gave overrides them, and the same options + seed give the same r
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -51,6 +52,9 @@ PRESETS: dict[str, PresetDefaults] = {
     "shared-prefix": PresetDefaults(
         f"requests share one of {NUM_SHARED_PREFIXES} long prefixes (3/4 of the prompt)",
         200, 4.0, 512, 64, 0.25),
+    "diurnal": PresetDefaults(
+        "a day's swing in one run: the rate ramps from a fifth of --rate up to --rate and back down, "
+        "with 3x --rate for a twentieth of the run at 60%", 2000, 20.0, 1024, 256, 0.5),
     "conversation": PresetDefaults(
         "a window of Mooncake's conversation trace, lengths / 16", 0, None, None, 0, 0.0),
 }
@@ -84,7 +88,7 @@ def build_workload(opts: WorkloadOptions) -> Workload:
     if opts.preset not in PRESETS:
         raise WorkloadError(f"unknown preset {opts.preset!r}; known: {', '.join(PRESETS)}")
     builders = {"steady": _open_loop, "long-context": _open_loop,
-                "morning-burst": _morning_burst, "shared-prefix": _shared_prefix}
+                "morning-burst": _morning_burst, "shared-prefix": _shared_prefix, "diurnal": _diurnal}
     return builders[opts.preset](opts, PRESETS[opts.preset])
 
 
@@ -169,6 +173,44 @@ def _morning_burst(opts: WorkloadOptions, d: PresetDefaults) -> Workload:
               "num_requests": burst["num_requests"], "prompt_tokens": burst["input_len"]}
     meta = _metadata(opts, r) | {"burst": window}
     return make_workload(opts.preset, specs + burst_specs, opts.concurrency, meta)
+
+
+DIURNAL_LOW = 0.2  # the trough's rate, as a share of the peak (--rate)
+DIURNAL_BURST = (0.6, 0.05, 3.0)  # the burst: where in the run, how long (shares of it), x the peak rate
+
+
+def diurnal_rate(t: float, duration: float, peak: float) -> float:
+    """Requests/s at `t` of a `duration`-second diurnal run: a cosine from the trough at both ends
+    to `peak` halfway, and the burst on top."""
+    at, length, times = DIURNAL_BURST
+    if at * duration <= t < (at + length) * duration:
+        return times * peak
+    return peak * (DIURNAL_LOW + (1 - DIURNAL_LOW) * (1 - math.cos(2 * math.pi * t / duration)) / 2)
+
+
+def _diurnal(opts: WorkloadOptions, d: PresetDefaults) -> Workload:
+    """Arrivals of a non-homogeneous Poisson process (thinning) whose rate follows `diurnal_rate`;
+    the run lasts as long as its mean rate takes to send `num_requests`."""
+    r = _resolved(opts, d)
+    if r["rate"] is None:
+        raise WorkloadError("diurnal replays a rate that swings over time: give --rate (its peak)")
+    peak, n = r["rate"], r["num_requests"]
+    mean = peak * ((1 + DIURNAL_LOW) / 2 + DIURNAL_BURST[1] * (DIURNAL_BURST[2] - (1 + DIURNAL_LOW) / 2))
+    duration = n / mean
+    rng = np.random.default_rng(opts.seed)
+    top, t, arrivals = DIURNAL_BURST[2] * peak, 0.0, []
+    while len(arrivals) < n:
+        t += rng.exponential(1.0 / top)
+        if rng.uniform() * top <= diurnal_rate(t % duration, duration, peak):
+            arrivals.append(t)
+    specs = _synthetic(opts, r | {"rate": None}, "req", rng)
+    timed = [RequestSpec(s.request_id, round(a, 6), s.prompt_token_ids, s.max_tokens)
+             for s, a in zip(specs, arrivals, strict=True)]
+    at, length, _ = DIURNAL_BURST
+    meta = _metadata(opts, r) | {"period_s": duration, "burst": {
+        "start_s": at * duration, "end_s": (at + length) * duration,
+        "num_requests": sum(at * duration <= a < (at + length) * duration for a in arrivals)}}
+    return make_workload(opts.preset, timed, opts.concurrency, meta)
 
 
 def _trace(opts: WorkloadOptions) -> Workload:

@@ -63,6 +63,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         help="simulated seconds of arrivals: a trace's first S seconds, or rate x S requests")
     parser.add_argument("--rpc-latency", type=float, default=None, metavar="S",
                         help="one-way router <-> worker call latency (default 0.0002)")
+    sweep = parser.add_argument_group("the study (--sweep): every arrangement at every size and rate")
+    sweep.add_argument("--sweep", action="store_true",
+                       help="colocated (chunked) and disaggregated at every P:D split, at each --sizes and --rates; "
+                            "needs --slo")
+    sweep.add_argument("--sizes", default="8,16,32,64", metavar="N,N", help="devices per cluster (default 8,16,32,64)")
+    sweep.add_argument("--rates", default="0.25,0.5,1,2,4,8", metavar="R,R",
+                       help="requests/s per device, the workload's arrivals scaled to each (default 0.25,...,8)")
+    sweep.add_argument("--splits", choices=("all", "eighths"), default="all",
+                       help="P:D splits: every P from 1 to N-1, or P in N/8 steps (default all)")
+    sweep.add_argument("--attainment", type=_positive_float, default=0.9,
+                       help="the share of requests within the SLO a rate must keep (default 0.9)")
+    sweep.add_argument("--processes", type=_positive_int, help="runs at once (default: this host's cores)")
     _add_workload_options(parser)
     _add_report_options(parser)
     parser.set_defaults(func=run, out="simulate-out")
@@ -80,6 +92,8 @@ def run(args: argparse.Namespace) -> int:
     except (BenchError, ConfigError, ValueError) as err:
         print(f"pdserve simulate: {err}", file=sys.stderr)
         return 2
+    if args.sweep:
+        return _sweep(args, base, em, workload, slo)
     runs = {name: simulate(cfg, em, workload, name, args.seed, args.rpc_latency) for name, cfg in configs.items()}
     summary, records, steps = report(runs, workload, slo, base, em, configs, args.cost_per_worker_hour)
     print(json.dumps(summary, indent=2) if args.json else
@@ -95,6 +109,36 @@ def run(args: argparse.Namespace) -> int:
         written.append(write_html(Path(args.report), summary, records, steps, "arrangement"))
     for path in written:
         print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _sweep(args: argparse.Namespace, base: ClusterConfig, em: Emulation, workload: Workload, slo: Any) -> int:
+    from simulate.sweep import format_sweep, plot_sweep, sweep
+
+    try:
+        sizes = [int(v) for v in args.sizes.split(",")]
+        rates = [float(v) for v in args.rates.split(",")]
+        if not slo.ttft_s and not slo.tpot_s and not slo.e2e_s:
+            raise BenchError("--sweep scores arrangements by their SLO: give --slo, e.g. ttft=2,tpot=50ms")
+        if any(n < 2 for n in sizes) or any(r <= 0 for r in rates):
+            raise BenchError("--sizes need at least 2 devices each and --rates positive values")
+    except ValueError as err:
+        print(f"pdserve simulate: --sizes / --rates: {err}", file=sys.stderr)
+        return 2
+    except BenchError as err:
+        print(f"pdserve simulate: {err}", file=sys.stderr)
+        return 2
+    result = sweep(base, em, workload, sizes, rates, slo, args.seed, args.splits, args.attainment, args.processes)
+    result["workload"], result["assumptions"] = workload.describe(), em.assumptions()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, indent=2) if args.json else format_sweep(result))
+    try:
+        print(f"wrote {plot_sweep(result, str(out / 'sweep.png'))}", file=sys.stderr)
+    except ImportError:
+        print("pdserve simulate: no plot (matplotlib is not installed: pip install pdserve[plot])", file=sys.stderr)
+    print(f"wrote {out / 'sweep.json'}", file=sys.stderr)
     return 0
 
 

@@ -110,3 +110,29 @@ def test_the_cli_prints_benchs_schema_the_same_for_a_seed(tmp_path):
     assert summary["decision"]["recommendation"]
     bad = subprocess.run(args[:7] + ["tpu:llama-3.1-8b"], capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert bad.returncode == 2 and "--emulate 'tpu:llama-3.1-8b'" in bad.stderr
+
+
+def test_the_knee_is_where_attainment_crosses_the_target():
+    from simulate.sweep import knee
+
+    assert knee([(1, 1.0), (2, 0.95), (4, 0.5)], 0.9) == pytest.approx(2 + 2 * 0.05 / 0.45)
+    assert knee([(1, 0.5), (2, 0.4)], 0.9) == 0.0
+    assert knee([(1, 1.0), (2, 0.99)], 0.9) == 2
+
+
+def test_the_sweep_covers_every_split_and_scores_by_the_slo(h100):
+    from bench.metrics import Slo
+    from simulate.sweep import arrangements, sweep
+
+    cfg, em = h100
+    assert list(arrangements(cfg, 4, "all")) == ["colocated-4", "1P3D", "2P2D", "3P1D"]
+    assert list(arrangements(cfg, 16, "eighths"))[1:3] == ["2P14D", "4P12D"]
+    result = sweep(cfg, em, _workload(n=30, preset="steady", input_len=256), [3], [1.0, 50.0], Slo(ttft_s=0.05),
+                   processes=1)
+    size = result["sizes"]["3"]
+    assert set(size["arrangements"]) == {"colocated-3", "1P2D", "2P1D"}
+    for a in size["arrangements"].values():
+        low, high = a["rates"]["1"], a["rates"]["50"]
+        assert low["errors"] == high["errors"] == 0
+        assert low["slo_attainment"] >= high["slo_attainment"]
+    assert size["recommended"] == size["ranking"][0]
