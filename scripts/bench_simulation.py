@@ -113,8 +113,10 @@ def vs_external(work: Path, vidur_python: str | None) -> dict | None:
                 "--trace", str(TRACE), "--window", window, "--length-scale", "1", "--arrangements",
                 "colocated-chunked", "--workers", replicas, "--out", str(work / "sim-vidur")]
     sim = _cli(simulate, 1800)["arrangements"]["colocated-chunked"]
-    rows = {f"{m[:-3]}_{q}": {"vidur_ms": vidur["vidur"][m][q], "simulated_ms": sim[m][q],
-                              "difference": sim[m][q] / vidur["vidur"][m][q] - 1} for m, q in KEYS}
+    rows = {f"{m[:-3]}_{q}": {"vidur_ms": (vidur["vidur"].get(m) or {}).get(q), "simulated_ms": sim[m][q]}
+            for m, q in KEYS}
+    for row in rows.values():
+        row["difference"] = None if not row["vidur_ms"] else row["simulated_ms"] / row["vidur_ms"] - 1
     return {"ran": True, "commands": {"vidur": " ".join(cmd), "simulated": "pdserve " + " ".join(simulate)},
             "vidur_config": vidur.get("config"), "figures": rows}
 

@@ -201,22 +201,30 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def read_metrics(out_dir: Path) -> dict:
-    """TTFT, ITL and TPOT in ms at p50/p90/p99 from Vidur's files under `out_dir` (its seconds)."""
-    requests = next(out_dir.rglob("request_metrics.csv"))
-    with requests.open() as f:
+    """TTFT, ITL and TPOT in ms at p50/p90/p99 from Vidur's newest run under `out_dir` (its seconds)."""
+    runs = sorted(out_dir.rglob("request_metrics.csv"), key=lambda path: path.stat().st_mtime)
+    if not runs:
+        raise FileNotFoundError(f"Vidur wrote no request_metrics.csv under {out_dir}")
+    with runs[-1].open() as f:
         rows = list(csv.DictReader(f))
     ttft = [float(r["prefill_e2e_time"]) for r in rows if r.get("prefill_e2e_time")]
     tpot = [float(r["decode_time_execution_plus_preemption_normalized"]) for r in rows
             if r.get("decode_time_execution_plus_preemption_normalized")]
-    itl_file = next(out_dir.rglob("decode_token_execution_plus_preemption_time.csv"))
-    with itl_file.open() as f:
-        cdf = {round(float(r["cdf"]), 2): float(r["decode_token_execution_plus_preemption_time"])
-               for r in csv.DictReader(f)}
     qs = (50, 90, 99)
     return {"ttft_ms": {f"p{q}": 1000 * percentile(ttft, q) for q in qs},
-            "itl_ms": {f"p{q}": 1000 * cdf[q / 100] for q in qs},
+            "itl_ms": read_itl(runs[-1].parent / "plots" / "decode_token_execution_plus_preemption_time.csv", qs),
             "tpot_ms": {f"p{q}": 1000 * percentile(tpot, q) for q in qs},
             "requests_completed": len(ttft)}
+
+
+def read_itl(path: Path, qs: tuple[int, ...]) -> dict[str, float] | None:
+    """ITL quantiles (ms) from Vidur's DDSketch CDF file (1% steps); None if no decode token ran."""
+    if not path.is_file():
+        return None
+    with path.open() as f:
+        cdf = {round(float(r["cdf"]), 2): float(r["decode_token_execution_plus_preemption_time"])
+               for r in csv.DictReader(f)}
+    return {f"p{q}": 1000 * cdf[q / 100] for q in qs}
 
 
 def run_vidur(python: str, argv: list[str], timeout: float, log: Path) -> tuple[int | None, str, float]:
@@ -301,7 +309,10 @@ def compare(args: argparse.Namespace, work: Path) -> dict:
         report["work_dir"] = str(work)
     if code != 0:
         return {**report, "why_not": why_not(code, stderr, args.timeout, cfg["profiles"])}
-    return {**report, "ran": True, "vidur": read_metrics(work / "metrics")}
+    try:
+        return {**report, "ran": True, "vidur": read_metrics(work / "metrics")}
+    except FileNotFoundError as exc:
+        return {**report, "why_not": str(exc)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -315,10 +326,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(report, indent=2))
     elif report["ran"]:
-        v = report["vidur"]
-        print(f"Vidur {report['config']['replica_scheduler']} x{args.replicas} {args.device}: "
-              f"TTFT p50/p99 {v['ttft_ms']['p50']:.1f}/{v['ttft_ms']['p99']:.1f} ms, "
-              f"ITL p50/p99 {v['itl_ms']['p50']:.1f}/{v['itl_ms']['p99']:.1f} ms")
+        cfg, figures = report["config"], report["vidur"]
+        print(f"Vidur {cfg['replica_scheduler']} x{cfg['num_replicas']} {cfg['device']} {cfg['model']}: "
+              + ", ".join(f"{name} p50/p99 {quantiles['p50']:.1f}/{quantiles['p99']:.1f} ms"
+                          for name, quantiles in figures.items() if isinstance(quantiles, dict)))
     else:
         print(f"Vidur did not run: {report['why_not']}")
     return 0 if report["ran"] else 1
