@@ -9,6 +9,7 @@
   faithful is no reference.
 - vs_real: the real SmolLM2 cluster on this CPU (`pdserve bench`, no emulation) against
   `pdserve simulate --emulate host` (this host's profile, measured first: simulate/host.py).
+- speed (with `--only speed`): simulated seconds per host second at 8-64 devices.
 - vs_external: Vidur (scripts/vidur_compare.py) on a window of the Mooncake conversation trace,
   colocated, against `pdserve simulate` of the same window; null with the reason if it cannot run.
 
@@ -19,6 +20,7 @@ and the relative error (simulated / reference - 1), the workload and the command
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import subprocess
@@ -121,9 +123,42 @@ def vs_external(work: Path, vidur_python: str | None) -> dict | None:
             "vidur_config": vidur.get("config"), "figures": rows}
 
 
+def speed(sizes: list[int]) -> dict:
+    """Simulated seconds per host second at each size: the Mooncake conversation trace's first
+    120 s at its own rate and at 4x, and the diurnal preset (peak 2 requests/s per device); H100 x
+    Llama-3.1-8B, disaggregated half and half (simulate/gpu_cluster.yaml)."""
+    from bench.presets import WorkloadOptions, build_workload
+    from router.config.loader import load_config
+    from simulate.cli import cluster_configs, emulated
+    from simulate.run import simulate
+
+    base = load_config(str(ROOT / "simulate" / "gpu_cluster.yaml"))
+    base, em = emulated(base, dataclasses.replace(base.emulate, device="h100", model="llama-3.1-8b"), "speed")
+    def trace(k: float):
+        return build_workload(WorkloadOptions(trace=str(TRACE), length_scale=1.0, time_scale=k, window=(0.0, 120.0),
+                                              max_context=131_072, vocab=(16, 256)))
+    out = {}
+    for n in sizes:
+        cfg = cluster_configs(base, "disaggregated", n, None)["disaggregated"]
+        workloads = {"mooncake-1x": trace(1.0), "mooncake-4x": trace(4.0),
+                     "diurnal": build_workload(WorkloadOptions(preset="diurnal", num_requests=50 * n, rate=2.0 * n,
+                                                               input_len=1024, output_len=256, max_context=131_072))}
+        for name, workload in workloads.items():
+            run = simulate(cfg, em, workload, name)
+            events = sum(len(w["steps"]) for w in run.steps.values())
+            out.setdefault(str(n), {})[name] = {
+                "requests": len(workload.requests), "failed": sum(not r.ok for r in run.records),
+                "simulated_s": round(run.simulated_s, 2), "host_s": round(run.host_s, 2),
+                "sim_s_per_host_s": round(run.simulated_s / run.host_s, 3), "engine_steps": events,
+                "host_ms_per_step": round(run.host_s / max(events, 1) * 1e3, 3)}
+            print(f"speed: {n} devices, {name}: {out[str(n)][name]}", file=sys.stderr)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", default="emulated,real,external")
+    parser.add_argument("--only", default="emulated,real,external", help="of emulated, real, external, speed")
+    parser.add_argument("--sizes", default="8,16,32,64", help="devices, for speed (default 8,16,32,64)")
     parser.add_argument("--time-scale", type=float, default=8.0, help="the emulated cluster's (default 8)")
     parser.add_argument("--vidur-python", default=os.environ.get("VIDUR_PYTHON"),
                         help="a python with vidur installed (scripts/vidur_compare.py)")
@@ -135,6 +170,8 @@ def main() -> int:
         result = {"vs_emulated": vs_emulated(work, args.time_scale) if "emulated" in only else None,
                   "vs_real": vs_real(work) if "real" in only else None,
                   "vs_external": vs_external(work, args.vidur_python) if "external" in only else None}
+        if "speed" in only:
+            result["speed"] = speed([int(n) for n in args.sizes.split(",")])
     print(json.dumps(result, indent=2) if args.json else _table(result))
     return 0
 
