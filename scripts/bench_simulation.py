@@ -162,11 +162,13 @@ def main() -> int:
     parser.add_argument("--time-scale", type=float, default=8.0, help="the emulated cluster's (default 8)")
     parser.add_argument("--vidur-python", default=os.environ.get("VIDUR_PYTHON"),
                         help="a python with vidur installed (scripts/vidur_compare.py)")
+    parser.add_argument("--keep", metavar="DIR", help="write the runs' reports here (default: a temporary directory)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     only = set(args.only.split(","))
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-sim-") as tmp:
-        work = Path(tmp)
+        work = Path(args.keep or tmp)
+        work.mkdir(parents=True, exist_ok=True)
         result = {"vs_emulated": vs_emulated(work, args.time_scale) if "emulated" in only else None,
                   "vs_real": vs_real(work) if "real" in only else None,
                   "vs_external": vs_external(work, args.vidur_python) if "external" in only else None}

@@ -81,7 +81,12 @@ def test_one_seed_gives_identical_records_with_the_host_slowed_on_purpose(h100, 
     assert all(c["used"] == 0 and c["reserved"] == 0 for c in first.checks.values()), first.checks
 
 
-def test_a_placement_rule_changed_in_the_router_changes_the_simulation(h100, monkeypatch):
+@pytest.mark.usefixtures("ray_instance")
+def test_a_placement_rule_changed_in_the_router_changes_the_live_router_and_the_simulation(h100, served_2x2,
+                                                                                           monkeypatch):
+    """No policy is written twice: one rule, changed in the router's `Placer`, moves both."""
+    from tests.cluster_util import Client
+
     cfg, em = h100
     cfg = _disaggregated(cfg, 3, 1)
     workload = _workload(n=24, preset="steady", input_len=256)
@@ -89,10 +94,15 @@ def test_a_placement_rule_changed_in_the_router_changes_the_simulation(h100, mon
     assert len(spread) > 1  # the router's own policy spreads prompts over the pool
 
     def last_worker(self, workers, hashes, num_tokens, limit=None):
-        return max(workers, key=lambda w: w.name)
+        return max(workers, key=lambda w: int(w.name.split("-")[1]))
     monkeypatch.setattr(Placer, "pick_prefill", last_worker)
     pinned = {r.usage["prefill_worker"] for r in simulate(cfg, em, workload, "d").records}
     assert pinned == {"prefill-2"}
+    live = max((w.name for w in served_2x2.router.pools.ready("prefill")), key=lambda n: int(n.split("-")[1]))
+    client = Client(served_2x2.address)
+    used = {client.tokens([11 + i, 12, 13, 14 + i], max_tokens=2, ignore_eos=True)[1].usage.prefill_worker
+            for i in range(4)}
+    assert used == {live}
 
 
 def test_the_cli_prints_benchs_schema_the_same_for_a_seed(tmp_path):
