@@ -146,3 +146,19 @@ def test_the_sweep_covers_every_split_and_scores_by_the_slo(h100):
         assert low["errors"] == high["errors"] == 0
         assert low["slo_attainment"] >= high["slo_attainment"]
     assert size["recommended"] == size["ranking"][0]
+
+
+def test_a_host_profile_keeps_the_configs_own_kv_pool(h100):
+    """`--emulate host` / `config` (a custom device: this host) simulate the config's own pool, so a
+    simulation compares with the real cluster it stands for; an emulated GPU gets the GPU's pool."""
+    from simulate.cli import _emulate_section
+
+    cfg, _ = h100
+    base = load_config(str(ROOT / "cluster.yaml"))
+    host = dataclasses.replace(base.emulate, device="custom", model="llama-3.2-1b", bandwidth="20GB/s",
+                               flops="200GFLOPs", memory="64GiB")
+    sim, em = emulated(dataclasses.replace(base, emulate=host), _emulate_section(
+        dataclasses.replace(base, emulate=host), "config"), "test")
+    block_bytes = base.kv_cache.block_size * em.cost.kv_bytes_per_token
+    assert sim.kv_cache.num_blocks == (256 << 20) // block_bytes and sim.emulate.time_scale == 1.0
+    assert cfg.kv_cache.num_blocks is None and cfg.engine_config(cfg.decode).num_blocks > 20_000  # 80 GB of H100
