@@ -163,6 +163,8 @@ def main() -> int:
     parser.add_argument("--vidur-python", default=os.environ.get("VIDUR_PYTHON"),
                         help="a python with vidur installed (scripts/vidur_compare.py)")
     parser.add_argument("--keep", metavar="DIR", help="write the runs' reports here (default: a temporary directory)")
+    parser.add_argument("--record", action="store_true",
+                        help="save vs_emulated and vs_real in simulate/fidelity.json: `pdserve simulate` prints it")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     only = set(args.only.split(","))
@@ -174,8 +176,26 @@ def main() -> int:
                   "vs_external": vs_external(work, args.vidur_python) if "external" in only else None}
         if "speed" in only:
             result["speed"] = speed([int(n) for n in args.sizes.split(",")])
+    if args.record:
+        _record(result)
     print(json.dumps(result, indent=2) if args.json else _table(result))
     return 0
+
+
+def _record(result: dict) -> None:
+    """What `pdserve simulate` prints as its error: the entries measured now, the others kept."""
+    import platform
+    import time
+
+    path = ROOT / "simulate" / "fidelity.json"
+    saved = json.loads(path.read_text()) if path.is_file() else {}
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor()) if Path("/proc/cpuinfo").is_file() else ""
+    for key in ("vs_emulated", "vs_real", "vs_external"):
+        if result.get(key):
+            saved[key] = result[key]
+    saved["measured"] = f"{time.strftime('%Y-%m-%d', time.gmtime())}, {os.cpu_count()} cores, {cpu}"
+    path.write_text(json.dumps(saved, indent=2) + "\n")
 
 
 def _table(result: dict) -> str:

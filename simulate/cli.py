@@ -43,7 +43,16 @@ from router.config.schema import ClusterConfig
 from router.config.typed_yaml import ConfigError
 from simulate.run import SimRun, simulate
 
-ERROR_NOTE = "docs/simulate.md, Fidelity: measured error against the emulated and the real cluster"
+FIDELITY = Path(__file__).with_name("fidelity.json")  # written by `python -m scripts.bench_simulation --record`
+
+
+def measured_error() -> dict[str, Any]:
+    """The simulator's last measured error (docs/simulate.md, Fidelity), as recorded with the
+    date, host and commands; {} before any was recorded."""
+    try:
+        return json.loads(FIDELITY.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -232,15 +241,29 @@ def report(runs: dict[str, SimRun], workload: Workload, slo: Any, base: ClusterC
     summary["decision"] = rank(summaries, workers, cost_per_worker_hour, summary["slo"])
     summary["created_unix_s"] = None  # a seed fixes the whole JSON; the files' own times say when it ran
     summary["simulation"] = {
-        "assumptions": em.assumptions(), "error": ERROR_NOTE,
+        "assumptions": em.assumptions(), "error": measured_error(),
         "runs": {name: {"workers": workers[name], "simulated_s": round(r.simulated_s, 6),
                         "kv_pieces": r.link["pieces"], "kv_link_busy_s": round(r.link["busy_s"], 6)}
                  for name, r in runs.items()}}
     return summary, records, steps
 
 
+def format_error(error: dict[str, Any]) -> list[str]:
+    """The recorded error, one line per reference: the worst of its arrangements per figure."""
+    if not error:
+        return ["error: not measured yet (python -m scripts.bench_simulation --record)"]
+    lines = [f"measured error of this simulator ({error.get('measured', '?')}; docs/simulate.md, Fidelity):"]
+    for ref in ("vs_emulated", "vs_real"):
+        rows = (error.get(ref) or {}).get("arrangements") or {}
+        if rows:
+            worst = {k: max((r[k]["error"] for r in rows.values() if r[k]["error"] is not None), key=abs)
+                     for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}
+            lines.append(f"  {ref}: " + ", ".join(f"{k} {v:+.0%}" for k, v in worst.items()))
+    return lines
+
+
 def format_speed(sim: dict[str, Any]) -> str:
-    lines = ["", f"simulated: {sim['assumptions']}; error: {sim['error']}"]
+    lines = ["", f"simulated: {sim['assumptions']}", *format_error(sim["error"])]
     for name, r in sim["runs"].items():
         lines.append(f"{name:<28} {r['workers']} devices, {r['simulated_s']:.1f} simulated s")
     return "\n".join(lines)
