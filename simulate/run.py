@@ -53,13 +53,14 @@ class SimRun:
 
 
 def simulate(config: ClusterConfig, emulation: Emulation, workload: Workload, label: str, seed: int = 0,
-             rpc_s: float | None = None) -> SimRun:
-    """Runs `workload` on `config`'s cluster on a fresh virtual clock; deterministic for a seed."""
+             rpc_s: float | None = None, check: bool = True) -> SimRun:
+    """Runs `workload` on `config`'s cluster on a fresh virtual clock; deterministic for a seed.
+    `check`: every worker's block accounting at the end (`SimRun.checks`; a pass over its pool)."""
     loop = looptime.new_event_loop(start=0.0, noop_cycles=0, resolution=1e-9)  # ns: no step time is rounded away
     loop.unix_epoch = 0.0  # step records' end_unix: simulated seconds (protocol.clock.unix)
     began = time.perf_counter()
     try:
-        run = loop.run_until_complete(_run(config, emulation, workload, label, seed, rpc_s))
+        run = loop.run_until_complete(_run(config, emulation, workload, label, seed, rpc_s, check))
     finally:
         loop.close()
     run.host_s = time.perf_counter() - began
@@ -67,7 +68,7 @@ def simulate(config: ClusterConfig, emulation: Emulation, workload: Workload, la
 
 
 async def _run(config: ClusterConfig, emulation: Emulation, workload: Workload, label: str, seed: int,
-               rpc_s: float | None) -> SimRun:
+               rpc_s: float | None, check: bool) -> SimRun:
     shape = emulation.cost.shape
     actors = SimActors(emulation, shape, config.kv_cache.block_size, **({} if rpc_s is None else {"rpc_s": rpc_s}))
     rng = random.Random(seed)
@@ -84,7 +85,7 @@ async def _run(config: ClusterConfig, emulation: Emulation, workload: Workload, 
     records = list(await asyncio.gather(*tasks))
     simulated = clock.now() - t0
     steps = await _steps(router, t0)
-    checks = {w.name: await w.actor.check.remote() for w in router.pools.all() if not w.stopped}
+    checks = {w.name: await w.actor.check.remote() for w in router.pools.all() if not w.stopped} if check else {}
     workers = {name: ("prefill" if name.startswith("prefill") else "decode") for name in actors.workers}
     await router.stop(0.0)
     link = {"pieces": actors.link.pieces, "busy_s": actors.link.busy_s}

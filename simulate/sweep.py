@@ -48,7 +48,7 @@ def retimed(workload: Workload, rate: float) -> Workload:
 
 def _one(job: tuple) -> tuple[str, int, float, dict[str, Any], float]:
     name, n, rate, cfg, em, workload, slo, seed = job
-    run = simulate(cfg, em, retimed(workload, rate * n), name, seed)
+    run = simulate(cfg, em, retimed(workload, rate * n), name, seed, check=False)
     s = summarize_run(run.records, slo)
     return name, n, rate, {"slo_attainment": s["slo_attainment"], "goodput_req_per_s": s["goodput_req_per_s"],
                            "errors": s["num_errors"], "ttft_p99_ms": s["ttft_ms"]["p99"],
