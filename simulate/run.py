@@ -87,9 +87,23 @@ async def _run(config: ClusterConfig, emulation: Emulation, workload: Workload, 
     steps = await _steps(router, t0)
     checks = {w.name: await w.actor.check.remote() for w in router.pools.all() if not w.stopped} if check else {}
     workers = {name: ("prefill" if name.startswith("prefill") else "decode") for name in actors.workers}
-    await router.stop(0.0)
+    await _teardown(router, actors)
     link = {"pieces": actors.link.pieces, "busy_s": actors.link.busy_s}
     return SimRun(records, steps, simulated, 0.0, workers, link, checks)
+
+
+async def _teardown(router: Router, actors: SimActors) -> None:
+    """Every request has ended: stop the monitor and every worker's loop and let their tasks end
+    (an orderly `Router.stop` would close each prefill/decode pair's channel: N^2 calls for nothing)."""
+    router.accepting = False
+    router.monitor.stop()
+    for worker in actors.workers.values():
+        worker.core.stop()
+    pending = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in pending:
+        task.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    router.intake.shutdown()
 
 
 def _validator(shape: ModelShape, config: ClusterConfig) -> RequestValidator:
