@@ -52,7 +52,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     gemm = kernels.gemm_for(dtype)
     if gemm is None or not dense.packable(dtype):
-        raise SystemExit(f"bench_linears: no {args.dtype} GEMM here (bfloat16 needs AMX)")
+        raise SystemExit(f"bench_linears: no {args.dtype} GEMM here (bfloat16 needs AMX or AVX512-BF16)")
     rows_list = [int(r) for r in args.rows.split(",")]
     if gemm.kernel_rows is not None and max(rows_list) > gemm.kernel_rows:
         raise SystemExit(f"bench_linears: the {args.dtype} GEMM takes at most {gemm.kernel_rows} rows")
