@@ -164,9 +164,11 @@ class Bf16Gemm:
 
     dtype = torch.bfloat16
     PATHS = {2: "AMX", 1: "AVX512-BF16", 0: ""}  # pd_bf16_gemm_path's answer, in words
-    # the engine's cut per path (oneDNN takes larger products): AmxGemm's on the tiles; on vectors
-    # SmolLM2's linears, 2 threads, Zen 4 (bench_linears --dtype bfloat16, 2026-12-04): see the note
-    VECTOR_ROWS = 32
+    # the engine's cut on vectors: None, every product (and no oneDNN copy of the weights), so prompt
+    # chunks and mixed steps run as one kernel call per layer too. SmolLM2 in bfloat16, 2 threads, AMD
+    # EPYC Zen 4 (2026-12-04, engine steps side by side, oneDNN's linears / cut at 32 / every product):
+    # a 512-token prompt 273.7 / 276.8 / 245.4 ms, a 48-row decode step 590 / 560 / 391 ms (a loaded host)
+    VECTOR_ROWS: int | None = None
 
     def __init__(self, lib: ctypes.CDLL, amx: AmxGemm) -> None:
         self._gemm, self._path = lib.pd_bf16_gemm, lib.pd_bf16_gemm_path
@@ -189,12 +191,14 @@ class Bf16Gemm:
         return AmxGemm.kernel_rows if self.path == "AMX" else None
 
     @property
-    def max_rows(self) -> int:
+    def max_rows(self) -> int | None:
+        """`PackedLinear`'s cut (None: every product, and no oneDNN copy of the weights)."""
         return AmxGemm.max_rows if self.path == "AMX" else self.VECTOR_ROWS
 
     @property
     def reach(self) -> str:
-        return f"bfloat16 up to {self.max_rows} rows by {'AMX tiles' if self.path == 'AMX' else 'vdpbf16ps'}"
+        how = "on AMX tiles" if self.path == "AMX" else "by vdpbf16ps (AVX512-BF16)"
+        return f"bfloat16 {'every product' if self.max_rows is None else f'up to {self.max_rows} rows'} {how}"
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
                  threads: int | None = None) -> torch.Tensor:

@@ -241,7 +241,7 @@ def main() -> None:
             _paired(case, rounds, hosts, shape, params)
         return case
 
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in (int(b) for b in args.batches.split(",") if b):  # --batches "": the prefill case alone
         engines = {n: _engine(model, batch, args.threads, VARIANTS[n]) for n in names}
         for engine in engines.values():
             _decoding(engine, batch, args.context, args.steps)
