@@ -13,7 +13,8 @@ one another, so a panel streams from memory once and from cache for the next til
 
 Each output is one float32 sum over the pairs of k in order, whatever R, P, the thread or the row
 count, then its bias added and rounded once to bfloat16 (nearest even), as the tiles do: a row's
-bits do not depend on what it is batched with. Threads take even shares of the panels. */
+bits do not depend on what it is batched with. Threads take even shares of the panels, and a
+thread that runs out of its own takes from the back of another's. */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -108,14 +109,14 @@ static void run_block(const uint32_t *xs, int64_t kp2, const uint16_t *w, const 
 }
 #undef BLOCK
 
-/* One thread's panels [p_lo, p_hi): blocks of panels_for(widest tile) panels (single panels for the
-   rest), each block through every row tile in turn; rows split in tiles of at most TILE_ROWS, as even
-   as they go. */
-static void panels_of(const uint32_t *xs, int64_t kp2, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
-                      int64_t out_stride, int rows, int64_t n, int64_t p_lo, int64_t p_hi) {
-    int tiles = (rows + TILE_ROWS - 1) / TILE_ROWS, group = panels_for((rows + tiles - 1) / tiles);
-    for (int64_t p0 = p_lo; p0 < p_hi;) {
-        int cnt = p_hi - p0 >= group ? group : 1;
+/* Job j: panels [j * group, (j + 1) * group) (fewer in the last), each block of them through every
+   row tile in turn; rows split in tiles of at most TILE_ROWS, as even as they go. A last job short of
+   a whole group takes its panels one at a time. */
+static void run_job(const uint32_t *xs, int64_t kp2, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
+                    int64_t out_stride, int rows, int64_t n, int64_t np, int group, int64_t job) {
+    int tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    for (int64_t p0 = job * group, end = p0 + group < np ? p0 + group : np; p0 < end;) {
+        int cnt = end - p0 == group ? group : 1;
         int64_t col0 = 16 * p0, cols = n - col0 < 16 * cnt ? n - col0 : 16 * cnt;
         for (int t = 0; t < tiles; t++) {
             int r0 = t * rows / tiles, r1 = (t + 1) * rows / tiles;
@@ -123,6 +124,19 @@ static void panels_of(const uint32_t *xs, int64_t kp2, const uint16_t *panels, c
                       out + r0 * out_stride + col0, out_stride, cols, r1 - r0, cnt);
         }
         p0 += cnt;
+    }
+}
+
+/* One job from a range [front, back) kept in one word (front << 32 | back): from the front for its
+   owner, from the back for a thread that ran out of its own; -1 when none is left. */
+static inline int64_t take(uint64_t *range, int from_back) {
+    uint64_t seen = __atomic_load_n(range, __ATOMIC_RELAXED);
+    for (;;) {
+        uint32_t front = (uint32_t)(seen >> 32), back = (uint32_t)seen;
+        if (front >= back) return -1;
+        uint64_t want = from_back ? seen - 1 : seen + ((uint64_t)1 << 32);
+        if (__atomic_compare_exchange_n(range, &seen, want, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return from_back ? back - 1 : front;
     }
 }
 
@@ -136,12 +150,23 @@ static int dpbf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *pane
         memcpy(xs + r * kp, x + r * x_stride, sizeof(uint16_t) * (size_t)k);
         memset(xs + r * kp + k, 0, sizeof(uint16_t) * (size_t)(kp - k));
     }
-    if (threads > np) threads = (int)np;
+    /* jobs of a block's panels; each thread owns an even, contiguous share and takes from the back of
+       another's when its own runs out (a neighbour on one core of a shared host, or unequal shares of
+       memory bandwidth, would otherwise leave the other waiting at the barrier) */
+    int tiles = (rows + TILE_ROWS - 1) / TILE_ROWS, group = panels_for((rows + tiles - 1) / tiles);
+    int64_t jobs = (np + group - 1) / group;
+    if (threads > jobs) threads = (int)jobs;
+    struct { _Alignas(64) uint64_t jobs; } ranges[threads]; /* a cache line each: no false sharing */
+    for (int i = 0; i < threads; i++)
+        ranges[i].jobs = (uint64_t)(jobs * i / threads) << 32 | (uint64_t)(jobs * (i + 1) / threads);
     _Pragma("omp parallel num_threads(threads)")
     {
-        int t = omp_get_thread_num(), count = omp_get_num_threads();
-        panels_of((const uint32_t *)xs, kp / 2, panels, bias, out, out_stride, rows, n, np * t / count,
-                  np * (t + 1) / count);
+        int me = omp_get_thread_num(); /* a smaller team than asked: the shares nobody owns are taken too */
+        for (int i = 0; i < threads; i++) { /* its own share first, then the others' from their backs */
+            uint64_t *range = &ranges[(me + i) % threads].jobs;
+            for (int64_t job; (job = take(range, i > 0)) >= 0;)
+                run_job((const uint32_t *)xs, kp / 2, panels, bias, out, out_stride, rows, n, np, group, job);
+        }
     }
     free(xs);
     return 0;
