@@ -154,3 +154,67 @@ class AmxGemm:
         if rc != 0:
             raise RuntimeError(f"pd_amx_gemm failed ({rc}): AMX unavailable, or {m} rows")
         return out
+
+
+class Bf16Gemm:
+    """`pd_bf16_gemm`: bfloat16 `x @ W^T + bias` on `AmxGemm.pack`'s panels, on AMX tiles where they
+    run (up to 64 rows), else by AVX512-BF16's vdpbf16ps (any row count: engine/csrc/bf16_gemm.c);
+    the one bfloat16 GEMM `PackedLinear` and the kernel layers call, so both take the same path. `path`
+    says which, or "" where neither runs here (oneDNN takes bfloat16's linears)."""
+
+    dtype = torch.bfloat16
+    PATHS = {2: "AMX", 1: "AVX512-BF16", 0: ""}  # pd_bf16_gemm_path's answer, in words
+    # the engine's cut on vectors: None, every product (and no oneDNN copy of the weights), so prompt
+    # chunks and mixed steps run as one kernel call per layer too. SmolLM2 in bfloat16, 2 threads, AMD
+    # EPYC Zen 4 (2026-12-04, engine steps side by side, oneDNN's linears / cut at 32 / every product):
+    # a 512-token prompt 273.7 / 276.8 / 245.4 ms, a 48-row decode step 590 / 560 / 391 ms (a loaded host)
+    VECTOR_ROWS: int | None = None
+
+    def __init__(self, lib: ctypes.CDLL, amx: AmxGemm) -> None:
+        self._gemm, self._path = lib.pd_bf16_gemm, lib.pd_bf16_gemm_path
+        self._gemm.restype = self._path.restype = _INT
+        self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _I64, _I64, _INT]
+        self._path.argtypes = []
+        self.pack = amx.pack  # the tiles' pair layout is vdpbf16ps's too
+
+    @property
+    def path(self) -> str:
+        """"AMX", "AVX512-BF16", or "" (neither here); AMX follows `AmxSwitch`."""
+        return self.PATHS[self._path()]
+
+    def ready(self) -> bool:
+        return bool(self.path)
+
+    @property
+    def kernel_rows(self) -> int | None:
+        """The most rows one call takes (None: any)."""
+        return AmxGemm.kernel_rows if self.path == "AMX" else None
+
+    @property
+    def max_rows(self) -> int | None:
+        """`PackedLinear`'s cut (None: every product, and no oneDNN copy of the weights)."""
+        return AmxGemm.max_rows if self.path == "AMX" else self.VECTOR_ROWS
+
+    @property
+    def reach(self) -> str:
+        how = "on AMX tiles" if self.path == "AMX" else "by vdpbf16ps (AVX512-BF16)"
+        return f"bfloat16 {'every product' if self.max_rows is None else f'up to {self.max_rows} rows'} {how}"
+
+    def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
+                 threads: int | None = None) -> torch.Tensor:
+        """x `[M, K]` bfloat16 (rows contiguous, M <= kernel_rows where that is set) -> `[M, n]` bfloat16."""
+        m, k = x.shape
+        if x.dtype != torch.bfloat16 or x.stride(1) != 1:
+            raise ValueError(f"the bfloat16 GEMM takes bfloat16 rows with contiguous values, not {x.dtype} "
+                             f"with strides {tuple(x.stride())}")
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        if m == 0:
+            return out
+        rc = self._gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                        out.data_ptr(), n, m, n, k, threads or torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError(f"the bfloat16 GEMM could not stage {m} rows")
+        if rc != 0:
+            raise RuntimeError(f"pd_bf16_gemm failed ({rc}): no bfloat16 GEMM here, or {m} rows past its "
+                               f"{self.kernel_rows}")
+        return out

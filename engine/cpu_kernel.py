@@ -44,7 +44,7 @@ from pathlib import Path
 import torch
 
 from engine import cpu_ops
-from engine.cpu_gemm import GEMM_REACH, SMALL_ROWS, AmxGemm, SmallGemm, _gemm_rows  # noqa: F401 - cpu_kernel's names too
+from engine.cpu_gemm import GEMM_REACH, SMALL_ROWS, AmxGemm, Bf16Gemm, SmallGemm, _gemm_rows  # noqa: F401 - cpu_kernel's names too
 from engine.cpu_ops import _FLOAT, _I64, _INT, _PTR, KernelUnavailable  # noqa: F401 - KernelUnavailable: cpu_kernel's error too
 
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
@@ -187,13 +187,14 @@ class Kernels:
     argmax: cpu_ops.Argmax
     use_amx: AmxSwitch
     amx_gemm: AmxGemm
+    bf16_gemm: Bf16Gemm
 
-    def gemm_for(self, dtype: torch.dtype) -> SmallGemm | AmxGemm | None:
+    def gemm_for(self, dtype: torch.dtype) -> SmallGemm | Bf16Gemm | None:
         """The GEMM that takes few-row linears of `dtype` weights here: float32 always, bfloat16 where
-        AMX runs; None: oneDNN takes them all."""
+        AMX or AVX512-BF16 runs; None: oneDNN takes them all."""
         if dtype == torch.float32:
             return self.gemm
-        return self.amx_gemm if dtype == torch.bfloat16 and self.amx_gemm.ready() else None
+        return self.bf16_gemm if dtype == torch.bfloat16 and self.bf16_gemm.ready() else None
 
 
 def supports(dtype: torch.dtype, device: torch.device) -> bool:
@@ -263,8 +264,9 @@ def _load() -> Kernels:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}") from e
+    amx = AmxGemm(lib)
     return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib), cpu_ops.Rope(lib), cpu_ops.RmsNorm(lib),
-                   cpu_ops.SiluMul(lib), LayerKernel(lib), cpu_ops.Argmax(lib), AmxSwitch(lib), AmxGemm(lib))
+                   cpu_ops.SiluMul(lib), LayerKernel(lib), cpu_ops.Argmax(lib), AmxSwitch(lib), amx, Bf16Gemm(lib, amx))
 
 
 def load() -> tuple[Kernels | None, str]:

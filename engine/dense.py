@@ -18,9 +18,11 @@ its weight in 16-column panels for the CPU GEMM. Where torch vectorizes with AVX
 host) the GEMM takes every product, decode rows and prefill chunks alike (2x oneDNN's speed at 16
 rows, 1.1x at 512 to 2048), and no oneDNN copy is made: the panels replace the weight. Elsewhere
 (`SMALL_ROWS` = 64) it takes products of up to 64 rows and oneDNN the larger ones, a second copy
-of the linear weights. bfloat16 weights get the same split where the CPU has AMX: products of up to
-32 rows on AMX tiles (`cpu_kernel.AmxGemm`, engine/csrc/amx_gemm.c, 0.66x oneDNN's time at 1-16
-rows here, 0.72x at 32), larger ones by oneDNN.
+of the linear weights. bfloat16 weights go to the bfloat16 GEMM (`cpu_kernel.Bf16Gemm`,
+engine/csrc/bf16_gemm.c): where the CPU has AMX, products of up to 32 rows on AMX tiles
+(engine/csrc/amx_gemm.c, 0.66x oneDNN's time at 1-16 rows on a Xeon, 0.72x at 32), larger ones by
+oneDNN; where it has AVX512-BF16 without AMX (AMD Zen 4), every product by vdpbf16ps on the same
+panels, and no oneDNN copy (docs/engine_speed.md, "bfloat16 without AMX").
 
 The norms around them: an RMSNorm module written as transformers' Llama / Qwen / Mistral ones are
 (square, mean, add eps, rsqrt, two multiplies: six passes over the hidden states) becomes one

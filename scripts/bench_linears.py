@@ -5,8 +5,8 @@ left out) at each row count: oneDNN on its prepacked weights (`PackedLinear` wit
 against the GEMM on its panels, called at every row count, also past `SMALL_ROWS` where that is set
 and `PackedLinear` hands the larger products to oneDNN (to check where the cut belongs on this
 host, or that the GEMM wins everywhere). `--dtype bfloat16` compares oneDNN's bfloat16 linears
-with the AMX GEMM (engine/csrc/amx_gemm.c; where the CPU has AMX, at up to its 64 rows, past the
-engine's cut of 32 too). The two
+with the bfloat16 GEMM (engine/csrc/bf16_gemm.c: on AMX tiles where the CPU has them, at up to their
+64 rows, past the engine's cut of 32 too; else by AVX512-BF16's vdpbf16ps, any row count). The two
 take turns for `--rounds` rounds; each prints its best time per pass over all layers.
 
     python -m scripts.bench_linears [--model DIR] [--rows 1,4,16,64,256,512,1024] [--threads 2]
@@ -52,7 +52,7 @@ def main() -> None:
     dtype = getattr(torch, args.dtype)
     gemm = kernels.gemm_for(dtype)
     if gemm is None or not dense.packable(dtype):
-        raise SystemExit(f"bench_linears: no {args.dtype} GEMM here (bfloat16 needs AMX)")
+        raise SystemExit(f"bench_linears: no {args.dtype} GEMM here (bfloat16 needs AMX or AVX512-BF16)")
     rows_list = [int(r) for r in args.rows.split(",")]
     if gemm.kernel_rows is not None and max(rows_list) > gemm.kernel_rows:
         raise SystemExit(f"bench_linears: the {args.dtype} GEMM takes at most {gemm.kernel_rows} rows")

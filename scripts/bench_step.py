@@ -14,8 +14,11 @@ One process holds one `LLMEngine` per variant on the same checkpoint:
 - `fullhead`: `packed` with `greedy_head` off: the float32 logits and the argmax;
 - `compiled`: `engine.compile: on` (inductor around the opaque paged-attention op), with `--compile`;
 - `bfloat16`: the eager path in bfloat16, with `--bf16` (where the CPU computes bfloat16 natively:
-  linears prepacked for oneDNN, fused layers with the bfloat16 rotary, norm and activation kernels,
-  the decoder's loop as direct calls, engine/lean_decoder.py).
+  fused layers with the bfloat16 rotary, norm and activation kernels; where the bfloat16 GEMM runs,
+  on AMX tiles or by AVX512-BF16's vdpbf16ps, each layer one kernel call as `packed`'s, else linears
+  prepacked for oneDNN and the decoder's loop as direct calls, engine/lean_decoder.py);
+- `bf16-onednn`: `bfloat16` with its linears all oneDNN's (the bfloat16 GEMM withheld), as the
+  engine ran bfloat16 on CPUs without AMX before the vdpbf16ps GEMM.
 Each variant is brought to the same state (every request decoding at `--context` tokens, or one
 `--prefill`-token prompt waiting), then the variants take turns, `--steps` steps each per round,
 for `--rounds` rounds, so a noisy neighbour slows all of them alike; each reports the median step.
@@ -39,6 +42,7 @@ CPU worker would (`--malloc`: tcmalloc preloaded where the host has it, by resta
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import random
 import statistics
@@ -48,6 +52,7 @@ import torch
 from transformers import AutoConfig
 
 from bench import host_measure
+from engine import cpu_kernel
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.memory import ModelShape, kv_bytes_per_token
@@ -64,6 +69,7 @@ VARIANTS = {  # name -> EngineConfig overrides
     "fullhead": {"compile": "off", "dtype": "float32", "greedy_head": False},
     "compiled": {"compile": "on", "dtype": "float32"},
     "bfloat16": {"compile": "off", "dtype": "bfloat16"},
+    "bf16-onednn": {"compile": "off", "dtype": "bfloat16", "bf16_gemm": False},  # bf16_gemm: see _engine
 }
 
 
@@ -95,10 +101,27 @@ def _floors(case: dict, names: list[str], host: dict, shape: ModelShape, params:
     return out
 
 
-def _engine(model: str, batch: int, threads: int, overrides: dict) -> LLMEngine:
-    return LLMEngine(EngineConfig(model_path=model, num_blocks=4096, block_size=16, max_num_seqs=max(batch, 1),
-                                  max_num_batched_tokens=1024, chunk_size=1024, enable_prefix_caching=False,
-                                  torch_threads=threads, **overrides))
+@contextlib.contextmanager
+def _without_bf16_gemm():
+    """While in the block, the kernels offer no bfloat16 GEMM (oneDNN takes every bfloat16 linear)."""
+    gemm_for = cpu_kernel.Kernels.gemm_for
+    cpu_kernel.Kernels.gemm_for = lambda self, dtype: None if dtype == torch.bfloat16 else gemm_for(self, dtype)
+    try:
+        yield
+    finally:
+        cpu_kernel.Kernels.gemm_for = gemm_for
+
+
+def _engine(model: str, batch: int, threads: int, overrides: dict, tokens: int = 1024) -> LLMEngine:
+    """An engine of the variant `overrides` (EngineConfig fields; `bf16_gemm: False` builds it without
+    the bfloat16 GEMM, which no config field turns off) whose step takes up to `tokens` tokens, a
+    prompt of that many in one chunk."""
+    overrides = dict(overrides)
+    withheld = _without_bf16_gemm() if not overrides.pop("bf16_gemm", True) else contextlib.nullcontext()
+    with withheld:
+        return LLMEngine(EngineConfig(model_path=model, num_blocks=4096, block_size=16, max_num_seqs=max(batch, 1),
+                                      max_num_batched_tokens=tokens, chunk_size=tokens, enable_prefix_caching=False,
+                                      torch_threads=threads, **overrides))
 
 
 def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
@@ -218,7 +241,7 @@ def main() -> None:
             _paired(case, rounds, hosts, shape, params)
         return case
 
-    for batch in (int(b) for b in args.batches.split(",")):
+    for batch in (int(b) for b in args.batches.split(",") if b):  # --batches "": the prefill case alone
         engines = {n: _engine(model, batch, args.threads, VARIANTS[n]) for n in names}
         for engine in engines.values():
             _decoding(engine, batch, args.context, args.steps)
@@ -227,7 +250,7 @@ def main() -> None:
         recompilations += sum(e.runner.forward.recompilations for e in engines.values())
         del engines
     if args.prefill:
-        engines = {n: _engine(model, 1, args.threads, VARIANTS[n]) for n in names}
+        engines = {n: _engine(model, 1, args.threads, VARIANTS[n], max(1024, args.prefill)) for n in names}
         refill = lambda e: _queue_prefills(e, args.prefill, 1 + 1)  # noqa: E731 - one per timed step
         cases[f"prefill {args.prefill}"] = run({"batch": 1, "tokens": args.prefill, "context": 0}, engines, 1,
                                                before_round=refill)

@@ -123,10 +123,10 @@ def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
 
 @contextlib.contextmanager
 def _labelled_gemm() -> Iterator[None]:
-    """The small-batch GEMMs (float32, and bfloat16 on AMX) are ctypes calls, which the profiler does
+    """The small-batch GEMMs (float32, and bfloat16 on AMX or AVX512-BF16) are ctypes calls, which the profiler does
     not see: while profiling, each call runs inside a `pdserve::small_gemm` region (never while
     timing: it costs a little)."""
-    gemms = (cpu_kernel.SmallGemm, cpu_kernel.AmxGemm)
+    gemms = (cpu_kernel.SmallGemm, cpu_kernel.AmxGemm, cpu_kernel.Bf16Gemm)
     calls = [gemm.__call__ for gemm in gemms]
 
     def labelled(call):

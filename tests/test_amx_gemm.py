@@ -1,6 +1,8 @@
-"""The bfloat16 GEMM on AMX tiles (engine/csrc/amx_gemm.c, `cpu_kernel.AmxGemm`): a linear within
-a bfloat16 rounding of float64's at every row count it takes, a row's bits the same in any batch,
-and `PackedLinear`'s cut between it and oneDNN. Skipped where the CPU or the OS has no AMX."""
+"""The bfloat16 GEMM (`cpu_kernel.Bf16Gemm`, engine/csrc/bf16_gemm.c) on each path this host runs:
+AMX tiles (amx_gemm.c) and AVX512-BF16's vdpbf16ps (AMX switched off, or absent, as on AMD Zen 4):
+a linear within a bfloat16 rounding of float64's at every row count it takes, a row's bits the same
+in any batch and on any thread count, and `PackedLinear`'s cut between it and oneDNN. A path the
+CPU or the OS lacks is skipped."""
 
 from __future__ import annotations
 
@@ -13,21 +15,37 @@ from engine import cpu_kernel, dense
 
 KERNELS, _ = cpu_kernel.load()
 
-needs_amx_gemm = pytest.mark.skipif(KERNELS is None or not KERNELS.amx_gemm.ready(), reason="no AMX tiles here")
+
+@pytest.fixture(params=["AMX", "AVX512-BF16"])
+def gemm(request):
+    """The bfloat16 GEMM on one path: AMX tiles, or vdpbf16ps with the engine's AMX use off."""
+    if KERNELS is None:
+        pytest.skip("no CPU kernels here")
+    KERNELS.use_amx(request.param == "AMX")
+    try:
+        if KERNELS.bf16_gemm.path != request.param:
+            pytest.skip(f"no {request.param} here (CPU or OS)")
+        yield KERNELS.bf16_gemm
+    finally:
+        KERNELS.use_amx(True)
 
 
-@needs_amx_gemm
+def _row_counts(gemm) -> tuple[int, ...]:
+    """1 to 64 rows (one to four AMX row tiles; vdpbf16ps blocks of 1 to 8 rows by 1 to 8 panels), and
+    past 64 where the path takes any count."""
+    return (1, 2, 3, 5, 8, 9, 16, 17, 31, 32, 33, 48, 64) + ((100, 257) if gemm.kernel_rows is None else ())
+
+
 @pytest.mark.parametrize("n, k", [(40, 72), (576, 576), (960, 576), (576, 1536), (33, 100)])
-def test_the_amx_gemm_is_a_bfloat16_linear_on_any_row_count_it_takes(n, k):
-    """Panels of 16 columns (a part panel past n), k padded to 32, 1 to 64 rows in one to four row
-    tiles, with and without a bias: each output the float32 sum of exact products, rounded once, so
-    within a bfloat16 rounding of float64's (and F.linear's bits on over 99% of outputs)."""
-    gemm = KERNELS.amx_gemm
+def test_the_bfloat16_gemm_is_a_bfloat16_linear_on_any_row_count_it_takes(gemm, n, k):
+    """Panels of 16 columns (a part panel past n), k padded to 32, with and without a bias: each
+    output the float32 sum of exact products, rounded once, so within a bfloat16 rounding of
+    float64's (and F.linear's bits on over 99% of outputs)."""
     torch.manual_seed(n + k)
     weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
     panels = gemm.pack(weight)
     same = outputs = 0
-    for rows in (1, 5, 16, 17, 31, 32, 33, 48, 64):
+    for rows in _row_counts(gemm):
         x = torch.randn(rows, k).bfloat16()
         for b in (None, bias):
             out = gemm(x, panels, b, n)
@@ -37,27 +55,40 @@ def test_the_amx_gemm_is_a_bfloat16_linear_on_any_row_count_it_takes(n, k):
     assert same > 0.99 * outputs
 
 
-@needs_amx_gemm
-def test_the_amx_gemm_gives_a_row_the_same_bits_in_any_batch():
+def test_the_bfloat16_gemm_gives_a_row_the_same_bits_in_any_batch_and_on_any_thread_count(gemm):
     """A sequence's logits do not change with the rows it decodes beside (1 row alone, or any row of
-    2..64: one to four row tiles, groups of four, two or one panel)."""
+    2..64, or of 100 on vectors) nor with the threads that split the panels."""
     torch.manual_seed(6)
-    weight, x = torch.randn(576, 576).bfloat16(), torch.randn(64, 576).bfloat16()
-    panels = KERNELS.amx_gemm.pack(weight)
-    alone = torch.cat([KERNELS.amx_gemm(x[i:i + 1], panels, None, 576) for i in range(len(x))])
-    for rows in range(2, len(x) + 1):
-        assert torch.equal(KERNELS.amx_gemm(x[:rows], panels, None, 576), alone[:rows]), f"{rows} rows"
+    rows = 64 if gemm.kernel_rows is not None else 100
+    weight, x = torch.randn(600, 576).bfloat16(), torch.randn(rows, 576).bfloat16()
+    panels = gemm.pack(weight)
+    alone = torch.cat([gemm(x[i:i + 1], panels, None, 600) for i in range(len(x))])
+    for m in range(2, len(x) + 1):
+        assert torch.equal(gemm(x[:m], panels, None, 600), alone[:m]), f"{m} rows"
+    for threads in (1, 3):
+        assert torch.equal(gemm(x, panels, None, 600, threads=threads), alone), f"{threads} threads"
 
 
-@needs_amx_gemm
-def test_packed_bfloat16_linears_take_the_amx_gemm_up_to_32_rows_and_onednn_past():
+def test_packed_bfloat16_linears_take_the_gemm_up_to_its_cut_and_onednn_past(gemm):
+    """On AMX tiles up to 32 rows, oneDNN past; by vdpbf16ps every product, with no oneDNN copy."""
     linear = nn.Linear(72, 40, bias=True).bfloat16()
-    packed = dense.PackedLinear(linear, keep_weight=False, gemm=KERNELS.amx_gemm, small_rows=KERNELS.amx_gemm.max_rows)
+    packed = dense.PackedLinear(linear, keep_weight=False, gemm=gemm, small_rows=gemm.max_rows)
+    assert (packed.packed is None) == (gemm.max_rows is None)
     calls = []
-    gemm = packed.gemm
     packed.gemm = lambda *a: calls.append(a[0].shape[0]) or gemm(*a)
-    for rows in (1, 16, 32, 33, 512):
+    cut = gemm.max_rows or 300
+    for rows in (1, 16, cut, cut + 1, 512):
         x = torch.randn(1, rows, 72).bfloat16()
         torch.testing.assert_close(packed(x).double(), F.linear(x, linear.weight, linear.bias).double(),
                                    rtol=2 ** -7, atol=1e-2)
-    assert calls == [1, 16, 32]
+    assert calls == ([1, 16, cut] if gemm.max_rows is not None else [1, 16, cut, cut + 1, 512])
+
+
+def test_the_engine_picks_the_bfloat16_gemm_by_the_cpus_features():
+    """AMX where it runs, else vdpbf16ps where the CPU has AVX512-BF16, else none (oneDNN's linears)."""
+    if KERNELS is None:
+        pytest.skip("no CPU kernels here")
+    has_bf16 = "avx512_bf16" in cpu_kernel._cpu_flags().split()
+    want = "AMX" if KERNELS.amx_gemm.ready() else "AVX512-BF16" if has_bf16 else ""
+    assert KERNELS.bf16_gemm.path == want
+    assert (KERNELS.gemm_for(torch.bfloat16) is KERNELS.bf16_gemm) == bool(want)

@@ -21,6 +21,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from scripts.device_check import staggered_tokens
 from tests.reference import hf_greedy
+from tests.test_fused import _avx2_fma
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -256,7 +257,7 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
     failing = tmp_path / "failing-cc"
     failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo failing-cc 1.0 && exit 0\necho 'error: no space' >&2\nexit 1\n")
     failing.chmod(0o755)
-    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build amx_gemm.c, argmax.c, decode_amx.c, layer.c, paged_decode.c, paged_prefill.c, prefill_amx.c, rms_norm.c, rope.c, silu_mul.c and small_gemm.c: error: no space"):
+    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build amx_gemm.c, argmax.c, bf16_gemm.c, decode_amx.c, layer.c, paged_decode.c, paged_prefill.c, prefill_amx.c, rms_norm.c, rope.c, silu_mul.c and small_gemm.c: error: no space"):
         cpu_kernel._build(str(failing))
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"] == []  # nothing half-built left behind
     blocked = tmp_path / "a-file"
@@ -323,13 +324,18 @@ def test_bfloat16_decode_is_the_float32_kernel_on_the_widened_pool_rounded(rows,
 def test_bfloat16_decode_by_the_kernel_gives_generates_bfloat16_tokens(llama_dir):
     """A bfloat16 pool: the kernel widens it to float32 on load and rounds its output to nearest
     even; greedy tokens equal transformers' `generate` run in bfloat16 (same checkpoint). Where the
-    CPU has AMX, few-row linears run on its tiles (the AMX GEMM), larger ones by oneDNN."""
+    CPU has AMX, few-row linears run on its tiles (the AMX GEMM), larger ones by oneDNN; where it has
+    AVX512-BF16 without AMX (AMD Zen 4), every linear by vdpbf16ps and every step (prompt chunks
+    too) one kernel call per layer."""
     from transformers import AutoModelForCausalLM
 
     engine = LLMEngine(EngineConfig(model_path=llama_dir, dtype="bfloat16", num_blocks=256, chunk_size=16))
     assert engine.runner.decode_kernel is not None
     assert engine.runner.small_gemm is KERNELS.gemm_for(torch.bfloat16)  # None without AMX: oneDNN takes all
     assert (dense.small_gemm_layers(engine.runner.model) > 0) == (engine.runner.small_gemm is not None)
+    vectors = engine.runner.small_gemm is not None and engine.runner.small_gemm.path == "AVX512-BF16"
+    if vectors and _avx2_fma():  # the SiLU kernel's condition for whole layers
+        assert engine.runner.forward.kernel_decoder is not None and engine.runner.small_gemm.max_rows is None
     rng = random.Random(5)
     prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(1, 60))] for _ in range(6)]
     got = staggered_tokens(engine, prompts, 12)

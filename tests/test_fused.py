@@ -76,10 +76,11 @@ def test_rope_kernel_is_transformers_rotary_bit_for_bit_in_bfloat16(tokens):
 
 
 def test_bfloat16_engine_fuses_with_the_rotary_and_norm_kernels_and_packed_linears(llama_dir):
-    """Where the CPU computes bfloat16 natively, a bfloat16 engine's linears are prepacked for
-    oneDNN (and, where it has AMX, packed for the AMX GEMM too, which takes up to 32 rows), its
-    attention and MLPs fused, rotary, norms and the activation by the kernels, each checked bit for
-    bit at load; elsewhere torch's linears stay."""
+    """Where the CPU computes bfloat16 natively, a bfloat16 engine's linears are packed for the
+    bfloat16 GEMM where it runs (on AMX tiles up to 32 rows, with oneDNN's prepacked copy for more;
+    by vdpbf16ps every product, with no oneDNN copy), else prepacked for oneDNN alone; its attention
+    and MLPs fused, rotary, norms and the activation by the kernels, each checked bit for bit at
+    load; elsewhere torch's linears stay."""
     kernels = _kernels()
     engine = LLMEngine(EngineConfig(model_path=llama_dir, dtype="bfloat16", num_blocks=64))
     model = engine.runner.model
@@ -87,9 +88,10 @@ def test_bfloat16_engine_fuses_with_the_rotary_and_norm_kernels_and_packed_linea
         assert not [m for m in model.modules() if isinstance(m, dense.PackedLinear)]
         return
     linears = [m for m in model.modules() if isinstance(m, dense.PackedLinear)]
-    amx = kernels.gemm_for(torch.bfloat16)  # the AMX GEMM where it runs, else None
-    assert linears and all(m.gemm is amx and m.packed is not None for m in linears)
-    assert all(m.small_rows == 32 and m.panels is not None for m in linears) if amx else True
+    gemm = kernels.gemm_for(torch.bfloat16)  # the bfloat16 GEMM where it runs (AMX or vdpbf16ps), else None
+    cut = {"AMX": 32, "AVX512-BF16": None}[gemm.path] if gemm else 0
+    assert linears and all(m.gemm is gemm and m.small_rows == cut for m in linears)
+    assert all((m.packed is None) == (cut is None) and (m.panels is None) == (gemm is None) for m in linears)
     assert not [m for m in model.modules() if type(m) is nn.Linear]
     layers = engine.runner.hf_config.num_hidden_layers
     assert engine.runner.forward.fused_layers == (layers, layers)
@@ -97,15 +99,18 @@ def test_bfloat16_engine_fuses_with_the_rotary_and_norm_kernels_and_packed_linea
     norms = [m for m in model.modules() if isinstance(m, dense.FusedRMSNorm)]
     assert len(norms) == 2 * layers + 1 and all(n.kernel is kernels.rms_norm for n in norms)
     assert all(layer.mlp.silu_mul is kernels.silu_mul for layer in model.model.layers)
-    assert engine.runner.small_gemm is amx
+    assert engine.runner.small_gemm is gemm
     assert engine.runner.forward.lean_decoder is not None
-    if amx is None:  # no GEMM for whole layers: the decoder's loop as direct calls serves every step
+    if gemm is None:  # no GEMM for whole layers: the decoder's loop as direct calls serves every step
         assert engine.runner.forward.kernel_layers == 0
         assert engine.runner.describe().endswith("the decoder's loop as direct calls")
-    else:  # decode steps as one kernel call per layer (the loop too), larger ones the loop as direct calls
-        assert engine.runner.forward.kernel_layers == layers and engine.runner.forward.kernel_decoder is not None
-        assert ("the decoder's loop too); past 32 rows the decoder's loop as direct calls"
-                in engine.runner.describe())
+        return
+    # decode steps as one kernel call per layer (the loop too); on AMX larger ones the loop as direct
+    # calls, by vdpbf16ps every step
+    assert engine.runner.forward.kernel_layers == layers and engine.runner.forward.kernel_decoder is not None
+    past = "; past 32 rows the decoder's loop as direct calls" if cut else ""
+    assert f"{layers} decoder layers as one kernel call each (the decoder's loop too){past}" in engine.runner.describe()
+    assert gemm.reach in engine.runner.describe()
 
 
 def test_the_decoders_loop_as_direct_calls_gives_the_model_forwards_tokens_and_logits(llama_dir):

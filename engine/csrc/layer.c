@@ -7,7 +7,7 @@ buffers, so its output is the module path's bit for bit (engine/kernel_layer.py 
 layer by layer):
 
     h = rms_norm(x, norm1)                  pd_rms_norm[_bf16]
-    qkv = h @ [Wq; Wk; Wv]^T (+ bias)       sg_gemm (float32), pd_amx_gemm (bfloat16)
+    qkv = h @ [Wq; Wk; Wv]^T (+ bias)       sg_gemm (float32), pd_bf16_gemm (bfloat16)
     rotary on qkv's q and k heads           pd_rope[_bf16]
     k, v -> their slots in the pool         kv_write
     a = attention(q, the pool)              pd_paged_decode (decode rows), pd_paged_prefill (chunks)
@@ -54,8 +54,8 @@ void pd_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *y
                           const uint16_t *w, float eps, uint16_t *sum, uint16_t *out, int rows, int n, int threads);
 void sg_gemm(const float *x, int64_t ldx, const float *panels, const float *bias, float *y, int64_t ldy, int m,
              int n, int k, int threads);
-int pd_amx_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
-                int64_t out_stride, int rows, int64_t n, int64_t k, int threads);
+int pd_bf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
+                 int64_t out_stride, int rows, int64_t n, int64_t k, int threads);
 void pd_rope(float *x, int64_t tok_stride, int heads, int dim, const float *cos, const float *sin,
              int64_t cs_stride, int tokens, int threads);
 void pd_rope_bf16(uint16_t *x, int64_t tok_stride, int heads, int dim, const uint16_t *cos, const uint16_t *sin,
@@ -125,14 +125,14 @@ static void add_rows(int dtype, const void *a, const void *b, void *out, int64_t
     }
 }
 
-/* y [m, n] = x [m, k] @ the panels' weight^T (+ bias): 0, or the AMX GEMM's failure */
+/* y [m, n] = x [m, k] @ the panels' weight^T (+ bias): 0, or the bfloat16 GEMM's failure */
 static int gemm(int dtype, const void *x, int64_t ldx, const void *panels, const void *bias, void *y, int64_t ldy,
                 int m, int n, int k, int threads) {
     if (dtype == 0) {
         sg_gemm(x, ldx, panels, bias, y, ldy, m, n, k, threads);
         return 0;
     }
-    return pd_amx_gemm(x, ldx, panels, bias, y, ldy, m, n, k, threads);
+    return pd_bf16_gemm(x, ldx, panels, bias, y, ldy, m, n, k, threads);
 }
 
 static void rms_norm(int dtype, const void *x, const void *w, float eps, void *out, int rows, int n, int threads) {
@@ -144,7 +144,7 @@ static void rms_norm(int dtype, const void *x, const void *w, float eps, void *o
 
 /* x [tokens, hidden] in, out [tokens, hidden] written (out may be x). Returns 0, or the failing
    kernel's code: -2 out of memory in attention or the GEMM, -3 pd_silu_mul cannot give torch's bits
-   here, -1 the AMX GEMM cannot run (no AMX, or more rows than it takes). */
+   here, -1 the bfloat16 GEMM cannot run (neither AMX nor AVX512-BF16, or more rows than it takes). */
 int pd_layer_forward(const pd_layer *L, const pd_step *S, const void *x, void *out) {
     int T = S->tokens, th = S->threads, hid = L->hidden, dim = L->dim, dt = S->dtype, rc;
     size_t es = dt == 0 ? sizeof(float) : sizeof(uint16_t);

@@ -1,0 +1,191 @@
+/* bfloat16 linears for the kernel layers and `PackedLinear` (engine/cpu_gemm.py's `Bf16Gemm`):
+   out = x @ W^T + bias, on the AMX GEMM's panels (pd_amx_pack), by AMX tiles where they run
+   (amx_gemm.c) and else by AVX512-BF16's vdpbf16ps, the CPUs without AMX (AMD Zen 4 and later,
+   Intel Cooper Lake): one entry (pd_bf16_gemm) so a layer's call and its module's pick alike.
+
+The tiles' pair layout is what vdpbf16ps takes too: a panel's 16 columns for values of k 2 k2 and
+2 k2 + 1 are 32 bfloat16, one 512-bit register, panels[p][k2][c][e] = W[16 p + c][2 k2 + e]; a row's
+pair (x[2 k2], x[2 k2 + 1]) broadcast as one 32-bit value is the other operand, and one instruction
+adds both products to each column's float32 sum. A block of R rows by P panels keeps its R x P sums
+in registers over all of k (at most 24 of the 32, with the P panel registers and a broadcast), the
+rows staged once per call zero-padded to whole pairs of k; the row tiles of a block of panels follow
+one another, so a panel streams from memory once and from cache for the next tiles.
+
+Each output is one float32 sum over the pairs of k in order, whatever R, P, the thread or the row
+count, then its bias added and rounded once to bfloat16 (nearest even), as the tiles do: a row's
+bits do not depend on what it is batched with. Threads take even shares of the panels, and a
+thread that runs out of its own takes from the back of another's. */
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "amx.h"
+#include "vec.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define HAVE_DPBF16 1
+#else
+#define HAVE_DPBF16 0
+#endif
+
+int pd_amx_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
+                int64_t out_stride, int rows, int64_t n, int64_t k, int threads);
+
+#define AMX_ROWS 64 /* the most rows pd_amx_gemm takes */
+#define TILE_ROWS 8 /* rows of one block */
+
+/* Which path pd_bf16_gemm takes now: 2 AMX tiles (pd_use_amx on), 1 vdpbf16ps, 0 none here. */
+int pd_bf16_gemm_path(void) { return amx_ready() ? 2 : HAVE_DPBF16 ? 1 : 0; }
+
+#if HAVE_DPBF16
+/* Panels per block for R rows: R x P sums and P panel registers within the 32. */
+static inline int panels_for(int rows) { return rows <= 2 ? 8 : rows == 3 ? 6 : rows == 4 ? 5 : rows <= 6 ? 4 : 3; }
+
+/* R rows' sums for P panels (sums [R][16 P]) plus the bias, each row's first cols rounded into out. */
+static __attribute__((noinline)) void store_rows(const float *sums, int R, int P, const uint16_t *bias, uint16_t *out, int64_t out_stride,
+                       int64_t cols) {
+    for (int r = 0; r < R; r++) {
+        const float *s = sums + r * P * 16;
+        uint16_t *o = out + r * out_stride;
+        int64_t j = 0;
+        for (; j + 16 <= cols; j += 16) bf16_store16(o + j, bias ? f32_load16(s + j) + bf16_load16(bias + j) : f32_load16(s + j));
+        for (; j < cols; j++) o[j] = bf16_store(bias ? s[j] + bf16_load(bias[j]) : s[j]);
+    }
+}
+
+/* R rows (xs, pairs of k, kp2 a row) by P panels from w (a panel's kp2 * 32 values apart): the sums
+   over all of k, then the bias added and each row's cols (<= 16 P) outputs rounded into out. */
+static inline __attribute__((always_inline)) void block(const uint32_t *xs, int64_t kp2, const uint16_t *w,
+                                                        const uint16_t *bias, uint16_t *out, int64_t out_stride,
+                                                        int64_t cols, const int R, const int P) {
+    __m512 acc[TILE_ROWS][8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int p = 0; p < P; p++) acc[r][p] = _mm512_setzero_ps();
+    for (int64_t k2 = 0; k2 < kp2; k2++) {
+        __m512bh b[8];
+#pragma GCC unroll 8
+        for (int p = 0; p < P; p++) b[p] = (__m512bh)_mm512_loadu_si512(w + (p * kp2 + k2) * 32);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; r++) {
+            __m512bh a = (__m512bh)_mm512_set1_epi32((int)xs[r * kp2 + k2]);
+#pragma GCC unroll 8
+            for (int p = 0; p < P; p++) acc[r][p] = _mm512_dpbf16_ps(acc[r][p], a, b[p]);
+        }
+    }
+    float sums[TILE_ROWS * 8 * 16];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int p = 0; p < P; p++) _mm512_storeu_ps(sums + (r * P + p) * 16, acc[r][p]);
+    store_rows(sums, R, P, bias, out, out_stride, cols);
+}
+
+/* R rows by P panels, R and P as literals so each block keeps its sums in registers */
+#define BLOCK(R, P) block(xs, kp2, w, bias, out, out_stride, cols, R, P)
+static void run_block(const uint32_t *xs, int64_t kp2, const uint16_t *w, const uint16_t *bias, uint16_t *out,
+                      int64_t out_stride, int64_t cols, int rows, int panels) {
+    switch (panels == 1 ? rows : 16 + rows) {
+    case 1: BLOCK(1, 1); break;
+    case 2: BLOCK(2, 1); break;
+    case 3: BLOCK(3, 1); break;
+    case 4: BLOCK(4, 1); break;
+    case 5: BLOCK(5, 1); break;
+    case 6: BLOCK(6, 1); break;
+    case 7: BLOCK(7, 1); break;
+    case 8: BLOCK(8, 1); break;
+    case 17: BLOCK(1, 8); break;
+    case 18: BLOCK(2, 8); break;
+    case 19: BLOCK(3, 6); break;
+    case 20: BLOCK(4, 5); break;
+    case 21: BLOCK(5, 4); break;
+    case 22: BLOCK(6, 4); break;
+    case 23: BLOCK(7, 3); break;
+    default: BLOCK(8, 3); break;
+    }
+}
+#undef BLOCK
+
+/* Job j: panels [j * group, (j + 1) * group) (fewer in the last), each block of them through every
+   row tile in turn; rows split in tiles of at most TILE_ROWS, as even as they go. A last job short of
+   a whole group takes its panels one at a time. */
+static void run_job(const uint32_t *xs, int64_t kp2, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
+                    int64_t out_stride, int rows, int64_t n, int64_t np, int group, int64_t job) {
+    int tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
+    for (int64_t p0 = job * group, end = p0 + group < np ? p0 + group : np; p0 < end;) {
+        int cnt = end - p0 == group ? group : 1;
+        int64_t col0 = 16 * p0, cols = n - col0 < 16 * cnt ? n - col0 : 16 * cnt;
+        for (int t = 0; t < tiles; t++) {
+            int r0 = t * rows / tiles, r1 = (t + 1) * rows / tiles;
+            run_block(xs + r0 * kp2, kp2, panels + p0 * kp2 * 32, bias ? bias + col0 : NULL,
+                      out + r0 * out_stride + col0, out_stride, cols, r1 - r0, cnt);
+        }
+        p0 += cnt;
+    }
+}
+
+/* One job from a range [front, back) kept in one word (front << 32 | back): from the front for its
+   owner, from the back for a thread that ran out of its own; -1 when none is left. */
+static inline int64_t take(uint64_t *range, int from_back) {
+    uint64_t seen = __atomic_load_n(range, __ATOMIC_RELAXED);
+    for (;;) {
+        uint32_t front = (uint32_t)(seen >> 32), back = (uint32_t)seen;
+        if (front >= back) return -1;
+        uint64_t want = from_back ? seen - 1 : seen + ((uint64_t)1 << 32);
+        if (__atomic_compare_exchange_n(range, &seen, want, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+            return from_back ? back - 1 : front;
+    }
+}
+
+/* The vdpbf16ps path of pd_bf16_gemm, any number of rows. */
+static int dpbf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias,
+                       uint16_t *out, int64_t out_stride, int rows, int64_t n, int64_t k, int threads) {
+    int64_t kp = (k + 31) / 32 * 32, np = (n + 15) / 16; /* the panels' k, padded as pd_amx_pack pads it */
+    uint16_t *xs = malloc(sizeof(uint16_t) * (size_t)(rows * kp)); /* the rows, zero-padded to kp */
+    if (xs == NULL) return -2;
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(xs + r * kp, x + r * x_stride, sizeof(uint16_t) * (size_t)k);
+        memset(xs + r * kp + k, 0, sizeof(uint16_t) * (size_t)(kp - k));
+    }
+    /* jobs of a block's panels; each thread owns an even, contiguous share and takes from the back of
+       another's when its own runs out (a neighbour on one core of a shared host, or unequal shares of
+       memory bandwidth, would otherwise leave the other waiting at the barrier) */
+    int tiles = (rows + TILE_ROWS - 1) / TILE_ROWS, group = panels_for((rows + tiles - 1) / tiles);
+    int64_t jobs = (np + group - 1) / group;
+    if (threads > jobs) threads = (int)jobs;
+    struct { _Alignas(64) uint64_t jobs; } ranges[threads]; /* a cache line each: no false sharing */
+    for (int i = 0; i < threads; i++)
+        ranges[i].jobs = (uint64_t)(jobs * i / threads) << 32 | (uint64_t)(jobs * (i + 1) / threads);
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        int me = omp_get_thread_num(); /* a smaller team than asked: the shares nobody owns are taken too */
+        for (int i = 0; i < threads; i++) { /* its own share first, then the others' from their backs */
+            uint64_t *range = &ranges[(me + i) % threads].jobs;
+            for (int64_t job; (job = take(range, i > 0)) >= 0;)
+                run_job((const uint32_t *)xs, kp / 2, panels, bias, out, out_stride, rows, n, np, group, job);
+        }
+    }
+    free(xs);
+    return 0;
+}
+#endif
+
+/* x [rows][k] bfloat16, rows x_stride apart -> out [rows][n] bfloat16, rows out_stride apart; panels
+   from pd_amx_pack; bias [n] bfloat16 or NULL. On AMX tiles where they run (up to 64 rows), else by
+   vdpbf16ps (any row count). Returns 0; -1 where neither runs here or rows is out of range (nothing
+   written); -2 when it could not allocate its staging buffer. */
+int pd_bf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
+                 int64_t out_stride, int rows, int64_t n, int64_t k, int threads) {
+    if (rows < 1 || n < 1 || k < 1) return -1;
+    if (amx_ready()) return rows <= AMX_ROWS ? pd_amx_gemm(x, x_stride, panels, bias, out, out_stride, rows, n, k,
+                                                           threads) : -1;
+#if HAVE_DPBF16
+    return dpbf16_gemm(x, x_stride, panels, bias, out, out_stride, rows, n, k, threads < 1 ? 1 : threads);
+#else
+    (void)x, (void)x_stride, (void)panels, (void)bias, (void)out, (void)out_stride, (void)threads;
+    return -1;
+#endif
+}
