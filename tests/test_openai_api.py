@@ -178,6 +178,15 @@ def test_refusals_are_openai_error_objects(client, cluster, args, status, messag
         "pdserve_request_errors_total", {"status": "INVALID_ARGUMENT"}) == errors_before + 1
 
 
+@pytest.mark.parametrize("content", [5, True, 1.5, {"text": "hi"}, None, [{"type": "image_url"}]])
+def test_a_chat_content_that_is_not_text_is_400_naming_the_field(client, content):
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"},
+                                                              {"role": "assistant", "content": content}])
+    assert err.value.status_code == 400 and err.value.body["param"] == "messages[1].content"
+    assert err.value.body["message"].startswith("messages[1].content")
+
+
 def _get(url: str, data: bytes | None = None) -> tuple[int, dict]:
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:

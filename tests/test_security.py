@@ -141,6 +141,23 @@ def test_http_tokens_the_way_the_openai_sdk_sends_them(cluster, pki):
         assert metrics.status_code == 200 and "pdserve_ttft_seconds" in metrics.text
 
 
+def test_a_call_with_two_authorization_values_is_refused_on_both_doors(cluster, pki):
+    # the gate would check one value while the caller's namespace (request ids, cache salt) came from the other
+    channel = _target(cluster, pki).grpc_channel()
+    try:
+        two = (("authorization", f"Bearer {TRAFFIC}"), ("authorization", f"Bearer {ADMIN}"))
+        call = pb_grpc.GenerationStub(channel).Generate(GENERATE, timeout=60, metadata=two)
+        assert _refused(list, call) == (grpc.StatusCode.UNAUTHENTICATED,
+                                        "more than one authorization value: send exactly one")
+    finally:
+        channel.close()
+    with httpx2.Client(verify=_client_tls(pki)) as http:
+        headers = [("Authorization", f"Bearer {TRAFFIC}"), ("Authorization", "Bearer w")]
+        refused = http.post(f"{cluster.http_url}/completions", json={"prompt": [5]}, headers=headers)
+        assert refused.status_code == 401
+        assert refused.json()["error"]["message"] == "more than one authorization value: send exactly one"
+
+
 def test_mutual_tls_refuses_a_client_without_a_certificate_and_plaintext(cluster, pki):
     for target in (_target(cluster, pki, TRAFFIC, cert=False), Target(cluster.address, TRAFFIC)):
         assert _refused(_generate, target)[0] == grpc.StatusCode.UNAVAILABLE

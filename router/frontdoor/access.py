@@ -15,7 +15,9 @@ with mutual TLS any client the CA signed may send traffic, but only those may ad
 neither token files nor mutual TLS the gate is off and every call is allowed (a loopback-only
 router, or --insecure).
 
-`caller_id`: who a request comes from (a token's digest, else a certificate subject), the
+A call with two or more Authorization values (headers, or gRPC metadata entries) is refused
+UNAUTHENTICATED / 401 whether or not the gate is on: the one checked and the one that names the
+caller must be the same. `caller_id`: who a request comes from (a token's digest, else a certificate subject), the
 namespace of its request ids and, with `isolate_prefix_cache`, of its prefix-cache blocks.
 """
 
@@ -55,6 +57,7 @@ class Need(enum.Enum):
 class Verdict(enum.Enum):
     ALLOW = "allow"
     UNAUTHENTICATED = "missing or invalid token"
+    AMBIGUOUS = "more than one authorization value: send exactly one"
     DENIED = "this call needs an admin token or an admin client certificate"
 
 
@@ -175,6 +178,18 @@ class Gate:
         if role is Role.NONE:
             return Verdict.UNAUTHENTICATED
         return Verdict.DENIED if need is Need.ADMIN and role is not Role.ADMIN else Verdict.ALLOW
+
+
+class AmbiguousCredentials(ValueError):
+    """A call with more than one Authorization value: which one names the caller is ambiguous, so
+    none does (a gate could check one while the caller's namespace came from another)."""
+
+
+def sole_authorization(values: list) -> str | bytes | None:
+    """The one Authorization value of a call (None without one); AmbiguousCredentials for several."""
+    if len(values) > 1:
+        raise AmbiguousCredentials(Verdict.AMBIGUOUS.value)
+    return values[0] if values else None
 
 
 def caller_id(authorization: str | bytes | None, subject: str | None = None) -> str:

@@ -22,9 +22,9 @@ from proto import pdserve_pb2_grpc as pb_grpc
 from protocol.errors import InvalidRequest
 from protocol.validation import check_message_count
 from router.config.schema import TLSSection
-from router.frontdoor.access import Gate, caller_id
+from router.frontdoor.access import AmbiguousCredentials, Gate, caller_id
 from router.frontdoor.grpc_convert import pool_status_to_proto, sampling_from_proto, usage_to_proto
-from router.frontdoor.guards import GrpcGuard, Refusals, grpc_subject
+from router.frontdoor.guards import GrpcGuard, Refusals, grpc_authorization, grpc_subject
 from router.frontdoor.tls import grpc_server_credentials
 from router.lifecycle.outcomes import CannotPlace, Chunk, InternalError, QueueFull, Unavailable
 from router.lifecycle.service import Router
@@ -33,7 +33,7 @@ log = logging.getLogger(__name__)
 
 _STATUS = {InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
            CannotPlace: grpc.StatusCode.RESOURCE_EXHAUSTED, Unavailable: grpc.StatusCode.UNAVAILABLE,
-           InternalError: grpc.StatusCode.INTERNAL}
+           InternalError: grpc.StatusCode.INTERNAL, AmbiguousCredentials: grpc.StatusCode.UNAUTHENTICATED}
 HEALTH_EVERY_S = 0.25
 
 
@@ -48,7 +48,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             check_message_count(len(request.messages))
             sampling = sampling_from_proto(request.sampling, request.cache_salt)
             messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            caller = caller_id(dict(context.invocation_metadata() or ()).get("authorization"), grpc_subject(context))
+            caller = caller_id(grpc_authorization(context.invocation_metadata()), grpc_subject(context))
             life = await self.router.prepare(request.request_id, request.prompt or None,
                                              list(request.prompt_token_ids) or None, sampling,
                                              messages=messages or None, caller=caller)

@@ -20,13 +20,21 @@ import time
 import grpc
 from starlette.responses import JSONResponse
 
-from router.frontdoor.access import Gate, Need, Verdict, grpc_peer_is_loopback
+from router.frontdoor.access import (
+    AmbiguousCredentials,
+    Gate,
+    Need,
+    Verdict,
+    grpc_peer_is_loopback,
+    sole_authorization,
+)
 
 log = logging.getLogger(__name__)
 
 _GRPC_NEEDS = (("/grpc.health.v1.Health/", Need.OPEN), ("/pdserve.v1.Generation/", Need.TRAFFIC),
                ("/pdserve.v1.Admin/Status", Need.STATUS), ("/grpc.reflection.", Need.STATUS))
 _GRPC_CODES = {Verdict.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
+               Verdict.AMBIGUOUS: grpc.StatusCode.UNAUTHENTICATED,
                Verdict.DENIED: grpc.StatusCode.PERMISSION_DENIED}
 _HTTP_OPEN = frozenset({"/health"})
 _KINDS = {"unary_unary": grpc.unary_unary_rpc_method_handler, "unary_stream": grpc.unary_stream_rpc_method_handler,
@@ -67,8 +75,9 @@ def grpc_need(method: str) -> Need:
     return next((need for prefix, need in _GRPC_NEEDS if method.startswith(prefix)), Need.ADMIN)
 
 
-def _metadata(details: grpc.HandlerCallDetails, key: str) -> str | None:
-    return next((value for k, value in details.invocation_metadata or () if k == key), None)
+def grpc_authorization(metadata) -> str | bytes | None:
+    """The call's one `authorization` metadata value; AmbiguousCredentials when it has several."""
+    return sole_authorization([value for key, value in metadata or () if key == "authorization"])
 
 
 def grpc_subject(context) -> str | None:
@@ -87,7 +96,10 @@ class GrpcGuard(grpc.aio.ServerInterceptor):
         need = grpc_need(details.method)
         if handler is None or need is Need.OPEN or not self.gate.enabled:
             return handler
-        authorization = _metadata(details, "authorization")
+        try:
+            authorization = grpc_authorization(details.invocation_metadata)
+        except AmbiguousCredentials:
+            return _checked(handler, lambda context: self._verdict(details.method, context, Verdict.AMBIGUOUS))
         if need is not Need.TRAFFIC:
             return _checked(handler, lambda context: self._verdict(details.method, context, self.gate.check(
                 need, authorization, lambda: grpc_peer_is_loopback(context.peer()), lambda: grpc_subject(context))))
@@ -128,7 +140,7 @@ def _checked(handler: grpc.RpcMethodHandler, decide) -> grpc.RpcMethodHandler:
 
 def _error(verdict: Verdict) -> JSONResponse:
     """OpenAI's shape for a bad API key: what the openai SDK turns into AuthenticationError."""
-    status, code = (401, "invalid_api_key") if verdict is Verdict.UNAUTHENTICATED else (403, "permission_denied")
+    status, code = (403, "permission_denied") if verdict is Verdict.DENIED else (401, "invalid_api_key")
     body = {"error": {"message": verdict.value, "type": "invalid_request_error", "param": None, "code": code}}
     return JSONResponse(body, status, headers={"WWW-Authenticate": "Bearer"})
 
@@ -141,8 +153,11 @@ class HttpGuard:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http" and scope["path"] not in _HTTP_OPEN:
-            authorization = next((v for k, v in scope["headers"] if k == b"authorization"), None)
-            verdict = self.gate.check(Need.TRAFFIC, authorization)
+            try:
+                authorization = sole_authorization([v for k, v in scope["headers"] if k == b"authorization"])
+                verdict = self.gate.check(Need.TRAFFIC, authorization)
+            except AmbiguousCredentials:
+                verdict = Verdict.AMBIGUOUS
             if verdict is not Verdict.ALLOW:
                 peer = scope.get("client") or ("?", 0)
                 self.refusals.note("HTTP", scope["path"], f"{peer[0]}:{peer[1]}", verdict)

@@ -234,6 +234,18 @@ def _stops(stop: Any) -> tuple[str, ...]:
     raise ApiError(400, "stop must be a string or a list of strings", "stop")
 
 
+def _content(content: Any, name: str) -> str:
+    """A message's text: a string, or a list of text parts joined by newlines."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                   for p in content):
+            raise ApiError(400, f"{name}: only text parts are supported", name)
+        return "\n".join(p["text"] for p in content)
+    raise ApiError(400, f"{name} must be a string or a list of text parts, got {_shown(content)}", name)
+
+
 def _messages(body: dict) -> list[dict]:
     """[{"role", "content"}] with text content parts joined; "developer" is the system role. A
     message's other fields (`name`, `tool_calls`, ...) are refused unless null."""
@@ -248,11 +260,6 @@ def _messages(body: dict) -> list[dict]:
         if extra is not None:
             raise ApiError(400, f"messages[{i}] has a field pdserve does not support: {_shown(extra)} (a "
                                 "message is a role and a content)", "messages")
-        content = m.get("content")
-        if isinstance(content, list):
-            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                       for p in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", "messages")
-            content = "\n".join(p["text"] for p in content)
+        content = _content(m.get("content"), f"messages[{i}].content")
         out.append({"role": "system" if m.get("role") == "developer" else m.get("role"), "content": content})
     return out

@@ -46,7 +46,7 @@ from protocol.errors import InvalidRequest
 from protocol.limits import CHAT_MAX_TOKENS
 from protocol.usage import Usage
 from router.config.schema import TLSSection
-from router.frontdoor.access import Gate, caller_id
+from router.frontdoor.access import AmbiguousCredentials, Gate, caller_id, sole_authorization
 from router.frontdoor.guards import HttpGuard, Refusals
 from router.frontdoor.openai_request import (
     SAMPLING_FIELDS,
@@ -145,6 +145,14 @@ async def _unless_gone(request: Request, work_coro) -> Any:
     return work.result()
 
 
+def _caller(request: Request) -> str:
+    """`caller_id` of the request's one Authorization header; 401 for several (AmbiguousCredentials)."""
+    try:
+        return caller_id(sole_authorization(request.headers.getlist("authorization")))
+    except AmbiguousCredentials as e:
+        raise ApiError(401, str(e), code="invalid_api_key") from None
+
+
 def _content_length(request: Request) -> int:
     """The body's declared size (0 when chunked or malformed: then only its read limits it)."""
     value = request.headers.get("content-length", "")
@@ -210,9 +218,9 @@ class OpenAIApi:
     async def _generate(self, request: Request, chat: bool) -> Response:
         reply = _Reply(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_id)
         try:
+            caller = _caller(request)
             self.router.intake.check_room(_content_length(request) > SMALL_INPUT_BYTES)
             parsed = parse_request(await self._json(request), chat, self.model_id)
-            caller = caller_id(request.headers.get("authorization"))
             chunks = self.router.generate(await self._accept(reply.id, parsed, caller))
             if not parsed.stream:
                 async with contextlib.aclosing(chunks):
@@ -224,7 +232,7 @@ class OpenAIApi:
                 raise
             return _Stream(chunks, self._events(reply, first, chunks, parsed.include_usage))
         except ApiError as e:
-            self.router.metrics.observe_error("INVALID_ARGUMENT")
+            self.router.metrics.observe_error("UNAUTHENTICATED" if e.status == 401 else "INVALID_ARGUMENT")
             return JSONResponse(e.body(), e.status)
         except tuple(_FAILURES) as e:
             return self._refusal(e)

@@ -36,7 +36,8 @@ TOKEN_ID_BYTES = 4  # a token id counts as this many bytes of input (about a tok
 def input_bytes(prompt: str | None, prompt_token_ids: list[int] | None, messages: list[dict] | None) -> int:
     """About how much tokenizing a request costs, from sizes alone (len of str is O(1))."""
     if messages:
-        return sum(len(m.get("content") or "") + 16 for m in messages)  # 16: the template's text per message
+        # 16: the template's text per message; content that is not text is refused later, costs nothing
+        return sum((len(c) if isinstance(c := m.get("content"), str) else 0) + 16 for m in messages)
     return len(prompt or "") + TOKEN_ID_BYTES * len(prompt_token_ids or ())
 
 
