@@ -42,13 +42,16 @@ class RequestValidator:
         self.max_prompt_bytes = max_prompt_bytes
 
     def prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
-                   messages: list[dict] | None = None) -> list[int]:
+                   messages: list[dict] | None = None, add_special_tokens: bool | None = None) -> list[int]:
         """The prompt as token ids: exactly one of `prompt` / `prompt_token_ids` / `messages` (a chat,
-        rendered with the checkpoint's chat template), non-empty, in vocab."""
+        rendered with the checkpoint's chat template), non-empty, in vocab. `add_special_tokens`
+        (None: the default, as transformers and vLLM have it): a text prompt gets the tokenizer's
+        special tokens (its BOS); a rendered chat does not, since its template writes them; token
+        ids are taken as given."""
         if messages:
             if prompt or prompt_token_ids:
                 raise InvalidRequest("give either messages or a prompt / prompt_token_ids, not both")
-            return self.chat_ids(messages)
+            return self.chat_ids(messages, bool(add_special_tokens))
         if prompt and prompt_token_ids:
             raise InvalidRequest("give either a prompt or prompt_token_ids, not both")
         if prompt_token_ids:
@@ -58,12 +61,12 @@ class RequestValidator:
             ids = list(prompt_token_ids)
             self.check_token_ids("prompt_token_ids", ids)
             return ids
-        ids = self._encode(prompt or "")
+        ids = self._encode(prompt, add_special_tokens is not False) if prompt else []
         if not ids:
             raise InvalidRequest("the prompt is empty: give a non-empty prompt or prompt_token_ids")
         return ids
 
-    def chat_ids(self, messages: list[dict]) -> list[int]:
+    def chat_ids(self, messages: list[dict], add_special_tokens: bool = False) -> list[int]:
         """A chat ([{"role", "content"}, ...]) rendered with the chat template, ready for the reply."""
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequest("this model has no chat template: send a prompt instead of messages")
@@ -76,7 +79,7 @@ class RequestValidator:
         size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in messages)
         if size > self.max_prompt_bytes:
             raise InvalidRequest(f"the messages are {size} bytes; at most {self.max_prompt_bytes} are allowed")
-        return self._encode(self._render(messages))
+        return self._encode(self._render(messages), add_special_tokens)
 
     def _render(self, messages: list[dict]) -> str:
         """The chat template's text for `messages`; a template that refuses them (its
@@ -90,7 +93,7 @@ class RequestValidator:
             raise InvalidRequest("this model's chat template refused these messages (templates often need user "
                                  "and assistant messages to alternate, after an optional system message)") from None
 
-    def _encode(self, prompt: str) -> list[int]:
+    def _encode(self, prompt: str, add_special_tokens: bool) -> list[int]:
         try:
             size = len(prompt.encode("utf-8"))
         except UnicodeEncodeError as e:
@@ -98,7 +101,7 @@ class RequestValidator:
         if size > self.max_prompt_bytes:
             raise InvalidRequest(f"the prompt is {size} bytes; at most {self.max_prompt_bytes} are allowed")
         self._refuse_early_if_too_long(prompt)
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
 
     def _refuse_early_if_too_long(self, prompt: str) -> None:
         """A long text is first tokenized only up to a space near PROBE_CHARS_PER_TOKEN x the

@@ -127,6 +127,22 @@ def test_streaming_carries_the_same_tokens_and_usage_last(client):
     assert all(c.usage is None for c in token_chunks)
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, chat):
+    """vLLM's stream_options.continuous_usage_stats, as guidellm sends it with every request."""
+    args = {"model": MODEL, "max_tokens": 6, "temperature": 0, "stream": True, "extra_body": {"ignore_eos": True},
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    create = client.chat.completions.create if chat else client.completions.create
+    *chunks, last = list(create(messages=CHAT, **args) if chat else create(prompt=_prompt(7), **args))
+    assert last.choices == [] and last.usage.completion_tokens == 6
+    made = 0
+    for chunk in chunks:
+        made += len(chunk.choices[0].token_ids)
+        assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.total_tokens) == (
+            last.usage.prompt_tokens, made, last.usage.prompt_tokens + made)
+    assert made == 6
+
+
 def test_seed_reproduces_and_matches_the_grpc_path(client, cluster):
     prompt = _prompt(3)
 

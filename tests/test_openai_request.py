@@ -43,6 +43,30 @@ def test_openai_defaults_and_extensions_map_onto_sampling_params():
     assert _parse({"messages": CHAT, "max_completion_tokens": 7}, chat=True).sampling.max_tokens == 7
 
 
+def test_vllms_extensions_mean_what_they_mean_in_vllm():
+    p = _parse({"prompt": "a"})
+    assert (p.add_special_tokens, p.include_usage, p.continuous_usage) == (True, False, False)
+    assert not _parse({"messages": CHAT}, chat=True).add_special_tokens  # the template writes them
+    assert _parse({"messages": CHAT, "add_special_tokens": True}, chat=True).add_special_tokens
+    assert not _parse({"prompt": "a", "add_special_tokens": False}).add_special_tokens
+    both = {"include_usage": True, "continuous_usage_stats": True}
+    assert (_parse({"prompt": "a", "stream_options": both}).continuous_usage,
+            _parse({"prompt": "a", "stream_options": {"continuous_usage_stats": True}}).continuous_usage) == (True, False)
+    # min_tokens where nothing but max_tokens ends a request: what vLLM would do, done
+    taken = _parse({"prompt": "a", "min_tokens": 8, "max_tokens": 8, "ignore_eos": True})
+    assert taken.sampling == _parse({"prompt": "a", "max_tokens": 8, "ignore_eos": True}).sampling
+
+
+def test_what_guidellm_sends_is_taken():
+    """guidellm 0.8.1's bodies (backends/openai/request_handlers.py), streamed and not."""
+    completion = {"model": MODEL, "stream": True, "prompt": "a b c", "max_tokens": 8, "stop": None,
+                  "ignore_eos": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    p = _parse(completion)
+    assert p.continuous_usage and p.sampling.ignore_eos and p.sampling.max_tokens == 8
+    chat = {k: v for k, v in completion.items() if k != "prompt"} | {"messages": CHAT}
+    assert _parse(chat, chat=True).continuous_usage
+
+
 def test_what_the_bench_and_the_sdk_send_is_taken():
     bench = {"model": MODEL, "prompt": [5, 6], "max_tokens": 8, "temperature": 0, "stream": True,
              "stream_options": {"include_usage": True}} | dict(DEFAULT_EXTRA_BODY)
@@ -51,13 +75,17 @@ def test_what_the_bench_and_the_sdk_send_is_taken():
     assert _parse({"model": MODEL, "prompt": [5], "max_tokens": 1, "temperature": 0} | dict(DEFAULT_EXTRA_BODY))
 
 
+VLLM_DEFAULTS = {"skip_special_tokens": True, "spaces_between_special_tokens": True,
+                 "include_stop_str_in_output": False, "use_beam_search": False, "length_penalty": 1, "priority": 0,
+                 "return_tokens_as_token_ids": False, "prompt_logprobs": None, "truncate_prompt_tokens": None}
 NO_OPS = [  # pdserve implements none of these: each is taken at the value that asks for nothing
     (False, {"n": 1, "best_of": 1, "echo": False, "suffix": "", "logprobs": None, "user": "u-1",
              "presence_penalty": 0.0, "frequency_penalty": 0, "logit_bias": {}, "min_p": 0, "min_tokens": 0,
-             "repetition_penalty": 1}),
+             "repetition_penalty": 1} | VLLM_DEFAULTS),
     (True, {"n": 1, "logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none", "functions": [],
             "function_call": "none", "response_format": {"type": "text"}, "store": False, "user": "u-1",
-            "presence_penalty": 0, "stream_options": {"include_usage": None}}),
+            "presence_penalty": 0, "stream_options": {"include_usage": None}, "echo": False,
+            "add_generation_prompt": True, "continue_final_message": False} | VLLM_DEFAULTS),
 ]
 
 
@@ -86,14 +114,25 @@ def test_options_not_implemented_are_taken_at_their_no_op_value(chat, fields):
     ({"best_of": True}, "best_of", "best_of is not supported: pdserve accepts only 1, the value that asks for "
                                    "nothing (got true)"),
     ({"min_p": 0.05}, "min_p", "min_p is not supported: pdserve accepts only 0"),
-    ({"min_tokens": 4}, "min_tokens", "min_tokens is not supported: pdserve accepts only 0"),
+    ({"min_tokens": 4}, "min_tokens", "min_tokens above 0 is supported only with ignore_eos: true and no stop"),
+    ({"min_tokens": 4, "ignore_eos": True, "stop": "x"}, "min_tokens", "min_tokens above 0 is supported only"),
+    ({"min_tokens": 9, "ignore_eos": True, "max_tokens": 8}, "min_tokens", "min_tokens must be in [0, max_tokens]"),
+    ({"skip_special_tokens": False}, "skip_special_tokens", "skip_special_tokens is not supported: pdserve "
+                                                            "accepts only true"),
+    ({"include_stop_str_in_output": True}, "include_stop_str_in_output", "accepts only false"),
+    ({"spaces_between_special_tokens": False}, "spaces_between_special_tokens", "accepts only true"),
+    ({"add_special_tokens": "yes"}, "add_special_tokens", 'add_special_tokens must be true or false, got "yes"'),
+    ({"prompt_logprobs": 1}, "prompt_logprobs", "prompt_logprobs is not supported: pdserve accepts only null"),
+    ({"truncate_prompt_tokens": 8}, "truncate_prompt_tokens", "accepts only null"),
+    ({"stream_options": {"continuous_usage_stats": 1}}, "stream_options.continuous_usage_stats",
+     "stream_options.continuous_usage_stats must be true or false, got 1"),
     ({"repetition_penalty": 1.1}, "repetition_penalty", "repetition_penalty is not supported: pdserve accepts "
                                                         "only 1"),
     ({"presence_penalty": 0.5}, "presence_penalty", "presence_penalty is not supported"),
     ({"guided_json": {"type": "object"}}, "guided_json", '/v1/completions has no field "guided_json" in pdserve'),
     ({"functions": []}, "functions", '/v1/completions has no field "functions" in pdserve'),
-    ({"stream_options": {"continuous_usage_stats": True}}, "stream_options.continuous_usage_stats",
-     'stream_options has a field pdserve does not support: "continuous_usage_stats"'),
+    ({"stream_options": {"include_usage": True, "min_tokens": 2}}, "stream_options.min_tokens",
+     'stream_options has a field pdserve does not support: "min_tokens"'),
     ({"stream_options": {"include_usage": 1}}, "stream_options.include_usage",
      "stream_options.include_usage must be true or false, got 1"),
     ({"user": 7}, "user", "user must be a string, got 7"),
@@ -112,7 +151,10 @@ def test_refused_completions_name_the_field(body, param, message):
     ({"response_format": {"type": "json_object"}}, "response_format", "response_format is not supported"),
     ({"prediction": {"type": "content", "content": "x"}}, "prediction",
      '/v1/chat/completions has no field "prediction" in pdserve'),
-    ({"echo": False}, "echo", '/v1/chat/completions has no field "echo" in pdserve'),
+    ({"echo": True}, "echo", "echo is not supported: pdserve accepts only false"),
+    ({"add_generation_prompt": False}, "add_generation_prompt", "accepts only true"),
+    ({"continue_final_message": True}, "continue_final_message", "accepts only false"),
+    ({"chat_template": "{{ messages }}"}, "chat_template", '/v1/chat/completions has no field "chat_template"'),
     ({"messages": [{"role": "user", "content": "a", "name": "bob"}]}, "messages",
      'messages[0] has a field pdserve does not support: "name"'),
 ])
@@ -179,7 +221,8 @@ class _FakeRouter:
         self.accepting = self.started = self.serving = True
         self.chunks, self.fail, self.refuse, self.closed = list(chunks), fail, refuse, False
 
-    async def prepare(self, request_id, prompt, prompt_ids, sampling, messages=None, caller="") -> RequestLife:
+    async def prepare(self, request_id, prompt, prompt_ids, sampling, messages=None, caller="",
+                      add_special_tokens=None) -> RequestLife:
         if self.refuse is not None:
             raise self.refuse
         return RequestLife(request_id, 0, prompt_ids or [1], sampling, 0.0)

@@ -51,7 +51,9 @@ class GenerationService(pb_grpc.GenerationServicer):
             caller = caller_id(grpc_authorization(context.invocation_metadata()), grpc_subject(context))
             life = await self.router.prepare(request.request_id, request.prompt or None,
                                              list(request.prompt_token_ids) or None, sampling,
-                                             messages=messages or None, caller=caller)
+                                             messages=messages or None, caller=caller,
+                                             add_special_tokens=request.add_special_tokens
+                                             if request.HasField("add_special_tokens") else None)
             async with contextlib.aclosing(self.router.generate(life)) as chunks:
                 async for chunk in chunks:
                     yield self._response(life.client_id, chunk)

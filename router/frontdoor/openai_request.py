@@ -4,9 +4,11 @@ with OpenAI's defaults. Anything refused raises ApiError with the sentence the c
 
 `load_body`: UTF-8 JSON, nested at most MAX_JSON_DEPTH deep, without NaN, Infinity or a number
 beyond a float's range (an integer field takes at most 64 bits). `parse_request`: each
-endpoint's fields are an allowlist. A field is either honoured, or one pdserve does not
-implement, accepted only at the value that asks for nothing (`n: 1`, `echo: false`,
-`presence_penalty: 0`, ...); any other field, or value, is refused with 400. `null` is the same
+endpoint's fields are an allowlist. A field is either honoured (vLLM's extensions with vLLM's
+meaning: `stream_options.continuous_usage_stats`, `add_special_tokens`, `min_tokens` where
+nothing else can end a request early), or one pdserve does not implement, accepted only at the
+value that asks for nothing (`n: 1`, `echo: false`, `presence_penalty: 0`, vLLM's defaults such as
+`skip_special_tokens: true`); any other field, or value, is refused with 400. `null` is the same
 as leaving a field out. A `model` other than the one served is 404 `model_not_found`.
 """
 
@@ -27,18 +29,22 @@ SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop"
 MAX_JSON_DEPTH = 32  # an OpenAI body nests 5 deep (messages, content parts); far below the parser's stack
 
 _HONOURED = frozenset({"model", "stream", "stream_options", "n", "max_tokens", "temperature", "top_p", "seed",
-                       "stop", "user", "top_k", "ignore_eos", "stop_token_ids",
-                       "cache_salt"})  # the last four: extensions (cache_salt as vLLM's)
+                       "stop", "user", "top_k", "ignore_eos", "stop_token_ids", "cache_salt", "min_tokens",
+                       "add_special_tokens"})  # from top_k on: vLLM's extensions, with vLLM's meaning
 _NO_OP = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {},
-          "min_p": 0, "min_tokens": 0, "repetition_penalty": 1}  # the last three: vLLM's extensions
+          # vLLM's extensions pdserve does not implement, at vLLM's defaults
+          "min_p": 0, "repetition_penalty": 1, "length_penalty": 1, "use_beam_search": False, "priority": 0,
+          "skip_special_tokens": True, "spaces_between_special_tokens": True, "include_stop_str_in_output": False,
+          "return_tokens_as_token_ids": False, "prompt_logprobs": None, "truncate_prompt_tokens": None}
 # per endpoint (chat?): the fields honoured, and the no-op value of each field accepted only at that value
 ENDPOINTS: dict[bool, tuple[frozenset[str], dict[str, Any]]] = {
     False: (_HONOURED | {"prompt"}, _NO_OP | {"best_of": 1, "echo": False, "suffix": "", "logprobs": None}),
     True: (_HONOURED | {"messages", "max_completion_tokens"},
            _NO_OP | {"logprobs": False, "top_logprobs": 0, "tools": [], "tool_choice": "none", "functions": [],
-                     "function_call": "none", "response_format": {"type": "text"}, "store": False}),
+                     "function_call": "none", "response_format": {"type": "text"}, "store": False,
+                     "echo": False, "add_generation_prompt": True, "continue_final_message": False}),
 }
-_STREAM_OPTIONS = frozenset({"include_usage"})
+_STREAM_OPTIONS = frozenset({"include_usage", "continuous_usage_stats"})
 _MESSAGE_FIELDS = frozenset({"role", "content"})
 _JSON_STRING = re.compile(r'"(?:[^"\\]++|\\.)*+"', re.S)
 _NOT_BRACKETS = re.compile(r"[^\[\]{}]++")
@@ -62,7 +68,9 @@ class Parsed:
     sampling: SamplingParams
     max_tokens_given: bool  # chat without it: the rest of the context, at most CHAT_MAX_TOKENS
     stream: bool
-    include_usage: bool
+    include_usage: bool  # a last chunk with the usage
+    continuous_usage: bool  # the usage so far in every chunk too (vLLM's continuous_usage_stats)
+    add_special_tokens: bool  # the tokenizer's special tokens (its BOS) around a text prompt
 
 
 # ---- the body as JSON --------------------------------------------------------------------------
@@ -167,8 +175,23 @@ def parse_request(body: dict, chat: bool, model: str) -> Parsed:
         top_p=_field(body, "top_p", "number", 1.0), top_k=0 if top_k == -1 else top_k, seed=seed,
         stop=_stops(body.get("stop")), stop_token_ids=tuple(_field(body, "stop_token_ids", "ids", [])),
         ignore_eos=_field(body, "ignore_eos", "bool", False), cache_salt=_field(body, "cache_salt", "string", ""))
+    _check_min_tokens(_field(body, "min_tokens", "int", 0), sampling, max_tokens is not None)
+    include_usage, continuous_usage = _usage_options(body.get("stream_options"))
     return Parsed(prompt, ids, messages, sampling, max_tokens is not None, _field(body, "stream", "bool", False),
-                  _include_usage(body.get("stream_options")))
+                  include_usage, continuous_usage, _field(body, "add_special_tokens", "bool", not chat))
+
+
+def _check_min_tokens(min_tokens: int, sampling: SamplingParams, max_tokens_given: bool) -> None:
+    """vLLM's min_tokens: no EOS, stop token or stop string ends the request before that many
+    tokens. pdserve's engine cannot hold those back, so min_tokens > 0 is honoured only where
+    nothing but max_tokens can end a request anyway: with ignore_eos and no stop conditions."""
+    if min_tokens == 0:
+        return
+    if min_tokens < 0 or max_tokens_given and min_tokens > sampling.max_tokens:
+        raise ApiError(400, f"min_tokens must be in [0, max_tokens], got {min_tokens}", "min_tokens")
+    if not sampling.ignore_eos or sampling.stop or sampling.stop_token_ids:
+        raise ApiError(400, "min_tokens above 0 is supported only with ignore_eos: true and no stop or "
+                            "stop_token_ids (then nothing ends a request before max_tokens)", "min_tokens")
 
 
 def _check_fields(body: dict, chat: bool) -> None:
@@ -199,17 +222,20 @@ def _check_model(body: dict, model: str) -> None:
                             "(GET /v1/models)", "model", code="model_not_found")
 
 
-def _include_usage(options: Any) -> bool:
-    """stream_options: an object of the options honoured (include_usage)."""
+def _usage_options(options: Any) -> tuple[bool, bool]:
+    """stream_options: an object of the options honoured, (include_usage, continuous_usage_stats);
+    as in vLLM, continuous_usage_stats counts only with include_usage."""
     if options is None:
-        return False
+        return False, False
     if not isinstance(options, dict):
         raise ApiError(400, "stream_options must be an object", "stream_options")
     for name, value in options.items():
         if name not in _STREAM_OPTIONS and value is not None:
             raise ApiError(400, f"stream_options has a field pdserve does not support: {_shown(name)}",
                            f"stream_options.{name[:60]}")
-    return _field(options, "include_usage", "bool", False, where="stream_options.")
+    include = _field(options, "include_usage", "bool", False, where="stream_options.")
+    continuous = _field(options, "continuous_usage_stats", "bool", False, where="stream_options.")
+    return include, include and continuous
 
 
 def _prompt(body: dict) -> tuple[str | None, list[int] | None]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import socket
 import time
@@ -44,10 +43,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from protocol.deadline import within
 from protocol.errors import InvalidRequest
 from protocol.limits import CHAT_MAX_TOKENS
-from protocol.usage import Usage
 from router.config.schema import TLSSection
 from router.frontdoor.access import AmbiguousCredentials, Gate, caller_id, sole_authorization
 from router.frontdoor.guards import HttpGuard, Refusals
+from router.frontdoor.openai_reply import Reply, UsageSoFar, finish_reason, sse_json, usage_body
 from router.frontdoor.openai_request import (
     SAMPLING_FIELDS,
     ApiError,
@@ -78,48 +77,6 @@ def _api_error(e: Exception) -> ApiError:
     status, kind, code, _ = _FAILURES[type(e)]
     first = str(e).split(" ", 1)[0]
     return ApiError(status, str(e), first if first in SAMPLING_FIELDS else None, kind, code)
-
-
-# ---- responses ------------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True)
-class _Reply:
-    """One response's fixed parts; completions and chat differ only in these shapes."""
-
-    chat: bool
-    id: str
-    model: str
-    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
-
-    def body(self, choices: list[dict], usage: dict | None, stream: bool) -> dict[str, Any]:
-        kind = ("chat.completion.chunk" if stream else "chat.completion") if self.chat else "text_completion"
-        out = {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
-        return out if usage is None and stream else out | {"usage": usage}
-
-    def choice(self, text: str, token_ids: list[int], finish: str | None, stream: bool, first: bool = False) -> dict:
-        """`token_ids` is pdserve's own addition: the ids behind `text`."""
-        if not self.chat:
-            body: dict[str, Any] = {"text": text}
-        elif stream:
-            body = {"delta": {"role": "assistant", "content": text} if first else {"content": text}}
-        else:
-            body = {"message": {"role": "assistant", "content": text}}
-        return {"index": 0, **body, "logprobs": None, "finish_reason": finish, "token_ids": token_ids}
-
-
-def _usage(chunk: Chunk | None) -> dict[str, Any]:
-    """OpenAI's usage object for the request whose last chunk is `chunk` (zeros without one)."""
-    u = chunk.usage if chunk is not None and chunk.usage is not None else Usage()
-    return {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
-            "total_tokens": u.prompt_tokens + u.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": u.cached_tokens}}
-
-
-def _sse_json(body: dict) -> str:
-    return json.dumps(body, separators=(",", ":"))
-
-
-def _finish(chunk: Chunk) -> str | None:
-    return chunk.finish_reason.public if chunk.finish_reason is not None else None
 
 
 class ClientGone(Exception):
@@ -216,12 +173,13 @@ class OpenAIApi:
         return JSONResponse({"status": "serving" if serving else "not serving"}, 200 if serving else 503)
 
     async def _generate(self, request: Request, chat: bool) -> Response:
-        reply = _Reply(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_id)
+        reply = Reply(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", self.model_id)
         try:
             caller = _caller(request)
             self.router.intake.check_room(_content_length(request) > SMALL_INPUT_BYTES)
             parsed = parse_request(await self._json(request), chat, self.model_id)
-            chunks = self.router.generate(await self._accept(reply.id, parsed, caller))
+            life = await self._accept(reply.id, parsed, caller)
+            chunks = self.router.generate(life)
             if not parsed.stream:
                 async with contextlib.aclosing(chunks):
                     return self._whole(reply, await _unless_gone(request, _collect(chunks)))
@@ -230,7 +188,8 @@ class OpenAIApi:
             except BaseException:
                 await chunks.aclose()
                 raise
-            return _Stream(chunks, self._events(reply, first, chunks, parsed.include_usage))
+            counter = UsageSoFar(len(life.prompt_token_ids)) if parsed.continuous_usage else None
+            return _Stream(chunks, self._events(reply, first, chunks, parsed.include_usage, counter))
         except ApiError as e:
             self.router.metrics.observe_error("UNAUTHENTICATED" if e.status == 401 else "INVALID_ARGUMENT")
             return JSONResponse(e.body(), e.status)
@@ -270,7 +229,8 @@ class OpenAIApi:
         return b"".join(parts)
 
     async def _accept(self, request_id: str, p: Parsed, caller: str) -> RequestLife:
-        life = await self.router.prepare(request_id, p.prompt, p.prompt_ids, p.sampling, p.messages, caller)
+        life = await self.router.prepare(request_id, p.prompt, p.prompt_ids, p.sampling, p.messages, caller,
+                                         p.add_special_tokens)
         if not p.max_tokens_given:  # accepted with max_tokens 1; the default fits what is left
             decode = self.router.pools.ready("decode") or self.router.pools.live("decode")
             pool_tokens = max(w.info.num_blocks for w in decode) * decode[0].info.block_size
@@ -279,26 +239,29 @@ class OpenAIApi:
         return life
 
     @staticmethod
-    def _whole(reply: _Reply, chunks: list[Chunk]) -> JSONResponse:
+    def _whole(reply: Reply, chunks: list[Chunk]) -> JSONResponse:
         text, ids = "".join(c.text for c in chunks), [t for c in chunks for t in c.token_ids]
         last = chunks[-1] if chunks else None
-        choice = reply.choice(text, ids, _finish(last) if last else None, stream=False)
-        return JSONResponse(reply.body([choice], _usage(last), stream=False))
+        choice = reply.choice(text, ids, finish_reason(last) if last else None, stream=False)
+        return JSONResponse(reply.body([choice], usage_body(last), stream=False))
 
-    async def _events(self, reply: _Reply, chunk: Chunk | None, chunks, include_usage: bool) -> AsyncIterator[dict]:
+    async def _events(self, reply: Reply, chunk: Chunk | None, chunks, include_usage: bool,
+                      so_far: UsageSoFar | None) -> AsyncIterator[dict]:
+        """The stream's events; with `so_far` (continuous_usage_stats) each carries the usage so far."""
         first, last = True, chunk
         try:
             while chunk is not None:
-                choice = reply.choice(chunk.text, chunk.token_ids, _finish(chunk), stream=True, first=first)
-                yield {"data": _sse_json(reply.body([choice], None, stream=True))}
+                choice = reply.choice(chunk.text, chunk.token_ids, finish_reason(chunk), stream=True, first=first)
+                usage = so_far.after(chunk) if so_far is not None else None
+                yield {"data": sse_json(reply.body([choice], usage, stream=True))}
                 first, last = False, chunk
                 chunk = await anext(chunks, None)
         except tuple(_FAILURES) as e:  # after the 200: the error goes out as an event, as OpenAI's does
             self.router.metrics.observe_error(_FAILURES[type(e)][3])
-            yield {"data": _sse_json(_api_error(e).body())}
+            yield {"data": sse_json(_api_error(e).body())}
         else:
             if include_usage:
-                yield {"data": _sse_json(reply.body([], _usage(last), stream=True))}
+                yield {"data": sse_json(reply.body([], usage_body(last), stream=True))}
         yield {"data": "[DONE]"}
 
     @staticmethod

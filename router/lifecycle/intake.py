@@ -54,7 +54,7 @@ class Intake:
             self._validators.put(_own_copy(validator))
 
     async def prompt_ids(self, prompt: str | None, prompt_token_ids: list[int] | None,
-                         messages: list[dict] | None) -> list[int]:
+                         messages: list[dict] | None, add_special_tokens: bool | None = None) -> list[int]:
         """The validator's `prompt_ids`, on a lane; QueueFull when intake is full."""
         large = input_bytes(prompt, prompt_token_ids, messages) > SMALL_INPUT_BYTES
         self.check_room(large)
@@ -62,7 +62,7 @@ class Intake:
         try:
             lane = self._large if large else self._small
             return await asyncio.get_running_loop().run_in_executor(lane, self._run, prompt, prompt_token_ids,
-                                                                    messages)
+                                                                    messages, add_special_tokens)
         finally:
             self._count(-1, large)
 
@@ -78,10 +78,10 @@ class Intake:
         self.preparing += change
         self.preparing_large += change if large else 0
 
-    def _run(self, prompt, prompt_token_ids, messages) -> list[int]:
+    def _run(self, prompt, prompt_token_ids, messages, add_special_tokens) -> list[int]:
         validator = self._validators.get_nowait()  # never empty: one per thread of both lanes
         try:
-            return validator.prompt_ids(prompt, prompt_token_ids, messages)
+            return validator.prompt_ids(prompt, prompt_token_ids, messages, add_special_tokens)
         finally:
             self._validators.put(validator)
 

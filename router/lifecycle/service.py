@@ -110,14 +110,16 @@ class Router:
             raise Unavailable("the server is shutting down" if self.started else "the server is starting")
 
     async def prepare(self, request_id: str, prompt: str | None, prompt_token_ids: list[int] | None,
-                      sampling: SamplingParams, messages: list[dict] | None = None, caller: str = "") -> RequestLife:
+                      sampling: SamplingParams, messages: list[dict] | None = None, caller: str = "",
+                      add_special_tokens: bool | None = None) -> RequestLife:
         """Validate a request (raises InvalidRequest / Unavailable) and accept it. `messages`: a chat
         ([{"role": ..., "content": ...}]) rendered with the checkpoint's chat template. `caller`
         (router/frontdoor/access.py `caller_id`): the namespace of its request id, and with
-        router.auth.isolate_prefix_cache of its prefix-cache blocks."""
+        router.auth.isolate_prefix_cache of its prefix-cache blocks. `add_special_tokens`: see
+        RequestValidator.prompt_ids (None: a text prompt gets its BOS, a chat not)."""
         self.check_open()
         validate_request_id(request_id)
-        ids = await self.intake.prompt_ids(prompt, prompt_token_ids, messages)
+        ids = await self.intake.prompt_ids(prompt, prompt_token_ids, messages, add_special_tokens)
         return self.accept(request_id, ids, sampling, caller)
 
     def accept(self, request_id: str, ids: list[int], sampling: SamplingParams, caller: str = "") -> RequestLife:
