@@ -55,9 +55,7 @@ class RequestValidator:
         if prompt and prompt_token_ids:
             raise InvalidRequest("give either a prompt or prompt_token_ids, not both")
         if prompt_token_ids:
-            if len(prompt_token_ids) > self.max_model_len:
-                raise InvalidRequest(f"prompt_token_ids has {len(prompt_token_ids)} tokens; the model's context "
-                                     f"is {self.max_model_len} tokens")
+            self.check_prompt_length(len(prompt_token_ids))
             ids = list(prompt_token_ids)
             self.check_token_ids("prompt_token_ids", ids)
             return ids
@@ -65,6 +63,12 @@ class RequestValidator:
         if not ids:
             raise InvalidRequest("the prompt is empty: give a non-empty prompt or prompt_token_ids")
         return ids
+
+    def check_prompt_length(self, num_token_ids: int) -> None:
+        """At most the context: checked on a count before the ids are even copied."""
+        if num_token_ids > self.max_model_len:
+            raise InvalidRequest(f"prompt_token_ids has {num_token_ids} tokens; the model's context "
+                                 f"is {self.max_model_len} tokens")
 
     def chat_ids(self, messages: list[dict], add_special_tokens: bool = False) -> list[int]:
         """A chat ([{"role", "content"}, ...]) rendered with the chat template, ready for the reply."""

@@ -48,6 +48,12 @@ def check_values(cfg: ClusterConfig, where: str) -> None:
         ("router.tokenizer_threads", cfg.router.tokenizer_threads >= 1, "must be >= 1"),
         ("router.max_concurrent_calls", cfg.router.max_concurrent_calls >= 1, "must be >= 1"),
         ("router.read_timeout_s", cfg.router.read_timeout_s > 0, "must be > 0"),
+        ("router.write_timeout_s", cfg.router.write_timeout_s > 0, "must be > 0"),
+        ("router.max_connections", cfg.router.max_connections >= 1, "must be >= 1"),
+        ("router.max_body_bytes_in_flight",  # one maximal HTTP body (router/frontdoor/openai_server.py)
+         cfg.router.max_body_bytes_in_flight >= 4 * cfg.router.max_prompt_bytes + (64 << 10),
+         "must hold one maximal HTTP body: at least 4 x router.max_prompt_bytes + 64 KiB"),
+        ("router.max_pool_replicas", cfg.router.max_pool_replicas >= 1, "must be >= 1"),
         ("prefill.replicas", cfg.prefill.replicas >= (1 if cfg.mode == "disaggregated" else 0),
          "must be >= 1 in disaggregated mode (>= 0 in colocated)"),
         ("decode.replicas", cfg.decode.replicas >= 1, "must be >= 1"),

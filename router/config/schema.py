@@ -116,6 +116,15 @@ class RouterSection:
     # to finish a gRPC connection's handshake
     max_concurrent_calls: int = 1024
     read_timeout_s: float = 30.0
+    # front doors, hostile clients (docs/security.md "Slow and silent clients"): how long a client
+    # may take nothing of a response it stopped reading (then its connection / call ends and its
+    # request is cancelled); connections open at once per door (beyond: closed as they open); bytes
+    # of HTTP request bodies being read and parsed at once (beyond: 429 before reading); the most
+    # replicas Admin/Scale may ask of a pool
+    write_timeout_s: float = 30.0
+    max_connections: int = 2048
+    max_body_bytes_in_flight: int = 64 << 20
+    max_pool_replicas: int = 64
     # placement (router/pools/placement.py): cache_aware weighs the prefix a worker holds against its
     # load; load = least loaded; round_robin = in turn. The per-pool keys override `policy`.
     policy: Policy = "cache_aware"

@@ -26,14 +26,26 @@ from router.frontdoor.access import AmbiguousCredentials, Gate, caller_id
 from router.frontdoor.grpc_convert import pool_status_to_proto, sampling_from_proto, usage_to_proto
 from router.frontdoor.guards import GrpcGuard, Refusals, grpc_authorization, grpc_subject
 from router.frontdoor.tls import grpc_server_credentials
+from router.lifecycle.life import RequestLife
 from router.lifecycle.outcomes import CannotPlace, Chunk, InternalError, QueueFull, Unavailable
 from router.lifecycle.service import Router
 
 log = logging.getLogger(__name__)
 
+def max_message_bytes(max_prompt_bytes: int, max_model_len: int) -> int:
+    """The largest GenerateRequest a request can need (gRPC's default is 4 MiB): its text, or its
+    context as token ids (a varint of at most 5 bytes each), and the rest."""
+    return max(max_prompt_bytes, 5 * max_model_len) + (64 << 10)
+
+
+class WriteTimeout(Exception):
+    """A streaming client took none of its response for router.write_timeout_s."""
+
+
 _STATUS = {InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
            CannotPlace: grpc.StatusCode.RESOURCE_EXHAUSTED, Unavailable: grpc.StatusCode.UNAVAILABLE,
-           InternalError: grpc.StatusCode.INTERNAL, AmbiguousCredentials: grpc.StatusCode.UNAUTHENTICATED}
+           InternalError: grpc.StatusCode.INTERNAL, AmbiguousCredentials: grpc.StatusCode.UNAUTHENTICATED,
+           WriteTimeout: grpc.StatusCode.DEADLINE_EXCEEDED}
 HEALTH_EVERY_S = 0.25
 
 
@@ -41,28 +53,42 @@ class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, router: Router):
         self.router = router
 
-    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
         try:
-            if request.prompt and request.prompt_token_ids:
-                raise InvalidRequest("give either prompt or prompt_token_ids, not both")
-            check_message_count(len(request.messages))
-            sampling = sampling_from_proto(request.sampling, request.cache_salt)
-            messages = [{"role": m.role, "content": m.content} for m in request.messages]
-            caller = caller_id(grpc_authorization(context.invocation_metadata()), grpc_subject(context))
-            life = await self.router.prepare(request.request_id, request.prompt or None,
-                                             list(request.prompt_token_ids) or None, sampling,
-                                             messages=messages or None, caller=caller,
-                                             add_special_tokens=request.add_special_tokens
-                                             if request.HasField("add_special_tokens") else None)
+            life = await self._prepare(request, context)
             async with contextlib.aclosing(self.router.generate(life)) as chunks:
                 async for chunk in chunks:
-                    yield self._response(life.client_id, chunk)
+                    await self._write(context, self._response(life.client_id, chunk))
         except tuple(_STATUS) as e:
             code = _STATUS[type(e)]
             self.router.metrics.observe_error(code.name)
             if isinstance(e, QueueFull) and e.retry_after_s is not None:
                 context.set_trailing_metadata((("retry-after", str(e.retry_after_s)),))
             await context.abort(code, str(e))
+
+    async def _prepare(self, request: pb.GenerateRequest, context) -> RequestLife:
+        if request.prompt and request.prompt_token_ids:
+            raise InvalidRequest("give either prompt or prompt_token_ids, not both")
+        check_message_count(len(request.messages))
+        self.router.validator.check_prompt_length(len(request.prompt_token_ids))  # before list() copies them
+        sampling = sampling_from_proto(request.sampling, request.cache_salt)
+        messages = [{"role": m.role, "content": m.content} for m in request.messages]
+        caller = caller_id(grpc_authorization(context.invocation_metadata()), grpc_subject(context))
+        special = request.add_special_tokens if request.HasField("add_special_tokens") else None
+        return await self.router.prepare(request.request_id, request.prompt or None,
+                                         list(request.prompt_token_ids) or None, sampling,
+                                         messages=messages or None, caller=caller, add_special_tokens=special)
+
+    async def _write(self, context, message: pb.GenerateResponse) -> None:
+        """One message out; a client that takes none of the stream for router.write_timeout_s (its
+        flow-control window and gRPC's buffers full) ends the call: the request is cancelled."""
+        timeout_s = self.router.config.router.write_timeout_s
+        try:
+            async with asyncio.timeout(timeout_s):
+                await context.write(message)
+        except TimeoutError:
+            raise WriteTimeout(f"the client took none of the response for {timeout_s:g} s "
+                               "(router.write_timeout_s); the request was cancelled") from None
 
     @staticmethod
     def _response(rid: str, chunk: Chunk) -> pb.GenerateResponse:
@@ -100,6 +126,10 @@ class AdminService(pb_grpc.AdminServicer):
     async def Scale(self, request: pb.ScaleRequest, context) -> pb.ScaleResponse:
         if request.pool not in ("prefill", "decode"):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown pool {request.pool!r}: use prefill or decode")
+        most = self.router.config.router.max_pool_replicas
+        if request.replicas > most:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{request.replicas} replicas asked of the "
+                                f"{request.pool} pool; at most {most} (router.max_pool_replicas)")
         try:
             started, stopped = await self.router.scale(request.pool, request.replicas)
         except tuple(_STATUS) as e:
@@ -111,14 +141,25 @@ class RouterServer:
     """The grpc.aio server; `port` is the bound port (config port 0 = pick a free one). With a
     `gate` that has tokens every call passes router/frontdoor/guards.py's interceptor; with `tls` the port
     speaks only TLS (mutual when tls.client_ca_file). At most router.max_concurrent_calls calls run at
-    once (grpc refuses more with RESOURCE_EXHAUSTED); a connection's handshake has read_timeout_s."""
+    once (grpc refuses more with RESOURCE_EXHAUSTED) over at most router.max_connections connections;
+    a connection's handshake has read_timeout_s, and so has a connection with no call; a stream the
+    client stops reading ends after write_timeout_s (DEADLINE_EXCEEDED, the request cancelled)."""
 
     def __init__(self, router: Router, host: str, port: int, gate: Gate | None = None,
                  tls: TLSSection | None = None, refusals: Refusals | None = None):
         self.router = router
         guard = [GrpcGuard(gate, refusals or Refusals())] if gate is not None and gate.enabled else []
         r = router.config.router
-        options = [("grpc.so_reuseport", 0), ("grpc.server_handshake_timeout_ms", int(r.read_timeout_s * 1000))]
+        options = [("grpc.so_reuseport", 0), ("grpc.server_handshake_timeout_ms", int(r.read_timeout_s * 1000)),
+                   ("grpc.max_receive_message_length", max_message_bytes(r.max_prompt_bytes,
+                                                                         router.validator.max_model_len)),
+                   ("grpc.max_allowed_incoming_connections", r.max_connections),
+                   # a connection with no call for read_timeout_s is closed (GOAWAY; a client's channel
+                   # reconnects on its next call), and one whose peer stops answering pings during a
+                   # call after write_timeout_s + write_timeout_s
+                   ("grpc.max_connection_idle_ms", int(r.read_timeout_s * 1000)),
+                   ("grpc.keepalive_time_ms", int(r.write_timeout_s * 1000)),
+                   ("grpc.keepalive_timeout_ms", int(r.write_timeout_s * 1000))]
         self.server = grpc.aio.server(options=options, interceptors=guard, maximum_concurrent_rpcs=r.max_concurrent_calls)
         pb_grpc.add_GenerationServicer_to_server(GenerationService(router), self.server)
         pb_grpc.add_AdminServicer_to_server(AdminService(router), self.server)

@@ -10,11 +10,8 @@ A client that goes away closes the request's generator, which aborts it on every
 uvicorn as a task without signal handlers: the process's owner (serve_forever) keeps them; with
 router.tls it is HTTPS, with router.auth a missing or wrong bearer token gets 401 from
 router/frontdoor/guards.py before a request reaches the app. At most router.max_concurrent_calls
-connections and requests at once (uvicorn answers more with 503); a request's head (request line
-and headers) must arrive within router.read_timeout_s of its first byte or of the connection's
-start, or the connection is closed (uvicorn has no such deadline: a client sending nothing, or
-a header a byte at a time, would hold a connection slot for ever), and its body within
-router.read_timeout_s (408).
+requests at once (uvicorn answers more with 503); a request's body must arrive within
+router.read_timeout_s (408); the connection's own deadlines and cap: router/frontdoor/http_conn.py.
 """
 
 from __future__ import annotations
@@ -30,7 +27,6 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
-import h11
 import uvicorn
 from sse_starlette import EventSourceResponse
 from starlette.applications import Starlette
@@ -38,14 +34,15 @@ from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from protocol.deadline import within
 from protocol.errors import InvalidRequest
 from protocol.limits import CHAT_MAX_TOKENS
 from router.config.schema import TLSSection
 from router.frontdoor.access import AmbiguousCredentials, Gate, caller_id, sole_authorization
+from router.frontdoor.body_budget import BodyBudget, BodyCharge
 from router.frontdoor.guards import HttpGuard, Refusals
+from router.frontdoor.http_conn import ConnectionLimits, DeadlineProtocol, Server
 from router.frontdoor.openai_reply import Reply, UsageSoFar, finish_reason, sse_json, usage_body
 from router.frontdoor.openai_request import (
     SAMPLING_FIELDS,
@@ -110,6 +107,11 @@ def _caller(request: Request) -> str:
         raise ApiError(401, str(e), code="invalid_api_key") from None
 
 
+def max_body_bytes(max_prompt_bytes: int) -> int:
+    """The largest body a request may have: its prompt as token ids in JSON text, and the rest."""
+    return 4 * max_prompt_bytes + (64 << 10)
+
+
 def _content_length(request: Request) -> int:
     """The body's declared size (0 when chunked or malformed: then only its read limits it)."""
     value = request.headers.get("content-length", "")
@@ -137,7 +139,8 @@ class OpenAIApi:
         self.router = router
         self.model_id = Path(router.config.model.path).name
         self.created = int(time.time())
-        self.max_body_bytes = 4 * router.config.router.max_prompt_bytes + (64 << 10)  # token ids as JSON text
+        self.max_body_bytes = max_body_bytes(router.config.router.max_prompt_bytes)
+        self.bodies = BodyBudget(router.config.router.max_body_bytes_in_flight)
 
     def app(self) -> Starlette:
         routes = [Route("/v1/completions", self._open(self.completions), methods=["POST"]),
@@ -177,7 +180,7 @@ class OpenAIApi:
         try:
             caller = _caller(request)
             self.router.intake.check_room(_content_length(request) > SMALL_INPUT_BYTES)
-            parsed = parse_request(await self._json(request), chat, self.model_id)
+            parsed = await self._parsed(request, chat)
             life = await self._accept(reply.id, parsed, caller)
             chunks = self.router.generate(life)
             if not parsed.stream:
@@ -206,25 +209,38 @@ class OpenAIApi:
         return JSONResponse(error.body(), error.status,
                             headers=None if retry_after is None else {"Retry-After": str(retry_after)})
 
-    async def _json(self, request: Request) -> dict:
+    async def _parsed(self, request: Request, chat: bool) -> Parsed:
+        """The body, read and parsed within its share of router.max_body_bytes_in_flight: its
+        declared size is charged before a byte is read (429 when it does not fit), a chunked one as
+        it arrives; 413 at once for a declared size over max_body_bytes."""
+        declared = _content_length(request)
+        if declared > self.max_body_bytes:
+            raise ApiError(413, f"the request body is {declared} bytes; at most {self.max_body_bytes} are allowed")
+        with self.bodies.held() as charge:
+            charge.add(declared)
+            return parse_request(await self._json(request, charge), chat, self.model_id)
+
+    async def _json(self, request: Request, charge: BodyCharge) -> dict:
         """The body as JSON; 413 past max_body_bytes, 408 unless it all arrives within read_timeout_s
         (a client trickling a body would otherwise hold its connection and memory for ever)."""
         timeout_s = self.router.config.router.read_timeout_s
         try:
             async with asyncio.timeout(timeout_s):
-                raw = await self._body(request)
+                raw = await self._body(request, charge)
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s") from None
         if len(raw) > SMALL_INPUT_BYTES:  # parsed on a thread: the loop keeps serving every few ms meanwhile
             return await asyncio.to_thread(load_body, raw)
         return load_body(raw)
 
-    async def _body(self, request: Request) -> bytes:
+    async def _body(self, request: Request, charge: BodyCharge) -> bytes:
         size, parts = 0, []
         async for part in request.stream():
             size += len(part)
             if size > self.max_body_bytes:
                 raise ApiError(413, f"the request body is over {self.max_body_bytes} bytes")
+            if size > charge.size:  # chunked, or more than declared: charged as it comes
+                charge.add(size - charge.size)
             parts.append(part)
         return b"".join(parts)
 
@@ -276,56 +292,6 @@ class OpenAIApi:
                                      kind="server_error").body(), 500)
 
 
-class _HeadDeadline(H11Protocol):
-    """uvicorn's h11 connection, closed when a request head is not complete `head_timeout_s` after
-    the connection opened or after the first byte of the head came (between requests on a
-    keep-alive connection uvicorn's own idle timeout applies). Once the head is in, the body has
-    its own deadline (`OpenAIApi._json`) and the response none: a stream may last."""
-
-    head_timeout_s: float  # set by `with_head_timeout`
-
-    def connection_made(self, transport) -> None:
-        super().connection_made(transport)
-        self._head_timer: asyncio.TimerHandle | None = None
-        self._arm()
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self._arm()  # (part of) a head is waiting: its deadline runs from its first byte
-        else:
-            self._disarm()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
-    def _arm(self) -> None:
-        if self._head_timer is None:
-            self._head_timer = self.loop.call_later(self.head_timeout_s, self._overdue)
-
-    def _disarm(self) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
-            self._head_timer = None
-
-    def _overdue(self) -> None:
-        self._head_timer = None
-        if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-            self.transport.close()
-
-    @classmethod
-    def with_head_timeout(cls, seconds: float) -> type[_HeadDeadline]:
-        return type(cls.__name__, (cls,), {"head_timeout_s": seconds})
-
-
-class _Server(uvicorn.Server):
-    """uvicorn without its SIGINT/SIGTERM handlers: whoever owns the process keeps them."""
-
-    def capture_signals(self):
-        return contextlib.nullcontext()
-
-
 class OpenAIServer:
     """`OpenAIApi` served by uvicorn as a task on the running loop; `port` is the bound port.
     With a `gate` that has tokens every path but /health needs one; with `tls` it is HTTPS."""
@@ -341,15 +307,17 @@ class OpenAIServer:
             self.socket.close()
             raise OSError(f"cannot listen on {host}:{port} (router.http_port): {e.strerror}") from None
         self.port = self.socket.getsockname()[1]
-        app = OpenAIApi(router).app()
+        self.api = OpenAIApi(router)
+        app = self.api.app()
         if gate is not None and gate.enabled:
             app = HttpGuard(app, gate, refusals or Refusals())
+        r = router.config.router
+        self.limits = ConnectionLimits(r.read_timeout_s, r.write_timeout_s, r.max_connections)
         config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", access_log=False,
                                 ws="none", timeout_graceful_shutdown=STOP_GRACE_S,
-                                http=_HeadDeadline.with_head_timeout(router.config.router.read_timeout_s),
-                                limit_concurrency=router.config.router.max_concurrent_calls,
-                                **uvicorn_tls(tls or TLSSection()))
-        self.server = _Server(config)
+                                http=DeadlineProtocol.with_limits(self.limits),
+                                limit_concurrency=r.max_concurrent_calls, **uvicorn_tls(tls or TLSSection()))
+        self.server = Server(config, handshake_timeout_s=r.read_timeout_s)
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
