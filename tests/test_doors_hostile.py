@@ -9,6 +9,9 @@ generous waits only bound a hang.
 from __future__ import annotations
 
 import asyncio
+import json
+import random
+import re
 import socket
 import time
 
@@ -256,3 +259,23 @@ def test_a_grpc_message_bigger_than_any_request_needs_is_refused_before_it_is_pa
             list(pb_grpc.GenerationStub(channel).Generate(fits, timeout=HANG_S))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "prompt_token_ids has 3000 tokens; the model's context is" in err.value.details()
+
+
+def test_a_server_side_failure_names_no_worker_or_address_to_the_client(cluster):
+    internal = re.compile(r"\b(prefill|decode)-\d+\b|\b\d{1,3}(\.\d{1,3}){3}\b")
+    fresh = [random.Random(f"doors-{i}").sample(range(10, 2000), 40) for i in range(2)]  # nothing cached: KV moves
+    request = pb.GenerateRequest(prompt_token_ids=fresh[0], sampling=pb.SamplingParams(max_tokens=4))
+    with faults(cluster, fail_steps=100):  # every step fails, naming nobody: the request moves, then gives up
+        with grpc.insecure_channel(cluster.address) as channel, pytest.raises(grpc.RpcError) as err:
+            list(pb_grpc.GenerationStub(channel).Generate(request, timeout=120))
+    with faults(cluster, fail_steps=1, fail_culprit="longest"):
+        with socket.create_connection(("127.0.0.1", _port(cluster))) as http:
+            body = json.dumps({"prompt": fresh[1], "max_tokens": 4}).encode()
+            http.sendall(_head("/v1/completions", len(body)) + body)
+            reply = _reply(http).decode()
+    details = err.value.details()
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "injected step failure" in details
+    assert "failed on a prefill worker" in details and not internal.search(details), details
+    assert reply.startswith("HTTP/1.1 500") and "injected step failure" in reply
+    assert not internal.search(reply.partition("\r\n\r\n")[2]), reply
+    wait_until(lambda: _idle(cluster), HANG_S, "every block to be free")

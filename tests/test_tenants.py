@@ -29,7 +29,7 @@ from router.frontdoor.guards import Refusals
 from router.launch import LocalCluster
 from tests.cluster_util import cluster_config, faults, wait_until, whole
 from tests.reference import hf_greedy
-from tests.security_util import ADMIN, ADMIN_SUBJECT, TRAFFIC, token_files
+from tests.security_util import ADMIN, ADMIN_SUBJECT, ROTATED, TRAFFIC, token_files
 
 pytestmark = pytest.mark.usefixtures("ray_instance")
 BS = 16
@@ -227,3 +227,17 @@ def test_caller_options_need_a_way_to_tell_callers_apart(pki):
     with pytest.raises(ConfigError, match="the HTTP door tells callers apart by token only"):
         parse_config({"router": {"tls": mtls, "http_port": 0, "auth": {"isolate_prefix_cache": True}}}, base_dir=pki)
     assert parse_config({"router": {"tls": mtls, "auth": {"isolate_prefix_cache": True}}}, base_dir=pki)
+
+
+def test_several_tenants_tokens_isolate_their_caches_by_default(tmp_path):
+    traffic, admin = token_files(tmp_path)  # one token each: two callers
+    auth = {"tokens_file": str(traffic)}
+    assert parse_config({"router": {"auth": auth}}).router.auth.isolate_prefix_cache is False  # one caller
+    both = auth | {"admin_tokens_file": str(admin)}
+    assert parse_config({"router": {"auth": both}}).router.auth.isolate_prefix_cache is True
+    two = tmp_path / "two.txt"
+    two.write_text(f"{TRAFFIC}\n{ROTATED}\n")
+    assert parse_config({"router": {"auth": {"tokens_file": str(two)}}}).router.auth.isolate_prefix_cache is True
+    shared = {"tokens_file": str(two), "isolate_prefix_cache": False}  # said outright: they may share
+    assert parse_config({"router": {"auth": shared}}).router.auth.isolate_prefix_cache is False
+    assert parse_config({}).router.auth.isolate_prefix_cache is False

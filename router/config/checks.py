@@ -164,16 +164,19 @@ def security_files(cfg: ClusterConfig, base: Path, where: str) -> ClusterConfig:
         return dataclasses.replace(section, **files)
 
     tls, auth = resolve(cfg.router.tls), resolve(cfg.router.auth)
+    tokens = 0
     for key, path in [*(("tls." + k, getattr(tls, k)) for k in ("cert_file", "key_file", "client_ca_file")),
                       *(("auth." + k, getattr(auth, k)) for k in ("tokens_file", "admin_tokens_file"))]:
         try:
             if path is not None and key.startswith("auth."):
-                read_tokens(path)
+                tokens += len(read_tokens(path))
             elif path is not None:
                 Path(path).read_bytes()
         except (OSError, TokenFileError) as e:
             reason = e if isinstance(e, TokenFileError) else f"{path}: cannot read: {e.strerror}"
             raise ConfigError(f"{where}: router.{key}: {reason}") from None
+    if auth.isolate_prefix_cache is None:  # several tenants' tokens: each its own cache by default
+        auth = dataclasses.replace(auth, isolate_prefix_cache=tokens > 1)
     _check_tls(tls, where)
     _check_identities(tls, auth, cfg.router.http_port is not None, where)
     return dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, tls=tls, auth=auth))

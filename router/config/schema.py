@@ -76,8 +76,9 @@ class AuthSection:
     # reflection, /metrics where status_access asks for admin), as gRPC writes them: "CN=ops,O=acme"
     admin_subjects: list[str] = field(default_factory=list)
     # each caller (token, else client certificate) gets its own prefix cache: requests of different
-    # callers never share KV blocks, so none can learn another's prompts from cached_tokens or TTFT
-    isolate_prefix_cache: bool = False
+    # callers never share KV blocks, so none can learn another's prompts from cached_tokens or TTFT.
+    # null: on when the token files hold more than one token (several tenants), decided at load
+    isolate_prefix_cache: bool | None = None
 
     @property
     def enabled(self) -> bool:

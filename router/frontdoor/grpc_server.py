@@ -25,6 +25,7 @@ from router.config.schema import TLSSection
 from router.frontdoor.access import AmbiguousCredentials, Gate, caller_id
 from router.frontdoor.grpc_convert import pool_status_to_proto, sampling_from_proto, usage_to_proto
 from router.frontdoor.guards import GrpcGuard, Refusals, grpc_authorization, grpc_subject
+from router.frontdoor.public_errors import public_message
 from router.frontdoor.tls import grpc_server_credentials
 from router.lifecycle.life import RequestLife
 from router.lifecycle.outcomes import CannotPlace, Chunk, InternalError, QueueFull, Unavailable
@@ -64,7 +65,7 @@ class GenerationService(pb_grpc.GenerationServicer):
             self.router.metrics.observe_error(code.name)
             if isinstance(e, QueueFull) and e.retry_after_s is not None:
                 context.set_trailing_metadata((("retry-after", str(e.retry_after_s)),))
-            await context.abort(code, str(e))
+            await context.abort(code, str(e) if isinstance(e, InvalidRequest) else public_message(str(e)))
 
     async def _prepare(self, request: pb.GenerateRequest, context) -> RequestLife:
         if request.prompt and request.prompt_token_ids:

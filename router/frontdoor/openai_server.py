@@ -51,6 +51,7 @@ from router.frontdoor.openai_request import (
     load_body,
     parse_request,
 )
+from router.frontdoor.public_errors import public_message
 from router.frontdoor.tls import uvicorn_tls
 from router.lifecycle.intake import SMALL_INPUT_BYTES
 from router.lifecycle.life import RequestLife
@@ -71,9 +72,12 @@ _FAILURES: dict[type[Exception], tuple[int, str, str, str]] = {
 
 
 def _api_error(e: Exception) -> ApiError:
+    """A router refusal as the client sees it: its own bad input in full, the server's side
+    without the cluster's insides (router/frontdoor/public_errors.py)."""
     status, kind, code, _ = _FAILURES[type(e)]
     first = str(e).split(" ", 1)[0]
-    return ApiError(status, str(e), first if first in SAMPLING_FIELDS else None, kind, code)
+    message = str(e) if isinstance(e, InvalidRequest) else public_message(str(e))
+    return ApiError(status, message, first if first in SAMPLING_FIELDS else None, kind, code)
 
 
 class ClientGone(Exception):
