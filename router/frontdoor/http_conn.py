@@ -11,8 +11,9 @@ Every connection, whatever it was answered, ends within a deadline of its last p
 - a response the client stops reading: once the transport's buffer is full, the client must
   take some of it within `write_timeout_s` (nginx's send_timeout), else the connection is
   aborted, which ends the request (its generator closes, its blocks are freed).
-At most `max_connections` connections are open at once; one more is closed as it opens. With
-TLS the handshake must finish within `read_timeout_s` (asyncio's default is 60 s).
+At most `max_connections` connections are open at once; one more is closed as it opens; at most
+`max_concurrent_calls` requests are in the app at once (`CallLimit`: 503 beyond). With TLS the
+handshake must finish within `read_timeout_s` (asyncio's default is 60 s).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import functools
 
 import h11
 import uvicorn
+from starlette.responses import JSONResponse
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
@@ -118,6 +120,32 @@ class DeadlineProtocol(H11Protocol):
     @classmethod
     def with_limits(cls, limits: ConnectionLimits) -> type[DeadlineProtocol]:
         return type(cls.__name__, (cls,), {"limits": limits})
+
+
+class CallLimit:
+    """ASGI middleware: at most `max_calls` HTTP requests in the app at once; one more gets 503 at
+    once. It counts requests, not connections (uvicorn's limit_concurrency counts every open
+    connection, so connections lingering after an early reply would refuse good requests)."""
+
+    def __init__(self, app, max_calls: int):
+        self.app, self.max_calls, self.calls = app, max_calls, 0
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        if self.calls >= self.max_calls:
+            return await _busy(self.calls)(scope, receive, send)
+        self.calls += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.calls -= 1
+
+
+def _busy(calls: int) -> JSONResponse:
+    message = f"the server is already handling {calls} requests (router.max_concurrent_calls); retry later"
+    body = {"error": {"message": message, "type": "server_error", "param": None, "code": "unavailable"}}
+    return JSONResponse(body, 503, headers={"Retry-After": "1"})
 
 
 class Server(uvicorn.Server):

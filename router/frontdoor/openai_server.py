@@ -10,7 +10,7 @@ A client that goes away closes the request's generator, which aborts it on every
 uvicorn as a task without signal handlers: the process's owner (serve_forever) keeps them; with
 router.tls it is HTTPS, with router.auth a missing or wrong bearer token gets 401 from
 router/frontdoor/guards.py before a request reaches the app. At most router.max_concurrent_calls
-requests at once (uvicorn answers more with 503); a request's body must arrive within
+requests at once (503 beyond: router/frontdoor/http_conn.py's CallLimit); a request's body must arrive within
 router.read_timeout_s (408); the connection's own deadlines and cap: router/frontdoor/http_conn.py.
 """
 
@@ -42,7 +42,7 @@ from router.config.schema import TLSSection
 from router.frontdoor.access import AmbiguousCredentials, Gate, caller_id, sole_authorization
 from router.frontdoor.body_budget import BodyBudget, BodyCharge
 from router.frontdoor.guards import HttpGuard, Refusals
-from router.frontdoor.http_conn import ConnectionLimits, DeadlineProtocol, Server
+from router.frontdoor.http_conn import CallLimit, ConnectionLimits, DeadlineProtocol, Server
 from router.frontdoor.openai_reply import Reply, UsageSoFar, finish_reason, sse_json, usage_body
 from router.frontdoor.openai_request import (
     SAMPLING_FIELDS,
@@ -315,12 +315,12 @@ class OpenAIServer:
         app = self.api.app()
         if gate is not None and gate.enabled:
             app = HttpGuard(app, gate, refusals or Refusals())
+        app = CallLimit(app, router.config.router.max_concurrent_calls)
         r = router.config.router
         self.limits = ConnectionLimits(r.read_timeout_s, r.write_timeout_s, r.max_connections)
         config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", access_log=False,
                                 ws="none", timeout_graceful_shutdown=STOP_GRACE_S,
-                                http=DeadlineProtocol.with_limits(self.limits),
-                                limit_concurrency=r.max_concurrent_calls, **uvicorn_tls(tls or TLSSection()))
+                                http=DeadlineProtocol.with_limits(self.limits), **uvicorn_tls(tls or TLSSection()))
         self.server = Server(config, handshake_timeout_s=r.read_timeout_s)
         self._task: asyncio.Task | None = None
 
