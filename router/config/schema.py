@@ -124,7 +124,7 @@ class RouterSection:
     # replicas Admin/Scale may ask of a pool
     write_timeout_s: float = 30.0
     max_connections: int = 2048
-    max_body_bytes_in_flight: int = 64 << 20
+    max_body_bytes_in_flight: int = 32 << 20
     max_pool_replicas: int = 64
     # placement (router/pools/placement.py): cache_aware weighs the prefix a worker holds against its
     # load; load = least loaded; round_robin = in turn. The per-pool keys override `policy`.

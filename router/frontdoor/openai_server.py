@@ -130,7 +130,7 @@ class _Stream(EventSourceResponse):
     """Server-sent events that close the request's generator however the response ends."""
 
     def __init__(self, chunks, events: AsyncIterator[dict]):
-        super().__init__(events)
+        super().__init__(events, sep="\n")  # events end in "\n\n", as OpenAI's and vLLM's: clients split on it
         self.chunks = chunks
 
     async def __call__(self, scope, receive, send) -> None:
