@@ -45,8 +45,16 @@ KIND = {"max_tokens": st.integers(1, 4), "max_completion_tokens": st.integers(1,
                                                 optional={"continuous_usage_stats": st.booleans()}),
         "temperature": st.floats(0, 2), "top_p": st.floats(0.01, 1), "top_k": st.integers(-1, 50),
         "stop": st.text(min_size=1, max_size=4) | st.lists(st.text(min_size=1, max_size=4), max_size=2)}
-bodies = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=12), json_values, max_size=6).flatmap(
+valid_chat = st.lists(st.fixed_dictionaries({"role": st.just("user"), "content": st.text(max_size=30)}),
+                      min_size=1, max_size=1)
+core = st.one_of(st.fixed_dictionaries({"prompt": tokens | st.text(min_size=1, max_size=30)}),
+                 st.fixed_dictionaries({"messages": valid_chat | KIND["messages"]}))
+extras = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=12), json_values, max_size=3).flatmap(
     lambda d: st.fixed_dictionaries({k: KIND.get(k, json_values) | json_values for k in d}))
+# a body that may be right (a prompt or a chat, max_tokens small so accepted ones are quick) with up
+# to three fields more, each of its own kind or anything; or any JSON object at all
+bodies = st.builds(lambda c, e: {"max_tokens": 2} | c | e, core, extras) | st.dictionaries(
+    st.text(max_size=12), json_values, max_size=4)
 
 
 def _idle(cluster) -> bool:
@@ -64,10 +72,12 @@ def test_fuzz_http(cluster):
     seen: dict[int, int] = {}
     with httpx2.Client(base_url=cluster.http_url, timeout=120) as http:
         @FUZZ
-        @given(body=bodies, chat=st.booleans(), raw=st.booleans())
-        def one(body: dict, chat: bool, raw: bool) -> None:
+        @given(body=bodies, other_door=st.integers(0, 9), raw=st.integers(0, 19))
+        def one(body: dict, other_door: int, raw: int) -> None:
+            chat = ("messages" in body) != (other_door == 0)  # mostly the endpoint the body is for
             path = "/chat/completions" if chat else "/completions"
-            content = json.dumps(body).encode() if not raw else json.dumps(body)[: len(json.dumps(body)) // 2].encode()
+            text = json.dumps(body)
+            content = (text if raw else text[: len(text) // 2]).encode()  # now and then cut short
             reply = http.post(path, content=content, headers={"content-type": "application/json"})
             if body.get("stream") is True and reply.status_code == 200:
                 assert "data: [DONE]" in reply.text and '"server_error"' not in reply.text, reply.text
@@ -79,7 +89,7 @@ def test_fuzz_http(cluster):
 
 sampling = st.builds(lambda fields: pb.SamplingParams(**fields), st.fixed_dictionaries({}, optional={
     "max_tokens": st.integers(0, 4) | st.integers(0, 2**32 - 1), "temperature": st.floats(width=32),
-    "top_p": st.floats(width=32), "top_k": st.integers(-2**31, 2**31 - 1), "seed": st.integers(0, 2**64 - 1),
+    "top_p": st.floats(width=32), "top_k": st.integers(0, 2**32 - 1), "seed": st.integers(0, 2**64 - 1),
     "stop": st.lists(st.text(max_size=6), max_size=3), "stop_token_ids": st.lists(st.integers(0, 2**32 - 1), max_size=3),
     "ignore_eos": st.booleans()}))
 requests = st.builds(
