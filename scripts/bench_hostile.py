@@ -66,6 +66,15 @@ class PeakRss:
         return self._peak
 
 
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what Python knows of the machine."""
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
 async def good_ttft_ms(http: httpx2.AsyncClient, url: str) -> float | None:
     """The TTFT of one good streamed chat; None when it was refused or failed."""
     t0, ttft = time.perf_counter(), None
@@ -121,7 +130,7 @@ async def measure(url: str, args, cfg, model_len: int) -> dict:
     idle = [t for t in await sample(url, args.samples) if t is not None]
     idle_ms = statistics.median(idle)
     r = cfg.router
-    figures = {"cpu": platform.processor() or platform.machine(), "samples": args.samples,
+    figures = {"cpu": cpu_name(), "samples": args.samples,
                "attacker_nice": args.attacker_nice, "idle_ttft_ms_median": round(idle_ms, 2),
                "idle_router_rss_mib": round(rss.peak() / 2**20, 1),
                "config": {"max_body_bytes_in_flight": r.max_body_bytes_in_flight, "max_connections": r.max_connections,
