@@ -112,7 +112,7 @@ class RouterSection:
     # once (beyond: RESOURCE_EXHAUSTED), and threads tokenizing big inputs (small ones have their own)
     max_preparing: int = 64
     tokenizer_threads: int = 1
-    # front doors: calls / HTTP connections at once (gRPC beyond: RESOURCE_EXHAUSTED, HTTP: 503), and how
+    # front doors: calls / HTTP requests at once (gRPC beyond: RESOURCE_EXHAUSTED, HTTP: 503), and how
     # long a client may take to send an HTTP request head (else the connection closes) or body (408), or
     # to finish a gRPC connection's handshake
     max_concurrent_calls: int = 1024
