@@ -197,7 +197,7 @@ def test_sigterm_drains_http_streams_then_leaves_nothing(serve, capsys):
         assert code == 503 and "shutting down" in body["error"]["message"]
         events += stream.readlines()
         data = [json.loads(e[6:]) for e in events if e.startswith(b"data: {")]
-        assert sum(len(d["choices"][0]["token_ids"]) for d in data) == 150 and b"data: [DONE]\r\n" in events
+        assert sum(len(d["choices"][0]["token_ids"]) for d in data) == 150 and b"data: [DONE]\n" in events
     finally:
         returncode = serve.proc.wait(timeout=90)
     assert returncode == 0 and not _port_open(http_port) and not _port_open(grpc_port)
