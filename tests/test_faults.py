@@ -179,9 +179,9 @@ def test_scale_beyond_ray_is_refused_at_once(cluster):
     client = Client(cluster.address)
     t0 = time.monotonic()
     with pytest.raises(grpc.RpcError) as err:
-        client.admin.Scale(pb.ScaleRequest(pool="decode", replicas=10000), timeout=30)
+        client.admin.Scale(pb.ScaleRequest(pool="decode", replicas=64), timeout=30)  # router.max_pool_replicas
     assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
-    assert "CPU" in err.value.details() and "9998 more decode" in err.value.details()
+    assert "CPU" in err.value.details() and "62 more decode" in err.value.details()
     assert time.monotonic() - t0 < 10
     assert {p.pool: p.target for p in client.status().pools} == {"prefill": 2, "decode": 2}
     client.close()
@@ -227,8 +227,11 @@ def test_request_ids_limits_and_namespace(cluster):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "already in flight" in err.value.details()
     assert sum(len(m.token_ids) for m in first) == 99
     with pytest.raises(grpc.RpcError) as err:
-        list(client.stream(prompt="a" * (2 << 20), max_tokens=2))
+        list(client.stream(prompt="a" * ((1 << 20) + 1), max_tokens=2))  # one byte past router.max_prompt_bytes
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "bytes" in err.value.details()
+    with pytest.raises(grpc.RpcError) as err:  # past what any request can need: gRPC refuses the message itself
+        list(client.stream(prompt="a" * (2 << 20), max_tokens=2))
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "larger than max" in err.value.details()
     _no_leaks(cluster)
     client.close()
 
