@@ -17,15 +17,14 @@
 - a whole decoder layer (layer.c): the kernels above called in a Llama layer's order from C, one
   call per layer, and the new tokens' K/V written to their slots (engine/kernel_layer.py).
 
-Plain C with OpenMP, compiled together by the host's C compiler (`cc`, or `$CC`) with `-O3
--march=native` into `$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`), named by a hash
-of the sources, the compiler, its flags and the CPU's flags, so a changed source or compiler
-builds anew and every process on a host shares one build. Loaded with ctypes: the OpenMP runtime
-it links is the one torch already loaded (same soname), so the kernels and torch share one thread
-pool.
+Plain C with OpenMP, compiled together by the host's C compiler (`cc`, or `$CC`) for one variant
+(`-march=native` unless `$PDSERVE_KERNEL_ARCH` names another) and cached (engine/kernel_build.py).
+Loaded with ctypes: the OpenMP runtime it links is the one torch already loaded (same soname), so
+the kernels and torch share one thread pool.
 
-`load()` returns the kernels or None with the reason (no compiler, a failed build); the engine
-then runs torch's paths (`engine.cpu_kernels: auto`) or refuses to start (`on`).
+`load()` returns the kernels or None with the reason (no compiler, a failed build, a distrusted
+cache); the engine then runs torch's paths (`engine.cpu_kernels: auto`, with a warning) or refuses
+to start (`on`). `Kernels.paths` names the instruction sets the loaded build runs, for start-up.
 """
 
 from __future__ import annotations
@@ -33,24 +32,13 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
-from engine import cpu_ops
+from engine import cpu_ops, kernel_build
 from engine.cpu_gemm import GEMM_REACH, SMALL_ROWS, AmxGemm, Bf16Gemm, SmallGemm, _gemm_rows  # noqa: F401 - cpu_kernel's names too
 from engine.cpu_ops import _FLOAT, _I64, _INT, _PTR, KernelUnavailable  # noqa: F401 - KernelUnavailable: cpu_kernel's error too
 
-SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
-HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-Wno-psabi")  # psabi: 16-lane vectors in static helpers on AVX2 hosts
-BUILD_TIMEOUT_S = 120
 DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what the kernels take, and their C code for it
 
 
@@ -188,6 +176,29 @@ class Kernels:
     use_amx: AmxSwitch
     amx_gemm: AmxGemm
     bf16_gemm: Bf16Gemm
+    variant: str  # kernel_build.VARIANTS' name of the build
+    isa: int  # engine/csrc/isa.c's bits: what the build was compiled to use
+
+    def _names(self) -> list[str]:
+        names = [name for bit, name in ((4, "AVX512-BF16"), (2, "AVX-512"), (1, "AVX2")) if self.isa & bit]
+        return ["AMX", *names] if self.amx_gemm.ready() else names
+
+    def best(self) -> str:
+        """The best instruction set the kernels run here, in a word: AMX, AVX512-BF16, AVX-512, AVX2."""
+        return (self._names() or ["portable C"])[0]
+
+    def paths(self) -> str:
+        """The instruction sets the kernels run here, best first, and the build, e.g.
+        "AVX512-BF16, AVX-512, AVX2 (native build; this CPU has no AMX)"."""
+        names = self._names()
+        amx = names[:1] == ["AMX"]
+        if amx:
+            why = ""
+        elif self.isa & 8:
+            why = "; the OS refuses AMX tiles"
+        else:
+            why = "; this CPU has no AMX" if self.variant == "native" else "; no AMX in this build"
+        return f"{', '.join(names) or 'portable C'} ({self.variant} build{why})"
 
     def gemm_for(self, dtype: torch.dtype) -> SmallGemm | Bf16Gemm | None:
         """The GEMM that takes few-row linears of `dtype` weights here: float32 always, bfloat16 where
@@ -201,77 +212,30 @@ def supports(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in DTYPES
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pdserve" / "kernels")
-
-
-def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise KernelUnavailable("no C compiler on PATH (cc, gcc or $CC)")
-    return cc
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            return next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _build(cc: str) -> Path:
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise KernelUnavailable(f"{cc} --version failed: {e}") from e
-    # -march=native: the CPU's flags are part of the name, so hosts sharing a cache never share a build
-    sources = [f"{path.name}\0{path.read_text()}" for path in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*sources, cc, version, *FLAGS, sys.platform, _cpu_flags()]).encode())
-    target = cache_dir() / f"pdserve_kernels-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # build aside, then rename: no reader sees half a file
-    except OSError as e:
-        raise KernelUnavailable(f"cannot write the kernel cache {target.parent} ({e.strerror}); set "
-                                "PDSERVE_KERNEL_CACHE to a writable directory") from e
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            raise KernelUnavailable(f"{cc} failed to build {_names()}: {done.stderr.strip()[-400:]}")
-        os.replace(tmp, target)
-    except subprocess.TimeoutExpired as e:
-        raise KernelUnavailable(f"{cc} took over {BUILD_TIMEOUT_S} s to build {_names()}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _names() -> str:
-    names = [path.name for path in SOURCES]
-    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
-
-
 @functools.cache
-def _load() -> Kernels:
-    path = _build(_compiler())
+def _load(variant: str) -> Kernels:
+    kernel_build.check_runs_here(variant)
+    path = kernel_build.build(kernel_build.compiler(), variant)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        raise KernelUnavailable(f"cannot load {path}: {e}") from e
+        raise KernelUnavailable(f"cannot load {path}: {e}; delete it to rebuild") from e
     amx = AmxGemm(lib)
     return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib), cpu_ops.Rope(lib), cpu_ops.RmsNorm(lib),
-                   cpu_ops.SiluMul(lib), LayerKernel(lib), cpu_ops.Argmax(lib), AmxSwitch(lib), amx, Bf16Gemm(lib, amx))
+                   cpu_ops.SiluMul(lib), LayerKernel(lib), cpu_ops.Argmax(lib), AmxSwitch(lib), amx, Bf16Gemm(lib, amx),
+                   variant, _isa(lib))
 
 
-def load() -> tuple[Kernels | None, str]:
-    """The kernels, or None and why not (the reason is "" when they loaded)."""
+def _isa(lib: ctypes.CDLL) -> int:
+    lib.pd_isa.restype = _INT
+    lib.pd_isa.argtypes = []
+    return lib.pd_isa()
+
+
+def load(variant: str | None = None) -> tuple[Kernels | None, str]:
+    """The kernels of `variant` (default: `$PDSERVE_KERNEL_ARCH`, else native), or None and why not
+    (the reason is "" when they loaded)."""
     try:
-        return _load(), ""
+        return _load(variant or kernel_build.variant()), ""
     except KernelUnavailable as e:
         return None, str(e)

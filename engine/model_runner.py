@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_pool
 from engine.memory import ModelShape, num_kv_blocks
 from engine.request import Request
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -82,6 +85,10 @@ class ModelRunner:
         self.windows = sorted({f.sliding_window for f in self.layer_features if f.sliding_window})
         self.block_size = config.block_size
         kernels, self.kernel_reason = self._cpu_kernels()
+        # what the CPU kernels run here, in a word ("AVX512-BF16", "AVX2", ...; "torch" without them)
+        # and in a phrase, for the worker's status and its start-up line
+        self.kernel_isa = kernels.best() if kernels else "torch"
+        self.kernel_paths = kernels.paths() if kernels else "none (torch's paths)"
         self.decode_kernel = kernels.decode if kernels else None
         self.prefill_kernel = kernels.prefill if kernels else None
         self.argmax = kernels.argmax if kernels else None  # greedy sampling's, on the CPU
@@ -137,7 +144,7 @@ class ModelRunner:
             how += f", greedy steps' tokens from {copy}"
         elif self.forward.kernel_decoder is not None:
             how += f", greedy steps through the {dtype} LM head ({self.forward.greedy_reason})"
-        return f"{self.hf_config.model_type} in {dtype} on {self.device}, {how}"
+        return f"CPU kernels {self.kernel_paths}; {self.hf_config.model_type} in {dtype} on {self.device}, {how}"
 
     def _cpu_kernels(self) -> tuple[cpu_kernel.Kernels | None, str]:
         """pdserve's CPU kernels, or None and why not (`engine.cpu_kernels`: `on` makes missing
@@ -153,6 +160,7 @@ class ModelRunner:
                 return kernel, ""
         if setting == "on":
             raise ValueError(f"engine.cpu_kernels is on, but {why}")
+        log.warning("engine.cpu_kernels: auto runs torch's slower paths: %s", why)
         return None, why
 
     @property
