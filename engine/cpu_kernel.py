@@ -36,10 +36,11 @@ import functools
 import torch
 
 from engine import cpu_ops, kernel_build
+from engine import kernel_checks as checks
 from engine.cpu_gemm import GEMM_REACH, SMALL_ROWS, AmxGemm, Bf16Gemm, SmallGemm, _gemm_rows  # noqa: F401 - cpu_kernel's names too
 from engine.cpu_ops import _FLOAT, _I64, _INT, _PTR, KernelUnavailable  # noqa: F401 - KernelUnavailable: cpu_kernel's error too
 
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what the kernels take, and their C code for it
+DTYPES = checks.DTYPES  # what the kernels take, and their C code for it
 
 
 
@@ -51,6 +52,7 @@ class DecodeKernel:
         self._fn.restype = _INT
         self._fn.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
                              _I64, _I64, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT, _FLOAT, _INT]
+        self._checked = checks.Memo()
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, scale: float,
@@ -58,11 +60,13 @@ class DecodeKernel:
         """query `[n, H, D]`, k/v_cache `[blocks, block_size, KVH, D]` (one layer's, strided views of
         the pool), tables `[n, max_blocks]` int64, lens `[n]` int64 (keys each row sees, its own
         new one included), out `[n, H, D]` written in place. The last dim of each is contiguous."""
+        checks.attention("decode kernel", query, k_cache, v_cache, out)
         n, heads, dim = query.shape
-        _, block_size, kv_heads, _ = k_cache.shape
-        assert k_cache.stride() == v_cache.stride() and tables.dtype == lens.dtype == torch.int64
-        assert query.stride(2) == k_cache.stride(3) == out.stride(2) == 1 and lens.is_contiguous()
-        assert query.dtype == k_cache.dtype == out.dtype and tables.stride(1) == 1
+        num_blocks, block_size, kv_heads, _ = k_cache.shape
+        checks.require(lens.shape == (n,), f"decode kernel: {n} query rows, {tuple(lens.shape)} lens")
+        if not self._checked.seen(tables, lens, num_blocks, block_size):  # once a step, not once a layer
+            checks.decode_tables(tables, lens, num_blocks, block_size)
+            self._checked.remember(tables, lens, num_blocks, block_size)
         rc = self._fn(DTYPES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
                       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
                       k_cache.stride(2), tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
@@ -90,12 +94,10 @@ class PrefillKernel:
         k/v_cache `[blocks, block_size, KVH, D]` (one layer's views of the pool, the chunk's keys
         already written), table `[>= ceil((first_pos + q) / block_size)]` int64, the sequence's
         blocks; out `[q, H, D]` written in place. The last dim of each is contiguous."""
+        checks.attention("prefill kernel", query, k_cache, v_cache, out)
         n, heads, dim = query.shape
-        _, block_size, kv_heads, _ = k_cache.shape
-        assert k_cache.stride() == v_cache.stride() and table.dtype == torch.int64 and table.is_contiguous()
-        assert query.stride(2) == k_cache.stride(3) == out.stride(2) == 1
-        assert query.dtype == k_cache.dtype == out.dtype
-        assert table.shape[0] * block_size >= first_pos + n, "the table must cover every key of the chunk"
+        num_blocks, block_size, kv_heads, _ = k_cache.shape
+        checks.prefill_table(table, first_pos, n, num_blocks, block_size)
         rc = self._fn(DTYPES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
                       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
                       k_cache.stride(2), table.data_ptr(), first_pos, n, out.data_ptr(), out.stride(0),

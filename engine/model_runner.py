@@ -284,14 +284,24 @@ class ModelRunner:
         return masks
 
     def _decode_rows(self, decodes: list[ScheduledItem]) -> attention.DecodeRows | None:
-        """The decode rows' block tables (padded with 0, never read) and context lengths, for the kernel."""
+        """The decode rows' block tables (padded with -1, never read: the kernel's check refuses a row
+        whose own blocks are short of its length) and context lengths, for the kernel."""
         if self.decode_kernel is None or not decodes:
             return None
         lens = [it.end for it in decodes]
         width = -(-max(lens) // self.block_size)
-        table = [it.request.block_ids[:width] for it in decodes]
-        return attention.DecodeRows(self.decode_kernel, torch.tensor([r + [0] * (width - len(r)) for r in table]),
+        table = [self._table(it, width) for it in decodes]
+        return attention.DecodeRows(self.decode_kernel, torch.tensor([r + [-1] * (width - len(r)) for r in table]),
                                     torch.tensor(lens))
+
+    def _table(self, it: ScheduledItem, width: int) -> list[int]:
+        """The first `width` (or fewer) blocks of `it`'s table; RuntimeError where they are fewer than
+        its `end` keys need (padding would attend to whatever the pad names)."""
+        table = it.request.block_ids[:width]
+        if len(table) * self.block_size < it.end:
+            raise RuntimeError(f"request {it.request.request_id} has {len(table)} KV blocks of {self.block_size}, "
+                               f"fewer than its {it.end} keys need")
+        return table
 
     def _decode_groups(self, decodes: list[ScheduledItem]) -> list[attention.DecodeGroup]:
         """Split the decode rows (sorted by context length) where padding to the group's
@@ -308,7 +318,7 @@ class ModelRunner:
         lens = [it.end for it in decodes]
         max_ctx = max(lens)
         max_blocks = (max_ctx + bs - 1) // bs
-        rows = [it.request.block_ids[:max_blocks] for it in decodes]
+        rows = [self._table(it, max_blocks) for it in decodes]
         # padded with the row's own first block, never written while the row runs (block 0 may be
         # landing a KV transfer right now); the mask hides the padding either way
         table = torch.tensor([r + r[:1] * (max_blocks - len(r)) for r in rows])  # [B, max_blocks]

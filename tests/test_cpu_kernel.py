@@ -20,12 +20,12 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from scripts.device_check import staggered_tokens
+from tests.kernel_util import KERNELS, WHY
 from tests.reference import hf_greedy
 from tests.test_fused import _avx2_fma
 
 ROOT = Path(__file__).resolve().parent.parent
 
-KERNELS, WHY = cpu_kernel.load()
 KERNEL = KERNELS.decode if KERNELS else None
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"no CPU decode kernel here: {WHY}")
 
