@@ -35,7 +35,7 @@ def _gemm_args(name: str, panels: torch.Tensor, bias: torch.Tensor | None, n: in
     if bias is not None:
         checks.at_least(f"{name}: bias", bias, n)
         dtype = bias_dtype or panels.dtype
-        checks.require(bias.dtype == dtype, f"{name}: bias {bias.dtype}, not {dtype}")
+        checks.require(bias.dtype == dtype, lambda: f"{name}: bias {bias.dtype}, not {dtype}")
 
 
 class SmallGemm:
@@ -59,7 +59,7 @@ class SmallGemm:
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """`[N, K]` float32 -> its panels, `[ceil(N / 16) * K * 16]`."""
         checks.require(weight.dtype == torch.float32 and weight.dim() == 2,
-                       f"small gemm pack: a float32 [N, K] weight, not {weight.dtype} {tuple(weight.shape)}")
+                       lambda: f"small gemm pack: a float32 [N, K] weight, not {weight.dtype} {tuple(weight.shape)}")
         n, k = weight.shape
         weight = weight.detach().contiguous()
         panels = self._arena.take(-(-n // 16) * k * 16)
@@ -151,7 +151,7 @@ class AmxGemm:
         """`[N, K]` bfloat16 -> its panels, `[ceil(N / 16) * ceil(K / 32) * 512]` bfloat16."""
         n, k = weight.shape
         checks.require(weight.dtype == torch.bfloat16 and weight.dim() == 2,
-                       f"AMX pack: a bfloat16 [N, K] weight, not {weight.dtype} {tuple(weight.shape)}")
+                       lambda: f"AMX pack: a bfloat16 [N, K] weight, not {weight.dtype} {tuple(weight.shape)}")
         weight = weight.detach().contiguous()
         numel = -(-n // 16) * -(-k // 32) * 512
         panels = self._arena.take(numel // 2).view(torch.bfloat16)
@@ -163,7 +163,7 @@ class AmxGemm:
         """x `[M, K]` bfloat16 (rows contiguous, M <= kernel_rows) -> `[M, n]` bfloat16."""
         m, k = x.shape
         checks.rows_of("AMX gemm: x", x, (torch.bfloat16,))
-        checks.require(m <= self.kernel_rows, f"AMX gemm: {m} rows, more than the {self.kernel_rows} a call takes")
+        checks.require(m <= self.kernel_rows, lambda: f"AMX gemm: {m} rows, more than the {self.kernel_rows} a call takes")
         _gemm_args("AMX gemm", panels, bias, n, -(-n // 16) * -(-k // 32) * 512)
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if m == 0:

@@ -63,7 +63,7 @@ class DecodeKernel:
         checks.attention("decode kernel", query, k_cache, v_cache, out)
         n, heads, dim = query.shape
         num_blocks, block_size, kv_heads, _ = k_cache.shape
-        checks.require(lens.shape == (n,), f"decode kernel: {n} query rows, {tuple(lens.shape)} lens")
+        checks.require(lens.shape == (n,), lambda: f"decode kernel: {n} query rows, {tuple(lens.shape)} lens")
         if not self._checked.seen(tables, lens, num_blocks, block_size):  # once a step, not once a layer
             checks.decode_tables(tables, lens, num_blocks, block_size)
             self._checked.remember(tables, lens, num_blocks, block_size)
@@ -214,8 +214,8 @@ def supports(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in DTYPES
 
 
-@functools.cache
-def _load(variant: str) -> Kernels:
+def _open(variant: str) -> Kernels:
+    """The kernels of `variant`, built if need be and loaded (KernelUnavailable: why not)."""
     kernel_build.check_runs_here(variant)
     path = kernel_build.build(kernel_build.compiler(), variant)
     try:
@@ -226,6 +226,9 @@ def _load(variant: str) -> Kernels:
     return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib), cpu_ops.Rope(lib), cpu_ops.RmsNorm(lib),
                    cpu_ops.SiluMul(lib), LayerKernel(lib), cpu_ops.Argmax(lib), AmxSwitch(lib), amx, Bf16Gemm(lib, amx),
                    variant, _isa(lib))
+
+
+_load = functools.cache(_open)  # one build and one library per variant and process
 
 
 def _isa(lib: ctypes.CDLL) -> int:

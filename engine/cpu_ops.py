@@ -32,7 +32,7 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
 def _norm_args(name: str, rows: torch.Tensor, weight: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
     checks.rows_of(f"{name}: x", rows, dtypes)
     checks.require(weight.dtype == rows.dtype and weight.is_contiguous() and weight.shape == (rows.shape[1],),
-                   f"{name}: weight must be [{rows.shape[1]}] contiguous {rows.dtype}, not {tuple(weight.shape)} "
+                   lambda: f"{name}: weight must be [{rows.shape[1]}] contiguous {rows.dtype}, not {tuple(weight.shape)} "
                    f"{weight.dtype}")
 
 
@@ -55,10 +55,10 @@ class Rope:
         `heads` heads rotated in place; cos/sin `[T, dim]` in x's dtype, rows contiguous."""
         tokens = x.shape[0]
         checks.rows_of("rope: x", x, tuple(self._fns))
-        checks.require(x.shape[1] >= heads * dim, f"rope: rows of {x.shape[1]} hold no {heads} heads of {dim}")
-        checks.require(cos.dtype == sin.dtype == x.dtype, f"rope: cos/sin {cos.dtype}, x {x.dtype}")
+        checks.require(x.shape[1] >= heads * dim, lambda: f"rope: rows of {x.shape[1]} hold no {heads} heads of {dim}")
+        checks.require(cos.dtype == sin.dtype == x.dtype, lambda: f"rope: cos/sin {cos.dtype}, x {x.dtype}")
         checks.require(cos.shape == sin.shape == (tokens, dim) and cos.stride() == sin.stride() and cos.stride(1) == 1,
-                       f"rope: cos and sin must be [{tokens}, {dim}] with contiguous rows, not {tuple(cos.shape)}")
+                       lambda: f"rope: cos and sin must be [{tokens}, {dim}] with contiguous rows, not {tuple(cos.shape)}")
         self._fns[x.dtype](x.data_ptr(), x.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
                            tokens, torch.get_num_threads())
 
@@ -82,7 +82,7 @@ class RmsNorm:
         tensor of that shape: torch's add and `self(x + y, ...)` bit for bit."""
         n = x.shape[-1]
         a, b = _rows(x, n), _rows(y, n)
-        checks.require(x.shape == y.shape, f"add rms_norm: x {tuple(x.shape)} and y {tuple(y.shape)} differ")
+        checks.require(x.shape == y.shape, lambda: f"add rms_norm: x {tuple(x.shape)} and y {tuple(y.shape)} differ")
         _norm_args("add rms_norm", a, weight, tuple(self._adds))
         checks.rows_of("add rms_norm: y", b, (x.dtype,))
         total, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
@@ -115,7 +115,7 @@ class SiluMul:
         """h `[..., 2n]` float32 or bfloat16 (gate, then up; rows contiguous) -> `[..., n]`;
         KernelUnavailable where it cannot give torch's bits (no AVX2 + FMA, or n no multiple of 8,
         32 in bfloat16)."""
-        checks.require(h.shape[-1] % 2 == 0, f"silu_mul: gate|up rows of odd width {h.shape[-1]}")
+        checks.require(h.shape[-1] % 2 == 0, lambda: f"silu_mul: gate|up rows of odd width {h.shape[-1]}")
         n = h.shape[-1] // 2
         flat = _rows(h, 2 * n)
         checks.rows_of("silu_mul: h", flat, tuple(self._fns))
@@ -139,7 +139,7 @@ class Argmax:
         """x `[rows, n]` float32 or bfloat16 on the CPU, n >= 1, rows contiguous -> `[rows]` int64."""
         rows, n = x.shape
         checks.rows_of("argmax: x", x, tuple(self._fns))
-        checks.require(n >= 1, "argmax: rows of no values")
+        checks.require(n >= 1, lambda: "argmax: rows of no values")
         out = torch.empty(rows, dtype=torch.int64)
         self._fns[x.dtype](x.data_ptr(), x.stride(0), rows, n, out.data_ptr(), torch.get_num_threads())
         return out

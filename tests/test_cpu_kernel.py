@@ -21,6 +21,7 @@ from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from scripts.device_check import staggered_tokens
 from tests.kernel_util import KERNELS, WHY
+from tests.kernel_util import attention_reference as _reference
 from tests.reference import hf_greedy
 from tests.test_fused import _avx2_fma
 
@@ -28,24 +29,6 @@ ROOT = Path(__file__).resolve().parent.parent
 
 KERNEL = KERNELS.decode if KERNELS else None
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"no CPU decode kernel here: {WHY}")
-
-
-def _reference(q, k_cache, v_cache, tables, lens, scale, window, softcap) -> torch.Tensor:
-    """Attention of each row over its own keys, in float64, the plain way."""
-    n, heads, dim = q.shape
-    kv_heads = k_cache.shape[2]
-    out = torch.empty(n, heads, dim, dtype=torch.float64)
-    for i in range(n):
-        length = int(lens[i])
-        first = max(0, length - window) if window else 0
-        k = k_cache[tables[i]].reshape(-1, kv_heads, dim)[first:length].double().transpose(0, 1)  # [KVH, ctx, D]
-        v = v_cache[tables[i]].reshape(-1, kv_heads, dim)[first:length].double().transpose(0, 1)
-        qi = q[i].double().view(kv_heads, heads // kv_heads, dim)
-        scores = qi @ k.transpose(1, 2) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        out[i] = (torch.softmax(scores, -1) @ v).reshape(heads, dim)
-    return out
 
 
 @needs_kernel
