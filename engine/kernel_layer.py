@@ -101,6 +101,9 @@ def _build_step(meta: attention.StepMetadata, shape: Shape, cos: torch.Tensor, s
     block tables are checked here, once for every layer (engine/kernel_checks.py)."""
     tokens = cos.shape[1]
     kv = meta.kv
+    checks.require(tuple(kv.shape[4:]) == (shape.kv_heads, shape.dim),
+                   lambda: f"layer kernel: a pool of {tuple(kv.shape[4:])} KV heads x dims for layers of "
+                   f"{(shape.kv_heads, shape.dim)}")
     _check_step(meta)
     widths = (shape.hidden, (shape.heads + 2 * shape.kv_heads) * shape.dim, shape.heads * shape.dim,
               2 * shape.inter, shape.inter, shape.hidden)
@@ -214,6 +217,8 @@ def layer_args(layer: nn.Module) -> tuple[LayerArgs, Shape, int | None] | None:
     if not gemm_only or any(m.gemm.dtype != dtype for m in linears):
         return None
     shape = Shape(norm1.normalized_shape[0], attn.heads, attn.kv_heads, attn.head_dim, mlp.intermediate, dtype)
+    checks.require(shape.kv_heads > 0 and shape.heads % shape.kv_heads == 0,
+                   lambda: f"layer kernel: {shape.heads} query heads are no multiple of {shape.kv_heads} KV heads")
     scaling = attn.call.get("scaling")
     args = LayerArgs(norm1.weight.data_ptr(), attn.qkv_proj.panels.data_ptr(), _ptr(attn.qkv_proj.bias),
                      attn.o_proj.panels.data_ptr(), _ptr(attn.o_proj.bias), norm2.weight.data_ptr(),

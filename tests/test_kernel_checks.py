@@ -126,6 +126,10 @@ def test_the_layer_kernels_step_checks_its_slots_and_tables_once():
     with pytest.raises(KernelArgumentError, match=r"KV write: slot offset 4 outside a block of 4"):
         kernel_layer._check_step(meta)
     meta.slot_offsets = torch.tensor([1])
+    shape = kernel_layer.Shape(hidden=HEADS * DIM, heads=HEADS, kv_heads=KVH + 1, dim=DIM, inter=8)
+    cos = torch.zeros(1, 1, DIM)
+    with pytest.raises(KernelArgumentError, match=r"a pool of \(2, 16\) KV heads x dims for layers of \(3, 16\)"):
+        kernel_layer._build_step(meta, shape, cos, cos)
     rows.lens[0] = 9
     with pytest.raises(KernelArgumentError, match=r"a row of length 9 > its table's 2 blocks x 4 keys"):
         kernel_layer._check_step(meta)
