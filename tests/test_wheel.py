@@ -11,6 +11,7 @@ import subprocess
 import sys
 import sysconfig
 import textwrap
+import tomllib
 import zipfile
 from pathlib import Path
 
@@ -20,8 +21,9 @@ from engine import kernel_build
 from tests.reference import hf_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("protocol", "engine", "worker_runtime", "prefill_worker", "decode_worker", "kv_transfer", "router", "bench",
-            "client", "cli", "checkpoints", "proto")
+# the top-level packages pyproject.toml's find includes ("engine*" -> engine)
+PACKAGES = [name.rstrip("*") for name in tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+            ["packages"]["find"]["include"]]
 PROMPT = [5, 17, 300, 42, 8, 99, 1000]
 
 
