@@ -75,9 +75,11 @@ def _tokenizer():
     return train_tokenizer("llama", SIZES["tiny"].vocab_size)
 
 
-def make_family_model(out_dir: str | os.PathLike[str], family: str, seed: int = 0) -> Path:
-    """Write one family's tiny checkpoint (config, safetensors, generation config, tokenizer)."""
+def make_family_model(out_dir: str | os.PathLike[str], family: str, seed: int = 0, **shape: int) -> Path:
+    """Write one family's tiny checkpoint (config, safetensors, generation config, tokenizer);
+    `shape`: config fields to set instead (e.g. hidden_size, head_dim, num_key_value_heads)."""
     config = build_family_config(family)
+    config.update(shape)
     tokenizer, num_trained = _tokenizer()
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     init_weights(model, seed, [BOS_ID, PAD_ID, *range(num_trained, config.vocab_size)])

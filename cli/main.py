@@ -125,8 +125,9 @@ def _serve(args: argparse.Namespace) -> int:
         scheme = "https" if cfg.router.tls.enabled else "http"
         metrics = f", metrics on :{cluster.metrics_port}/metrics" if cluster.metrics_port else ""
         metrics += f", OpenAI API on {scheme}://{cfg.router.host}:{cluster.http_port}/v1" if cluster.http_port else ""
+        kernels = ", ".join(f"{w.name} {w.info.kernels}" for pool in cluster.router.pools.workers.values() for w in pool)
         print(f"pdserve: ready in {time.perf_counter() - t0:.1f} s; router listening on {cluster.server.address} "
-              f"({cfg.mode}: {shape} workers{metrics}; {describe(cfg)})", flush=True)
+              f"({cfg.mode}: {shape} workers{metrics}; CPU kernels: {kernels}; {describe(cfg)})", flush=True)
 
     serve_forever(cfg, ready, insecure=args.insecure)
     print("pdserve: stopped", flush=True)

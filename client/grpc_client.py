@@ -89,9 +89,10 @@ def format_status(s: pb.StatusResponse) -> str:
     head = f"mode {s.mode}  model {s.model}\nrouter: {s.router_in_flight} in flight, {s.router_queue} queued, " \
            f"{s.requests_total} requests accepted so far"
     cols = ("WORKER", "POOL", "STATE", "RUNNING", "WAITING", "KV USED", "KV FREE", "KV TOTAL", "KV CACHED",
-            "PREFIX HIT", "CHANNELS", "SERVED", "NODE")
+            "PREFIX HIT", "CHANNELS", "SERVED", "NODE", "KERNELS")
     rows = [cols] + [(w.name, w.pool, w.state, w.running, w.waiting, w.kv_blocks_used, w.kv_blocks_free,
-                      w.kv_blocks_total, w.kv_blocks_cached, _hit_rate(w), w.channels, w.requests_served, w.node_ip)
+                      w.kv_blocks_total, w.kv_blocks_cached, _hit_rate(w), w.channels, w.requests_served, w.node_ip,
+                      w.kernels or "-")
                      for w in s.workers]
     widths = [max(len(str(r[i])) for r in rows) for i in range(len(cols))]
     lines = ["  ".join(str(v).ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows]

@@ -11,6 +11,7 @@ import ctypes
 import torch
 
 from engine import hugepages
+from engine import kernel_checks as checks
 from engine.cpu_ops import _I64, _INT, _PTR
 
 
@@ -25,6 +26,16 @@ def _gemm_rows(capability: str) -> int | None:
 
 SMALL_ROWS = _gemm_rows(torch.backends.cpu.get_cpu_capability())
 GEMM_REACH = "every product" if SMALL_ROWS is None else f"up to {SMALL_ROWS} rows"  # what it takes, in words
+
+
+def _gemm_args(name: str, panels: torch.Tensor, bias: torch.Tensor | None, n: int, numel: int,
+               bias_dtype: torch.dtype | None = None) -> None:
+    """The panels of an `[n, K]` weight (`numel` of them) and its bias, as the GEMM reads them."""
+    checks.at_least(f"{name}: panels", panels, numel)
+    if bias is not None:
+        checks.at_least(f"{name}: bias", bias, n)
+        dtype = bias_dtype or panels.dtype
+        checks.require(bias.dtype == dtype, lambda: f"{name}: bias {bias.dtype}, not {dtype}")
 
 
 class SmallGemm:
@@ -47,6 +58,8 @@ class SmallGemm:
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """`[N, K]` float32 -> its panels, `[ceil(N / 16) * K * 16]`."""
+        checks.require(weight.dtype == torch.float32 and weight.dim() == 2,
+                       lambda: f"small gemm pack: a float32 [N, K] weight, not {weight.dtype} {tuple(weight.shape)}")
         n, k = weight.shape
         weight = weight.detach().contiguous()
         panels = self._arena.take(-(-n // 16) * k * 16)
@@ -69,7 +82,9 @@ class SmallGemm:
         (`AmxGemm.head_approx`), `rel` and `abs_` its bound."""
         m, k = x.shape
         n = norms.numel()
-        assert x.dtype == torch.float32 and x.stride(1) == 1 and approx.numel() >= m * n
+        checks.rows_of("greedy head: x", x, (torch.float32,))
+        checks.at_least("greedy head: approx", approx, m * n)
+        checks.at_least("greedy head: panels", panels, -(-n // 16) * k * 16)
         tokens, reread = torch.empty(m, dtype=torch.int64), torch.empty(m, dtype=torch.int32)
         rc = self._greedy(x.data_ptr(), x.stride(0), panels.data_ptr(), None if half is None else half.data_ptr(),
                           None if bias is None else bias.data_ptr(), norms.data_ptr(), approx.data_ptr(), m, n, k,
@@ -80,7 +95,8 @@ class SmallGemm:
                  threads: int | None = None) -> torch.Tensor:
         """x `[M, K]` (rows contiguous) -> `[M, n]`, for any M; on torch's thread count unless told."""
         m, k = x.shape
-        assert x.dtype == torch.float32 and x.stride(1) == 1
+        checks.rows_of("small gemm: x", x, (torch.float32,))
+        _gemm_args("small gemm", panels, bias, n, -(-n // 16) * k * 16)
         out = torch.empty(m, n, dtype=torch.float32)
         self._gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
                    out.data_ptr(), n, m, n, k, threads or torch.get_num_threads())
@@ -122,7 +138,9 @@ class AmxGemm:
         float32 bias; False where the tiles cannot serve (no AMX; a row whose largest |x| is under
         2^-60, or NaN): the caller takes the full product."""
         m, k = x.shape
-        assert x.dtype == torch.float32 and x.stride(1) == 1 and approx.numel() >= m * n
+        checks.rows_of("AMX head: x", x, (torch.float32,))
+        checks.at_least("AMX head: approx", approx, m * n)
+        _gemm_args("AMX head", panels, bias, n, -(-n // 16) * -(-k // 32) * 512, bias_dtype=torch.float32)
         rc = self._head_approx(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
                                approx.data_ptr(), m, n, k, torch.get_num_threads())
         if rc == -2:
@@ -132,7 +150,8 @@ class AmxGemm:
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
         """`[N, K]` bfloat16 -> its panels, `[ceil(N / 16) * ceil(K / 32) * 512]` bfloat16."""
         n, k = weight.shape
-        assert weight.dtype == torch.bfloat16
+        checks.require(weight.dtype == torch.bfloat16 and weight.dim() == 2,
+                       lambda: f"AMX pack: a bfloat16 [N, K] weight, not {weight.dtype} {tuple(weight.shape)}")
         weight = weight.detach().contiguous()
         numel = -(-n // 16) * -(-k // 32) * 512
         panels = self._arena.take(numel // 2).view(torch.bfloat16)
@@ -143,7 +162,9 @@ class AmxGemm:
                  threads: int | None = None) -> torch.Tensor:
         """x `[M, K]` bfloat16 (rows contiguous, M <= kernel_rows) -> `[M, n]` bfloat16."""
         m, k = x.shape
-        assert x.dtype == torch.bfloat16 and x.stride(1) == 1 and m <= self.kernel_rows
+        checks.rows_of("AMX gemm: x", x, (torch.bfloat16,))
+        checks.require(m <= self.kernel_rows, lambda: f"AMX gemm: {m} rows, more than the {self.kernel_rows} a call takes")
+        _gemm_args("AMX gemm", panels, bias, n, -(-n // 16) * -(-k // 32) * 512)
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if m == 0:
             return out
@@ -203,10 +224,9 @@ class Bf16Gemm:
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
                  threads: int | None = None) -> torch.Tensor:
         """x `[M, K]` bfloat16 (rows contiguous, M <= kernel_rows where that is set) -> `[M, n]` bfloat16."""
+        checks.rows_of("bfloat16 gemm: x", x, (torch.bfloat16,))
         m, k = x.shape
-        if x.dtype != torch.bfloat16 or x.stride(1) != 1:
-            raise ValueError(f"the bfloat16 GEMM takes bfloat16 rows with contiguous values, not {x.dtype} "
-                             f"with strides {tuple(x.stride())}")
+        _gemm_args("bfloat16 gemm", panels, bias, n, -(-n // 16) * -(-k // 32) * 512)
         out = torch.empty(m, n, dtype=torch.bfloat16)
         if m == 0:
             return out

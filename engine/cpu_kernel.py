@@ -17,15 +17,14 @@
 - a whole decoder layer (layer.c): the kernels above called in a Llama layer's order from C, one
   call per layer, and the new tokens' K/V written to their slots (engine/kernel_layer.py).
 
-Plain C with OpenMP, compiled together by the host's C compiler (`cc`, or `$CC`) with `-O3
--march=native` into `$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`), named by a hash
-of the sources, the compiler, its flags and the CPU's flags, so a changed source or compiler
-builds anew and every process on a host shares one build. Loaded with ctypes: the OpenMP runtime
-it links is the one torch already loaded (same soname), so the kernels and torch share one thread
-pool.
+Plain C with OpenMP, compiled together by the host's C compiler (`cc`, or `$CC`) for one variant
+(`-march=native` unless `$PDSERVE_KERNEL_ARCH` names another) and cached (engine/kernel_build.py).
+Loaded with ctypes: the OpenMP runtime it links is the one torch already loaded (same soname), so
+the kernels and torch share one thread pool.
 
-`load()` returns the kernels or None with the reason (no compiler, a failed build); the engine
-then runs torch's paths (`engine.cpu_kernels: auto`) or refuses to start (`on`).
+`load()` returns the kernels or None with the reason (no compiler, a failed build, a distrusted
+cache); the engine then runs torch's paths (`engine.cpu_kernels: auto`, with a warning) or refuses
+to start (`on`). `Kernels.paths` names the instruction sets the loaded build runs, for start-up.
 """
 
 from __future__ import annotations
@@ -33,25 +32,15 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
-from engine import cpu_ops
+from engine import cpu_ops, kernel_build
+from engine import kernel_checks as checks
 from engine.cpu_gemm import GEMM_REACH, SMALL_ROWS, AmxGemm, Bf16Gemm, SmallGemm, _gemm_rows  # noqa: F401 - cpu_kernel's names too
 from engine.cpu_ops import _FLOAT, _I64, _INT, _PTR, KernelUnavailable  # noqa: F401 - KernelUnavailable: cpu_kernel's error too
 
-SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.c")))
-HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-Wno-psabi")  # psabi: 16-lane vectors in static helpers on AVX2 hosts
-BUILD_TIMEOUT_S = 120
-DTYPES = {torch.float32: 0, torch.bfloat16: 1}  # what the kernels take, and their C code for it
+DTYPES = checks.DTYPES  # what the kernels take, and their C code for it
 
 
 
@@ -63,6 +52,7 @@ class DecodeKernel:
         self._fn.restype = _INT
         self._fn.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
                              _I64, _I64, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT, _FLOAT, _INT]
+        self._checked = checks.Memo()
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  tables: torch.Tensor, lens: torch.Tensor, out: torch.Tensor, scale: float,
@@ -70,11 +60,13 @@ class DecodeKernel:
         """query `[n, H, D]`, k/v_cache `[blocks, block_size, KVH, D]` (one layer's, strided views of
         the pool), tables `[n, max_blocks]` int64, lens `[n]` int64 (keys each row sees, its own
         new one included), out `[n, H, D]` written in place. The last dim of each is contiguous."""
+        checks.attention("decode kernel", query, k_cache, v_cache, out)
         n, heads, dim = query.shape
-        _, block_size, kv_heads, _ = k_cache.shape
-        assert k_cache.stride() == v_cache.stride() and tables.dtype == lens.dtype == torch.int64
-        assert query.stride(2) == k_cache.stride(3) == out.stride(2) == 1 and lens.is_contiguous()
-        assert query.dtype == k_cache.dtype == out.dtype and tables.stride(1) == 1
+        num_blocks, block_size, kv_heads, _ = k_cache.shape
+        checks.require(lens.shape == (n,), lambda: f"decode kernel: {n} query rows, {tuple(lens.shape)} lens")
+        if not self._checked.seen(tables, lens, num_blocks, block_size):  # once a step, not once a layer
+            checks.decode_tables(tables, lens, num_blocks, block_size)
+            self._checked.remember(tables, lens, num_blocks, block_size)
         rc = self._fn(DTYPES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
                       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
                       k_cache.stride(2), tables.data_ptr(), tables.stride(0), lens.data_ptr(), out.data_ptr(),
@@ -102,12 +94,10 @@ class PrefillKernel:
         k/v_cache `[blocks, block_size, KVH, D]` (one layer's views of the pool, the chunk's keys
         already written), table `[>= ceil((first_pos + q) / block_size)]` int64, the sequence's
         blocks; out `[q, H, D]` written in place. The last dim of each is contiguous."""
+        checks.attention("prefill kernel", query, k_cache, v_cache, out)
         n, heads, dim = query.shape
-        _, block_size, kv_heads, _ = k_cache.shape
-        assert k_cache.stride() == v_cache.stride() and table.dtype == torch.int64 and table.is_contiguous()
-        assert query.stride(2) == k_cache.stride(3) == out.stride(2) == 1
-        assert query.dtype == k_cache.dtype == out.dtype
-        assert table.shape[0] * block_size >= first_pos + n, "the table must cover every key of the chunk"
+        num_blocks, block_size, kv_heads, _ = k_cache.shape
+        checks.prefill_table(table, first_pos, n, num_blocks, block_size)
         rc = self._fn(DTYPES[query.dtype], query.data_ptr(), query.stride(0), query.stride(1),
                       k_cache.data_ptr(), v_cache.data_ptr(), k_cache.stride(0), k_cache.stride(1),
                       k_cache.stride(2), table.data_ptr(), first_pos, n, out.data_ptr(), out.stride(0),
@@ -188,6 +178,29 @@ class Kernels:
     use_amx: AmxSwitch
     amx_gemm: AmxGemm
     bf16_gemm: Bf16Gemm
+    variant: str  # kernel_build.VARIANTS' name of the build
+    isa: int  # engine/csrc/isa.c's bits: what the build was compiled to use
+
+    def _names(self) -> list[str]:
+        names = [name for bit, name in ((4, "AVX512-BF16"), (2, "AVX-512"), (1, "AVX2")) if self.isa & bit]
+        return ["AMX", *names] if self.amx_gemm.ready() else names
+
+    def best(self) -> str:
+        """The best instruction set the kernels run here, in a word: AMX, AVX512-BF16, AVX-512, AVX2."""
+        return (self._names() or ["portable C"])[0]
+
+    def paths(self) -> str:
+        """The instruction sets the kernels run here, best first, and the build, e.g.
+        "AVX512-BF16, AVX-512, AVX2 (native build; this CPU has no AMX)"."""
+        names = self._names()
+        amx = names[:1] == ["AMX"]
+        if amx:
+            why = ""
+        elif self.isa & 8:
+            why = "; the OS refuses AMX tiles"
+        else:
+            why = "; this CPU has no AMX" if self.variant == "native" else "; no AMX in this build"
+        return f"{', '.join(names) or 'portable C'} ({self.variant} build{why})"
 
     def gemm_for(self, dtype: torch.dtype) -> SmallGemm | Bf16Gemm | None:
         """The GEMM that takes few-row linears of `dtype` weights here: float32 always, bfloat16 where
@@ -201,77 +214,33 @@ def supports(dtype: torch.dtype, device: torch.device) -> bool:
     return device.type == "cpu" and dtype in DTYPES
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("PDSERVE_KERNEL_CACHE") or Path.home() / ".cache" / "pdserve" / "kernels")
-
-
-def _compiler() -> str:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not cc:
-        raise KernelUnavailable("no C compiler on PATH (cc, gcc or $CC)")
-    return cc
-
-
-def _cpu_flags() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as info:
-            return next((line for line in info if line.startswith("flags")), "")
-    except OSError:
-        return ""
-
-
-def _build(cc: str) -> Path:
-    try:
-        version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.TimeoutExpired) as e:
-        raise KernelUnavailable(f"{cc} --version failed: {e}") from e
-    # -march=native: the CPU's flags are part of the name, so hosts sharing a cache never share a build
-    sources = [f"{path.name}\0{path.read_text()}" for path in (*SOURCES, *HEADERS)]
-    key = hashlib.sha256("\0".join([*sources, cc, version, *FLAGS, sys.platform, _cpu_flags()]).encode())
-    target = cache_dir() / f"pdserve_kernels-{key.hexdigest()[:16]}.so"
-    if target.exists():
-        return target
-    try:
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # build aside, then rename: no reader sees half a file
-    except OSError as e:
-        raise KernelUnavailable(f"cannot write the kernel cache {target.parent} ({e.strerror}); set "
-                                "PDSERVE_KERNEL_CACHE to a writable directory") from e
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True, text=True,
-                              timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            raise KernelUnavailable(f"{cc} failed to build {_names()}: {done.stderr.strip()[-400:]}")
-        os.replace(tmp, target)
-    except subprocess.TimeoutExpired as e:
-        raise KernelUnavailable(f"{cc} took over {BUILD_TIMEOUT_S} s to build {_names()}") from e
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return target
-
-
-def _names() -> str:
-    names = [path.name for path in SOURCES]
-    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
-
-
-@functools.cache
-def _load() -> Kernels:
-    path = _build(_compiler())
+def _open(variant: str) -> Kernels:
+    """The kernels of `variant`, built if need be and loaded (KernelUnavailable: why not)."""
+    kernel_build.check_runs_here(variant)
+    path = kernel_build.build(kernel_build.compiler(), variant)
     try:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
-        raise KernelUnavailable(f"cannot load {path}: {e}") from e
+        raise KernelUnavailable(f"cannot load {path}: {e}; delete it to rebuild") from e
     amx = AmxGemm(lib)
     return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib), cpu_ops.Rope(lib), cpu_ops.RmsNorm(lib),
-                   cpu_ops.SiluMul(lib), LayerKernel(lib), cpu_ops.Argmax(lib), AmxSwitch(lib), amx, Bf16Gemm(lib, amx))
+                   cpu_ops.SiluMul(lib), LayerKernel(lib), cpu_ops.Argmax(lib), AmxSwitch(lib), amx, Bf16Gemm(lib, amx),
+                   variant, _isa(lib))
 
 
-def load() -> tuple[Kernels | None, str]:
-    """The kernels, or None and why not (the reason is "" when they loaded)."""
+_load = functools.cache(_open)  # one build and one library per variant and process
+
+
+def _isa(lib: ctypes.CDLL) -> int:
+    lib.pd_isa.restype = _INT
+    lib.pd_isa.argtypes = []
+    return lib.pd_isa()
+
+
+def load(variant: str | None = None) -> tuple[Kernels | None, str]:
+    """The kernels of `variant` (default: `$PDSERVE_KERNEL_ARCH`, else native), or None and why not
+    (the reason is "" when they loaded)."""
     try:
-        return _load(), ""
+        return _load(variant or kernel_build.variant()), ""
     except KernelUnavailable as e:
         return None, str(e)

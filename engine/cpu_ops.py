@@ -18,6 +18,8 @@ import ctypes
 
 import torch
 
+from engine import kernel_checks as checks
+
 _I64, _PTR, _INT, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
 
@@ -25,6 +27,13 @@ def _rows(x: torch.Tensor, width: int) -> torch.Tensor:
     """x as `[rows, width]` with each row contiguous (a view where it already is, else a copy)."""
     flat = x.reshape(-1, width)
     return flat if flat.stride(1) == 1 else flat.contiguous()
+
+
+def _norm_args(name: str, rows: torch.Tensor, weight: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> None:
+    checks.rows_of(f"{name}: x", rows, dtypes)
+    checks.require(weight.dtype == rows.dtype and weight.is_contiguous() and weight.shape == (rows.shape[1],),
+                   lambda: f"{name}: weight must be [{rows.shape[1]}] contiguous {rows.dtype}, not {tuple(weight.shape)} "
+                   f"{weight.dtype}")
 
 
 class KernelUnavailable(RuntimeError):
@@ -45,9 +54,11 @@ class Rope:
         """x `[T, >= heads * dim]` float32 or bfloat16 (rows of heads, each `dim` contiguous): its first
         `heads` heads rotated in place; cos/sin `[T, dim]` in x's dtype, rows contiguous."""
         tokens = x.shape[0]
-        assert x.dtype == cos.dtype == sin.dtype and x.dtype in self._fns
-        assert x.stride(1) == 1 and x.shape[1] >= heads * dim
-        assert cos.shape == sin.shape == (tokens, dim) and cos.stride() == sin.stride() and cos.stride(1) == 1
+        checks.rows_of("rope: x", x, tuple(self._fns))
+        checks.require(x.shape[1] >= heads * dim, lambda: f"rope: rows of {x.shape[1]} hold no {heads} heads of {dim}")
+        checks.require(cos.dtype == sin.dtype == x.dtype, lambda: f"rope: cos/sin {cos.dtype}, x {x.dtype}")
+        checks.require(cos.shape == sin.shape == (tokens, dim) and cos.stride() == sin.stride() and cos.stride(1) == 1,
+                       lambda: f"rope: cos and sin must be [{tokens}, {dim}] with contiguous rows, not {tuple(cos.shape)}")
         self._fns[x.dtype](x.data_ptr(), x.stride(0), heads, dim, cos.data_ptr(), sin.data_ptr(), cos.stride(0),
                            tokens, torch.get_num_threads())
 
@@ -71,8 +82,9 @@ class RmsNorm:
         tensor of that shape: torch's add and `self(x + y, ...)` bit for bit."""
         n = x.shape[-1]
         a, b = _rows(x, n), _rows(y, n)
-        assert x.shape == y.shape and x.dtype == y.dtype == weight.dtype and x.dtype in self._adds
-        assert weight.is_contiguous() and weight.shape == (n,)
+        checks.require(x.shape == y.shape, lambda: f"add rms_norm: x {tuple(x.shape)} and y {tuple(y.shape)} differ")
+        _norm_args("add rms_norm", a, weight, tuple(self._adds))
+        checks.rows_of("add rms_norm: y", b, (x.dtype,))
         total, out = torch.empty(x.shape, dtype=x.dtype), torch.empty(x.shape, dtype=x.dtype)
         self._adds[x.dtype](a.data_ptr(), a.stride(0), b.data_ptr(), b.stride(0), weight.data_ptr(), eps,
                             total.data_ptr(), out.data_ptr(), a.shape[0], n, torch.get_num_threads())
@@ -83,7 +95,7 @@ class RmsNorm:
         of x's shape."""
         n = x.shape[-1]
         flat = _rows(x, n)
-        assert x.dtype == weight.dtype and x.dtype in self._fns and weight.is_contiguous() and weight.shape == (n,)
+        _norm_args("rms_norm", flat, weight, tuple(self._fns))
         out = torch.empty(x.shape, dtype=x.dtype)
         self._fns[x.dtype](flat.data_ptr(), flat.stride(0), weight.data_ptr(), eps, out.data_ptr(), n,
                            flat.shape[0], n, torch.get_num_threads())
@@ -103,9 +115,10 @@ class SiluMul:
         """h `[..., 2n]` float32 or bfloat16 (gate, then up; rows contiguous) -> `[..., n]`;
         KernelUnavailable where it cannot give torch's bits (no AVX2 + FMA, or n no multiple of 8,
         32 in bfloat16)."""
+        checks.require(h.shape[-1] % 2 == 0, lambda: f"silu_mul: gate|up rows of odd width {h.shape[-1]}")
         n = h.shape[-1] // 2
         flat = _rows(h, 2 * n)
-        assert h.dtype in self._fns
+        checks.rows_of("silu_mul: h", flat, tuple(self._fns))
         out = torch.empty(*h.shape[:-1], n, dtype=h.dtype)
         if self._fns[h.dtype](flat.data_ptr(), flat.stride(0), out.data_ptr(), n, flat.shape[0], n,
                               torch.get_num_threads()) != 0:
@@ -125,7 +138,8 @@ class Argmax:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x `[rows, n]` float32 or bfloat16 on the CPU, n >= 1, rows contiguous -> `[rows]` int64."""
         rows, n = x.shape
-        assert x.dtype in self._fns and x.device.type == "cpu" and x.stride(1) == 1 and n >= 1
+        checks.rows_of("argmax: x", x, tuple(self._fns))
+        checks.require(n >= 1, lambda: "argmax: rows of no values")
         out = torch.empty(rows, dtype=torch.int64)
         self._fns[x.dtype](x.data_ptr(), x.stride(0), rows, n, out.data_ptr(), torch.get_num_threads())
         return out

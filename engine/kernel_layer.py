@@ -34,6 +34,7 @@ import torch
 from torch import nn
 
 from engine import attention, cpu_kernel, dense, features, fused
+from engine import kernel_checks as checks
 
 log = logging.getLogger(__name__)
 
@@ -96,9 +97,14 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def _build_step(meta: attention.StepMetadata, shape: Shape, cos: torch.Tensor, sin: torch.Tensor) -> Step:
-    """cos/sin `[1, T, dim]`: the rotary tables this forward hands every layer."""
+    """cos/sin `[1, T, dim]`: the rotary tables this forward hands every layer. The step's slots and
+    block tables are checked here, once for every layer (engine/kernel_checks.py)."""
     tokens = cos.shape[1]
     kv = meta.kv
+    checks.require(tuple(kv.shape[4:]) == (shape.kv_heads, shape.dim),
+                   lambda: f"layer kernel: a pool of {tuple(kv.shape[4:])} KV heads x dims for layers of "
+                   f"{(shape.kv_heads, shape.dim)}")
+    _check_step(meta)
     widths = (shape.hidden, (shape.heads + 2 * shape.kv_heads) * shape.dim, shape.heads * shape.dim,
               2 * shape.inter, shape.inter, shape.hidden)
     scratch = torch.empty(tokens * (sum(widths) + 2 * shape.hidden), dtype=kv.dtype)
@@ -117,6 +123,15 @@ def _build_step(meta: attention.StepMetadata, shape: Shape, cos: torch.Tensor, s
                     *buffers, tokens, rows.lens.shape[0] if rows else 0, len(meta.prefills), kv.shape[3],
                     torch.get_num_threads(), cpu_kernel.DTYPES[kv.dtype])
     return Step(args, cos, shape, outs, (scratch, chunks, cos, sin, [c.table for c in meta.prefills]))
+
+
+def _check_step(meta: attention.StepMetadata) -> None:
+    num_blocks, block_size = meta.kv.shape[0], meta.kv.shape[3]
+    checks.slots(meta.slot_blocks, meta.slot_offsets, num_blocks, block_size)
+    if meta.decode_rows is not None:
+        checks.decode_tables(meta.decode_rows.tables, meta.decode_rows.lens, num_blocks, block_size)
+    for c in meta.prefills:
+        checks.prefill_table(c.table, c.first_pos, c.end - c.start, num_blocks, block_size)
 
 
 def _kernels_take(meta: attention.StepMetadata, tokens: int, dtype: torch.dtype) -> bool:
@@ -202,6 +217,8 @@ def layer_args(layer: nn.Module) -> tuple[LayerArgs, Shape, int | None] | None:
     if not gemm_only or any(m.gemm.dtype != dtype for m in linears):
         return None
     shape = Shape(norm1.normalized_shape[0], attn.heads, attn.kv_heads, attn.head_dim, mlp.intermediate, dtype)
+    checks.require(shape.kv_heads > 0 and shape.heads % shape.kv_heads == 0,
+                   lambda: f"layer kernel: {shape.heads} query heads are no multiple of {shape.kv_heads} KV heads")
     scaling = attn.call.get("scaling")
     args = LayerArgs(norm1.weight.data_ptr(), attn.qkv_proj.panels.data_ptr(), _ptr(attn.qkv_proj.bias),
                      attn.o_proj.panels.data_ptr(), _ptr(attn.o_proj.bias), norm2.weight.data_ptr(),

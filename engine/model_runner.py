@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ from engine.config import EngineConfig
 from engine.kv_cache import allocate_kv_pool
 from engine.memory import ModelShape, num_kv_blocks
 from engine.request import Request
+
+log = logging.getLogger(__name__)
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -82,6 +85,10 @@ class ModelRunner:
         self.windows = sorted({f.sliding_window for f in self.layer_features if f.sliding_window})
         self.block_size = config.block_size
         kernels, self.kernel_reason = self._cpu_kernels()
+        # what the CPU kernels run here, in a word ("AVX512-BF16", "AVX2", ...; "torch" without them)
+        # and in a phrase, for the worker's status and its start-up line
+        self.kernel_isa = kernels.best() if kernels else "torch"
+        self.kernel_paths = kernels.paths() if kernels else "none (torch's paths)"
         self.decode_kernel = kernels.decode if kernels else None
         self.prefill_kernel = kernels.prefill if kernels else None
         self.argmax = kernels.argmax if kernels else None  # greedy sampling's, on the CPU
@@ -137,7 +144,7 @@ class ModelRunner:
             how += f", greedy steps' tokens from {copy}"
         elif self.forward.kernel_decoder is not None:
             how += f", greedy steps through the {dtype} LM head ({self.forward.greedy_reason})"
-        return f"{self.hf_config.model_type} in {dtype} on {self.device}, {how}"
+        return f"CPU kernels {self.kernel_paths}; {self.hf_config.model_type} in {dtype} on {self.device}, {how}"
 
     def _cpu_kernels(self) -> tuple[cpu_kernel.Kernels | None, str]:
         """pdserve's CPU kernels, or None and why not (`engine.cpu_kernels`: `on` makes missing
@@ -153,6 +160,7 @@ class ModelRunner:
                 return kernel, ""
         if setting == "on":
             raise ValueError(f"engine.cpu_kernels is on, but {why}")
+        log.warning("engine.cpu_kernels: auto runs torch's slower paths: %s", why)
         return None, why
 
     @property
@@ -276,14 +284,24 @@ class ModelRunner:
         return masks
 
     def _decode_rows(self, decodes: list[ScheduledItem]) -> attention.DecodeRows | None:
-        """The decode rows' block tables (padded with 0, never read) and context lengths, for the kernel."""
+        """The decode rows' block tables (padded with -1, never read: the kernel's check refuses a row
+        whose own blocks are short of its length) and context lengths, for the kernel."""
         if self.decode_kernel is None or not decodes:
             return None
         lens = [it.end for it in decodes]
         width = -(-max(lens) // self.block_size)
-        table = [it.request.block_ids[:width] for it in decodes]
-        return attention.DecodeRows(self.decode_kernel, torch.tensor([r + [0] * (width - len(r)) for r in table]),
+        table = [self._table(it, width) for it in decodes]
+        return attention.DecodeRows(self.decode_kernel, torch.tensor([r + [-1] * (width - len(r)) for r in table]),
                                     torch.tensor(lens))
+
+    def _table(self, it: ScheduledItem, width: int) -> list[int]:
+        """The first `width` (or fewer) blocks of `it`'s table; RuntimeError where they are fewer than
+        its `end` keys need (padding would attend to whatever the pad names)."""
+        table = it.request.block_ids[:width]
+        if len(table) * self.block_size < it.end:
+            raise RuntimeError(f"request {it.request.request_id} has {len(table)} KV blocks of {self.block_size}, "
+                               f"fewer than its {it.end} keys need")
+        return table
 
     def _decode_groups(self, decodes: list[ScheduledItem]) -> list[attention.DecodeGroup]:
         """Split the decode rows (sorted by context length) where padding to the group's
@@ -300,7 +318,7 @@ class ModelRunner:
         lens = [it.end for it in decodes]
         max_ctx = max(lens)
         max_blocks = (max_ctx + bs - 1) // bs
-        rows = [it.request.block_ids[:max_blocks] for it in decodes]
+        rows = [self._table(it, max_blocks) for it in decodes]
         # padded with the row's own first block, never written while the row runs (block 0 may be
         # landing a KV transfer right now); the mask hides the padding either way
         table = torch.tensor([r + r[:1] * (max_blocks - len(r)) for r in rows])  # [B, max_blocks]

@@ -103,7 +103,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[str] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
 
 class WorkerStatus(_message.Message):
-    __slots__ = ("name", "pool", "state", "running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "channels", "node_ip", "requests_served", "kv_blocks_cached", "prefix_query_tokens", "prefix_hit_tokens")
+    __slots__ = ("name", "pool", "state", "running", "waiting", "kv_blocks_used", "kv_blocks_free", "kv_blocks_total", "channels", "node_ip", "requests_served", "kv_blocks_cached", "prefix_query_tokens", "prefix_hit_tokens", "kernels")
     NAME_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     STATE_FIELD_NUMBER: _ClassVar[int]
@@ -118,6 +118,7 @@ class WorkerStatus(_message.Message):
     KV_BLOCKS_CACHED_FIELD_NUMBER: _ClassVar[int]
     PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KERNELS_FIELD_NUMBER: _ClassVar[int]
     name: str
     pool: str
     state: str
@@ -132,7 +133,8 @@ class WorkerStatus(_message.Message):
     kv_blocks_cached: int
     prefix_query_tokens: int
     prefix_hit_tokens: int
-    def __init__(self, name: _Optional[str] = ..., pool: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., channels: _Optional[int] = ..., node_ip: _Optional[str] = ..., requests_served: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ...) -> None: ...
+    kernels: str
+    def __init__(self, name: _Optional[str] = ..., pool: _Optional[str] = ..., state: _Optional[str] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., kv_blocks_used: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_total: _Optional[int] = ..., channels: _Optional[int] = ..., node_ip: _Optional[str] = ..., requests_served: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., kernels: _Optional[str] = ...) -> None: ...
 
 class StatusRequest(_message.Message):
     __slots__ = ()

@@ -40,6 +40,7 @@ class WorkerInfo:
     cpu: int | None = None  # the core it is pinned to
     prefix_caching: bool = False  # whether its engine caches KV blocks by content hash
     block_bytes: int = 0  # KV bytes of one block (all layers, K and V)
+    kernels: str = ""  # the best instruction set its CPU kernels run (AMX, AVX512-BF16, AVX-512, AVX2), or "torch"
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ class SimRunner:
     pool), blocks of `block_bytes` (the emulated model's KV per block), and tokens from a stream."""
 
     argmax = None
+    kernel_isa = "simulated"  # WorkerInfo.kernels: no CPU kernel runs
 
     def __init__(self, config: EngineConfig, vocab_size: int, max_positions: int, block_bytes: int):
         assert config.num_blocks, "a simulated worker's pool size comes from the config (the emulated device)"

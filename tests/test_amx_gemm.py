@@ -11,9 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import cpu_kernel, dense
-
-KERNELS, _ = cpu_kernel.load()
+from engine import dense, kernel_build
+from tests.kernel_util import KERNELS
 
 
 @pytest.fixture(params=["AMX", "AVX512-BF16"])
@@ -85,10 +84,11 @@ def test_packed_bfloat16_linears_take_the_gemm_up_to_its_cut_and_onednn_past(gem
 
 
 def test_the_engine_picks_the_bfloat16_gemm_by_the_cpus_features():
-    """AMX where it runs, else vdpbf16ps where the CPU has AVX512-BF16, else none (oneDNN's linears)."""
+    """AMX where it runs, else vdpbf16ps where the CPU and the build (`$PDSERVE_KERNEL_ARCH`) have
+    AVX512-BF16, else none (oneDNN's linears)."""
     if KERNELS is None:
         pytest.skip("no CPU kernels here")
-    has_bf16 = "avx512_bf16" in cpu_kernel._cpu_flags().split()
+    has_bf16 = "avx512_bf16" in kernel_build.cpu_flags().split() and KERNELS.isa & 4  # isa.c's AVX512-BF16 bit
     want = "AMX" if KERNELS.amx_gemm.ready() else "AVX512-BF16" if has_bf16 else ""
     assert KERNELS.bf16_gemm.path == want
     assert (KERNELS.gemm_for(torch.bfloat16) is KERNELS.bf16_gemm) == bool(want)

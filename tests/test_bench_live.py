@@ -21,6 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import client as bench_client
 from cli.main import main as pdserve
 from client import grpc_client as router_client
+from engine import cpu_kernel
 from proto import pdserve_pb2_grpc
 from router.launch import LocalCluster
 from tests.cluster_util import Client
@@ -184,8 +185,10 @@ def test_status_shows_the_same_live_figures_as_prometheus(cluster):
     samples = _scrape(cluster)  # Status refreshed the gauges; nothing has run since
 
     assert sorted(rows) == sorted(w.name for w in status.workers) and len(rows) == 2
-    for name, (pool, state, running, waiting, used, free, total, cached, *_rest) in rows.items():
+    kernels = cpu_kernel.load()[0]
+    for name, (pool, state, running, waiting, used, free, total, cached, *_rest, isa) in rows.items():
         assert name.startswith(pool) and state == "ready"
+        assert isa == (kernels.best() if kernels else "torch")  # which kernels the worker runs: a fallback shows
         assert (int(used), int(free), int(total)) == (0, NUM_BLOCKS, NUM_BLOCKS), rows[name]
         gauges = {g: samples[(f"pdserve_{g}", (("worker", name),))]
                   for g in ("kv_blocks_used", "kv_blocks_free", "requests_running", "requests_waiting")}

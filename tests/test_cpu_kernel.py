@@ -15,37 +15,20 @@ import torch
 from torch import nn
 
 from checkpoints.families import WINDOW
-from engine import cpu_kernel, dense
+from engine import cpu_kernel, dense, kernel_build
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from scripts.device_check import staggered_tokens
+from tests.kernel_util import KERNELS, WHY
+from tests.kernel_util import attention_reference as _reference
 from tests.reference import hf_greedy
 from tests.test_fused import _avx2_fma
 
 ROOT = Path(__file__).resolve().parent.parent
 
-KERNELS, WHY = cpu_kernel.load()
 KERNEL = KERNELS.decode if KERNELS else None
 needs_kernel = pytest.mark.skipif(KERNEL is None, reason=f"no CPU decode kernel here: {WHY}")
-
-
-def _reference(q, k_cache, v_cache, tables, lens, scale, window, softcap) -> torch.Tensor:
-    """Attention of each row over its own keys, in float64, the plain way."""
-    n, heads, dim = q.shape
-    kv_heads = k_cache.shape[2]
-    out = torch.empty(n, heads, dim, dtype=torch.float64)
-    for i in range(n):
-        length = int(lens[i])
-        first = max(0, length - window) if window else 0
-        k = k_cache[tables[i]].reshape(-1, kv_heads, dim)[first:length].double().transpose(0, 1)  # [KVH, ctx, D]
-        v = v_cache[tables[i]].reshape(-1, kv_heads, dim)[first:length].double().transpose(0, 1)
-        qi = q[i].double().view(kv_heads, heads // kv_heads, dim)
-        scores = qi @ k.transpose(1, 2) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        out[i] = (torch.softmax(scores, -1) @ v).reshape(heads, dim)
-    return out
 
 
 @needs_kernel
@@ -228,6 +211,9 @@ def test_attention_by_the_kernels_or_by_sdpa_gives_generates_tokens(family_dir, 
                                     max_num_batched_tokens=64, cpu_kernels=setting))
     assert (engine.runner.decode_kernel is not None) == (setting == "on")
     assert ("decode and prefill attention by the CPU kernels" in engine.runner.describe()) == (setting == "on")
+    if setting == "on":  # the start-up line names what runs: e.g. "AVX512-BF16, AVX-512, AVX2 (native build; ...)"
+        assert engine.runner.describe().startswith(f"CPU kernels {KERNELS.paths()}; ")
+        assert engine.runner.kernel_isa == KERNELS.best() in KERNELS.paths()
     rng = random.Random(21)
     prompts = [[rng.randrange(10, 2000) for _ in range(rng.randint(1, 60))] for _ in range(6)]
     prompts.append([rng.randrange(10, 2000) for _ in range(4 * WINDOW)])  # several windows long
@@ -235,10 +221,12 @@ def test_attention_by_the_kernels_or_by_sdpa_gives_generates_tokens(family_dir, 
     assert engine.allocator.num_used == 0
 
 
-def test_without_a_kernel_auto_runs_sdpa_and_says_why_and_on_refuses(llama_dir, monkeypatch):
+def test_without_a_kernel_auto_runs_sdpa_and_says_why_and_on_refuses(llama_dir, monkeypatch, caplog):
     monkeypatch.setattr(cpu_kernel, "load", lambda: (None, "no C compiler on PATH (cc, gcc or $CC)"))
     runner = ModelRunner(EngineConfig(model_path=llama_dir, dtype="float32", num_blocks=16))
-    assert runner.decode_kernel is None
+    assert runner.decode_kernel is None and runner.kernel_isa == "torch"
+    assert "engine.cpu_kernels: auto runs torch's slower paths: no C compiler on PATH" in caplog.text  # never silent
+    assert runner.describe().startswith("CPU kernels none (torch's paths); llama in float32 on cpu")
     assert ", decode attention by SDPA (no C compiler on PATH (cc, gcc or $CC))," in runner.describe()
     assert runner.describe().endswith("(rotary by torch) and 2 MLPs on one gate|up, the decoder's loop as direct calls")
     with pytest.raises(ValueError, match=r"cpu_kernels is on, but no C compiler on PATH"):
@@ -253,31 +241,31 @@ def test_without_a_kernel_auto_runs_sdpa_and_says_why_and_on_refuses(llama_dir, 
 def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkeypatch):
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
     with pytest.raises(cpu_kernel.KernelUnavailable, match="--version failed"):
-        cpu_kernel._build(str(tmp_path / "no-such-cc"))
+        kernel_build.build(str(tmp_path / "no-such-cc"))
     failing = tmp_path / "failing-cc"
     failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo failing-cc 1.0 && exit 0\necho 'error: no space' >&2\nexit 1\n")
     failing.chmod(0o755)
-    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build amx_gemm.c, argmax.c, bf16_gemm.c, decode_amx.c, layer.c, paged_decode.c, paged_prefill.c, prefill_amx.c, rms_norm.c, rope.c, silu_mul.c and small_gemm.c: error: no space"):
-        cpu_kernel._build(str(failing))
+    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build amx_gemm.c, argmax.c, bf16_gemm.c, decode_amx.c, isa.c, layer.c, paged_decode.c, paged_prefill.c, prefill_amx.c, rms_norm.c, rope.c, silu_mul.c and small_gemm.c: error: no space"):
+        kernel_build.build(str(failing))
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"] == []  # nothing half-built left behind
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(blocked / "kernels"))  # under a file: cannot be made
     with pytest.raises(cpu_kernel.KernelUnavailable, match=r"cannot write the kernel cache .*a-file/kernels .*set "
                                                            r"PDSERVE_KERNEL_CACHE to a writable directory"):
-        cpu_kernel._build(str(failing))
+        kernel_build.build(str(failing))
     monkeypatch.setenv("PDSERVE_KERNEL_CACHE", str(tmp_path))
     if KERNEL is None:
         return
-    cc = cpu_kernel._compiler()
-    built = cpu_kernel._build(cc)
+    cc = kernel_build.compiler()
+    built = kernel_build.build(cc)
     assert built.parent == tmp_path and built.stat().st_size > 0
     stamp = built.stat().st_mtime_ns
-    assert cpu_kernel._build(cc) == built and built.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert kernel_build.build(cc) == built and built.stat().st_mtime_ns == stamp  # reused, not rebuilt
     header = tmp_path / "vec.h"  # the sources' shared header is part of the name too
-    header.write_text(cpu_kernel.HEADERS[0].read_text() + "\n/* changed */\n")
-    monkeypatch.setattr(cpu_kernel, "HEADERS", (header,))
-    assert cpu_kernel._build(cc) != built
+    header.write_text(kernel_build.HEADERS[0].read_text() + "\n/* changed */\n")
+    monkeypatch.setattr(kernel_build, "HEADERS", (header,))
+    assert kernel_build.build(cc) != built
 
 
 @pytest.fixture

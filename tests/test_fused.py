@@ -20,16 +20,16 @@ from engine import attention, cpu_kernel, dense, fused
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from scripts.device_check import staggered_tokens
+from tests.kernel_util import KERNELS, WHY
 from tests.reference import hf_greedy
 
 CPU = torch.device("cpu")
 
 
 def _kernels() -> cpu_kernel.Kernels:
-    kernels, why = cpu_kernel.load()
-    if kernels is None:
-        pytest.skip(f"no CPU kernels here: {why}")
-    return kernels
+    if KERNELS is None:  # no C compiler here (a failed build fails tests/kernel_util.py's import)
+        pytest.skip(f"no CPU kernels here: {WHY}")
+    return KERNELS
 
 
 @pytest.mark.parametrize("tokens", [1, 5, 64, 130])  # 64 and up: OpenMP threads share the rows

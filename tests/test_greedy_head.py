@@ -9,14 +9,14 @@ import pytest
 import torch
 from torch import nn
 
-from engine import cpu_kernel, dense
+from engine import dense
 from engine.config import EngineConfig
 from engine.greedy_head import GreedyHead
 from engine.llm_engine import LLMEngine
 from protocol.sampling import SamplingParams
+from tests.kernel_util import KERNELS, WHY
 from tests.reference import hf_greedy
 
-KERNELS, WHY = cpu_kernel.load()
 pytestmark = pytest.mark.skipif(KERNELS is None, reason=f"no CPU kernels here: {WHY}")
 
 

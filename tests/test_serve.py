@@ -26,6 +26,7 @@ import pytest
 import yaml
 
 from cli.main import main as pdserve
+from engine import cpu_kernel
 from tests.kv_util import wait_until
 from tests.security_util import ADMIN, ROTATED, TRAFFIC, token_files
 
@@ -122,6 +123,9 @@ def serve(tmp_path_factory, llama_dir, pki):
     try:
         line = proc.stdout.readline()
         assert "ready in" in line and "; TLS, tokens)" in line, line + log.read_text()[-3000:]
+        kernels = cpu_kernel.load()[0]  # each worker's kernels, as the workers load them (torch: they fell back)
+        best = kernels.best() if kernels else "torch"
+        assert re.search(rf"; CPU kernels: (prefill|decode)-\d+ {best}, (prefill|decode)-\d+ {best}; ", line), line
         address = re.search(r"router listening on (127\.0\.0\.1:\d+) ", line).group(1)
         http = re.search(r"OpenAI API on (https://127\.0\.0\.1:\d+)/v1", line).group(1)
         s = Serve(proc, address, http, d / "traffic.txt", log, str(pki / "ca.pem"))

@@ -78,7 +78,8 @@ class WorkerCore:
     def info(self) -> WorkerInfo:
         e = self.engine
         return WorkerInfo(self.name, self.pool, self.node_ip, e.allocator.num_blocks, e.config.block_size, self.cpu,
-                          prefix_caching=e.allocator.enable_caching, block_bytes=e.runner.block_bytes)
+                          prefix_caching=e.allocator.enable_caching, block_bytes=e.runner.block_bytes,
+                          kernels=e.runner.kernel_isa)
 
     async def stats(self, channels: int, resync: bool = False) -> WorkerStats:
         """Counts, and the prefix cache events since the previous call: one consumer should call

@@ -98,6 +98,13 @@ ALWAYS_INLINE void scores_dot(int nh, const uint16_t *q0, int64_t q_head, int di
 }
 #else
 #define DOT_BF16 0
+/* Never called (paged_decode.c takes it only where DOT_BF16): a definition so that builds without
+   AVX512-BF16 link; the OpenMP region keeps the untaken call, so an undefined one fails the load. */
+ALWAYS_INLINE void scores_dot(int nh, const uint16_t *q0, int64_t q_head, int dim, const uint16_t *const *kp,
+                              int m, float scale, float *s, int64_t s_stride) {
+    (void)nh, (void)q0, (void)q_head, (void)dim, (void)kp, (void)m, (void)scale, (void)s, (void)s_stride;
+    __builtin_trap();
+}
 #endif
 
 #if LANES16
@@ -131,6 +138,13 @@ ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, cons
     }
     for (int h = 0; h < nh; h++)
         for (int z = 0; z < 2 * nz; z++) store16(acc + h * dim + d0 + 16 * z, x[h][z]);
+}
+#else
+/* Never called (paged_decode.c takes it only where LANES16): defined so builds without AVX-512 link. */
+ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, const uint16_t *const *vp, int m,
+                               const float *w, int64_t w_stride, const uint16_t *const *pf) {
+    (void)nh, (void)nz, (void)acc, (void)dim, (void)d0, (void)vp, (void)m, (void)w, (void)w_stride, (void)pf;
+    __builtin_trap();
 }
 #endif
 

@@ -116,7 +116,7 @@ class AdminService(pb_grpc.AdminServicer):
     def _worker(w) -> pb.WorkerStatus:
         s = w.stats
         msg = pb.WorkerStatus(name=w.name, pool=w.info.pool, state=w.state.value, node_ip=w.info.node_ip,
-                              kv_blocks_total=w.info.num_blocks)
+                              kv_blocks_total=w.info.num_blocks, kernels=w.info.kernels)
         if s is not None:
             msg.running, msg.waiting, msg.channels, msg.requests_served = s.running, s.waiting, s.channels, s.served
             msg.kv_blocks_used, msg.kv_blocks_free = s.blocks_used, s.blocks_free

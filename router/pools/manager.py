@@ -123,7 +123,10 @@ class PoolManager:
         health.failures_in_a_row = 0
         if self.on_started is not None:
             self.on_started(view)
-        log.info("started %s on %s (%d KV blocks)", name, info.node_ip, info.num_blocks)
+        log.info("started %s on %s (%d KV blocks, CPU kernels: %s)", name, info.node_ip, info.num_blocks, info.kernels)
+        if info.kernels == "torch":
+            log.warning("%s runs without pdserve's CPU kernels, on torch's slower paths; its start-up line says why",
+                        name)
         return view
 
     def _next_cpu(self, pool: str) -> int | None:
