@@ -62,6 +62,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--config", required=True, metavar="YAML", help="the cluster to simulate")
     parser.add_argument("--emulate", required=True, metavar="DEVICE:MODEL",
                         help="e.g. h100:llama-3.1-8b; `host`: this host measured running the config's checkpoint; "
+                             "`steps:FILE[@ARRANGEMENT]`: this host fitted to a real run's steps.jsonl (pdserve bench); "
                              "`config`: the config's own emulate: section")
     parser.add_argument("--arrangements", metavar="NAMES",
                         help=f"comma-separated, of {', '.join(ARRANGEMENTS)} (default: the config's own cluster)")
@@ -163,10 +164,10 @@ def _load(path: str) -> ClusterConfig:
 def _emulate_section(base: ClusterConfig, text: str) -> EmulateSection:
     """DEVICE:MODEL; `host`: this host measured running the config's checkpoint (simulate/host.py);
     `config`: the config's own emulate: section as it is (a custom device, a saved host fit)."""
-    if text == "host":
+    if text == "host" or text.startswith("steps:"):
         from simulate.host import host_section
 
-        return host_section(base)[0]
+        return host_section(base, steps=text.removeprefix("steps:") if text != "host" else None)[0]
     if text == "config":
         if base.emulate.device is None:
             raise BenchError("--emulate config: the config has no emulate: section (emulate.device is null)")
@@ -253,12 +254,14 @@ def format_error(error: dict[str, Any]) -> list[str]:
     if not error:
         return ["error: not measured yet (python -m scripts.bench_simulation --record)"]
     lines = [f"measured error of this simulator ({error.get('measured', '?')}; docs/simulate.md, Fidelity):"]
-    for ref in ("vs_emulated", "vs_real"):
-        rows = (error.get(ref) or {}).get("arrangements") or {}
+    for ref, key, label in (("vs_emulated", "arrangements", "vs the emulated cluster"),
+                            ("vs_real", "arrangements", "vs the real CPU cluster, host profile"),
+                            ("vs_real", "calibrated", "vs the real CPU cluster, profile fitted to its steps")):
+        rows = (error.get(ref) or {}).get(key) or {}
         if rows:
             worst = {k: max((r[k]["error"] for r in rows.values() if r[k]["error"] is not None), key=abs)
                      for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}
-            lines.append(f"  {ref}: " + ", ".join(f"{k} {v:+.0%}" for k, v in worst.items()))
+            lines.append(f"  {label} (worst arrangement): " + ", ".join(f"{k} {v:+.0%}" for k, v in worst.items()))
     return lines
 
 

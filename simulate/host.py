@@ -11,28 +11,53 @@ link is loopback gloo between two processes (HOST_LINK), the weights load is not
 from __future__ import annotations
 
 import dataclasses
+import json
 import sys
 from pathlib import Path
 
 from bench.calibrate import HostFit, fit, measure_steps
+from engine.cost_model import StepTotals
 from router.config.emulate import EmulateSection
 from router.config.schema import ClusterConfig
 
 HOST_LINK = {"link": "2GB/s", "link_latency_s": 0.001, "load_bandwidth": "1000GB/s"}
 
 
-def host_section(config: ClusterConfig, threads: int = 1) -> tuple[EmulateSection, HostFit]:
-    """The emulate section of this host running the config's checkpoint, and the fit behind it."""
+def host_section(config: ClusterConfig, threads: int = 1, steps: str | None = None) -> tuple[EmulateSection, HostFit]:
+    """The emulate section of this host running the config's checkpoint, and the fit behind it:
+    fitted to steps run now on a spread of shapes, or with `steps` ("FILE" or "FILE@ARRANGEMENT")
+    to the steps a real run recorded (`pdserve bench`'s steps.jsonl: the calibration fit, which
+    shares that run's contention: two engines and a router on the same cores)."""
     from bench import host_measure
     from engine.dense import cpu_computes_bf16
 
     checkpoint = Path(config.model.path)
     dtype = config.model.dtype if config.model.dtype != "auto" else ("bfloat16" if cpu_computes_bf16() else "float32")
-    print(f"simulate: measuring this host with {checkpoint.name} ({dtype}, {threads} torch thread)...", file=sys.stderr)
+    if steps is None:
+        print(f"simulate: measuring this host with {checkpoint.name} ({dtype}, {threads} torch thread)...",
+              file=sys.stderr)
+        measured = measure_steps(checkpoint, threads=threads)
+    else:
+        measured = recorded_steps(*steps.partition("@")[::2])
     bandwidth = host_measure.reads(threads)["bandwidth"]
-    found = fit(checkpoint, dtype, measure_steps(checkpoint, threads=threads), bandwidth)
+    found = fit(checkpoint, dtype, measured, bandwidth)
     values = found.emulate_section(str(checkpoint), dtype) | HOST_LINK
     print(f"simulate: host fit {found.bandwidth / 1e9:.2f} GB/s, {found.flops / 1e9:.1f} GFLOP/s, "
           f"{found.overhead_s * 1e3:.2f} ms a step (rms error {found.rms_error_s * 1e3:.2f} ms over {found.steps} steps)",
           file=sys.stderr)
     return dataclasses.replace(config.emulate, **values), found
+
+
+def recorded_steps(path: str, arrangement: str = "") -> list[tuple[StepTotals, float]]:
+    """(totals, wall seconds) of the steps in a bench run's steps.jsonl (one arrangement's, if named)."""
+    try:
+        rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    except (OSError, json.JSONDecodeError) as err:
+        raise ValueError(f"--emulate steps:{path}: {err}") from None
+    out = [(StepTotals(r["decode_rows"] + r["prefill_tokens"], r["context_tokens"], r["attended_pairs"]), r["wall_s"])
+           for r in rows if (not arrangement or r.get("arrangement") == arrangement)
+           and r["decode_rows"] + r["prefill_tokens"] > 0]
+    if len(out) < 3:
+        raise ValueError(f"--emulate steps:{path}: {len(out)} steps of {arrangement or 'any arrangement'}; "
+                         "a fit needs at least 3")
+    return out
