@@ -161,20 +161,11 @@ class AmxGemm:
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
                  threads: int | None = None) -> torch.Tensor:
         """x `[M, K]` bfloat16 (rows contiguous, M <= kernel_rows) -> `[M, n]` bfloat16."""
-        m, k = x.shape
+        m = x.shape[0]
         checks.rows_of("AMX gemm: x", x, (torch.bfloat16,))
         checks.require(m <= self.kernel_rows, lambda: f"AMX gemm: {m} rows, more than the {self.kernel_rows} a call takes")
-        _gemm_args("AMX gemm", panels, bias, n, -(-n // 16) * -(-k // 32) * 512)
-        out = torch.empty(m, n, dtype=torch.bfloat16)
-        if m == 0:
-            return out
-        rc = self._gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-                        out.data_ptr(), n, m, n, k, threads or torch.get_num_threads())
-        if rc == -2:
-            raise MemoryError(f"the AMX GEMM could not stage {m} rows")
-        if rc != 0:
-            raise RuntimeError(f"pd_amx_gemm failed ({rc}): AMX unavailable, or {m} rows")
-        return out
+        return _panels_gemm(self._gemm, "AMX GEMM", x, panels, bias, n, threads,
+                            lambda rc: f"pd_amx_gemm failed ({rc}): AMX unavailable, or {m} rows")
 
 
 class Bf16Gemm:
@@ -225,16 +216,25 @@ class Bf16Gemm:
                  threads: int | None = None) -> torch.Tensor:
         """x `[M, K]` bfloat16 (rows contiguous, M <= kernel_rows where that is set) -> `[M, n]` bfloat16."""
         checks.rows_of("bfloat16 gemm: x", x, (torch.bfloat16,))
-        m, k = x.shape
-        _gemm_args("bfloat16 gemm", panels, bias, n, -(-n // 16) * -(-k // 32) * 512)
-        out = torch.empty(m, n, dtype=torch.bfloat16)
-        if m == 0:
-            return out
-        rc = self._gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
-                        out.data_ptr(), n, m, n, k, threads or torch.get_num_threads())
-        if rc == -2:
-            raise MemoryError(f"the bfloat16 GEMM could not stage {m} rows")
-        if rc != 0:
-            raise RuntimeError(f"pd_bf16_gemm failed ({rc}): no bfloat16 GEMM here, or {m} rows past its "
-                               f"{self.kernel_rows}")
+        return _panels_gemm(self._gemm, "bfloat16 GEMM", x, panels, bias, n, threads,
+                            lambda rc: f"pd_bf16_gemm failed ({rc}): no bfloat16 GEMM here, or {x.shape[0]} rows "
+                                       f"past its {self.kernel_rows}")
+
+
+def _panels_gemm(gemm, name: str, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
+                 threads: int | None, failed) -> torch.Tensor:
+    """`gemm` (pd_amx_gemm or pd_bf16_gemm) over `AmxGemm.pack`'s panels: x `[M, K]` bfloat16 ->
+    `[M, n]` bfloat16; its return code -2 (staging memory) is a MemoryError, any other non-zero a
+    RuntimeError saying `failed(rc)`."""
+    m, k = x.shape
+    _gemm_args(name.replace("GEMM", "gemm"), panels, bias, n, -(-n // 16) * -(-k // 32) * 512)
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    if m == 0:
         return out
+    rc = gemm(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+              out.data_ptr(), n, m, n, k, threads or torch.get_num_threads())
+    if rc == -2:
+        raise MemoryError(f"the {name} could not stage {m} rows")
+    if rc != 0:
+        raise RuntimeError(failed(rc))
+    return out

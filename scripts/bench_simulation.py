@@ -31,7 +31,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 PY = sys.executable
 KEYS = (("ttft_ms", "p50"), ("ttft_ms", "p99"), ("itl_ms", "p50"), ("itl_ms", "p99"))
-TRACE = Path(os.environ.get("PDSERVE_TRACES", ROOT.parent / "shared" / "traces")) / "mooncake_conversation_trace.jsonl"
+TRACE = ROOT / "bench" / "data" / "conversation_window.jsonl"  # --trace: Mooncake's whole conversation trace
 SMOLLM2 = ROOT / "models" / "smollm2-135m-instruct"
 
 
@@ -110,18 +110,18 @@ def vs_real(work: Path) -> dict:
             "calibrated": compare(ref, calibrated)}
 
 
-def vs_external(work: Path, vidur_python: str | None) -> dict | None:
+def vs_external(work: Path, vidur_python: str | None, trace: Path) -> dict | None:
     script = ROOT / "scripts" / "vidur_compare.py"
     if not script.is_file() or not vidur_python:
         return None
     window, replicas = "0:120", "4"
-    cmd = [PY, str(script), "--vidur-python", vidur_python, "--trace", str(TRACE), "--window", window,
+    cmd = [PY, str(script), "--vidur-python", vidur_python, "--trace", str(trace), "--window", window,
            "--replicas", replicas, "--json"]
     vidur = json.loads(subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600).stdout)
     if not vidur.get("ran"):
         return {"ran": False, "why_not": vidur.get("why_not"), "command": " ".join(cmd)}
     simulate = ["simulate", "--config", str(ROOT / "cluster.yaml"), "--emulate", "h100:llama-3.1-8b",
-                "--trace", str(TRACE), "--window", window, "--length-scale", "1", "--arrangements",
+                "--trace", str(trace), "--window", window, "--length-scale", "1", "--arrangements",
                 "colocated-chunked", "--workers", replicas, "--out", str(work / "sim-vidur")]
     sim = _cli(simulate, 1800)["arrangements"]["colocated-chunked"]
     rows = {f"{m[:-3]}_{q}": {"vidur_ms": (vidur["vidur"].get(m) or {}).get(q), "simulated_ms": sim[m][q]}
@@ -132,7 +132,7 @@ def vs_external(work: Path, vidur_python: str | None) -> dict | None:
             "vidur_config": vidur.get("config"), "figures": rows}
 
 
-def speed(sizes: list[int]) -> dict:
+def speed(sizes: list[int], trace: Path) -> dict:
     """Simulated seconds per host second at each size: the Mooncake conversation trace's first
     120 s at its own rate and at 4x, and the diurnal preset (peak 2 requests/s per device); H100 x
     Llama-3.1-8B, disaggregated half and half (simulate/gpu_cluster.yaml)."""
@@ -144,7 +144,7 @@ def speed(sizes: list[int]) -> dict:
     base = load_config(str(ROOT / "simulate" / "gpu_cluster.yaml"))
     base, em = emulated(base, dataclasses.replace(base.emulate, device="h100", model="llama-3.1-8b"), "speed")
     def trace(k: float):
-        return build_workload(WorkloadOptions(trace=str(TRACE), length_scale=1.0, time_scale=k, window=(0.0, 120.0),
+        return build_workload(WorkloadOptions(trace=str(trace), length_scale=1.0, time_scale=k, window=(0.0, 120.0),
                                               max_context=131_072, vocab=(16, 256)))
     out = {}
     for n in sizes:
@@ -171,6 +171,9 @@ def main() -> int:
     parser.add_argument("--time-scale", type=float, default=8.0, help="the emulated cluster's (default 8)")
     parser.add_argument("--vidur-python", default=os.environ.get("VIDUR_PYTHON"),
                         help="a python with vidur installed (scripts/vidur_compare.py)")
+    parser.add_argument("--trace", type=Path, default=TRACE,
+                        help="the Mooncake conversation trace (docs/simulate.md) for speed and external "
+                             "(default: the window of it bench ships)")
     parser.add_argument("--keep", metavar="DIR", help="write the runs' reports here (default: a temporary directory)")
     parser.add_argument("--record", action="store_true",
                         help="save vs_emulated and vs_real in simulate/fidelity.json: `pdserve simulate` prints it")
@@ -182,9 +185,9 @@ def main() -> int:
         work.mkdir(parents=True, exist_ok=True)
         result = {"vs_emulated": vs_emulated(work, args.time_scale) if "emulated" in only else None,
                   "vs_real": vs_real(work) if "real" in only else None,
-                  "vs_external": vs_external(work, args.vidur_python) if "external" in only else None}
+                  "vs_external": vs_external(work, args.vidur_python, args.trace) if "external" in only else None}
         if "speed" in only:
-            result["speed"] = speed([int(n) for n in args.sizes.split(",")])
+            result["speed"] = speed([int(n) for n in args.sizes.split(",")], args.trace)
     if args.record:
         _record(result)
     print(json.dumps(result, indent=2) if args.json else _table(result))

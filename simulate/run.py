@@ -30,7 +30,7 @@ from protocol import clock
 from protocol.sampling import SamplingParams
 from protocol.validation import RequestValidator
 from router.config.schema import ClusterConfig
-from router.frontdoor.grpc_server import _STATUS as GRPC_STATUS
+from router.frontdoor.grpc_server import STATUS
 from router.lifecycle.service import Router
 from simulate.actors import SimActors
 
@@ -156,8 +156,7 @@ class _Client:
                     finish = chunk.finish_reason.public
                 if chunk.usage is not None:
                     usage = dataclasses.asdict(chunk.usage)
-        except tuple(GRPC_STATUS) as e:
-            code = next(code for kind, code in GRPC_STATUS.items() if isinstance(e, kind))
-            error = f"{code.name}: {e}"
+        except tuple(STATUS) as e:
+            error = f"{STATUS[type(e)].name}: {e}"
         return RequestRecord(spec.request_id, self.label, send_s, tuple(times), tuple(counts),
                              spec.num_prompt_tokens, spec.max_tokens, finish, error, usage)

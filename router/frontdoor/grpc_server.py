@@ -43,10 +43,11 @@ class WriteTimeout(Exception):
     """A streaming client took none of its response for router.write_timeout_s."""
 
 
-_STATUS = {InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
-           CannotPlace: grpc.StatusCode.RESOURCE_EXHAUSTED, Unavailable: grpc.StatusCode.UNAVAILABLE,
-           InternalError: grpc.StatusCode.INTERNAL, AmbiguousCredentials: grpc.StatusCode.UNAUTHENTICATED,
-           WriteTimeout: grpc.StatusCode.DEADLINE_EXCEEDED}
+# the gRPC status each refusal gets (simulate/run.py names refusals by it too)
+STATUS = {InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, QueueFull: grpc.StatusCode.RESOURCE_EXHAUSTED,
+          CannotPlace: grpc.StatusCode.RESOURCE_EXHAUSTED, Unavailable: grpc.StatusCode.UNAVAILABLE,
+          InternalError: grpc.StatusCode.INTERNAL, AmbiguousCredentials: grpc.StatusCode.UNAUTHENTICATED,
+          WriteTimeout: grpc.StatusCode.DEADLINE_EXCEEDED}
 HEALTH_EVERY_S = 0.25
 
 
@@ -60,8 +61,8 @@ class GenerationService(pb_grpc.GenerationServicer):
             async with contextlib.aclosing(self.router.generate(life)) as chunks:
                 async for chunk in chunks:
                     await self._write(context, self._response(life.client_id, chunk))
-        except tuple(_STATUS) as e:
-            code = _STATUS[type(e)]
+        except tuple(STATUS) as e:
+            code = STATUS[type(e)]
             self.router.metrics.observe_error(code.name)
             if isinstance(e, QueueFull) and e.retry_after_s is not None:
                 context.set_trailing_metadata((("retry-after", str(e.retry_after_s)),))
@@ -133,8 +134,8 @@ class AdminService(pb_grpc.AdminServicer):
                                 f"{request.pool} pool; at most {most} (router.max_pool_replicas)")
         try:
             started, stopped = await self.router.scale(request.pool, request.replicas)
-        except tuple(_STATUS) as e:
-            await context.abort(_STATUS[type(e)], str(e))
+        except tuple(STATUS) as e:
+            await context.abort(STATUS[type(e)], str(e))
         return pb.ScaleResponse(pool=request.pool, replicas=request.replicas, started=started, stopped=stopped)
 
 
