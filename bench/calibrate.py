@@ -5,7 +5,7 @@ The steps come from one of two places: `measure_steps` runs the engine on a spre
 (decode batches of 1 to 8, prefill chunks of 32 to 256 tokens) in this process; `from_records`
 takes the step records of a real run (engine/telemetry.py: each carries its tokens, the KV it read
 and its attention pairs), so the fit shares that run's contention. Each step's bytes and FLOPs come
-from engine/cost_model.py (the emulated model being the checkpoint itself), its wall time from the
+from sizing/cost_model.py (the emulated model being the checkpoint itself), its wall time from the
 engine's step record. Every
 step reads the same weights, so bytes and a fixed overhead cannot be told apart from the steps
 alone: the bandwidth is measured directly (bench/host_measure.py, as `pdserve plan --measure`)
@@ -22,11 +22,11 @@ from pathlib import Path
 
 import numpy as np
 
-from engine.cost_model import CostModel, StepTotals
-from engine.devices import DeviceProfile
-from engine.memory import dtype_bytes
 from protocol.telemetry import StepRecord
 from router.config.emulate import emulated_shape
+from sizing.cost_model import CostModel, StepTotals
+from sizing.devices import DeviceProfile
+from sizing.memory import dtype_bytes
 
 DECODE_BATCHES = (1, 2, 4, 8)
 PREFILL_CHUNKS = (32, 64, 128, 256)

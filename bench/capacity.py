@@ -15,8 +15,8 @@ from pathlib import Path
 
 from bench.errors import WorkloadError
 from bench.workload import RequestSpec, Workload
-from engine.memory import ModelShape, dtype_bytes, kv_bytes_per_token
 from protocol.sizes import parse_bytes
+from sizing.memory import ModelShape, dtype_bytes, kv_bytes_per_token
 
 CLAMP_OPTION = "--clamp-to-capacity"
 

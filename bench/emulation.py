@@ -20,8 +20,6 @@ from typing import Any
 from bench.errors import BenchError
 from bench.metrics import RequestRecord
 from bench.workload import Workload
-from engine.devices import DEVICES
-from engine.memory import BUILTIN_SHAPES
 from protocol.deadline import within
 from protocol.sizes import PlanError
 from protocol.telemetry import EmulationStats
@@ -29,6 +27,8 @@ from router.config.checks import check_host_memory
 from router.config.emulate import check_emulate, emulation
 from router.config.schema import ClusterConfig
 from router.config.typed_yaml import ConfigError
+from sizing.devices import DEVICES
+from sizing.memory import BUILTIN_SHAPES
 
 FAITHFUL_OVERRUN_SHARE = 0.01
 

@@ -25,8 +25,8 @@ import numpy as np
 from bench.metrics import ideal_hit_rate_blocks
 from bench.plan import load_model_shape
 from bench.trace import TRACE_BLOCK_TOKENS
-from engine.memory import dtype_bytes, kv_bytes_per_token, plan_memory
 from protocol.sizes import PlanError, format_bytes, parse_bytes
+from sizing.memory import dtype_bytes, kv_bytes_per_token, plan_memory
 
 PEAK_OVER_MEDIAN = 1.5  # a bucket is a peak when its rate is at least this x the median bucket's ...
 PEAK_SIGMAS = 1.5  # ... and at least this many standard deviations above the mean

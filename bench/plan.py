@@ -1,7 +1,7 @@
 """`pdserve plan`: how a device's memory splits into weights, overhead and KV cache, and what its
 bandwidth and FLOP/s allow (the roofline, bench/roofline.py).
 
-`--model` is a built-in shape name (see engine.memory.BUILTIN_SHAPES) or a local checkpoint
+`--model` is a built-in shape name (see sizing.memory.BUILTIN_SHAPES) or a local checkpoint
 directory (config.json; parameters counted from *.safetensors headers when present). A device
 profile (`--device`, or `--bandwidth` and `--flops`, or `--measure` for this host) adds the
 decode step's floor per batch size, token rates, the compute-bound batch, the prefill ceiling and
@@ -23,8 +23,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from bench.roofline import BATCHES, DEVICES, Roofline, format_roofline, parse_rate
-from engine.memory import BUILTIN_SHAPES, MemoryPlan, ModelShape, plan_memory
 from protocol.sizes import PlanError, format_bytes, parse_bytes
+from sizing.memory import BUILTIN_SHAPES, MemoryPlan, ModelShape, plan_memory
 
 _MAX_HEADER_BYTES = 100 * 1024 * 1024
 

@@ -5,7 +5,7 @@ request (the weight matmuls; attention's FLOPs are left out — at decode they a
 KV reads), so its floor is max(bytes / bandwidth, FLOPs / peak): memory-bound at small batch,
 compute-bound once 2 x params x batch / FLOP/s outgrows the reads. Prefill is compute-bound:
 at most peak / (2 x params) tokens/s. Moving a context's KV takes at least its bytes over the
-link. Device profiles (engine/devices.py) are datasheet figures (dense bf16, no sparsity); `--bandwidth` /
+link. Device profiles (sizing/devices.py) are datasheet figures (dense bf16, no sparsity); `--bandwidth` /
 `--flops` override them and bench/host_measure.py measures this host.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from engine.cost_model import bytes_read, matmul_flops
-from engine.devices import DEVICES, DeviceProfile, parse_rate
+from sizing.cost_model import bytes_read, matmul_flops
+from sizing.devices import DEVICES, DeviceProfile, parse_rate
 
 __all__ = ["BATCHES", "DEVICES", "DecodeStep", "DeviceProfile", "Roofline", "format_roofline", "parse_rate"]
 

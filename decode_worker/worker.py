@@ -19,13 +19,13 @@ import ray
 
 from decode_worker.handoff import Action, HandoffTable, Outcome
 from engine.config import EngineConfig
-from engine.cost_model import Emulation
 from kv_transfer import KVReceiver, KVTransferConfig, Rendezvous
 from protocol import clock
 from protocol.deadline import within
 from protocol.messages import GenerateTask, Reservation, Reserved, StartDecode, WorkerInfo
 from protocol.outputs import FinishReason, RequestOutput
 from protocol.telemetry import EmulationStats
+from sizing.cost_model import Emulation
 from worker_runtime.core import WorkerCalls, WorkerCore
 from worker_runtime.faults import FaultConfig, Faults
 from worker_runtime.outbox import Outbox

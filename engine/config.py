@@ -26,15 +26,15 @@ class EngineConfig:
     max_model_len: int | None = None  # None = the model's max_position_embeddings
     seed: int = 0  # generator for sampled requests that carry no seed of their own
     torch_threads: int | None = None
-    compile: str = "auto"  # torch.compile the dense forward: auto (= on CUDA only) | on | off (engine/compiled.py)
+    compile: str = "auto"  # torch.compile the dense forward: auto (= on CUDA only) | on | off (engine/forward/switchboard.py)
     cuda_graphs: bool = False  # with compile on CUDA: capture the dense pieces into CUDA graphs
-    cpu_kernels: str = "auto"  # decode attention and small-batch linears by pdserve's CPU kernels (engine/cpu_kernel.py): auto | on | off
-    prepack_linears: bool = True  # oneDNN-prepacked linear weights on CPU (engine/dense.py); off = to compare
-    # with prepacked linears: fused q|k|v + rotary, gate|up + SiLU (engine/fused.py) and the norm kernel; off = to compare
+    cpu_kernels: str = "auto"  # decode attention and small-batch linears by pdserve's CPU kernels (engine/kernels/cpu_kernel.py): auto | on | off
+    prepack_linears: bool = True  # oneDNN-prepacked linear weights on CPU (engine/forward/dense.py); off = to compare
+    # with prepacked linears: fused q|k|v + rotary, gate|up + SiLU (engine/forward/fused.py) and the norm kernel; off = to compare
     fuse_layers: bool = True
-    # with fused layers and the CPU kernels: each decoder layer one kernel call (engine/kernel_layer.py); off = to compare
+    # with fused layers and the CPU kernels: each decoder layer one kernel call (engine/forward/kernel_layer.py); off = to compare
     kernel_layers: bool = True
-    # with the decoder as kernel calls: an all-greedy step's tokens from a half-float head (engine/greedy_head.py); off = to compare
+    # with the decoder as kernel calls: an all-greedy step's tokens from a half-float head (engine/forward/greedy_head.py); off = to compare
     greedy_head: bool = True
 
     def __post_init__(self) -> None:

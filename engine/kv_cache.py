@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import torch
 
-from engine import hugepages
+from engine.kernels import hugepages
 
 
 class BlockAllocator:

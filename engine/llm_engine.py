@@ -24,7 +24,6 @@ import torch
 from transformers import AutoTokenizer, GenerationConfig
 
 from engine.config import EngineConfig
-from engine.cost_model import StepItem, StepShape, StepTotals
 from engine.detokenizer import IncrementalDetokenizer, NoText
 from engine.kv_cache import BlockAllocator
 from engine.model_runner import ModelRunner, ScheduledItem
@@ -39,6 +38,7 @@ from protocol.outputs import FinishReason, RequestOutput
 from protocol.sampling import SamplingParams
 from protocol.telemetry import TokenKind
 from protocol.validation import RequestValidator, validate_request_id
+from sizing.cost_model import StepItem, StepShape, StepTotals
 
 log = logging.getLogger(__name__)
 

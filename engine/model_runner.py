@@ -4,10 +4,10 @@ The step is flattened into one row `[1, T]`: decode tokens first, then prefill c
 the rows whose sequences need a new token go through the LM head (`logits_to_keep`).
 
 The forward is transformers' own module tree with two swaps: attention is the opaque paged op
-(engine/attention.py), whose decode rows run the CPU decode kernel (engine/cpu_kernel.py) where
-it builds, and, on CPU, linear layers run on oneDNN-prepacked weights (engine/dense.py), with
-Llama-shaped attention and MLP modules on stacked q|k|v and gate|up linears (engine/fused.py).
-`engine.compile` may then compile it (engine/compiled.py).
+(engine/forward/attention.py), whose decode rows run the CPU decode kernel (engine/kernels/cpu_kernel.py) where
+it builds, and, on CPU, linear layers run on oneDNN-prepacked weights (engine/forward/dense.py), with
+Llama-shaped attention and MLP modules on stacked q|k|v and gate|up linears (engine/forward/fused.py).
+`engine.compile` may then compile it (engine/forward/switchboard.py).
 """
 
 from __future__ import annotations
@@ -20,11 +20,13 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from engine import attention, compiled, cpu_kernel, dense, features, sampler
+from engine import sampler
 from engine.config import EngineConfig
+from engine.forward import attention, dense, features, switchboard
+from engine.kernels import cpu_kernel
 from engine.kv_cache import allocate_kv_pool
-from engine.memory import ModelShape, num_kv_blocks
 from engine.request import Request
+from sizing.memory import ModelShape, num_kv_blocks
 
 log = logging.getLogger(__name__)
 
@@ -98,11 +100,11 @@ class ModelRunner:
         self.num_blocks = self._num_blocks()
         self.kv = allocate_kv_pool(self.shape.num_layers, self.num_blocks, self.block_size,
                                    self.shape.num_kv_heads, self.shape.head_dim, self.dtype, self.device)
-        self.forward = compiled.Forward(self.model, config.compile, self.device, config.cuda_graphs,
+        self.forward = switchboard.Forward(self.model, config.compile, self.device, config.cuda_graphs,
                                         prepack=config.prepack_linears, kernels=kernels,
                                         fuse=config.fuse_layers, kernel_layers=config.kernel_layers,
                                         greedy_head=config.greedy_head,
-                                        graph_buckets=compiled.graph_buckets(config.max_num_seqs))
+                                        graph_buckets=switchboard.graph_buckets(config.max_num_seqs))
         self.forward.warm_up(self.fresh_prompt_metadata)
 
     def describe(self) -> str:
@@ -194,7 +196,7 @@ class ModelRunner:
     def execute(self, items: list[ScheduledItem], greedy: bool = False) -> torch.Tensor:
         """Run one step; returns float32 logits `[n_sampling, vocab]` in the order of `items`, or,
         with `greedy` (every sampled row samples greedily), maybe their greedy tokens `[n_sampling]`
-        (int64) instead: the argmax of those logits, found without them (engine/greedy_head.py), or
+        (int64) instead: the argmax of those logits, found without them (engine/forward/greedy_head.py), or
         taken from bfloat16 logits as they are (no float32 copy of them: sampler.greedy)."""
         input_ids, positions, meta, sample_rows = self._prepare(items)
         with attention.step_context(meta):

@@ -17,7 +17,6 @@ import logging
 import ray
 
 from engine.config import EngineConfig
-from engine.cost_model import Emulation
 from engine.llm_engine import LLMEngine
 from kv_transfer import KVSender, KVTransferConfig
 from prefill_worker.push import KVPusher
@@ -25,6 +24,7 @@ from protocol import clock
 from protocol.deadline import within
 from protocol.messages import PrefillResult, PrefillTask, TransferFailed
 from protocol.outputs import FinishReason, RequestOutput
+from sizing.cost_model import Emulation
 from worker_runtime.core import WorkerCalls, WorkerCore
 from worker_runtime.faults import FaultConfig, Faults
 from worker_runtime.outbox import Outbox

@@ -31,7 +31,7 @@ class StepRecord:
     preemptions: int  # requests preempted while scheduling this step
     waiting: int  # requests left waiting for admission
     context_tokens: int = 0  # KV tokens the step read: every item's context after it
-    attended_pairs: int = 0  # (new token, key) pairs its attention computed (engine/cost_model.py)
+    attended_pairs: int = 0  # (new token, key) pairs its attention computed (sizing/cost_model.py)
 
 
 @dataclass(frozen=True, slots=True)

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import ray
 
-from engine.features import UnsupportedModel
+from engine.forward.features import UnsupportedModel
 from engine.model_runner import probe_checkpoint
 from protocol.sizes import parse_bytes
 from router.config.schema import ClusterConfig

@@ -5,7 +5,7 @@ left out) at each row count: oneDNN on its prepacked weights (`PackedLinear` wit
 against the GEMM on its panels, called at every row count, also past `SMALL_ROWS` where that is set
 and `PackedLinear` hands the larger products to oneDNN (to check where the cut belongs on this
 host, or that the GEMM wins everywhere). `--dtype bfloat16` compares oneDNN's bfloat16 linears
-with the bfloat16 GEMM (engine/csrc/bf16_gemm.c: on AMX tiles where the CPU has them, at up to their
+with the bfloat16 GEMM (engine/kernels/csrc/bf16_gemm.c: on AMX tiles where the CPU has them, at up to their
 64 rows, past the engine's cut of 32 too; else by AVX512-BF16's vdpbf16ps, any row count). The two
 take turns for `--rounds` rounds; each prints its best time per pass over all layers.
 
@@ -23,7 +23,8 @@ import torch
 from torch import nn
 from transformers import AutoConfig
 
-from engine import cpu_kernel, dense
+from engine.forward import dense
+from engine.kernels import cpu_kernel
 from scripts.profile_step import _model
 
 

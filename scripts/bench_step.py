@@ -2,21 +2,21 @@
 
 One process holds one `LLMEngine` per variant on the same checkpoint:
 - `plain`: eager, torch's default CPU linear (MKL GEMM) — the engine before the fast paths;
-- `sdpa`: eager, linear weights prepacked for oneDNN (engine/dense.py), decode attention by SDPA
+- `sdpa`: eager, linear weights prepacked for oneDNN (engine/forward/dense.py), decode attention by SDPA
   over gathered blocks (`engine.cpu_kernels: off`);
 - `unfused`: eager, prepacked linears and the attention and GEMM kernels, every projection on its
   own, norms by `F.rms_norm` (`fuse_layers` off: no fused layers, no rotary, SiLU or norm kernel);
 - `modules`: eager, prepacked linears, the CPU kernels and fused layers, each decoder layer still
-  its modules (`kernel_layers` off: engine/cpu_kernel.py, engine/fused.py);
+  its modules (`kernel_layers` off: engine/kernels/cpu_kernel.py, engine/forward/fused.py);
 - `packed`: all of that with each decoder layer one kernel call (the default on CPU:
-  engine/kernel_layer.py), and an all-greedy step's tokens from the half-float head
-  (engine/greedy_head.py; every request here is greedy);
+  engine/forward/kernel_layer.py), and an all-greedy step's tokens from the half-float head
+  (engine/forward/greedy_head.py; every request here is greedy);
 - `fullhead`: `packed` with `greedy_head` off: the float32 logits and the argmax;
 - `compiled`: `engine.compile: on` (inductor around the opaque paged-attention op), with `--compile`;
 - `bfloat16`: the eager path in bfloat16, with `--bf16` (where the CPU computes bfloat16 natively:
   fused layers with the bfloat16 rotary, norm and activation kernels; where the bfloat16 GEMM runs,
   on AMX tiles or by AVX512-BF16's vdpbf16ps, each layer one kernel call as `packed`'s, else linears
-  prepacked for oneDNN and the decoder's loop as direct calls, engine/lean_decoder.py);
+  prepacked for oneDNN and the decoder's loop as direct calls, engine/forward/lean_decoder.py);
 - `bf16-onednn`: `bfloat16` with its linears all oneDNN's (the bfloat16 GEMM withheld), as the
   engine ran bfloat16 on CPUs without AMX before the vdpbf16ps GEMM.
 Each variant is brought to the same state (every request decoding at `--context` tokens, or one
@@ -52,12 +52,12 @@ import torch
 from transformers import AutoConfig
 
 from bench import host_measure
-from engine import cpu_kernel
 from engine.config import EngineConfig
+from engine.kernels import cpu_kernel
 from engine.llm_engine import LLMEngine
-from engine.memory import ModelShape, kv_bytes_per_token
 from protocol.sampling import SamplingParams
 from scripts.profile_step import _model
+from sizing.memory import ModelShape, kv_bytes_per_token
 from worker_runtime import malloc
 
 VARIANTS = {  # name -> EngineConfig overrides

@@ -12,7 +12,7 @@ runs `--steps` steps under torch.profiler and, separately, timed. The table spli
 - KV gather: index_select of whole blocks for attention
 - KV write: index_put_ of the new tokens' K/V into the pool
 - elementwise: norms, rotary, activations, residual adds
-A decoder layer run as one kernel call (engine/kernel_layer.py) is one opaque call to the profiler:
+A decoder layer run as one kernel call (engine/forward/kernel_layer.py) is one opaque call to the profiler:
 its GEMMs, its K/V writes, its attention and its small ops come from the kernel's own clock
 (`pd_layer_seconds`, read around the timed steps) into dense matmul, KV write, attention (kernel)
 and elementwise.
@@ -46,8 +46,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 import engine.llm_engine as llm_engine_module
-from engine import cpu_kernel
 from engine.config import EngineConfig
+from engine.kernels import cpu_kernel
 from engine.llm_engine import LLMEngine
 from protocol.sampling import SamplingParams
 from worker_runtime import malloc

@@ -15,13 +15,13 @@ from typing import Any
 
 import ray.exceptions
 
-from engine.cost_model import Emulation
-from engine.memory import ModelShape
 from kv_transfer import KVTransferConfig
 from prefill_worker.worker import PrefillWorker
 from router.config.schema import PoolSection
 from simulate.engine import SimRunner
 from simulate.workers import SimDecodeWorker, SimLink, SimPrefillWorker
+from sizing.cost_model import Emulation
+from sizing.memory import ModelShape
 
 RPC_S = 0.0002  # one way, router <-> worker: a Ray actor call's latency on one node
 

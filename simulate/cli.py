@@ -36,12 +36,12 @@ from bench.metrics import ideal_hit_rate, parse_slo
 from bench.presets import build_workload
 from bench.report import build_summary, format_report, summarize_arrangements, write_report
 from bench.workload import Workload
-from engine.cost_model import Emulation
 from protocol.sizes import PlanError, parse_bytes
 from router.config.emulate import CUSTOM, EmulateSection, check_emulate, emulation
 from router.config.schema import ClusterConfig
 from router.config.typed_yaml import ConfigError
 from simulate.run import SimRun, simulate
+from sizing.cost_model import Emulation
 
 FIDELITY = Path(__file__).with_name("fidelity.json")  # written by `python -m scripts.bench_simulation --record`
 

@@ -24,12 +24,12 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.cost_model import CostModel
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ScheduledItem
 from protocol import clock
 from protocol.messages import EngineBeat
 from protocol.outputs import RequestOutput
+from sizing.cost_model import CostModel
 from worker_runtime.core import WorkerCore
 
 log = logging.getLogger(__name__)

@@ -16,9 +16,9 @@ import sys
 from pathlib import Path
 
 from bench.calibrate import HostFit, fit, measure_steps
-from engine.cost_model import StepTotals
 from router.config.emulate import EmulateSection
 from router.config.schema import ClusterConfig
+from sizing.cost_model import StepTotals
 
 HOST_LINK = {"link": "2GB/s", "link_latency_s": 0.001, "load_bandwidth": "1000GB/s"}
 
@@ -29,7 +29,7 @@ def host_section(config: ClusterConfig, threads: int = 1, steps: str | None = No
     to the steps a real run recorded (`pdserve bench`'s steps.jsonl: the calibration fit, which
     shares that run's contention: two engines and a router on the same cores)."""
     from bench import host_measure
-    from engine.dense import cpu_computes_bf16
+    from engine.forward.dense import cpu_computes_bf16
 
     checkpoint = Path(config.model.path)
     dtype = config.model.dtype if config.model.dtype != "auto" else ("bfloat16" if cpu_computes_bf16() else "float32")

@@ -24,8 +24,6 @@ import looptime
 from bench.bottleneck import step_records_to_dicts
 from bench.metrics import RequestRecord
 from bench.workload import RequestSpec, Workload
-from engine.cost_model import Emulation
-from engine.memory import ModelShape
 from protocol import clock
 from protocol.sampling import SamplingParams
 from protocol.validation import RequestValidator
@@ -33,6 +31,8 @@ from router.config.schema import ClusterConfig
 from router.frontdoor.grpc_server import STATUS
 from router.lifecycle.service import Router
 from simulate.actors import SimActors
+from sizing.cost_model import Emulation
+from sizing.memory import ModelShape
 
 log = logging.getLogger(__name__)
 HORIZON_S = 3600.0  # simulated seconds past the last arrival after which a request still open is a failure

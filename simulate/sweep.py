@@ -22,9 +22,9 @@ from typing import Any
 from bench.arrangements import arrangement_config
 from bench.metrics import Slo, summarize_run
 from bench.workload import Workload
-from engine.cost_model import Emulation
 from router.config.schema import ClusterConfig
 from simulate.run import simulate
+from sizing.cost_model import Emulation
 
 ATTAINMENT = 0.9  # DistServe's target: 90% of requests within every SLO
 

@@ -20,12 +20,12 @@ from dataclasses import dataclass
 from decode_worker.handoff import HandoffTable
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
-from engine.cost_model import Emulation
 from prefill_worker.push import KVPusher
 from prefill_worker.worker import PrefillWorker
 from protocol import clock
 from protocol.messages import WorkerInfo
 from simulate.engine import SimCore, SimRunner
+from sizing.cost_model import Emulation
 from worker_runtime.faults import Faults
 from worker_runtime.outbox import Outbox
 from worker_runtime.tombstones import Tombstones

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from engine import cpu_kernel, kernel_build
-from engine.cpu_ops import KernelUnavailable
+from engine.kernels import cpu_kernel, kernel_build
+from engine.kernels.cpu_ops import KernelUnavailable
 
 
 def _compiler_here() -> bool:

@@ -1,4 +1,4 @@
-"""The bfloat16 GEMM (`cpu_kernel.Bf16Gemm`, engine/csrc/bf16_gemm.c) on each path this host runs:
+"""The bfloat16 GEMM (`cpu_kernel.Bf16Gemm`, engine/kernels/csrc/bf16_gemm.c) on each path this host runs:
 AMX tiles (amx_gemm.c) and AVX512-BF16's vdpbf16ps (AMX switched off, or absent, as on AMD Zen 4):
 a linear within a bfloat16 rounding of float64's at every row count it takes, a row's bits the same
 in any batch and on any thread count, and `PackedLinear`'s cut between it and oneDNN. A path the
@@ -11,7 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine import dense, kernel_build
+from engine.forward import dense
+from engine.kernels import kernel_build
 from tests.kernel_util import KERNELS
 
 

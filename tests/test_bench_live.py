@@ -21,7 +21,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from bench import client as bench_client
 from cli.main import main as pdserve
 from client import grpc_client as router_client
-from engine import cpu_kernel
+from engine.kernels import cpu_kernel
 from proto import pdserve_pb2_grpc
 from router.launch import LocalCluster
 from tests.cluster_util import Client

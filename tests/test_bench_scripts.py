@@ -67,7 +67,7 @@ def test_the_linears_bench_times_both_paths_at_every_row_count(llama_dir, monkey
     import json
     import sys
 
-    from engine import cpu_kernel
+    from engine.kernels import cpu_kernel
     from scripts import bench_linears
 
     if cpu_kernel.load()[0] is None:
@@ -88,7 +88,7 @@ def test_bench_linears_compares_the_bfloat16_gemm_in_bfloat16(llama_dir, capsys,
     import json
     import sys
 
-    from engine import cpu_kernel
+    from engine.kernels import cpu_kernel
     from scripts import bench_linears
 
     kernels = cpu_kernel.load()[0]
@@ -116,8 +116,8 @@ def test_bench_linears_compares_the_bfloat16_gemm_in_bfloat16(llama_dir, capsys,
 def test_bench_steps_paired_ratio_is_each_rounds_best_over_its_own_floor():
     """`--paired`: round r's best variant over the floor from the host measured at round r's start, the
     median of those; the report adds the column."""
-    from engine.memory import ModelShape
     from scripts.bench_step import _paired, floor_s, format_report
+    from sizing.memory import ModelShape
     params = 1_000_000
     shape = ModelShape(name="m", num_layers=2, num_kv_heads=2, head_dim=16, num_params=params)
     case = {"batch": 16, "tokens": 16, "context": 256}
@@ -154,8 +154,8 @@ def test_bench_steps_report_rates_each_variant_against_the_first_and_the_floor()
 def test_bench_steps_bfloat16_variant_is_held_to_bfloat16s_floor():
     """The bfloat16 variant against 2-byte weights and KV and bfloat16 matmul FLOP/s; the float32
     variants' best against float32's floor, each round paired with its own host."""
-    from engine.memory import ModelShape
     from scripts.bench_step import _paired, floor_s, format_report
+    from sizing.memory import ModelShape
     params = 1_000_000
     shape = ModelShape(name="m", num_layers=2, num_kv_heads=2, head_dim=16, num_params=params)
     case = {"batch": 16, "tokens": 16, "context": 256}

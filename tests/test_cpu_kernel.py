@@ -1,4 +1,4 @@
-"""The CPU decode kernel (engine/cpu_kernel.py): the same attention as each row's own keys give,
+"""The CPU decode kernel (engine/kernels/cpu_kernel.py): the same attention as each row's own keys give,
 built once per source and compiler, token-exact in the engine on and off, and what happens when it
 cannot be built (`engine.cpu_kernels: auto` runs SDPA and says why; `on` refuses)."""
 
@@ -15,8 +15,9 @@ import torch
 from torch import nn
 
 from checkpoints.families import WINDOW
-from engine import cpu_kernel, dense, kernel_build
 from engine.config import EngineConfig
+from engine.forward import dense
+from engine.kernels import cpu_kernel, kernel_build
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from scripts.device_check import staggered_tokens
@@ -163,7 +164,7 @@ def test_the_small_gemm_gives_a_row_the_same_bits_in_any_batch():
 
 _TEAMS = """
 import sys, torch
-from engine import cpu_kernel
+from engine.kernels import cpu_kernel
 gemm = cpu_kernel.load()[0].gemm
 torch.manual_seed(7)
 weight, x = torch.randn(200, 96), torch.randn(16, 96)

@@ -16,16 +16,16 @@ from bench.errors import BenchError
 from bench.metrics import RequestRecord
 from bench.workload import RequestSpec, Workload
 from engine.config import EngineConfig
-from engine.cost_model import CostModel, Emulation, LinkModel, StepItem, StepTotals
-from engine.devices import DEVICES, DeviceProfile
 from engine.llm_engine import LLMEngine
-from engine.memory import BUILTIN_SHAPES
 from kv_transfer import LinkPace
 from protocol.sampling import SamplingParams
 from protocol.telemetry import EmulationStats
 from router.config.checks import check_host_memory
 from router.config.emulate import emulated_num_blocks, emulation, link_pace
 from router.config.typed_yaml import ConfigError
+from sizing.cost_model import CostModel, Emulation, LinkModel, StepItem, StepTotals
+from sizing.devices import DEVICES, DeviceProfile
+from sizing.memory import BUILTIN_SHAPES
 from tests.cluster_util import cluster_config
 from worker_runtime.engine_loop import EngineLoop
 from worker_runtime.pacing import Pacer

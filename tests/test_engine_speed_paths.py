@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from checkpoints.families import WINDOW
-from engine import compiled, dense
 from engine.config import EngineConfig
+from engine.forward import dense, switchboard
 from engine.llm_engine import LLMEngine
 from engine.model_runner import computes_bf16, resolve_dtype
 from scripts.device_check import staggered_tokens
@@ -169,13 +169,13 @@ def test_compiled_forward_is_token_exact_with_windows_soft_caps_and_scaling_and_
 def test_a_forward_that_does_not_compile_falls_back_to_eager_with_the_reason(llama_dir, caplog):
     engine = _engine(llama_dir, compile="off")
     runner = engine.runner
-    forward = compiled.Forward(runner.model, "on", runner.device)
+    forward = switchboard.Forward(runner.model, "on", runner.device)
 
     def broken(*args, **kwargs):
         raise RuntimeError("inductor cannot lower this op\nmore detail")
 
     forward._compiled = forward.decoder.forward = broken
-    with caplog.at_level("WARNING", logger="engine.compiled"):
+    with caplog.at_level("WARNING", logger="engine.forward.switchboard"):
         forward.warm_up(runner.fresh_prompt_metadata)
     assert not forward.compiled and "forward" not in vars(forward.decoder)  # the eager decoder again
     assert forward.fallback_reason == "RuntimeError: inductor cannot lower this op"
@@ -200,19 +200,19 @@ def test_auto_dtype_is_bfloat16_only_where_the_device_computes_it():
 
 
 def test_graph_buckets_cover_every_decode_batch_up_to_max_num_seqs():
-    assert compiled.graph_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
-    assert compiled.graph_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
-    assert compiled.graph_buckets(1) == (1,)
-    buckets = compiled.graph_buckets(48)
-    assert [compiled.bucket_for(n, buckets) for n in (1, 2, 3, 5, 16, 17, 33, 48, 49)] == [
+    assert switchboard.graph_buckets(64) == (1, 2, 4, 8, 16, 32, 64)
+    assert switchboard.graph_buckets(48) == (1, 2, 4, 8, 16, 32, 48)
+    assert switchboard.graph_buckets(1) == (1,)
+    buckets = switchboard.graph_buckets(48)
+    assert [switchboard.bucket_for(n, buckets) for n in (1, 2, 3, 5, 16, 17, 33, 48, 49)] == [
         1, 2, 4, 8, 16, 32, 48, 48, None]
 
 
 def test_pad_tokens_pads_ids_and_positions_with_zeros():
     ids, pos = torch.tensor([[5, 6, 7]]), torch.tensor([[9, 4, 2]])
-    padded_ids, padded_pos = compiled.pad_tokens(ids, pos, 5)
+    padded_ids, padded_pos = switchboard.pad_tokens(ids, pos, 5)
     assert padded_ids.tolist() == [[5, 6, 7, 0, 0]] and padded_pos.tolist() == [[9, 4, 2, 0, 0]]
-    assert compiled.pad_tokens(ids, pos, 3) == (ids, pos)
+    assert switchboard.pad_tokens(ids, pos, 3) == (ids, pos)
 
 
 def test_decode_steps_padded_to_a_bucket_stay_token_exact(llama_dir):
@@ -225,7 +225,7 @@ def test_decode_steps_padded_to_a_bucket_stay_token_exact(llama_dir):
     plain = forward._logits
 
     def spy(input_ids, positions, sample_rows, greedy=False):
-        from engine import attention
+        from engine.forward import attention
 
         widths.append((input_ids.shape[1], attention._current[-1].slot_blocks.shape[0]))
         return plain(input_ids, positions, sample_rows, greedy)

@@ -15,12 +15,12 @@ import yaml
 
 from checkpoints.families import FAMILIES, WINDOW, build_family_config
 from cli.main import main as pdserve
-from engine import features
 from engine.config import EngineConfig
+from engine.forward import features
 from engine.llm_engine import LLMEngine
-from engine.memory import layer_windows
 from engine.model_runner import probe_checkpoint
 from protocol.sampling import SamplingParams
+from sizing.memory import layer_windows
 from tests.reference import hf_greedy, record_prefill_chunks
 
 BLOCK, CHUNK = 4, 5  # the window (7) spans block boundaries; a 5-token chunk splits a window

@@ -1,4 +1,4 @@
-"""Fused layers (engine/fused.py): one q|k|v linear with rotary in place, one gate|up linear.
+"""Fused layers (engine/forward/fused.py): one q|k|v linear with rotary in place, one gate|up linear.
 
 The rotary kernel is transformers' rotary bit for bit; a module is swapped only where its fused
 form gives its outputs bit for bit (a module that differs stays, with a log line naming it); and
@@ -16,8 +16,9 @@ from torch import nn
 from transformers import AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaMLP, apply_rotary_pos_emb
 
-from engine import attention, cpu_kernel, dense, fused
 from engine.config import EngineConfig
+from engine.forward import attention, dense, fused
+from engine.kernels import cpu_kernel
 from engine.llm_engine import LLMEngine
 from scripts.device_check import staggered_tokens
 from tests.kernel_util import KERNELS, WHY
@@ -114,7 +115,7 @@ def test_bfloat16_engine_fuses_with_the_rotary_and_norm_kernels_and_packed_linea
 
 
 def test_the_decoders_loop_as_direct_calls_gives_the_model_forwards_tokens_and_logits(llama_dir):
-    """engine/lean_decoder.py runs the same modules on the same inputs as the model's forward: greedy
+    """engine/forward/lean_decoder.py runs the same modules on the same inputs as the model's forward: greedy
     tokens of staggered prompts and the logits of each step equal, bit for bit, in bfloat16 (where
     a different rounding anywhere shows) and in float32 without the layer kernel."""
     for dtype, extra in (("bfloat16", {}), ("float32", {"kernel_layers": False})):
@@ -200,7 +201,7 @@ def test_fuse_layers_swaps_modules_that_match_bit_for_bit_and_names_the_rest(fam
 
     def refusing(h):  # a kernel that cannot give torch's bits here: the MLPs run torch's ops instead
         raise cpu_kernel.KernelUnavailable("not here")
-    with caplog.at_level(logging.INFO, logger="engine.fused"):
+    with caplog.at_level(logging.INFO, logger="engine.forward.fused"):
         attn, mlps = fused.fuse_layers(model, CPU, gemm=kernels.gemm, rope=kernels.rope, silu_mul=refusing)
     assert (attn, mlps) == (len(layers), len(layers) - 2)
     assert all(isinstance(layer.self_attn, fused.FusedAttention) for layer in layers)

@@ -1,4 +1,4 @@
-"""The greedy LM head (engine/greedy_head.py): an all-greedy step's tokens from a half-float copy of
+"""The greedy LM head (engine/forward/greedy_head.py): an all-greedy step's tokens from a half-float copy of
 the head's panels, bit for bit the argmax of the full float32 product, on exact ties, near ties, tiny
 (subnormal) weights and a bias; the full product where a value is not finite; in the engine,
 token-exact against transformers' `generate`, and only on steps whose every row is greedy."""
@@ -9,9 +9,9 @@ import pytest
 import torch
 from torch import nn
 
-from engine import dense
 from engine.config import EngineConfig
-from engine.greedy_head import GreedyHead
+from engine.forward import dense
+from engine.forward.greedy_head import GreedyHead
 from engine.llm_engine import LLMEngine
 from protocol.sampling import SamplingParams
 from tests.kernel_util import KERNELS, WHY

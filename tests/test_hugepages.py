@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from engine import hugepages
+from engine.kernels import hugepages
 from engine.kv_cache import allocate_kv_pool
 
 

@@ -11,7 +11,7 @@ import pytest
 from bench.metrics import RequestRecord
 from bench.report import record_to_json
 from cli.main import main as pdserve
-from engine.memory import BUILTIN_SHAPES, plan_memory
+from sizing.memory import BUILTIN_SHAPES, plan_memory
 
 GIB = 1024**3
 

@@ -1,4 +1,4 @@
-"""The CPU kernels' boundary (engine/kernel_checks.py): every kernel, fed a bad value, raises a clear
+"""The CPU kernels' boundary (engine/kernels/kernel_checks.py): every kernel, fed a bad value, raises a clear
 error naming it before C runs (also under `python -O`); a short block table is refused, never padded
 into another request's blocks; a cached library someone else could have written is rebuilt or refused."""
 
@@ -12,9 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import attention, kernel_build, kernel_layer
-from engine.cpu_ops import KernelUnavailable
-from engine.kernel_checks import KernelArgumentError
+from engine.forward import attention, kernel_layer
+from engine.kernels import kernel_build
+from engine.kernels.cpu_ops import KernelUnavailable
+from engine.kernels.kernel_checks import KernelArgumentError
 from engine.model_runner import ScheduledItem
 from engine.request import Request
 from protocol.sampling import SamplingParams

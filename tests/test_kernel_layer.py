@@ -1,4 +1,4 @@
-"""Whole decoder layers as one CPU kernel call (engine/kernel_layer.py, engine/csrc/layer.c).
+"""Whole decoder layers as one CPU kernel call (engine/forward/kernel_layer.py, engine/kernels/csrc/layer.c).
 
 A layer gets the one-call forward only where all of it is the kernels' and the call gives its
 module's output and pool bit for bit (a layer that differs stays a module, with a log line); a
@@ -14,8 +14,9 @@ import random
 import pytest
 import torch
 
-from engine import attention, cpu_kernel, kernel_decoder, kernel_layer
 from engine.config import EngineConfig
+from engine.forward import attention, kernel_decoder, kernel_layer
+from engine.kernels import cpu_kernel
 from engine.llm_engine import LLMEngine
 from scripts.device_check import staggered_tokens
 from tests.reference import hf_greedy
@@ -192,7 +193,7 @@ def test_rotary_tables_are_the_modules_outputs_for_any_positions(llama_dir, capl
 
     odd = kernel_decoder.RotaryTable(BatchDependent())
     positions = torch.tensor([[3, 4, 5]])
-    with caplog.at_level(logging.INFO, logger="engine.kernel_decoder"):
+    with caplog.at_level(logging.INFO, logger="engine.forward.kernel_decoder"):
         got = odd(x, positions)
     assert not odd.usable and torch.equal(got[0], rotary(x, position_ids=positions)[0] + 3)
     assert "rotary tables computed each step" in caplog.text
@@ -217,7 +218,7 @@ def test_a_layer_whose_one_call_differs_stays_a_module(llama_dir, monkeypatch, c
         return args, shape, max_rows
 
     monkeypatch.setattr(kernel_layer, "layer_args", off_by_eps)
-    with caplog.at_level(logging.INFO, logger="engine.kernel_layer"):
+    with caplog.at_level(logging.INFO, logger="engine.forward.kernel_layer"):
         assert kernel_layer.swap_layers(model, _kernels()) == len(model.model.layers) - 1
     assert not isinstance(model.model.layers[1].forward, kernel_layer.KernelLayer)
     assert isinstance(model.model.layers[0].forward, kernel_layer.KernelLayer)
@@ -231,7 +232,7 @@ def test_a_layer_whose_check_cannot_run_stays_a_module(llama_dir, monkeypatch, c
         raise RuntimeError("no scratch pool today")
 
     monkeypatch.setattr(kernel_layer, "_same_as_module", failing)
-    with caplog.at_level(logging.INFO, logger="engine.kernel_layer"):
+    with caplog.at_level(logging.INFO, logger="engine.forward.kernel_layer"):
         assert kernel_layer.swap_layers(model, _kernels()) == 0
     assert not any(isinstance(layer.forward, kernel_layer.KernelLayer) for layer in model.model.layers)
     assert "decoder layer 0 stays a module: its check failed (RuntimeError: no scratch pool today)" in caplog.text

@@ -1,4 +1,4 @@
-"""Every kernel variant the engine can pick on x86 (engine/kernel_build.py's `VARIANTS`: native,
+"""Every kernel variant the engine can pick on x86 (engine/kernels/kernel_build.py's `VARIANTS`: native,
 AVX-512 without BF16, AVX2) built on this host and checked: attention against a float64 reference,
 the small ops bit for bit against torch, the GEMM against `F.linear`, and an engine's greedy tokens
 against transformers, also at real head dims (64 and 128, several query heads per KV head). A
@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import cpu_kernel, kernel_build
 from engine.config import EngineConfig
-from engine.cpu_ops import KernelUnavailable
+from engine.kernels import cpu_kernel, kernel_build
+from engine.kernels.cpu_ops import KernelUnavailable
 from engine.llm_engine import LLMEngine
 from protocol.sampling import SamplingParams
 from tests.kernel_util import KERNELS, attention_reference

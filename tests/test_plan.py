@@ -1,4 +1,4 @@
-"""Memory budget (engine/memory.py, protocol/sizes.py) and `pdserve plan`: the seed's figures, byte for byte."""
+"""Memory budget (sizing/memory.py, protocol/sizes.py) and `pdserve plan`: the seed's figures, byte for byte."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import struct
 import pytest
 
 from bench import plan as plan_cli
-from engine.memory import (
+from protocol.sizes import PlanError, parse_bytes
+from sizing.memory import (
     BUILTIN_SHAPES,
     ModelShape,
     estimate_num_params,
@@ -19,7 +20,6 @@ from engine.memory import (
     num_kv_blocks,
     plan_memory,
 )
-from protocol.sizes import PlanError, parse_bytes
 
 GIB = 1024**3
 LLAMA_8B_CONFIG = {

@@ -13,8 +13,8 @@ import pytest
 
 from bench import plan as plan_cli
 from bench.roofline import DEVICES, Roofline, parse_rate
-from engine.memory import BUILTIN_SHAPES
 from protocol.sizes import PlanError
+from sizing.memory import BUILTIN_SHAPES
 
 PARAMS = BUILTIN_SHAPES["llama-3.1-8b"].num_params
 

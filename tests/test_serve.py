@@ -26,7 +26,7 @@ import pytest
 import yaml
 
 from cli.main import main as pdserve
-from engine import cpu_kernel
+from engine.kernels import cpu_kernel
 from tests.kv_util import wait_until
 from tests.security_util import ADMIN, ROTATED, TRAFFIC, token_files
 

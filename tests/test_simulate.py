@@ -18,11 +18,11 @@ import pytest
 
 from bench.presets import WorkloadOptions, build_workload
 from bench.workload import RequestSpec, make_workload
-from engine.cost_model import CostModel, StepItem
 from router.config.loader import load_config
 from router.pools.placement import Placer
 from simulate.cli import emulated
 from simulate.run import simulate
+from sizing.cost_model import CostModel, StepItem
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from engine import kernel_build
+from engine.kernels import kernel_build
 from tests.reference import hf_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -43,7 +43,7 @@ def wheel(tmp_path_factory) -> Path:
 
 def test_the_wheel_ships_every_file_of_the_kernels_build(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
-    needed = {f"engine/csrc/{path.name}" for path in (*kernel_build.SOURCES, *kernel_build.HEADERS)}
+    needed = {f"engine/kernels/csrc/{path.name}" for path in (*kernel_build.SOURCES, *kernel_build.HEADERS)}
     assert {name for name in needed if name.endswith(".h")}, "the kernels' headers are part of the build"
     assert sorted(needed - names) == []
 

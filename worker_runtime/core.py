@@ -19,11 +19,11 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig
-from engine.cost_model import Emulation
 from engine.llm_engine import LLMEngine
 from protocol.messages import CacheDelta, EngineBeat, WorkerInfo, WorkerStats
 from protocol.outputs import RequestOutput
 from protocol.telemetry import EmulationStats, StepRecord
+from sizing.cost_model import Emulation
 from worker_runtime import malloc
 from worker_runtime.engine_loop import EngineLoop
 from worker_runtime.faults import Faults

@@ -1,5 +1,5 @@
 """Emulated devices, worker side: every engine step padded to the time the cost model gives for
-its shape on the emulated device (engine/cost_model.py) x time_scale, and a worker's start-up to
+its shape on the emulated device (sizing/cost_model.py) x time_scale, and a worker's start-up to
 the emulated weights load; counters of how faithful that was (protocol.telemetry.EmulationStats).
 
 The engine calls `pace(engine, began)` (through the loop, `LLMEngine.pace`) inside each step, once
@@ -18,9 +18,9 @@ from collections.abc import Callable
 
 import numpy as np
 
-from engine.cost_model import Emulation, StepShape
 from engine.llm_engine import LLMEngine
 from protocol.telemetry import EmulationStats
+from sizing.cost_model import Emulation, StepShape
 
 RATIOS_KEPT = 100_000  # steps whose real / modelled ratio the p99 is taken over (the latest)
 

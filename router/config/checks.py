@@ -14,11 +14,11 @@ import ssl
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.memory import ModelShape, dtype_bytes, kv_bytes_per_token
 from protocol.sizes import PlanError, format_bytes, parse_bytes
 from router.config.emulate import check_emulate, emulated_num_blocks
 from router.config.typed_yaml import ConfigError
 from router.frontdoor.access import TokenFileError, read_tokens
+from sizing.memory import ModelShape, dtype_bytes, kv_bytes_per_token
 from worker_runtime.malloc import MALLOCS, NO_TCMALLOC, tcmalloc
 
 if TYPE_CHECKING:

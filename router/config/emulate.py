@@ -1,5 +1,5 @@
 """The `emulate:` section of cluster.yaml resolved into what the workers pace by
-(`engine.cost_model.Emulation`), the KV pool each worker gets (the blocks the emulated model
+(`sizing.cost_model.Emulation`), the KV pool each worker gets (the blocks the emulated model
 leaves on the emulated device, as `pdserve plan` budgets them), and the checks: values in
 range, and a pool that this host's RAM can hold for the real model's KV (else a config error).
 """
@@ -11,12 +11,12 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.cost_model import CostModel, Emulation, LinkModel
-from engine.devices import DEVICES, DeviceProfile, parse_rate
-from engine.memory import BUILTIN_SHAPES, ModelShape, dtype_bytes, plan_memory
 from kv_transfer import LinkPace
 from protocol.sizes import PlanError, parse_bytes
 from router.config.typed_yaml import ConfigError
+from sizing.cost_model import CostModel, Emulation, LinkModel
+from sizing.devices import DEVICES, DeviceProfile, parse_rate
+from sizing.memory import BUILTIN_SHAPES, ModelShape, dtype_bytes, plan_memory
 
 CUSTOM = "custom"
 
@@ -25,11 +25,11 @@ CUSTOM = "custom"
 class EmulateSection:
     """Run the real cluster at an emulated device's timings (docs/architecture.md, "Emulation"):
     each engine step, KV transfer and worker start takes the time the cost model gives for the
-    emulated model on the emulated device (engine/cost_model.py); the real model computes the
+    emulated model on the emulated device (sizing/cost_model.py); the real model computes the
     tokens. Off while `device` is null."""
 
-    device: str | None = None  # h100 | h200 | a100 | l40s (engine/devices.py) | custom; null = off
-    model: str = "llama-3.1-8b"  # a built-in shape (engine/memory.py) or a checkpoint directory
+    device: str | None = None  # h100 | h200 | a100 | l40s (sizing/devices.py) | custom; null = off
+    model: str = "llama-3.1-8b"  # a built-in shape (sizing/memory.py) or a checkpoint directory
     dtype: str = "bfloat16"  # the emulated weights' and KV's dtype
     bandwidth: str | None = None  # overrides the device's memory bandwidth, e.g. 3.35TB/s
     flops: str | None = None  # overrides the device's dense FLOP/s, e.g. 989TFLOPs

@@ -40,7 +40,7 @@ class EngineSection:
     # torch.compile the decoder around the opaque paged-attention op: auto = on CUDA only
     compile: Literal["auto", "on", "off"] = "auto"
     cuda_graphs: bool = False  # with compile on a CUDA device: capture the dense pieces as CUDA graphs
-    # pdserve's CPU kernels, built at start (engine/cpu_kernel.py): decode and prefill attention (CPU,
+    # pdserve's CPU kernels, built at start (engine/kernels/cpu_kernel.py): decode and prefill attention (CPU,
     # float32 / bfloat16) and float32 linears on panel-packed weights (every product on an AVX2 host;
     # elsewhere up to 64 rows, beside oneDNN's copy);
     # auto = where they build and run, else torch's paths; on = refuse to start without them; off = torch's

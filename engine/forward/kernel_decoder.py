@@ -1,4 +1,4 @@
-"""The decoder's loop where every layer is one kernel call (engine/kernel_layer.py's `KernelLayer`):
+"""The decoder's loop where every layer is one kernel call (engine/forward/kernel_layer.py's `KernelLayer`):
 the embedding, the rotary (cos, sin) looked up in a table of the rotary module's own outputs, every
 layer and the final norm as one C call (`pd_decoder_forward`), for Llama-shaped models under their
 plain heads. Same modules and kernels on the same inputs as the model's own forward, so the same
@@ -12,8 +12,8 @@ import logging
 import torch
 from torch import nn
 
-from engine import dense
-from engine.kernel_layer import KernelLayer, LayerArgs
+from engine.forward import dense
+from engine.forward.kernel_layer import KernelLayer, LayerArgs
 
 log = logging.getLogger(__name__)
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from engine.devices import DeviceProfile
-from engine.memory import ModelShape, kv_bytes_per_token
+from sizing.devices import DeviceProfile
+from sizing.memory import ModelShape, kv_bytes_per_token
 
 
 @dataclass(frozen=True)

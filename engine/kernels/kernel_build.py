@@ -1,4 +1,4 @@
-"""Builds pdserve's CPU kernels (engine/csrc) into one shared library per variant, cached by content.
+"""Builds pdserve's CPU kernels (engine/kernels/csrc) into one shared library per variant, cached by content.
 
 A variant is the instruction set the build targets (`VARIANTS`): `native` (`-march=native`, the
 default: whatever this CPU has, AMX included), `avx512` (AVX-512 without AVX512-BF16 or AMX, as on
@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from engine.cpu_ops import KernelUnavailable
+from engine.kernels.cpu_ops import KernelUnavailable
 
 log = logging.getLogger(__name__)
 

@@ -38,7 +38,7 @@ class ModelShape:
     num_params: int
     vocab_size: int | None = None
     max_positions: int | None = None
-    num_attention_heads: int | None = None  # query heads; None: attention FLOPs left out (engine/cost_model.py)
+    num_attention_heads: int | None = None  # query heads; None: attention FLOPs left out (sizing/cost_model.py)
     sliding_windows: tuple[int | None, ...] = ()  # per layer: its window, None = full; () = all full
 
     @classmethod

@@ -1,4 +1,4 @@
-/* bfloat16 linears for the kernel layers and `PackedLinear` (engine/cpu_gemm.py's `Bf16Gemm`):
+/* bfloat16 linears for the kernel layers and `PackedLinear` (engine/kernels/cpu_gemm.py's `Bf16Gemm`):
    out = x @ W^T + bias, on the AMX GEMM's panels (pd_amx_pack), by AMX tiles where they run
    (amx_gemm.c) and else by AVX512-BF16's vdpbf16ps, the CPUs without AMX (AMD Zen 4 and later,
    Intel Cooper Lake): one entry (pd_bf16_gemm) so a layer's call and its module's pick alike.

@@ -1,6 +1,6 @@
-"""Whole decoder layers as one CPU kernel call each (engine/csrc/layer.c), float32 or bfloat16 on CPU.
+"""Whole decoder layers as one CPU kernel call each (engine/kernels/csrc/layer.c), float32 or bfloat16 on CPU.
 
-After engine/fused.py and engine/dense.py, a Llama-shaped layer's step is already the CPU kernels'
+After engine/forward/fused.py and engine/forward/dense.py, a Llama-shaped layer's step is already the CPU kernels'
 work: two norms, four GEMMs, rotary, the attention kernels, SiLU times up. What is left around
 them is Python: about twenty module calls, torch ops and ctypes calls per layer (two residual
 sums, two `index_put_` for the new K/V, views, allocations), 3-4 ms of a 16-row decode step on
@@ -33,8 +33,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine import attention, cpu_kernel, dense, features, fused
-from engine import kernel_checks as checks
+from engine.forward import attention, dense, features, fused
+from engine.kernels import cpu_kernel
+from engine.kernels import kernel_checks as checks
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,7 @@ _P, _F, _I32, _I64 = ctypes.c_void_p, ctypes.c_float, ctypes.c_int32, ctypes.c_i
 
 
 class LayerArgs(ctypes.Structure):
-    """engine/csrc/layer.c's `pd_layer`: one layer's weights (the GEMM's panels) and shape."""
+    """engine/kernels/csrc/layer.c's `pd_layer`: one layer's weights (the GEMM's panels) and shape."""
 
     _fields_ = [*((name, _P) for name in ("norm1", "qkv", "qkv_bias", "o", "o_bias", "norm2", "gate_up",
                                           "gate_up_bias", "down", "down_bias")),
@@ -55,7 +56,7 @@ class LayerArgs(ctypes.Structure):
 
 
 class StepArgs(ctypes.Structure):
-    """engine/csrc/layer.c's `pd_step`: what every layer of one step reads."""
+    """engine/kernels/csrc/layer.c's `pd_step`: what every layer of one step reads."""
 
     _fields_ = [("kv", _P),
                 *((name, _I64) for name in ("blk_stride", "layer_stride", "tok_stride")),
@@ -98,7 +99,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def _build_step(meta: attention.StepMetadata, shape: Shape, cos: torch.Tensor, sin: torch.Tensor) -> Step:
     """cos/sin `[1, T, dim]`: the rotary tables this forward hands every layer. The step's slots and
-    block tables are checked here, once for every layer (engine/kernel_checks.py)."""
+    block tables are checked here, once for every layer (engine/kernels/kernel_checks.py)."""
     tokens = cos.shape[1]
     kv = meta.kv
     checks.require(tuple(kv.shape[4:]) == (shape.kv_heads, shape.dim),

@@ -69,7 +69,7 @@ _probing: list = []  # the probe of the forward now running, if any
 
 def active_probe():
     """The probe paged attention records into instead of attending (an `AttentionProbe` during
-    `probe_features`; engine/fused.py's check of a fused layer has one of its own)."""
+    `probe_features`; engine/forward/fused.py's check of a fused layer has one of its own)."""
     return _probing[-1] if _probing else None
 
 

@@ -4,13 +4,13 @@ The runner flattens every scheduled token of every sequence into one row (`[1, T
 tokens first. `StepMetadata` is built once per step, shared by all layers, and held for the
 step's forward by `step_context`. Each layer calls the custom op `pdserve::paged_attention`,
 which reads the metadata from there, writes the new K/V into their slots of the pool, then attends:
-- decode tokens with the CPU decode kernel (engine/cpu_kernel.py: every row straight from its
+- decode tokens with the CPU decode kernel (engine/kernels/cpu_kernel.py: every row straight from its
   blocks, no copy, no padding), or without it in a few padded SDPA calls, grouped by context
   length (little padding);
 - each prefill chunk over its own context: by the CPU prefill kernel straight from the pool
   (tiled, the causal half skipped), or by SDPA (fresh prompts straight from K/V, causal; a
   chunk after cached context over its gathered blocks with a mask).
-A decode-only step padded to a CUDA-graph bucket (engine/compiled.py) has more rows than slots:
+A decode-only step padded to a CUDA-graph bucket (engine/forward/switchboard.py) has more rows than slots:
 the rows past the step's tokens write no KV and come out as zeros.
 
 The op is opaque to torch.compile: its inputs and output are plain tensors of fixed rank whose
@@ -26,7 +26,7 @@ as transformers' masks say) and `softcap` (Gemma 2: tanh(scores / cap) * cap bef
 A window picks the step's mask built for that window size (`window_masks`, one per distinct
 size, shared by all layers); a softcap, which SDPA lacks, takes an explicit matmul / softmax
 path. A model without either builds no extra mask and runs exactly the plain SDPA path, eager
-or compiled alike. At load one token runs under an `AttentionProbe` (engine/features.py) to
+or compiled alike. At load one token runs under an `AttentionProbe` (engine/forward/features.py) to
 learn each layer's features.
 """
 
@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from engine import cpu_kernel, features
+from engine.forward import features
+from engine.kernels import cpu_kernel
 
 ATTN_IMPLEMENTATION = "pdserve_paged"
 
@@ -89,7 +90,7 @@ class StepMetadata:
     prefills: list[PrefillChunk]
     decode_rows: DecodeRows | None = None  # instead of decode_groups, where the kernel runs
     prefill_kernel: cpu_kernel.PrefillKernel | None = None  # attends every prefill chunk, where it runs
-    kernel_step: Any = None  # engine/kernel_layer.py's arguments for this step, built by its first layer
+    kernel_step: Any = None  # engine/forward/kernel_layer.py's arguments for this step, built by its first layer
 
 
 _current: list[StepMetadata] = []  # the step being computed (a stack of at most one)

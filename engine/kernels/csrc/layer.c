@@ -1,9 +1,9 @@
 /* A whole Llama-shaped decoder layer in one call, on the CPU, float32 or bfloat16
-(engine/kernel_layer.py).
+(engine/forward/kernel_layer.py).
 
 The layer an eager step runs as about twenty Python-level calls (modules, torch ops, and one
 ctypes call per kernel) runs here as the same kernels called in the same order on the same
-buffers, so its output is the module path's bit for bit (engine/kernel_layer.py checks that at load,
+buffers, so its output is the module path's bit for bit (engine/forward/kernel_layer.py checks that at load,
 layer by layer):
 
     h = rms_norm(x, norm1)                  pd_rms_norm[_bf16]
@@ -74,7 +74,7 @@ int pd_paged_prefill(int dtype, const void *q, int64_t q_tok, int64_t q_head, co
                      int kv_heads, int dim, int block_size, float scale, int window, float softcap,
                      int threads);
 
-/* One layer's weights and shape (engine/kernel_layer.py's LayerArgs; the field order is shared):
+/* One layer's weights and shape (engine/forward/kernel_layer.py's LayerArgs; the field order is shared):
    float32 or bfloat16 alike, as the step's dtype says. */
 typedef struct {
     const void *norm1, *qkv, *qkv_bias, *o, *o_bias, *norm2, *gate_up, *gate_up_bias, *down, *down_bias;
@@ -83,7 +83,7 @@ typedef struct {
     int32_t hidden, heads, kv_heads, dim, inter, window;
 } pd_layer;
 
-/* One step: what every layer reads (engine/kernel_layer.py's StepArgs). */
+/* One step: what every layer reads (engine/forward/kernel_layer.py's StepArgs). */
 typedef struct {
     void *kv;                       /* the pool, [blocks, layers, 2, block_size, kv_heads, dim] */
     int64_t blk_stride, layer_stride, tok_stride; /* in values; V sits layer_stride / 2 past K */
@@ -202,7 +202,7 @@ int pd_layer_forward(const pd_layer *L, const pd_step *S, const void *x, void *o
     return 0;
 }
 
-/* A step's whole decoder after the embedding (engine/kernel_layer.py's KernelDecoder): each layer in
+/* A step's whole decoder after the embedding (engine/forward/kernel_layer.py's KernelDecoder): each layer in
    turn, layer i writing outs[i % 2] from the one before (x for the first), then the final RMSNorm of
    the last output into `normed`, all as the Python loop calls them (the same kernels, the same bits)
    without a ctypes call and a torch allocation per layer. Returns 0, or the first failing layer's

@@ -1,5 +1,5 @@
-"""Checks at the CPU kernels' Python boundary (engine/cpu_kernel.py, cpu_ops.py, cpu_gemm.py and the
-step of engine/kernel_layer.py).
+"""Checks at the CPU kernels' Python boundary (engine/kernels/cpu_kernel.py, cpu_ops.py, cpu_gemm.py and the
+step of engine/forward/kernel_layer.py).
 
 C indexes with what it is handed, so a block id outside the pool, a length past its table, a head
 count that does not divide, or a dtype, shape or stride a kernel does not take is a

@@ -1,4 +1,4 @@
-/* RMSNorm rows on the CPU, bit for bit torch's `F.rms_norm` on float32 (engine/dense.py's fused
+/* RMSNorm rows on the CPU, bit for bit torch's `F.rms_norm` on float32 (engine/forward/dense.py's fused
    norms call it; a load-time probe checks the bits before any norm uses it).
 
 out = x * (1 / sqrt(mean(x * x) + eps)) * weight, each product, sum and quotient rounded on its

@@ -1,4 +1,4 @@
-/* Decode attention straight from the paged KV pool, on the CPU (engine/cpu_kernel.py builds it).
+/* Decode attention straight from the paged KV pool, on the CPU (engine/kernels/cpu_kernel.py builds it).
 
 One query token per sequence. Each (sequence, KV head) is one task: the heads sharing that KV
 head read each key and value once, in place in its block (no gather, no padding, no mask), in

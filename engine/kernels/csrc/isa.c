@@ -1,5 +1,5 @@
 /* What this build of the kernels was compiled for, so start-up can say which paths run
-   (engine/cpu_kernel.py's `Kernels.paths`): one bit per instruction set the code was built to use. */
+   (engine/kernels/cpu_kernel.py's `Kernels.paths`): one bit per instruction set the code was built to use. */
 
 enum { PD_ISA_AVX2 = 1, PD_ISA_AVX512 = 2, PD_ISA_AVX512_BF16 = 4, PD_ISA_AMX = 8 };
 

@@ -8,10 +8,10 @@ is a pass over the chunk's activations. Here:
 
 - `FusedAttention`: the q, k and v weights stacked into one linear (one small-batch GEMM or
   oneDNN call), rotary applied in place to its q and k heads by the CPU kernel (`pd_rope`,
-  engine/csrc/rope.c: products and sums rounded as torch rounds them), and q, k, v handed to paged
+  engine/kernels/csrc/rope.c: products and sums rounded as torch rounds them), and q, k, v handed to paged
   attention as views of that one output;
 - `FusedMLP`: gate and up stacked into one linear, the activation on the gate half times the up
-  half (for SiLU, one CPU kernel call, `pd_silu_mul`, engine/csrc/silu_mul.c: torch's own exp,
+  half (for SiLU, one CPU kernel call, `pd_silu_mul`, engine/kernels/csrc/silu_mul.c: torch's own exp,
   reproduced), then down.
 
 Each is swapped in only where it gives the module's own outputs bit for bit — its q, k, v, the
@@ -19,7 +19,7 @@ keyword arguments it hands the attention function, and its output — on probe i
 and 100 rows (or `SMALL_ROWS` + 1 where oneDNN takes the products past it), checked per module at
 load with the linears packed as they will serve. A module with anything else inside (Qwen3's q/k
 norms, Gemma's scaled activations) fails the check or is not a candidate, and stays as it is. The
-swap only happens where linears are prepacked (engine/dense.py) and outside a compiled decoder,
+swap only happens where linears are prepacked (engine/forward/dense.py) and outside a compiled decoder,
 whose elementwise ops inductor fuses itself; a forward traced by the compiler takes torch's
 rotary instead of the kernel.
 """
@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from engine import attention, cpu_kernel, dense, features
+from engine.forward import attention, dense, features
+from engine.kernels import cpu_kernel
 
 log = logging.getLogger(__name__)
 
@@ -217,7 +218,7 @@ def fuse_layers(model: nn.Module, device: torch.device, gemm=None, rope=None, si
                 skip: nn.Module | None = None) -> tuple[int, int]:
     """Swap each Llama-shaped attention and gated MLP of `model` (outside `skip`) whose fused form
     gives its outputs bit for bit for a `FusedAttention` / `FusedMLP`; their linears are packed
-    (engine/dense.py) as they go. Only where linears are packed (CPU, float32, oneDNN). Returns
+    (engine/forward/dense.py) as they go. Only where linears are packed (CPU, float32, oneDNN). Returns
     (attention modules fused, MLPs fused)."""
     if not dense.can_pack(model, device):
         return 0, 0

@@ -1,4 +1,4 @@
-/* y = x @ W^T + bias for a few rows of x, on the CPU (engine/dense.py calls it for up to
+/* y = x @ W^T + bias for a few rows of x, on the CPU (engine/forward/dense.py calls it for up to
    SMALL_ROWS rows; oneDNN takes larger products, where it is faster).
 
 W is packed once into panels of 16 output columns, each panel K-major: panel p holds
@@ -287,7 +287,7 @@ static float lowest_bound(const float *a, const float *norms, int n, float c) {
 }
 
 /* The greedy token of each row of y = x @ W^T + bias, the argmax of the float32 product bit for bit,
-   without reading all of W's float32 panels (engine/greedy_head.py has the argument).
+   without reading all of W's float32 panels (engine/forward/greedy_head.py has the argument).
 
    1. A = x @ f16(W)^T + bias, from `half`, the panels rounded to IEEE half floats (half the bytes);
       or, with half NULL, `approx` as the caller computed it (pd_amx_head_approx), `rel` and `abs_` its bound.

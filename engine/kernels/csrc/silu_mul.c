@@ -1,5 +1,5 @@
 /* A gated MLP's activation on the CPU: out = silu(gate) * up, gate and up the two halves of one
-   fused gate|up projection's rows (engine/fused.py).
+   fused gate|up projection's rows (engine/forward/fused.py).
 
 silu(x) = x / (1 + e^-x), bit for bit as torch's CPU kernel computes it on an AVX2 + FMA host:
 its vector path takes e^x from SLEEF's expf (1-ulp variant), whose steps are reproduced here

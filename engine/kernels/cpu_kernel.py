@@ -1,4 +1,4 @@
-"""pdserve's CPU kernels (engine/csrc/*.c): built on first use, then cached.
+"""pdserve's CPU kernels (engine/kernels/csrc/*.c): built on first use, then cached.
 
 - decode attention (paged_decode.c): decode rows attend straight from their blocks in the pool:
   no gathered copy of whole blocks, no padding to a group's longest context, no mask
@@ -8,17 +8,17 @@
   chunks on AMX tiles where the CPU has them (prefill_amx.c; docs/engine_speed.md, "Prefill
   attention");
 - small-batch GEMM (small_gemm.c): a linear layer on a few rows (a decode step) from weights
-  packed in 16-column panels (engine/dense.py; docs/engine_speed.md, "Small-batch linears");
-  in bfloat16 on AMX tiles (amx_gemm.c), where the CPU has them (engine/cpu_gemm.py has their
+  packed in 16-column panels (engine/forward/dense.py; docs/engine_speed.md, "Small-batch linears");
+  in bfloat16 on AMX tiles (amx_gemm.c), where the CPU has them (engine/kernels/cpu_gemm.py has their
   wrappers);
 - rotary embedding (rope.c), RMSNorm (rms_norm.c), SiLU times up (silu_mul.c) and greedy argmax
-  (argmax.c): the small ops around them, bit for bit torch's (engine/cpu_ops.py has their
+  (argmax.c): the small ops around them, bit for bit torch's (engine/kernels/cpu_ops.py has their
   wrappers);
 - a whole decoder layer (layer.c): the kernels above called in a Llama layer's order from C, one
-  call per layer, and the new tokens' K/V written to their slots (engine/kernel_layer.py).
+  call per layer, and the new tokens' K/V written to their slots (engine/forward/kernel_layer.py).
 
 Plain C with OpenMP, compiled together by the host's C compiler (`cc`, or `$CC`) for one variant
-(`-march=native` unless `$PDSERVE_KERNEL_ARCH` names another) and cached (engine/kernel_build.py).
+(`-march=native` unless `$PDSERVE_KERNEL_ARCH` names another) and cached (engine/kernels/kernel_build.py).
 Loaded with ctypes: the OpenMP runtime it links is the one torch already loaded (same soname), so
 the kernels and torch share one thread pool.
 
@@ -35,10 +35,10 @@ import functools
 
 import torch
 
-from engine import cpu_ops, kernel_build
-from engine import kernel_checks as checks
-from engine.cpu_gemm import GEMM_REACH, SMALL_ROWS, AmxGemm, Bf16Gemm, SmallGemm, _gemm_rows  # noqa: F401 - cpu_kernel's names too
-from engine.cpu_ops import _FLOAT, _I64, _INT, _PTR, KernelUnavailable  # noqa: F401 - KernelUnavailable: cpu_kernel's error too
+from engine.kernels import cpu_ops, kernel_build
+from engine.kernels import kernel_checks as checks
+from engine.kernels.cpu_gemm import GEMM_REACH, SMALL_ROWS, AmxGemm, Bf16Gemm, SmallGemm, _gemm_rows  # noqa: F401 - cpu_kernel's names too
+from engine.kernels.cpu_ops import _FLOAT, _I64, _INT, _PTR, KernelUnavailable  # noqa: F401 - KernelUnavailable: cpu_kernel's error too
 
 DTYPES = checks.DTYPES  # what the kernels take, and their C code for it
 
@@ -110,7 +110,7 @@ class PrefillKernel:
 
 
 class LayerKernel:
-    """`pd_layer_forward`: one decoder layer; its arguments are engine/kernel_layer.py's structures."""
+    """`pd_layer_forward`: one decoder layer; its arguments are engine/forward/kernel_layer.py's structures."""
 
     KINDS = ("small ops", "gemm", "kv write", "decode attention", "prefill attention")  # layer.c's LAYER_* order
 
@@ -179,7 +179,7 @@ class Kernels:
     amx_gemm: AmxGemm
     bf16_gemm: Bf16Gemm
     variant: str  # kernel_build.VARIANTS' name of the build
-    isa: int  # engine/csrc/isa.c's bits: what the build was compiled to use
+    isa: int  # engine/kernels/csrc/isa.c's bits: what the build was compiled to use
 
     def _names(self) -> list[str]:
         names = [name for bit, name in ((4, "AVX512-BF16"), (2, "AVX-512"), (1, "AVX2")) if self.isa & bit]

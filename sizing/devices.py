@@ -1,5 +1,5 @@
 """Accelerator profiles (datasheet bandwidth, dense FLOP/s, memory) and rates as people write
-them: what `pdserve plan`'s roofline and the emulated devices (engine/cost_model.py) read.
+them: what `pdserve plan`'s roofline and the emulated devices (sizing/cost_model.py) read.
 
 Figures are dense bf16, no sparsity. `parse_rate('400Gbit')` -> bytes/s.
 """

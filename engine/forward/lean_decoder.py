@@ -5,7 +5,7 @@ A decode step of a small model on CPU spends milliseconds in transformers' modul
 the work: the decoder's forward (masks, rotary, cache checks, output records), each layer's call
 with its keyword arguments, and `nn.Module.__call__` around each of a layer's nine modules. Where
 every layer is a Llama-shaped decoder layer (`kernel_layer.LAYER_TYPES`) whose attention and MLP
-are fused (engine/fused.py: `FusedAttention`, `FusedMLP`), this runs the same modules' forwards on
+are fused (engine/forward/fused.py: `FusedAttention`, `FusedMLP`), this runs the same modules' forwards on
 the same inputs in the same order: the embedding, the rotary (cos, sin) from the rotary module's
 own table (`RotaryTable`), then per layer `x + attn(norm1(x))` and `x + mlp(norm2(x))`, as the
 layer's forward writes them, and the final norm. Each residual add and the norm after it (the
@@ -24,9 +24,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from engine import dense, fused
-from engine.kernel_decoder import RotaryTable, plain_decoder
-from engine.kernel_layer import LAYER_TYPES, KernelLayer
+from engine.forward import dense, fused
+from engine.forward.kernel_decoder import RotaryTable, plain_decoder
+from engine.forward.kernel_layer import LAYER_TYPES, KernelLayer
 
 
 class LeanDecoder:

@@ -1,13 +1,13 @@
-"""pdserve's small CPU kernels around the linears and attention (engine/csrc/*.c, built with the
-others by engine/cpu_kernel.py, which imports this module's ctypes helpers and error), each bit for
+"""pdserve's small CPU kernels around the linears and attention (engine/kernels/csrc/*.c, built with the
+others by engine/kernels/cpu_kernel.py, which imports this module's ctypes helpers and error), each bit for
 bit the torch ops it replaces:
 
 - rotary embedding (rope.c): in place on a fused q|k|v projection, float32 or bfloat16, as
-  transformers' rotary rounds (engine/fused.py);
+  transformers' rotary rounds (engine/forward/fused.py);
 - RMSNorm (rms_norm.c): one call per norm, float32 as torch's `F.rms_norm`, bfloat16 as
-  transformers' Llama-style norm (engine/dense.py);
+  transformers' Llama-style norm (engine/forward/dense.py);
 - SiLU times up (silu_mul.c): a gated MLP's activation on its fused gate|up projection, float32
-  or bfloat16, as torch's on an AVX2 + FMA host (engine/fused.py);
+  or bfloat16, as torch's on an AVX2 + FMA host (engine/forward/fused.py);
 - greedy argmax (argmax.c): each logit row's, as torch's, the rows shared among threads
   (engine/sampler.py).
 """
@@ -18,7 +18,7 @@ import ctypes
 
 import torch
 
-from engine import kernel_checks as checks
+from engine.kernels import kernel_checks as checks
 
 _I64, _PTR, _INT, _FLOAT = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 

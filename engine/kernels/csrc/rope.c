@@ -1,4 +1,4 @@
-/* Rotary position embedding in place, on the CPU (engine/fused.py calls it on a layer's fused
+/* Rotary position embedding in place, on the CPU (engine/forward/fused.py calls it on a layer's fused
    q|k|v projection).
 
 Each of `tokens` rows holds `heads` heads of `dim` floats, contiguous, from x + t * tok_stride

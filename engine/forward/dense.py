@@ -13,14 +13,14 @@ Only plain `nn.Linear` modules with a float32 weight (or bfloat16, where the CPU
 built in. The packed weight replaces the module's parameter; a weight shared with another module
 (tied embeddings and LM head) is left in place and the packed copy sits beside it.
 
-With pdserve's CPU kernels (`engine.cpu_kernels`, engine/cpu_kernel.py), each packed linear keeps
+With pdserve's CPU kernels (`engine.cpu_kernels`, engine/kernels/cpu_kernel.py), each packed linear keeps
 its weight in 16-column panels for the CPU GEMM. Where torch vectorizes with AVX2 (this project's
 host) the GEMM takes every product, decode rows and prefill chunks alike (2x oneDNN's speed at 16
 rows, 1.1x at 512 to 2048), and no oneDNN copy is made: the panels replace the weight. Elsewhere
 (`SMALL_ROWS` = 64) it takes products of up to 64 rows and oneDNN the larger ones, a second copy
 of the linear weights. bfloat16 weights go to the bfloat16 GEMM (`cpu_kernel.Bf16Gemm`,
-engine/csrc/bf16_gemm.c): where the CPU has AMX, products of up to 32 rows on AMX tiles
-(engine/csrc/amx_gemm.c, 0.66x oneDNN's time at 1-16 rows on a Xeon, 0.72x at 32), larger ones by
+engine/kernels/csrc/bf16_gemm.c): where the CPU has AMX, products of up to 32 rows on AMX tiles
+(engine/kernels/csrc/amx_gemm.c, 0.66x oneDNN's time at 1-16 rows on a Xeon, 0.72x at 32), larger ones by
 oneDNN; where it has AVX512-BF16 without AMX (AMD Zen 4), every product by vdpbf16ps on the same
 panels, and no oneDNN copy (docs/engine_speed.md, "bfloat16 without AMX").
 
@@ -28,7 +28,7 @@ The norms around them: an RMSNorm module written as transformers' Llama / Qwen /
 (square, mean, add eps, rsqrt, two multiplies: six passes over the hidden states) becomes one
 call, where that gives the module's own output bit for bit on probe inputs (checked per module at
 load; Gemma's `1 + weight` norm, for one, fails the check and stays as it is): pdserve's CPU kernel
-(engine/csrc/rms_norm.c, float32: torch's own sum order, so its bits) where it builds and matches,
+(engine/kernels/csrc/rms_norm.c, float32: torch's own sum order, so its bits) where it builds and matches,
 else `F.rms_norm` (on CPU a chain of eight torch ops: 45-50 us per norm at 16 rows, mostly dispatch).
 A 512-token prefill's 61 norms on SmolLM2: 23-49 ms eager, 9-10 ms as `F.rms_norm`.
 """
@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.cpu_kernel import DTYPES, SMALL_ROWS
+from engine.kernels.cpu_kernel import DTYPES, SMALL_ROWS
 
 log = logging.getLogger(__name__)
 

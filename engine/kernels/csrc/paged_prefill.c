@@ -1,4 +1,4 @@
-/* Prefill attention straight from the paged KV pool, on the CPU (engine/cpu_kernel.py builds it).
+/* Prefill attention straight from the paged KV pool, on the CPU (engine/kernels/cpu_kernel.py builds it).
 
 One chunk of one sequence: queries at positions pos0 .. pos0 + nq - 1, whose keys and values are
 already in the pool (the chunk's own included), reached through the sequence's block table. A

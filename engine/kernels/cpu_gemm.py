@@ -1,7 +1,7 @@
-"""pdserve's CPU GEMMs, as engine/cpu_kernel.py loads them (engine/csrc/small_gemm.c, amx_gemm.c):
+"""pdserve's CPU GEMMs, as engine/kernels/cpu_kernel.py loads them (engine/kernels/csrc/small_gemm.c, amx_gemm.c):
 float32 `x @ W^T + bias` on panel-packed weights (`SmallGemm`, with the greedy head's passes), and
 bfloat16 on AMX tiles for a few rows (`AmxGemm`, with the float32 greedy head's first pass on the
-tiles). engine/dense.py's `PackedLinear` hands them their products; docs/engine_speed.md, "Small-batch
+tiles). engine/forward/dense.py's `PackedLinear` hands them their products; docs/engine_speed.md, "Small-batch
 linears" and "AMX tiles", has the figures."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import ctypes
 
 import torch
 
-from engine import hugepages
-from engine import kernel_checks as checks
-from engine.cpu_ops import _I64, _INT, _PTR
+from engine.kernels import hugepages
+from engine.kernels import kernel_checks as checks
+from engine.kernels.cpu_ops import _I64, _INT, _PTR
 
 
 def _gemm_rows(capability: str) -> int | None:
@@ -105,7 +105,7 @@ class SmallGemm:
 
 class AmxGemm:
     """`pd_amx_pack` / `pd_amx_gemm`: bfloat16 `x @ W^T + bias` on AMX tiles for up to `kernel_rows`
-    rows (engine/csrc/amx_gemm.c), where the CPU has AMX and the OS lets the process use it (`ready`);
+    rows (engine/kernels/csrc/amx_gemm.c), where the CPU has AMX and the OS lets the process use it (`ready`);
     `PackedLinear` gives it up to `max_rows`."""
 
     dtype = torch.bfloat16
@@ -170,7 +170,7 @@ class AmxGemm:
 
 class Bf16Gemm:
     """`pd_bf16_gemm`: bfloat16 `x @ W^T + bias` on `AmxGemm.pack`'s panels, on AMX tiles where they
-    run (up to 64 rows), else by AVX512-BF16's vdpbf16ps (any row count: engine/csrc/bf16_gemm.c);
+    run (up to 64 rows), else by AVX512-BF16's vdpbf16ps (any row count: engine/kernels/csrc/bf16_gemm.c);
     the one bfloat16 GEMM `PackedLinear` and the kernel layers call, so both take the same path. `path`
     says which, or "" where neither runs here (oneDNN takes bfloat16's linears)."""
 

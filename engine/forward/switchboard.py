@@ -6,7 +6,7 @@ constants: on CPU their linears are prepacked for oneDNN, on GPU they feed fused
 head stays eager in transformers' own code, so each family's logit post-processing (soft-capping,
 scaling) is theirs, and the graph's output — every token's hidden state — always depends on every
 layer: nothing in it is ever dead code. That matters because paged attention is an opaque custom
-op (engine/attention.py) whose KV write the compiler cannot see; a graph whose output ignored
+op (engine/forward/attention.py) whose KV write the compiler cannot see; a graph whose output ignored
 the last layer (a step that samples no row) would drop that layer's write.
 
 The graph sees `[1, T]` ids and positions whatever the requests are, so a changing batch never
@@ -39,8 +39,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from engine import attention, dense, fused, kernel_decoder, kernel_layer, lean_decoder
-from engine.greedy_head import GreedyHead
+from engine.forward import attention, dense, fused, kernel_decoder, kernel_layer, lean_decoder
+from engine.forward.greedy_head import GreedyHead
 
 log = logging.getLogger(__name__)
 
@@ -110,16 +110,16 @@ class Forward:
         self.rope = kernels.rope if kernels else None  # fused layers' rotary
         self.rms_norm = kernels.rms_norm if kernels else None  # fused norms
         self.silu_mul = kernels.silu_mul if kernels else None  # fused MLPs' activation
-        self.fuse = fuse  # fused q|k|v and gate|up layers where linears are packed (engine/fused.py)
+        self.fuse = fuse  # fused q|k|v and gate|up layers where linears are packed (engine/forward/fused.py)
         self.fused_layers = (0, 0)  # (attention modules, MLPs) fused
-        # with `fuse`: each decoder layer that is all the kernels' as one call (engine/kernel_layer.py)
+        # with `fuse`: each decoder layer that is all the kernels' as one call (engine/forward/kernel_layer.py)
         self.layer_kernel = kernels if kernel_layers and self.small_gemm is not None else None
         self.kernel_layers = 0  # decoder layers so swapped
         self.kernel_decoder: kernel_decoder.KernelDecoder | None = None  # all of them: the decoder's loop too
-        # fused layers: the decoder's loop as direct calls (engine/lean_decoder.py), for the steps the
+        # fused layers: the decoder's loop as direct calls (engine/forward/lean_decoder.py), for the steps the
         # kernel decoder does not take (more rows than its GEMM's cut), or every step where there is none
         self.lean_decoder: lean_decoder.LeanDecoder | None = None
-        # with the kernel decoder: an all-greedy step's tokens without the float32 logits (engine/greedy_head.py)
+        # with the kernel decoder: an all-greedy step's tokens without the float32 logits (engine/forward/greedy_head.py)
         self._want_greedy_head = greedy_head
         self.greedy_head: GreedyHead | None = None
         self.greedy_reason: str | None = "engine.greedy_head: off"  # why there is none (None: there is)

@@ -1,5 +1,5 @@
 /* bfloat16 linears on AMX tiles for a few rows (a decode step): out = x @ W^T + bias, for up to 64
-   rows; engine/dense.py's `PackedLinear` gives it up to 32 (cpu_kernel.AmxGemm.max_rows: past that
+   rows; engine/forward/dense.py's `PackedLinear` gives it up to 32 (cpu_kernel.AmxGemm.max_rows: past that
    oneDNN was the faster here) where the CPU has AMX.
 
 A decode step reads every weight once for a handful of rows: it is bound by how fast the weights
@@ -173,7 +173,7 @@ int pd_amx_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, con
 #endif
 }
 
-/* The float32 greedy head's first pass on the tiles (engine/greedy_head.py): approx [rows][n] =
+/* The float32 greedy head's first pass on the tiles (engine/forward/greedy_head.py): approx [rows][n] =
    x @ b(W)^T + bias, b(W) the head's weight rounded to bfloat16 (`panels`, pd_amx_pack's layout),
    x float32 split into two bfloat16 parts (x = h + l + e, |e| <= 2^-16 |x|), both products summed
    in float32 on the tiles; sg_greedy then takes these with the bound for them. Returns 0; -1 where
