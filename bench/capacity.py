@@ -15,8 +15,8 @@ from pathlib import Path
 
 from bench.errors import WorkloadError
 from bench.workload import RequestSpec, Workload
-from protocol.sizes import parse_bytes
-from sizing.memory import ModelShape, dtype_bytes, kv_bytes_per_token
+from sizing.kv_pool import kv_pool_blocks, resolve_dtype
+from sizing.memory import ModelShape
 
 CLAMP_OPTION = "--clamp-to-capacity"
 
@@ -38,16 +38,18 @@ class Capacity:
 
 
 def worker_capacity(cfg) -> Capacity | None:
-    """The KV pool of one worker of `cfg` (a ClusterConfig), or None where the device decides it."""
-    kv = cfg.kv_cache
-    if kv.num_blocks is not None:
-        return Capacity(kv.num_blocks, kv.block_size, f"kv_cache.num_blocks {kv.num_blocks}")
-    if kv.memory is None:
+    """The KV pool of one decode worker of `cfg` (a ClusterConfig), or None where the device decides
+    it: the engine's own rule (sizing/kv_pool.py) over the engine config the worker gets."""
+    engine = cfg.engine_config(cfg.decode, device=cfg.device_of(cfg.decode))
+    if engine.num_blocks is None and engine.kv_cache_memory is None:
         return None
     hf = json.loads((Path(cfg.model.path) / "config.json").read_text())
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else hf.get("torch_dtype") or hf.get("dtype") or "float32"
-    block_bytes = kv.block_size * kv_bytes_per_token(ModelShape.from_hf_config(hf), dtype_bytes(dtype))
-    return Capacity(parse_bytes(kv.memory) // block_bytes, kv.block_size, f"kv_cache.memory {kv.memory}")
+    dtype = resolve_dtype(engine.dtype, engine.device)
+    blocks = kv_pool_blocks(ModelShape.from_hf_config(hf), dtype, engine.block_size, engine.num_blocks,
+                            engine.kv_cache_memory)
+    source = (f"kv_cache.num_blocks {engine.num_blocks}" if engine.num_blocks is not None
+              else f"kv_cache.memory {cfg.kv_cache.memory} in {dtype}")
+    return Capacity(blocks, engine.block_size, source)
 
 
 def fit(workload: Workload, capacity: Capacity, clamp: bool) -> Workload:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import functools
 import logging
-from dataclasses import dataclass
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
@@ -25,7 +24,8 @@ from engine.config import EngineConfig
 from engine.forward import attention, dense, features, switchboard
 from engine.kernels import cpu_kernel
 from engine.kv_cache import allocate_kv_pool
-from engine.request import Request
+from engine.request import Request, ScheduledItem
+from sizing import kv_pool
 from sizing.memory import ModelShape, num_kv_blocks
 
 log = logging.getLogger(__name__)
@@ -33,40 +33,14 @@ log = logging.getLogger(__name__)
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-@dataclass
-class ScheduledItem:
-    request: Request
-    num_tokens: int  # new tokens computed for this request in this step
-
-    @property
-    def start(self) -> int:
-        return self.request.num_computed_tokens
-
-    @property
-    def end(self) -> int:
-        return self.request.num_computed_tokens + self.num_tokens
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_tokens == 1 and self.start > 0
-
-    @property
-    def samples(self) -> bool:
-        return self.end == self.request.num_tokens
-
-
 def resolve_dtype(config: EngineConfig, device: torch.device) -> torch.dtype:
-    """An explicit dtype wins; `auto` is bfloat16 where the device computes it natively (a CUDA GPU
-    with bf16, a CPU with AVX512-BF16 or AMX) and float32 elsewhere."""
-    if config.dtype != "auto":
-        return DTYPES[config.dtype]
-    return torch.bfloat16 if computes_bf16(device) else torch.float32
+    """The pool's and weights' dtype by the one rule (sizing/kv_pool.py): an explicit dtype wins;
+    `auto` is bfloat16 where the device computes it natively, float32 elsewhere."""
+    return DTYPES[kv_pool.resolve_dtype(config.dtype, device.type)]
 
 
 def computes_bf16(device: torch.device) -> bool:
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and dense.cpu_computes_bf16()
+    return kv_pool.computes_bf16(device.type)
 
 
 class ModelRunner:
@@ -172,10 +146,11 @@ class ModelRunner:
 
     def _num_blocks(self) -> int:
         cfg = self.config
-        if cfg.num_blocks is not None:
-            return cfg.num_blocks
-        if cfg.kv_cache_memory is not None:
+        by_config = kv_pool.kv_pool_blocks(self.shape, str(self.dtype).removeprefix("torch."), self.block_size,
+                                           cfg.num_blocks, cfg.kv_cache_memory)
+        if by_config is not None:
             budget = cfg.kv_cache_memory
+            blocks = by_config
         else:
             weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
             if self.small_gemm is not None and self.small_gemm.max_rows is not None:  # panels beside oneDNN's copy
@@ -186,7 +161,7 @@ class ModelRunner:
                     and head is not None):
                 weights += head.weight.numel() * 2  # the greedy head's half-float copy, where it is made
             budget = int(device_memory(self.device) * cfg.memory_fraction) - weights - cfg.runtime_overhead
-        blocks = num_kv_blocks(self.shape, self.dtype, budget, self.block_size)
+            blocks = num_kv_blocks(self.shape, self.dtype, budget, self.block_size)
         if blocks < 1:
             raise ValueError(f"no memory left for the KV cache (budget {budget} bytes); lower the overhead "
                              "or set kv_cache.num_blocks")

@@ -72,3 +72,27 @@ class Request:
             extend_hashes(self.block_hashes, self.prompt_token_ids + self.output_token_ids, block_size, upto_tokens,
                           salt_root(self.sampling.cache_salt))
         return self.block_hashes
+
+
+@dataclass
+class ScheduledItem:
+    """One request's share of a step: what the scheduler hands the model runner."""
+
+    request: Request
+    num_tokens: int  # new tokens computed for this request in this step
+
+    @property
+    def start(self) -> int:
+        return self.request.num_computed_tokens
+
+    @property
+    def end(self) -> int:
+        return self.request.num_computed_tokens + self.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1 and self.start > 0
+
+    @property
+    def samples(self) -> bool:
+        return self.end == self.request.num_tokens

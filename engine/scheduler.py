@@ -18,8 +18,7 @@ from dataclasses import dataclass
 
 from engine.config import EngineConfig
 from engine.kv_cache import BlockAllocator
-from engine.model_runner import ScheduledItem
-from engine.request import Request, Status
+from engine.request import Request, ScheduledItem, Status
 from engine.telemetry import KVWaitClock
 
 

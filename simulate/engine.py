@@ -25,7 +25,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
-from engine.model_runner import ScheduledItem
+from engine.request import ScheduledItem
 from protocol import clock
 from protocol.messages import EngineBeat
 from protocol.outputs import RequestOutput

@@ -25,8 +25,9 @@ def _bench(*argv: str) -> int:
 
 
 def test_the_pool_size_comes_from_num_blocks_or_memory_over_the_block_bytes(llama_dir):
-    by_memory = worker_capacity(parse_config({"model": {"path": llama_dir}, "kv_cache": {"memory": "1MiB"}}))
-    assert by_memory == Capacity((1 << 20) // kv_bytes(llama_dir, 16, 16), 16, "kv_cache.memory 1MiB")
+    float32 = {"path": llama_dir, "dtype": "float32"}  # the tiny checkpoint's own dtype (auto: tests/test_sizing.py)
+    by_memory = worker_capacity(parse_config({"model": float32, "kv_cache": {"memory": "1MiB"}}))
+    assert by_memory == Capacity((1 << 20) // kv_bytes(llama_dir, 16, 16), 16, "kv_cache.memory 1MiB in float32")
     assert worker_capacity(parse_config({"model": {"path": llama_dir}, "kv_cache": {"num_blocks": 7}})) == \
         Capacity(7, 16, "kv_cache.num_blocks 7")
     assert worker_capacity(parse_config({"model": {"path": llama_dir}})) is None  # the device decides

@@ -16,8 +16,7 @@ from engine.forward import attention, kernel_layer
 from engine.kernels import kernel_build
 from engine.kernels.cpu_ops import KernelUnavailable
 from engine.kernels.kernel_checks import KernelArgumentError
-from engine.model_runner import ScheduledItem
-from engine.request import Request
+from engine.request import Request, ScheduledItem
 from protocol.sampling import SamplingParams
 from tests.kernel_util import KERNELS
 

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.kernels.cpu_kernel import DTYPES, SMALL_ROWS
+from sizing import kv_pool
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ log = logging.getLogger(__name__)
 
 def cpu_computes_bf16() -> bool:
     """The CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): oneDNN's bf16 kernels run there."""
-    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    return kv_pool.computes_bf16("cpu")
 
 
 def packable(dtype: torch.dtype) -> bool:

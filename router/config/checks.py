@@ -18,6 +18,7 @@ from protocol.sizes import PlanError, format_bytes, parse_bytes
 from router.config.emulate import check_emulate, emulated_num_blocks
 from router.config.typed_yaml import ConfigError
 from router.frontdoor.access import TokenFileError, read_tokens
+from sizing.kv_pool import resolve_dtype
 from sizing.memory import ModelShape, dtype_bytes, kv_bytes_per_token
 from worker_runtime.malloc import MALLOCS, NO_TCMALLOC, tcmalloc
 
@@ -128,9 +129,9 @@ def _real_kv_bytes_per_token(cfg: ClusterConfig) -> int | None:
         config = json.loads((Path(cfg.model.path) / "config.json").read_text())
     except (OSError, json.JSONDecodeError):
         return None
-    dtype = cfg.model.dtype if cfg.model.dtype != "auto" else config.get("torch_dtype") or config.get("dtype")
+    dtype = resolve_dtype(cfg.model.dtype, cfg.device_of(cfg.decode))
     try:
-        return kv_bytes_per_token(ModelShape.from_hf_config(config, num_params=0), dtype_bytes(dtype or "float32"))
+        return kv_bytes_per_token(ModelShape.from_hf_config(config, num_params=0), dtype_bytes(dtype))
     except PlanError:
         return None
 

@@ -215,6 +215,11 @@ class ClusterConfig:
     faults: FaultConfig = field(default_factory=FaultConfig)  # fault injection, off by default
     emulate: EmulateSection = field(default_factory=EmulateSection)  # emulated devices, off by default
 
+    @staticmethod
+    def device_of(pool: PoolSection) -> str:
+        """The device type a worker of `pool` runs on."""
+        return "cuda" if pool.num_gpus else "cpu"
+
     def engine_config(self, pool: PoolSection, device: str = "cpu") -> EngineConfig:
         kv = self.kv_cache
         return EngineConfig(

@@ -107,7 +107,7 @@ class PoolManager:
         health.starting += 1
         try:
             cpu = self._next_cpu(pool)
-            engine = self.config.engine_config(sec, device="cuda" if sec.num_gpus else "cpu")
+            engine = self.config.engine_config(sec, device=self.config.device_of(sec))
             env = malloc.worker_env(sec.malloc, on_gpu=sec.num_gpus > 0) | threads.wait_env(
                 engine.torch_threads, sec.num_cpus, colocated=transfer is None, pinned=cpu is not None)
             actor = self.actors.start(cls, sec, env, (name, engine, transfer, cpu, self.faults, self.emulation))
