@@ -1,5 +1,5 @@
 """Fit this host's cost model for a checkpoint, so an emulated cluster can stand in for a real one
-(scripts/bench_emulation.py checks how well).
+(bench/emulation_check.py checks how well).
 
 The steps come from one of two places: `measure_steps` runs the engine on a spread of step shapes
 (decode batches of 1 to 8, prefill chunks of 32 to 256 tokens) in this process; `from_records`

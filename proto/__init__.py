@@ -1,1 +1,1 @@
-"""pdserve's gRPC API: `pdserve.proto` and the modules generated from it (see scripts/gen_proto.py)."""
+"""pdserve's gRPC API: `pdserve.proto` and the modules generated from it (see proto/gen_proto.py)."""

@@ -10,7 +10,7 @@
 - vs_real: the real SmolLM2 cluster on this CPU (`pdserve bench`, no emulation) against
   `pdserve simulate --emulate host` (this host's profile, measured first: simulate/host.py).
 - speed (with `--only speed`): simulated seconds per host second at 8-64 devices.
-- vs_external: Vidur (scripts/vidur_compare.py) on a window of the Mooncake conversation trace,
+- vs_external: Vidur (simulate/vidur_compare.py) on a window of the Mooncake conversation trace,
   colocated, against `pdserve simulate` of the same window; null with the reason if it cannot run.
 
 Each entry gives, per arrangement, TTFT and ITL p50 / p99 of the reference and the simulation (ms)
@@ -170,7 +170,7 @@ def main() -> int:
     parser.add_argument("--sizes", default="8,16,32,64", help="devices, for speed (default 8,16,32,64)")
     parser.add_argument("--time-scale", type=float, default=8.0, help="the emulated cluster's (default 8)")
     parser.add_argument("--vidur-python", default=os.environ.get("VIDUR_PYTHON"),
-                        help="a python with vidur installed (scripts/vidur_compare.py)")
+                        help="a python with vidur installed (simulate/vidur_compare.py)")
     parser.add_argument("--trace", type=Path, default=TRACE,
                         help="the Mooncake conversation trace (docs/simulate.md) for speed and external "
                              "(default: the window of it bench ships)")

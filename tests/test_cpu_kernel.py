@@ -20,7 +20,7 @@ from engine.forward import dense
 from engine.kernels import cpu_kernel, kernel_build
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
-from scripts.device_check import staggered_tokens
+from microbench.device_check import staggered_tokens
 from tests.kernel_util import KERNELS, WHY
 from tests.kernel_util import attention_reference as _reference
 from tests.reference import hf_greedy

@@ -1,4 +1,4 @@
-"""scripts/device_check.py on CPU: the logic a CUDA machine runs (scripts/device_check.sh), here on
+"""microbench/device_check.py on CPU: the logic a CUDA machine runs (scripts/device_check.sh), here on
 the tiny model. Every check must genuinely pass: token-exact against `generate`, KV bit-identical
 across two processes, the bench producing every token it was asked for."""
 
@@ -18,7 +18,7 @@ FIELDS = {"name", "ok", "seconds", "error"}
 
 def _device_check(model: str, out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-m", "scripts.device_check", "--device", "cpu", "--quick",
+    proc = subprocess.run([sys.executable, "-m", "microbench.device_check", "--device", "cpu", "--quick",
                            "--model", model, "--out", str(out), *extra],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     return proc, json.loads(out.read_text())
@@ -75,7 +75,7 @@ def test_cuda_asked_for_where_there_is_none_exits_2(tmp_path):
 
     if torch.cuda.is_available():
         pytest.skip("this host has a CUDA device")
-    proc = subprocess.run([sys.executable, "-m", "scripts.device_check", "--out", str(tmp_path / "x.json")],
+    proc = subprocess.run([sys.executable, "-m", "microbench.device_check", "--out", str(tmp_path / "x.json")],
                           cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
                           timeout=120)
     assert proc.returncode == 2 and "no CUDA device" in proc.stderr

@@ -454,7 +454,7 @@ def test_the_host_fit_recovers_a_known_cost_model(llama_dir):
 
 def test_a_step_record_carries_what_the_cost_model_needs_and_a_run_fits_from_its_records(llama_dir):
     """Each engine step records its KV read and attention pairs, so a real run's own steps fit a
-    host's model (scripts/bench_emulation.py --fit run). Exact for one known step: two requests of
+    host's model (bench/emulation_check.py --fit run). Exact for one known step: two requests of
     5 and 9 prompt tokens prefilled together (pairs 5*6/2 + 9*10/2), then decoded once (contexts 6
     and 10). Records fit as their shapes do: the model's bytes and FLOPs of both are identical."""
     from bench.calibrate import from_records

@@ -16,7 +16,7 @@ from engine.config import EngineConfig
 from engine.forward import dense, switchboard
 from engine.llm_engine import LLMEngine
 from engine.model_runner import computes_bf16, resolve_dtype
-from scripts.device_check import staggered_tokens
+from microbench.device_check import staggered_tokens
 from tests.kernel_util import KERNELS, WHY
 from tests.reference import hf_greedy
 

@@ -20,7 +20,7 @@ from engine.config import EngineConfig
 from engine.forward import attention, dense, fused
 from engine.kernels import cpu_kernel
 from engine.llm_engine import LLMEngine
-from scripts.device_check import staggered_tokens
+from microbench.device_check import staggered_tokens
 from tests.kernel_util import KERNELS, WHY
 from tests.reference import hf_greedy
 

@@ -18,7 +18,7 @@ from engine.config import EngineConfig
 from engine.forward import attention, kernel_decoder, kernel_layer
 from engine.kernels import cpu_kernel
 from engine.llm_engine import LLMEngine
-from scripts.device_check import staggered_tokens
+from microbench.device_check import staggered_tokens
 from tests.reference import hf_greedy
 from tests.test_fused import _avx2_fma, _kernels
 

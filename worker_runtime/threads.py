@@ -1,6 +1,6 @@
 """`torch_threads: auto`: how many intra-op threads a CPU worker's torch runs.
 
-The rule, measured on a 2-core host with `python -m scripts.bench_peer` (docs/engine_speed.md,
+The rule, measured on a 2-core host with `python -m bench.peer` (docs/engine_speed.md,
 "Threads"): a colocated worker runs twice its Ray CPU share in threads, a prefill or decode
 worker of a disaggregated cluster its share, both capped at the cores the process may run on;
 a worker pinned to one core (`cpus`) runs one. Two colocated workers, each doing prefill and

@@ -25,7 +25,6 @@ buffers for the step's rows.
 
 from __future__ import annotations
 
-import ctypes
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -36,35 +35,12 @@ from torch import nn
 from engine.forward import attention, dense, features, fused
 from engine.kernels import cpu_kernel
 from engine.kernels import kernel_checks as checks
+from engine.kernels.abi import LayerArgs, StepArgs
 
 log = logging.getLogger(__name__)
 
 # decoder layers whose forward is exactly residual + attention(norm), residual + mlp(norm)
 LAYER_TYPES = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "SmolLM3DecoderLayer"})
-
-_P, _F, _I32, _I64 = ctypes.c_void_p, ctypes.c_float, ctypes.c_int32, ctypes.c_int64
-
-
-class LayerArgs(ctypes.Structure):
-    """engine/kernels/csrc/layer.c's `pd_layer`: one layer's weights (the GEMM's panels) and shape."""
-
-    _fields_ = [*((name, _P) for name in ("norm1", "qkv", "qkv_bias", "o", "o_bias", "norm2", "gate_up",
-                                          "gate_up_bias", "down", "down_bias")),
-                *((name, _F) for name in ("eps1", "eps2", "scale", "softcap")),
-                ("layer", _I64),
-                *((name, _I32) for name in ("hidden", "heads", "kv_heads", "dim", "inter", "window"))]
-
-
-class StepArgs(ctypes.Structure):
-    """engine/kernels/csrc/layer.c's `pd_step`: what every layer of one step reads."""
-
-    _fields_ = [("kv", _P),
-                *((name, _I64) for name in ("blk_stride", "layer_stride", "tok_stride")),
-                *((name, _P) for name in ("slot_blocks", "slot_offsets", "tables", "lens")),
-                ("table_stride", _I64),
-                *((name, _P) for name in ("chunks", "cos", "sin", "h", "qkv", "attn", "gu", "act", "tmp")),
-                *((name, _I32) for name in ("tokens", "decodes", "n_chunks", "block_size", "threads", "dtype"))]
-
 
 @dataclass(frozen=True)
 class Shape:

@@ -12,7 +12,6 @@ import torch
 
 from engine.kernels import hugepages
 from engine.kernels import kernel_checks as checks
-from engine.kernels.cpu_ops import _I64, _INT, _PTR
 
 
 def _gemm_rows(capability: str) -> int | None:
@@ -39,7 +38,7 @@ def _gemm_args(name: str, panels: torch.Tensor, bias: torch.Tensor | None, n: in
 
 
 class SmallGemm:
-    """`sg_pack` / `sg_gemm`: float32 `x @ W^T + bias` (for up to SMALL_ROWS rows, where that is set)."""
+    """`pd_f32_pack` / `pd_f32_gemm`: float32 `x @ W^T + bias` (for up to SMALL_ROWS rows, where that is set)."""
 
     dtype = torch.float32
     kernel_rows = None  # one call takes any row count
@@ -47,13 +46,7 @@ class SmallGemm:
     reach = GEMM_REACH
 
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._pack, self._gemm, self._greedy = lib.sg_pack, lib.sg_gemm, lib.sg_greedy
-        self._pack.restype = self._gemm.restype = None
-        self._pack.argtypes = [_PTR, _I64, _I64, _PTR]
-        self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _INT, _INT, _INT]
-        self._greedy.restype = _INT
-        self._greedy.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _PTR, _INT, _INT, _INT, ctypes.c_double,
-                                 ctypes.c_double, _PTR, _PTR, _INT]
+        self._pack, self._gemm, self._greedy = lib.pd_f32_pack, lib.pd_f32_gemm, lib.pd_f32_greedy
         self._arena = hugepages.Arena()  # every step reads the panels end to end: 2 MiB pages
 
     def pack(self, weight: torch.Tensor) -> torch.Tensor:
@@ -75,7 +68,7 @@ class SmallGemm:
     def greedy(self, x: torch.Tensor, panels: torch.Tensor, half: torch.Tensor, bias: torch.Tensor | None,
                norms: torch.Tensor, rel: float, abs_: float, approx: torch.Tensor
                ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """`sg_greedy`: x `[M, K]` (rows contiguous) -> (`[M]` int64, the argmax of each row of
+        """`pd_f32_greedy`: x `[M, K]` (rows contiguous) -> (`[M]` int64, the argmax of each row of
         `x @ W^T + bias` as `self(...)` computes it; `[M]` int32, the float32 panels each row reread),
         or None where a value is not finite. `norms`: `[n]` float32, each at least its |W_j|;
         `approx`: `[>= M * n]` float32 scratch; `half` None: `approx` holds the first pass already
@@ -118,14 +111,7 @@ class AmxGemm:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._pack, self._gemm, self._ready = lib.pd_amx_pack, lib.pd_amx_gemm, lib.pd_amx_gemm_ready
-        self._pack.restype = None
-        self._pack.argtypes = [_PTR, _I64, _I64, _PTR]
-        self._gemm.restype = self._ready.restype = _INT
-        self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _I64, _I64, _INT]
-        self._ready.argtypes = []
         self._head_approx = lib.pd_amx_head_approx
-        self._head_approx.restype = _INT
-        self._head_approx.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _INT, _I64, _I64, _INT]
         self._arena = hugepages.Arena()  # every step reads the panels end to end: 2 MiB pages
 
     def ready(self) -> bool:
@@ -184,9 +170,6 @@ class Bf16Gemm:
 
     def __init__(self, lib: ctypes.CDLL, amx: AmxGemm) -> None:
         self._gemm, self._path = lib.pd_bf16_gemm, lib.pd_bf16_gemm_path
-        self._gemm.restype = self._path.restype = _INT
-        self._gemm.argtypes = [_PTR, _I64, _PTR, _PTR, _PTR, _I64, _INT, _I64, _I64, _INT]
-        self._path.argtypes = []
         self.pack = amx.pack  # the tiles' pair layout is vdpbf16ps's too
 
     @property

@@ -35,7 +35,7 @@ import functools
 
 import torch
 
-from engine.kernels import cpu_ops, kernel_build
+from engine.kernels import abi, cpu_ops, kernel_build
 from engine.kernels import kernel_checks as checks
 from engine.kernels.cpu_gemm import GEMM_REACH, SMALL_ROWS, AmxGemm, Bf16Gemm, SmallGemm, _gemm_rows  # noqa: F401 - cpu_kernel's names too
 from engine.kernels.cpu_ops import _FLOAT, _I64, _INT, _PTR, KernelUnavailable  # noqa: F401 - KernelUnavailable: cpu_kernel's error too
@@ -49,9 +49,6 @@ class DecodeKernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.pd_paged_decode
-        self._fn.restype = _INT
-        self._fn.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
-                             _I64, _I64, _INT, _INT, _INT, _INT, _INT, _FLOAT, _INT, _FLOAT, _INT]
         self._checked = checks.Memo()
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -83,9 +80,6 @@ class PrefillKernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.pd_paged_prefill
-        self._fn.restype = _INT
-        self._fn.argtypes = [_INT, _PTR, _I64, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, _INT, _PTR,
-                             _I64, _I64, _INT, _INT, _INT, _INT, _FLOAT, _INT, _FLOAT, _INT]
 
     def __call__(self, query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  table: torch.Tensor, first_pos: int, out: torch.Tensor, scale: float,
@@ -116,12 +110,8 @@ class LayerKernel:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.pd_layer_forward
-        self._fn.restype = _INT
-        self._fn.argtypes = [_PTR, _PTR, _PTR, _PTR]
         self._seconds = (ctypes.c_double * len(self.KINDS)).in_dll(lib, "pd_layer_seconds")
         self._decoder = lib.pd_decoder_forward
-        self._decoder.restype = _INT
-        self._decoder.argtypes = [_PTR, _INT, _PTR, _PTR, _PTR, _PTR, _PTR, _FLOAT, _PTR]
 
     def seconds(self) -> dict[str, float]:
         """Wall seconds every call so far spent on each kind of work (`KINDS`), summed over the process."""
@@ -157,8 +147,6 @@ class AmxSwitch:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.pd_use_amx
-        self._fn.restype = _INT
-        self._fn.argtypes = [_INT]
 
     def __call__(self, enable: bool) -> bool:
         """Sets it; returns whether the tiles are now in use."""
@@ -222,6 +210,7 @@ def _open(variant: str) -> Kernels:
         lib = ctypes.CDLL(str(path))
     except OSError as e:
         raise KernelUnavailable(f"cannot load {path}: {e}; delete it to rebuild") from e
+    abi.bind(lib)
     amx = AmxGemm(lib)
     return Kernels(DecodeKernel(lib), PrefillKernel(lib), SmallGemm(lib), cpu_ops.Rope(lib), cpu_ops.RmsNorm(lib),
                    cpu_ops.SiluMul(lib), LayerKernel(lib), cpu_ops.Argmax(lib), AmxSwitch(lib), amx, Bf16Gemm(lib, amx),
@@ -232,8 +221,6 @@ _load = functools.cache(_open)  # one build and one library per variant and proc
 
 
 def _isa(lib: ctypes.CDLL) -> int:
-    lib.pd_isa.restype = _INT
-    lib.pd_isa.argtypes = []
     return lib.pd_isa()
 
 

@@ -46,9 +46,6 @@ class Rope:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fns = {torch.float32: lib.pd_rope, torch.bfloat16: lib.pd_rope_bf16}
-        for fn in self._fns.values():
-            fn.restype = None
-            fn.argtypes = [_PTR, _I64, _INT, _INT, _PTR, _PTR, _I64, _INT, _INT]
 
     def __call__(self, x: torch.Tensor, heads: int, dim: int, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """x `[T, >= heads * dim]` float32 or bfloat16 (rows of heads, each `dim` contiguous): its first
@@ -69,13 +66,7 @@ class RmsNorm:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fns = {torch.float32: lib.pd_rms_norm, torch.bfloat16: lib.pd_rms_norm_bf16}
-        for fn in self._fns.values():
-            fn.restype = None
-            fn.argtypes = [_PTR, _I64, _PTR, _FLOAT, _PTR, _I64, _INT, _INT, _INT]
         self._adds = {torch.float32: lib.pd_add_rms_norm, torch.bfloat16: lib.pd_add_rms_norm_bf16}
-        for fn in self._adds.values():
-            fn.restype = None
-            fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _FLOAT, _PTR, _PTR, _INT, _INT, _INT]
 
     def add(self, x: torch.Tensor, y: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """x, y `[..., n]` of one shape and dtype (rows contiguous) -> (`x + y`, its norm), each a new
@@ -107,9 +98,6 @@ class SiluMul:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fns = {torch.float32: lib.pd_silu_mul, torch.bfloat16: lib.pd_silu_mul_bf16}
-        for fn in self._fns.values():
-            fn.restype = _INT
-            fn.argtypes = [_PTR, _I64, _PTR, _I64, _INT, _INT, _INT]
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:
         """h `[..., 2n]` float32 or bfloat16 (gate, then up; rows contiguous) -> `[..., n]`;
@@ -131,9 +119,6 @@ class Argmax:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fns = {torch.float32: lib.pd_argmax, torch.bfloat16: lib.pd_argmax_bf16}
-        for fn in self._fns.values():
-            fn.restype = None
-            fn.argtypes = [_PTR, _I64, _INT, _INT, _PTR, _INT]
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """x `[rows, n]` float32 or bfloat16 on the CPU, n >= 1, rows contiguous -> `[rows]` int64."""

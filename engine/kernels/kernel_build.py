@@ -31,9 +31,9 @@ log = logging.getLogger(__name__)
 CSRC = Path(__file__).parent / "csrc"
 SOURCES = tuple(sorted(CSRC.glob("*.c")))
 HEADERS = tuple(sorted(CSRC.glob("*.h")))
-# psabi: 16-lane vectors in static helpers on AVX2 builds; an undeclared function is an error here,
+# hidden: only what pdserve_kernels.h marks PD_API is exported; psabi: 16-lane vectors in static helpers on AVX2 builds; an undeclared function is an error here,
 # not a library that builds and then fails to load
-COMMON_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-Wno-psabi",
+COMMON_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fvisibility=hidden", "-Wno-psabi",
                 "-Werror=implicit-function-declaration")
 VARIANT_ENV = "PDSERVE_KERNEL_ARCH"
 VARIANTS = {"native": "-march=native", "avx512": "-march=skylake-avx512", "avx2": "-march=x86-64-v3"}

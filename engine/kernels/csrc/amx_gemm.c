@@ -23,6 +23,7 @@ SmolLM2 layer's four linears at 512 rows against oneDNN's 1.93. */
 #include <stdlib.h>
 #include <string.h>
 
+#include "pdserve_kernels.h"
 #include "amx.h"
 #include "vec.h"
 
@@ -176,7 +177,7 @@ int pd_amx_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, con
 /* The float32 greedy head's first pass on the tiles (engine/forward/greedy_head.py): approx [rows][n] =
    x @ b(W)^T + bias, b(W) the head's weight rounded to bfloat16 (`panels`, pd_amx_pack's layout),
    x float32 split into two bfloat16 parts (x = h + l + e, |e| <= 2^-16 |x|), both products summed
-   in float32 on the tiles; sg_greedy then takes these with the bound for them. Returns 0; -1 where
+   in float32 on the tiles; pd_f32_greedy then takes these with the bound for them. Returns 0; -1 where
    the tiles are unavailable or a row's largest |x| is under 2^-60 (or NaN): the tiles flush values
    under 2^-126 to zero, which the bound covers only above that; -2 when it could not allocate. */
 int pd_amx_head_approx(const float *x, int64_t ldx, const uint16_t *panels, const float *bias, float *approx,

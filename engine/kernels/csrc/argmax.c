@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "pdserve_kernels.h"
 #include "vec.h"
 
 #define F32_LOAD(x) (x)

@@ -20,6 +20,7 @@ thread that runs out of its own takes from the back of another's. */
 #include <stdlib.h>
 #include <string.h>
 
+#include "pdserve_kernels.h"
 #include "amx.h"
 #include "vec.h"
 
@@ -29,9 +30,6 @@ thread that runs out of its own takes from the back of another's. */
 #else
 #define HAVE_DPBF16 0
 #endif
-
-int pd_amx_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
-                int64_t out_stride, int rows, int64_t n, int64_t k, int threads);
 
 #define AMX_ROWS 64 /* the most rows pd_amx_gemm takes */
 #define TILE_ROWS 8 /* rows of one block */

@@ -1,6 +1,8 @@
 /* What this build of the kernels was compiled for, so start-up can say which paths run
    (engine/kernels/cpu_kernel.py's `Kernels.paths`): one bit per instruction set the code was built to use. */
 
+#include "pdserve_kernels.h"
+
 enum { PD_ISA_AVX2 = 1, PD_ISA_AVX512 = 2, PD_ISA_AVX512_BF16 = 4, PD_ISA_AMX = 8 };
 
 int pd_isa(void) {

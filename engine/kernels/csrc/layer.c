@@ -7,7 +7,7 @@ buffers, so its output is the module path's bit for bit (engine/forward/kernel_l
 layer by layer):
 
     h = rms_norm(x, norm1)                  pd_rms_norm[_bf16]
-    qkv = h @ [Wq; Wk; Wv]^T (+ bias)       sg_gemm (float32), pd_bf16_gemm (bfloat16)
+    qkv = h @ [Wq; Wk; Wv]^T (+ bias)       pd_f32_gemm (float32), pd_bf16_gemm (bfloat16)
     rotary on qkv's q and k heads           pd_rope[_bf16]
     k, v -> their slots in the pool         kv_write
     a = attention(q, the pool)              pd_paged_decode (decode rows), pd_paged_prefill (chunks)
@@ -22,7 +22,7 @@ calls it. The token rows of the step are laid out as the runner lays them out: d
 then each prefill chunk's queries.
 
 `pd_layer_seconds` adds up the wall time of each kind of work across calls (a profiler sees one
-opaque call; scripts/profile_step.py reads these): LAYER_SMALL the norms, rotary, activation and
+opaque call; microbench/profile_step.py reads these): LAYER_SMALL the norms, rotary, activation and
 residual sums, LAYER_GEMM the four products, LAYER_KV_WRITE the new tokens' K/V into their
 slots, LAYER_DECODE the decode rows' attention, LAYER_PREFILL the prefill chunks'. A clock read
 per kernel, about 10 us a step. */
@@ -30,10 +30,16 @@ per kernel, about 10 us a step. */
 #include <string.h>
 #include <time.h>
 
+#include "pdserve_kernels.h"
 #include "vec.h"
 
 enum { LAYER_SMALL, LAYER_GEMM, LAYER_KV_WRITE, LAYER_DECODE, LAYER_PREFILL, LAYER_KINDS };
-double pd_layer_seconds[LAYER_KINDS];
+_Static_assert(LAYER_KINDS == PD_LAYER_KINDS, "pdserve_kernels.h counts the kinds of work");
+double pd_layer_seconds[PD_LAYER_KINDS];
+
+/* the structs' sizes, checked by the bindings against their ctypes mirrors (abi.py) */
+int64_t pd_layer_size(void) { return (int64_t)sizeof(pd_layer); }
+int64_t pd_step_size(void) { return (int64_t)sizeof(pd_step); }
 
 static double now_s(void) {
     struct timespec t;
@@ -44,58 +50,6 @@ static double now_s(void) {
 /* the time since the last mark, to `kind` */
 #define MARK(kind) (t1 = now_s(), pd_layer_seconds[kind] += t1 - t0, t0 = t1)
 
-void pd_rms_norm(const float *x, int64_t x_stride, const float *w, float eps, float *out, int64_t out_stride,
-                 int rows, int n, int threads);
-void pd_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, float eps, uint16_t *out,
-                      int64_t out_stride, int rows, int n, int threads);
-void pd_add_rms_norm(const float *x, int64_t x_stride, const float *y, int64_t y_stride, const float *w, float eps,
-                     float *sum, float *out, int rows, int n, int threads);
-void pd_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *y, int64_t y_stride,
-                          const uint16_t *w, float eps, uint16_t *sum, uint16_t *out, int rows, int n, int threads);
-void sg_gemm(const float *x, int64_t ldx, const float *panels, const float *bias, float *y, int64_t ldy, int m,
-             int n, int k, int threads);
-int pd_bf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
-                 int64_t out_stride, int rows, int64_t n, int64_t k, int threads);
-void pd_rope(float *x, int64_t tok_stride, int heads, int dim, const float *cos, const float *sin,
-             int64_t cs_stride, int tokens, int threads);
-void pd_rope_bf16(uint16_t *x, int64_t tok_stride, int heads, int dim, const uint16_t *cos, const uint16_t *sin,
-                  int64_t cs_stride, int tokens, int threads);
-int pd_silu_mul(const float *x, int64_t x_stride, float *out, int64_t out_stride, int rows, int n, int threads);
-int pd_silu_mul_bf16(const uint16_t *x, int64_t x_stride, uint16_t *out, int64_t out_stride, int rows, int n,
-                     int threads);
-int pd_paged_decode(int dtype, const void *q, int64_t q_tok, int64_t q_head, const void *k, const void *v,
-                    int64_t blk_stride, int64_t tok_stride, int64_t head_stride, const int64_t *tables,
-                    int64_t table_stride, const int64_t *lens, void *out, int64_t out_tok, int64_t out_head,
-                    int n, int heads, int kv_heads, int dim, int block_size, float scale, int window,
-                    float softcap, int threads);
-int pd_paged_prefill(int dtype, const void *q, int64_t q_tok, int64_t q_head, const void *k, const void *v,
-                     int64_t blk_stride, int64_t tok_stride, int64_t head_stride, const int64_t *table,
-                     int64_t pos0, int nq, void *out, int64_t out_tok, int64_t out_head, int heads,
-                     int kv_heads, int dim, int block_size, float scale, int window, float softcap,
-                     int threads);
-
-/* One layer's weights and shape (engine/forward/kernel_layer.py's LayerArgs; the field order is shared):
-   float32 or bfloat16 alike, as the step's dtype says. */
-typedef struct {
-    const void *norm1, *qkv, *qkv_bias, *o, *o_bias, *norm2, *gate_up, *gate_up_bias, *down, *down_bias;
-    float eps1, eps2, scale, softcap;
-    int64_t layer; /* its index in the pool */
-    int32_t hidden, heads, kv_heads, dim, inter, window;
-} pd_layer;
-
-/* One step: what every layer reads (engine/forward/kernel_layer.py's StepArgs). */
-typedef struct {
-    void *kv;                       /* the pool, [blocks, layers, 2, block_size, kv_heads, dim] */
-    int64_t blk_stride, layer_stride, tok_stride; /* in values; V sits layer_stride / 2 past K */
-    const int64_t *slot_blocks, *slot_offsets; /* [tokens] where each token's K/V goes */
-    const int64_t *tables, *lens;   /* decode rows: [decodes, table_stride] and [decodes] */
-    int64_t table_stride;
-    const int64_t *chunks;          /* [chunks, 4]: start, end, first position, address of its table */
-    const void *cos, *sin;          /* [tokens, dim] each */
-    void *h, *qkv, *attn, *gu, *act, *tmp; /* scratch, [tokens, ...] */
-    int32_t tokens, decodes, n_chunks, block_size, threads;
-    int32_t dtype;                  /* 0 float32, 1 bfloat16: the pool, the weights, every buffer */
-} pd_step;
 
 /* value i of a buffer of the step's dtype */
 #define AT(p, i) ((char *)(p) + (int64_t)(i) * (int64_t)es)
@@ -129,7 +83,7 @@ static void add_rows(int dtype, const void *a, const void *b, void *out, int64_t
 static int gemm(int dtype, const void *x, int64_t ldx, const void *panels, const void *bias, void *y, int64_t ldy,
                 int m, int n, int k, int threads) {
     if (dtype == 0) {
-        sg_gemm(x, ldx, panels, bias, y, ldy, m, n, k, threads);
+        pd_f32_gemm(x, ldx, panels, bias, y, ldy, m, n, k, threads);
         return 0;
     }
     return pd_bf16_gemm(x, ldx, panels, bias, y, ldy, m, n, k, threads);

@@ -33,6 +33,7 @@ k[table[p / block_size] * blk_stride + (p % block_size) * tok_stride + h * head_
 #include <stdlib.h>
 #include <string.h>
 
+#include "pdserve_kernels.h"
 #include "amx.h"
 #include "prefill.h"
 

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "pdserve_kernels.h"
 #include "amx.h"
 #include "prefill.h"
 

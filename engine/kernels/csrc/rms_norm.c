@@ -13,6 +13,7 @@ product rounded to bfloat16, as torch's bfloat16 multiply rounds it). */
 #include <math.h>
 #include <stdint.h>
 
+#include "pdserve_kernels.h"
 #include "vec.h"
 
 #if defined(__clang__)

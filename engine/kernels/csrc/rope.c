@@ -11,6 +11,7 @@ product and the sum are rounded to bfloat16 as torch's bfloat16 ops round them (
 exact for a product of two bfloat16, then rounded to nearest even). */
 #include <stdint.h>
 
+#include "pdserve_kernels.h"
 #include "vec.h"
 
 #if defined(__clang__)

@@ -14,6 +14,7 @@ Rows a multiple of 32 wide only (torch's bfloat16 vectors hold 32 on AVX-512 and
 tail in scalars). */
 #include <stdint.h>
 
+#include "pdserve_kernels.h"
 #include "vec.h"
 
 #if defined(__x86_64__) && defined(__AVX2__) && defined(__FMA__)

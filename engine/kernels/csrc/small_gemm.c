@@ -2,7 +2,7 @@
    SMALL_ROWS rows; oneDNN takes larger products, where it is faster).
 
 W is packed once into panels of 16 output columns, each panel K-major: panel p holds
-W[16p .. 16p + 15, k] for k = 0 .. K - 1 contiguously (`sg_pack`, zeros past N). A job is one
+W[16p .. 16p + 15, k] for k = 0 .. K - 1 contiguously (`pd_f32_pack`, zeros past N). A job is one
 panel times a tile of up to TILE_ROWS rows (six with AVX2: twelve 8-lane sums stay in registers
 while the panel streams through once; eight with AVX-512, one 16-lane sum a row), so a decode step
 reads each weight from memory once and from cache once per tile. The rows are split into tiles as
@@ -15,14 +15,14 @@ tile. Against the first tile alone doing all the reading, SmolLM2's 120 packed l
 went from 26.1 to 19.0 ms (2 threads, 130 to 179 GFLOP/s, the host's peak being about 205).
 
 The threads split the jobs evenly, each a contiguous run of panels, and a thread that finishes its
-run takes jobs from the back of another's (sg_gemm): at 16 rows the two threads of this 2-core host
+run takes jobs from the back of another's (pd_f32_gemm): at 16 rows the two threads of this 2-core host
 stream ~27 GB/s of weights between them, and their shares of memory bandwidth are often unequal (a
 neighbour on the host), so a static split left one thread waiting at the barrier for the other:
 measured per thread over the 120 linears, 26-31 ms against 44-51 ms.
 
 Each output is a plain sum over k in order (one fused multiply-add per k), whatever the tile, thread
 or vector width, so a row's result depends neither on the other rows nor on how many there are
-(batch-invariant, bit for bit), and AVX2 and AVX-512 builds give the same bits. sg_greedy relies on
+(batch-invariant, bit for bit), and AVX2 and AVX-512 builds give the same bits. pd_f32_greedy relies on
 it: it reruns single rows of a product and takes their bits as the full product's. */
 #include <stdint.h>
 #include <stddef.h>
@@ -34,9 +34,10 @@ it: it reruns single rows of a product and takes their bits as the full product'
 #include <immintrin.h>
 #endif
 
+#include "pdserve_kernels.h"
 #include "vec.h"
 
-void sg_pack(const float *w, int64_t n, int64_t k, float *out) {
+void pd_f32_pack(const float *w, int64_t n, int64_t k, float *out) {
     int64_t panels = (n + 15) / 16;
     for (int64_t p = 0; p < panels; p++)
         for (int64_t j = 0; j < k; j++)
@@ -265,8 +266,8 @@ static void gemm(const float *x, int64_t ldx, const void *panels, int half, cons
     }
 }
 
-/* x [m][ldx], panels from sg_pack, bias [n] or NULL, y [m][ldy]. */
-void sg_gemm(const float *x, int64_t ldx, const float *panels, const float *bias, float *y,
+/* x [m][ldx], panels from pd_f32_pack, bias [n] or NULL, y [m][ldy]. */
+void pd_f32_gemm(const float *x, int64_t ldx, const float *panels, const float *bias, float *y,
              int64_t ldy, int m, int n, int k, int threads) {
     gemm(x, ldx, panels, 0, bias, y, ldy, m, n, k, threads);
 }
@@ -294,13 +295,13 @@ static float lowest_bound(const float *a, const float *norms, int n, float c) {
    2. For row r, every float32 logit L_j lies within D_j = |x_r| (rel * norms[j] + abs) of A_j
       (`rel`, `abs`: the rounding's error, from the caller; norms[j] >= |W_j|), so the argmax of L
       is among the columns with A_j + D_j >= max_i (A_i - D_i).
-   3. Each panel holding such a column is multiplied by row r alone, exactly as sg_gemm does (each
+   3. Each panel holding such a column is multiplied by row r alone, exactly as pd_f32_gemm does (each
       output a plain sum over k in order: the same bits), and the largest of those columns' L, the
       first on a tie, is the row's token.
 
    approx: [m][n] scratch. tokens [m]; reread [m]: how many panels step 3 read for each row.
    Returns 0, or -1 where a row's values are not all finite (the caller takes the full product). */
-int sg_greedy(const float *x, int64_t ldx, const float *panels, const uint16_t *half, const float *bias,
+int pd_f32_greedy(const float *x, int64_t ldx, const float *panels, const uint16_t *half, const float *bias,
               const float *norms, float *approx, int m, int n, int k, double rel, double abs_, int64_t *tokens,
               int32_t *reread, int threads) {
     if (half != NULL) gemm(x, ldx, half, 1, bias, approx, n, m, n, k, threads); /* NULL: the caller's approx */
@@ -335,7 +336,7 @@ int sg_greedy(const float *x, int64_t ldx, const float *panels, const uint16_t *
                 for (int j = n0; j < n0 + cols; j++) any |= ar[j] + c * norms[j] >= floor_;
             }
             if (!any) continue;
-            /* this panel times row r alone: float32, as sg_gemm sums it */
+            /* this panel times row r alone: float32, as pd_f32_gemm sums it */
             tile1(xr, ldx, panels + (int64_t)p * k * 16, k, bias ? bias + n0 : NULL, exact, 16, 0, cols, NULL, 1);
             read++;
             for (int j = n0; j < n0 + cols; j++) {

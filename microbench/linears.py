@@ -9,7 +9,7 @@ with the bfloat16 GEMM (engine/kernels/csrc/bf16_gemm.c: on AMX tiles where the 
 64 rows, past the engine's cut of 32 too; else by AVX512-BF16's vdpbf16ps, any row count). The two
 take turns for `--rounds` rounds; each prints its best time per pass over all layers.
 
-    python -m scripts.bench_linears [--model DIR] [--rows 1,4,16,64,256,512,1024] [--threads 2]
+    python -m microbench.linears [--model DIR] [--rows 1,4,16,64,256,512,1024] [--threads 2]
                                     [--dtype float32|bfloat16] [--rounds 5] [--json]
 """
 
@@ -25,7 +25,7 @@ from transformers import AutoConfig
 
 from engine.forward import dense
 from engine.kernels import cpu_kernel
-from scripts.profile_step import _model
+from microbench.profile_step import _model
 
 
 def layer_shapes(hf_config) -> list[tuple[int, int]]:

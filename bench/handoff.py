@@ -13,7 +13,7 @@ floor allows (`second_token_floor_8k`) and the hand-off's own share of the wait,
 "bench") is used with max_position_embeddings raised to 16k (RoPE needs no other change), in a
 sibling directory whose weight files are links to the original.
 
-    python -m scripts.bench_handoff [--samples 3] [--lengths 1024,4096,8192] [--json]
+    python -m bench.handoff [--samples 3] [--lengths 1024,4096,8192] [--json]
                                     [--emulate h100:llama-3.1-8b --emulate-time-scale K]
 
 With --emulate, both clusters run at the emulated device's timings (docs/architecture.md,

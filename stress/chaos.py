@@ -2,7 +2,7 @@
 killed every `--kill-every` s, KV transfers failed and delayed; every streamed token is checked
 against an undisturbed in-process reference run of the same requests.
 
-    python -m scripts.chaos [--duration 120] [--seed 0] [--kill-every 15] [--model DIR] [--json]
+    python -m stress.chaos [--duration 120] [--seed 0] [--kill-every 15] [--model DIR] [--json]
 
 Targets (exit 0 when all hold, 1 otherwise, 2 for usage errors): 0 hung, 0 leaked KV blocks,
 0 token mismatches, completion_rate = completed / (sent - cancelled) >= 0.99, and every pool
@@ -40,7 +40,7 @@ from router.config.schema import ClusterConfig  # noqa: E402
 from router.launch import LocalCluster  # noqa: E402
 from router.lifecycle import worker_calls  # noqa: E402
 from router.pools.worker_view import WorkerState  # noqa: E402
-from scripts.chaos_requests import Outcome, Spec, make_specs, mismatch, to_proto  # noqa: E402
+from stress.chaos_requests import Outcome, Spec, make_specs, mismatch, to_proto  # noqa: E402
 
 TARGET_COMPLETION = 0.99
 

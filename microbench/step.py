@@ -34,7 +34,7 @@ the round's best step over that round's floor (a shared host's load changes by t
 graphs the compiled variant built after its warm-up (it must be 0). It runs with the allocator a
 CPU worker would (`--malloc`: tcmalloc preloaded where the host has it, by restarting itself).
 
-    python -m scripts.bench_step [--model DIR] [--batches 1,4,16,64] [--context 256] [--prefill 512]
+    python -m microbench.step [--model DIR] [--batches 1,4,16,64] [--context 256] [--prefill 512]
                                  [--threads 2] [--compile] [--bf16] [--variants modules,packed]
                                  [--paired] [--malloc auto|system] [--json]
 """
@@ -55,8 +55,8 @@ from bench import host_measure
 from engine.config import EngineConfig
 from engine.kernels import cpu_kernel
 from engine.llm_engine import LLMEngine
+from microbench.profile_step import _model
 from protocol.sampling import SamplingParams
-from scripts.profile_step import _model
 from sizing.memory import ModelShape, kv_bytes_per_token
 from worker_runtime import malloc
 

@@ -1,6 +1,6 @@
 """Write a deterministic random-weight checkpoint with its tokenizer; see checkpoints/tiny.py.
 
-    python -m scripts.make_tiny_model --arch llama --size tiny --out models/tiny-llama
+    python -m checkpoints.make_tiny_model --arch llama --size tiny --out models/tiny-llama
 """
 
 from __future__ import annotations

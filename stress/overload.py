@@ -1,6 +1,6 @@
 """Overload: the morning-burst preset past saturation, on a small cluster of the tiny model.
 
-    python -m scripts.overload [--quick] [--json] [--mode disaggregated|colocated] [--model DIR]
+    python -m stress.overload [--quick] [--json] [--mode disaggregated|colocated] [--model DIR]
                                [--duration S] [--start-rate R] [--slo ttft=2,tpot=0.25]
 
 The tiny random model (checkpoints/tiny.py), not SmolLM2: what overload tests is the router's
@@ -237,7 +237,7 @@ def missed_targets(doc: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m scripts.overload", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m stress.overload", description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="shorter runs of shorter requests (about 3 minutes)")
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--mode", choices=("disaggregated", "colocated"), default="disaggregated")

@@ -7,14 +7,14 @@ non-contiguous reserved blocks (send() -> future done, i.e. landed and acknowled
 baseline sends one contiguous tensor of the same size over a group of the same backend and
 waits for a 1-byte ack. Ratio = channel / raw. Latency: one-block transfer vs raw round trip.
 
-    python -m scripts.bench_kv_transfer                     # table, up to 1 GiB (~1 min)
-    python -m scripts.bench_kv_transfer --max-bytes 64MiB --json
+    python -m microbench.kv_transfer                     # table, up to 1 GiB (~1 min)
+    python -m microbench.kv_transfer --max-bytes 64MiB --json
 
 Across machines: join a running Ray cluster and put each end on a node that offers a custom
 resource (each end takes 0.01 of it); --link-gbit adds, per payload, the time the link's rate
 alone would take (bytes / rate) and measured / that, to judge a shaped or slow network:
 
-    python -m scripts.bench_kv_transfer --address HEAD:6379 --sender-resource prefill_node \
+    python -m microbench.kv_transfer --address HEAD:6379 --sender-resource prefill_node \
         --receiver-resource decode_node --link veth --link-gbit 1 --max-bytes 64MiB
 """
 

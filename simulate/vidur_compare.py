@@ -1,6 +1,6 @@
 """Vidur (MLSys'24, the `vidur` package) on a window of a Mooncake trace: `pdserve simulate`'s external reference.
 
-    python -m scripts.vidur_compare --vidur-python /work/vidur-venv/bin/python \
+    python -m simulate.vidur_compare --vidur-python /work/vidur-venv/bin/python \
         --trace mooncake_conversation_trace.jsonl --window 0:120 --replicas 16 \
         --device h100 --model meta-llama/Meta-Llama-3-8B --json
 

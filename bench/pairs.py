@@ -1,4 +1,4 @@
-"""Idle TTFT on two clusters side by side, for `scripts/bench_cluster.py`: one request at a time,
+"""Idle TTFT on two clusters side by side, for `bench/cluster_overhead.py`: one request at a time,
 alternating which cluster goes first, so a shared machine's drift falls on both alike. Two uses:
 what token authentication adds (`--compare-auth`), and what router.prefill_during_reserve takes
 off (`--compare-early-prefill`). Also the single-request TTFT probe and the warm-up both

@@ -11,7 +11,7 @@ Checks, each independent (a failing one never stops the others) and recorded as
   (engine.compile: on) and, on CUDA, `cuda_graphs` (compiled, decode steps replaying captured
   CUDA graphs): recompilations after warm-up must be 0; the graphs variant records the decode
   buckets it captured. bfloat16 is skipped, with the reason, where the device does not compute it.
-- `bench_engine`: scripts/bench_engine's continuous batching against `generate` in static batches:
+- `bench_engine`: microbench/batching.py's continuous batching against `generate` in static batches:
   tok/s of both and the ratio (a figure, not a pass mark).
 
 The exit code is 0 only if every check ran ok. The JSON is rewritten after each check, so a run
@@ -19,7 +19,7 @@ cut short by the wrapper's timeout still leaves what it finished. `--device cpu`
 logic here (tests/test_device_check.py); `--isolate` (the default on CUDA) runs each check in a
 child process, so a CUDA fault in one cannot poison the others.
 
-    python -m scripts.device_check [--device cuda|cpu] [--model DIR] [--out FILE] [--quick]
+    python -m microbench.device_check [--device cuda|cpu] [--model DIR] [--out FILE] [--quick]
 """
 
 from __future__ import annotations
@@ -238,7 +238,7 @@ def _mismatch(model: str, dtype: str, device: str, index: int, prompt: list[int]
 
 
 def check_bench(model: str, device: torch.device, plan: Plan) -> dict:
-    from scripts import bench_engine
+    from microbench import batching as bench_engine
 
     dtype = "bfloat16" if _computes_bf16(device) else "float32"
     cuda = device.type == "cuda"
@@ -428,7 +428,7 @@ def run_isolated(name: str, args: argparse.Namespace, timeout_s: float) -> dict:
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "one.json"
-        cmd = [sys.executable, "-m", "scripts.device_check", "--device", args.device, "--model", args.model,
+        cmd = [sys.executable, "-m", "microbench.device_check", "--device", args.device, "--model", args.model,
                "--out", str(out), "--only", name, "--no-isolate"] + (["--quick"] if args.quick else [])
         # its own process group: a timeout ends its children too (the KV check's two, compile workers)
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

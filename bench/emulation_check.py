@@ -11,7 +11,7 @@
 4. Print TTFT and ITL p50 / p99 of both (ms) and the emulated figures' relative error, with the fit
    and the emulated run's fidelity (overrun share) beside them.
 
-    python -m scripts.bench_emulation [--model DIR] [--requests 12] [--rate 0.5] [--input-len 128]
+    python -m bench.emulation_check [--model DIR] [--requests 12] [--rate 0.5] [--input-len 128]
                                       [--output-len 16] [--fit run|bench] [--json]
 
 JSON: {"real": {ttft_p50, ttft_p99, itl_p50, itl_p99}, "emulated": {...}, "error": {...}, "fit": {...},

@@ -22,7 +22,7 @@ and elementwise.
 - sampler: the sampler's wall time
 - bookkeeping: the rest of the step (registering blocks, hashing, outputs, telemetry)
 
-    python -m scripts.profile_step [--model DIR] [--batches 1,4,16,64] [--context 256]
+    python -m microbench.profile_step [--model DIR] [--batches 1,4,16,64] [--context 256]
                                    [--prefill 512] [--steps 10] [--threads 1] [--malloc auto|system]
                                    [--json]
 

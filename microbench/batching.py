@@ -4,7 +4,7 @@ The engine (paged KV, continuous batching, optional chunked prefill) and `model.
 static padded batches of the same maximum batch size serve the same requests (`ignore_eos`,
 so lengths are exact) on the `bench` model. Prints a table, or one JSON object with --json.
 
-    python -m scripts.bench_engine [--requests 64] [--batch 32] [--json]
+    python -m microbench.batching [--requests 64] [--batch 32] [--json]
 """
 
 from __future__ import annotations

@@ -30,9 +30,9 @@ in-process engine also gets one torch thread (`torch.set_num_threads(1)`); both 
 scheduler and KV pool of `cfg.engine_config(cfg.decode)`. Disaggregated, the prefill and the
 decode engine can run on two cores at once; the client and the router share this process.
 
-    python -m scripts.bench_cluster [--requests 64] [--mode colocated] [--prefill 1 --decode 1] [--json]
-    python -m scripts.bench_cluster --compare-auth [--ttft-samples 60] [--json]
-    python -m scripts.bench_cluster --compare-early-prefill [--ttft-samples 60] [--json]
+    python -m bench.cluster_overhead [--requests 64] [--mode colocated] [--prefill 1 --decode 1] [--json]
+    python -m bench.cluster_overhead --compare-auth [--ttft-samples 60] [--json]
+    python -m bench.cluster_overhead --compare-early-prefill [--ttft-samples 60] [--json]
 """
 
 from __future__ import annotations
@@ -57,6 +57,7 @@ import torch  # noqa: E402
 
 from bench.client import replay  # noqa: E402
 from bench.metrics import Slo, summarize_run  # noqa: E402
+from bench.pairs import compare_auth, compare_early_prefill, one_ttft, print_auth, warm_up  # noqa: E402
 from bench.workload import RequestSpec, make_workload  # noqa: E402
 from checkpoints.tiny import ensure_model  # noqa: E402
 from engine.llm_engine import LLMEngine  # noqa: E402
@@ -65,7 +66,6 @@ from protocol.sampling import SamplingParams  # noqa: E402
 from router.config.loader import parse_config  # noqa: E402
 from router.config.schema import ClusterConfig  # noqa: E402
 from router.launch import LocalCluster  # noqa: E402
-from scripts.bench_pairs import compare_auth, compare_early_prefill, one_ttft, print_auth, warm_up  # noqa: E402
 
 TARGET_RATIO, TARGET_TTFT_OVERHEAD_MS = 0.8, 10.0
 FIRST_TOKEN_ID = 3  # ids 0-2 are the tiny tokenizer's special tokens

