@@ -43,7 +43,7 @@ from router.config.typed_yaml import ConfigError
 from simulate.run import SimRun, simulate
 from sizing.cost_model import Emulation
 
-FIDELITY = Path(__file__).with_name("fidelity.json")  # written by `python -m scripts.bench_simulation --record`
+FIDELITY = Path(__file__).with_name("fidelity.json")  # written by `python -m simulate.fidelity --record`
 
 
 def measured_error() -> dict[str, Any]:
@@ -252,7 +252,7 @@ def report(runs: dict[str, SimRun], workload: Workload, slo: Any, base: ClusterC
 def format_error(error: dict[str, Any]) -> list[str]:
     """The recorded error, one line per reference: the worst of its arrangements per figure."""
     if not error:
-        return ["error: not measured yet (python -m scripts.bench_simulation --record)"]
+        return ["error: not measured yet (python -m simulate.fidelity --record)"]
     lines = [f"measured error of this simulator ({error.get('measured', '?')}; docs/simulate.md, Fidelity):"]
     for ref, key, label in (("vs_emulated", "arrangements", "vs the emulated cluster"),
                             ("vs_real", "arrangements", "vs the real CPU cluster, host profile"),

@@ -1,4 +1,4 @@
-"""The soak (scripts/soak.py), 15 seconds of it on the session's shared 1 + 1 cluster with the HTTP
+"""The soak (stress/soak.py), 15 seconds of it on the session's shared 1 + 1 cluster with the HTTP
 door: requests complete, bad requests get exactly their status and nothing else fails, no KV
 block leaks; and the verdict's rules without a cluster."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from scripts import soak
+from stress import soak
 
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
 

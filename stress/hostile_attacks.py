@@ -1,4 +1,4 @@
-"""The hostile clients of `python -m scripts.bench_hostile`, each a loop until a deadline that
+"""The hostile clients of `python -m stress.hostile`, each a loop until a deadline that
 counts what it got (a status, or how the connection ended):
 
 - bodies: maximal chat bodies (every message a chat may have, all the text it may hold), sent

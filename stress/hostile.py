@@ -3,7 +3,7 @@
 Starts a 1 + 1 cluster with the OpenAI door (the router runs in this process, so this process's
 RSS is the router's: the attackers run in a process of their own). Measures a short chat's
 client-side TTFT (streamed, time to the first content event), one request at a time, while idle,
-then under each attack of scripts/hostile_attacks.py in turn (`--attacks`, default all):
+then under each attack of stress/hostile_attacks.py in turn (`--attacks`, default all):
 bodies (maximal chat bodies), slots (an early reply, then one byte and silence), memory
 (`--memory-clients` maximal token-id bodies at once) and nonreading (`--nonreading-clients`
 streams nobody reads).
@@ -14,7 +14,7 @@ memory attack: at most 1 GiB). `--json` prints it all as one JSON object.
 The attackers' process runs at nice 19 (`--attacker-nice`), standing for other machines: what
 the figure measures is the server's own cost of the attack, not the attackers' cost of making it.
 
-    python -m scripts.bench_hostile [--model DIR] [--attacks bodies,slots,memory,nonreading]
+    python -m stress.hostile [--model DIR] [--attacks bodies,slots,memory,nonreading]
         [--clients 50] [--memory-clients 500] [--nonreading-clients 10] [--samples 20]
         [--attacker-nice 19] [--json]
 """
@@ -36,7 +36,7 @@ import httpx2
 from checkpoints.gguf import SMOLLM2_OUT_DIR
 from router.config.loader import parse_config
 from router.launch import LocalCluster
-from scripts import hostile_attacks
+from stress import hostile_attacks
 
 GOOD = {"messages": [{"role": "user", "content": "Name three colours."}], "max_tokens": 2, "temperature": 0,
         "stream": True}

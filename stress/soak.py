@@ -1,6 +1,6 @@
 """Soak (issue 23, item 13): hours of mixed, partly hostile traffic must not grow any process.
 
-    python -m scripts.soak --minutes N [--sample-s S] [--concurrency C] [--seed K] [--model DIR] [--json]
+    python -m stress.soak --minutes N [--sample-s S] [--concurrency C] [--seed K] [--model DIR] [--json]
 
 Starts a real 2 prefill + 2 decode cluster (the tiny random model of checkpoints/tiny.py unless
 --model; Ray, the router, gRPC and the OpenAI HTTP door) and drives it for N minutes from a
@@ -339,7 +339,7 @@ def summary(doc: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m scripts.soak", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m stress.soak", description=__doc__.split("\n\n")[0])
     ap.add_argument("--minutes", type=float, required=True, help="minutes of load (fractions allowed)")
     ap.add_argument("--sample-s", type=float, default=60.0, help="warm-up, then RSS sampling period, seconds")
     ap.add_argument("--concurrency", type=int, default=4, help="clients, each with one request at a time")

@@ -1,6 +1,6 @@
 """The simulator's error, measured: `pdserve simulate` against the clusters it stands for.
 
-    python -m scripts.bench_simulation [--json] [--only emulated,real,external] [--time-scale 8]
+    python -m simulate.fidelity [--json] [--only emulated,real,external] [--time-scale 8]
 
 - vs_emulated: `pdserve bench --emulate h100:llama-3.1-8b` (the tests' tiny model computing the
   tokens, every step paced to the H100 model at `--time-scale`, its figures divided back) against
