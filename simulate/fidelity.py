@@ -111,11 +111,11 @@ def vs_real(work: Path) -> dict:
 
 
 def vs_external(work: Path, vidur_python: str | None, trace: Path) -> dict | None:
-    script = ROOT / "scripts" / "vidur_compare.py"
+    script = ROOT / "simulate" / "vidur_compare.py"
     if not script.is_file() or not vidur_python:
         return None
     window, replicas = "0:120", "4"
-    cmd = [PY, str(script), "--vidur-python", vidur_python, "--trace", str(trace), "--window", window,
+    cmd = [PY, "-m", "simulate.vidur_compare", "--vidur-python", vidur_python, "--trace", str(trace), "--window", window,
            "--replicas", replicas, "--json"]
     vidur = json.loads(subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, timeout=3600).stdout)
     if not vidur.get("ran"):

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_generated_modules_are_fresh():
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "gen_proto.py"), "--check"],
+    proc = subprocess.run([sys.executable, str(ROOT / "proto" / "gen_proto.py"), "--check"],
                           capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
 
@@ -30,7 +30,7 @@ def test_generated_modules_are_fresh():
 def test_stale_check_notices_an_edit(tmp_path, monkeypatch):
     import importlib.util
 
-    spec = importlib.util.spec_from_file_location("gen_proto", ROOT / "scripts" / "gen_proto.py")
+    spec = importlib.util.spec_from_file_location("gen_proto", ROOT / "proto" / "gen_proto.py")
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
     fake_root = tmp_path / "repo"
