@@ -100,6 +100,7 @@ def check_values(cfg: ClusterConfig, where: str) -> None:
             except PlanError as e:
                 raise ConfigError(f"{where}: {key}: {e}") from None
     check_emulate(cfg.emulate, cfg.kv_cache.block_size, where)
+    check_autoscale(cfg, where)
 
 
 HOST_RAM_SHARE = 0.5  # of this host's physical memory the emulated KV pools may take, all workers together
@@ -215,3 +216,47 @@ def _check_tls(tls: TLSSection, where: str) -> None:
             context.load_verify_locations(tls.client_ca_file)
     except ssl.SSLError as e:
         raise ConfigError(f"{where}: router.tls.client_ca_file: not PEM CA certificates ({e.reason or e})") from None
+
+
+def check_autoscale(cfg: ClusterConfig, where: str) -> None:
+    """Ranges, the bounds against each other and the budget, and what the profile needs."""
+    a, key = cfg.router.autoscale, "router.autoscale."
+    disagg = cfg.mode == "disaggregated"
+    rules = [
+        ("ttft_s", a.ttft_s > 0, "must be > 0"),
+        ("itl_s", a.itl_s > 0, "must be > 0"),
+        ("percentile", 0 < a.percentile <= 100, "must be in (0, 100]"),
+        ("prefill_min", a.prefill_min >= 1 or not disagg, "must be >= 1: the prefill pool is needed"),
+        ("prefill_max", a.prefill_max >= a.prefill_min, "must be >= prefill_min"),
+        ("decode_min", a.decode_min >= 1, "must be >= 1: the decode pool is needed"),
+        ("decode_max", a.decode_max >= a.decode_min, "must be >= decode_min"),
+        ("prefill_max", a.prefill_max <= cfg.router.max_pool_replicas, "must be <= router.max_pool_replicas"),
+        ("decode_max", a.decode_max <= cfg.router.max_pool_replicas, "must be <= router.max_pool_replicas"),
+        ("max_workers", a.max_workers is None or a.max_workers >= 1, "must be >= 1"),
+        ("max_cost_per_hour", a.max_cost_per_hour is None or a.max_cost_per_hour > 0, "must be > 0"),
+        ("cost_per_worker_hour", a.cost_per_worker_hour > 0, "must be > 0"),
+        ("interval_s", a.interval_s > 0, "must be > 0"),
+        ("scale_up_cooldown_s", a.scale_up_cooldown_s >= 0, "must be >= 0"),
+        ("scale_down_cooldown_s", a.scale_down_cooldown_s >= 0, "must be >= 0"),
+        ("band", 0 <= a.band < 1, "must be in [0, 1)"),
+        ("target_utilization", 0 < a.target_utilization <= 1, "must be in (0, 1]"),
+        ("kv_high", 0 < a.kv_high <= 1, "must be in (0, 1]"),
+        ("warmup_s", a.warmup_s >= 0, "must be >= 0"),
+    ]
+    for name, ok, reason in rules:
+        if not ok:
+            raise ConfigError(f"{where}: {key}{name}: {reason}")
+    if not a.enabled:
+        return
+    floor = a.decode_min + (a.prefill_min if disagg else 0)
+    budget = a.budget_workers
+    if budget is not None and budget < floor:
+        what = "max_workers" if a.max_workers is not None and a.max_workers < floor else "max_cost_per_hour"
+        raise ConfigError(f"{where}: {key}{what}: the budget ({budget} workers) is below the pools' minimum "
+                          f"({floor} workers: decode_min{' + prefill_min' if disagg else ''})")
+    if a.profile == "cost_model" and cfg.emulate.device is None:
+        raise ConfigError(f"{where}: {key}profile: cost_model needs an emulated device (emulate.device); "
+                          "use online (learned from the workers' steps) or measured (measured_profile)")
+    if a.profile == "measured" and a.measured_profile is None:
+        raise ConfigError(f"{where}: {key}measured_profile: profile measured needs the file "
+                          "`pdserve plan --measure` wrote its emulate: section to")

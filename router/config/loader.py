@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from router.config.autoscale import read_measured_profile
 from router.config.checks import check_host_memory, check_values, security_files
 from router.config.schema import ClusterConfig
 from router.config.typed_yaml import ConfigError, build
@@ -29,6 +30,12 @@ def load_config(path: str | Path) -> ClusterConfig:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(
             cfg.router, request_log=str((path.parent / cfg.router.request_log).resolve())))
     cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, path=str(model_path)))
+    auto = cfg.router.autoscale
+    if auto.measured_profile is not None:  # relative to cluster.yaml, read and checked now
+        profile = str((path.parent / auto.measured_profile).resolve())
+        read_measured_profile(profile, cfg.kv_cache.block_size, str(path))
+        cfg = dataclasses.replace(cfg, router=dataclasses.replace(
+            cfg.router, autoscale=dataclasses.replace(auto, measured_profile=profile)))
     check_host_memory(cfg, str(path))
     return cfg
 

@@ -17,6 +17,7 @@ from checkpoints.gguf import SMOLLM2_OUT_DIR
 from engine.config import DEFAULT_MEMORY_FRACTION, EngineConfig
 from protocol.limits import DEFAULT_MAX_PROMPT_BYTES
 from protocol.sizes import parse_bytes
+from router.config.autoscale import AutoscaleSection
 from router.config.emulate import EmulateSection, emulated_num_blocks
 from worker_runtime.faults import FaultConfig
 
@@ -138,6 +139,8 @@ class RouterSection:
     request_log_prompts: bool = False
     tls: TLSSection = field(default_factory=TLSSection)
     auth: AuthSection = field(default_factory=AuthSection)
+    # the SLO planner: sizes the prefill and decode pools for the coming load (docs/autoscale.md); off by default
+    autoscale: AutoscaleSection = field(default_factory=AutoscaleSection)
 
     def policy_for(self, pool: str) -> str:
         own = self.prefill_policy if pool == "prefill" else self.decode_policy

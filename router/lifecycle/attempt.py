@@ -60,7 +60,7 @@ class Attempts:
 
     # ---- disaggregated ------------------------------------------------------------------
     async def _disaggregated(self, life: RequestLife) -> AsyncIterator[Chunk]:
-        waits = QueueWaits()
+        waits = QueueWaits(life)
         try:
             pair, waited = await self.admission.place(lambda deadline: self._place_pair(life, waits, deadline),
                                                       self.accepting, self.rc.queue_timeout_s, life.queued_since)
@@ -196,7 +196,7 @@ class Attempts:
 
     # ---- colocated ------------------------------------------------------------------------
     async def _colocated(self, life: RequestLife) -> AsyncIterator[Chunk]:
-        waits = QueueWaits()
+        waits = QueueWaits(life)
         w, waited = await self.admission.place(lambda deadline: self._place_colocated(life, waits), self.accepting,
                                                self.rc.queue_timeout_s, life.queued_since)
         self._observe_queue(life, waited, waits)
@@ -361,7 +361,8 @@ class QueueWaits:
     """What one request waited for in the router's queue: each failed placement names its reason,
     and the time until the next try is charged to it (`spent`, seconds per reason)."""
 
-    def __init__(self) -> None:
+    def __init__(self, life: RequestLife | None = None) -> None:
+        self.life = life  # told the reason of its current wait (the autoscaler reads it)
         self.spent: dict[str, float] = {}
         self._reason: str | None = None
         self._since = 0.0
@@ -372,6 +373,8 @@ class QueueWaits:
         if self._reason is not None:
             self.spent[self._reason] = self.spent.get(self._reason, 0.0) + now - self._since
         self._reason, self._since = reason, now
+        if self.life is not None:
+            self.life.waiting_for = reason
 
     def close(self) -> float:
         """End the last wait; the seconds waited in all."""

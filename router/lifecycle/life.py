@@ -74,6 +74,8 @@ class RequestLife:
     nonce: str = field(default_factory=lambda: secrets.token_hex(16))
     caller: str = ""  # who sent it (router/frontdoor/access.py caller_id): client ids are unique per caller
     queued_since: float = field(default_factory=clock.now)  # its queue timeout runs from here
+    # why its last placement failed while queued ("workers", "prefill" (no slot), "kv" (no room)); None: placed
+    waiting_for: str | None = None
 
     @property
     def scoped_id(self) -> tuple[str, str]:

@@ -27,6 +27,7 @@ from protocol.errors import InvalidRequest
 from protocol.outputs import FinishReason
 from protocol.sampling import SamplingParams
 from protocol.validation import RequestValidator, validate_request_id
+from router.autoscale.loop import Autoscaler
 from router.config.schema import ClusterConfig
 from router.lifecycle.admission import Admission
 from router.lifecycle.attempt import Attempts
@@ -75,11 +76,15 @@ class Router:
                                self._deliver, self._holding, self.admission.notify)
         self.pools.on_started = self.monitor.watch
         self.pools.on_drain_timeout = lambda w: self.monitor.move_requests(w, f"worker {w.name} is leaving")
+        # the SLO planner (router/autoscale/), when router.autoscale.enabled; runs from start() to stop()
+        self.autoscaler = Autoscaler(self) if config.router.autoscale.enabled else None
 
     # ---- lifecycle ------------------------------------------------------------------
     async def start(self) -> None:
         await self.pools.start()
         self.monitor.start()
+        if self.autoscaler is not None:
+            self.autoscaler.start()
         self.accepting = self.started = True
 
     async def stop(self, grace_s: float) -> None:
@@ -90,6 +95,8 @@ class Router:
             await asyncio.sleep(0.05)
         for life in list(self.lives.values()):
             life.deliver(life.attempt_id, Unavailable("the server is shutting down"))
+        if self.autoscaler is not None:
+            self.autoscaler.stop()
         self.monitor.stop()
         await self.pools.stop_all()
         self.intake.shutdown()
@@ -159,12 +166,15 @@ class Router:
         self._client_ids.add(life.scoped_id)
         self.lives[life.key] = life
         self.requests_total += 1
+        recent = self.metrics.recent  # the autoscaler's window (None without one)
+        if recent is not None:
+            recent.arrived(len(life.prompt_token_ids), life.sampling.max_tokens)
         try:
             while True:
                 try:
                     async for chunk in self.attempts.run(life):
-                        if chunk.finish_reason is not None and self.request_log is not None:
-                            self.request_log.write(life, chunk.finish_reason, chunk.usage)
+                        if chunk.finish_reason is not None:
+                            self._finished(life, chunk)
                         yield chunk
                     self._abort_all(life.release(), life.attempt_id)
                     return
@@ -181,6 +191,12 @@ class Router:
             self.lives.pop(life.key, None)
             self._client_ids.discard(life.scoped_id)
             self.admission.notify()
+
+    def _finished(self, life: RequestLife, chunk: Chunk) -> None:
+        if self.request_log is not None:
+            self.request_log.write(life, chunk.finish_reason, chunk.usage)
+        if self.metrics.recent is not None and chunk.usage is not None:
+            self.metrics.recent.finished(chunk.usage.completion_tokens)
 
     def _retry(self, life: RequestLife, e: Retry) -> None:
         old = life.attempt_id

@@ -11,6 +11,8 @@ from __future__ import annotations
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from router.observability.recent import RecentLoad
+
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0,
                     20.0, 40.0, 80.0)
 _ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.03, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5,
@@ -29,6 +31,8 @@ class RouterMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         self._build_histograms()
         self._build_gauges_and_counters()
+        self._build_autoscale()
+        self.recent: RecentLoad | None = None  # the autoscaler's window, while one reads it
 
     def _histogram(self, name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
         return Histogram(name, doc, buckets=buckets, registry=self.registry)
@@ -92,12 +96,44 @@ class RouterMetrics:
                                       registry=reg)
         self._prefix_totals: dict[str, list[int]] = {}  # pool -> [query, hit]
 
+    def _build_autoscale(self) -> None:
+        reg = self.registry
+        self.autoscale_desired = Gauge("pdserve_autoscale_desired_workers",
+                                       "Workers the autoscaler's last decision asked of the pool.", ["pool"],
+                                       registry=reg)
+        self.autoscale_actual = Gauge("pdserve_autoscale_actual_workers",
+                                      "Ready, warmed-up workers the autoscaler counted as the pool's capacity.",
+                                      ["pool"], registry=reg)
+        self.autoscale_actions = Counter("pdserve_autoscale_actions",
+                                         "Autoscaler decisions that changed a pool's size, by direction.",
+                                         ["pool", "direction"], registry=reg)
+        self.autoscale_reason = Gauge("pdserve_autoscale_reason",
+                                      "1 for the cause of the pool's last autoscaler decision (docs/autoscale.md).",
+                                      ["pool", "cause"], registry=reg)
+        self._autoscale_causes: dict[str, str] = {}
+
+    def observe_autoscale(self, pool: str, desired: int, actual: int, target: int, cause: str) -> None:
+        """One autoscaler decision for `pool` (`target`: its size before the decision)."""
+        self.autoscale_desired.labels(pool=pool).set(desired)
+        self.autoscale_actual.labels(pool=pool).set(actual)
+        if desired != target:
+            self.autoscale_actions.labels(pool=pool, direction="up" if desired > target else "down").inc()
+        old = self._autoscale_causes.get(pool)
+        if old is not None and old != cause:
+            self.autoscale_reason.remove(pool, old)
+        self._autoscale_causes[pool] = cause
+        self.autoscale_reason.labels(pool=pool, cause=cause).set(1)
+
     def observe_first_token(self, ttft_s: float) -> None:
         self.ttft.observe(ttft_s)
+        if self.recent is not None:
+            self.recent.first_token(ttft_s)
 
     def observe_token(self, gap_s: float) -> None:
         """One inter-token gap; a message carrying k tokens contributes k gaps (k-1 of 0 s)."""
         self.itl.observe(gap_s)
+        if self.recent is not None:
+            self.recent.token_gap(gap_s)
 
     def observe_queue(self, seconds: float) -> None:
         self.queue.observe(seconds)

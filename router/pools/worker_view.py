@@ -36,6 +36,7 @@ class WorkerView:
     peers: set[str] = field(default_factory=set)  # prefill: decode workers it holds a handle of
     stats: WorkerStats | None = None
     last_seen: float = field(default_factory=clock.now)  # last answered call
+    ready_at: float = field(default_factory=clock.now)  # when it reported ready (the view is made then)
     engine_steps: int = 0  # steps its engine had run at its last beat (progress, per worker)
     engine_quiet: bool = False  # its engine's last beat was long ago: a call to it would wait
     suspect_until: float = 0.0

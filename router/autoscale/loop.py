@@ -1,0 +1,188 @@
+"""The autoscaler: every `interval_s` it observes the router, asks the planner, applies the answer.
+
+Started by `Router.start()` when `router.autoscale.enabled`, stopped by `Router.stop()` (a
+simulation's teardown cancels its tasks like every other). All timing is `protocol.clock` and
+every wait an `asyncio.sleep`, so it runs unchanged on `pdserve simulate`'s virtual clock.
+
+Each evaluation builds an `Observation` (router/autoscale/observation.py) from the router's own
+state (its request lives: queue, waits of requests still without a first token, KV waits; the
+pool manager's health and each ready worker's last stats; each worker's step records since the
+last evaluation, read through its `telemetry` call with the router's call deadline), calls
+`Planner.decide`, logs the decision on one line, exports it as metrics and appends it to
+`decisions`. A new size goes to the pool manager (`Router.scale`: starts workers, or drains them
+with nothing lost) as a task of its own, so a long drain never delays the next evaluation; while a
+pool's scale is in flight the planner holds that pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from typing import Any
+
+from protocol import clock
+from protocol.deadline import within
+from protocol.telemetry import StepRecord
+from router.autoscale.observation import (
+    Decision,
+    Lengths,
+    Observation,
+    PoolObservation,
+    WorkerSample,
+)
+from router.autoscale.planner import Planner
+from router.autoscale.profile import CapacityProfile, CostStepModel
+from router.config.autoscale import read_measured_profile
+from router.config.emulate import emulation
+from router.lifecycle.life import Phase
+from router.lifecycle.worker_calls import CALL_FAILURES, short
+from router.observability.recent import RecentLoad
+from router.pools.worker_view import WorkerState, WorkerView
+
+Router = Any  # router/lifecycle/service.py's Router, which builds this (importing it here would be a cycle)
+
+log = logging.getLogger(__name__)
+STEPS_PER_WORKER = 512  # step records a worker contributes per evaluation (evenly thinned beyond)
+
+
+def build_profile(router: Router) -> CapacityProfile:
+    """The configured source's profile: the emulated device's cost model (also the online prior),
+    or the measured fit."""
+    cfg, auto = router.config, router.config.router.autoscale
+    prior = CostStepModel(router.pools.emulation.cost) if router.pools.emulation is not None else None
+    if auto.profile == "measured":
+        section = read_measured_profile(auto.measured_profile, cfg.kv_cache.block_size, "cluster.yaml")
+        prior = CostStepModel(emulation(section).cost)
+    return CapacityProfile(auto.profile, prior, cfg.scheduler.max_num_batched_tokens, cfg.scheduler.chunk_size,
+                           cfg.scheduler.max_num_seqs)
+
+
+class Autoscaler:
+    def __init__(self, router: Router):
+        self.router = router
+        self.cfg = router.config.router.autoscale
+        self.planner = Planner(self.cfg, router.config.mode, build_profile(router))
+        self.decisions: list[Decision] = []
+        self.next_at: float | None = None  # when the next evaluation runs (status shows it)
+        self.recent = router.metrics.recent = RecentLoad()
+        self._last_at: float | None = None
+        self._step_seq: dict[str, int] = {}  # worker name -> the last step record read
+        self._scaling: dict[str, asyncio.Task] = {}
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._last_at = clock.now()
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    def stop(self) -> None:
+        for task in [self._task, *self._scaling.values()]:
+            if task is not None:
+                task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            self.next_at = clock.now() + self.cfg.interval_s
+            await asyncio.sleep(self.cfg.interval_s)
+            await self.evaluate()
+
+    async def evaluate(self) -> Decision:
+        """One evaluation: observe, decide, log, export, apply."""
+        decision = self.planner.decide(await self.observe())
+        self.decisions.append(decision)
+        log.info("%s", decision.line(), extra={"decision": decision})  # the record carries it for tools
+        for p in decision.pools.values():
+            self.router.metrics.observe_autoscale(p.pool, p.desired, p.actual, p.target, p.cause)
+            if p.desired != p.target:
+                self._scaling[p.pool] = asyncio.get_running_loop().create_task(self._scale(p.pool, p.desired))
+        return decision
+
+    async def _scale(self, pool: str, replicas: int) -> None:
+        try:
+            await self.router.scale(pool, replicas)
+        except Exception as e:  # noqa: BLE001 - a start Ray refused or that failed: the pool keeps retrying,
+            log.warning("autoscale: scaling the %s pool to %d failed: %s", pool, replicas, short(e))  # status shows it
+
+    # ---- the observation ---------------------------------------------------------------------
+    async def observe(self) -> Observation:
+        now = clock.now()
+        window = now - (self._last_at if self._last_at is not None else now - self.cfg.interval_s)
+        self._last_at = now
+        seen = self.recent.take()
+        q = self.cfg.percentile / 100
+        lives = _Lives.of(self.router, now, q)
+        pools = {p: await self._pool(p, now) for p in ("prefill", "decode")}
+        outputs = seen.output_lengths or seen.asked_output
+        return Observation(
+            now=now, window_s=window, mode=self.router.config.mode, arrivals=seen.arrivals,
+            prompt=Lengths.of(seen.prompt_lengths), output=Lengths.of(outputs), finished=len(seen.output_lengths),
+            ttft_q_s=seen.ttft.quantile(q), itl_q_s=seen.itl.quantile(q), pools=pools,
+            **dataclasses.asdict(lives))
+
+    async def _pool(self, pool: str, now: float) -> PoolObservation:
+        pm = self.router.pools
+        health, workers = pm.health[pool], pm.workers[pool]
+        ready = [w for w in workers if w.state is WorkerState.READY]
+        steps = await asyncio.gather(*(self._steps(w) for w in ready))
+        samples = tuple(_sample(w, now, s) for w, s in zip(ready, steps, strict=True))
+        scaling = self._scaling.get(pool)
+        return PoolObservation(pool, health.target, health.starting, health.failures_in_a_row,
+                               sum(w.state is WorkerState.DRAINING for w in workers), samples,
+                               sum(sum(w.prefill_tokens.values()) for w in workers if not w.stopped),
+                               scaling=scaling is not None and not scaling.done())
+
+    async def _steps(self, w: WorkerView) -> tuple[StepRecord, ...]:
+        """`w`'s step records since the last evaluation (none if it does not answer in time)."""
+        try:
+            records = await within(w.actor.telemetry.remote(self._step_seq.get(w.name, 0)),
+                                   self.router.config.router.call_timeout_s)
+        except CALL_FAILURES as e:
+            log.debug("autoscale: no step records from %s: %s", w.name, short(e))
+            return ()
+        if records:
+            self._step_seq[w.name] = records[-1].seq
+        stride = -(-len(records) // STEPS_PER_WORKER)
+        return tuple(records[::stride]) if stride > 1 else tuple(records)
+
+
+def _sample(w: WorkerView, now: float, steps: tuple[StepRecord, ...]) -> WorkerSample:
+    s = w.stats
+    used = s.blocks_used if s is not None else w.info.num_blocks - w.free_blocks
+    return WorkerSample(w.name, now - w.ready_at, used, w.info.num_blocks, w.info.block_size,
+                        w.running, w.waiting, steps)
+
+
+@dataclasses.dataclass
+class _Lives:
+    """The requests the router holds now, as the planner reads them."""
+
+    queued: int = 0
+    queued_prompt_tokens: int = 0
+    waiting_first: int = 0
+    wait_q_s: float = 0.0
+    oldest_wait_s: float = 0.0
+    kv_waiting: int = 0
+    kv_waiting_tokens: int = 0
+    decoding: int = 0
+
+    @classmethod
+    def of(cls, router: Router, now: float, q: float) -> _Lives:
+        out, waits = cls(), []
+        for life in router.lives.values():
+            if life.ended:
+                continue
+            if life.first_token_at is None:
+                waits.append(now - life.accepted)
+            if life.phase is Phase.QUEUED:
+                out.queued += 1
+                out.queued_prompt_tokens += life.num_context_tokens()
+                if life.waiting_for == "kv":
+                    out.kv_waiting += 1
+                    out.kv_waiting_tokens += life.num_context_tokens()
+            elif life.phase in (Phase.HANDOFF, Phase.DECODING):
+                out.decoding += 1
+        if waits:
+            waits.sort()
+            out.waiting_first, out.oldest_wait_s = len(waits), waits[-1]
+            out.wait_q_s = waits[min(len(waits) - 1, int(q * len(waits)))]
+        return out

@@ -1,0 +1,167 @@
+"""The SLO planner: `decide(observation) -> Decision`, pure (no I/O, no clock but the
+observation's), used unchanged by the live router and by `pdserve simulate`.
+
+Per interval: learn the profile from the warmed-up workers' steps (router/autoscale/profile.py),
+forecast the next interval (router/autoscale/forecast.py), size each pool on its own signal
+(router/autoscale/sizing.py), then apply the rules below, per pool, with `n` the warmed-up ready
+workers (capacity) and `t` the pool's current target:
+
+- up: to ceil(load / target_utilization) at once (an absolute size for the forecast and the
+  backlog: no cooldown), or to n + step when its SLO is missed now, where step grows with the miss
+  (+1 .. doubling); a miss adds nothing while workers are still starting or warming (they are
+  capacity on its way: counting them twice over-scales, Dynamo #12430), nor within
+  `scale_up_cooldown_s` of the pool's last change (the last step's effect has not shown yet);
+- down: only with the SLO met, to ceil(peak / (target_utilization x (1 - band))), where peak is the
+  highest load of the last `scale_down_cooldown_s`, which already counts what the pool holds now
+  (decode: running and KV held): the survivors carry it at most at (1 - band) x the utilization
+  that would scale up again, so steady load settles instead of flapping 2 <-> 1; not within
+  `scale_down_cooldown_s` of the pool's last change;
+- otherwise hold. Then min/max per pool and the budget (both pools' total), never below a needed
+  pool's min (>= 1): with no traffic every load is 0 and each pool goes to its min.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from router.autoscale.forecast import Holt
+from router.autoscale.observation import Decision, Observation, PoolDecision
+from router.autoscale.profile import CapacityProfile
+from router.autoscale.sizing import Load, Need, Sizer, ceil_workers, warm
+from router.config.autoscale import AutoscaleSection
+
+LENGTH_GAIN = 0.3  # EWMA weight of a window's mean prompt / output length
+
+
+class Planner:
+    def __init__(self, cfg: AutoscaleSection, mode: str, profile: CapacityProfile):
+        self.cfg = cfg
+        self.mode = mode
+        self.pools = ("decode",) if mode == "colocated" else ("prefill", "decode")
+        self.profile = profile
+        self.sizer = Sizer(cfg, profile)
+        self._rates = {"requests": Holt(), "prompt_tokens": Holt()}
+        self._lengths = {"prompt": 0.0, "output": 0.0}
+        self._history = {p: deque() for p in self.pools}  # (at, load): the peak a scale-down plans for
+        self._changed_at = {p: -math.inf for p in self.pools}
+
+    def bounds(self, pool: str) -> tuple[int, int]:
+        c = self.cfg
+        return (c.prefill_min, c.prefill_max) if pool == "prefill" else (c.decode_min, c.decode_max)
+
+    def decide(self, obs: Observation) -> Decision:
+        for pool in self.pools:
+            self.profile.learn(pool, [r for w in warm(obs.pools[pool].workers, self.cfg.warmup_s) for r in w.steps])
+        load = self._forecast(obs)
+        needs = {"decode": self.sizer.colocated(obs, load)} if self.mode == "colocated" else \
+            {"prefill": self.sizer.prefill(obs, load), "decode": self.sizer.decode(obs, load)}
+        sized = {p: self._size(p, obs, needs[p]) for p in self.pools}
+        desired, budget_note = self._within_budget({p: d for p, (d, _, _) in sized.items()})
+        decisions = {}
+        for p in self.pools:
+            po, (wanted, why, cause) = obs.pools[p], sized[p]
+            if desired[p] < wanted:
+                why, cause = why + budget_note, "budget"
+            decisions[p] = PoolDecision(p, desired[p], len(warm(po.workers, self.cfg.warmup_s)), po.target, why,
+                                        cause)
+            if desired[p] != po.target:
+                self._changed_at[p] = obs.now
+        inputs = self._inputs(obs, load, needs)
+        changed = any(d.desired != d.target for d in decisions.values())
+        return Decision(obs.now, decisions, "; ".join(f"{p}: {d.reason}" for p, d in decisions.items()), changed,
+                        inputs)
+
+    # ---- forecast ------------------------------------------------------------------------
+    def _forecast(self, obs: Observation) -> Load:
+        for key, lengths in (("prompt", obs.prompt), ("output", obs.output)):
+            if lengths.count:
+                old = self._lengths[key]
+                self._lengths[key] = lengths.mean if not old else old + LENGTH_GAIN * (lengths.mean - old)
+        window = max(obs.window_s, 1e-9)
+        requests = self._rates["requests"].update(obs.arrivals / window)
+        tokens = self._rates["prompt_tokens"].update(obs.arrivals * obs.prompt.mean / window)
+        return Load(requests, tokens, max(1.0, self._lengths["prompt"]), max(1.0, self._lengths["output"]))
+
+    # ---- one pool ------------------------------------------------------------------------
+    def _size(self, pool: str, obs: Observation, need: Need) -> tuple[int, str, str]:
+        """(desired size before the budget, why, cause)."""
+        c, po = self.cfg, obs.pools[pool]
+        lo, hi = self.bounds(pool)
+        t, n = po.target, len(warm(po.workers, c.warmup_s))
+        pending = po.starting + len(po.workers) - n
+        peak = self._peak(pool, obs.now, need.load)
+        up = ceil_workers(need.load, c.target_utilization) if need.load is not None else 0
+        slo = n + max(1, math.ceil(n * min(1.0, need.pressure - 1))) if need.pressure > 1 and not pending else 0
+        since = obs.now - self._changed_at[pool]
+        cooling = since < c.scale_up_cooldown_s
+        wanted = max(up, 0 if cooling else slo)
+        size, why, cause = t, self._describe(need, up, n, pending, po.failed_starts), "steady"
+        if po.scaling:
+            why, cause = why + "; a scale of this pool is in flight: held", "pending"
+        elif wanted > t:
+            size, cause = wanted, "slo" if wanted > up else "forecast"
+            why += "; up: " + ("its SLO is missed now" if cause == "slo" else "forecast + backlog")
+        elif slo > t:
+            why, cause = why + f"; up held: {since:.0f} s since its last change (scale_up_cooldown_s)", "cooldown"
+        elif need.pressure > 1 and pending:
+            why, cause = why + f"; SLO missed, {pending} worker(s) starting or warming up: waiting for them", "pending"
+        elif peak is not None and need.pressure <= 1:
+            down = ceil_workers(peak, c.target_utilization * (1 - c.band))
+            if down < t and since < c.scale_down_cooldown_s:
+                why += f"; down held: {since:.0f} s since its last change (scale_down_cooldown_s)"
+                cause = "cooldown"
+            elif down < t:
+                size, cause = down, "survivors"
+                why += f"; down: the survivors carry the peak load {peak:.2f} at <= {1 - c.band:.0%} of target"
+        if not lo <= size <= hi:
+            why, cause = why + f"; held to [{lo}, {hi}] ({pool}_min, {pool}_max)", "bounds"
+        return min(hi, max(lo, size)), why, cause
+
+    def _peak(self, pool: str, now: float, load: float | None) -> float | None:
+        """The highest load of the last scale_down_cooldown_s (None: none known)."""
+        history = self._history[pool]
+        if load is not None:
+            history.append((now, load))
+        while history and history[0][0] < now - self.cfg.scale_down_cooldown_s:
+            history.popleft()
+        return max((v for _, v in history), default=None)
+
+    @staticmethod
+    def _describe(need: Need, up: int, n: int, pending: int, failed: int) -> str:
+        load = "no profile yet" if need.load is None else f"load {need.load:.2f} workers -> {up}"
+        text = f"{load}, SLO ratio {need.pressure:.2f}, {n} warm"
+        text += f", {pending} starting/warming" if pending else ""
+        return text + (f", {failed} failed start(s) in a row" if failed else "")
+
+    # ---- both pools ----------------------------------------------------------------------
+    def _within_budget(self, wanted: dict[str, int]) -> tuple[dict[str, int], str]:
+        """Each pool its min, the rest of the budget shared in proportion to what each wants above
+        its min (largest remainders first; decode first on a tie)."""
+        budget = self.cfg.budget_workers
+        if budget is None or sum(wanted.values()) <= budget:
+            return wanted, ""
+        floor = {p: self.bounds(p)[0] for p in wanted}
+        extra = {p: wanted[p] - floor[p] for p in wanted}
+        room, total = budget - sum(floor.values()), sum(extra.values())
+        shares = {p: room * extra[p] / total for p in wanted}
+        out = {p: floor[p] + int(shares[p]) for p in wanted}
+        order = sorted(wanted, key=lambda p: (-(shares[p] - int(shares[p])), p != "decode"))
+        for p in order[:budget - sum(out.values())]:
+            out[p] += 1
+        return out, f"; cut to the budget of {budget} workers (max_workers / max_cost_per_hour)"
+
+    def _inputs(self, obs: Observation, load: Load, needs: dict[str, Need]) -> dict[str, float]:
+        inputs = {"arrivals_per_s": obs.arrivals / max(obs.window_s, 1e-9), "forecast_requests_per_s":
+                  load.requests_per_s, "prompt_len": load.prompt_len, "output_len": load.output_len,
+                  "queued": float(obs.queued), "waiting_first": float(obs.waiting_first), "wait_q_s": obs.wait_q_s,
+                  "kv_waiting": float(obs.kv_waiting)}
+        if obs.ttft_q_s is not None:
+            inputs["ttft_q_s"] = obs.ttft_q_s
+        if obs.itl_q_s is not None:
+            inputs["itl_q_s"] = obs.itl_q_s
+        for pool, need in needs.items():
+            inputs |= need.figures
+            inputs[f"{pool}_load"] = need.load if need.load is not None else -1.0
+            inputs[f"{pool}_correction"] = self.profile.correction[pool]
+        return inputs

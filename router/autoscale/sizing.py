@@ -1,0 +1,126 @@
+"""How many workers each pool needs for the next interval, before hysteresis and bounds.
+
+Each pool on its own signal, in worker-equivalents at 100% of the profile's capacity (`Need.load`):
+- prefill: the forecast prompt tokens/s plus the backlog (prompt tokens queued in the router for a
+  prefill slot and placed on prefill workers but not computed), cleared within the TTFT budget
+  left after a prompt's own prefill, over one worker's prompt tokens/s;
+- decode: the requests it must hold at once, the larger of Little's law on the forecast (arrivals/s
+  x output tokens x the step time at the slots a worker keeps) and what it holds now (running,
+  plus requests waiting for KV room), over the slots one worker keeps within the ITL SLO and its KV;
+  and at least the KV held now (plus the KV-waiters') over one worker's KV at `kv_high`;
+- colocated: both on the one pool.
+`Need.pressure` is the SLO signal measured on live requests: the worst of the waits of requests
+still without a first token and the window's TTFT over the TTFT SLO (prefill-bound backlog only),
+or of the warmed-up decode workers' step times (their ITL) over the ITL SLO and KV use over
+`kv_high` (decode). Above 1 the pool misses its SLO now, whatever the profile says.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from router.autoscale.observation import Observation, WorkerSample
+from router.autoscale.profile import CapacityProfile
+from router.config.autoscale import AutoscaleSection
+
+
+@dataclass(frozen=True)
+class Load:
+    """The forecast for the next interval and the mean lengths it is made of."""
+
+    requests_per_s: float
+    prompt_tokens_per_s: float
+    prompt_len: float
+    output_len: float
+
+
+@dataclass(frozen=True)
+class Need:
+    load: float | None  # worker-equivalents at full capacity; None: no profile yet and work to do
+    pressure: float  # the SLO signal's worst ratio (<= 1: met)
+    figures: dict[str, float]
+
+
+def warm(workers: tuple[WorkerSample, ...], warmup_s: float) -> list[WorkerSample]:
+    return [w for w in workers if w.age_s >= warmup_s]
+
+
+def weighted_quantile(pairs: list[tuple[float, int]], q: float) -> float | None:
+    """The q-quantile (0-1) of values each counted `weight` times; None without any."""
+    pairs = sorted((v, n) for v, n in pairs if n > 0)
+    total = sum(n for _, n in pairs)
+    if not total:
+        return None
+    rank, seen = q * total, 0
+    for value, n in pairs:
+        seen += n
+        if seen >= rank:
+            return value
+    return pairs[-1][0]
+
+
+class Sizer:
+    def __init__(self, cfg: AutoscaleSection, profile: CapacityProfile):
+        self.cfg = cfg
+        self.profile = profile
+
+    def prefill(self, obs: Observation, load: Load, pool: str = "prefill") -> Need:
+        c, p = self.cfg, obs.pools[pool]
+        backlog = max(0, obs.queued_prompt_tokens - obs.kv_waiting_tokens) + p.queued_tokens
+        figures = {"prefill_backlog_tokens": float(backlog), "prompt_tokens_per_s": load.prompt_tokens_per_s}
+        bound = backlog > 0 or obs.waiting_first > obs.kv_waiting  # someone waits for a prefill, not for KV
+        ttft = max(obs.wait_q_s, obs.ttft_q_s or 0.0) if bound else 0.0
+        pressure = ttft / c.ttft_s
+        figures["first_token_wait_s"] = ttft
+        if load.prompt_tokens_per_s == 0 and backlog == 0:
+            return Need(0.0, pressure, figures)
+        if not self.profile.ready(pool):
+            return Need(None, pressure, figures)
+        rate = self.profile.prefill_rate(pool, load.prompt_len)
+        own = self.profile.prefill_time_s(pool, load.prompt_len)
+        drain_s = max(c.ttft_s - own, 0.25 * c.ttft_s)
+        figures |= {"prefill_tokens_per_s_per_worker": rate, "prefill_own_s": own}
+        return Need((load.prompt_tokens_per_s + backlog / drain_s) / rate, pressure, figures)
+
+    def decode(self, obs: Observation, load: Load, pool: str = "decode") -> Need:
+        c, workers = self.cfg, obs.pools[pool].workers
+        hot = warm(workers, c.warmup_s)
+        held = max(obs.decoding, sum(w.running + w.waiting for w in workers)) + obs.kv_waiting
+        kv_used = sum(w.kv_used * w.block_size for w in workers) + obs.kv_waiting_tokens
+        kv_each = max((w.kv_total * w.block_size for w in workers), default=0)
+        itl = self._step_itl(hot)
+        kv_use = sum(w.kv_use for w in hot) / len(hot) if hot else 0.0
+        pressure = max((itl or 0.0) / c.itl_s, kv_use / c.kv_high, 1.0 + 1e-9 if obs.kv_waiting and hot and
+                       kv_use > c.kv_high * (1 - c.band) else 0.0)
+        figures = {"decode_held": float(held), "kv_use": kv_use, "decode_step_itl_s": itl or 0.0}
+        if load.requests_per_s == 0 and held == 0:
+            return Need(0.0, pressure, figures)
+        by_kv = kv_used / (kv_each * c.kv_high) if kv_each else 0.0
+        if not self.profile.ready(pool):
+            return Need(by_kv or None, pressure, figures)
+        context = load.prompt_len + load.output_len / 2
+        slots = self.profile.decode_slots(pool, context, load.prompt_len + load.output_len, kv_each, c.itl_s,
+                                          c.kv_high)
+        step = self.profile.decode_step_s(pool, slots, context)
+        concurrent = max(load.requests_per_s * load.output_len * step, float(held))
+        figures |= {"decode_slots_per_worker": float(slots), "decode_concurrent": concurrent}
+        return Need(max(concurrent / slots, by_kv), pressure, figures)
+
+    def colocated(self, obs: Observation, load: Load) -> Need:
+        """One pool does both: its prefill share and its decode share add up."""
+        prefill, decode = self.prefill(obs, load, "decode"), self.decode(obs, load, "decode")
+        figures = {f"colocated_{k}": v for k, v in prefill.figures.items()} | decode.figures
+        both = None if prefill.load is None or decode.load is None else prefill.load + decode.load
+        return Need(both, max(prefill.pressure, decode.pressure), figures)
+
+    def _step_itl(self, hot: list[WorkerSample]) -> float | None:
+        """The token gap of the warmed-up workers' decode steps at the SLO percentile (a step's
+        time is the gap of every request it decoded): per worker, so a cold worker's slow first
+        steps are left out rather than averaged in."""
+        pairs = [(r.wall_s, r.decode_rows) for w in hot for r in w.steps if r.decode_rows]
+        return weighted_quantile(pairs, self.cfg.percentile / 100)
+
+
+def ceil_workers(load: float, utilization: float) -> int:
+    return math.ceil(load / utilization - 1e-9) if load > 0 else 0
