@@ -45,12 +45,15 @@ class Planner:
         self._lengths = {"prompt": 0.0, "output": 0.0}
         self._history = {p: deque() for p in self.pools}  # (at, load): the peak a scale-down plans for
         self._changed_at = {p: -math.inf for p in self.pools}
+        self._started_at: float | None = None  # the first evaluation: no scale-down within a cooldown of it
 
     def bounds(self, pool: str) -> tuple[int, int]:
         c = self.cfg
         return (c.prefill_min, c.prefill_max) if pool == "prefill" else (c.decode_min, c.decode_max)
 
     def decide(self, obs: Observation) -> Decision:
+        if self._started_at is None:
+            self._started_at = obs.now
         for pool in self.pools:
             self.profile.learn(pool, [r for w in warm(obs.pools[pool].workers, self.cfg.warmup_s) for r in w.steps])
         load = self._forecast(obs)
@@ -108,8 +111,9 @@ class Planner:
             why, cause = why + f"; SLO missed, {pending} worker(s) starting or warming up: waiting for them", "pending"
         elif peak is not None and need.pressure <= 1:
             down = ceil_workers(peak, c.target_utilization * (1 - c.band))
-            if down < t and since < c.scale_down_cooldown_s:
-                why += f"; down held: {since:.0f} s since its last change (scale_down_cooldown_s)"
+            quiet = obs.now - max(self._changed_at[pool], self._started_at)
+            if down < t and quiet < c.scale_down_cooldown_s:
+                why += f"; down held: {quiet:.0f} s since its last change or the start (scale_down_cooldown_s)"
                 cause = "cooldown"
             elif down < t:
                 size, cause = down, "survivors"

@@ -1,0 +1,186 @@
+"""The planner's guarantees (docs/autoscale.md, "Guarantees"), each on hand-built observations
+of an H100 x Llama-3.1-8B cluster: it sees queue wait, settles under steady load, scales down
+counting what the survivors carry, goes to min at zero traffic, keeps min/max/budget, and counts
+neither starting nor warming workers as capacity. Each test also shows the contrast that makes
+it fail without the mechanism."""
+
+from __future__ import annotations
+
+import math
+
+from engine.cost_model import StepTotals
+from router.autoscale.profile import LinearStepModel
+from tests.autoscale_util import KV_BLOCKS, decode_step, interval, planner, pool, profile, worker
+
+
+def _burst_backlog(p, queued_requests: int, now: float = 1000.0):
+    """One prefill worker keeping up with 1 req/s of 8,000 tokens, finished TTFT fine (0.4 s), and
+    `queued_requests` more of them in the router queue for a prefill slot, the oldest 1.5 s."""
+    return p.decide(interval(now, pool("prefill", 1), pool("decode", 2), arrivals=10, prompt=8000, output=200,
+                             ttft_q_s=0.4, queued=queued_requests, queued_prompt_tokens=8000 * queued_requests,
+                             waiting_first=queued_requests, wait_q_s=1.5 if queued_requests else 0.0,
+                             oldest_wait_s=1.5 if queued_requests else 0.0))
+
+
+def test_a_backlog_scales_prefill_up_while_finished_latency_still_looks_fine():
+    calm = _burst_backlog(planner(ttft_s=3.0, prefill_max=32), 0)
+    assert calm.desired("prefill") == 1 and not calm.changed, calm.reason
+    burst = _burst_backlog(planner(ttft_s=3.0, prefill_max=32), 200)
+    assert burst.inputs["ttft_q_s"] < 3.0 and burst.inputs["first_token_wait_s"] < 3.0  # nothing missed yet
+    # 1.6M queued tokens to clear within the TTFT budget at ~32k tokens/s a worker: about 19 workers
+    assert 15 <= burst.desired("prefill") <= 25 and burst.changed
+    assert burst.pools["prefill"].cause == "forecast" and "backlog" in burst.pools["prefill"].reason
+    assert burst.desired("decode") == 2  # the backlog waits for prefill, not for decode
+
+
+def test_requests_waiting_for_kv_size_decode_not_prefill():
+    p = planner(ttft_s=3.0)
+    full = [worker(f"d{i}", kv_used=int(0.95 * KV_BLOCKS), running=50) for i in range(2)]
+    d = p.decide(interval(1000.0, pool("prefill", 1), pool("decode", full), arrivals=10, prompt=8000, output=200,
+                          queued=20, queued_prompt_tokens=160_000, waiting_first=20, wait_q_s=4.0,
+                          kv_waiting=20, kv_waiting_tokens=160_000))
+    assert d.desired("decode") > 2 and d.desired("prefill") == 1
+
+
+def test_a_missed_slo_steps_up_even_without_a_profile():
+    """An online profile that has seen no step yet cannot size; the waits of queued requests still
+    step the pool up, doubling at most."""
+    p = planner(source="online", ttft_s=2.0)
+    d = p.decide(interval(1000.0, pool("prefill", 2), pool("decode", 1), arrivals=5, queued=30,
+                          queued_prompt_tokens=30_000, waiting_first=30, wait_q_s=6.0))
+    assert d.inputs["prefill_load"] == -1.0  # no profile
+    assert d.desired("prefill") == 4 and d.pools["prefill"].cause == "slo"
+
+
+def _steady(band: float, up_s: float, down_s: float, intervals: int = 120) -> list[int]:
+    """Prefill sizes over a load that swings +-20% around exactly one worker at the target
+    utilization (no backlog): the boundary where a planner without hysteresis flaps 2 <-> 1."""
+    p = planner(band=band, scale_up_cooldown_s=up_s, scale_down_cooldown_s=down_s)
+    per_worker = profile().prefill_rate("prefill", 1000) * 0.8  # tokens/s at target utilization
+    target, sizes = 1, []
+    for i in range(intervals):
+        arrivals = round(per_worker * 10 / 1000 * (1.2 if i % 2 else 0.8))
+        d = p.decide(interval(10.0 * i, pool("prefill", target), pool("decode", 2), arrivals=arrivals))
+        target = d.desired("prefill")
+        sizes.append(target)
+    return sizes
+
+
+def test_steady_load_settles_then_makes_no_change():
+    sizes = _steady(band=0.2, up_s=30, down_s=120)
+    changes = [i for i in range(1, len(sizes)) if sizes[i] != sizes[i - 1]]
+    assert sizes[-1] == 2 and all(i < 5 for i in changes), changes
+    flapping = _steady(band=0.0, up_s=0, down_s=0)  # the same load without hysteresis or cooldown
+    assert sum(flapping[i] != flapping[i - 1] for i in range(1, len(flapping))) >= 20
+
+
+def test_scale_down_counts_the_load_the_survivors_carry():
+    """Arrivals stopped, but 4 decode workers still hold 30% of their KV each: the pool shrinks to
+    3, where each carries 40% (under kv_high x (1 - band) = 72%), not to 1 (120%: it would scale
+    straight back up, or refuse requests). Once they finish, it goes to min."""
+    p = planner()
+    busy = [worker(f"d{i}", kv_used=3 * KV_BLOCKS // 10, running=40) for i in range(4)]
+    first = p.decide(interval(880.0, pool("prefill", 1), pool("decode", busy), decoding=160))
+    assert first.desired("decode") == 4  # no scale-down within scale_down_cooldown_s of the start
+    d = p.decide(interval(1000.0, pool("prefill", 1), pool("decode", busy), decoding=160))
+    assert d.desired("decode") == 3 and d.pools["decode"].cause == "survivors"
+    assert 4 * 0.3 / d.desired("decode") <= 0.9 * (1 - 0.2)
+    idle = [worker(f"d{i}") for i in range(3)]
+    after = [p.decide(interval(1000.0 + 10 * k, pool("prefill", 1), pool("decode", idle))) for k in range(1, 14)]
+    assert after[0].desired("decode") == 3  # within the cooldown of its last change
+    assert after[-1].desired("decode") == 1
+
+
+def test_zero_traffic_goes_to_min_with_finite_inputs():
+    for source in ("cost_model", "online"):
+        p = planner(source=source, prefill_min=2, decode_min=1)
+        sizes = {"prefill": 6, "decode": 4}
+        for k in range(30):  # 300 s without a request: no TTFT, no ITL, no step
+            d = p.decide(interval(10.0 * k, pool("prefill", sizes["prefill"]), pool("decode", sizes["decode"])))
+            assert all(math.isfinite(v) for v in d.inputs.values()), d.inputs
+            sizes = {name: d.desired(name) for name in sizes}
+        assert sizes == {"prefill": 2, "decode": 1}, (source, d.reason)
+
+
+def test_min_max_and_budget_hold_and_no_needed_pool_is_left_empty():
+    def flood(p, prefill=True):
+        return p.decide(interval(1000.0, pool("prefill", 1) if prefill else None, pool("decode", 1), arrivals=2000,
+                                 prompt=8000, output=500, queued=500, queued_prompt_tokens=4_000_000,
+                                 waiting_first=500, wait_q_s=30.0, decoding=800))
+    free = flood(planner(prefill_max=5, decode_max=7))
+    assert (free.desired("prefill"), free.desired("decode")) == (5, 7)
+    capped = flood(planner(prefill_max=8, decode_max=8, max_workers=6))
+    assert capped.desired("prefill") + capped.desired("decode") == 6
+    assert min(capped.desired("prefill"), capped.desired("decode")) >= 1
+    assert "budget" in {capped.pools[p].cause for p in ("prefill", "decode")}
+    costed = flood(planner(max_cost_per_hour=10.0, cost_per_worker_hour=2.5))  # 4 workers an hour
+    assert costed.desired("prefill") + costed.desired("decode") == 4
+    colocated = flood(planner(mode="colocated", decode_max=3), prefill=False)
+    assert set(colocated.pools) == {"decode"} and colocated.desired("decode") == 3
+    quiet = planner(mode="colocated").decide(interval(1000.0, None, pool("decode", 1)))
+    assert quiet.desired("decode") == 1  # the one pool colocated mode needs stays
+
+
+def test_warming_workers_are_not_capacity_and_their_slow_steps_are_ignored():
+    """A decode worker 5 s old whose first steps take 10x the ITL SLO (cold caches, compilation)
+    neither counts as capacity nor drives a scale-up, nor skews the profile's correction; the same
+    steps from a warmed-up worker are a real SLO miss."""
+    itl = 0.05
+    model_s = profile().models["decode"].step_s(StepTotals(8, 16_000, 16_000))
+    good = tuple(decode_step(i, 8, 2000, 0.8 * model_s) for i in range(1, 40))
+    slow = tuple(decode_step(i, 8, 2000, 10 * itl) for i in range(1, 40))
+
+    def decide(age_s):
+        p = planner(itl_s=itl, warmup_s=30.0)
+        workers = [worker("d0", steps=good), worker("d1", age_s=age_s, steps=slow)]
+        return p, p.decide(interval(1000.0, pool("prefill", 1), pool("decode", workers), arrivals=10))
+    p, cold = decide(age_s=5.0)
+    assert cold.pools["decode"].actual == 1 and cold.desired("decode") == 2 and not cold.changed
+    assert math.isclose(p.profile.correction["decode"], 0.9)  # half way to d0's 0.8: d1's steps left out
+    _, warmed = decide(age_s=100.0)
+    assert warmed.desired("decode") > 2 and warmed.pools["decode"].cause == "slo"
+
+
+def test_a_miss_adds_nothing_while_workers_are_starting():
+    """Dynamo #12430: counting the miss again while the capacity asked for is still on its way
+    over-scales. With 2 prefill workers starting, a miss waits; once they are warm, it steps."""
+    def miss(starting: int, warm: int):
+        p = planner(ttft_s=2.0, source="online")  # no profile: only the SLO signal sizes
+        return p.decide(interval(1000.0, pool("prefill", warm, starting=starting), pool("decode", 1), arrivals=5,
+                                 queued=40, queued_prompt_tokens=40_000, waiting_first=40, wait_q_s=5.0))
+    waiting = miss(starting=2, warm=1)
+    assert waiting.desired("prefill") == 3 and waiting.pools["prefill"].cause == "pending"
+    assert miss(starting=0, warm=3).desired("prefill") == 6
+
+
+def test_a_failed_start_is_not_capacity():
+    """Target 3, one ready, two failed to start: the planner counts 1 (actual), says so, and does
+    not read the missing two as spare room to scale down into."""
+    p = planner()
+    d = p.decide(interval(1000.0, pool("prefill", 1, target=3, failed=2), pool("decode", 1), arrivals=60,
+                          prompt=8000, ttft_q_s=2.5, wait_q_s=1.0, waiting_first=3, queued_prompt_tokens=24_000))
+    assert d.pools["prefill"].actual == 1 and d.desired("prefill") == 3
+    assert "2 failed start(s)" in d.pools["prefill"].reason
+
+
+def test_the_profile_corrects_itself_from_measured_steps():
+    """Steps that take twice what the cost model says move the correction towards 2 (half the
+    gap each interval), and the same load then needs more decode workers."""
+    p = planner()
+    load = dict(arrivals=400, prompt=2000, output=500)
+    before = p.decide(interval(0.0, pool("prefill", 4), pool("decode", 1), **load)).pools["decode"]
+    model = p.profile.models["decode"]
+    for k in range(1, 6):
+        steps = tuple(decode_step(i, 32, 2000, 2 * model.step_s(StepTotals(32, 64_000, 64_000)))
+                      for i in range(1, 40))
+        after = p.decide(interval(10.0 * k, pool("prefill", 4), pool("decode", [worker("d0", steps=steps)]), **load))
+    assert 1.9 < p.profile.correction["decode"] <= 2.0
+    assert after.desired("decode") > before.desired
+
+
+def test_an_online_fit_recovers_the_step_time():
+    truth = LinearStepModel(0.004, 2e-5, 1e-7, 0.0)
+    samples = [(t, truth.step_s(t)) for t in (StepTotals(n, c, c) for n in (1, 8, 64, 512) for c in (100, 5000))]
+    fit = LinearStepModel.fit(samples)
+    for t, wall in samples:
+        assert math.isclose(fit.step_s(t), wall, rel_tol=1e-6)
