@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+from protocol.telemetry import StepRecord
 from router.autoscale.observation import Lengths, Observation, PoolObservation, WorkerSample
 from router.autoscale.planner import Planner
 from router.autoscale.profile import CapacityProfile, CostStepModel
 from router.config.autoscale import AutoscaleSection
 from router.config.emulate import EmulateSection, emulation
-from protocol.telemetry import StepRecord
 
 H100_8B = emulation(EmulateSection(device="h100", model="llama-3.1-8b"))
 BUDGET, CHUNK, MAX_SEQS = 8192, 2048, 256  # simulate/gpu_cluster.yaml's scheduler

@@ -1,0 +1,64 @@
+"""The planner on `pdserve simulate`'s cluster (the router's own code on a virtual clock, 1 + 1
+emulated H100 x Llama-3.1-8B workers to start): a burst of 8,000-token prompts lands; the planner
+sees the queued prompt tokens and scales prefill up in the interval the burst arrives, while the
+first tokens it has seen finish are still well within the TTFT SLO. No request is lost to any scale
+action, and once the burst has passed the pools shrink again."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+
+from bench.workload import make_workload, synthetic_requests
+from router.config.loader import load_config
+from simulate.cli import emulated
+from simulate.run import simulate
+
+GPU_CLUSTER = Path(__file__).resolve().parent.parent / "simulate" / "gpu_cluster.yaml"
+TTFT_S = 3.0
+
+
+def _config():
+    base = load_config(GPU_CLUSTER)
+    auto = dataclasses.replace(base.router.autoscale, enabled=True, ttft_s=TTFT_S, prefill_max=12, decode_max=8,
+                               interval_s=5.0, scale_down_cooldown_s=30.0, warmup_s=5.0, profile="cost_model")
+    base = dataclasses.replace(base, prefill=dataclasses.replace(base.prefill, replicas=1),
+                               decode=dataclasses.replace(base.decode, replicas=1),
+                               router=dataclasses.replace(base.router, autoscale=auto))
+    return emulated(base, dataclasses.replace(base.emulate, device="h100", model="llama-3.1-8b"), str(GPU_CLUSTER))
+
+
+def _burst():
+    """1 request/s for 30 s, 16/s for 10 s, 1/s for 50 s; 8,000-token prompts, 100 tokens out."""
+    arrivals = np.concatenate([np.arange(0, 30, 1.0), 30 + np.arange(0, 10, 1 / 16), 40 + np.arange(0, 50, 1.0)])
+    specs = synthetic_requests("burst", arrivals, np.full(len(arrivals), 8000), np.full(len(arrivals), 100),
+                               32_768, (16, 30_000), np.random.default_rng(0))
+    return make_workload("burst", specs, None, {})
+
+
+def test_a_burst_backlog_scales_prefill_before_finished_latency_shows_it(caplog):
+    cfg, em = _config()
+    workload = _burst()
+    with caplog.at_level(logging.INFO, logger="router.autoscale.loop"):
+        run = simulate(cfg, em, workload, "autoscaled")
+    decisions = [r.decision for r in caplog.records if hasattr(r, "decision")]
+    assert decisions and all(b.at > a.at for a, b in zip(decisions, decisions[1:], strict=False))
+    first_up = next(d for d in decisions if d.desired("prefill") > d.pools["prefill"].target)
+    t0 = decisions[0].at - cfg.router.autoscale.interval_s  # the first evaluation is one interval in
+    assert 30 <= first_up.at - t0 < 30 + cfg.router.autoscale.interval_s  # in the interval the burst began
+    assert first_up.pools["prefill"].cause == "forecast", first_up.reason
+    assert first_up.inputs.get("ttft_q_s", 0.0) <= TTFT_S  # what has finished still looks fine
+    i = first_up.inputs  # the arrival forecast alone would not have asked for more: the backlog did
+    assert i["prefill_backlog_tokens"] > 0
+    assert math.ceil(i["prompt_tokens_per_s"] / i["prefill_tokens_per_s_per_worker"] / 0.8) < first_up.desired("prefill")
+    assert max(d.desired("prefill") for d in decisions) >= 3
+    assert sum(pool == "prefill" for pool in run.workers.values()) >= 3  # the pool really grew
+    assert all(r.ok for r in run.records), [r.error for r in run.records if not r.ok][:3]  # nothing lost
+    last = decisions[-1]
+    assert last.desired("prefill") < max(d.desired("prefill") for d in decisions)  # and shrank again
+    for checks in run.checks.values():  # every worker's blocks accounted for at the end
+        assert checks["used"] == 0 and checks["free"] == checks["total"], checks
