@@ -85,6 +85,17 @@ def _hit_rate(w: pb.WorkerStatus) -> str:
     return f"{100 * w.prefix_hit_tokens / w.prefix_query_tokens:.0f}%" if w.prefix_query_tokens else "-"
 
 
+def _autoscale_line(a: pb.AutoscaleStatus) -> str:
+    """The autoscaler's last decision, why, and when it decides next ('' when it is off)."""
+    if not a.enabled:
+        return ""
+    if a.last_decision_age_s < 0:
+        return f"\nautoscale: no decision yet; first evaluation in {a.next_evaluation_in_s:.0f} s"
+    sizes = ", ".join(f"{p.pool} {p.actual} ready -> {p.desired} ({p.cause})" for p in a.pools)
+    return (f"\nautoscale: last decision {a.last_decision_age_s:.0f} s ago, next in {a.next_evaluation_in_s:.0f} s, "
+            f"{a.scaling_actions} scaling actions so far: {sizes}\nautoscale reason: {a.reason}")
+
+
 def format_status(s: pb.StatusResponse) -> str:
     head = f"mode {s.mode}  model {s.model}\nrouter: {s.router_in_flight} in flight, {s.router_queue} queued, " \
            f"{s.requests_total} requests accepted so far"
@@ -100,6 +111,7 @@ def format_status(s: pb.StatusResponse) -> str:
         head += f"\n{p.pool} pool: {p.ready}/{p.target} ready, {p.starting} starting, {p.restarts} restarts"
         if p.last_failure:
             head += f"; last failure {p.last_failure_age_s:.0f} s ago: {p.last_failure}"
+    head += _autoscale_line(s.autoscale)
     nodes: dict[str, list[str]] = {}  # which workers run where (the Ray node IP each reported)
     for w in s.workers:
         nodes.setdefault(w.node_ip, []).append(w.name)

@@ -141,7 +141,7 @@ class StatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusResponse(_message.Message):
-    __slots__ = ("mode", "model", "workers", "router_queue", "router_in_flight", "requests_total", "pools")
+    __slots__ = ("mode", "model", "workers", "router_queue", "router_in_flight", "requests_total", "pools", "autoscale")
     MODE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +149,7 @@ class StatusResponse(_message.Message):
     ROUTER_IN_FLIGHT_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_TOTAL_FIELD_NUMBER: _ClassVar[int]
     POOLS_FIELD_NUMBER: _ClassVar[int]
+    AUTOSCALE_FIELD_NUMBER: _ClassVar[int]
     mode: str
     model: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerStatus]
@@ -156,7 +157,36 @@ class StatusResponse(_message.Message):
     router_in_flight: int
     requests_total: int
     pools: _containers.RepeatedCompositeFieldContainer[PoolStatus]
-    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., router_queue: _Optional[int] = ..., router_in_flight: _Optional[int] = ..., requests_total: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ...) -> None: ...
+    autoscale: AutoscaleStatus
+    def __init__(self, mode: _Optional[str] = ..., model: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerStatus, _Mapping]]] = ..., router_queue: _Optional[int] = ..., router_in_flight: _Optional[int] = ..., requests_total: _Optional[int] = ..., pools: _Optional[_Iterable[_Union[PoolStatus, _Mapping]]] = ..., autoscale: _Optional[_Union[AutoscaleStatus, _Mapping]] = ...) -> None: ...
+
+class AutoscaleStatus(_message.Message):
+    __slots__ = ("enabled", "last_decision_age_s", "reason", "next_evaluation_in_s", "pools", "scaling_actions")
+    ENABLED_FIELD_NUMBER: _ClassVar[int]
+    LAST_DECISION_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    NEXT_EVALUATION_IN_S_FIELD_NUMBER: _ClassVar[int]
+    POOLS_FIELD_NUMBER: _ClassVar[int]
+    SCALING_ACTIONS_FIELD_NUMBER: _ClassVar[int]
+    enabled: bool
+    last_decision_age_s: float
+    reason: str
+    next_evaluation_in_s: float
+    pools: _containers.RepeatedCompositeFieldContainer[AutoscalePool]
+    scaling_actions: int
+    def __init__(self, enabled: _Optional[bool] = ..., last_decision_age_s: _Optional[float] = ..., reason: _Optional[str] = ..., next_evaluation_in_s: _Optional[float] = ..., pools: _Optional[_Iterable[_Union[AutoscalePool, _Mapping]]] = ..., scaling_actions: _Optional[int] = ...) -> None: ...
+
+class AutoscalePool(_message.Message):
+    __slots__ = ("pool", "desired", "actual", "cause")
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    DESIRED_FIELD_NUMBER: _ClassVar[int]
+    ACTUAL_FIELD_NUMBER: _ClassVar[int]
+    CAUSE_FIELD_NUMBER: _ClassVar[int]
+    pool: str
+    desired: int
+    actual: int
+    cause: str
+    def __init__(self, pool: _Optional[str] = ..., desired: _Optional[int] = ..., actual: _Optional[int] = ..., cause: _Optional[str] = ...) -> None: ...
 
 class PoolStatus(_message.Message):
     __slots__ = ("pool", "target", "ready", "starting", "restarts", "last_failure", "last_failure_age_s")

@@ -7,7 +7,7 @@ every wait an `asyncio.sleep`, so it runs unchanged on `pdserve simulate`'s virt
 Each evaluation builds an `Observation` (router/autoscale/observation.py) from the router's own
 state (its request lives: queue, waits of requests still without a first token, KV waits; the
 pool manager's health and each ready worker's last stats; each worker's step records since the
-last evaluation, read through its `telemetry` call with the router's call deadline), calls
+last evaluation, read through its `telemetry` call within half an interval), calls
 `Planner.decide`, logs the decision on one line, exports it as metrics and appends it to
 `decisions`. A new size goes to the pool manager (`Router.scale`: starts workers, or drains them
 with nothing lost) as a task of its own, so a long drain never delays the next evaluation; while a
@@ -84,7 +84,10 @@ class Autoscaler:
         while True:
             self.next_at = clock.now() + self.cfg.interval_s
             await asyncio.sleep(self.cfg.interval_s)
-            await self.evaluate()
+            try:
+                await self.evaluate()
+            except Exception:  # a bug must not end autoscaling for good: logged loudly, next interval retries
+                log.exception("autoscale: the evaluation failed")
 
     async def evaluate(self) -> Decision:
         """One evaluation: observe, decide, log, export, apply."""
@@ -96,6 +99,10 @@ class Autoscaler:
             if p.desired != p.target:
                 self._scaling[p.pool] = asyncio.get_running_loop().create_task(self._scale(p.pool, p.desired))
         return decision
+
+    @property
+    def scaling_actions(self) -> int:
+        return sum(d.changed for d in self.decisions)
 
     async def _scale(self, pool: str, replicas: int) -> None:
         try:
@@ -131,11 +138,16 @@ class Autoscaler:
                                sum(sum(w.prefill_tokens.values()) for w in workers if not w.stopped),
                                scaling=scaling is not None and not scaling.done())
 
+    @property
+    def _steps_deadline_s(self) -> float:
+        """A busy engine answers `telemetry` between steps: a worker stuck in a long step gives no
+        records this time rather than delaying the decision (its records come next time)."""
+        return min(self.router.config.router.call_timeout_s, self.cfg.interval_s / 2)
+
     async def _steps(self, w: WorkerView) -> tuple[StepRecord, ...]:
         """`w`'s step records since the last evaluation (none if it does not answer in time)."""
         try:
-            records = await within(w.actor.telemetry.remote(self._step_seq.get(w.name, 0)),
-                                   self.router.config.router.call_timeout_s)
+            records = await within(w.actor.telemetry.remote(self._step_seq.get(w.name, 0)), self._steps_deadline_s)
         except CALL_FAILURES as e:
             log.debug("autoscale: no step records from %s: %s", w.name, short(e))
             return ()

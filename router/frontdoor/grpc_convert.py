@@ -44,6 +44,20 @@ def usage_to_proto(u: Usage) -> pb.Usage:
     return pb.Usage(**dataclasses.asdict(u))
 
 
+def autoscale_to_proto(autoscaler, now: float) -> pb.AutoscaleStatus:
+    """The autoscaler's last decision and its next evaluation (`autoscaler` None: off)."""
+    if autoscaler is None:
+        return pb.AutoscaleStatus(enabled=False)
+    msg = pb.AutoscaleStatus(enabled=True, last_decision_age_s=-1.0, scaling_actions=autoscaler.scaling_actions,
+                             next_evaluation_in_s=max(0.0, (autoscaler.next_at or now) - now))
+    if autoscaler.decisions:
+        last = autoscaler.decisions[-1]
+        msg.last_decision_age_s, msg.reason = now - last.at, last.reason
+        msg.pools.extend(pb.AutoscalePool(pool=p.pool, desired=p.desired, actual=p.actual, cause=p.cause)
+                         for p in last.pools.values())
+    return msg
+
+
 def pool_status_to_proto(p: PoolView) -> pb.PoolStatus:
     return pb.PoolStatus(pool=p.pool, target=p.target, ready=p.ready, starting=p.starting, restarts=p.restarts,
                          last_failure=p.last_failure, last_failure_age_s=p.last_failure_age_s)

@@ -19,11 +19,17 @@ from grpc_reflection.v1alpha import reflection
 
 from proto import pdserve_pb2 as pb
 from proto import pdserve_pb2_grpc as pb_grpc
+from protocol import clock
 from protocol.errors import InvalidRequest
 from protocol.validation import check_message_count
 from router.config.schema import TLSSection
 from router.frontdoor.access import AmbiguousCredentials, Gate, caller_id
-from router.frontdoor.grpc_convert import pool_status_to_proto, sampling_from_proto, usage_to_proto
+from router.frontdoor.grpc_convert import (
+    autoscale_to_proto,
+    pool_status_to_proto,
+    sampling_from_proto,
+    usage_to_proto,
+)
 from router.frontdoor.guards import GrpcGuard, Refusals, grpc_authorization, grpc_subject
 from router.frontdoor.public_errors import public_message
 from router.frontdoor.tls import grpc_server_credentials
@@ -111,7 +117,8 @@ class AdminService(pb_grpc.AdminServicer):
             mode=self.router.config.mode, model=self.router.config.model.path,
             workers=[self._worker(w) for w in workers], router_queue=self.router.queue_length,
             router_in_flight=len(self.router.lives), requests_total=self.router.requests_total,
-            pools=[pool_status_to_proto(p) for p in self.router.pools.status()])
+            pools=[pool_status_to_proto(p) for p in self.router.pools.status()],
+            autoscale=autoscale_to_proto(self.router.autoscaler, clock.now()))
 
     @staticmethod
     def _worker(w) -> pb.WorkerStatus:

@@ -1,0 +1,75 @@
+"""The planner on a real cluster (real Ray actors, gRPC, KV channels; the tiny model on CPU): the
+same `Planner` object the simulator runs scales the prefill pool up when requests wait for a
+prefill past the TTFT SLO, every request's tokens still arrive, `pdserve status` and /metrics show
+the decision, and with traffic gone the pool drains back to its min with nothing lost. Config
+errors of `router.autoscale` exit 2 naming the key."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+import yaml
+
+from cli.main import main as pdserve
+from client.grpc_client import format_status
+from router.launch import LocalCluster
+from tests.cluster_util import Client, cluster_config, hold_engine, wait_until
+
+
+@pytest.mark.parametrize("autoscale, message", [
+    ({"ttft_s": 0}, "router.autoscale.ttft_s: must be > 0"),
+    ({"percentile": 120}, "router.autoscale.percentile: must be in (0, 100]"),
+    ({"decode_min": 0}, "router.autoscale.decode_min: must be >= 1"),
+    ({"prefill_min": 3, "prefill_max": 2}, "router.autoscale.prefill_max: must be >= prefill_min"),
+    ({"band": 1.0}, "router.autoscale.band: must be in [0, 1)"),
+    ({"profile": "guess"}, "router.autoscale.profile: expected one of 'cost_model', 'measured', 'online'"),
+    ({"enabled": True, "max_workers": 1}, "router.autoscale.max_workers: the budget (1 workers) is below"),
+    ({"enabled": True, "profile": "cost_model"}, "router.autoscale.profile: cost_model needs an emulated device"),
+    ({"enabled": True, "profile": "measured", "measured_profile": "nowhere.yaml"},
+     "router.autoscale.measured_profile: "),
+    ({"interval": 5}, "router.autoscale.interval: unknown key"),
+])
+def test_a_bad_autoscale_value_exits_2_naming_the_key(tmp_path, autoscale, message, capsys):
+    bad = tmp_path / "cluster.yaml"
+    bad.write_text(yaml.safe_dump({"router": {"autoscale": autoscale}}))
+    capsys.readouterr()
+    code = pdserve(["serve", "--config", str(bad)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+@pytest.fixture(scope="module")
+def autoscaled(no_shared_ray, llama_dir):
+    """1 + 1 workers, the planner on every 0.5 s with a 0.3 s TTFT SLO; prefill may grow to 2."""
+    cfg = cluster_config(llama_dir, router={"call_timeout_s": 5, "drain_timeout_s": 5, "autoscale": {
+        "enabled": True, "ttft_s": 0.3, "interval_s": 0.5, "prefill_max": 2, "decode_max": 1,
+        "scale_up_cooldown_s": 1, "scale_down_cooldown_s": 3, "warmup_s": 0, "profile": "online"}})
+    with LocalCluster(cfg) as cluster:
+        yield cluster
+
+
+def test_the_planner_scales_a_live_pool_up_and_back_down(autoscaled):
+    router, client = autoscaled.router, Client(autoscaled.address)
+    rng = random.Random("autoscale-live")
+    prompts = [[rng.randrange(10, 2000) for _ in range(120)] for _ in range(12)]
+    hold_engine(router.pools.ready("prefill")[0], 6.0)  # its prompts wait: TTFT passes the SLO meanwhile
+    results: list = []
+    sender = threading.Thread(target=lambda: results.extend(client.many(prompts, max_tokens=8, ignore_eos=True)))
+    sender.start()
+    wait_until(lambda: len(router.pools.ready("prefill")) == 2, 120, "a second prefill worker")
+    sender.join(120)
+    assert len(results) == 12 and all(len(tokens) == 8 for tokens in results)
+    up = next(d for d in router.autoscaler.decisions if d.desired("prefill") == 2)
+    assert up.changed and up.pools["prefill"].cause == "slo" and up.inputs["first_token_wait_s"] > 0.3
+    status = format_status(client.status())
+    assert "autoscale: last decision" in status and "prefill" in status
+    metrics = router.metrics.render().decode()
+    assert 'pdserve_autoscale_actions_total{direction="up",pool="prefill"} 1.0' in metrics
+    wait_until(lambda: len(router.pools.live("prefill")) == 1, 120, "the prefill pool back at its min")
+    down = router.autoscaler.decisions.index(up) < next(i for i, d in enumerate(router.autoscaler.decisions)
+                                                       if d.desired("prefill") == 1 and d.changed)
+    assert down and router.pools.health["prefill"].target == 1
+    assert client.many(prompts[:2], max_tokens=4, ignore_eos=True)[0]  # still serving after the drain
+    client.close()
