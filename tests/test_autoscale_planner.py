@@ -184,3 +184,16 @@ def test_an_online_fit_recovers_the_step_time():
     fit = LinearStepModel.fit(samples)
     for t, wall in samples:
         assert math.isclose(fit.step_s(t), wall, rel_tol=1e-6)
+
+
+def test_prompt_tokens_the_prefix_caches_hold_are_not_prefill_work():
+    """A conversation's earlier turns are cached: with 75% of the prompt tokens found in the
+    prefill workers' caches, the same arrivals need about a quarter of the prefill workers."""
+    def sized(hit_share):
+        p = planner(prefill_max=32)
+        for k in range(8):  # the share is smoothed: let it settle
+            d = p.decide(interval(10.0 * k, pool("prefill", 1), pool("decode", 4), arrivals=200, prompt=8000,
+                                  output=100, prefix_hit_share=hit_share))
+        return d.desired("prefill")
+    cold, warm_cache = sized(None), sized(0.75)
+    assert cold >= 6 and warm_cache <= math.ceil(cold / 4) + 1

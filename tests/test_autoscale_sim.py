@@ -22,10 +22,11 @@ GPU_CLUSTER = Path(__file__).resolve().parent.parent / "simulate" / "gpu_cluster
 TTFT_S = 3.0
 
 
-def _config():
+def _config(**autoscale):
     base = load_config(GPU_CLUSTER)
     auto = dataclasses.replace(base.router.autoscale, enabled=True, ttft_s=TTFT_S, prefill_max=12, decode_max=8,
                                interval_s=5.0, scale_down_cooldown_s=30.0, warmup_s=5.0, profile="cost_model")
+    auto = dataclasses.replace(auto, **autoscale)
     base = dataclasses.replace(base, prefill=dataclasses.replace(base.prefill, replicas=1),
                                decode=dataclasses.replace(base.decode, replicas=1),
                                router=dataclasses.replace(base.router, autoscale=auto))
@@ -62,3 +63,25 @@ def test_a_burst_backlog_scales_prefill_before_finished_latency_shows_it(caplog)
     assert last.desired("prefill") < max(d.desired("prefill") for d in decisions)  # and shrank again
     for checks in run.checks.values():  # every worker's blocks accounted for at the end
         assert checks["used"] == 0 and checks["free"] == checks["total"], checks
+
+
+def test_steady_load_settles_and_then_makes_no_change(caplog):
+    """Poisson arrivals at a steady 8 requests/s (2,000-token prompts, 200 out) for 240 simulated s
+    on 3 + 3 workers, decided every 10 s: the pools shrink to what the load needs once the
+    scale-down cooldown after the start has passed, and then no scaling action follows (the
+    issue's target: at most 2 after settling)."""
+    cfg, em = _config(interval_s=10.0, scale_down_cooldown_s=60.0, scale_up_cooldown_s=30.0, warmup_s=10.0)
+    cfg = dataclasses.replace(cfg, prefill=dataclasses.replace(cfg.prefill, replicas=3),
+                              decode=dataclasses.replace(cfg.decode, replicas=3))
+    rng = np.random.default_rng(1)
+    arrivals = np.cumsum(rng.exponential(1 / 8, size=8 * 240))
+    specs = synthetic_requests("steady", arrivals, np.full(len(arrivals), 2000), np.full(len(arrivals), 200),
+                               32_768, (16, 30_000), rng)
+    with caplog.at_level(logging.INFO, logger="router.autoscale.loop"):
+        run = simulate(cfg, em, make_workload("steady", specs, None, {}), "steady")
+    decisions = [r.decision for r in caplog.records if hasattr(r, "decision")]
+    t0 = decisions[0].at - 10.0
+    changes = [d for d in decisions if d.changed]
+    assert changes and all(d.at - t0 <= 90 for d in changes), [d.line() for d in changes]
+    assert len(decisions) >= 20 and (decisions[-1].desired("prefill"), decisions[-1].desired("decode")) == (1, 1)
+    assert all(r.ok for r in run.records)  # nothing lost to the scale-down

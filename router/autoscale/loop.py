@@ -68,6 +68,7 @@ class Autoscaler:
         self.recent = router.metrics.recent = RecentLoad()
         self._last_at: float | None = None
         self._step_seq: dict[str, int] = {}  # worker name -> the last step record read
+        self._prefix_seen = (0, 0)  # the prefill stage's prefix-cache totals at the last evaluation
         self._scaling: dict[str, asyncio.Task] = {}
         self._task: asyncio.Task | None = None
 
@@ -118,13 +119,23 @@ class Autoscaler:
         seen = self.recent.take()
         q = self.cfg.percentile / 100
         lives = _Lives.of(self.router, now, q)
-        pools = {p: await self._pool(p, now) for p in ("prefill", "decode")}
+        prefill, decode = await asyncio.gather(self._pool("prefill", now), self._pool("decode", now))
+        pools = {"prefill": prefill, "decode": decode}
         outputs = seen.output_lengths or seen.asked_output
         return Observation(
             now=now, window_s=window, mode=self.router.config.mode, arrivals=seen.arrivals,
             prompt=Lengths.of(seen.prompt_lengths), output=Lengths.of(outputs), finished=len(seen.output_lengths),
+            prefix_hit_share=self._hit_share(),
             ttft_q_s=seen.ttft.quantile(q), itl_q_s=seen.itl.quantile(q), pools=pools,
             **dataclasses.asdict(lives))
+
+    def _hit_share(self) -> float | None:
+        """Of the prompt tokens the prefill stage looked up since the last evaluation, the share
+        its prefix caches held (None: none looked up)."""
+        stage = "decode" if self.router.config.mode == "colocated" else "prefill"
+        query, hit = self.router.metrics.prefix_totals(stage)
+        (q0, h0), self._prefix_seen = self._prefix_seen, (query, hit)
+        return (hit - h0) / (query - q0) if query > q0 else None
 
     async def _pool(self, pool: str, now: float) -> PoolObservation:
         pm = self.router.pools

@@ -31,7 +31,7 @@ from router.autoscale.profile import CapacityProfile
 from router.autoscale.sizing import Load, Need, Sizer, ceil_workers, warm
 from router.config.autoscale import AutoscaleSection
 
-LENGTH_GAIN = 0.3  # EWMA weight of a window's mean prompt / output length
+LENGTH_GAIN = 0.3  # EWMA weight of a window's mean prompt / output length and of its prefix-cache hit share
 
 
 class Planner:
@@ -43,6 +43,7 @@ class Planner:
         self.sizer = Sizer(cfg, profile)
         self._rates = {"requests": Holt(), "prompt_tokens": Holt()}
         self._lengths = {"prompt": 0.0, "output": 0.0}
+        self._hit_share = 0.0  # of arriving prompt tokens, the share prefill finds cached (not computed)
         self._history = {p: deque() for p in self.pools}  # (at, load): the peak a scale-down plans for
         self._changed_at = {p: -math.inf for p in self.pools}
         self._started_at: float | None = None  # the first evaluation: no scale-down within a cooldown of it
@@ -81,10 +82,13 @@ class Planner:
             if lengths.count:
                 old = self._lengths[key]
                 self._lengths[key] = lengths.mean if not old else old + LENGTH_GAIN * (lengths.mean - old)
+        if obs.prefix_hit_share is not None:
+            self._hit_share += LENGTH_GAIN * (min(1.0, max(0.0, obs.prefix_hit_share)) - self._hit_share)
         window = max(obs.window_s, 1e-9)
         requests = self._rates["requests"].update(obs.arrivals / window)
         tokens = self._rates["prompt_tokens"].update(obs.arrivals * obs.prompt.mean / window)
-        return Load(requests, tokens, max(1.0, self._lengths["prompt"]), max(1.0, self._lengths["output"]))
+        return Load(requests, tokens * (1 - self._hit_share), max(1.0, self._lengths["prompt"]),
+                    max(1.0, self._lengths["output"]))
 
     # ---- one pool ------------------------------------------------------------------------
     def _size(self, pool: str, obs: Observation, need: Need) -> tuple[int, str, str]:
@@ -159,7 +163,7 @@ class Planner:
         inputs = {"arrivals_per_s": obs.arrivals / max(obs.window_s, 1e-9), "forecast_requests_per_s":
                   load.requests_per_s, "prompt_len": load.prompt_len, "output_len": load.output_len,
                   "queued": float(obs.queued), "waiting_first": float(obs.waiting_first), "wait_q_s": obs.wait_q_s,
-                  "kv_waiting": float(obs.kv_waiting)}
+                  "kv_waiting": float(obs.kv_waiting), "prefix_hit_share": self._hit_share}
         if obs.ttft_q_s is not None:
             inputs["ttft_q_s"] = obs.ttft_q_s
         if obs.itl_q_s is not None:

@@ -30,7 +30,7 @@ class Load:
     """The forecast for the next interval and the mean lengths it is made of."""
 
     requests_per_s: float
-    prompt_tokens_per_s: float
+    prompt_tokens_per_s: float  # to compute: the prefix caches' expected hits left out
     prompt_len: float
     output_len: float
 

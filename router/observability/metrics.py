@@ -169,6 +169,11 @@ class RouterMetrics:
         if totals[0]:
             self.prefix_hit_rate.labels(pool=pool).set(totals[1] / totals[0])
 
+    def prefix_totals(self, pool: str) -> tuple[int, int]:
+        """(tokens looked up, tokens hit) in `pool`'s prefix caches since the router started."""
+        query, hit = self._prefix_totals.get(pool, (0, 0))
+        return query, hit
+
     def observe_kv_saved(self, num_bytes: int) -> None:
         self.kv_transfer_saved.inc(num_bytes)
 
