@@ -13,10 +13,10 @@ from router.autoscale.profile import LinearStepModel
 from tests.autoscale_util import KV_BLOCKS, decode_step, interval, planner, pool, profile, worker
 
 
-def _burst_backlog(p, queued_requests: int, now: float = 1000.0):
+def _burst_backlog(p, queued_requests: int, now: float = 1000.0, scaling: bool = False):
     """One prefill worker keeping up with 1 req/s of 8,000 tokens, finished TTFT fine (0.4 s), and
     `queued_requests` more of them in the router queue for a prefill slot, the oldest 1.5 s."""
-    return p.decide(interval(now, pool("prefill", 1), pool("decode", 2), arrivals=10, prompt=8000, output=200,
+    return p.decide(interval(now, pool("prefill", 1, scaling=scaling), pool("decode", 2), arrivals=10, prompt=8000, output=200,
                              ttft_q_s=0.4, queued=queued_requests, queued_prompt_tokens=8000 * queued_requests,
                              waiting_first=queued_requests, wait_q_s=1.5 if queued_requests else 0.0,
                              oldest_wait_s=1.5 if queued_requests else 0.0))
@@ -197,3 +197,10 @@ def test_prompt_tokens_the_prefix_caches_hold_are_not_prefill_work():
         return d.desired("prefill")
     cold, warm_cache = sized(None), sized(0.75)
     assert cold >= 6 and warm_cache <= math.ceil(cold / 4) + 1
+
+
+def test_a_pool_whose_scale_is_in_flight_is_held():
+    """A drain or a start still running: the next decision leaves that pool as it is (a second
+    scale would queue behind the first and act on stale figures), and sizes the other."""
+    d = _burst_backlog(planner(ttft_s=3.0, prefill_max=32), 200, scaling=True)
+    assert d.desired("prefill") == 1 and d.pools["prefill"].cause == "pending"

@@ -15,7 +15,8 @@ workers (capacity) and `t` the pool's current target:
   highest load of the last `scale_down_cooldown_s`, which already counts what the pool holds now
   (decode: running and KV held): the survivors carry it at most at (1 - band) x the utilization
   that would scale up again, so steady load settles instead of flapping 2 <-> 1; not within
-  `scale_down_cooldown_s` of the pool's last change;
+  `scale_down_cooldown_s` of the pool's last change or of the first evaluation;
+- a pool whose last scale is still in flight (workers starting, a drain) is held as it is;
 - otherwise hold. Then min/max per pool and the budget (both pools' total), never below a needed
   pool's min (>= 1): with no traffic every load is 0 and each pool goes to its min.
 """
@@ -105,8 +106,8 @@ class Planner:
         wanted = max(up, 0 if cooling else slo)
         size, why, cause = t, self._describe(need, up, n, pending, po.failed_starts), "steady"
         if po.scaling:
-            why, cause = why + "; a scale of this pool is in flight: held", "pending"
-        elif wanted > t:
+            return t, why + "; a scale of this pool is in flight: held", "pending"
+        if wanted > t:
             size, cause = wanted, "slo" if wanted > up else "forecast"
             why += "; up: " + ("its SLO is missed now" if cause == "slo" else "forecast + backlog")
         elif slo > t:
