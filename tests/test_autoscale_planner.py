@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import math
 
-from engine.cost_model import StepTotals
 from router.autoscale.profile import LinearStepModel
+from sizing.cost_model import StepTotals
 from tests.autoscale_util import KV_BLOCKS, decode_step, interval, planner, pool, profile, worker
 
 

@@ -35,10 +35,12 @@ from router.autoscale.planner import Planner
 from router.autoscale.profile import CapacityProfile, CostStepModel
 from router.config.autoscale import read_measured_profile
 from router.config.emulate import emulation
+from router.config.schema import ClusterConfig
 from router.lifecycle.life import Phase
 from router.lifecycle.worker_calls import CALL_FAILURES, short
 from router.observability.recent import RecentLoad
 from router.pools.worker_view import WorkerState, WorkerView
+from sizing.cost_model import Emulation
 
 Router = Any  # router/lifecycle/service.py's Router, which builds this (importing it here would be a cycle)
 
@@ -46,11 +48,11 @@ log = logging.getLogger(__name__)
 STEPS_PER_WORKER = 512  # step records a worker contributes per evaluation (evenly thinned beyond)
 
 
-def build_profile(router: Router) -> CapacityProfile:
-    """The configured source's profile: the emulated device's cost model (also the online prior),
-    or the measured fit."""
-    cfg, auto = router.config, router.config.router.autoscale
-    prior = CostStepModel(router.pools.emulation.cost) if router.pools.emulation is not None else None
+def build_profile(cfg: ClusterConfig, emulating: Emulation | None) -> CapacityProfile:
+    """The configured source's profile: the emulated device's cost model (`emulating`, also the
+    online prior), or the measured fit in `measured_profile`."""
+    auto = cfg.router.autoscale
+    prior = CostStepModel(emulating.cost) if emulating is not None else None
     if auto.profile == "measured":
         section = read_measured_profile(auto.measured_profile, cfg.kv_cache.block_size, "cluster.yaml")
         prior = CostStepModel(emulation(section).cost)
@@ -62,7 +64,7 @@ class Autoscaler:
     def __init__(self, router: Router):
         self.router = router
         self.cfg = router.config.router.autoscale
-        self.planner = Planner(self.cfg, router.config.mode, build_profile(router))
+        self.planner = Planner(self.cfg, router.config.mode, build_profile(router.config, router.pools.emulation))
         self.decisions: list[Decision] = []
         self.next_at: float | None = None  # when the next evaluation runs (status shows it)
         self.recent = router.metrics.recent = RecentLoad()

@@ -1,7 +1,7 @@
 """A worker's capacity, per pool: what one prefill worker computes per second and how many
 requests one decode worker keeps within the ITL SLO and its KV.
 
-Both come from a step-time model (seconds for a step of a given shape, engine/cost_model.py's
+Both come from a step-time model (seconds for a step of a given shape, sizing/cost_model.py's
 `StepTotals`): the emulated device's cost model (`cost_model`), this host's fit from `pdserve plan
 --measure` (`measured`), or a least-squares fit to the workers' own step records (`online`: wall =
 a + b x tokens + c x context tokens + d x attended pairs, the cost model's terms; the cost model is
@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from engine.cost_model import CostModel, StepTotals
 from protocol.telemetry import StepRecord
+from sizing.cost_model import CostModel, StepTotals
 
 MIN_FIT_STEPS = 32  # steps before an online fit replaces the prior
 FIT_RING = 4096  # steps an online fit keeps per pool
@@ -35,7 +35,7 @@ def totals(r: StepRecord) -> StepTotals:
 
 @dataclass(frozen=True)
 class CostStepModel:
-    """The roofline of engine/cost_model.py applied to a step's totals."""
+    """The roofline of sizing/cost_model.py applied to a step's totals."""
 
     cost: CostModel
 
