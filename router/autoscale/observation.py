@@ -100,7 +100,8 @@ class PoolDecision:
 @dataclass(frozen=True)
 class Decision:
     """One evaluation: per pool desired vs actual and why; `changed`: it asked a pool for a new
-    size. `inputs`: the figures it decided on (forecast, backlog, capacity per worker), finite."""
+    size. `inputs`: the figures it decided on (forecast, backlog, capacity per worker), all finite
+    (`<pool>_load` is -1 while an online profile has seen too few steps to size the pool)."""
 
     at: float
     pools: dict[str, PoolDecision]
