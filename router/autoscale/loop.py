@@ -4,7 +4,8 @@ Started by `Router.start()` when `router.autoscale.enabled`, stopped by `Router.
 simulation's teardown cancels its tasks like every other). All timing is `protocol.clock` and
 every wait an `asyncio.sleep`, so it runs unchanged on `pdserve simulate`'s virtual clock.
 
-Each evaluation builds an `Observation` (router/autoscale/observation.py) from the router's own
+An evaluation runs every `interval_s`, or sooner when a request has waited for its first token
+longer than half the TTFT SLO. Each builds an `Observation` (router/autoscale/observation.py) from the router's own
 state (its request lives: queue, waits of requests still without a first token, KV waits; the
 pool manager's health and each ready worker's last stats; each worker's step records since the
 last evaluation, read through its `telemetry` call within half an interval), calls
@@ -46,6 +47,7 @@ Router = Any  # router/lifecycle/service.py's Router, which builds this (importi
 
 log = logging.getLogger(__name__)
 STEPS_PER_WORKER = 512  # step records a worker contributes per evaluation (evenly thinned beyond)
+URGENT_CHECKS = 5  # looks an interval for requests waiting past half the TTFT SLO (then it decides at once)
 
 
 def build_profile(cfg: ClusterConfig, emulating: Emulation | None) -> CapacityProfile:
@@ -86,11 +88,26 @@ class Autoscaler:
     async def _run(self) -> None:
         while True:
             self.next_at = clock.now() + self.cfg.interval_s
-            await asyncio.sleep(self.cfg.interval_s)
+            await self._until_due()
             try:
                 await self.evaluate()
             except Exception:  # a bug must not end autoscaling for good: logged loudly, next interval retries
                 log.exception("autoscale: the evaluation failed")
+
+    async def _until_due(self) -> None:
+        """Until `next_at`, or sooner once a request has waited for its first token longer than half
+        the TTFT SLO (checked URGENT_CHECKS times an interval): a burst is answered when it shows,
+        not up to an interval later (as AIBrix's panic window does beside its stable window)."""
+        tick = self.cfg.interval_s / URGENT_CHECKS
+        while clock.now() < self.next_at:
+            await asyncio.sleep(min(tick, self.next_at - clock.now()))
+            if self._urgent():
+                return
+
+    def _urgent(self) -> bool:
+        since = clock.now() - self.cfg.ttft_s / 2
+        return any(life.first_token_at is None and life.accepted < since and not life.ended
+                   for life in self.router.lives.values())
 
     async def evaluate(self) -> Decision:
         """One evaluation: observe, decide, log, export, apply."""
