@@ -5,8 +5,8 @@ simulation's teardown cancels its tasks like every other). All timing is `protoc
 every wait an `asyncio.sleep`, so it runs unchanged on `pdserve simulate`'s virtual clock.
 
 An evaluation runs every `interval_s`, or sooner when a request has waited for its first token
-longer than half the TTFT SLO. Each builds an `Observation` (router/autoscale/observation.py) from the router's own
-state (its request lives: queue, waits of requests still without a first token, KV waits; the
+longer than half the TTFT SLO. Each builds an `Observation` (router/autoscale/observation.py)
+from the router's own state (its request lives: queue, waits of requests still without a first token, KV waits; the
 pool manager's health and each ready worker's last stats; each worker's step records since the
 last evaluation, read through its `telemetry` call within half an interval), calls
 `Planner.decide`, logs the decision on one line, exports it as metrics and appends it to
