@@ -55,6 +55,12 @@ def check_values(cfg: ClusterConfig, where: str) -> None:
          cfg.router.max_body_bytes_in_flight >= 4 * cfg.router.max_prompt_bytes + (64 << 10),
          "must hold one maximal HTTP body: at least 4 x router.max_prompt_bytes + 64 KiB"),
         ("router.max_pool_replicas", cfg.router.max_pool_replicas >= 1, "must be >= 1"),
+        ("router.local_prefill.max_uncached_tokens", cfg.router.local_prefill.max_uncached_tokens >= 0,
+         "must be >= 0 (0: no request is prefilled locally for being short)"),
+        ("router.local_prefill.when_prefill_wait_exceeds",
+         isinstance(cfg.router.local_prefill.when_prefill_wait_exceeds, str)
+         or cfg.router.local_prefill.when_prefill_wait_exceeds > 0,
+         "must be auto, off or a factor > 0 of the local prefill's cost"),
         ("prefill.replicas", cfg.prefill.replicas >= (1 if cfg.mode == "disaggregated" else 0),
          "must be >= 1 in disaggregated mode (>= 0 in colocated)"),
         ("decode.replicas", cfg.decode.replicas >= 1, "must be >= 1"),

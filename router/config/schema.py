@@ -87,6 +87,19 @@ class AuthSection:
 
 
 @dataclass(frozen=True)
+class LocalPrefillSection:
+    """Conditional disaggregation (router/lifecycle/local_prefill.py): a disaggregated request's
+    prefill runs on its decode worker, chunked as colocated, when the part of its context that
+    worker does not hold cached is at most `max_uncached_tokens` (0 = never for length), or, with
+    `when_prefill_wait_exceeds`, when the prefill pool's work ahead of it (in tokens) is more than
+    the local prefill would cost: auto = more than its cost (the decode worker's own local
+    prefills ahead plus this one's uncached tokens), a number k = more than k times it, off = never."""
+
+    max_uncached_tokens: int = 0
+    when_prefill_wait_exceeds: Literal["auto", "off"] | float = "off"
+
+
+@dataclass(frozen=True)
 class RouterSection:
     host: str = "127.0.0.1"
     port: int = 50051
@@ -137,6 +150,7 @@ class RouterSection:
     # --trace`; relative to cluster.yaml; null = off. Prompts only with request_log_prompts.
     request_log: str | None = None
     request_log_prompts: bool = False
+    local_prefill: LocalPrefillSection = field(default_factory=LocalPrefillSection)
     tls: TLSSection = field(default_factory=TLSSection)
     auth: AuthSection = field(default_factory=AuthSection)
     # the SLO planner: sizes the prefill and decode pools for the coming load (docs/autoscale.md); off by default

@@ -7,7 +7,9 @@ has a channel starts while the reservation is in flight; the prefill worker hold
 until `aim` tells it how many leading blocks the reservation found cached. If that reservation
 finds no room after all, the prefill is aborted and the request placed again (`Respin`; once:
 after that its reservations come first again). Colocated: wait for a decode-pool worker with
-room -> `generate` there.
+room -> `generate` there. Disaggregated with router.local_prefill, a request whose prefill is
+short or whose prefill pool is backed up runs as colocated on its decode worker
+(router/lifecycle/local_prefill.py).
 Any failure another worker may not have raises `Retry`; the router then starts the next
 attempt (router/lifecycle/service.py). Workers are recorded as holders BEFORE a call that may leave
 state on them, so a cancel at any moment reaches every worker that may hold some.
@@ -27,6 +29,7 @@ from protocol.telemetry import PrefillTiming
 from router.config.schema import ClusterConfig
 from router.lifecycle.admission import Admission
 from router.lifecycle.life import Phase, RequestLife
+from router.lifecycle.local_prefill import LocalPlacement, LocalPrefill
 from router.lifecycle.outcomes import (
     Chunk,
     InternalError,
@@ -51,6 +54,7 @@ class Attempts:
         self.metrics = metrics
         self.accepting = accepting  # () -> bool
         self.placer = pools.placer
+        self.local = LocalPrefill(config.router.local_prefill)  # conditional disaggregation's thresholds
         self._early: set[asyncio.Task] = set()  # calls read by nobody's await (the loop keeps tasks weakly)
 
     async def run(self, life: RequestLife) -> AsyncIterator[Chunk]:
@@ -68,6 +72,11 @@ class Attempts:
             self._charge_queue(life, waits.close(), waits)
             raise
         self._observe_queue(life, waited, waits)
+        if isinstance(pair, LocalPlacement):  # the decode worker prefills it (conditional disaggregation)
+            self.metrics.observe_local_prefill(pair.reason)
+            async for chunk in self._generate(life, pair.worker):
+                yield chunk
+            return
         aid, prefill, decode, skip = life.attempt_id, pair.prefill, pair.decode, pair.cached_blocks
         life.to(Phase.PREFILLING)
         try:
@@ -109,16 +118,23 @@ class Attempts:
         async for chunk in self._stream(life, decode):
             yield chunk
 
-    async def _place_pair(self, life: RequestLife, waits: QueueWaits, deadline: float) -> Pair | None:
-        """A prefill worker and a decode worker holding the KV's blocks, or None; no reservation
-        waits past `deadline` (the router's clock), when the request is refused."""
+    async def _place_pair(self, life: RequestLife, waits: QueueWaits,
+                          deadline: float) -> Pair | LocalPlacement | None:
+        """A prefill worker and a decode worker holding the KV's blocks, a decode worker that
+        prefills the request itself (router.local_prefill), or None; no reservation waits past
+        `deadline` (the router's clock), when the request is refused."""
         prefill_ready = self._ready_or_wait("prefill", life)
         decode_ready = self._ready_or_wait("decode", life)
-        if not prefill_ready or not decode_ready:
+        if not decode_ready:
             return waits.failed("workers")
         bs = decode_ready[0].info.block_size
         hashes = life.context_hashes(bs)
         context = life.num_context_tokens()
+        local = self._place_local(life, prefill_ready, decode_ready, hashes) if self.local.enabled else None
+        if local is not None:
+            return local
+        if not prefill_ready:
+            return waits.failed("workers")
         prefill = self.placer.pick_prefill(prefill_ready, hashes, context, self.rc.max_prefill_inflight)
         if prefill is None:
             return waits.failed("prefill")
@@ -146,6 +162,26 @@ class Attempts:
                              f"{prefill.name} meanwhile is dropped")
             self._unhold(life, decode)
         return waits.failed("kv")
+
+    def _place_local(self, life: RequestLife, prefill_ready: list[WorkerView], decode_ready: list[WorkerView],
+                     hashes: list[bytes]) -> LocalPlacement | None:
+        """The decode worker the request would go to, placed whole there when `self.local` says
+        its prefill should run locally (it then holds blocks for the context and next token)."""
+        bs = decode_ready[0].info.block_size
+        needed = -(-(life.num_context_tokens() + 1) // bs)
+        final = len(life.prompt_token_ids) + life.sampling.max_tokens
+        limit = self.config.scheduler.max_num_seqs + self.rc.max_prefill_inflight
+        fits = self.placer.decode_candidates(decode_ready, hashes, needed, limit, final)
+        w = fits[0] if fits else None
+        held = self.placer.matched_blocks("decode", hashes, [w])[w.name] if w is not None else 0
+        placed = self.local.choose(w, held, life.num_context_tokens(), prefill_ready)
+        if placed is None:
+            return None
+        self._hold(life, w, Phase.DECODING)
+        w.hold(life.attempt_id, placed.uncached_tokens)  # its prefill work, until the first token
+        w.took_blocks(needed)
+        self.placer.placed(w, hashes)
+        return placed
 
     def _prefill_early(self, life: RequestLife, prefill: WorkerView, decode: WorkerView,
                        hashes: list[bytes]) -> asyncio.Task | None:
@@ -200,10 +236,14 @@ class Attempts:
         w, waited = await self.admission.place(lambda deadline: self._place_colocated(life, waits), self.accepting,
                                                self.rc.queue_timeout_s, life.queued_since)
         self._observe_queue(life, waited, waits)
+        async for chunk in self._generate(life, w):
+            yield chunk
+
+    async def _generate(self, life: RequestLife, w: WorkerView) -> AsyncIterator[Chunk]:
+        """Prefill (after the tokens already streamed) and decode on `w`, its tokens streamed."""
         task = GenerateTask(life.attempt_id, life.prompt_token_ids, life.sampling, list(life.output_token_ids),
                             life.emitted_chars)
-        ref = w.actor.generate.remote(task)
-        await call(w, ref, self.rc.call_timeout_s, "generate")
+        await call(w, w.actor.generate.remote(task), self.rc.call_timeout_s, "generate")
         async for chunk in self._stream(life, w):
             yield chunk
 
@@ -290,7 +330,8 @@ class Attempts:
             if life.phase is Phase.HANDOFF:  # the KV landed: the prefill worker holds nothing now
                 life.to(Phase.DECODING)
                 life.prefill = None
-            if self.config.mode == "colocated" and not life.output_token_ids:  # the request's first outputs
+            w.prefill_tokens.pop(life.attempt_id, None)  # a prefill here (colocated, local) is done
+            if not life.output_token_ids:  # the first outputs, from this worker's own prefill
                 life.usage.cached_tokens = outputs[0].num_cached_tokens
                 self.metrics.observe_prefix("decode", life.num_context_tokens(), outputs[0].num_cached_tokens)
             chunk = self.chunk(life, merge_outputs(outputs))

@@ -77,6 +77,10 @@ class RouterMetrics:
                                       "Prefills started while their decode reservation was in flight, by "
                                       "outcome: aimed (the reservation held) or dropped (it found no room).",
                                       ["outcome"], registry=reg)
+        self.local_prefills = Counter("pdserve_local_prefills",
+                                      "Disaggregated requests prefilled on their decode worker (router.local_prefill), "
+                                      "by reason: short (few uncached tokens) or prefill_wait (the prefill pool "
+                                      "was backed up).", ["reason"], registry=reg)
         self.worker_failures = Counter("pdserve_worker_failures", "Workers that died or hung, by pool.",
                                        ["pool"], registry=reg)
         self.prefix_query_tokens = Counter("pdserve_prefix_cache_query_tokens",
@@ -158,6 +162,9 @@ class RouterMetrics:
 
     def observe_early_prefill(self, outcome: str) -> None:
         self.early_prefills.labels(outcome=outcome).inc()
+
+    def observe_local_prefill(self, reason: str) -> None:
+        self.local_prefills.labels(reason=reason).inc()
 
     def observe_prefix(self, pool: str, query_tokens: int, hit_tokens: int) -> None:
         """One lookup of `query_tokens` context tokens in a `pool` worker's prefix cache."""
