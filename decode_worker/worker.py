@@ -37,11 +37,16 @@ RESERVE_WAIT_S = 1.0  # a reserve the engine has not taken by then answers "no r
 
 class DecodeWorker(WorkerCalls):
     def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig | None, cpu: int | None = None,
-                 faults: FaultConfig | None = None, emulation: Emulation | None = None):
+                 faults: FaultConfig | None = None, emulation: Emulation | None = None, core: WorkerCore | None = None):
+        """`core`: the engine of this process's last role, idle and reset (worker_host/); None: load one."""
         self.faults = Faults(faults, name)
-        self.core = WorkerCore(name, "decode", config, self._on_outputs, cpu, self.faults,
-                               node_ip=ray.util.get_node_ip_address(), cpu_share=ray_cpu_share(),
-                               colocated=transfer is None, emulation=emulation)
+        if core is None:
+            core = WorkerCore(name, "decode", config, self._on_outputs, cpu, self.faults,
+                              node_ip=ray.util.get_node_ip_address(), cpu_share=ray_cpu_share(),
+                              colocated=transfer is None, emulation=emulation)
+        else:
+            core.take_role(name, "decode", self._on_outputs, self.faults)
+        self.core = core
         self.outbox: Outbox[RequestOutput] = Outbox()
         self.handoffs = HandoffTable()
         self._transfers: dict[str, tuple[float, int]] = {}  # request id -> (seconds, bytes) of its KV
@@ -204,9 +209,14 @@ class DecodeWorker(WorkerCalls):
         """Fault injection changed while running (tests; worker_runtime/faults.py)."""
         self.faults.set(faults)
 
-    async def shutdown(self) -> None:
+    async def leave(self) -> None:
+        """Another role takes this process (worker_host/): the lease reaper stops, every channel
+        closes; the engine stays."""
         if self._reaper is not None:
             self._reaper.cancel()
         if self.receiver is not None:
             await asyncio.to_thread(self.receiver.shutdown)
+
+    async def shutdown(self) -> None:
+        await self.leave()
         self.core.stop()

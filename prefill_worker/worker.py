@@ -45,11 +45,16 @@ class PrefillStepFailed(RuntimeError):
 
 class PrefillWorker(WorkerCalls):
     def __init__(self, name: str, config: EngineConfig, transfer: KVTransferConfig, cpu: int | None = None,
-                 faults: FaultConfig | None = None, emulation: Emulation | None = None):
+                 faults: FaultConfig | None = None, emulation: Emulation | None = None, core: WorkerCore | None = None):
+        """`core`: the engine of this process's last role, idle and reset (worker_host/); None: load one."""
         self.faults = Faults(faults, name)
-        self.core = WorkerCore(name, "prefill", config, self._on_outputs, cpu, self.faults,
-                               node_ip=ray.util.get_node_ip_address(), cpu_share=ray_cpu_share(),
-                               after_step=self._after_step, emulation=emulation)
+        if core is None:
+            core = WorkerCore(name, "prefill", config, self._on_outputs, cpu, self.faults,
+                              node_ip=ray.util.get_node_ip_address(), cpu_share=ray_cpu_share(),
+                              after_step=self._after_step, emulation=emulation)
+        else:
+            core.take_role(name, "prefill", self._on_outputs, self.faults, self._after_step)
+        self.core = core
         self.sender = KVSender(self.core.engine.runner.kv, transfer)
         self.pusher = KVPusher(self.core.loop, self.sender, self.faults, transfer.stream_chunks,
                                on_failed=self._push_failed, on_ended=self._push_ended)
@@ -166,8 +171,12 @@ class PrefillWorker(WorkerCalls):
         """Fault injection changed while running (tests; worker_runtime/faults.py)."""
         self.faults.set(faults)
 
-    async def shutdown(self) -> None:
+    async def leave(self) -> None:
+        """Another role takes this process (worker_host/): every channel closes; the engine stays."""
         await asyncio.to_thread(self.sender.shutdown)
+
+    async def shutdown(self) -> None:
+        await self.leave()
         self.core.stop()
 
 

@@ -15,11 +15,9 @@ from typing import Any
 
 import ray.exceptions
 
-from kv_transfer import KVTransferConfig
-from prefill_worker.worker import PrefillWorker
 from router.config.schema import PoolSection
 from simulate.engine import SimRunner
-from simulate.workers import SimDecodeWorker, SimLink, SimPrefillWorker
+from simulate.workers import SimLink, SimWorkerHost
 from sizing.cost_model import Emulation
 from sizing.memory import ModelShape
 
@@ -70,14 +68,11 @@ class SimActors:
         self.workers: dict[str, Any] = {}
 
     def start(self, cls: type, sec: PoolSection, env: dict[str, str], args: tuple) -> SimHandle:
-        name, engine, transfer, _cpu, _faults, _emulation = args
+        """`cls`: the pool manager's `WorkerHost`, whose simulated twin (`SimWorkerHost`) starts."""
+        pool, name, engine, transfer, _cpu, _faults, _emulation = args
         runner = SimRunner(engine, self.shape.vocab_size or 32_000, self.shape.max_positions or 131_072,
                            self.block_size * self.emulation.cost.kv_bytes_per_token)
-        if cls is PrefillWorker:
-            t: KVTransferConfig = transfer
-            worker = SimPrefillWorker(name, engine, self.emulation, runner, self.link, t.stream_chunks, t.timeout_s)
-        else:
-            worker = SimDecodeWorker(name, engine, self.emulation, runner, self.link if transfer else None)
+        worker = SimWorkerHost(pool, name, engine, self.emulation, runner, self.link, transfer)
         self.workers[name] = worker
         return SimHandle(worker, self.rpc_s)
 

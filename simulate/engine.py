@@ -93,6 +93,11 @@ class SimEngineLoop:
         self._wake.set()
         return fut
 
+    def set_hooks(self, name: str, on_outputs: Callable[[list[RequestOutput]], None],
+                  before_step: Callable[[], None] | None, after_step: Callable[[LLMEngine], None] | None) -> None:
+        """EngineLoop.set_hooks (no fault hook runs in a simulation)."""
+        self.name, self._on_outputs, self._after_step = name, on_outputs, after_step
+
     def stop(self) -> None:
         self._task.cancel()
 

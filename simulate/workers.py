@@ -16,17 +16,20 @@ from __future__ import annotations
 import asyncio
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 from decode_worker.handoff import HandoffTable
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
+from kv_transfer import KVTransferConfig
 from prefill_worker.push import KVPusher
 from prefill_worker.worker import PrefillWorker
 from protocol import clock
 from protocol.messages import WorkerInfo
 from simulate.engine import SimCore, SimRunner
 from sizing.cost_model import Emulation
-from worker_runtime.faults import Faults
+from worker_host.host import WorkerHost
+from worker_runtime.faults import FaultConfig, Faults
 from worker_runtime.outbox import Outbox
 from worker_runtime.tombstones import Tombstones
 
@@ -103,9 +106,14 @@ class _Sender:
 
 class SimPrefillWorker(PrefillWorker):
     def __init__(self, name: str, config: EngineConfig, emulation: Emulation, runner: SimRunner, link: SimLink,
-                 stream_chunks: bool, timeout_s: float):
+                 stream_chunks: bool, timeout_s: float, core: SimCore | None = None):
+        """`core`: the last role's (a role change, SimWorkerHost): no weights load at `ready`."""
         self.faults = Faults(None, name)
-        self.core = SimCore(name, "prefill", config, runner, emulation.cost, self._on_outputs, self._after_step)
+        if core is None:
+            core = SimCore(name, "prefill", config, runner, emulation.cost, self._on_outputs, self._after_step)
+        else:
+            core.take_role(name, "prefill", self._on_outputs, None, self._after_step)
+        self.core = core
         self.sender = _Sender(link, name)
         self.pusher = KVPusher(self.core.loop, self.sender, self.faults, stream_chunks,
                                on_failed=self._push_failed, on_ended=self._push_ended)
@@ -116,7 +124,7 @@ class SimPrefillWorker(PrefillWorker):
         self.outbox = Outbox()
         self._tasks = set()
         self._aborted = Tombstones(clock=clock.now)
-        self._startup_s = emulation.startup_s
+        self._startup_s = emulation.startup_s if core is None else 0.0
 
     async def ready(self) -> WorkerInfo:
         await asyncio.sleep(self._startup_s)  # the emulated weights load
@@ -132,15 +140,20 @@ class SimPrefillWorker(PrefillWorker):
         self._peers.pop(decode_name, None)
         self.sender.peers.discard(decode_name)
 
-    async def shutdown(self) -> None:
-        self.core.stop()
+    async def leave(self) -> None:
+        self.sender.peers.clear()
 
 
 class SimDecodeWorker(DecodeWorker):
     def __init__(self, name: str, config: EngineConfig, emulation: Emulation, runner: SimRunner,
-                 link: SimLink | None):
+                 link: SimLink | None, core: SimCore | None = None):
+        """`core`: the last role's (a role change, SimWorkerHost): no weights load at `ready`."""
         self.faults = Faults(None, name)
-        self.core = SimCore(name, "decode", config, runner, emulation.cost, self._on_outputs)
+        if core is None:
+            core = SimCore(name, "decode", config, runner, emulation.cost, self._on_outputs)
+        else:
+            core.take_role(name, "decode", self._on_outputs)
+        self.core = core
         self.outbox = Outbox()
         self.handoffs = HandoffTable()
         self._transfers = {}
@@ -149,7 +162,7 @@ class SimDecodeWorker(DecodeWorker):
         self.receiver = None  # the wire is the link's (SimLink.send lands pieces through this worker)
         self._reaper = None
         self._link = link
-        self._startup_s = emulation.startup_s
+        self._startup_s = emulation.startup_s if core is None else 0.0
         if link is not None:
             link.workers[name] = self
 
@@ -157,7 +170,24 @@ class SimDecodeWorker(DecodeWorker):
         await asyncio.sleep(self._startup_s)
         return await super().ready()
 
-    async def shutdown(self) -> None:
+    async def leave(self) -> None:
         if self._link is not None:
             self._link.workers.pop(self.core.name, None)
-        await super().shutdown()
+        await super().leave()
+
+
+class SimWorkerHost(WorkerHost):
+    """`WorkerHost` over simulated roles: a role change keeps the `SimCore` (no weights load)."""
+
+    def __init__(self, pool: str, name: str, config: EngineConfig, emulation: Emulation, runner: SimRunner,
+                 link: SimLink, transfer: KVTransferConfig | None):
+        self._config, self._transfer, self._emulation = config, transfer, emulation
+        self._runner, self._link = runner, link
+        self.role = self._make_role(pool, name, None, None)
+
+    def _make_role(self, pool: str, name: str, faults: FaultConfig | None, core: SimCore | None) -> Any:
+        t = self._transfer
+        if pool == "prefill":
+            return SimPrefillWorker(name, self._config, self._emulation, self._runner, self._link, t.stream_chunks,
+                                    t.timeout_s, core)
+        return SimDecodeWorker(name, self._config, self._emulation, self._runner, self._link if t else None, core)

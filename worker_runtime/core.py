@@ -67,6 +67,14 @@ class WorkerCore:
         self.cache_seq = 0  # of the last CacheDelta sent
         self.aio: asyncio.AbstractEventLoop | None = None
 
+    def take_role(self, name: str, pool: str, on_outputs: Callable[[list[RequestOutput]], None],
+                  faults: Faults | None = None, after_step: Callable[[LLMEngine], None] | None = None) -> None:
+        """This process's engine, idle and reset (`LLMEngine.reset_cache`), serves another role's
+        actor as `name` in `pool` (worker_host/): its callbacks replace the last role's."""
+        self.name, self.pool, self.served, self.cache_seq = name, pool, 0, 0
+        hook = (lambda: faults.before_step(self.engine)) if faults is not None else None
+        self.loop.set_hooks(name, on_outputs, hook, after_step)
+
     def bind(self) -> None:
         """Remember the actor's event loop (call from any async method before threads use it)."""
         if self.aio is None:

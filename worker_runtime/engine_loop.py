@@ -99,6 +99,11 @@ class EngineLoop:
             self._wake.notify()
         return fut
 
+    def set_hooks(self, name: str, on_outputs: Callable[[list[RequestOutput]], None],
+                  before_step: Callable[[], None] | None, after_step: Callable[[LLMEngine], None] | None) -> None:
+        """Another role's callbacks (worker_host/): only while the engine is idle (drained)."""
+        self.name, self._on_outputs, self._before_step, self._after_step = name, on_outputs, before_step, after_step
+
     def stop(self) -> None:
         with self._wake:
             self._stopped = True

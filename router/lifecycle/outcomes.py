@@ -27,6 +27,11 @@ class CannotPlace(Exception):
     """A scale Ray cannot place: not enough of a resource (RESOURCE_EXHAUSTED)."""
 
 
+class CannotChangeRole(Exception):
+    """A role change the pools do not allow: the worker is not ready, the last of its pool, or
+    the pools place their workers differently (router/pools/manager.py `change_role`)."""
+
+
 class Unavailable(Exception):
     """Shutting down, an empty pool, or failures beyond the migration limit (UNAVAILABLE)."""
 

@@ -257,6 +257,18 @@ class Router:
         self.admission.notify()
         return started, stopped
 
+    async def change_role(self, worker: str, to_pool: str) -> str:
+        """The live worker named `worker` serves `to_pool` from now on, its weights kept loaded
+        (PoolManager.change_role: drained first, nothing lost); returns its new name. Raises
+        InvalidRequest for an unknown worker, CannotChangeRole where the pools forbid it."""
+        w = next((w for w in self.pools.all() if w.name == worker and not w.stopped), None)
+        if w is None:
+            raise InvalidRequest(f"no live worker is named {worker!r}")
+        view = await self.pools.change_role(w, to_pool)
+        self.metrics.remove_worker(worker)
+        self.admission.notify()
+        return view.name
+
     @property
     def queue_length(self) -> int:
         return self.admission.waiting

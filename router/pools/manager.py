@@ -17,18 +17,18 @@ import itertools
 import logging
 from dataclasses import dataclass
 
-from decode_worker.worker import DecodeWorker
 from kv_transfer import KVTransferConfig
-from prefill_worker.worker import PrefillWorker
 from protocol import clock
 from protocol.deadline import within
 from protocol.messages import WorkerStats
 from router.config.emulate import emulation, link_pace
 from router.config.schema import ClusterConfig, PoolSection
+from router.lifecycle.outcomes import CannotChangeRole
 from router.lifecycle.worker_calls import CALL_FAILURES, short
 from router.pools.actors import Actors, RayActors
 from router.pools.placement import Placer
 from router.pools.worker_view import WorkerState, WorkerView
+from worker_host.host import WorkerHost
 from worker_runtime import malloc, threads
 from worker_runtime.faults import FaultConfig
 
@@ -102,7 +102,6 @@ class PoolManager:
     async def _start_one(self, pool: str) -> WorkerView:
         sec, health = self.section(pool), self.health[pool]
         name = f"{pool}-{next(self._ids)}"
-        cls = PrefillWorker if pool == "prefill" else DecodeWorker
         transfer = self.transfer if self.config.mode == "disaggregated" else None
         health.starting += 1
         try:
@@ -110,7 +109,8 @@ class PoolManager:
             engine = self.config.engine_config(sec, device=self.config.device_of(sec))
             env = malloc.worker_env(sec.malloc, on_gpu=sec.num_gpus > 0) | threads.wait_env(
                 engine.torch_threads, sec.num_cpus, colocated=transfer is None, pinned=cpu is not None)
-            actor = self.actors.start(cls, sec, env, (name, engine, transfer, cpu, self.faults, self.emulation))
+            actor = self.actors.start(WorkerHost, sec, env, (pool, name, engine, transfer, cpu, self.faults,
+                                                             self.emulation))
             try:
                 info = await within(actor.ready.remote(), self.config.router.worker_start_timeout_s)
             except BaseException:
@@ -205,6 +205,12 @@ class PoolManager:
         self.actors.check_placeable(pool, self.section(pool), count)
 
     async def _drain_and_stop(self, w: WorkerView) -> None:
+        await self._drain(w)
+        await self.stop_worker(w)
+
+    async def _drain(self, w: WorkerView) -> None:
+        """Until nothing the router placed on `w` (draining) is in flight there; after
+        `drain_timeout_s` what is left is moved away, and after one more call deadline it gives up."""
         deadline = clock.now() + self.config.router.drain_timeout_s
         timed_out = False
         while not await self._drained(w):
@@ -217,7 +223,6 @@ class PoolManager:
             elif clock.now() > deadline:
                 break  # they could not all be moved in time: stopping fails them over anyway
             await asyncio.sleep(0.05)
-        await self.stop_worker(w)
 
     async def _drained(self, w: WorkerView) -> bool:
         if w.inflight or w.stopped:
@@ -237,11 +242,16 @@ class PoolManager:
             self.placer.observe(w, stats)
         return stats
 
-    async def stop_worker(self, w: WorkerView) -> None:
+    async def _close_peer_channels(self, w: WorkerView) -> None:
+        """Every worker of the other pool closes its channel with `w` (failures: it holds none)."""
         timeout = self.config.router.call_timeout_s
         peers = self.workers["decode" if w.info.pool == "prefill" else "prefill"]
         await asyncio.gather(*(within(p.actor.close_channel.remote(w.name), timeout)
                                for p in peers if not p.stopped), return_exceptions=True)
+
+    async def stop_worker(self, w: WorkerView) -> None:
+        timeout = self.config.router.call_timeout_s
+        await self._close_peer_channels(w)
         try:
             await within(w.actor.shutdown.remote(), timeout)
         except CALL_FAILURES as e:
@@ -259,3 +269,68 @@ class PoolManager:
         for w in list(self.all()):
             w.drain()
         await asyncio.gather(*(self.stop_worker(w) for w in list(self.all())), return_exceptions=True)
+
+    # ---- role change ----------------------------------------------------------------------
+    async def change_role(self, w: WorkerView, to_pool: str) -> WorkerView:
+        """`w`'s process serves `to_pool` from now on, its weights kept loaded (worker_host/host.py):
+        drained first (nothing lost: what it holds finishes, or moves after drain_timeout_s), its
+        peers' channels closed, then the actor resets its KV ledger and takes the new role under a
+        new name. The pools' targets move with it. CannotChangeRole when it may not; a worker
+        whose change fails is taken out as failed (its old pool starts a replacement)."""
+        async with self._scale_lock:
+            self._check_role_change(w, to_pool)
+            began, old = clock.now(), w.info.pool
+            w.drain()
+            await self._drain(w)
+            await self._close_peer_channels(w)
+            name = f"{to_pool}-{next(self._ids)}"
+            self._retire(w)  # out of its pool before the change: its poll and beat loops end
+            try:
+                info = await within(w.actor.change_role.remote(to_pool, name, self.faults),
+                                    self.config.router.worker_start_timeout_s)
+            except Exception as e:  # its state is unknown: killed, and its old pool heals
+                self._role_change_failed(w, to_pool, e)
+                raise
+            self.health[old].target -= 1
+            self.health[to_pool].target += 1
+            view = WorkerView(info, w.actor, free_blocks=info.num_blocks)
+            self.workers[to_pool].append(view)
+            if self.on_started is not None:
+                self.on_started(view)
+            log.info("%s is now %s (role change in %.2f s, weights kept)", w.name, name, clock.now() - began)
+            return view
+
+    def _check_role_change(self, w: WorkerView, to_pool: str) -> None:
+        old = w.info.pool
+        problem = (
+            "colocated mode has one pool" if self.config.mode != "disaggregated" else
+            f"unknown pool {to_pool!r}" if to_pool not in POOLS else
+            f"{w.name} is a {to_pool} worker already" if old == to_pool else
+            f"{w.name} is not a ready worker of the {old} pool" if w not in self.ready(old) else
+            f"{w.name} is the last ready {old} worker" if len(self.ready(old)) < 2 else
+            self._unlike_pools())
+        if problem:
+            raise CannotChangeRole(f"cannot change the role of {w.name}: {problem}")
+
+    def _unlike_pools(self) -> str:
+        """Why a worker of one pool cannot be one of the other (its process keeps its Ray
+        resources, cores and KV pool), or ''."""
+        p, d = self.config.prefill, self.config.decode
+        for key in ("num_cpus", "num_gpus", "resources", "label_selector", "num_blocks"):
+            if getattr(p, key) != getattr(d, key):
+                return f"the pools differ in {key} (prefill {getattr(p, key)!r}, decode {getattr(d, key)!r})"
+        return "the pools pin workers to cores (cpus)" if p.cpus or d.cpus else ""
+
+    def _role_change_failed(self, w: WorkerView, to_pool: str, error: Exception) -> None:
+        health = self.health[w.info.pool]
+        health.last_failure, health.last_failure_at = f"{w.name}: role change to {to_pool}: {short(error)}", clock.now()
+        self._dead_pending[w.info.pool] += 1
+        log.error("%s failed to change its role to %s: %s", w.name, to_pool, short(error))
+        self.actors.kill(w.actor)
+
+    def _retire(self, w: WorkerView) -> None:
+        """`w`'s view leaves its pool (its process lives on under another view)."""
+        w.stop()
+        self.placer.forget(w)
+        if w in self.workers[w.info.pool]:
+            self.workers[w.info.pool].remove(w)
