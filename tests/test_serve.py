@@ -206,9 +206,9 @@ def test_sigterm_drains_http_streams_then_leaves_nothing(serve, capsys):
         returncode = serve.proc.wait(timeout=90)
     assert returncode == 0 and not _port_open(http_port) and not _port_open(grpc_port)
     programs = [cmd.split()[0].rsplit("/", 1)[-1].split(".")[0] for cmd in serve.started.values() if cmd.strip()]
-    ray_programs = {"raylet", "gcs_server", "ray::PrefillWorker", "ray::DecodeWorker"}
+    ray_programs = {"raylet", "gcs_server", "ray::WorkerHost"}  # every pool worker is a WorkerHost (worker_host/)
     assert sorted(p for p in programs if p in ray_programs) == sorted(
-        ["gcs_server", "raylet"] + [f"ray::{pool.capitalize()}Worker" for pool in workers]), programs
+        ["gcs_server", "raylet"] + ["ray::WorkerHost" for _ in workers]), programs
     deadline = time.monotonic() + 10
     while _alive(serve.started) and time.monotonic() < deadline:
         time.sleep(0.2)

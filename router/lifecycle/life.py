@@ -1,7 +1,7 @@
 """One accepted request's life as the router keeps it: a phase with explicit transitions.
 
     QUEUED -> RESERVING -> PREFILLING -> HANDOFF -> DECODING -> FINISHED      (disaggregated)
-    QUEUED -> DECODING -> FINISHED                                            (colocated)
+    QUEUED -> DECODING -> FINISHED                          (colocated; disaggregated, prefilled locally)
     any live phase -> QUEUED (a failed attempt: the request moves, `migrations` += 1)
     any live phase -> FAILED | CANCELLED
 
