@@ -21,12 +21,12 @@ import yaml
 
 from bench.workload import RequestSpec, make_workload
 from cli.main import main as pdserve
-from engine.cost_model import StepItem
 from router.config.loader import load_config
 from router.config.schema import LocalPrefillSection
 from router.lifecycle.local_prefill import LocalPrefill
 from simulate.cli import emulated
 from simulate.run import simulate
+from sizing.cost_model import StepItem
 from tests.cluster_util import Client, wait_until
 from tests.reference import hf_greedy
 

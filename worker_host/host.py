@@ -18,10 +18,10 @@ from typing import Any
 
 from decode_worker.worker import DecodeWorker
 from engine.config import EngineConfig
-from engine.cost_model import Emulation
 from kv_transfer import KVTransferConfig
 from prefill_worker.worker import PrefillWorker
 from protocol.messages import WorkerInfo
+from sizing.cost_model import Emulation
 from worker_runtime.core import WorkerCore
 from worker_runtime.faults import FaultConfig
 
