@@ -29,7 +29,7 @@ from router.lifecycle.service import Router
 from simulate.actors import SimActors
 from simulate.cli import emulated
 from simulate.run import _validator
-from tests.cluster_util import Client, cluster_config, wait_until
+from tests.cluster_util import Client, cluster_config, faults, wait_until
 from tests.reference import hf_greedy
 
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
@@ -68,9 +68,10 @@ def test_a_prefill_worker_becomes_a_decode_worker_mid_traffic_and_back_token_exa
     moving = next(w for w in pools.ready("prefill") if w.name == "prefill-1")
     pid = _pid(moving)
     prompts = [_tokens(40 + 7 * i, seed=i) for i in range(6)]
-    with ThreadPoolExecutor(len(prompts)) as streams:
+    # slow steps: what is placed on prefill-1 is still there when its change begins (it drains)
+    with faults(cluster, step_delay_s=0.1), ThreadPoolExecutor(len(prompts)) as streams:
         futures = [streams.submit(client.tokens, p, max_tokens=12, ignore_eos=True) for p in prompts]
-        wait_until(lambda: cluster.router.lives, 30, "requests in flight")
+        wait_until(lambda: moving.inflight, 60, "a request placed on prefill-1")
         new_name = cluster.call(cluster.router.change_role("prefill-1", "decode"), timeout=120)
         served = [f.result(timeout=120) for f in futures]
     for prompt, (tokens, last) in zip(prompts, served, strict=True):
