@@ -43,7 +43,7 @@ def with_local_prefill(cfg: ClusterConfig, max_uncached: int, wait: str | float)
 
 
 def arrangements(base: ClusterConfig, n: int, splits: list[int], max_uncached: int,
-                 wait: str | float) -> dict[str, ClusterConfig]:
+                 wait: str | float, families: tuple[str, ...] = FAMILIES) -> dict[str, ClusterConfig]:
     out = {f"colocated-{n}": arrangement_config(base, "colocated-chunked", n)}
     for p in splits:
         split = f"{p}P{n - p}D"
@@ -51,7 +51,7 @@ def arrangements(base: ClusterConfig, n: int, splits: list[int], max_uncached: i
         chunked = arrangement_config(base, "disaggregated-chunked", n, prefill_workers=p)
         out[f"disaggregated-chunked-{split}"] = chunked
         out[f"conditional-{split}"] = with_local_prefill(chunked, max_uncached, wait)
-    return out
+    return {name: cfg for name, cfg in out.items() if family(name) in families}
 
 
 def study(args: argparse.Namespace) -> dict[str, Any]:
@@ -59,7 +59,8 @@ def study(args: argparse.Namespace) -> dict[str, Any]:
     base, em = emulated(base, dataclasses.replace(base.emulate, device=args.device, model=args.model), args.config)
     slo = parse_slo(args.slo)
     wait = args.wait_factor if args.wait_factor in ("auto", "off") else float(args.wait_factor)
-    configs = arrangements(base, args.devices, [int(p) for p in args.splits.split(",")], args.max_uncached, wait)
+    configs = arrangements(base, args.devices, [int(p) for p in args.splits.split(",")], args.max_uncached, wait,
+                           tuple(args.families.split(",")))
     rates = [float(r) for r in args.rates.split(",")]
     out: dict[str, Any] = {"devices": args.devices, "emulate": f"{args.device}:{args.model}", "slo": args.slo,
                            "local_prefill": {"max_uncached_tokens": args.max_uncached,
@@ -114,6 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--slo", default="ttft=5,tpot=50ms")
     p.add_argument("--max-uncached", type=int, default=512)
     p.add_argument("--wait-factor", default="auto")
+    p.add_argument("--families", default=",".join(FAMILIES), help=f"of {', '.join(FAMILIES)}")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--processes", type=int, default=os.cpu_count() or 1)
     print(json.dumps(study(p.parse_args(argv)), indent=2))
