@@ -109,6 +109,7 @@ class SimPrefillWorker(PrefillWorker):
                  stream_chunks: bool, timeout_s: float, core: SimCore | None = None):
         """`core`: the last role's (a role change, SimWorkerHost): no weights load at `ready`."""
         self.faults = Faults(None, name)
+        self._startup_s = emulation.startup_s if core is None else 0.0  # a new process loads the weights
         if core is None:
             core = SimCore(name, "prefill", config, runner, emulation.cost, self._on_outputs, self._after_step)
         else:
@@ -124,7 +125,6 @@ class SimPrefillWorker(PrefillWorker):
         self.outbox = Outbox()
         self._tasks = set()
         self._aborted = Tombstones(clock=clock.now)
-        self._startup_s = emulation.startup_s if core is None else 0.0
 
     async def ready(self) -> WorkerInfo:
         await asyncio.sleep(self._startup_s)  # the emulated weights load
@@ -149,6 +149,7 @@ class SimDecodeWorker(DecodeWorker):
                  link: SimLink | None, core: SimCore | None = None):
         """`core`: the last role's (a role change, SimWorkerHost): no weights load at `ready`."""
         self.faults = Faults(None, name)
+        self._startup_s = emulation.startup_s if core is None else 0.0  # a new process loads the weights
         if core is None:
             core = SimCore(name, "decode", config, runner, emulation.cost, self._on_outputs)
         else:
@@ -162,7 +163,6 @@ class SimDecodeWorker(DecodeWorker):
         self.receiver = None  # the wire is the link's (SimLink.send lands pieces through this worker)
         self._reaper = None
         self._link = link
-        self._startup_s = emulation.startup_s if core is None else 0.0
         if link is not None:
             link.workers[name] = self
 

@@ -88,3 +88,38 @@ def test_steady_load_settles_and_then_makes_no_change(caplog):
     assert changes and all(d.at - t0 <= 90 for d in changes), [d.line() for d in changes]
     assert len(decisions) >= 20 and (decisions[-1].desired("prefill"), decisions[-1].desired("decode")) == (1, 1)
     assert all(r.ok for r in run.records)  # nothing lost to the scale-down
+
+
+def _role_change_run(role_change: bool, caplog):
+    """1 prefill + 3 decode workers; after 7 quiet seconds, 6 requests/s of 8,000-token prompts with
+    4 tokens out: prefill must grow while decode may shrink, in one decision."""
+    cfg, em = _config(interval_s=5.0, scale_down_cooldown_s=1.0, warmup_s=0.0, role_change=role_change)
+    cfg = dataclasses.replace(cfg, decode=dataclasses.replace(cfg.decode, replicas=3))
+    quiet, busy = np.arange(0, 7, 1.0), np.arange(7, 40, 1 / 6)  # the first decision may not shrink a pool
+    arrivals = np.concatenate([quiet, busy])
+    prompts = np.concatenate([np.full(len(quiet), 500), np.full(len(busy), 8000)])
+    specs = synthetic_requests("prompts", arrivals, prompts, np.full(len(arrivals), 4), 32_768, (16, 30_000),
+                               np.random.default_rng(2))
+    with caplog.at_level(logging.INFO, logger="router"):
+        run = simulate(cfg, em, make_workload("prompts", specs, None, {}), "roles")
+    assert all(r.ok for r in run.records), [r.error for r in run.records if not r.ok][:3]  # nothing lost
+    decisions = [r.decision for r in caplog.records if hasattr(r, "decision")]
+    both = [d for d in decisions if d.desired("prefill") > d.pools["prefill"].target
+            and d.desired("decode") < d.pools["decode"].target]
+    assert both, [d.reason for d in decisions][:3]  # the case in question arose
+    changes = [r.getMessage() for r in caplog.records if "role change in" in r.getMessage()]
+    return run, changes
+
+
+def test_a_pool_grows_by_a_worker_of_the_shrinking_pool_changing_role(caplog):
+    """Where one pool grows as the other shrinks and a decode worker's drain (its requests' few
+    tokens left, ~1.3 s) plus a change is shorter than a start-up (the emulated weights load,
+    3.2 s), that worker changes role (weights kept) instead of a new one starting; with
+    `role_change: false` new ones start."""
+    run, changes = _role_change_run(True, caplog)
+    assert changes and all("decode-" in c and "is now prefill-" in c for c in changes), changes
+    started = len(run.workers)  # every actor that ever started (a role change starts none)
+    caplog.clear()
+    off, none = _role_change_run(False, caplog)
+    assert not none
+    assert started < len(off.workers), (started, len(off.workers))  # fewer start-ups (weights loads)

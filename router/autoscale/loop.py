@@ -62,6 +62,9 @@ def build_profile(cfg: ClusterConfig, emulating: Emulation | None) -> CapacityPr
                            cfg.scheduler.max_num_seqs)
 
 
+ROLE_CHANGE_S = 1.0  # a role change once drained (measured 0.1-0.5 s on a CPU worker: docs/roles.md)
+
+
 class Autoscaler:
     def __init__(self, router: Router):
         self.router = router
@@ -114,10 +117,19 @@ class Autoscaler:
         decision = self.planner.decide(await self.observe())
         self.decisions.append(decision)
         log.info("%s", decision.line(), extra={"decision": decision})  # the record carries it for tools
+        changes = {}
         for p in decision.pools.values():
             self.router.metrics.observe_autoscale(p.pool, p.desired, p.actual, p.target, p.cause)
             if p.desired != p.target:
-                self._scaling[p.pool] = asyncio.get_running_loop().create_task(self._scale(p.pool, p.desired))
+                changes[p.pool] = p.desired
+        loop = asyncio.get_running_loop()
+        growing = {pool for pool, size in changes.items() if size > self.router.pools.health[pool].target}
+        if self.cfg.role_change and len(changes) == 2 and len(growing) == 1:  # one grows, the other shrinks
+            task = loop.create_task(self._rebalance(changes))
+            self._scaling.update(dict.fromkeys(changes, task))
+        else:
+            for pool, size in changes.items():
+                self._scaling[pool] = loop.create_task(self._scale(pool, size))
         return decision
 
     @property
@@ -129,6 +141,36 @@ class Autoscaler:
             await self.router.scale(pool, replicas)
         except Exception as e:  # noqa: BLE001 - a start Ray refused or that failed: the pool keeps retrying,
             log.warning("autoscale: scaling the %s pool to %d failed: %s", pool, replicas, short(e))  # status shows it
+
+    async def _rebalance(self, sizes: dict[str, int]) -> None:
+        """One pool grows while the other shrinks: a worker of the shrinking pool changes role,
+        weights kept (docs/roles.md), in place of a start-up, when that is sooner: its drain (the
+        longest of its requests still to run, estimated) plus a change is shorter than the growing
+        pool's last start-up. One at a time, least to drain first; the rest goes through the pools'
+        usual start and drain."""
+        pools = self.router.pools
+        grow, shrink = sorted(sizes, key=lambda pool: sizes[pool] < pools.health[pool].target)
+        while pools.health[grow].target < sizes[grow] and pools.health[shrink].target > sizes[shrink]:
+            start_s = pools.health[grow].start_s
+            drains = sorted((self._drain_estimate_s(w), w.name, w) for w in pools.ready(shrink))
+            if not drains or start_s is None or drains[0][0] + ROLE_CHANGE_S >= start_s:
+                break
+            try:
+                await pools.change_role(drains[0][2], grow)
+            except Exception as e:  # noqa: BLE001 - CannotChangeRole (pools unlike), a failed change: start instead
+                log.info("autoscale: no role change from %s to %s (%s); starting instead", shrink, grow, short(e))
+                break
+        await asyncio.gather(*(self._scale(pool, size) for pool, size in sizes.items()))
+
+    def _drain_estimate_s(self, w: WorkerView) -> float:
+        """Until `w` holds none of the router's requests: the longest of them to run, each its
+        tokens still to come at the last decision's ITL, plus a TTFT for one still before its first."""
+        inputs = self.decisions[-1].inputs if self.decisions else {}
+        itl, ttft = inputs.get("itl_q_s", self.cfg.itl_s), inputs.get("ttft_q_s", self.cfg.ttft_s)
+        return max((max(0, life.sampling.max_tokens - len(life.output_token_ids)) * itl
+                    + (ttft if life.first_token_at is None else 0.0)
+                    for life in self.router.lives.values() if w in (life.decode, life.prefill) and not life.ended),
+                   default=0.0)
 
     # ---- the observation ---------------------------------------------------------------------
     async def observe(self) -> Observation:

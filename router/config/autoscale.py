@@ -51,6 +51,9 @@ class AutoscaleSection:
     # corrected online by the ratio of the workers' measured step times to the profile's.
     profile: Profile = "online"
     measured_profile: str | None = None  # file with the emulate: section `pdserve plan --measure` printed
+    # one pool growing while the other shrinks: move an idle worker of the shrinking pool across by a
+    # role change (weights kept loaded: docs/roles.md) instead of starting one, where the pools allow it
+    role_change: bool = True
 
     @property
     def budget_workers(self) -> int | None:

@@ -48,6 +48,7 @@ class PoolHealth:
     next_start_at: float = 0.0
     last_failure: str = ""
     last_failure_at: float | None = None
+    start_s: float | None = None  # how long the last worker start took (the autoscaler weighs a role change by it)
 
     @property
     def last_failure_age_s(self) -> float:
@@ -104,6 +105,7 @@ class PoolManager:
         name = f"{pool}-{next(self._ids)}"
         transfer = self.transfer if self.config.mode == "disaggregated" else None
         health.starting += 1
+        began = clock.now()
         try:
             cpu = self._next_cpu(pool)
             engine = self.config.engine_config(sec, device=self.config.device_of(sec))
@@ -120,7 +122,7 @@ class PoolManager:
             health.starting -= 1
         view = WorkerView(info, actor, free_blocks=info.num_blocks)
         self.workers[pool].append(view)
-        health.failures_in_a_row = 0
+        health.failures_in_a_row, health.start_s = 0, clock.now() - began
         if self.on_started is not None:
             self.on_started(view)
         log.info("started %s on %s (%d KV blocks, CPU kernels: %s)", name, info.node_ip, info.num_blocks, info.kernels)
