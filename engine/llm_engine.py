@@ -5,7 +5,8 @@ allocates and frees them for ordinary requests; `reserve`/`release` manage block
 for KV that another worker will push; a `prefill_only` request keeps its blocks after its
 first token until `release` (its KV is being sent). A request can resume from outputs made
 elsewhere (`add_request(output_token_ids=...)`, `add_prefilled`). An error while sampling or
-detokenizing one request ends only that one, with finish reason ERROR.
+detokenizing one request ends only that one, with finish reason ERROR; so does a forward that
+fails on one request, found by running the step again in halves (engine/isolation.py).
 
 Prefix caching: blocks are reference counted (engine/kv_cache.py). After each step every block a
 request just filled is registered under its content hash; admission (scheduler) and `reserve`
@@ -26,6 +27,7 @@ from transformers import AutoTokenizer, GenerationConfig
 from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, NoText
 from engine.handoff import KVHandoff
+from engine.isolation import ForwardFailed, isolate
 from engine.kv_cache import BlockAllocator
 from engine.model_runner import ModelRunner
 from engine.request import Request, ScheduledItem, Status
@@ -87,6 +89,8 @@ class LLMEngine(KVHandoff):
         self.last_step: StepShape = ()  # what the last step computed, for pacing (worker_runtime/pacing.py)
         # an emulated device's pacing: runs in each step after sampling, before the step is recorded
         self.pace: Callable[[], None] | None = None
+        # runs before each forward with its items; raising fails that forward (fault injection)
+        self.before_forward: Callable[[list[ScheduledItem]], None] | None = None
 
     # ---- admission -------------------------------------------------------------------
     def add_request(self, request_id: str, prompt: str | None = None, prompt_token_ids: list[int] | None = None,
@@ -170,20 +174,47 @@ class LLMEngine(KVHandoff):
 
     def step(self) -> list[RequestOutput]:
         """One forward over the scheduled batch. A failure while sampling or detokenizing one
-        request fails only that request; a failure of the forward itself raises."""
+        request fails only that request. A failed forward is run again in halves to find the
+        request that breaks it (engine/isolation.py), which fails alone; when that cannot be told
+        (no forward succeeded), the forward's error is raised."""
         t0 = clock.now()
         self.last_step = ()
         items = self.scheduler.schedule()
-        outputs = self._run(items, t0) if items else []
+        outputs = self._run_isolating(items, t0) if items else []
         ready, self._ready = self._ready, []
         return ready + outputs
+
+    def _run_isolating(self, items: list[ScheduledItem], t0: float) -> list[RequestOutput]:
+        try:
+            return self._run(items, t0)
+        except ForwardFailed as failed:
+            log.warning("a forward of %d requests failed (%s); running them again in halves",
+                        len(items), _describe(failed.cause))
+            found = isolate(items, lambda part: self._run(part, clock.now()))
+            if found.gave_up:
+                raise failed.cause from None
+            for it, error in found.culprits:
+                log.error("request %r breaks the forward pass: %s", it.request.request_id, _describe(error))
+            return found.outputs + [self._fail(it.request, _breaks_forward(error)) for it, error in found.culprits]
+
+    def _forward(self, items: list[ScheduledItem], greedy: bool) -> torch.Tensor:
+        """The runner's forward; its failure raises ForwardFailed (nothing of the step counted yet),
+        except a RequestFault, which names its culprit already."""
+        try:
+            if self.before_forward is not None:
+                self.before_forward(items)
+            return self.runner.execute(items, greedy=greedy)
+        except RequestFault:
+            raise
+        except Exception as e:
+            raise ForwardFailed(e) from e
 
     def _run(self, items: list[ScheduledItem], t0: float) -> list[RequestOutput]:
         self.last_step = tuple(StepItem(it.num_tokens, it.end) for it in items)
         step_kind = _step_kind(items)
         t1 = clock.now()
         sampling = [it.request for it in items if it.samples]
-        out = self.runner.execute(items, greedy=all(req.sampling.greedy for req in sampling))
+        out = self._forward(items, greedy=all(req.sampling.greedy for req in sampling))
         t2 = clock.now()
         for it in items:
             self._register(it.request, it.start, it.end)
@@ -345,6 +376,11 @@ def _step_kind(items: list[ScheduledItem]) -> str:
     if any(it.request.num_preemptions > 0 for it in chunks):
         return TokenKind.RECOMPUTE
     return TokenKind.INTERFERENCE
+
+
+def _breaks_forward(error: Exception) -> str:
+    return (f"the model's forward pass fails on this request (it failed alone; the requests batched "
+            f"with it ran): {_describe(error)}")
 
 
 def _describe(error: Exception) -> str:

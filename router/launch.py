@@ -13,6 +13,7 @@ import os
 import signal
 import socket
 import threading
+from concurrent.futures import Future
 from pathlib import Path
 
 import ray
@@ -20,6 +21,7 @@ import ray
 from engine.forward.features import UnsupportedModel
 from engine.model_runner import probe_checkpoint
 from protocol.sizes import parse_bytes
+from router import leftovers
 from router.config.schema import ClusterConfig
 from router.config.typed_yaml import ConfigError
 from router.frontdoor.grpc_server import RouterServer
@@ -31,6 +33,7 @@ from router.observability.metrics import RouterMetrics
 from router.observability.metrics_server import start_metrics_server
 
 log = logging.getLogger(__name__)
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 def ensure_model(cfg: ClusterConfig) -> None:
@@ -133,38 +136,130 @@ class RunningCluster:
 
 
 async def _serve(cfg: ClusterConfig, on_ready, stop: asyncio.Event, insecure: bool = False) -> None:
+    """Start, serve until `stop`, stop. A stop while the pools still start ends the start: each
+    worker not ready yet is killed (router/pools/manager.py), the ready ones stop as at any stop."""
     cluster = RunningCluster(cfg, insecure)
     try:
-        await cluster.start()
+        if await _until_stopped(cluster.start(), stop):
+            log.info("stopped while starting")
+            return
         on_ready(cluster)
         await stop.wait()
     finally:
         await cluster.stop()
 
 
+async def _until_stopped(start, stop: asyncio.Event) -> bool:
+    """Run `start` unless `stop` comes first (then cancel it); True if stopped first."""
+    starting = asyncio.ensure_future(start)
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if starting.done():
+        stopping.cancel()
+        starting.result()  # its error, if it failed
+        return False
+    starting.cancel()
+    await asyncio.gather(starting, return_exceptions=True)  # the workers it started are killed by then
+    return True
+
+
+class Interrupted(KeyboardInterrupt):
+    """SIGTERM or SIGINT before the router's loop runs."""
+
+
+def _interrupt(signum: int, frame) -> None:
+    raise Interrupted(f"stopped by {signal.Signals(signum).name} while starting")
+
+
 def serve_forever(cfg: ClusterConfig, on_ready, insecure: bool = False) -> None:
     """Run until SIGINT/SIGTERM; then drain within the grace period and stop what we started.
-    SIGHUP re-reads the token files. `insecure`: serve beyond loopback without authentication."""
-    ensure_model(cfg)
-    started_ray = init_ray(cfg)
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-
-        def ready(cluster: RunningCluster) -> None:
-            loop.add_signal_handler(signal.SIGHUP, cluster.reload_tokens)
-            on_ready(cluster)
-
-        await _serve(cfg, ready, stop, insecure)
-
+    SIGHUP re-reads the token files. `insecure`: serve beyond loopback without authentication.
+    A signal during start-up stops it too: while Ray starts it is honoured once Ray is up
+    (`_RayOwner`), on the loop it cancels the pools' start (workers not ready yet are killed)."""
+    local_head = not ray.is_initialized() and not cfg.ray.address
+    previous = {sig: signal.signal(sig, _interrupt) for sig in STOP_SIGNALS}
+    owner: _RayOwner | None = None
     try:
-        asyncio.run(main())
+        ensure_model(cfg)
+        owner = _RayOwner(cfg)
+        if owner.started():
+            asyncio.run(_main(cfg, on_ready, insecure))
+    except Interrupted as e:
+        log.info("%s", e)
     finally:
-        if started_ray:
-            ray.shutdown()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if local_head:  # every process of the head: Ray's shutdown ends most, `leftovers` the rest
+            leftovers.adopt_orphans()
+            ray.shutdown(wait_for_processes=True)
+            if (left := leftovers.end(leftovers.below(os.getpid()))):
+                log.info("ended %d processes Ray's shutdown left running (its agents)", left)
+        if owner is not None:
+            owner.close()
+
+
+class _RayOwner:
+    """`init_ray` on a thread of its own, which lives until `close()`. On the main thread ray.init
+    sets a SIGTERM handler of its own (sys.exit), and a head interrupted half started leaves
+    Ray's agents running; so a signal is only noted while Ray starts, and honoured once it is up.
+    The thread must outlive Ray: the head's processes die with the thread that started them."""
+
+    def __init__(self, cfg: ClusterConfig):
+        self._up: Future = Future()
+        self._release = threading.Event()
+        threading.Thread(target=self._run, args=(cfg,), name="ray-owner", daemon=True).start()
+
+    def _run(self, cfg: ClusterConfig) -> None:
+        quiet = _Without("SIGTERM handler is not set")  # that one is ours, set on the main thread
+        logging.getLogger("ray._private.worker").addFilter(quiet)
+        try:
+            init_ray(cfg)
+        except BaseException as e:  # handed to the main thread (`started`)
+            self._up.set_exception(e)
+            return
+        finally:
+            logging.getLogger("ray._private.worker").removeFilter(quiet)
+        self._up.set_result(None)
+        self._release.wait()
+
+    def started(self) -> bool:
+        """Wait until Ray is up (raises its start's error); False if a signal came meanwhile."""
+        stopped: list[str] = []
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, lambda signum, frame: stopped.append(signal.Signals(signum).name))
+        try:
+            self._up.result()
+        finally:
+            for sig in STOP_SIGNALS:
+                signal.signal(sig, _interrupt)
+        if stopped:
+            log.info("stopped by %s while starting", stopped[0])
+        return not stopped
+
+    def close(self) -> None:
+        self._release.set()
+
+
+class _Without(logging.Filter):
+    def __init__(self, text: str):
+        super().__init__()
+        self.text = text
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return self.text not in record.getMessage()
+
+
+async def _main(cfg: ClusterConfig, on_ready, insecure: bool) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+
+    def ready(cluster: RunningCluster) -> None:
+        loop.add_signal_handler(signal.SIGHUP, cluster.reload_tokens)
+        on_ready(cluster)
+
+    await _serve(cfg, ready, stop, insecure)
 
 
 class LocalCluster:

@@ -135,7 +135,9 @@ async def measure(url: str, args, cfg, model_len: int) -> dict:
                "idle_router_rss_mib": round(rss.peak() / 2**20, 1),
                "config": {"max_body_bytes_in_flight": r.max_body_bytes_in_flight, "max_connections": r.max_connections,
                           "read_timeout_s": r.read_timeout_s, "write_timeout_s": r.write_timeout_s,
-                          "max_concurrent_calls": r.max_concurrent_calls}, "attacks": {}}
+                          "max_concurrent_calls": r.max_concurrent_calls,
+                          "max_connections_per_address": r.max_connections_per_address,
+                          "attackers_per_address": hostile_attacks.ATTACKERS_PER_ADDRESS}, "attacks": {}}
     for attack in args.attacks:
         figures["attacks"][attack] = await under_attack(attack, url, args, cfg, model_len, idle_ms, rss)
     return figures

@@ -8,6 +8,10 @@ counts what it got (a status, or how the connection ended):
 - memory: maximal completion bodies of token ids (4 x router.max_prompt_bytes of JSON: about a
   million ids), as many at once as there are clients (finding 2);
 - nonreading: a long streamed completion whose client reads nothing of it (finding 4).
+
+Against a door on loopback the attackers come from addresses of their own, ATTACKERS_PER_ADDRESS
+to each of 127.0.1.x (under router.max_connections_per_address: many hosts, each within its share,
+the attack the global limits must hold), apart from the good client's 127.0.0.1.
 """
 
 from __future__ import annotations
@@ -23,6 +27,15 @@ import httpx2
 from protocol.limits import MAX_CHAT_MESSAGES
 
 ATTACKS = ("bodies", "slots", "memory", "nonreading")
+ATTACKERS_PER_ADDRESS = 100
+
+
+def source(host: str, i: int) -> str | None:
+    """Attacker `i`'s own address when the door is on loopback (127.0.1.1, ...), else the default."""
+    if not host.startswith("127."):
+        return None
+    n = i // ATTACKERS_PER_ADDRESS
+    return f"127.0.{1 + n // 254}.{1 + n % 254}"
 
 
 def chat_body(max_prompt_bytes: int) -> bytes:
@@ -39,8 +52,8 @@ def ids_body(max_prompt_bytes: int) -> bytes:
     return b'{"max_tokens": 1, "prompt": [' + b",".join([b"1234"] * count) + b"]}"
 
 
-async def _bodies(url: str, body: bytes, until: float, out: collections.Counter) -> None:
-    async with httpx2.AsyncClient(timeout=120) as http:
+async def _bodies(url: str, body: bytes, until: float, out: collections.Counter, local: str | None) -> None:
+    async with httpx2.AsyncClient(timeout=120, transport=httpx2.AsyncHTTPTransport(local_address=local)) as http:
         while time.monotonic() < until:
             try:
                 reply = await http.post(url, content=body, headers={"content-type": "application/json"})
@@ -49,10 +62,10 @@ async def _bodies(url: str, body: bytes, until: float, out: collections.Counter)
                 out[type(e).__name__] += 1
 
 
-async def _slot(host: str, port: int, until: float, out: collections.Counter) -> None:
+async def _slot(host: str, port: int, until: float, out: collections.Counter, local: str | None) -> None:
     while time.monotonic() < until:
         try:
-            reader, writer = await asyncio.open_connection(host, port)
+            reader, writer = await asyncio.open_connection(host, port, local_addr=(local, 0) if local else None)
         except OSError as e:
             out[type(e).__name__] += 1
             await asyncio.sleep(0.1)
@@ -70,7 +83,8 @@ async def _slot(host: str, port: int, until: float, out: collections.Counter) ->
             writer.close()
 
 
-async def _nonreading(host: str, port: int, tokens: int, until: float, out: collections.Counter) -> None:
+async def _nonreading(host: str, port: int, tokens: int, until: float, out: collections.Counter,
+                      local: str | None) -> None:
     body = json.dumps({"prompt": [5, 6, 7], "max_tokens": tokens, "stream": True, "ignore_eos": True}).encode()
     head = (f"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
             f"Content-Length: {len(body)}\r\n\r\n").encode()
@@ -78,6 +92,8 @@ async def _nonreading(host: str, port: int, tokens: int, until: float, out: coll
         sock = socket.socket()
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
         sock.setblocking(False)
+        if local:
+            sock.bind((local, 0))
         loop = asyncio.get_running_loop()
         try:
             await loop.sock_connect(sock, (host, port))
@@ -100,13 +116,13 @@ async def run(attack: str, url: str, max_prompt_bytes: int, clients: int, second
     host, port = url.split("//", 1)[1].split("/", 1)[0].rsplit(":", 1)
     if attack == "bodies":
         body = chat_body(max_prompt_bytes)
-        jobs = [_bodies(f"{url}/chat/completions", body, until, out) for _ in range(clients)]
+        jobs = [_bodies(f"{url}/chat/completions", body, until, out, source(host, i)) for i in range(clients)]
     elif attack == "memory":
         body = ids_body(max_prompt_bytes)
-        jobs = [_bodies(f"{url}/completions", body, until, out) for _ in range(clients)]
+        jobs = [_bodies(f"{url}/completions", body, until, out, source(host, i)) for i in range(clients)]
     elif attack == "slots":
-        jobs = [_slot(host, int(port), until, out) for _ in range(clients)]
+        jobs = [_slot(host, int(port), until, out, source(host, i)) for i in range(clients)]
     else:
-        jobs = [_nonreading(host, int(port), stream_tokens, until, out) for _ in range(clients)]
+        jobs = [_nonreading(host, int(port), stream_tokens, until, out, source(host, i)) for i in range(clients)]
     await asyncio.gather(*jobs)
     return dict(out)

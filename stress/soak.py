@@ -10,14 +10,18 @@ get their precise status (INVALID_ARGUMENT, 400, 404), and prompts that share pr
 first `--sample-s` seconds (default 60) warm up; then, and every `--sample-s` after, the RSS of
 the router's process (this one) and of every worker actor is sampled. After the load, the
 workers' block accounting must come back whole (used 0, free == total: blocks the prefix cache
-keeps are free, evictable).
+keeps are free, evictable). The tokens of the first CHECKED greedy requests (gRPC and HTTP
+completions) must be the tokens an in-process engine with the cluster's own engine config
+produces for them afterwards (a request that finished with the right count but wrong tokens is
+no success).
 
 `--json` prints {"minutes", "samples": {proc: [MB, ...]}, "rss_growth_mb": {proc: last - first},
 "rss_growth_pct", "completed", "cancelled", "sent", "errors_by_status": {status: n},
-"unexpected_errors": {"kind status": n}, "leaked_blocks": {worker: used}, "integrity_errors",
+"unexpected_errors": {"kind status": n}, "tokens_checked", "tokens_wrong": [{prompt, max_tokens, got,
+reference}, ...], "leaked_blocks": {worker: used}, "integrity_errors",
 "pools_at_end", "targets_met", "missed_targets"}. Targets (exit 0 when all hold, 1 otherwise):
 every process's RSS grows at most 5% after the warm-up, 0 leaked blocks, no error but the
-expected statuses, every pool at its size at the end.
+expected statuses, every checked greedy request token-exact, every pool at its size at the end.
 """
 
 from __future__ import annotations
@@ -44,8 +48,10 @@ import httpx2  # noqa: E402
 import ray  # noqa: E402
 
 from checkpoints.tiny import make_tiny_model  # noqa: E402
+from engine.llm_engine import LLMEngine  # noqa: E402
 from proto import pdserve_pb2 as pb  # noqa: E402
 from proto import pdserve_pb2_grpc as pb_grpc  # noqa: E402
+from protocol.sampling import SamplingParams  # noqa: E402
 from router.config.loader import parse_config  # noqa: E402
 from router.config.schema import ClusterConfig  # noqa: E402
 from router.launch import LocalCluster  # noqa: E402
@@ -57,6 +63,7 @@ PREFIXES = 4  # shared 48-token prefixes (3 full KV blocks) half the prompts sta
 REQUEST_TIMEOUT_S = 60.0  # a request not answered by then counts as "HUNG"
 START_TIMEOUT_S = 300.0  # four workers on a shared 2-core host can take minutes to start
 LOAD_START_S = 120.0
+CHECKED = 200  # greedy requests whose tokens are compared with the reference (the first ones)
 # what each bad request must get, exactly
 BAD_GRPC = "INVALID_ARGUMENT"
 BAD_HTTP = {"top_p": "400", "json": "400", "model": "404"}
@@ -81,6 +88,12 @@ class Tally:
     cancelled: int = 0
     errors_by_status: collections.Counter = field(default_factory=collections.Counter)
     unexpected: collections.Counter = field(default_factory=collections.Counter)
+    greedy: list[tuple[list[int], int, list[int]]] = field(default_factory=list)  # prompt, max_tokens, tokens
+
+    def tokens(self, prompt: list[int], max_tokens: int, tokens: list[int]) -> None:
+        """A greedy request's whole output, kept for the reference check (the first CHECKED)."""
+        if len(self.greedy) < CHECKED:
+            self.greedy.append((prompt, max_tokens, tokens))
 
     def outcome(self, kind: str, status: str, expected: str = "OK") -> None:
         if status == "OK" and expected == "OK":
@@ -144,14 +157,17 @@ class Load:
         return pb.SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampled)
 
     async def grpc(self, stub, http, rng: random.Random) -> None:
-        max_tokens, got = rng.randint(4, 24), 0
-        request = pb.GenerateRequest(prompt_token_ids=self.prompt(rng), sampling=self._sampling(rng, max_tokens))
+        max_tokens, got = rng.randint(4, 24), []
+        sampling = self._sampling(rng, max_tokens)
+        request = pb.GenerateRequest(prompt_token_ids=self.prompt(rng), sampling=sampling)
         try:
             async for msg in stub.Generate(request, timeout=REQUEST_TIMEOUT_S):
-                got += len(msg.token_ids)
+                got += msg.token_ids
         except grpc.aio.AioRpcError as e:
             return self.tally.outcome("grpc", e.code().name)
-        self.tally.outcome("grpc", "OK" if got == max_tokens else "SHORT")
+        if len(got) == max_tokens and not sampling.HasField("seed"):  # greedy
+            self.tally.tokens(list(request.prompt_token_ids), max_tokens, got)
+        self.tally.outcome("grpc", "OK" if len(got) == max_tokens else "SHORT")
 
     async def grpc_cancel(self, stub, http, rng: random.Random) -> None:
         request = pb.GenerateRequest(prompt_token_ids=self.prompt(rng), sampling=self._sampling(rng, 64))
@@ -179,6 +195,8 @@ class Load:
     async def completion(self, stub, http, rng: random.Random) -> None:
         max_tokens = rng.randint(4, 24)
         body = {"model": self.target.model, "prompt": self.prompt(rng), "max_tokens": max_tokens, "ignore_eos": True}
+        if rng.random() < 0.5:  # greedy (OpenAI's default temperature is 1: sampled)
+            body["temperature"] = 0
         await self._http("completion", http, "/completions", body, rng, max_tokens)
 
     async def chat(self, stub, http, rng: random.Random) -> None:
@@ -189,11 +207,15 @@ class Load:
         await self._http("chat", http, "/chat/completions", body, rng, max_tokens)
 
     async def _http(self, kind: str, http, path: str, body: dict, rng: random.Random, max_tokens: int) -> None:
-        """Streamed (usage in the last event) or whole; OK when the usage counts max_tokens."""
+        """Streamed (usage in the last event) or whole; OK when the usage counts max_tokens. A
+        greedy completion's tokens (temperature 0) are kept for the reference check."""
+        tokens: list[int] = []
         if rng.random() < 0.5:
             reply = await http.post(path, json=body)
             status = str(reply.status_code)
-            usage = reply.json().get("usage") if reply.status_code == 200 else None
+            whole = reply.json() if reply.status_code == 200 else {}
+            usage = whole.get("usage")
+            tokens = [t for c in whole.get("choices", []) for t in c.get("token_ids") or []]
         else:
             body |= {"stream": True, "stream_options": {"include_usage": True}}
             usage = None
@@ -201,9 +223,13 @@ class Load:
                 status = str(reply.status_code)
                 async for line in reply.aiter_lines():
                     if line.startswith("data: {"):
-                        usage = json.loads(line[6:]).get("usage") or usage
+                        event = json.loads(line[6:])
+                        usage = event.get("usage") or usage
+                        tokens += [t for c in event.get("choices", []) for t in c.get("token_ids") or []]
         if status == "200":
             status = "OK" if usage and usage["completion_tokens"] == max_tokens else "SHORT"
+        if status == "OK" and body.get("temperature") == 0 and len(tokens) == max_tokens:
+            self.tally.tokens(body["prompt"], max_tokens, tokens)
         self.tally.outcome(kind, status)
 
     async def http_cancel(self, stub, http, rng: random.Random) -> None:
@@ -234,7 +260,26 @@ class Load:
 def _load_process(target: Target, seconds: float, concurrency: int, seed: int, started, results) -> None:
     tally = asyncio.run(Load(target, seed).run(seconds, concurrency, seed, started))
     results.put({"sent": tally.sent, "completed": tally.completed, "cancelled": tally.cancelled,
-                 "errors_by_status": dict(tally.errors_by_status), "unexpected_errors": dict(tally.unexpected)})
+                 "errors_by_status": dict(tally.errors_by_status), "unexpected_errors": dict(tally.unexpected),
+                 "greedy": tally.greedy})
+
+
+def wrong_tokens(cluster: LocalCluster, greedy: list[tuple[list[int], int, list[int]]]) -> list[dict]:
+    """Each greedy request whose tokens are not what an engine of the cluster's config produces."""
+    engine = LLMEngine(cluster.cfg.engine_config(cluster.cfg.decode))
+    wrong = []
+    for start in range(0, len(greedy), 16):  # 16 at a time: no preemption in the reference
+        batch = greedy[start:start + 16]
+        for i, (prompt, max_tokens, _) in enumerate(batch):
+            engine.add_request(f"ref-{start + i}", prompt_token_ids=prompt,
+                               sampling=SamplingParams(max_tokens=max_tokens, ignore_eos=True))
+        reference: dict[str, list[int]] = collections.defaultdict(list)
+        while engine.has_unfinished():
+            for out in engine.step():
+                reference[out.request_id] += out.token_ids
+        wrong += [{"prompt": prompt, "max_tokens": max_tokens, "got": got, "reference": reference[f"ref-{start + i}"]}
+                  for i, (prompt, max_tokens, got) in enumerate(batch) if got != reference[f"ref-{start + i}"]]
+    return wrong
 
 
 # ---- the sampler, in the router's process -----------------------------------------------------
@@ -305,13 +350,15 @@ def run(model_dir: str, opts: SoakOptions) -> dict:
 def soak(cluster: LocalCluster, opts: SoakOptions) -> dict:
     """The load, the samples, then the pools and block accounting once it drained: the report."""
     tally, samples = drive(cluster, opts)
+    greedy = tally.pop("greedy")
+    wrong = wrong_tokens(cluster, greedy)
     ended = ChaosReport(pools_target=dict(cluster.router.pools.targets))
     settle(cluster, ended, ChaosOptions(heal_timeout_s=30, drain_timeout_s=15))
     growth = {p: round(s[-1] - s[0], 1) for p, s in samples.items()}
     doc = {"minutes": opts.minutes, "sample_s": opts.sample_s, "concurrency": opts.concurrency,
            "samples": samples, "rss_growth_mb": growth,
            "rss_growth_pct": {p: round(100 * growth[p] / s[0], 2) for p, s in samples.items()},
-           **tally, "leaked_blocks": ended.leaked_blocks, "integrity_errors": ended.integrity_errors,
+           **tally, "tokens_checked": len(greedy), "tokens_wrong": wrong, "leaked_blocks": ended.leaked_blocks, "integrity_errors": ended.integrity_errors,
            "pools_at_end": ended.pools_at_end}
     missed = missed_targets(doc, ended.pools_target)
     return doc | {"targets_met": not missed, "missed_targets": missed}
@@ -324,13 +371,17 @@ def missed_targets(doc: dict, pools_target: dict[str, int]) -> list[str]:
               (not any(doc["leaked_blocks"].values()), f"leaked blocks {doc['leaked_blocks']}"),
               (not doc["integrity_errors"], f"KV integrity errors {doc['integrity_errors']}"),
               (not doc["unexpected_errors"], f"unexpected errors {doc['unexpected_errors']}"),
+              (doc["tokens_checked"] > 0, "no greedy request's tokens were checked"),
+              (not doc["tokens_wrong"], f"{len(doc['tokens_wrong'])} of {doc['tokens_checked']} greedy requests' "
+                                        "tokens differ from the reference"),
               (doc["pools_at_end"] == pools_target, f"pools {doc['pools_at_end']} != {pools_target}")]
     return [why for ok, why in checks if not ok]
 
 
 def summary(doc: dict) -> str:
     lines = [f"{doc['minutes']} min, {doc['sent']} sent: {doc['completed']} completed, {doc['cancelled']} cancelled, "
-             f"errors {doc['errors_by_status']}, unexpected {doc['unexpected_errors'] or 'none'}"]
+             f"errors {doc['errors_by_status']}, unexpected {doc['unexpected_errors'] or 'none'}; "
+             f"{doc['tokens_checked']} greedy requests checked, {len(doc['tokens_wrong'])} wrong"]
     lines += [f"{p:12} RSS {s[0]:.1f} -> {s[-1]:.1f} MB ({doc['rss_growth_pct'][p]:+.2f}%)"
               for p, s in doc["samples"].items()]
     lines.append(f"leaked blocks {doc['leaked_blocks']}; pools at end {doc['pools_at_end']}")

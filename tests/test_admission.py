@@ -1,15 +1,20 @@
 """The router's queue (router/lifecycle/admission.py) without a cluster: FIFO placement, the service
 interval it measures while saturated, and overload refused at arrival with a Retry-After instead
-of after router.queue_timeout_s."""
+of after router.queue_timeout_s.
+
+Each runs on a virtual clock (looptime, as `pdserve simulate` does; protocol.clock reads the
+loop's time): every sleep and deadline is exact, so the timings are checked exactly, whatever
+the host's load, and a wait of seconds costs none."""
 
 from __future__ import annotations
 
 import asyncio
 import math
-import time
 
+import looptime
 import pytest
 
+from protocol import clock
 from router.lifecycle.admission import Admission
 from router.lifecycle.outcomes import QueueFull, Unavailable
 
@@ -35,6 +40,15 @@ class _Slots:
             self.admission.notify()
 
 
+def _virtual(main):
+    """`main()` on a fresh virtual-time loop (time jumps to the next timer when nothing is ready)."""
+    loop = looptime.new_event_loop(start=0.0, noop_cycles=0, resolution=1e-9)
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        loop.close()
+
+
 def test_a_request_that_would_wait_past_the_queue_timeout_is_refused_at_arrival():
     """Eight requests queue on a cluster that places one every 0.1 s; once it measured that, a
     ninth that would wait about 0.9 s behind them with a 0.3 s queue timeout is refused at once
@@ -48,18 +62,18 @@ def test_a_request_that_would_wait_past_the_queue_timeout_is_refused_at_arrival(
         while len(admission._intervals) < 2:  # two placements under a queue: an interval
             await asyncio.sleep(0.01)
         interval = admission.service_interval_s
-        t0 = time.monotonic()
+        t0 = clock.now()
         with pytest.raises(QueueFull) as refused:
             await admission.place(slots.try_place, lambda: True, 0.3)
-        refused_after = time.monotonic() - t0
+        refused_after = clock.now() - t0
         waiting_then = admission.waiting
         results = await asyncio.gather(*queued)
         await server
         return interval, refused.value, refused_after, waiting_then, results
 
-    interval, refused, refused_after, waiting_then, results = asyncio.run(run())
-    assert interval == pytest.approx(0.1, abs=0.05)
-    assert refused_after < 0.05  # at arrival, not after the 0.3 s queue timeout
+    interval, refused, refused_after, waiting_then, results = _virtual(run)
+    assert interval == pytest.approx(0.1, abs=1e-6)
+    assert refused_after == 0  # at arrival, not after the 0.3 s queue timeout
     assert "the cluster is saturated" in str(refused) and "router.queue_timeout_s (0.3 s)" in str(refused)
     assert f"({waiting_then} requests queued ahead)" in str(refused)
     # one interval per request ahead and its own, less the 0.3 s it may wait (no await between: same values)
@@ -69,18 +83,18 @@ def test_a_request_that_would_wait_past_the_queue_timeout_is_refused_at_arrival(
 
 def test_nobody_queued_or_no_rate_measured_lets_a_request_in():
     """No prediction without a measured rate: a request then waits and times out as before."""
-    async def run() -> None:
+    async def run() -> float:
         admission = Admission(max_queue=10)
         assert admission.predicted_wait_s() == 0.0
 
         async def never(deadline):
             return None
-        await admission.place(never, lambda: True, 0.2)
+        t0 = clock.now()
+        with pytest.raises(Unavailable, match="no worker had capacity for this request within 0.2 s"):
+            await admission.place(never, lambda: True, 0.2)
+        return clock.now() - t0
 
-    t0 = time.monotonic()
-    with pytest.raises(Unavailable, match="no worker had capacity for this request within 0.2 s"):
-        asyncio.run(run())
-    assert time.monotonic() - t0 >= 0.2
+    assert _virtual(run) == pytest.approx(0.2, abs=1e-6)
 
 
 def test_requests_queued_behind_the_head_are_refused_at_their_own_deadline():
@@ -94,16 +108,16 @@ def test_requests_queued_behind_the_head_are_refused_at_their_own_deadline():
             return None
 
         async def timed(timeout_s: float) -> float:
-            t0 = time.monotonic()
+            t0 = clock.now()
             with pytest.raises(Unavailable, match=f"within {timeout_s:g} s"):
                 await admission.place(never, lambda: True, timeout_s)
-            return time.monotonic() - t0
+            return clock.now() - t0
         return await asyncio.gather(timed(0.6), timed(0.15), timed(0.3))
 
-    head, second, third = asyncio.run(run())
-    assert 0.6 <= head < 0.6 + 0.1
-    assert 0.15 <= second < 0.15 + 0.1  # while the head still holds the queue
-    assert 0.3 <= third < 0.3 + 0.1
+    head, second, third = _virtual(run)
+    assert head == pytest.approx(0.6, abs=1e-6)
+    assert second == pytest.approx(0.15, abs=1e-6)  # while the head still holds the queue
+    assert third == pytest.approx(0.3, abs=1e-6)
 
 
 def test_each_try_gets_the_request_deadline_and_a_request_placed_again_keeps_it():
@@ -117,22 +131,22 @@ def test_each_try_gets_the_request_deadline_and_a_request_placed_again_keeps_it(
         async def never(deadline):
             deadlines.append(deadline)
             return None
-        first = since = time.monotonic()
+        first = since = clock.now()
         with pytest.raises(Unavailable):
             await admission.place(never, lambda: True, 0.4, since)
         await asyncio.sleep(0.1)
-        t0 = time.monotonic()
+        t0 = clock.now()
         with pytest.raises(Unavailable, match="within 0.4 s"):
             await admission.place(never, lambda: True, 0.4, since)  # its deadline passed: at once
-        again_s = time.monotonic() - t0
-        since = time.monotonic() - 0.3
-        t0 = time.monotonic()
+        again_s = clock.now() - t0
+        since = clock.now() - 0.3
+        t0 = clock.now()
         with pytest.raises(Unavailable):
             await admission.place(never, lambda: True, 0.4, since)  # 0.1 s of its 0.4 s left
-        return first, since, deadlines, again_s, time.monotonic() - t0
+        return first, since, deadlines, again_s, clock.now() - t0
 
-    first, since, deadlines, again_s, left_s = asyncio.run(run())
+    first, since, deadlines, again_s, left_s = _virtual(run)
     # every try of a wait is given that wait's deadline (the second wait had none: refused at once)
     assert set(deadlines) == {first + 0.4, since + 0.4} and deadlines[0] == first + 0.4 and deadlines[-1] == since + 0.4
-    assert again_s < 0.01
-    assert 0.1 - 0.01 <= left_s < 0.1 + 0.05
+    assert again_s == 0
+    assert left_s == pytest.approx(0.1, abs=1e-6)

@@ -297,14 +297,20 @@ def test_a_paced_steps_record_and_its_prompts_compute_time_are_the_emulated_step
 def test_the_host_work_between_busy_steps_counts_against_the_next_steps_model(llama_dir):
     """A busy loop times each step from the end of the previous one's pacing, so the outputs'
     handling (here 0.2 s of it) lands inside the next step's modelled time instead of after it."""
-    host_work_s, paced = 0.2, []
+    host_work_s, paced, handled = 0.2, [], []
 
     def pace(engine, began):
         paced.append((began, time.perf_counter()))
 
+    def on_outputs(outs) -> None:
+        handled.append(time.perf_counter())  # the host work of these outputs begins
+        time.sleep(host_work_s)
+        if any(o.finished for o in outs):
+            done.set()
+
     done = threading.Event()
     loop = EngineLoop(lambda: LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=64, dtype="float32")),
-                      lambda outs: (time.sleep(host_work_s), any(o.finished for o in outs) and done.set()), pace=pace)
+                      on_outputs, pace=pace)
     try:
         sampling = SamplingParams(max_tokens=3, ignore_eos=True)
         loop.call(lambda e: e.add_request("r", prompt_token_ids=list(range(10, 30)), sampling=sampling)).result(10)
@@ -312,8 +318,9 @@ def test_the_host_work_between_busy_steps_counts_against_the_next_steps_model(ll
     finally:
         loop.stop()
     assert len(paced) == 3  # the prefill and two decode steps
-    for (_, previous_end), (began, end) in zip(paced, paced[1:], strict=False):
-        assert previous_end <= began < previous_end + host_work_s / 2 and end - began >= host_work_s
+    # each next step is timed from before the previous outputs' host work began (events, no bound)
+    for (_, previous_end), work_began, (began, end) in zip(paced, handled, paced[1:], strict=False):
+        assert previous_end <= began <= work_began and end - began >= host_work_s
 
 
 # ---- a cluster at emulated timings -------------------------------------------------------------

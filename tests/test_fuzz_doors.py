@@ -3,12 +3,16 @@ bodies (the endpoints' own fields and strangers, each with values of every JSON 
 right one among them) and gRPC GenerateRequests (every field, with and without presence).
 Whatever comes, the answer is a success or the client's fault: HTTP 200 or 4xx, gRPC OK,
 INVALID_ARGUMENT or RESOURCE_EXHAUSTED; never a 500, INTERNAL or UNKNOWN, and no KV block is
-left held. FUZZ_EXAMPLES inputs a door (derandomized: the same ones every run).
+left held. FUZZ_EXAMPLES inputs a door (derandomized: the same ones every run), drawn BATCH at
+a time and sent at once (one pool of keep-alive connections, one gRPC channel), so the engine
+batches them as it would a crowd of clients.
 """
 
 from __future__ import annotations
 
 import json
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import httpx2
@@ -25,7 +29,8 @@ from router.frontdoor.openai_request import ENDPOINTS  # noqa: E402
 from tests.cluster_util import wait_until  # noqa: E402
 
 FUZZ_EXAMPLES = 2000
-FUZZ = settings(max_examples=FUZZ_EXAMPLES, deadline=None, derandomize=True, database=None,
+BATCH = 20  # inputs sent at once: each hypothesis example is a batch
+FUZZ = settings(max_examples=FUZZ_EXAMPLES // BATCH, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
 CLIENT_FAULT = {grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED}
 
@@ -68,22 +73,31 @@ def cluster(served):
     wait_until(lambda: _idle(served), 60, "every request to end and every block to be free")
 
 
+http_inputs = st.tuples(bodies, st.integers(0, 9), st.integers(0, 19))
+
+
+def _post(http: httpx2.Client, body: dict, other_door: int, raw: int) -> tuple[dict, int, str]:
+    chat = ("messages" in body) != (other_door == 0)  # mostly the endpoint the body is for
+    text = json.dumps(body)
+    content = (text if raw else text[: len(text) // 2]).encode()  # now and then cut short
+    reply = http.post("/chat/completions" if chat else "/completions", content=content,
+                      headers={"content-type": "application/json"})
+    return body, reply.status_code, reply.text
+
+
 def test_fuzz_http(cluster):
-    seen: dict[int, int] = {}
-    with httpx2.Client(base_url=cluster.http_url, timeout=120) as http:
+    seen: Counter[int] = Counter()
+    limits = httpx2.Limits(max_connections=BATCH, max_keepalive_connections=BATCH)
+    with httpx2.Client(base_url=cluster.http_url, timeout=120, limits=limits) as http, ThreadPoolExecutor(BATCH) as pool:
         @FUZZ
-        @given(body=bodies, other_door=st.integers(0, 9), raw=st.integers(0, 19))
-        def one(body: dict, other_door: int, raw: int) -> None:
-            chat = ("messages" in body) != (other_door == 0)  # mostly the endpoint the body is for
-            path = "/chat/completions" if chat else "/completions"
-            text = json.dumps(body)
-            content = (text if raw else text[: len(text) // 2]).encode()  # now and then cut short
-            reply = http.post(path, content=content, headers={"content-type": "application/json"})
-            if body.get("stream") is True and reply.status_code == 200:
-                assert "data: [DONE]" in reply.text and '"server_error"' not in reply.text, reply.text
-            seen[reply.status_code] = seen.get(reply.status_code, 0) + 1
-            assert reply.status_code == 200 or 400 <= reply.status_code < 500, (body, reply.text)
-        one()
+        @given(batch=st.lists(http_inputs, min_size=BATCH, max_size=BATCH))
+        def some(batch: list[tuple[dict, int, int]]) -> None:
+            for body, status, text in pool.map(lambda args: _post(http, *args), batch):
+                seen[status] += 1
+                assert status == 200 or 400 <= status < 500, (body, text)
+                if body.get("stream") is True and status == 200:
+                    assert "data: [DONE]" in text and '"server_error"' not in text, text
+        some()
     assert sum(seen.values()) >= FUZZ_EXAMPLES and seen.get(200) and seen.get(400), seen
 
 
@@ -102,20 +116,24 @@ requests = st.builds(
         "cache_salt": st.text(max_size=300), "add_special_tokens": st.booleans()}))
 
 
+def _generate(stub: pb_grpc.GenerationStub, request: pb.GenerateRequest) -> grpc.StatusCode:
+    try:
+        list(stub.Generate(request, timeout=120))
+        return grpc.StatusCode.OK
+    except grpc.RpcError as e:
+        return e.code()
+
+
 def test_fuzz_grpc(cluster):
-    seen: dict[grpc.StatusCode, int] = {}
-    with grpc.insecure_channel(cluster.address) as channel:
+    seen: Counter[grpc.StatusCode] = Counter()
+    with grpc.insecure_channel(cluster.address) as channel, ThreadPoolExecutor(BATCH) as pool:
         stub = pb_grpc.GenerationStub(channel)
 
         @FUZZ
-        @given(request=requests)
-        def one(request: pb.GenerateRequest) -> None:
-            try:
-                list(stub.Generate(request, timeout=120))
-                code = grpc.StatusCode.OK
-            except grpc.RpcError as e:
-                code = e.code()
-            seen[code] = seen.get(code, 0) + 1
-            assert code in CLIENT_FAULT, (request, code)
-        one()
+        @given(batch=st.lists(requests, min_size=BATCH, max_size=BATCH))
+        def some(batch: list[pb.GenerateRequest]) -> None:
+            for request, code in zip(batch, pool.map(lambda r: _generate(stub, r), batch), strict=True):
+                seen[code] += 1
+                assert code in CLIENT_FAULT, (request, code)
+        some()
     assert sum(seen.values()) >= FUZZ_EXAMPLES and seen.get(grpc.StatusCode.OK), seen

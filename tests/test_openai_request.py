@@ -216,7 +216,7 @@ class _FakeRouter:
     def __init__(self, chunks=(), fail: Exception | None = None, refuse: Exception | None = None):
         self.config = SimpleNamespace(model=SimpleNamespace(path=f"/models/{MODEL}"), router=SimpleNamespace(
             max_prompt_bytes=1024, read_timeout_s=0.5, max_concurrent_calls=8, write_timeout_s=0.5,
-            max_connections=64, max_body_bytes_in_flight=1 << 20))
+            max_connections=64, max_connections_per_address=64, max_body_bytes_in_flight=1 << 20))
         self.validator, self.metrics = SimpleNamespace(max_model_len=64), RouterMetrics()
         self.intake = SimpleNamespace(check_room=lambda large: None)
         self.accepting = self.started = self.serving = True

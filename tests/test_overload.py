@@ -28,7 +28,6 @@ from router.pools.monitor import BEAT_EVERY_S, POLL_WAIT_S, STEP_FAILURES_LIMIT
 from tests.cluster_util import (
     Client,
     cluster_config,
-    hold_engine,
     set_worker_faults,
     wait_until,
     whole,
@@ -108,33 +107,55 @@ def test_a_stalled_engine_is_a_dead_worker_and_placement_goes_on(busy, llama_dir
     placing = threading.Thread(target=keep_placing)
     placing.start()
     try:
-        wait_until(lambda: stalled.stopped, UNRESPONSIVE_S + 10, "the stalled worker to be failed")
+        # bounds the detection too: unresponsive_s + one poll + one beat, and 10 s for a loaded host
+        wait_until(lambda: stalled.stopped, UNRESPONSIVE_S + POLL_WAIT_S + BEAT_EVERY_S + 10,
+                   "the stalled worker to be failed")
         detected_s = time.monotonic() - t0
     finally:
         done.set()
         placing.join(60)
         streaming.join(60)
-    assert detected_s < UNRESPONSIVE_S + POLL_WAIT_S + BEAT_EVERY_S + 1.0, detected_s  # 1 s: a busy machine
     assert "its engine made no progress" in busy.router.pools.health["decode"].last_failure
     tokens, last = out["stalled"]
     assert tokens == reference and last.finish_reason == "length"
     assert last.usage.migrations == 1 and last.usage.decode_worker != stalled.name
     assert placed and all(tokens == other_reference for tokens, _ in placed)
-    assert max(last.usage.queue_ms for _, last in placed) < (CALL_TIMEOUT_S + 0.5) * 1e3
+    # none waited for the stall to be found: each gave up on the stalled worker at its call deadline
+    assert max(last.usage.queue_ms for _, last in placed) < detected_s * 1e3
     _healed(busy)
     client.close()
 
 
+def _hold(worker) -> None:
+    """Occupy `worker`'s engine thread until `_release` (60 s at most: a failed test lets it go)."""
+    def hold(actor) -> None:
+        actor.test_release = threading.Event()
+        actor.core.loop.call(lambda engine: actor.test_release.wait(60))
+    ray.get(worker.actor.__ray_call__.remote(hold), timeout=30)
+
+
+def _release(worker) -> None:
+    ray.get(worker.actor.__ray_call__.remote(lambda actor: actor.test_release.set()), timeout=30)
+
+
+def _reserve_wait(seconds: float):
+    """For __ray_call__: sets the actor process's RESERVE_WAIT_S (a closure, so Ray pickles it by value)."""
+    def set_it(actor) -> None:
+        import decode_worker.worker as module  # the actor's own copy of the module
+        module.RESERVE_WAIT_S = seconds
+    return set_it
+
+
 def test_a_reserve_the_engine_cannot_take_in_time_answers_no_room_and_holds_nothing(busy):
     """The router waits for a reserve under its admission lock: a decode engine busy in a long step
-    (held 2.5 s here) answers "no room" after RESERVE_WAIT_S, not after the step, and never makes
-    the reservation it gave up on; a free engine reserves as before."""
+    (held until the test lets it go) answers "no room" after RESERVE_WAIT_S, while the step still
+    runs, and never makes the reservation it gave up on; a free engine reserves as before."""
     w = busy.router.pools.workers["decode"][0]
-    hold_engine(w, 2.5)
-    t0 = time.monotonic()
-    assert ray.get(w.actor.reserve.remote(Reservation("overload-late", 40, 30.0)), timeout=30) is None
-    answered_s = time.monotonic() - t0
-    assert answered_s < 2.0, answered_s  # the hold lasts 2.5 s; RESERVE_WAIT_S is 1 s
+    _hold(w)
+    try:
+        assert ray.get(w.actor.reserve.remote(Reservation("overload-late", 40, 30.0)), timeout=30) is None
+    finally:
+        _release(w)  # answered while held: the hold ends only here
     wait_until(lambda: ray.get(w.actor.check.remote(), timeout=30)["used"] == 0, 10, "the hold to end")
     assert ray.get(w.actor.check.remote(), timeout=30)["reserved"] == 0  # it was never made
     reserved = ray.get(w.actor.reserve.remote(Reservation("overload-now", 40, 30.0)), timeout=30)
@@ -145,13 +166,18 @@ def test_a_reserve_the_engine_cannot_take_in_time_answers_no_room_and_holds_noth
 
 def test_a_reserve_answers_no_room_at_the_deadline_it_carries(busy):
     """A reserve carries the request's queue deadline (Reservation.wait_s): on an engine held in a
-    long step it answers "no room" then, before RESERVE_WAIT_S, and holds nothing."""
+    long step it answers "no room" then, not after RESERVE_WAIT_S (raised to an hour here, so an
+    answer while the engine is held can only come from the carried deadline), and holds nothing."""
     w = busy.router.pools.workers["decode"][0]
-    hold_engine(w, 1.5)
-    t0 = time.monotonic()
-    assert ray.get(w.actor.reserve.remote(Reservation("overload-soon", 40, 30.0, wait_s=0.3)), timeout=30) is None
-    answered_s = time.monotonic() - t0
-    assert 0.3 <= answered_s < 0.8, answered_s  # RESERVE_WAIT_S is 1 s, the hold 1.5 s
+    ray.get(w.actor.__ray_call__.remote(_reserve_wait(3600.0)), timeout=30)
+    _hold(w)
+    try:
+        t0 = time.monotonic()
+        assert ray.get(w.actor.reserve.remote(Reservation("overload-soon", 40, 30.0, wait_s=0.3)), timeout=30) is None
+        assert time.monotonic() - t0 >= 0.3
+    finally:
+        _release(w)
+        ray.get(w.actor.__ray_call__.remote(_reserve_wait(1.0)), timeout=30)
     wait_until(lambda: ray.get(w.actor.check.remote(), timeout=30)["used"] == 0, 10, "the hold to end")
     assert ray.get(w.actor.check.remote(), timeout=30)["reserved"] == 0
     _healed(busy)
@@ -170,14 +196,20 @@ def test_a_request_no_engine_can_take_is_refused_at_its_queue_deadline(busy):
         client.many([_prompt(10 * i + j) for j in range(4)], max_tokens=2)
     assert prefill.peers >= {w.name for w in decode}
     for w in decode:
-        hold_engine(w, QUEUE_TIMEOUT_S + 0.8)  # < UNRESPONSIVE_S: held, not dead
-    t0 = time.monotonic()
-    with pytest.raises(grpc.RpcError) as refused:
-        client.tokens(_prompt(6), max_tokens=2)
-    heard_s = time.monotonic() - t0
+        _hold(w)  # until released below, however late the refusal comes: it cannot be served meanwhile
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(grpc.RpcError) as refused:
+            client.tokens(_prompt(6), max_tokens=2)
+        heard_s = time.monotonic() - t0
+    finally:
+        for w in decode:
+            _release(w)
     assert refused.value.code() == grpc.StatusCode.UNAVAILABLE, refused.value
     assert f"no worker had capacity for this request within {QUEUE_TIMEOUT_S:g} s" in refused.value.details()
-    assert QUEUE_TIMEOUT_S - 0.05 <= heard_s < QUEUE_TIMEOUT_S + 0.5, heard_s
+    # at its deadline, not at twice it (the old fault); the margin, QUEUE_TIMEOUT_S, is the router
+    # loop's lateness a loaded host may add (the engines are held meanwhile, so nothing else ends it)
+    assert QUEUE_TIMEOUT_S <= heard_s < 2 * QUEUE_TIMEOUT_S, heard_s
     _healed(busy)
     client.close()
 
@@ -267,23 +299,21 @@ def test_a_saturated_cluster_refuses_at_arrival_with_retry_after(busy, llama_dir
     try:
         threads = [_stream(client, _prompt(100 + i), out, i, max_tokens=2, ignore_eos=True) for i in range(24)]
         wait_until(lambda: admission.predicted_wait_s() > QUEUE_TIMEOUT_S, 10, "a predicted wait over the timeout")
-        t0 = time.monotonic()
         with pytest.raises(grpc.RpcError) as refused:
             list(client.stream(_prompt(99), max_tokens=2))
-        grpc_s = time.monotonic() - t0
-        t0 = time.monotonic()
         status, http_retry_after, body = _post(f"{busy.http_url}/completions",
                                       {"model": Path(llama_dir).name, "prompt": _prompt(98), "max_tokens": 2})
-        http_s = time.monotonic() - t0
         for t in threads:
             t.join(60)
     finally:
         set_worker_faults(prefill)
-    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and grpc_s < 1.0
+    # refused at arrival: "saturated" is the arrival prediction's word (a wait that ran out its
+    # queue_timeout_s says "no worker had capacity ... within"), so no timing is needed to tell them apart
+    assert refused.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "the cluster is saturated" in refused.value.details()
     retry_after = dict(refused.value.trailing_metadata())["retry-after"]
     assert int(retry_after) >= 1
-    assert status == 429 and http_s < 1.0 and int(http_retry_after) >= 1
+    assert status == 429 and int(http_retry_after) >= 1
     assert body["error"]["code"] == "queue_full" and "router.queue_timeout_s" in body["error"]["message"]
     finished = [v for v in out.values() if not isinstance(v, grpc.RpcError)]
     assert finished and all(last.finish_reason == "length" for _, last in finished)

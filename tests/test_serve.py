@@ -28,6 +28,8 @@ import yaml
 from cli.main import main as pdserve
 from engine.kernels import cpu_kernel
 from tests.kv_util import wait_until
+from tests.process_util import alive as _alive
+from tests.process_util import descendants as _descendants
 from tests.security_util import ADMIN, ROTATED, TRAFFIC, token_files
 
 PDSERVE = [sys.executable, "-m", "cli"]
@@ -48,39 +50,6 @@ def _run(capsys, *args: str) -> Ran:
     code = pdserve(list(args))
     out = capsys.readouterr()
     return Ran(code, out.out, out.err)
-
-
-def _stat(pid: int) -> tuple[int, int, str] | None:
-    """(parent pid, start time in clock ticks, state) of a live process; None once it is gone."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return None
-    state, ppid, start = fields[0], int(fields[1]), int(fields[19])
-    return None if state in ("Z", "X") else (ppid, start, state)
-
-
-def _descendants(root: int) -> dict[tuple[int, int], str]:
-    """Every live process below `root` now, keyed (pid, start time) so a reused pid never
-    counts as the same process; the value is its command line."""
-    parents: dict[int, list[tuple[int, int]]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
-            parents.setdefault(stat[0], []).append((int(entry.name), stat[1]))
-    found, todo = {}, [root]
-    while todo:
-        for pid, start in parents.get(todo.pop(), []):
-            try:
-                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-            except OSError:
-                continue
-            found[(pid, start)] = cmd
-            todo.append(pid)
-    return found
-
-
-def _alive(processes) -> list[str]:
-    return [cmd for (pid, start), cmd in processes.items() if (s := _stat(pid)) is not None and s[1] == start]
 
 
 def _port_open(port: int) -> bool:

@@ -17,6 +17,7 @@ def test_a_short_soak_completes_with_only_the_expected_errors_and_no_leak(served
     doc = soak.soak(served, soak.SoakOptions(minutes=0.25, sample_s=7, concurrency=3, seed=1))
     print({k: doc[k] for k in ("sent", "completed", "cancelled", "errors_by_status", "rss_growth_mb")})
     assert doc["completed"] > 0 and doc["cancelled"] > 0
+    assert doc["tokens_checked"] > 0 and doc["tokens_wrong"] == []  # greedy requests are token-exact
     assert doc["unexpected_errors"] == {}
     # bad requests were sent over both doors, and each got exactly its status (else it is unexpected)
     assert set(doc["errors_by_status"]) <= EXPECTED and {"INVALID_ARGUMENT", "400"} <= set(doc["errors_by_status"])
@@ -42,6 +43,7 @@ def test_a_bad_request_that_succeeds_or_a_good_one_that_fails_is_unexpected():
 
 def _doc(**changes) -> dict:
     doc = {"rss_growth_pct": {"router": 1.0, "decode-0": 4.9}, "completed": 10, "leaked_blocks": {"decode-0": 0},
+           "tokens_checked": 5, "tokens_wrong": [],
            "integrity_errors": {}, "unexpected_errors": {}, "pools_at_end": {"decode": 1}}
     return doc | changes
 
@@ -52,6 +54,8 @@ def _doc(**changes) -> dict:
     ({"leaked_blocks": {"decode-0": 2}}, "leaked blocks"),
     ({"unexpected_errors": {"grpc UNAVAILABLE": 1}}, "unexpected errors"),
     ({"completed": 0}, "no request completed"),
+    ({"tokens_wrong": [{"prompt": [5], "max_tokens": 1, "got": [6], "reference": [7]}]}, "1 of 5 greedy"),
+    ({"tokens_checked": 0}, "no greedy request's tokens were checked"),
     ({"pools_at_end": {"decode": 0}}, "pools"),
 ])
 def test_each_target_is_checked(changes, missed):

@@ -55,6 +55,8 @@ class WorkerCore:
 
         def make_engine() -> LLMEngine:  # on the loop's thread, which runs every torch op of the engine
             engine = LLMEngine(config)
+            if faults is not None:
+                engine.before_forward = faults.before_forward
             log.info("%s: %s, malloc %s, %d torch threads (OpenMP waits %s)", name, engine.runner.describe(),
                      malloc.in_use(), torch.get_num_threads(), os.environ.get("OMP_WAIT_POLICY", "spinning").lower())
             return engine

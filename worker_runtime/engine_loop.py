@@ -28,9 +28,11 @@ step, after the calls it ran, and every BEAT_S while idle), and `beat()` reads t
 waiting for the thread, so a step stuck in a CUDA or NCCL call shows as silence the router can
 see (router/pools/monitor.py) while the actor still answers.
 
-A failed step fails its requests retryably (the router moves them: the failure may be transient,
-a CUDA OOM from one long chunk), except a culprit the error names (`RequestFault`), which fails
-alone and for good. Failed steps in a row are counted for the beat: a worker that keeps failing
+A forward that fails on one request fails that request alone, inside the engine's step (the
+engine runs the step again in halves to find it, engine/isolation.py). A step that still fails
+fails its requests retryably (the router moves them: the failure may be transient, a CUDA OOM
+from one long chunk, or the worker broken), except a culprit the error names (`RequestFault`),
+which fails alone and for good. Failed steps in a row are counted for the beat: a worker that keeps failing
 is replaced by the router.
 """
 

@@ -9,6 +9,10 @@ Each worker gets a `Faults` with its own seeded RNG. Hooks, each a no-op when it
                        call; set 0 again to let it go); fails the next `fail_steps` steps, naming
                        the running request with the longest context as the culprit when
                        `fail_culprit` is "longest" (a long chunk's CUDA OOM)
+  before_forward(items) before each forward (inside the step, engine.before_forward): fails
+                       every forward whose batch holds a request with `poison_token` in its
+                       prompt, naming no culprit (a request that breaks the model, as a NaN
+                       trap or a kernel bug on one shape would)
   refuse_reserve()     a decode reservation answers "no room" though the blocks fit (the
                        router's view of free blocks gone stale)
   maybe_kill(point)    the worker process exits at a named lifecycle point (see KILL_POINTS)
@@ -30,6 +34,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the config half (FaultConfig) is read by the router's config loader, without torch
     from engine.llm_engine import LLMEngine
+    from engine.request import ScheduledItem
 
 log = logging.getLogger(__name__)
 ENV_VAR = "PDSERVE_FAULTS"
@@ -48,6 +53,7 @@ class FaultConfig:
     stall_engine_s: float = 0.0       # the engine thread blocks this long at its next step
     fail_steps: int = 0               # the next this many engine steps fail
     fail_culprit: str = ""            # "longest": a failed step names the longest running request
+    poison_token: int = -1            # >= 0: every forward holding a prompt with this token id fails
     reserve_refuse_rate: float = 0.0  # fraction of decode reservations refused though they fit
     kill_at: str = ""                 # one of KILL_POINTS; "" = never
     kill_rate: float = 0.0            # probability of exiting at each pass through kill_at
@@ -58,6 +64,8 @@ class FaultConfig:
                                                   "reserve_refuse_rate") if not 0.0 <= getattr(self, k) <= 1.0]
         out += [(k, "must be >= 0") for k in ("transfer_delay_s", "step_delay_s", "stall_engine_s", "fail_steps")
                 if getattr(self, k) < 0]
+        if self.poison_token < -1:
+            out.append(("poison_token", "must be a token id, or -1 for none"))
         if self.fail_culprit not in CULPRITS:
             out.append(("fail_culprit", f"must be one of {', '.join(repr(c) for c in CULPRITS)}"))
         if self.kill_at and self.kill_at not in KILL_POINTS:
@@ -117,6 +125,12 @@ class Faults:
         if self._steps_failed < self.config.fail_steps:
             self._steps_failed += 1
             self._fail_step(engine)
+
+    def before_forward(self, items: list[ScheduledItem]) -> None:
+        """On the engine thread before each forward, with the forward's items."""
+        token = self.config.poison_token
+        if token >= 0 and any(token in it.request.prompt_token_ids for it in items):
+            raise RuntimeError(f"injected forward failure: a prompt in this batch holds token {token}")
 
     def _stall(self) -> None:
         """Block while `stall_engine_s` lasts; re-read, so setting it to 0 ends the stall."""

@@ -51,6 +51,7 @@ def check_values(cfg: ClusterConfig, where: str) -> None:
         ("router.read_timeout_s", cfg.router.read_timeout_s > 0, "must be > 0"),
         ("router.write_timeout_s", cfg.router.write_timeout_s > 0, "must be > 0"),
         ("router.max_connections", cfg.router.max_connections >= 1, "must be >= 1"),
+        ("router.max_connections_per_address", cfg.router.max_connections_per_address >= 1, "must be >= 1"),
         ("router.max_body_bytes_in_flight",  # one maximal HTTP body (router/frontdoor/openai_server.py)
          cfg.router.max_body_bytes_in_flight >= 4 * cfg.router.max_prompt_bytes + (64 << 10),
          "must hold one maximal HTTP body: at least 4 x router.max_prompt_bytes + 64 KiB"),

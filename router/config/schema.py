@@ -138,6 +138,10 @@ class RouterSection:
     # replicas Admin/Scale may ask of a pool
     write_timeout_s: float = 30.0
     max_connections: int = 2048
+    # one client address's share (nginx's limit_conn per $binary_remote_addr): HTTP connections open
+    # at once (beyond: closed as they open); gRPC Generate calls at once (beyond: RESOURCE_EXHAUSTED;
+    # gRPC Python shows calls, not connections)
+    max_connections_per_address: int = 256
     max_body_bytes_in_flight: int = 32 << 20
     max_pool_replicas: int = 64
     # placement (router/pools/placement.py): cache_aware weighs the prefix a worker holds against its

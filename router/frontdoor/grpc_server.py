@@ -10,6 +10,7 @@ stays reachable without a token (load balancers); the rest is gated (router/fron
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 
@@ -57,22 +58,49 @@ STATUS = {InvalidRequest: grpc.StatusCode.INVALID_ARGUMENT, QueueFull: grpc.Stat
 HEALTH_EVERY_S = 0.25
 
 
+def peer_address(peer: str) -> str:
+    """The client's address in a gRPC peer string ("ipv4:1.2.3.4:5678", "ipv6:[::1]:5678"), without
+    its port; a peer with no port (unix:...) is itself."""
+    kind, _, rest = peer.partition(":")
+    return rest.rsplit(":", 1)[0] if kind in ("ipv4", "ipv6") else peer
+
+
 class GenerationService(pb_grpc.GenerationServicer):
     def __init__(self, router: Router):
         self.router = router
+        self.by_address: collections.Counter[str] = collections.Counter()  # Generate calls running
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        address = peer_address(context.peer())
         try:
-            life = await self._prepare(request, context)
-            async with contextlib.aclosing(self.router.generate(life)) as chunks:
-                async for chunk in chunks:
-                    await self._write(context, self._response(life.client_id, chunk))
+            with self._counted(address):
+                await self._generate(request, context)
         except tuple(STATUS) as e:
             code = STATUS[type(e)]
             self.router.metrics.observe_error(code.name)
             if isinstance(e, QueueFull) and e.retry_after_s is not None:
                 context.set_trailing_metadata((("retry-after", str(e.retry_after_s)),))
             await context.abort(code, str(e) if isinstance(e, InvalidRequest) else public_message(str(e)))
+
+    @contextlib.contextmanager
+    def _counted(self, address: str):
+        """One more Generate call from `address`; QueueFull at router.max_connections_per_address."""
+        limit = self.router.config.router.max_connections_per_address
+        if self.by_address[address] >= limit:
+            raise QueueFull(f"{limit} calls from your address are running (router.max_connections_per_address)")
+        self.by_address[address] += 1
+        try:
+            yield
+        finally:
+            self.by_address[address] -= 1
+            if not self.by_address[address]:
+                del self.by_address[address]
+
+    async def _generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext) -> None:
+        life = await self._prepare(request, context)
+        async with contextlib.aclosing(self.router.generate(life)) as chunks:
+            async for chunk in chunks:
+                await self._write(context, self._response(life.client_id, chunk))
 
     async def _prepare(self, request: pb.GenerateRequest, context) -> RequestLife:
         if request.prompt and request.prompt_token_ids:
@@ -170,7 +198,8 @@ class RouterServer:
                    ("grpc.keepalive_time_ms", int(r.write_timeout_s * 1000)),
                    ("grpc.keepalive_timeout_ms", int(r.write_timeout_s * 1000))]
         self.server = grpc.aio.server(options=options, interceptors=guard, maximum_concurrent_rpcs=r.max_concurrent_calls)
-        pb_grpc.add_GenerationServicer_to_server(GenerationService(router), self.server)
+        self.generation = GenerationService(router)
+        pb_grpc.add_GenerationServicer_to_server(self.generation, self.server)
         pb_grpc.add_AdminServicer_to_server(AdminService(router), self.server)
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)

@@ -11,7 +11,8 @@ Every connection, whatever it was answered, ends within a deadline of its last p
 - a response the client stops reading: once the transport's buffer is full, the client must
   take some of it within `write_timeout_s` (nginx's send_timeout), else the connection is
   aborted, which ends the request (its generator closes, its blocks are freed).
-At most `max_connections` connections are open at once; one more is closed as it opens; at most
+At most `max_connections` connections are open at once, at most `max_per_address` of them from one
+client address (nginx's limit_conn); one more is closed as it opens; at most
 `max_concurrent_calls` requests are in the app at once (`CallLimit`: 503 beyond). With TLS the
 handshake must finish within `read_timeout_s` (asyncio's default is 60 s).
 """
@@ -19,6 +20,7 @@ handshake must finish within `read_timeout_s` (asyncio's default is 60 s).
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -36,8 +38,29 @@ class ConnectionLimits:
     read_timeout_s: float
     write_timeout_s: float
     max_connections: int
+    max_per_address: int
     open: int = 0
     refused: int = 0  # connections closed at once because `max_connections` were open
+    by_address: collections.Counter[str] = dataclasses.field(default_factory=collections.Counter)
+    refused_by_address: int = 0  # closed at once because their address had `max_per_address` open
+
+    def admit(self, address: str) -> bool:
+        """Count a connection from `address` in, unless a limit is reached (then count the refusal)."""
+        if self.open >= self.max_connections:
+            self.refused += 1
+            return False
+        if self.by_address[address] >= self.max_per_address:
+            self.refused_by_address += 1
+            return False
+        self.open += 1
+        self.by_address[address] += 1
+        return True
+
+    def release(self, address: str) -> None:
+        self.open -= 1
+        self.by_address[address] -= 1
+        if not self.by_address[address]:
+            del self.by_address[address]
 
 
 class DeadlineProtocol(H11Protocol):
@@ -46,12 +69,11 @@ class DeadlineProtocol(H11Protocol):
     def connection_made(self, transport) -> None:
         self._read_timer: asyncio.TimerHandle | None = None
         self._write_timer: asyncio.TimerHandle | None = None
-        self._counted = self.limits.open < self.limits.max_connections
+        self._address = _address(transport)
+        self._counted = self.limits.admit(self._address)
         if not self._counted:
-            self.limits.refused += 1
             transport.abort()
             return
-        self.limits.open += 1
         super().connection_made(transport)
         self._arm_read()
 
@@ -82,7 +104,7 @@ class DeadlineProtocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         if not self._counted:
             return  # refused in connection_made: uvicorn never saw it
-        self.limits.open -= 1
+        self.limits.release(self._address)
         self._disarm_read()
         self._cancel_write_timer()
         super().connection_lost(exc)
@@ -120,6 +142,12 @@ class DeadlineProtocol(H11Protocol):
     @classmethod
     def with_limits(cls, limits: ConnectionLimits) -> type[DeadlineProtocol]:
         return type(cls.__name__, (cls,), {"limits": limits})
+
+
+def _address(transport) -> str:
+    """The client's address without its port ("" for a socket without one, e.g. a Unix socket)."""
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else ""
 
 
 class CallLimit:

@@ -126,6 +126,11 @@ async def _collect(chunks: AsyncIterator[Chunk]) -> list[Chunk]:
     return [chunk async for chunk in chunks]
 
 
+def _defect(e: Exception) -> ApiError:
+    """What a client reads of a defect: its kind, never its text (it may hold internals)."""
+    return ApiError(500, f"internal error ({type(e).__name__}); the server log has the details", kind="server_error")
+
+
 class _Stream(EventSourceResponse):
     """Server-sent events that close the request's generator however the response ends."""
 
@@ -279,6 +284,10 @@ class OpenAIApi:
         except tuple(_FAILURES) as e:  # after the 200: the error goes out as an event, as OpenAI's does
             self.router.metrics.observe_error(_FAILURES[type(e)][3])
             yield {"data": sse_json(_api_error(e).body())}
+        except Exception as e:  # a defect after the 200: an error event too, and the stream ends cleanly
+            log.exception("the stream of %s failed", reply.id)
+            self.router.metrics.observe_error("INTERNAL")
+            yield {"data": sse_json(_defect(e).body())}
         else:
             if include_usage:
                 yield {"data": sse_json(reply.body([], usage_body(last), stream=True))}
@@ -292,8 +301,7 @@ class OpenAIApi:
     async def _bug(request: Request, e: Exception) -> Response:
         """A defect: the client gets an error object naming its kind, never the exception's text
         (it may hold internals); Starlette re-raises, so uvicorn logs the traceback."""
-        return JSONResponse(ApiError(500, f"internal error ({type(e).__name__}); the server log has the details",
-                                     kind="server_error").body(), 500)
+        return JSONResponse(_defect(e).body(), 500)
 
 
 class OpenAIServer:
@@ -317,7 +325,8 @@ class OpenAIServer:
             app = HttpGuard(app, gate, refusals or Refusals())
         app = CallLimit(app, router.config.router.max_concurrent_calls)
         r = router.config.router
-        self.limits = ConnectionLimits(r.read_timeout_s, r.write_timeout_s, r.max_connections)
+        self.limits = ConnectionLimits(r.read_timeout_s, r.write_timeout_s, r.max_connections,
+                                       r.max_connections_per_address)
         config = uvicorn.Config(app, lifespan="off", log_config=None, log_level="warning", access_log=False,
                                 ws="none", timeout_graceful_shutdown=STOP_GRACE_S,
                                 http=DeadlineProtocol.with_limits(self.limits), **uvicorn_tls(tls or TLSSection()))
