@@ -10,7 +10,9 @@ from __future__ import annotations
 
 from collections import Counter
 
+from engine.kv_cache import BlockAllocator
 from engine.request import Request, Status
+from engine.scheduler import Scheduler
 from protocol.block_hash import block_hashes, salt_root
 from protocol.sampling import SamplingParams
 from protocol.telemetry import TokenKind
@@ -54,6 +56,15 @@ class KVHandoff:
         bs = self.config.block_size
         return self.allocator.match(block_hashes(token_ids[:(len(token_ids) - 1) // bs * bs], bs,
                                                  salt_root(cache_salt)))
+
+    def reset_cache(self) -> None:
+        """A fresh ledger over the same KV pool (a worker taking another role, worker_host/): every
+        block free, nothing cached, the prefix counters at zero. Only an idle engine has one."""
+        if self.requests or self.reserved or +self.pinned:
+            raise RuntimeError(f"reset_cache with {len(self.requests)} requests, {len(self.reserved)} "
+                               f"reservations and {sum(self.pinned.values())} pins held: drain first")
+        self.allocator = BlockAllocator(self.allocator.num_blocks, enable_caching=self.config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.allocator)
 
     def release(self, request_id: str) -> None:
         """Free a reservation, or the blocks a finished prefill-only request kept."""

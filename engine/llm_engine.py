@@ -151,14 +151,6 @@ class LLMEngine(KVHandoff):
         self._finish(req, reason)
         self._ready.append(self._output(req, [], req.detokenizer.take_delta(final=True), reason))
 
-    def reset_cache(self) -> None:
-        """A fresh ledger over the same KV pool (a worker taking another role, worker_host/): every
-        block free, nothing cached, the prefix counters at zero. Only an idle engine has one."""
-        assert not self.requests and not self.reserved and not +self.pinned, \
-            f"reset_cache with {len(self.requests)} requests, {len(self.reserved)} reservations, pins held"
-        self.allocator = BlockAllocator(self.allocator.num_blocks, enable_caching=self.config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.allocator)
-
     def _register(self, req: Request, start: int, end: int) -> None:
         """Cache the blocks whose last slot lies in [start, end): their KV was just written."""
         bs = self.config.block_size
