@@ -30,7 +30,7 @@ from engine.llm_engine import LLMEngine
 from engine.telemetry import KVWaitClock, StepLog
 from protocol.sampling import SamplingParams
 from protocol.telemetry import TokenKind
-from router.lifecycle.attempt import QueueWaits
+from router.lifecycle.admission import QueueWaits
 
 
 def _engine(path: str, **kw) -> LLMEngine:

@@ -26,6 +26,7 @@ from typing import TypeVar
 
 from protocol import clock
 from protocol.deadline import within
+from router.lifecycle.life import RequestLife
 from router.lifecycle.outcomes import QueueFull, Unavailable
 
 T = TypeVar("T")
@@ -118,3 +119,28 @@ class Admission:
     def _count(self, change: int) -> None:
         self.waiting += change
         self._on_waiting(self.waiting)
+
+
+class QueueWaits:
+    """What one request waited for in the router's queue: each failed placement names its reason,
+    and the time until the next try is charged to it (`spent`, seconds per reason)."""
+
+    def __init__(self, life: RequestLife | None = None) -> None:
+        self.life = life  # told the reason of its current wait (the autoscaler reads it)
+        self.spent: dict[str, float] = {}
+        self._reason: str | None = None
+        self._since = 0.0
+
+    def failed(self, reason: str | None, now: float | None = None) -> None:
+        """A placement failed for `reason` (None: it succeeded; the last wait ends)."""
+        now = clock.now() if now is None else now
+        if self._reason is not None:
+            self.spent[self._reason] = self.spent.get(self._reason, 0.0) + now - self._since
+        self._reason, self._since = reason, now
+        if self.life is not None:
+            self.life.waiting_for = reason
+
+    def close(self) -> float:
+        """End the last wait; the seconds waited in all."""
+        self.failed(None)
+        return sum(self.spent.values())

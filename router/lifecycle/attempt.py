@@ -25,10 +25,9 @@ from protocol import clock
 from protocol.deadline import within
 from protocol.messages import GenerateTask, PrefillTask, Reservation, Reserved, StartDecode
 from protocol.outputs import FinishReason, RequestOutput
-from protocol.telemetry import PrefillTiming
 from router.config.schema import ClusterConfig
-from router.lifecycle.admission import Admission
-from router.lifecycle.life import Phase, RequestLife
+from router.lifecycle.admission import Admission, QueueWaits
+from router.lifecycle.life import Phase, RequestLife, observe_first_token, queued_failure
 from router.lifecycle.local_prefill import LocalPlacement, LocalPrefill
 from router.lifecycle.outcomes import (
     Chunk,
@@ -93,7 +92,7 @@ class Attempts:
         prefill.peers.add(decode.name)
         life.usage.prefill_ms += res.prefill_s * 1e3
         life.usage.cached_tokens = res.cached_tokens
-        _observe_first_token(life, res.step_kind, res.timing)
+        observe_first_token(life, res.step_kind, res.timing)
         self.metrics.observe_prefill(res.prefill_s)
         self.metrics.observe_prefix("prefill", life.num_context_tokens(), res.cached_tokens)
         finish = None if res.finish_reason is FinishReason.PREFILLED else res.finish_reason
@@ -114,7 +113,7 @@ class Attempts:
         try:
             await call(decode, started, self.rc.call_timeout_s, "start")
         except Retry as e:  # the reservation ended first: say why, when a worker told us
-            raise _queued_failure(life) or e from None
+            raise queued_failure(life) or e from None
         async for chunk in self._stream(life, decode):
             yield chunk
 
@@ -326,7 +325,7 @@ class Attempts:
             if not outputs:
                 continue
             for out in outputs:
-                _observe_first_token(life, out.step_kind, out.prefill_timing)
+                observe_first_token(life, out.step_kind, out.prefill_timing)
             if life.phase is Phase.HANDOFF:  # the KV landed: the prefill worker holds nothing now
                 life.to(Phase.DECODING)
                 life.prefill = None
@@ -396,48 +395,3 @@ class Pair:
     decode: WorkerView
     cached_blocks: int
     early: asyncio.Task | None
-
-
-class QueueWaits:
-    """What one request waited for in the router's queue: each failed placement names its reason,
-    and the time until the next try is charged to it (`spent`, seconds per reason)."""
-
-    def __init__(self, life: RequestLife | None = None) -> None:
-        self.life = life  # told the reason of its current wait (the autoscaler reads it)
-        self.spent: dict[str, float] = {}
-        self._reason: str | None = None
-        self._since = 0.0
-
-    def failed(self, reason: str | None, now: float | None = None) -> None:
-        """A placement failed for `reason` (None: it succeeded; the last wait ends)."""
-        now = clock.now() if now is None else now
-        if self._reason is not None:
-            self.spent[self._reason] = self.spent.get(self._reason, 0.0) + now - self._since
-        self._reason, self._since = reason, now
-        if self.life is not None:
-            self.life.waiting_for = reason
-
-    def close(self) -> float:
-        """End the last wait; the seconds waited in all."""
-        self.failed(None)
-        return sum(self.spent.values())
-
-
-def _observe_first_token(life: RequestLife, kind: str, timing: PrefillTiming | None) -> None:
-    """Appends the kinds of the tokens about to stream (engine/telemetry.py); before the
-    request's first token, adds where the worker's time to it went."""
-    life.usage.token_steps += kind
-    if timing is not None and not life.output_token_ids:
-        life.usage.kv_wait_ms += timing.kv_wait_s * 1e3
-        life.usage.prefill_queue_ms += timing.queue_s * 1e3
-        life.usage.prefill_compute_ms += timing.compute_s * 1e3
-
-
-def _queued_failure(life: RequestLife) -> Exception | None:
-    """The first failure queued for the current attempt (the queue is emptied: the attempt is over)."""
-    found = None
-    while not life.events.empty():
-        aid, item = life.events.get_nowait()
-        if found is None and aid == life.attempt_id and isinstance(item, Exception):
-            found = item
-    return found

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from protocol import clock
 from protocol.block_hash import extend_hashes, salt_root
 from protocol.sampling import SamplingParams
+from protocol.telemetry import PrefillTiming
 from protocol.usage import Usage
 
 
@@ -148,3 +149,23 @@ class RequestLife:
             extend_hashes(self.block_hashes, self.context_token_ids(), block_size, n,
                           salt_root(self.sampling.cache_salt))
         return self.block_hashes[:n // block_size]
+
+
+def observe_first_token(life: RequestLife, kind: str, timing: PrefillTiming | None) -> None:
+    """Appends the kinds of the tokens about to stream (engine/telemetry.py); before the
+    request's first token, adds where the worker's time to it went."""
+    life.usage.token_steps += kind
+    if timing is not None and not life.output_token_ids:
+        life.usage.kv_wait_ms += timing.kv_wait_s * 1e3
+        life.usage.prefill_queue_ms += timing.queue_s * 1e3
+        life.usage.prefill_compute_ms += timing.compute_s * 1e3
+
+
+def queued_failure(life: RequestLife) -> Exception | None:
+    """The first failure queued for the current attempt (the queue is emptied: the attempt is over)."""
+    found = None
+    while not life.events.empty():
+        aid, item = life.events.get_nowait()
+        if found is None and aid == life.attempt_id and isinstance(item, Exception):
+            found = item
+    return found
