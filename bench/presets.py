@@ -1,4 +1,5 @@
-"""Named workloads (docs/metrics.md): steady, morning-burst, long-context, shared-prefix, conversation.
+"""Named workloads (docs/metrics.md): steady, morning-burst, long-context, shared-prefix, diurnal,
+bursty, plateau (bench/swings.py: the autoscaler's cases), conversation.
 
 `build_workload(WorkloadOptions)` is the one entry point: a preset supplies defaults, every
 option the user gave overrides them, and the same options + seed give the same requests.
@@ -14,6 +15,14 @@ from typing import Any
 import numpy as np
 
 from bench.errors import WorkloadError
+from bench.swings import (
+    BURSTY_HIGH_S,
+    BURSTY_LOW_S,
+    PLATEAU_S,
+    bursts,
+    bursty_rate,
+    thinned_arrivals,
+)
 from bench.trace import TraceScaling, read_trace, trace_workload
 from bench.workload import (
     DEFAULT_VOCAB,
@@ -55,6 +64,12 @@ PRESETS: dict[str, PresetDefaults] = {
     "diurnal": PresetDefaults(
         "a day's swing in one run: the rate ramps from a fifth of --rate up to --rate and back down, "
         "with 3x --rate for a twentieth of the run at 60%", 2000, 20.0, 1024, 256, 0.5),
+    "bursty": PresetDefaults(
+        f"Dynamo #10528's burst: {BURSTY_LOW_S:g} s at a 24th of --rate, then {BURSTY_HIGH_S:g} s at --rate "
+        "(1 <-> 24 req/s), repeated; 8,000-token prompts", 1560, 24.0, 8000, 200, 0.05),
+    "plateau": PresetDefaults(
+        f"one constant Poisson rate for {PLATEAU_S / 60:g} minutes (rate x {PLATEAU_S:g} s requests unless "
+        "--num-requests): an autoscaler must settle and stay", 0, 8.0, 1024, 256, 0.5),
     "conversation": PresetDefaults(
         "a window of Mooncake's conversation trace, lengths / 16", 0, None, None, 0, 0.0),
 }
@@ -88,7 +103,8 @@ def build_workload(opts: WorkloadOptions) -> Workload:
     if opts.preset not in PRESETS:
         raise WorkloadError(f"unknown preset {opts.preset!r}; known: {', '.join(PRESETS)}")
     builders = {"steady": _open_loop, "long-context": _open_loop,
-                "morning-burst": _morning_burst, "shared-prefix": _shared_prefix, "diurnal": _diurnal}
+                "morning-burst": _morning_burst, "shared-prefix": _shared_prefix, "diurnal": _diurnal,
+                "bursty": _bursty, "plateau": _plateau}
     return builders[opts.preset](opts, PRESETS[opts.preset])
 
 
@@ -198,19 +214,41 @@ def _diurnal(opts: WorkloadOptions, d: PresetDefaults) -> Workload:
     mean = peak * ((1 + DIURNAL_LOW) / 2 + DIURNAL_BURST[1] * (DIURNAL_BURST[2] - (1 + DIURNAL_LOW) / 2))
     duration = n / mean
     rng = np.random.default_rng(opts.seed)
-    top, t, arrivals = DIURNAL_BURST[2] * peak, 0.0, []
-    while len(arrivals) < n:
-        t += rng.exponential(1.0 / top)
-        if rng.uniform() * top <= diurnal_rate(t % duration, duration, peak):
-            arrivals.append(t)
-    specs = _synthetic(opts, r | {"rate": None}, "req", rng)
-    timed = [RequestSpec(s.request_id, round(a, 6), s.prompt_token_ids, s.max_tokens)
-             for s, a in zip(specs, arrivals, strict=True)]
+    arrivals = thinned_arrivals(n, lambda t: diurnal_rate(t % duration, duration, peak), DIURNAL_BURST[2] * peak, rng)
+    timed = _timed(opts, r, arrivals, rng)
     at, length, _ = DIURNAL_BURST
     meta = _metadata(opts, r) | {"period_s": duration, "burst": {
         "start_s": at * duration, "end_s": (at + length) * duration,
         "num_requests": sum(at * duration <= a < (at + length) * duration for a in arrivals)}}
     return make_workload(opts.preset, timed, opts.concurrency, meta)
+
+
+def _timed(opts: WorkloadOptions, r: dict[str, Any], arrivals: list[float],
+           rng: np.random.Generator) -> list[RequestSpec]:
+    specs = _synthetic(opts, r | {"rate": None, "num_requests": len(arrivals)}, "req", rng)
+    return [RequestSpec(s.request_id, a, s.prompt_token_ids, s.max_tokens) for s, a in zip(specs, arrivals, strict=True)]
+
+
+def _bursty(opts: WorkloadOptions, d: PresetDefaults) -> Workload:
+    """Dynamo #10528's square wave (bench/swings.py); --rate is the burst's rate."""
+    r = _resolved(opts, d)
+    if r["rate"] is None:
+        raise WorkloadError("bursty replays a rate that swings over time: give --rate (the burst's)")
+    rng = np.random.default_rng(opts.seed)
+    arrivals = thinned_arrivals(r["num_requests"], lambda t: bursty_rate(t, r["rate"]), r["rate"], rng)
+    meta = _metadata(opts, r) | {"low_s": BURSTY_LOW_S, "high_s": BURSTY_HIGH_S, "bursts": bursts(arrivals)}
+    return make_workload(opts.preset, _timed(opts, r, arrivals, rng), opts.concurrency, meta)
+
+
+def _plateau(opts: WorkloadOptions, d: PresetDefaults) -> Workload:
+    """A constant Poisson rate for PLATEAU_S seconds (or --num-requests of it)."""
+    r = _resolved(opts, d)
+    if r["rate"] is None:
+        raise WorkloadError("plateau holds one rate: give --rate")
+    r["num_requests"] = opts.num_requests or max(1, round(r["rate"] * PLATEAU_S))
+    rng = np.random.default_rng(opts.seed)
+    arrivals = [round(float(a), 6) for a in arrival_times(r["num_requests"], r["rate"], opts.burstiness, rng)]
+    return make_workload(opts.preset, _timed(opts, r, arrivals, rng), opts.concurrency, _metadata(opts, r))
 
 
 def _trace(opts: WorkloadOptions) -> Workload:

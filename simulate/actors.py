@@ -15,7 +15,9 @@ from typing import Any
 
 import ray.exceptions
 
+from protocol import clock
 from router.config.schema import PoolSection
+from simulate.accounting import WorkerLedger
 from simulate.engine import SimRunner
 from simulate.workers import SimLink, SimWorkerHost
 from sizing.cost_model import Emulation
@@ -57,7 +59,8 @@ class _Method:
 
 
 class SimActors:
-    """Starts simulated workers for the pool manager; `workers`: every one started, by name."""
+    """Starts simulated workers for the pool manager; `workers`: every one started, by name;
+    `ledger`: each one's life on the virtual clock (simulate/accounting.py)."""
 
     def __init__(self, emulation: Emulation, shape: ModelShape, block_size: int, rpc_s: float = RPC_S):
         self.emulation = emulation
@@ -66,6 +69,7 @@ class SimActors:
         self.rpc_s = rpc_s
         self.link = SimLink(emulation, block_size)
         self.workers: dict[str, Any] = {}
+        self.ledger = WorkerLedger()
 
     def start(self, cls: type, sec: PoolSection, env: dict[str, str], args: tuple) -> SimHandle:
         """`cls`: the pool manager's `WorkerHost`, whose simulated twin (`SimWorkerHost`) starts."""
@@ -74,11 +78,13 @@ class SimActors:
                            self.block_size * self.emulation.cost.kv_bytes_per_token)
         worker = SimWorkerHost(pool, name, engine, self.emulation, runner, self.link, transfer)
         self.workers[name] = worker
+        self.ledger.started(name, pool, clock.now())  # the pool it starts in (a role change later is not split)
         return SimHandle(worker, self.rpc_s)
 
     def kill(self, actor: SimHandle) -> None:
         if not actor.dead:
             actor.dead = True
+            self.ledger.stopped(actor.worker.core.name, clock.now())
             actor.worker.core.stop()
             self.link.workers.pop(actor.worker.core.name, None)
 

@@ -2,6 +2,8 @@
 
     pdserve simulate --config cluster.yaml --emulate h100:llama-3.1-8b --trace T.jsonl --workers 16
     pdserve simulate --config cluster.yaml --emulate h100:llama-3.1-8b --preset steady --rate 40 --duration 60
+    pdserve simulate --config cluster.yaml --emulate h100:llama-3.1-8b --preset diurnal --rate 32 \
+        --autoscale --sizes 16 --splits eighths --slo ttft=2,tpot=50ms
 
 Each arrangement (`--arrangements`, at `--workers` devices, as `pdserve bench` rearranges them)
 runs in this process on a virtual clock: the router's own admission, placement and request
@@ -9,7 +11,8 @@ lifecycle, and each worker's own scheduler and KV cache manager (simulate/__init
 takes the cost model's time for its shape, a KV piece the link model's. The report is bench's:
 the same tables, summary.json (`--json`: bench's schema), requests.jsonl, plots and HTML, with
 `simulation` added (simulated and host seconds, and the error docs/simulate.md measured). Two
-runs with one `--seed` print the same JSON. `--sweep` runs the seed's study (simulate/sweep.py).
+runs with one `--seed` print the same JSON. `--sweep` runs the seed's study (simulate/sweep.py);
+`--autoscale` the planner against each static arrangement (simulate/autoscale.py).
 """
 
 from __future__ import annotations
@@ -85,6 +88,13 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     sweep.add_argument("--attainment", type=_positive_float, default=0.9,
                        help="the share of requests within the SLO a rate must keep (default 0.9)")
     sweep.add_argument("--processes", type=_positive_int, help="runs at once (default: this host's cores)")
+    scaled = parser.add_argument_group("the planner (--autoscale) against static arrangements of --sizes / --splits")
+    scaled.add_argument("--autoscale", action="store_true",
+                        help="replay once with the config's router.autoscale on and once per static arrangement; "
+                             "needs --slo")
+    scaled.add_argument("--statics", metavar="NAMES",
+                        help="the static arrangements, e.g. colocated-16,8P8D,10P6D (default: every arrangement "
+                             "of --sizes by --splits)")
     _add_workload_options(parser)
     _add_report_options(parser)
     parser.set_defaults(func=run, out="simulate-out")
@@ -104,6 +114,10 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.sweep:
         return _sweep(args, base, em, workload, slo)
+    if args.autoscale:
+        from simulate.autoscale_cli import run_autoscale
+
+        return run_autoscale(args, base, em, workload, slo)
     runs = {name: simulate(cfg, em, workload, name, args.seed, args.rpc_latency) for name, cfg in configs.items()}
     summary, records, steps = report(runs, workload, slo, base, em, configs, args.cost_per_worker_hour)
     print(json.dumps(summary, indent=2) if args.json else

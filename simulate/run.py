@@ -30,6 +30,7 @@ from protocol.validation import RequestValidator
 from router.config.schema import ClusterConfig
 from router.frontdoor.grpc_server import STATUS
 from router.lifecycle.service import Router
+from simulate.accounting import WorkerLedger
 from simulate.actors import SimActors
 from sizing.cost_model import Emulation
 from sizing.memory import ModelShape
@@ -50,6 +51,13 @@ class SimRun:
     workers: dict[str, str]  # name -> pool, every worker that ran
     link: dict[str, float]
     checks: dict[str, dict] = dataclasses.field(default_factory=dict)  # each worker's block accounting at the end
+    ledger: WorkerLedger = dataclasses.field(default_factory=WorkerLedger)  # every worker's life, virtual clock
+    t0: float = 0.0  # the virtual clock at the workload's time 0 (after the first workers started)
+    decisions: list[dict] | None = None  # the planner's, when router.autoscale ran one (else None)
+
+    @property
+    def end(self) -> float:
+        return self.t0 + self.simulated_s
 
 
 def simulate(config: ClusterConfig, emulation: Emulation, workload: Workload, label: str, seed: int = 0,
@@ -89,12 +97,22 @@ async def _run(config: ClusterConfig, emulation: Emulation, workload: Workload, 
     records = [t.result() if t in done else _unfinished(spec, label) for t, spec in zip(tasks, workload.requests,
                                                                                           strict=True)]
     simulated = clock.now() - t0
+    decisions = planner_decisions(router)
     steps = await _steps(router, t0)
     checks = {w.name: await w.actor.check.remote() for w in router.pools.all() if not w.stopped} if check else {}
     workers = {name: ("prefill" if name.startswith("prefill") else "decode") for name in actors.workers}
     await _teardown(router, actors)
     link = {"pieces": actors.link.pieces, "busy_s": actors.link.busy_s}
-    return SimRun(records, steps, simulated, 0.0, workers, link, checks)
+    return SimRun(records, steps, simulated, 0.0, workers, link, checks, actors.ledger, t0, decisions)
+
+
+def planner_decisions(router: Router) -> list[dict] | None:
+    """The planner's decisions as plain dicts (they cross a process boundary in a sweep); None
+    when the router runs no planner."""
+    planner = getattr(router, "autoscaler", None)
+    if planner is None:
+        return None
+    return [d if isinstance(d, dict) else dataclasses.asdict(d) for d in planner.decisions]
 
 
 async def _teardown(router: Router, actors: SimActors) -> None:

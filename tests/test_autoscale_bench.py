@@ -1,0 +1,139 @@
+"""What a simulated cluster cost (simulate/accounting.py), the autoscaling comparison's verdict and
+schema (simulate/autoscale.py), and the presets it replays (bench/swings.py).
+
+Reference checks: a pool manager scaled at chosen virtual times gives exactly the worker-seconds
+those times imply; a static cluster's mean workers are its size and its worker-hours its size x
+the run; the verdict picks the arrangement with the fewest worker-hours among those meeting the
+attainment target; the bursty preset's arrivals follow its square wave.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import looptime
+import pytest
+
+from bench.errors import BenchError
+from bench.metrics import Slo
+from bench.presets import WorkloadOptions, build_workload
+from protocol import clock
+from router.config.loader import load_config
+from router.pools.manager import PoolManager
+from simulate.accounting import Life, WorkerLedger, figures, usage
+from simulate.actors import SimActors
+from simulate.autoscale import static_configs, verdict
+from simulate.cli import emulated
+from simulate.run import simulate
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def h100():
+    base = load_config(str(ROOT / "simulate" / "gpu_cluster.yaml"))
+    return emulated(base, dataclasses.replace(base.emulate, device="h100", model="llama-3.1-8b"), "test")
+
+
+def _sized(cfg, prefill: int, decode: int):
+    return dataclasses.replace(cfg, mode="disaggregated", prefill=dataclasses.replace(cfg.prefill, replicas=prefill),
+                               decode=dataclasses.replace(cfg.decode, replicas=decode))
+
+
+def test_the_ledger_integrates_each_life_over_the_window():
+    ledger = WorkerLedger()
+    ledger.started("prefill-0", "prefill", 0.0)
+    ledger.started("decode-1", "decode", 5.0)
+    ledger.started("decode-2", "decode", 20.0)
+    ledger.stopped("decode-2", 30.0)
+    ledger.stopped("decode-2", 35.0)  # a second kill changes nothing
+    used = usage(ledger, 10.0, 40.0)  # the window clips prefill-0 and decode-1 to 30 s each
+    assert used["worker_hours"] == pytest.approx((30 + 30 + 10) / 3600)
+    assert used["mean_workers"] == pytest.approx(70 / 30)
+    assert used["peak_workers"] == 3
+    assert used["pools"]["decode"] == {"mean_workers": pytest.approx(40 / 30), "peak_workers": 2,
+                                       "worker_hours": pytest.approx(40 / 3600)}
+    assert ledger.changes(10.0, 40.0, "decode") == [(10.0, 1), (20.0, 2), (30.0, 1)]
+    assert Life("x", "decode", 50.0).within(10.0, 40.0) == 0.0
+
+
+def test_a_pool_scaled_at_chosen_times_costs_exactly_those_worker_seconds(h100):
+    """The real pool manager on simulated workers: decode grows 1 -> 3 at t=10 and drains to 1 at
+    t=40; the ledger reads the lives those calls imply, to the nanosecond."""
+    cfg, em = h100
+    cfg = _sized(cfg, 1, 1)
+    actors = SimActors(em, em.cost.shape, cfg.kv_cache.block_size, rpc_s=0.0)
+
+    async def scenario() -> None:
+        pools = PoolManager(cfg, actors)
+        await pools.start()
+        await asyncio.sleep(10.0 - clock.now())
+        await pools.scale("decode", 3)
+        await asyncio.sleep(40.0 - clock.now())
+        assert await pools.scale("decode", 1) == ([], ["decode-3", "decode-2"])  # the newest idle ones go
+        await asyncio.sleep(60.0 - clock.now())
+
+    loop = looptime.new_event_loop(start=0.0, noop_cycles=0, resolution=1e-9)
+    try:
+        loop.run_until_complete(scenario())
+    finally:
+        loop.close()
+    used = usage(actors.ledger, 0.0, 60.0)
+    assert used["pools"]["prefill"]["worker_hours"] == pytest.approx(60 / 3600)
+    assert used["pools"]["decode"]["worker_hours"] == pytest.approx((60 + 2 * 30) / 3600)
+    assert used["peak_workers"] == 4 and used["mean_workers"] == pytest.approx(3.0)
+    assert actors.ledger.batches_after(0.0) == 1
+
+
+def test_a_static_run_costs_its_size_for_the_whole_run(h100):
+    cfg, em = h100
+    workload = build_workload(WorkloadOptions(preset="steady", num_requests=30, rate=20.0, input_len=512,
+                                              output_len=16, max_context=8192, vocab=(1000, 32000), seed=1))
+    run = simulate(_sized(cfg, 2, 2), em, workload, "2P2D", seed=1, check=False)
+    row = figures(run.records, Slo(ttft_s=2.0), run.ledger, run.t0, run.end, run.decisions, 2.99)
+    assert run.decisions is None and run.t0 > 0  # no planner; the workers loaded before the first arrival
+    assert row["failed"] == 0 and row["requests"] == 30 and row["scaling_actions"] == 0
+    assert row["mean_workers"] == pytest.approx(4.0) and row["peak_workers"] == 4
+    assert row["worker_hours"] == pytest.approx(4 * run.simulated_s / 3600)
+    assert row["usd"] == pytest.approx(row["worker_hours"] * 2.99)
+    assert row["usd_per_million_good_tokens"] == pytest.approx(row["usd"] / row["good_output_tokens"] * 1e6)
+
+
+def _row(attainment: float, worker_hours: float) -> dict:
+    return {"slo_attainment": attainment, "worker_hours": worker_hours}
+
+
+def test_the_verdict_is_the_cheapest_static_meeting_the_target():
+    static = {"colocated-16": _row(0.95, 4.0), "8P8D": _row(0.91, 3.0), "2P6D": _row(0.60, 1.0)}
+    result = verdict(_row(0.93, 1.5), static, 0.9)
+    assert list(result) == ["autoscaled", "static", "cheapest_static_meeting_attainment", "worker_hours_ratio"]
+    assert result["cheapest_static_meeting_attainment"] == "8P8D"
+    assert result["worker_hours_ratio"] == pytest.approx(0.5)
+    nobody = verdict(_row(0.93, 1.5), {"2P6D": _row(0.6, 1.0)}, 0.9)
+    assert nobody["cheapest_static_meeting_attainment"] is None and nobody["worker_hours_ratio"] is None
+
+
+def test_static_arrangements_by_name_or_by_size(h100):
+    cfg, _ = h100
+    named = static_configs(cfg, "colocated-16,10P6D", [], "all")
+    assert named["colocated-16"].mode == "colocated" and named["colocated-16"].decode.replicas == 16
+    assert (named["10P6D"].prefill.replicas, named["10P6D"].decode.replicas) == (10, 6)
+    assert list(static_configs(cfg, None, [16], "eighths"))[:3] == ["colocated-16", "2P14D", "4P12D"]
+    with pytest.raises(BenchError, match="expected colocated-N or a split"):
+        static_configs(cfg, "16 GPUs", [], "all")
+    with pytest.raises(BenchError, match="at least 1 prefill"):
+        static_configs(cfg, "0P8D", [], "all")
+
+
+def test_the_bursty_preset_swings_between_a_24th_of_its_rate_and_its_rate():
+    w = build_workload(WorkloadOptions(preset="bursty", max_context=131072, seed=0))
+    arrivals = [r.arrival_s for r in w.requests]
+    low = sum(a < 60 for a in arrivals) / 60
+    high = sum(60 <= a < 90 for a in arrivals) / 30
+    assert 0.5 < low < 1.6 and 20 < high < 28  # Poisson around 1 and 24 req/s
+    assert all(7600 <= r.num_prompt_tokens <= 8400 for r in w.requests)
+    assert w.describe()["bursts"][0] == {"start_s": 60.0, "end_s": 90.0}
+    plateau = build_workload(WorkloadOptions(preset="plateau", rate=2.0, max_context=8192, seed=0))
+    assert len(plateau.requests) == 3600 and 1700 < plateau.requests[-1].arrival_s < 1900
