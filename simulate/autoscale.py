@@ -109,9 +109,7 @@ def format_comparison(result: dict[str, Any], attainment: float) -> str:
         cells = [fmt.format(s[key]) if s[key] is not None else "-" for key, _, fmt in COLUMNS]
         lines.append(f"{name:<16}" + "".join(f"{c:>14}" for c in cells))
     cheapest, ratio = result["cheapest_static_meeting_attainment"], result["worker_hours_ratio"]
-    lines.append("" if cheapest is None else
+    lines.append(f"\nno static arrangement met {attainment:.0%} attainment" if cheapest is None else
                  f"\ncheapest static meeting {attainment:.0%} attainment: {cheapest}; the planner used "
                  f"{ratio:.2f}x its worker-hours at {result['autoscaled']['slo_attainment']:.1%} attainment")
-    if cheapest is None:
-        lines.append(f"\nno static arrangement met {attainment:.0%} attainment")
     return "\n".join(lines)

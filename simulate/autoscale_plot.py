@@ -1,9 +1,8 @@
 """The planner's run as a picture: the arrival rate over time, and per pool the workers it
 wanted (each decision's desired count) against the workers alive (starting, serving, draining).
 
-Decisions are read as dicts with `at` (seconds from the first arrival) and, per pool, a
-desired and an actual count, under the keys `desired` / `actual` (dicts by pool) or
-`POOL_desired` / `POOL_actual`; whichever the planner's record uses.
+Decisions are the planner's `Decision` records as dicts (router/autoscale/observation.py):
+`at` (seconds from the first arrival) and `pools: {POOL: {"desired": N, "actual": N, ...}}`.
 """
 
 from __future__ import annotations
@@ -23,11 +22,9 @@ def arrival_rate(arrivals_s: Sequence[float], bin_s: float) -> tuple[np.ndarray,
     return edges[:-1], counts / bin_s
 
 
-def desired(decision: Mapping[str, Any], pool: str, kind: str = "desired") -> int | None:
-    by_pool = decision.get(kind)
-    if isinstance(by_pool, Mapping):
-        return by_pool.get(pool)
-    return decision.get(f"{pool}_{kind}")
+def desired(decision: Mapping[str, Any], pool: str) -> int | None:
+    entry = decision["pools"].get(pool)
+    return None if entry is None else entry["desired"]
 
 
 def plot_timeline(timeline: Mapping[str, Any], arrivals_s: Sequence[float], path: str, title: str = "") -> str:

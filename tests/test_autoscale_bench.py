@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import looptime
@@ -137,3 +140,47 @@ def test_the_bursty_preset_swings_between_a_24th_of_its_rate_and_its_rate():
     assert w.describe()["bursts"][0] == {"start_s": 60.0, "end_s": 90.0}
     plateau = build_workload(WorkloadOptions(preset="plateau", rate=2.0, max_context=8192, seed=0))
     assert len(plateau.requests) == 3600 and 1700 < plateau.requests[-1].arrival_s < 1900
+
+
+def test_a_planner_run_counts_its_changes_and_the_pools_follow_them(h100):
+    """The planner's own decisions are the scaling actions, and after each change the ledger shows
+    the pool reaching the size it asked for (event order, not timing)."""
+    from simulate.autoscale import autoscaled_config
+
+    cfg, em = h100
+    cfg = autoscaled_config(_sized(cfg, 1, 1), prefill_max=6, decode_max=3, max_workers=8)
+    wl = build_workload(WorkloadOptions(preset="bursty", rate=24.0, num_requests=160, max_context=131072, seed=2))
+    run = simulate(cfg, em, wl, "planner", seed=2, check=False)
+    row = figures(run.records, Slo(ttft_s=3.0), run.ledger, run.t0, run.end, run.decisions, 2.99)
+    changes = [d for d in run.decisions if d["changed"]]
+    assert changes and row["scaling_actions"] == len(changes)
+    assert row["failed"] == 0
+    for d in changes:
+        for pool, p in d["pools"].items():
+            if p["desired"] != p["target"]:
+                later = [n for t, n in run.ledger.changes(d["at"], run.end + 3600, pool)]
+                assert p["desired"] in later, (pool, p, later)
+    assert row["peak_workers"] <= 8 and row["peak_workers"] > 2  # it grew for the burst, within the budget
+
+
+def test_the_cli_prints_the_issues_json(tmp_path):
+    args = [sys.executable, "-m", "cli", "simulate", "--config", str(ROOT / "simulate" / "gpu_cluster.yaml"),
+            "--emulate", "h100:llama-3.1-8b", "--preset", "steady", "--rate", "20", "--duration", "3",
+            "--slo", "ttft=0.5", "--autoscale", "--statics", "1P1D,colocated-2", "--processes", "1", "--json",
+            "--out", str(tmp_path)]
+    done = subprocess.run(args, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert list(result) == ["autoscaled", "static", "cheapest_static_meeting_attainment", "worker_hours_ratio"]
+    assert set(result["static"]) == {"1P1D", "colocated-2"}
+    for s in [result["autoscaled"], *result["static"].values()]:
+        assert {"slo_attainment", "goodput_req_per_s", "mean_workers", "peak_workers", "worker_hours",
+                "scaling_actions", "failed", "usd_per_million_good_tokens"} <= set(s)
+        assert s["failed"] == 0
+    cheapest = result["cheapest_static_meeting_attainment"]
+    assert cheapest in result["static"]
+    assert result["worker_hours_ratio"] == pytest.approx(result["autoscaled"]["worker_hours"]
+                                                         / result["static"][cheapest]["worker_hours"])
+    assert (tmp_path / "autoscale.png").exists() and "timeline" in json.loads((tmp_path / "autoscale.json").read_text())
+    no_slo = subprocess.run(args[:10] + ["--autoscale"], capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert no_slo.returncode == 2 and "--autoscale scores every run by its SLO" in no_slo.stderr

@@ -1,0 +1,183 @@
+"""The planner's targets (issue 44), measured: `python -m simulate.bench_autoscale --json`.
+
+Cases, each on simulated H100 x Llama-3.1-8B (simulate/gpu_cluster.yaml):
+- swinging, conversation, conversation-4x: the planner against the cheapest static arrangement
+  meeting 90% attainment. That arrangement is searched, not guessed: a binary search over a
+  ladder of sizes, at each size the P:D splits of `Case.shares` and colocated, until the smallest
+  size where one of them meets the target (statics' results are cached by case and arrangement
+  in `--cache`, so a rerun after a planner change reruns only the planner).
+- steady: the plateau preset for 30 simulated minutes; scaling actions after the planner settled
+  (its first decision that changed nothing, then every later change counts) and failed requests.
+- bursty: Dynamo #10528's square wave, the planner against the same planner blind to queue wait.
+Prints one JSON object (or a table per case) with every figure, the targets and whether each is
+met, and for every case the `pdserve simulate` command that reproduces its comparison.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import multiprocessing
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from bench.metrics import parse_slo
+from bench.presets import WorkloadOptions, build_workload
+from bench.workload import Workload
+from router.config.loader import load_config
+from simulate.accounting import USD_PER_HOUR
+from simulate.autoscale import _one, static_configs
+from simulate.cli import emulated
+
+ROOT = Path(__file__).resolve().parent.parent
+CONFIG = ROOT / "simulate" / "gpu_cluster.yaml"
+TRACE = "/work/shared/traces/mooncake_conversation_trace.jsonl"
+ATTAINMENT = 0.9
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    flags: tuple[str, ...]  # the workload's `pdserve simulate` flags
+    options: dict  # the same, as WorkloadOptions
+    slo: str
+    ladder: tuple[int, ...] = ()  # static sizes searched, ascending
+    shares: tuple[float, ...] = (0.625, 0.75, 0.5)  # prefill share of each split tried at a size
+    kind: str = "compare"  # compare | steady | blind
+
+
+CASES = {c.name: c for c in (
+    Case("swinging", ("--preset", "diurnal", "--rate", "24", "--num-requests", "3000", "--input-len", "3072",
+                      "--output-len", "128"),
+         {"preset": "diurnal", "rate": 24.0, "num_requests": 3000, "input_len": 3072, "output_len": 128},
+         "ttft=2,tpot=50ms", (6, 8, 10, 12, 14, 16, 20, 24, 32), (0.75, 0.625)),
+    Case("conversation", ("--trace", TRACE, "--length-scale", "1", "--window", "0:300", "--max-context", "131072"),
+         {"trace": TRACE, "length_scale": 1.0, "window": (0.0, 300.0), "max_context": 131072},
+         "ttft=5,tpot=50ms", (4, 6, 8, 10, 12, 16, 20), (0.625, 0.75)),
+    Case("conversation-4x", ("--trace", TRACE, "--length-scale", "1", "--window", "0:600", "--time-scale", "4",
+                             "--max-context", "131072"),
+         {"trace": TRACE, "length_scale": 1.0, "window": (0.0, 600.0), "time_scale": 4.0, "max_context": 131072},
+         "ttft=5,tpot=50ms", (16, 20, 24, 32, 40, 48, 64), (0.625, 0.75)),
+    Case("steady", ("--preset", "plateau", "--rate", "6", "--input-len", "6144", "--output-len", "128",
+                    "--max-context", "131072"),
+         {"preset": "plateau", "rate": 6.0, "input_len": 6144, "output_len": 128, "max_context": 131072},
+         "ttft=2,tpot=50ms", kind="steady"),
+    Case("bursty", ("--preset", "bursty", "--rate", "24"), {"preset": "bursty", "rate": 24.0, "max_context": 131072},
+         "ttft=3", kind="blind"),
+)}
+
+
+def workload(case: Case) -> Workload:
+    opts = {"max_context": 8192, "vocab": (1000, 128000), "seed": 0} | case.options
+    return build_workload(WorkloadOptions(**opts))
+
+
+def _fingerprint(case: Case, wl: Workload) -> str:
+    text = json.dumps([case.options, case.slo, len(wl.requests), sum(r.num_prompt_tokens for r in wl.requests)],
+                      default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class Cache:
+    """Static arrangements' rows of one case, on disk; dropped when the case's workload changes."""
+
+    def __init__(self, root: Path, case: Case, wl: Workload):
+        self.path = root / f"{case.name}.json"
+        self.key = _fingerprint(case, wl)
+        saved = json.loads(self.path.read_text()) if self.path.exists() else {}
+        self.rows: dict[str, dict] = saved.get("rows", {}) if saved.get("key") == self.key else {}
+
+    def save(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps({"key": self.key, "rows": self.rows}, indent=1))
+
+
+def splits(n: int, shares: tuple[float, ...]) -> list[str]:
+    """The arrangements tried at `n` devices: P:D at each share (1 <= P < n), then colocated."""
+    out = []
+    for share in shares:
+        p = min(n - 1, max(1, round(share * n)))
+        if f"{p}P{n - p}D" not in out:
+            out.append(f"{p}P{n - p}D")
+    return out + [f"colocated-{n}"]
+
+
+def run_many(jobs: list[tuple], procs: int) -> list[tuple]:
+    if procs > 1 and len(jobs) > 1:
+        with multiprocessing.get_context("spawn").Pool(min(procs, len(jobs))) as pool:
+            return pool.map(_one, jobs, chunksize=1)
+    return [_one(job) for job in jobs]
+
+
+def static_search(case: Case, base, em, wl: Workload, slo, cache: Cache, procs: int, price: float) -> dict[str, dict]:
+    """Binary search over `case.ladder` for the smallest size where an arrangement meets
+    ATTAINMENT; at a size the arrangements run `procs` at a time, in `splits` order, until one
+    meets it. Returns every static row it ran (or found cached)."""
+    lo, hi = 0, len(case.ladder) - 1
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if _meets_at(case, case.ladder[mid], base, em, wl, slo, cache, procs, price):
+            hi = mid - 1
+        else:
+            lo = mid + 1
+    return dict(cache.rows)
+
+
+def _meets_at(case: Case, n: int, base, em, wl: Workload, slo, cache: Cache, procs: int, price: float) -> bool:
+    names = splits(n, case.shares)
+    for i in range(0, len(names), max(1, procs)):
+        batch = names[i:i + max(1, procs)]
+        todo = [name for name in batch if name not in cache.rows]
+        configs = static_configs(base, ",".join(todo), [], "all") if todo else {}
+        for name, row, _ in run_many([(name, configs[name], em, wl, slo, 0, price) for name in todo], procs):
+            cache.rows[name] = row
+            cache.save()
+            print(f"bench_autoscale: {case.name} {name}: attainment {row['slo_attainment']:.1%}", file=sys.stderr)
+        if any(cache.rows[name]["slo_attainment"] >= ATTAINMENT for name in batch):
+            return True
+    return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", default=",".join(CASES), help=f"cases, of {', '.join(CASES)}")
+    parser.add_argument("--statics-only", action="store_true", help="search the static arrangements only")
+    parser.add_argument("--cache", default="simulate-out/autoscale-cache", help="statics' rows (default %(default)s)")
+    parser.add_argument("--out", default="simulate-out/autoscale-bench", help="JSON and plots (default %(default)s)")
+    parser.add_argument("--processes", type=int, default=2)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    base = load_config(str(CONFIG))
+    base, em = emulated(base, dataclasses.replace(base.emulate, device="h100", model="llama-3.1-8b"), str(CONFIG))
+    price = USD_PER_HOUR["h100"]
+    out: dict[str, Any] = {"usd_per_worker_hour": price, "attainment_target": ATTAINMENT}
+    for name in args.only.split(","):
+        case, began = CASES[name], time.perf_counter()
+        wl, slo = workload(case), parse_slo(case.slo)
+        if case.kind == "compare":
+            statics = static_search(case, base, em, wl, slo, Cache(Path(args.cache), case, wl), args.processes, price)
+            out[name] = {"static": statics}
+            if not args.statics_only:
+                from simulate.bench_planner import measure_compare
+
+                out[name] = measure_compare(case, base, em, wl, slo, statics, price, Path(args.out))
+        elif not args.statics_only:
+            from simulate.bench_planner import measure_blind, measure_steady
+
+            measure = measure_steady if case.kind == "steady" else measure_blind
+            out[name] = measure(case, base, em, wl, slo, price, Path(args.out))
+        out[name]["host_s"] = time.perf_counter() - began
+    text = json.dumps(out, indent=2, default=str)
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    (Path(args.out) / "results.json").write_text(text)
+    print(text if args.json else text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
