@@ -22,6 +22,7 @@ import sys
 from dataclasses import asdict
 from pathlib import Path
 
+from bench import plan_trace
 from bench.roofline import BATCHES, DEVICES, Roofline, format_roofline, parse_rate
 from protocol.sizes import PlanError, format_bytes, parse_bytes
 from sizing.memory import BUILTIN_SHAPES, MemoryPlan, ModelShape, plan_memory
@@ -35,8 +36,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "plan", help="memory budget: weights, KV per token, how many requests fit",
         description="Split device memory into weights + runtime overhead + KV cache.",
     )
-    parser.add_argument("--model", required=True,
-                        help=f"built-in shape ({', '.join(BUILTIN_SHAPES)}) or checkpoint dir")
+    parser.add_argument("--model",
+                        help=f"built-in shape ({', '.join(BUILTIN_SHAPES)}) or checkpoint dir (required without --trace)")
     parser.add_argument("--dtype", default=None,
                         help="weights and KV dtype (default: the checkpoint's, else bfloat16)")
     parser.add_argument("--device-memory", default=None,
@@ -57,12 +58,18 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     roofline.add_argument("--threads", type=int, default=1, help="torch threads for --measure (default 1, a worker's)")
     roofline.add_argument("--link", default="400Gbit", metavar="RATE",
                           help="link for the KV transfer time of one context (default: %(default)s)")
+    plan_trace.add_arguments(parser)
     parser.set_defaults(func=run)
     return parser
 
 
 def run(args: argparse.Namespace) -> int:
     """Prints the plan; returns 0, or 2 with a message on stderr for bad input."""
+    if args.trace is not None:
+        return plan_trace.run_trace(args)
+    if args.model is None:
+        print("pdserve plan: --model is required (or --trace FILE for a static recommendation)", file=sys.stderr)
+        return 2
     try:
         shape, checkpoint_dtype = load_model_shape(args.model)
         memory = args.device_memory or (DEVICES[args.device].memory if args.device else "80GiB")

@@ -1,0 +1,132 @@
+"""`pdserve plan --trace FILE --slo ... --emulate DEVICE:MODEL`: the static arrangement the planner
+would choose for a trace, for an operator who does not want autoscaling.
+
+The planner's own sizing (router/autoscale/sizing.py `Sizer`) on its capacity profile from the
+emulated device's cost model (router/autoscale/profile.py, source `cost_model`), fed the trace's
+busiest `--peak-window` seconds (the highest prompt tokens/s of any window, and its requests/s;
+mean prompt and output lengths of the whole trace) as the load to carry, at the planner's
+`target_utilization`: prefill workers + decode workers for a disaggregated cluster, workers for a
+colocated one (chunked prefill), and the cheaper of the two (colocated on a tie). The window
+(default 30 s) is what a static cluster must carry without queueing past a TTFT SLO of seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from bench.metrics import Slo
+from bench.workload import Workload
+from engine.cost_model import Emulation
+from router.autoscale.observation import Observation, PoolObservation, WorkerSample
+from router.autoscale.profile import CapacityProfile, CostStepModel
+from router.autoscale.sizing import Load, Sizer, ceil_workers
+from router.config.emulate import emulated_num_blocks
+from router.config.schema import ClusterConfig
+
+PEAK_WINDOW_S = 30.0
+GPU_CLUSTER = Path(__file__).resolve().parent.parent / "simulate" / "gpu_cluster.yaml"
+
+
+def peak_load(workload: Workload, window_s: float = PEAK_WINDOW_S) -> Load:
+    """The busiest `window_s` of the workload (by prompt tokens/s, windows starting at each arrival)."""
+    reqs = workload.requests
+    times = [r.arrival_s for r in reqs]
+    span = max(window_s, 1e-9) if times[-1] - times[0] >= window_s else max(times[-1] - times[0], 1.0)
+    best, best_n, j, tokens = 0.0, 0, 0, 0
+    for i, r in enumerate(reqs):  # a sliding window [t_i, t_i + span)
+        while j < len(reqs) and times[j] < times[i] + span:
+            tokens += reqs[j].num_prompt_tokens
+            j += 1
+        if tokens > best:
+            best, best_n = tokens, j - i
+        tokens -= r.num_prompt_tokens
+    prompt = sum(r.num_prompt_tokens for r in reqs) / len(reqs)
+    output = sum(r.max_tokens for r in reqs) / len(reqs)
+    return Load(best_n / span, best / span, prompt, output)
+
+
+def _need(config: ClusterConfig, em: Emulation, slo: Slo, load: Load, colocated: bool) -> tuple[int, int]:
+    """(prefill workers, decode workers) the planner's sizing asks for this load; (0, N) colocated."""
+    auto = dataclasses.replace(config.router.autoscale, **({"ttft_s": slo.ttft_s} if slo.ttft_s else {}),
+                               **({"itl_s": slo.tpot_s} if slo.tpot_s else {}))
+    sched, block = config.scheduler, config.kv_cache.block_size
+    chunk = (sched.chunk_size or 64) if colocated else None  # as bench/arrangements.py sets them up
+    profile = CapacityProfile("cost_model", CostStepModel(em.cost), sched.max_num_batched_tokens, chunk,
+                              sched.max_num_seqs)
+    blocks = emulated_num_blocks(config.emulate, block) or config.kv_cache.num_blocks or 0
+    sample = WorkerSample("profile", math.inf, 0, blocks, block, 0, 0)
+    pools = {p: PoolObservation(p, 1, 0, 0, 0, (sample,)) for p in ("prefill", "decode")}
+    obs = Observation(now=0.0, window_s=PEAK_WINDOW_S, mode="colocated" if colocated else "disaggregated",
+                      pools=pools)
+    sizer = Sizer(auto, profile)
+    u = auto.target_utilization
+    if colocated:
+        return 0, max(1, ceil_workers(sizer.colocated(obs, load).load or 0.0, u))
+    return (max(1, ceil_workers(sizer.prefill(obs, load).load or 0.0, u)),
+            max(1, ceil_workers(sizer.decode(obs, load).load or 0.0, u)))
+
+
+def recommend(config: ClusterConfig, em: Emulation, workload: Workload, slo: Slo,
+              window_s: float = PEAK_WINDOW_S) -> dict[str, Any]:
+    """The static arrangement (a name as `pdserve simulate --statics` takes it) and the figures behind it."""
+    load = peak_load(workload, window_s)
+    p, d = _need(config, em, slo, load, colocated=False)
+    _, n = _need(config, em, slo, load, colocated=True)
+    name = f"colocated-{n}" if n <= p + d else f"{p}P{d}D"
+    return {"recommended": name, "workers": min(n, p + d), "disaggregated": f"{p}P{d}D", "colocated": f"colocated-{n}",
+            "peak_load": dataclasses.asdict(load), "peak_window_s": window_s, "profile": "cost_model",
+            "target_utilization": config.router.autoscale.target_utilization}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("static recommendation for a trace (--trace; no --model needed)")
+    group.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace the cluster must serve")
+    group.add_argument("--slo", default="", help="e.g. ttft=2,tpot=50ms (default: router.autoscale's)")
+    group.add_argument("--emulate", default="h100:llama-3.1-8b", metavar="DEVICE:MODEL",
+                       help="the device and model of the profile (default %(default)s)")
+    group.add_argument("--config", default=str(GPU_CLUSTER), metavar="YAML",
+                       help="the cluster's scheduler, KV and router.autoscale (default simulate/gpu_cluster.yaml)")
+    group.add_argument("--length-scale", type=float, default=1.0, help="trace lengths divided by this (default 1)")
+    group.add_argument("--time-scale", type=float, default=1.0, help="trace arrivals divided by this (default 1)")
+    group.add_argument("--window", default="0:", metavar="START:END", help="seconds of the trace (default all)")
+    group.add_argument("--peak-window", type=float, default=PEAK_WINDOW_S, metavar="S",
+                       help="the busiest this-long window is the load to carry (default %(default)s)")
+
+
+def run_trace(args: argparse.Namespace) -> int:
+    """Prints the recommendation (one JSON object with --json); 2 with a message for bad input."""
+    from bench.errors import BenchError
+    from bench.metrics import parse_slo
+    from bench.presets import WorkloadOptions, build_workload
+    from bench.trace import parse_window
+    from router.config.typed_yaml import ConfigError
+    from simulate.cli import _emulate_section, _load, emulated
+
+    try:
+        slo = parse_slo(args.slo)
+        base = _load(args.config)
+        config, em = emulated(base, _emulate_section(base, args.emulate), args.config)
+        workload = build_workload(WorkloadOptions(
+            trace=args.trace, length_scale=args.length_scale, time_scale=args.time_scale,
+            window=parse_window(args.window), max_context=em.cost.shape.max_positions or 131_072,
+            vocab=(1000, em.cost.shape.vocab_size or 32_000)))
+        if args.peak_window <= 0:
+            raise BenchError("--peak-window must be positive seconds")
+    except (BenchError, ConfigError, ValueError) as err:
+        print(f"pdserve plan: {err}", file=sys.stderr)
+        return 2
+    found = recommend(config, em, workload, slo, args.peak_window)
+    load = found["peak_load"]
+    print(json.dumps(found) if args.json else
+          f"recommended: {found['recommended']} ({found['workers']} x {args.emulate}; disaggregated would be "
+          f"{found['disaggregated']}, colocated {found['colocated']})\n"
+          f"load carried: the busiest {args.peak_window:g} s, {load['requests_per_s']:.2f} req/s, "
+          f"{load['prompt_tokens_per_s']:.0f} prompt tokens/s (mean prompt {load['prompt_len']:.0f}, output "
+          f"{load['output_len']:.0f}) at {found['target_utilization']:.0%} of the cost model's capacity")
+    return 0
