@@ -1,0 +1,62 @@
+"""`pdserve plan --trace`: the static arrangement the planner's sizing picks for a trace.
+
+Reference checks: the busiest window is found exactly on a hand-made workload; more load of the
+same shape never asks for fewer workers; prompt-heavy load gets more prefill than decode; bad
+input exits 2 with one line.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.metrics import Slo
+from bench.plan_trace import peak_load, recommend
+from bench.workload import RequestSpec, make_workload
+from router.config.loader import load_config
+from simulate.cli import emulated
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def h100():
+    base = load_config(str(ROOT / "simulate" / "gpu_cluster.yaml"))
+    return emulated(base, dataclasses.replace(base.emulate, device="h100", model="llama-3.1-8b"), "test")
+
+
+def _workload(rate: float, prompt: int, output: int, seconds: float = 120.0):
+    n = int(rate * seconds)
+    specs = [RequestSpec(f"r{i}", i / rate, tuple(range(1000, 1000 + prompt)), output) for i in range(n)]
+    return make_workload("hand", specs, None, {})
+
+
+def test_the_busiest_window_is_the_load():
+    quiet = [RequestSpec(f"q{i}", float(i), (1,) * 100, 10) for i in range(60)]  # 1 req/s for 60 s
+    burst = [RequestSpec(f"b{i}", 60 + i / 10, (1,) * 100, 10) for i in range(300)]  # 10 req/s for 30 s
+    load = peak_load(make_workload("w", quiet + burst, None, {}), 30.0)
+    assert load.requests_per_s == pytest.approx(10.0) and load.prompt_tokens_per_s == pytest.approx(1000.0)
+    assert load.prompt_len == 100 and load.output_len == 10
+
+
+def test_more_load_never_asks_for_fewer_workers_and_prompts_go_to_prefill(h100):
+    cfg, em = h100
+    slo = Slo(ttft_s=2.0, tpot_s=0.05)
+    sizes = [recommend(cfg, em, _workload(rate, 8000, 64), slo)["workers"] for rate in (1, 4, 16, 32)]
+    assert sizes == sorted(sizes) and sizes[-1] > sizes[0]
+    heavy = recommend(cfg, em, _workload(32, 8000, 64), slo)["disaggregated"]
+    p, d = (int(x) for x in heavy.rstrip("D").split("P"))
+    assert p > d
+
+
+def test_bad_input_exits_2_with_one_line(tmp_path):
+    bad = tmp_path / "t.jsonl"
+    bad.write_text("{not json\n")
+    for args, words in ((["--trace", str(bad)], "not valid JSON"), ([], "--model is required")):
+        done = subprocess.run([sys.executable, "-m", "cli", "plan", *args], capture_output=True, text=True, cwd=ROOT,
+                              timeout=120)
+        assert done.returncode == 2 and words in done.stderr and done.stderr.count("\n") == 1, done.stderr
