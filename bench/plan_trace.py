@@ -22,12 +22,12 @@ from typing import Any
 
 from bench.metrics import Slo
 from bench.workload import Workload
-from engine.cost_model import Emulation
 from router.autoscale.observation import Observation, PoolObservation, WorkerSample
 from router.autoscale.profile import CapacityProfile, CostStepModel
 from router.autoscale.sizing import Load, Sizer, ceil_workers
 from router.config.emulate import emulated_num_blocks
 from router.config.schema import ClusterConfig
+from sizing.cost_model import Emulation
 
 PEAK_WINDOW_S = 30.0
 GPU_CLUSTER = Path(__file__).resolve().parent.parent / "simulate" / "gpu_cluster.yaml"

@@ -21,11 +21,11 @@ from bench.arrangements import arrangement_config
 from bench.errors import BenchError
 from bench.metrics import Slo
 from bench.workload import Workload
-from engine.cost_model import Emulation
 from router.config.schema import ClusterConfig
 from simulate.accounting import figures
 from simulate.run import simulate
 from simulate.sweep import arrangements
+from sizing.cost_model import Emulation
 
 AUTOSCALED = "autoscaled"
 COLUMNS = (("slo_attainment", "attain", "{:.1%}"), ("goodput_req_per_s", "goodput/s", "{:.2f}"),

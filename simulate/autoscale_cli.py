@@ -16,10 +16,10 @@ from typing import Any
 
 from bench.errors import BenchError
 from bench.workload import Workload
-from engine.cost_model import Emulation
 from router.config.schema import ClusterConfig
 from simulate.accounting import USD_PER_HOUR
 from simulate.autoscale import autoscaled_config, compare, format_comparison, static_configs
+from sizing.cost_model import Emulation
 
 
 def _setup(args: argparse.Namespace, base: ClusterConfig, slo: Any) -> tuple[ClusterConfig, dict, float | None]:
