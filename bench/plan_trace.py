@@ -101,24 +101,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_trace(args: argparse.Namespace) -> int:
     """Prints the recommendation (one JSON object with --json); 2 with a message for bad input."""
+    from bench.emulation import parse_emulate
     from bench.errors import BenchError
     from bench.metrics import parse_slo
     from bench.presets import WorkloadOptions, build_workload
     from bench.trace import parse_window
+    from router.config.emulate import check_emulate, emulation
+    from router.config.loader import load_config
     from router.config.typed_yaml import ConfigError
-    from simulate.cli import _emulate_section, _load, emulated
 
     try:
         slo = parse_slo(args.slo)
-        base = _load(args.config)
-        config, em = emulated(base, _emulate_section(base, args.emulate), args.config)
+        base = load_config(args.config)
+        device, model = parse_emulate(args.emulate)
+        sec = dataclasses.replace(base.emulate, device=device, model=model, time_scale=1.0)
+        check_emulate(sec, base.kv_cache.block_size, args.config)
+        config, em = dataclasses.replace(base, emulate=sec), emulation(sec)
         workload = build_workload(WorkloadOptions(
             trace=args.trace, length_scale=args.length_scale, time_scale=args.time_scale,
             window=parse_window(args.window), max_context=em.cost.shape.max_positions or 131_072,
             vocab=(1000, em.cost.shape.vocab_size or 32_000)))
         if args.peak_window <= 0:
             raise BenchError("--peak-window must be positive seconds")
-    except (BenchError, ConfigError, ValueError) as err:
+    except (BenchError, ConfigError, OSError, ValueError) as err:  # a PlanError is a ValueError
         print(f"pdserve plan: {err}", file=sys.stderr)
         return 2
     found = recommend(config, em, workload, slo, args.peak_window)
