@@ -187,26 +187,46 @@ def main(argv: list[str] | None = None) -> int:
         case, began = CASES[name], time.perf_counter()
         wl, slo = workload(case), parse_slo(case.slo)
         if case.kind == "compare":
-            cache = Cache(Path(args.cache), case, wl)
-            statics = static_search(case, base, em, wl, slo, cache, args.processes, price)
-            out[name] = {"static": statics, "static_recommendation": recommendation(base, em, wl, slo, cache, price)}
-            statics = dict(cache.rows)
-            if not args.statics_only:
-                from simulate.bench_planner import measure_compare
-
-                out[name] = measure_compare(case, base, em, wl, slo, statics, price, Path(args.out)) | {
-                    "static_recommendation": out[name]["static_recommendation"]}
+            out[name] = _compare(case, base, em, wl, slo, price, args, out)
         elif not args.statics_only:
             from simulate.bench_planner import measure_blind, measure_steady
 
             measure = measure_steady if case.kind == "steady" else measure_blind
             out[name] = measure(case, base, em, wl, slo, price, Path(args.out))
         out[name]["host_s"] = time.perf_counter() - began
+        _write(Path(args.out), out)
     text = json.dumps(out, indent=2, default=str)
-    Path(args.out).mkdir(parents=True, exist_ok=True)
-    (Path(args.out) / "results.json").write_text(text)
-    print(text if args.json else text)
+    if args.json:
+        print(text)
+    else:
+        from simulate.autoscale_tables import main as tables
+
+        tables([str(Path(args.out) / "results.json")])
     return 0
+
+
+def _write(out: Path, results: dict[str, Any]) -> None:
+    """results.json as it stands (a long run leaves what it finished)."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+
+
+def _compare(case: Case, base, em, wl: Workload, slo, price: float, args: argparse.Namespace,
+             results: dict[str, Any]) -> dict[str, Any]:
+    """The planner first (its row is saved before the long static search), then the statics."""
+    from simulate.bench_planner import compare_result, planner_run
+
+    cache = Cache(Path(args.cache), case, wl)
+    planner = None
+    if not args.statics_only:
+        planner = planner_run(case, base, em, wl, slo, price, Path(args.out))
+        results[case.name] = {"autoscaled": planner[0]}
+        _write(Path(args.out), results)
+    static_search(case, base, em, wl, slo, cache, args.processes, price)
+    found = recommendation(base, em, wl, slo, cache, price)
+    if planner is None:
+        return {"static": dict(cache.rows), "static_recommendation": found}
+    return compare_result(case, *planner, dict(cache.rows)) | {"static_recommendation": found}
 
 
 if __name__ == "__main__":

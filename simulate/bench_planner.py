@@ -56,18 +56,29 @@ def _save(out: Path, name: str, timeline: dict, wl: Workload) -> str:
     return plot_timeline(timeline, [r.arrival_s for r in wl.requests], str(out / f"{name}.png"), f"{name}: the planner")
 
 
-def measure_compare(case, base, em, wl: Workload, slo: Slo, statics: dict[str, dict], price: float,
-                    out: Path) -> dict[str, Any]:
+def planner_run(case, base, em, wl: Workload, slo: Slo, price: float, out: Path) -> tuple[dict, dict]:
+    """The planner's row of the case and its timeline (saved with its plot under `out`)."""
     cfg = planner_config(case.name, base, slo, price)
     _, row, timeline = _one((AUTOSCALED, cfg, em, wl, slo, 0, price))
+    timeline["plot"] = _save(out, case.name, timeline, wl)
+    return row, timeline
+
+
+def compare_result(case, row: dict, timeline: dict, statics: dict[str, dict]) -> dict[str, Any]:
     result = verdict(row, statics, ATTAINMENT)
     ratio = result["worker_hours_ratio"]
     result["targets"] = {"attainment_ge_0.9": row["slo_attainment"] >= ATTAINMENT,
                          "worker_hours_ratio_le_0.7": ratio is not None and ratio <= RATIO}
-    result["plot"] = _save(out, case.name, timeline, wl)
+    result["plot"] = timeline["plot"]
     result["planner_host_s"] = timeline["host_s"]
     result["command"] = command(case, list(statics))
     return result
+
+
+def measure_compare(case, base, em, wl: Workload, slo: Slo, statics: dict[str, dict], price: float,
+                    out: Path) -> dict[str, Any]:
+    row, timeline = planner_run(case, base, em, wl, slo, price, out)
+    return compare_result(case, row, timeline, statics)
 
 
 def settled_actions(decisions: list[dict], settle_s: float) -> int:
