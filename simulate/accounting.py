@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.metrics import Slo, summarize_run
+from bench.metrics import Slo, meets_slo, summarize_run
 
 # The price of one H100 SXM for an hour, on demand (late-2025 public cloud list prices run
 # $2-4; we state $2.99, the figure every comparison here uses unless --cost-per-worker-hour says otherwise).
@@ -95,8 +95,9 @@ def _changed(decision: Any) -> bool:
 
 
 def figures(records: list, slo: Slo, ledger: WorkerLedger, t0: float, end: float, decisions: list[Any] | None,
-            usd_per_hour: float | None) -> dict[str, Any]:
-    """One run's row of the autoscaling comparison (`S` of `pdserve simulate --autoscale --json`)."""
+            usd_per_hour: float | None, windows: list[dict[str, float]] | None = None) -> dict[str, Any]:
+    """One run's row of the autoscaling comparison (`S` of `pdserve simulate --autoscale --json`);
+    with `windows` (the workload's bursts), also the attainment of the requests sent in each."""
     run = summarize_run(records, slo)
     used = usage(ledger, t0, end)
     good = run["good_output_tokens"]
@@ -108,4 +109,10 @@ def figures(records: list, slo: Slo, ledger: WorkerLedger, t0: float, end: float
         "failed": run["num_errors"], "requests": run["num_requests"], "good_output_tokens": good,
         "usd": cost, "usd_per_million_good_tokens": cost / good * 1e6 if cost is not None and good else None,
         "simulated_s": end - t0, "pools": used["pools"],
-    }
+    } | ({"attainment_by_window": [_attainment(records, slo, w["start_s"], w["end_s"]) for w in windows]}
+         if windows else {})
+
+
+def _attainment(records: list, slo: Slo, start: float, end: float) -> float | None:
+    sent = [r for r in records if start <= r.send_s < end]
+    return sum(meets_slo(r, slo) for r in sent) / len(sent) if sent else None

@@ -65,7 +65,8 @@ def static_configs(base: ClusterConfig, names: str | None, sizes: list[int], spl
 def _one(job: tuple) -> tuple[str, dict[str, Any], dict[str, Any]]:
     name, cfg, em, workload, slo, seed, usd_per_hour = job
     run = simulate(cfg, em, workload, name, seed, check=False)
-    row = figures(run.records, slo, run.ledger, run.t0, run.end, run.decisions, usd_per_hour)
+    row = figures(run.records, slo, run.ledger, run.t0, run.end, run.decisions, usd_per_hour,
+                  workload.describe().get("bursts"))
     timeline = {"actual": {pool: [(t - run.t0, n) for t, n in run.ledger.changes(run.t0, run.end, pool)]
                            for pool in run.ledger.pools()},
                 "decisions": [d | {"at": d["at"] - run.t0} for d in run.decisions or []],
