@@ -33,7 +33,7 @@ def plot_timeline(timeline: Mapping[str, Any], arrivals_s: Sequence[float], path
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    pools = sorted(timeline["actual"])
+    pools = [p for p in ("prefill", "decode") if p in timeline["actual"]]
     fig, axes = plt.subplots(1 + len(pools), 1, figsize=(10, 2.4 * (1 + len(pools))), sharex=True)
     span = max(arrivals_s) if arrivals_s else 1.0
     xs, rate = arrival_rate(arrivals_s, max(1.0, span / 120))
