@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from protocol import clock
@@ -179,7 +180,10 @@ class Autoscaler:
         self._last_at = now
         seen = self.recent.take()
         q = self.cfg.percentile / 100
-        lives = _Lives.of(self.router, now, q)
+        prompt_pool = "prefill" if self.router.config.mode == "disaggregated" else "decode"
+        profile = self.planner.profile
+        own = (lambda tokens: profile.prefill_time_s(prompt_pool, tokens)) if profile.ready(prompt_pool) else None
+        lives = _Lives.of(self.router, now, q, own)
         prefill, decode = await asyncio.gather(self._pool("prefill", now), self._pool("decode", now))
         pools = {"prefill": prefill, "decode": decode}
         outputs = seen.output_lengths or seen.asked_output
@@ -250,13 +254,15 @@ class _Lives:
     decoding: int = 0
 
     @classmethod
-    def of(cls, router: Router, now: float, q: float) -> _Lives:
+    def of(cls, router: Router, now: float, q: float, own: Callable[[int], float] | None = None) -> _Lives:
+        """`own`: a prompt's own prefill time by the profile; a wait counts past it (a prompt whose
+        own prefill is longer than the TTFT SLO misses it on any number of workers: more do not help)."""
         out, waits = cls(), []
         for life in router.lives.values():
             if life.ended:
                 continue
             if life.first_token_at is None:
-                waits.append(now - life.accepted)
+                waits.append(now - life.accepted - (own(len(life.prompt_token_ids)) if own else 0.0))
             if life.phase is Phase.QUEUED:
                 out.queued += 1
                 out.queued_prompt_tokens += life.num_context_tokens()

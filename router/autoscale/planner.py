@@ -7,7 +7,7 @@ forecast the next interval (router/autoscale/forecast.py), size each pool on its
 workers (capacity) and `t` the pool's current target:
 
 - up: to ceil(load / target_utilization) at once (an absolute size for the forecast and the
-  backlog: no cooldown), or to n + step when its SLO is missed now, where step grows with the miss
+  backlog: no cooldown) once the load passes t x target_utilization x (1 + band / 2), or to n + step when its SLO is missed now, where step grows with the miss
   (+1 .. doubling); a miss adds nothing while workers are still starting or warming (they are
   capacity on its way: counting them twice over-scales, Dynamo #12430), nor within
   `scale_up_cooldown_s` of the pool's last change (the last step's effect has not shown yet);
@@ -100,6 +100,8 @@ class Planner:
         pending = po.starting + len(po.workers) - n
         peak = self._peak(pool, obs.now, need.load)
         up = ceil_workers(need.load, c.target_utilization) if need.load is not None else 0
+        if up > t and need.load <= t * c.target_utilization * (1 + c.band / 2):
+            up = t  # hysteresis up as well as down: a forecast within half the band above the target holds
         slo = n + max(1, math.ceil(n * min(1.0, need.pressure - 1))) if need.pressure > 1 and not pending else 0
         since = obs.now - self._changed_at[pool]
         cooling = since < c.scale_up_cooldown_s

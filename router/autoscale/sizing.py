@@ -2,8 +2,9 @@
 
 Each pool on its own signal, in worker-equivalents at 100% of the profile's capacity (`Need.load`):
 - prefill: the forecast prompt tokens/s plus the backlog (prompt tokens queued in the router for a
-  prefill slot and placed on prefill workers but not computed), cleared within the TTFT budget
-  left after a prompt's own prefill, over one worker's prompt tokens/s;
+  prefill slot and placed on prefill workers but not computed, less what the forecast rate keeps
+  in service anyway: rate x a prompt's own prefill time), cleared within the TTFT budget left
+  after a prompt's own prefill, over one worker's prompt tokens/s;
 - decode: the requests it must hold at once, the larger of Little's law on the forecast (arrivals/s
   x output tokens x the step time at the slots a worker keeps) and what it holds now (running,
   plus requests waiting for KV room), over the slots one worker keeps within the ITL SLO and its KV;
@@ -80,8 +81,11 @@ class Sizer:
         rate = self.profile.prefill_rate(pool, load.prompt_len)
         own = self.profile.prefill_time_s(pool, load.prompt_len)
         drain_s = max(c.ttft_s - own, 0.25 * c.ttft_s)
-        figures |= {"prefill_tokens_per_s_per_worker": rate, "prefill_own_s": own}
-        return Need((load.prompt_tokens_per_s + backlog / drain_s) / rate, pressure, figures)
+        # of the backlog, what the forecast rate keeps in service anyway (Little: rate x a prompt's own
+        # prefill time) is not a backlog to clear: steady load would otherwise read as a surplus
+        excess = max(0.0, backlog - load.prompt_tokens_per_s * own)
+        figures |= {"prefill_tokens_per_s_per_worker": rate, "prefill_own_s": own, "prefill_excess_tokens": excess}
+        return Need((load.prompt_tokens_per_s + excess / drain_s) / rate, pressure, figures)
 
     def decode(self, obs: Observation, load: Load, pool: str = "decode") -> Need:
         c, workers = self.cfg, obs.pools[pool].workers
