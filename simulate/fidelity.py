@@ -91,7 +91,7 @@ def vs_real(work: Path, calibration: Path | None = None) -> dict:
     if not (SMOLLM2 / "config.json").is_file():
         return {"ran": False, "why_not": f"{SMOLLM2} is missing: `pdserve convert-gguf --smollm2 {SMOLLM2}` first"}
     cfg = _config(work / "smollm2.yaml", SMOLLM2, tiny=False)
-    workload = ["--preset", "steady", "--num-requests", "16", "--rate", "0.5", "--input-len", "128",
+    workload = ["--preset", "steady", "--num-requests", "48", "--rate", "0.5", "--input-len", "128",
                 "--output-len", "16", "--seed", "1"]
     common = ["--config", str(cfg), "--arrangements", "disaggregated,colocated", "--workers", "2", *workload]
     bench = ["bench", *common, "--out", str(work / "bench-real")]
