@@ -48,7 +48,7 @@ def _cli(args: list[str], timeout_s: float) -> dict:
 
 def _config(path: Path, model: Path, tiny: bool) -> Path:
     lines = [f"model: {{path: {model}{', create_tiny: llama' if tiny else ''}}}",
-             "router: {port: 0, metrics_port: null, http_port: null}",
+             "router: {port: 0, metrics_port: null, http_port: null, worker_start_timeout_s: 900}",
              "prefill: {replicas: 1, num_cpus: 0.5}", "decode: {replicas: 1, num_cpus: 0.5}",
              "kv_cache: {block_size: 16, memory: 64MiB}"]
     path.write_text("\n".join(lines) + "\n")

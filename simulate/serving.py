@@ -14,9 +14,10 @@ adds around them, from the same run's records (bench's requests.jsonl and steps.
   (decodes only) and `prefill` (a prompt chunk in it). This is the spread the host's contention
   gives a step (two engines, the router and the client share the cores);
 - `delivery_s`: how much later than the fastest token of its request each token reached the
-  client. A request's tokens after its first decode step come from consecutive steps of its
-  decode worker; aligning them (the alignment with the least spread) gives each token's delay
-  past its step, on the client's and the worker's clocks alike (their offset cancels).
+  client. A request's tokens after its first come from consecutive decoding steps of its
+  worker (a prompt-only step between them decodes nothing); aligning them (the alignment with
+  the least spread) gives each token's delay past its step, whatever the offset between the
+  client's and the worker's clocks (it cancels).
 
 The spreads are kept as quantiles; a simulation draws from them by a hash of (seed, worker, step)
 or (seed, request, token): no random state, so one seed gives one run.
@@ -35,7 +36,8 @@ import numpy as np
 
 from sizing.cost_model import CostModel, StepTotals
 
-QUANTILES = 101  # 0, 1, ..., 100 %
+QUANTILES = 1001  # 0, 0.1, ..., 100 %: fine enough that a draw lands past the p99.9 as often as a step did
+CLOCKS_S = 0.05  # the client's and a worker's clocks on one host agree within this (bench stamps both)
 
 
 @dataclass(frozen=True)
@@ -48,11 +50,11 @@ class ServingFit:
     steps: int
 
     def describe(self) -> str:
-        ratio = {k: f"{v[50]:.2f}x (p99 {v[99]:.2f}x)" for k, v in self.step_ratio.items()}
+        ratio = {k: f"{_at(v, 0.5):.2f}x (p99 {_at(v, 0.99):.2f}x)" for k, v in self.step_ratio.items()}
         return (f"serving path fitted to {self.requests} requests and {self.steps} steps: door {self.door_s * 1e3:.2f} ms, "
                 f"call {self.rpc_s * 1e3:.2f} ms each way, step time x model: decode {ratio['decode']}, "
-                f"prefill {ratio['prefill']}, token delivery +{self.delivery_s[50] * 1e3:.2f} ms "
-                f"(p99 +{self.delivery_s[99] * 1e3:.2f} ms)")
+                f"prefill {ratio['prefill']}, token delivery +{_at(self.delivery_s, 0.5) * 1e3:.2f} ms "
+                f"(p99 +{_at(self.delivery_s, 0.99) * 1e3:.2f} ms)")
 
     def step_factor(self, seed: int, worker: str, step: int, prefill: bool) -> float:
         return _draw(self.step_ratio["prefill" if prefill else "decode"], seed, "step", worker, step)
@@ -64,7 +66,11 @@ class ServingFit:
     def intake_s(self) -> float:
         """Before the router accepts a request: the door less the first token's median delivery
         (which every token, the first included, adds on its way back)."""
-        return max(0.0, self.door_s - self.delivery_s[50])
+        return max(0.0, self.door_s - _at(self.delivery_s, 0.5))
+
+
+def _at(quantiles: tuple[float, ...], q: float) -> float:
+    return quantiles[round(q * (len(quantiles) - 1))]
 
 
 def _draw(quantiles: tuple[float, ...], *key: object) -> float:
@@ -95,14 +101,16 @@ def fit_serving(run_dir: Path, arrangement: str, cost: CostModel) -> ServingFit:
         workers[s["worker"]].append(s)
     for rows in workers.values():
         rows.sort(key=lambda s: s["t_s"])
+    decoding = {w: [k for k, s in enumerate(rows) if s["decode_rows"]] for w, rows in workers.items()}
     delays, back_to_back = [], set()
     for r in requests:
         worker = r["usage"].get("decode_worker")
-        found = _align(r, [s["t_s"] for s in workers.get(worker, [])])
+        steps_of = decoding.get(worker, [])
+        found = _align(r, [workers[worker][k]["t_s"] for k in steps_of])
         if found is not None:
             first, d = found
             delays.extend(d)
-            back_to_back.update((worker, k) for k in range(first + 1, first + len(d)))
+            back_to_back.update((worker, steps_of[k]) for k in range(first + 1, first + len(d)))
     return ServingFit(
         door_s=statistics.median(r["ttft_ms"] - r["usage"]["ttft_ms"] for r in requests) / 1e3,
         rpc_s=max(0.0, statistics.median(map(_outside_worker_ms, requests)) / 2e3),
@@ -145,13 +153,13 @@ def _step_ratios(workers: dict[str, list[dict]], back_to_back: set[tuple[str, in
 
 
 def _align(r: dict, ends: list[float]) -> tuple[int, list[float]] | None:
-    """The index of the step that made the request's first token off its decode worker (its
-    tokens come from consecutive steps there) and each token's delay past the fastest of the
-    request: the alignment with the least spread of (token time - step end). None when the
-    request has too few tokens or the worker too few steps."""
+    """Among its worker's decoding steps (`ends`), the index of the one that made the request's
+    second token (every token after the first comes from consecutive decoding steps there) and
+    each of those tokens' delay past the fastest of them: the alignment with the least spread of
+    (token time - step end), whose median is within CLOCKS_S. None when the request has too few
+    tokens or no such steps."""
     times = np.repeat(np.asarray(r["message_times_s"], dtype=float), np.asarray(r["message_tokens"], dtype=int))
-    if r["usage"].get("prefill_worker"):
-        times = times[1:]  # the first token came from the prefill worker
+    times = times[1:]  # the first token: a prompt's step (on the prefill worker, or one that may decode nothing)
     n = len(times)
     if n < 2 or len(ends) < n:
         return None
@@ -161,6 +169,8 @@ def _align(r: dict, ends: list[float]) -> tuple[int, list[float]] | None:
     best: tuple[float, int, np.ndarray] | None = None
     for j in range(lo, hi + 1):
         d = times - steps[j:j + n]
+        if abs(float(np.median(d))) > CLOCKS_S:  # not this request's steps (the worker's record may miss some)
+            continue
         if best is None or np.ptp(d) < best[0]:
             best = (float(np.ptp(d)), j, d)
     return None if best is None else (best[1], [float(x) for x in best[2] - best[2].min()])
