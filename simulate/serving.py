@@ -156,8 +156,8 @@ def _align(r: dict, ends: list[float]) -> tuple[int, list[float]] | None:
     """Among its worker's decoding steps (`ends`), the index of the one that made the request's
     second token (every token after the first comes from consecutive decoding steps there) and
     each of those tokens' delay past the fastest of them: the alignment with the least spread of
-    (token time - step end), whose median is within CLOCKS_S. None when the request has too few
-    tokens or no such steps."""
+    (token time - step end), whose median is within CLOCKS_S and where no token came more than
+    CLOCKS_S before its step's end. None when the request has too few tokens or no such steps."""
     times = np.repeat(np.asarray(r["message_times_s"], dtype=float), np.asarray(r["message_tokens"], dtype=int))
     times = times[1:]  # the first token: a prompt's step (on the prefill worker, or one that may decode nothing)
     n = len(times)
@@ -169,8 +169,8 @@ def _align(r: dict, ends: list[float]) -> tuple[int, list[float]] | None:
     best: tuple[float, int, np.ndarray] | None = None
     for j in range(lo, hi + 1):
         d = times - steps[j:j + n]
-        if abs(float(np.median(d))) > CLOCKS_S:  # not this request's steps (the worker's record may miss some)
-            continue
+        if abs(float(np.median(d))) > CLOCKS_S or d.min() < -CLOCKS_S:  # not this request's steps: a token
+            continue  # before its step's end, or the worker's record misses some of them
         if best is None or np.ptp(d) < best[0]:
             best = (float(np.ptp(d)), j, d)
     return None if best is None else (best[1], [float(x) for x in best[2] - best[2].min()])
