@@ -11,6 +11,7 @@ comes `rpc_s` later; an exception the worker's code raises reaches the caller as
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 import ray.exceptions
@@ -62,8 +63,10 @@ class SimActors:
     """Starts simulated workers for the pool manager; `workers`: every one started, by name;
     `ledger`: each one's life on the virtual clock (simulate/accounting.py)."""
 
-    def __init__(self, emulation: Emulation, shape: ModelShape, block_size: int, rpc_s: float = RPC_S):
+    def __init__(self, emulation: Emulation, shape: ModelShape, block_size: int, rpc_s: float = RPC_S,
+                 spread: Callable[[str, int, bool], float] | None = None):
         self.emulation = emulation
+        self.spread = spread  # a real host's step spread (simulate/serving.py), given to every engine loop
         self.shape = shape
         self.block_size = block_size
         self.rpc_s = rpc_s
@@ -77,6 +80,7 @@ class SimActors:
         runner = SimRunner(engine, self.shape.vocab_size or 32_000, self.shape.max_positions or 131_072,
                            self.block_size * self.emulation.cost.kv_bytes_per_token)
         worker = SimWorkerHost(pool, name, engine, self.emulation, runner, self.link, transfer)
+        worker.core.loop.spread = self.spread
         self.workers[name] = worker
         self.ledger.started(name, pool, clock.now())  # the pool it starts in (a role change later is not split)
         return SimHandle(worker, self.rpc_s)

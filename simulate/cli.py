@@ -43,6 +43,7 @@ from protocol.sizes import PlanError, parse_bytes
 from router.config.emulate import CUSTOM, EmulateSection, check_emulate, emulation
 from router.config.schema import ClusterConfig
 from router.config.typed_yaml import ConfigError
+from simulate.host import serving_fit
 from simulate.run import SimRun, simulate
 from sizing.cost_model import Emulation
 
@@ -66,6 +67,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     parser.add_argument("--emulate", required=True, metavar="DEVICE:MODEL",
                         help="e.g. h100:llama-3.1-8b; `host`: this host measured running the config's checkpoint; "
                              "`steps:FILE[@ARRANGEMENT]`: this host fitted to a real run's steps.jsonl (pdserve bench); "
+                             "`run:DIR[@ARRANGEMENT]`: the same, and the host's serving path fitted to the run's "
+                             "requests (simulate/serving.py); "
                              "`config`: the config's own emulate: section")
     parser.add_argument("--arrangements", metavar="NAMES",
                         help=f"comma-separated, of {', '.join(ARRANGEMENTS)} (default: the config's own cluster)")
@@ -106,6 +109,7 @@ def run(args: argparse.Namespace) -> int:
         slo = parse_slo(args.slo)
         base = _load(args.config)
         base, em = emulated(base, _emulate_section(base, args.emulate), args.config)
+        serving = serving_fit(args.emulate, em)
         configs = cluster_configs(base, args.arrangements, args.workers, args.prefill_workers)
         workload = build_workload(_workload_options(_with_duration(args), (em.cost.shape.max_positions,
                                                                            em.cost.shape.vocab_size)))
@@ -118,8 +122,11 @@ def run(args: argparse.Namespace) -> int:
         from simulate.autoscale_cli import run_autoscale
 
         return run_autoscale(args, base, em, workload, slo)
-    runs = {name: simulate(cfg, em, workload, name, args.seed, args.rpc_latency) for name, cfg in configs.items()}
+    runs = {name: simulate(cfg, em, workload, name, args.seed, args.rpc_latency, serving=serving)
+            for name, cfg in configs.items()}
     summary, records, steps = report(runs, workload, slo, base, em, configs, args.cost_per_worker_hour)
+    if serving is not None:
+        summary["simulation"]["serving"] = serving.describe()
     print(json.dumps(summary, indent=2) if args.json else
           format_report({n: summary["arrangements"][n] for n in runs}, "arrangement", workload.describe(),
                         summary["decision"]) + "\n" + format_speed(summary["simulation"]))
@@ -178,10 +185,10 @@ def _load(path: str) -> ClusterConfig:
 def _emulate_section(base: ClusterConfig, text: str) -> EmulateSection:
     """DEVICE:MODEL; `host`: this host measured running the config's checkpoint (simulate/host.py);
     `config`: the config's own emulate: section as it is (a custom device, a saved host fit)."""
-    if text == "host" or text.startswith("steps:"):
-        from simulate.host import host_section
+    if text == "host" or text.startswith(("steps:", "run:")):
+        from simulate.host import host_section, recorded_run
 
-        return host_section(base, steps=text.removeprefix("steps:") if text != "host" else None)[0]
+        return host_section(base, steps=None if text == "host" else recorded_run(text))[0]
     if text == "config":
         if base.emulate.device is None:
             raise BenchError("--emulate config: the config has no emulate: section (emulate.device is null)")
@@ -270,7 +277,8 @@ def format_error(error: dict[str, Any]) -> list[str]:
     lines = [f"measured error of this simulator ({error.get('measured', '?')}; docs/simulate.md, Fidelity):"]
     for ref, key, label in (("vs_emulated", "arrangements", "vs the emulated cluster"),
                             ("vs_real", "arrangements", "vs the real CPU cluster, host profile"),
-                            ("vs_real", "calibrated", "vs the real CPU cluster, profile fitted to its steps")):
+                            ("vs_real", "calibrated", "vs the real CPU cluster, profile fitted to its steps"),
+                            ("vs_real", "served", "vs the real CPU cluster, steps and serving path fitted")):
         rows = (error.get(ref) or {}).get(key) or {}
         if rows:
             worst = {k: max((r[k]["error"] for r in rows.values() if r[k]["error"] is not None), key=abs)

@@ -80,6 +80,8 @@ class SimEngineLoop:
         self.steps = 0
         self.busy_s = 0.0  # modelled seconds of steps run
         self.failed_steps_in_a_row = 0
+        # (worker, step, has a prompt) -> a factor on the modelled time: a real host's spread (simulate/serving.py)
+        self.spread: Callable[[str, int, bool], float] | None = None
         engine.pace = self._pace
         self._task = asyncio.get_running_loop().create_task(self._run(), name=f"{name}-loop")
 
@@ -136,7 +138,7 @@ class SimEngineLoop:
         """Runs one step's code: its modelled seconds (0 when nothing ran) and its outputs."""
         try:
             outputs = self.engine.step()
-            step_s = self._cost.step_s(self.engine.last_step)
+            step_s = self._step_time()
         finally:
             if self._ahead is not None:
                 clock.behind(self._ahead)
@@ -145,7 +147,15 @@ class SimEngineLoop:
 
     def _pace(self) -> None:
         """`engine.pace`, inside the step once its tokens are sampled: the step ends now."""
-        self._ahead = clock.ahead(self._cost.step_s(self.engine.last_step))
+        self._ahead = clock.ahead(self._step_time())
+
+    def _step_time(self) -> float:
+        """The cost model's time for the step just run, times the host's spread where one is set."""
+        step = self.engine.last_step
+        step_s = self._cost.step_s(step)
+        if self.spread is not None and step_s > 0:
+            step_s *= self.spread(self.name, self.steps, any(not it.is_decode for it in step))
+        return step_s
 
 
 def _apply(engine: LLMEngine, fn: Callable[[LLMEngine], Any], fut: asyncio.Future) -> None:

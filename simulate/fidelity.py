@@ -8,7 +8,9 @@
   The emulated run's own fidelity (its late steps) is printed beside it: an emulated run that is not
   faithful is no reference.
 - vs_real: the real SmolLM2 cluster on this CPU (`pdserve bench`, no emulation) against
-  `pdserve simulate --emulate host` (this host's profile, measured first: simulate/host.py).
+  `pdserve simulate --emulate host` (this host's profile, measured first: simulate/host.py), and
+  against the host fitted to the run's records: its steps (`calibrated`), its steps and serving
+  path (`served`, simulate/serving.py), another run's (`held_out`, with `--calibration DIR`).
 - speed (with `--only speed`): simulated seconds per host second at 8-64 devices.
 - vs_external: Vidur (simulate/vidur_compare.py) on a window of the Mooncake conversation trace,
   colocated, against `pdserve simulate` of the same window; null with the reason if it cannot run.
@@ -46,7 +48,7 @@ def _cli(args: list[str], timeout_s: float) -> dict:
 
 def _config(path: Path, model: Path, tiny: bool) -> Path:
     lines = [f"model: {{path: {model}{', create_tiny: llama' if tiny else ''}}}",
-             "router: {port: 0, metrics_port: null, http_port: null}",
+             "router: {port: 0, metrics_port: null, http_port: null, worker_start_timeout_s: 900}",
              "prefill: {replicas: 1, num_cpus: 0.5}", "decode: {replicas: 1, num_cpus: 0.5}",
              "kv_cache: {block_size: 16, memory: 64MiB}"]
     path.write_text("\n".join(lines) + "\n")
@@ -85,29 +87,35 @@ def vs_emulated(work: Path, k: float) -> dict:
             "emulated_fidelity": fidelity, "arrangements": compare(ref, sim)}
 
 
-def vs_real(work: Path) -> dict:
+def vs_real(work: Path, calibration: Path | None = None) -> dict:
     if not (SMOLLM2 / "config.json").is_file():
         return {"ran": False, "why_not": f"{SMOLLM2} is missing: `pdserve convert-gguf --smollm2 {SMOLLM2}` first"}
     cfg = _config(work / "smollm2.yaml", SMOLLM2, tiny=False)
-    workload = ["--preset", "steady", "--num-requests", "16", "--rate", "0.5", "--input-len", "128",
+    workload = ["--preset", "steady", "--num-requests", "48", "--rate", "0.5", "--input-len", "128",
                 "--output-len", "16", "--seed", "1"]
     common = ["--config", str(cfg), "--arrangements", "disaggregated,colocated", "--workers", "2", *workload]
     bench = ["bench", *common, "--out", str(work / "bench-real")]
     simulate = ["simulate", *common, "--emulate", "host", "--out", str(work / "sim-real")]
     ref = _cli(bench, 1800)
     sim = _cli(simulate, 900)
-    # the calibration fit: each arrangement's simulation on this host's profile fitted to the real run's own steps
-    calibrated, commands = {"arrangements": {}}, []
-    for name in ref["arrangements"]:
-        cmd = ["simulate", *common[:2], "--arrangements", name, *common[4:], "--emulate",
-               f"steps:{work / 'bench-real' / 'steps.jsonl'}@{name}", "--out", str(work / f"sim-real-{name}")]
-        calibrated["arrangements"][name] = _cli(cmd, 900)["arrangements"][name]
-        commands.append("pdserve " + " ".join(cmd))
-    return {"workload": workload, "commands": {"reference": "pdserve " + " ".join(bench),
-                                               "simulated": "pdserve " + " ".join(simulate),
-                                               "calibrated": commands},
-            "assumptions": sim["simulation"]["assumptions"], "arrangements": compare(ref, sim),
-            "calibrated": compare(ref, calibrated)}
+    # the calibration fits, each arrangement's simulation on this host fitted to a real run's records:
+    # calibrated: the engine's steps of this run; served: its steps and its serving path (simulate/serving.py);
+    # held_out: steps and serving path of another run (--calibration DIR), not the one compared with
+    fits = {"calibrated": "steps:{run}/steps.jsonl@{name}", "served": "run:{run}@{name}"}
+    if calibration is not None:
+        fits["held_out"] = "run:" + str(calibration) + "@{name}"
+    out = {"workload": workload, "commands": {"reference": "pdserve " + " ".join(bench),
+                                              "simulated": "pdserve " + " ".join(simulate)},
+           "assumptions": sim["simulation"]["assumptions"], "arrangements": compare(ref, sim)}
+    for key, emulate in fits.items():
+        runs, commands = {"arrangements": {}}, []
+        for name in ref["arrangements"]:
+            cmd = ["simulate", *common[:2], "--arrangements", name, *common[4:], "--emulate",
+                   emulate.format(run=work / "bench-real", name=name), "--out", str(work / f"sim-{key}-{name}")]
+            runs["arrangements"][name] = _cli(cmd, 900)["arrangements"][name]
+            commands.append("pdserve " + " ".join(cmd))
+        out["commands"][key], out[key] = commands, compare(ref, runs)
+    return out
 
 
 def vs_external(work: Path, vidur_python: str | None, trace: Path) -> dict | None:
@@ -174,6 +182,8 @@ def main() -> int:
     parser.add_argument("--trace", type=Path, default=TRACE,
                         help="the Mooncake conversation trace (docs/simulate.md) for speed and external "
                              "(default: the window of it bench ships)")
+    parser.add_argument("--calibration", type=Path, metavar="DIR",
+                        help="vs_real also fitted to another real run (a --keep DIR's bench-real): held_out")
     parser.add_argument("--keep", metavar="DIR", help="write the runs' reports here (default: a temporary directory)")
     parser.add_argument("--record", action="store_true",
                         help="save vs_emulated and vs_real in simulate/fidelity.json: `pdserve simulate` prints it")
@@ -184,7 +194,7 @@ def main() -> int:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
         result = {"vs_emulated": vs_emulated(work, args.time_scale) if "emulated" in only else None,
-                  "vs_real": vs_real(work) if "real" in only else None,
+                  "vs_real": vs_real(work, args.calibration) if "real" in only else None,
                   "vs_external": vs_external(work, args.vidur_python, args.trace) if "external" in only else None}
         if "speed" in only:
             result["speed"] = speed([int(n) for n in args.sizes.split(",")], args.trace)

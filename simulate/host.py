@@ -6,6 +6,9 @@ prefill chunks of 32-256 tokens), the bandwidth is measured as `pdserve plan --m
 bench/calibrate.py fits bytes / bandwidth + FLOPs / peak + overhead to the steps' wall times. The
 result is an emulated `custom` device with that bandwidth and FLOP/s (efficiencies 1). The KV
 link is loopback gloo between two processes (HOST_LINK), the weights load is not modelled.
+`--emulate steps:FILE[@ARR]` fits the same model to a real bench run's steps instead (the run's
+own contention included); `run:DIR[@ARR]` too, and adds the serving path fitted to the run's
+requests (simulate/serving.py: door and call latencies, the spread of steps and deliveries).
 """
 
 from __future__ import annotations
@@ -18,7 +21,8 @@ from pathlib import Path
 from bench.calibrate import HostFit, fit, measure_steps
 from router.config.emulate import EmulateSection
 from router.config.schema import ClusterConfig
-from sizing.cost_model import StepTotals
+from simulate.serving import ServingFit, fit_serving
+from sizing.cost_model import Emulation, StepTotals
 
 HOST_LINK = {"link": "2GB/s", "link_latency_s": 0.001, "load_bandwidth": "1000GB/s"}
 
@@ -46,6 +50,25 @@ def host_section(config: ClusterConfig, threads: int = 1, steps: str | None = No
           f"{found.overhead_s * 1e3:.2f} ms a step (rms error {found.rms_error_s * 1e3:.2f} ms over {found.steps} steps)",
           file=sys.stderr)
     return dataclasses.replace(config.emulate, **values), found
+
+
+def recorded_run(text: str) -> str:
+    """`--emulate steps:FILE[@ARR]` or `run:DIR[@ARR]` as host_section's `steps` ("FILE@ARR")."""
+    if text.startswith("run:"):
+        run_dir, _, arrangement = text.removeprefix("run:").partition("@")
+        return f"{Path(run_dir) / 'steps.jsonl'}@{arrangement}"
+    return text.removeprefix("steps:")
+
+
+def serving_fit(text: str, emulation: Emulation) -> ServingFit | None:
+    """`--emulate run:DIR[@ARR]`: the host's serving path fitted to that bench run's records, against
+    the host model fitted to its steps (`emulation`); None for any other --emulate."""
+    if not text.startswith("run:"):
+        return None
+    run_dir, _, arrangement = text.removeprefix("run:").partition("@")
+    found = fit_serving(Path(run_dir), arrangement, emulation.cost)
+    print(f"simulate: {found.describe()}", file=sys.stderr)
+    return found
 
 
 def recorded_steps(path: str, arrangement: str = "") -> list[tuple[StepTotals, float]]:

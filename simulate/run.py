@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import random
 import time
@@ -32,6 +33,7 @@ from router.frontdoor.grpc_server import STATUS
 from router.lifecycle.service import Router
 from simulate.accounting import WorkerLedger
 from simulate.actors import SimActors
+from simulate.serving import ServingFit
 from sizing.cost_model import Emulation
 from sizing.memory import ModelShape
 
@@ -61,14 +63,16 @@ class SimRun:
 
 
 def simulate(config: ClusterConfig, emulation: Emulation, workload: Workload, label: str, seed: int = 0,
-             rpc_s: float | None = None, check: bool = True) -> SimRun:
+             rpc_s: float | None = None, check: bool = True, serving: ServingFit | None = None) -> SimRun:
     """Runs `workload` on `config`'s cluster on a fresh virtual clock; deterministic for a seed.
-    `check`: every worker's block accounting at the end (`SimRun.checks`; a pass over its pool)."""
+    `check`: every worker's block accounting at the end (`SimRun.checks`; a pass over its pool).
+    `serving`: a real host's serving path (simulate/serving.py): its door and call latencies, and
+    the spread of its steps and token deliveries, drawn by the seed."""
     loop = looptime.new_event_loop(start=0.0, noop_cycles=0, resolution=1e-9)  # ns: no step time is rounded away
     loop.unix_epoch = 0.0  # step records' end_unix: simulated seconds (protocol.clock.unix)
     began = time.perf_counter()
     try:
-        run = loop.run_until_complete(_run(config, emulation, workload, label, seed, rpc_s, check))
+        run = loop.run_until_complete(_run(config, emulation, workload, label, seed, rpc_s, check, serving))
     finally:
         loop.close()
     run.host_s = time.perf_counter() - began
@@ -76,14 +80,18 @@ def simulate(config: ClusterConfig, emulation: Emulation, workload: Workload, la
 
 
 async def _run(config: ClusterConfig, emulation: Emulation, workload: Workload, label: str, seed: int,
-               rpc_s: float | None, check: bool) -> SimRun:
+               rpc_s: float | None, check: bool, serving: ServingFit | None) -> SimRun:
     shape = emulation.cost.shape
-    actors = SimActors(emulation, shape, config.kv_cache.block_size, **({} if rpc_s is None else {"rpc_s": rpc_s}))
+    if rpc_s is None and serving is not None:
+        rpc_s = serving.rpc_s
+    spread = None if serving is None else functools.partial(serving.step_factor, seed)
+    actors = SimActors(emulation, shape, config.kv_cache.block_size, **({} if rpc_s is None else {"rpc_s": rpc_s}),
+                       spread=spread)
     rng = random.Random(seed)
     router = Router(config, actors=actors, validator=_validator(shape, config), nonce=lambda: f"{rng.getrandbits(64):016x}")
     await router.start()
     t0 = clock.now()
-    client = _Client(router, label, t0)
+    client = _Client(router, label, t0, serving, seed)
     tasks = []
     for spec in workload.requests:
         delay = t0 + spec.arrival_s - clock.now()
@@ -153,8 +161,9 @@ async def _steps(router: Router, t0: float) -> dict[str, Any]:
 
 
 class _Client:
-    def __init__(self, router: Router, label: str, t0: float):
+    def __init__(self, router: Router, label: str, t0: float, serving: ServingFit | None, seed: int):
         self.router, self.label, self.t0 = router, label, t0
+        self.serving, self.seed = serving, seed
 
     async def send(self, spec: RequestSpec) -> RequestRecord:
         """Streams one request as bench's gRPC client does; a refusal is recorded, never raised."""
@@ -163,12 +172,14 @@ class _Client:
         finish, error, usage = "", None, {}
         send_s = clock.now() - self.t0
         sampling = SamplingParams(max_tokens=spec.max_tokens, temperature=0.0, ignore_eos=True)
+        if self.serving is not None:  # the real door's way in
+            await asyncio.sleep(self.serving.intake_s)
         try:
             self.router.check_open()
             life = self.router.accept(spec.request_id, list(spec.prompt_token_ids), sampling)
             async for chunk in self.router.generate(life):
                 if chunk.token_ids:
-                    times.append(clock.now() - self.t0)
+                    times.append(self._arrival(spec.request_id, times))
                     counts.append(len(chunk.token_ids))
                 if chunk.finish_reason is not None:
                     finish = chunk.finish_reason.public
@@ -178,3 +189,11 @@ class _Client:
             error = f"{STATUS[type(e)].name}: {e}"
         return RequestRecord(spec.request_id, self.label, send_s, tuple(times), tuple(counts),
                              spec.num_prompt_tokens, spec.max_tokens, finish, error, usage)
+
+    def _arrival(self, request_id: str, times: list[float]) -> float:
+        """When a message the router sends now reaches the client: at once, or after the real host's
+        delivery delay for it (never before the message sent ahead of it)."""
+        at = clock.now() - self.t0
+        if self.serving is None:
+            return at
+        return max(times[-1] if times else 0.0, at + self.serving.delivery(self.seed, request_id, len(times)))

@@ -2,8 +2,9 @@
 
 A step reads every weight once and each scheduled request's KV (its whole context, the new
 tokens' included), and does 2 FLOPs per parameter per new token plus attention's
-4 x layers x heads x head_dim FLOPs per (new token, context token) pair, so on a device of
-bandwidth B and peak P it takes at least max(bytes / (B x bandwidth_efficiency),
+4 x layers x heads x head_dim FLOPs per (new token, context token) pair (a sliding-window
+layer reads and attends to its last `window` keys only: `ModelShape.sliding_windows`), so on a
+device of bandwidth B and peak P it takes at least max(bytes / (B x bandwidth_efficiency),
 FLOPs / (P x compute_efficiency)); a fixed `step_overhead_s` (launches, scheduling, sampling)
 is added. This is `pdserve plan`'s roofline (bench/roofline.py uses `bytes_read` and
 `matmul_flops` from here) applied to the shape of a real step. A transfer takes the emulated
@@ -79,6 +80,10 @@ class CostModel:
         return kv_bytes_per_token(self.shape, self.dtype_bytes)
 
     def step_bytes(self, step: StepShape | StepTotals) -> int:
+        if self.shape.sliding_windows and not isinstance(step, StepTotals):
+            per_layer_token = self.kv_bytes_per_token // self.shape.num_layers
+            return self.weights_bytes + per_layer_token * sum(
+                min(it.context, w or it.context) for w in self.shape.sliding_windows for it in step)
         totals = step if isinstance(step, StepTotals) else StepTotals.of(step)
         return bytes_read(self.weights_bytes, self.kv_bytes_per_token, (totals.context_tokens,))
 
@@ -86,10 +91,13 @@ class CostModel:
         totals = step if isinstance(step, StepTotals) else StepTotals.of(step)
         flops = matmul_flops(self.shape.num_params, totals.num_tokens)
         heads = self.shape.num_attention_heads
-        if heads is not None:  # each new token attends to the context before it and itself
-            per_pair = 4.0 * self.shape.num_layers * heads * self.shape.head_dim
-            flops += per_pair * totals.attended_pairs
-        return flops
+        if heads is None:
+            return flops
+        per_layer_pair = 4.0 * heads * self.shape.head_dim  # each new token attends to the keys it sees
+        if self.shape.sliding_windows and not isinstance(step, StepTotals):
+            return flops + per_layer_pair * sum(_attended_pairs(it, w) for w in self.shape.sliding_windows
+                                                for it in step)
+        return flops + per_layer_pair * self.shape.num_layers * totals.attended_pairs
 
     def memory_s(self, step: StepShape) -> float:
         return self.step_bytes(step) / (self.device.bandwidth * self.bandwidth_efficiency)
@@ -104,11 +112,13 @@ class CostModel:
         return max(self.memory_s(step), self.compute_s(step)) + self.step_overhead_s
 
 
-def _attended_pairs(item: StepItem) -> int:
-    """(query, key) pairs of a causal chunk: token i of n attends to start + i + 1 keys."""
-    start = item.context - item.num_tokens
-    n = item.num_tokens
-    return n * start + n * (n + 1) // 2
+def _attended_pairs(item: StepItem, window: int | None = None) -> int:
+    """(query, key) pairs of a causal chunk: token i of n attends to start + i + 1 keys, or to at
+    most `window` of them on a sliding-window layer."""
+    first, last = item.context - item.num_tokens + 1, item.context  # the new tokens' positions, from 1
+    seen = last if window is None else min(last, window)  # positions up to here see all keys before them
+    pairs = (first + seen) * (seen - first + 1) // 2 if seen >= first else 0
+    return pairs + (window or 0) * max(0, last - max(first - 1, seen))
 
 
 @dataclass(frozen=True)

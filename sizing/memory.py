@@ -136,6 +136,9 @@ BUILTIN_SHAPES: dict[str, ModelShape] = {
         ModelShape("mistral-7b", 32, 8, 128, 7_241_732_096, 32_000, 32_768, 32),
         ModelShape("qwen2.5-14b", 48, 8, 128, 14_770_033_664, 152_064, 32_768, 40),
         ModelShape("qwen2.5-32b", 64, 8, 128, 32_763_876_352, 152_064, 32_768, 40),
+        # every other layer attends to its last 4,096 tokens only (config.json: model_type gemma2)
+        ModelShape("gemma-2-9b", 42, 8, 256, 9_241_705_984, 256_000, 8_192, 16,
+                   layer_windows({"model_type": "gemma2", "sliding_window": 4096}, 42)),
     )
 }
 

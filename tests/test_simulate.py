@@ -162,3 +162,30 @@ def test_a_host_profile_keeps_the_configs_own_kv_pool(h100):
     block_bytes = base.kv_cache.block_size * em.cost.kv_bytes_per_token
     assert sim.kv_cache.num_blocks == (256 << 20) // block_bytes and sim.emulate.time_scale == 1.0
     assert cfg.kv_cache.num_blocks is None and cfg.engine_config(cfg.decode).num_blocks > 20_000  # 80 GB of H100
+
+
+def test_a_model_with_windowed_layers_reads_only_their_windows():
+    """Gemma 2: every other layer attends to its last 4,096 tokens. An idle simulated cluster's
+    decode steps past the window take the cost model's windowed time, shorter than the same model
+    with every layer full, and the attention pairs a chunk computes are what a per-query count gives."""
+    from sizing.cost_model import _attended_pairs
+
+    for context, n, window in ((10, 3, None), (10, 3, 4), (5000, 1, 4096), (5000, 2048, 4096), (3000, 2048, 4096)):
+        by_query = sum(min(p, window or p) for p in range(context - n + 1, context + 1))
+        assert _attended_pairs(StepItem(n, context), window) == by_query
+    base = load_config(str(ROOT / "cluster.yaml"))
+    cfg, em = emulated(base, dataclasses.replace(base.emulate, device="h100", model="gemma-2-9b"), "test")
+    windows = em.cost.shape.sliding_windows
+    assert windows[:2] == (4096, None) and sum(w is not None for w in windows) == 21
+    full = dataclasses.replace(em.cost, shape=dataclasses.replace(em.cost.shape, sliding_windows=()))
+    prompt = tuple(range(1000, 7000))  # 6,000 tokens: past the window
+    run = simulate(_disaggregated(cfg, 1, 1), em, make_workload("w", [RequestSpec("r0", 0.0, prompt, 5)], None, {}),
+                   "disaggregated", rpc_s=0.0)
+    (record,) = run.records
+    assert record.ok and record.output_tokens == 5
+    gaps = [b - a for a, b in zip(record.message_times_s, record.message_times_s[1:], strict=False)]
+    decode = [em.cost.step_s((StepItem(1, 6001 + i),)) for i in range(1, 4)]
+    assert gaps[1:] == pytest.approx(decode, abs=1e-8)
+    assert all(d < full.step_s((StepItem(1, 6001 + i),)) for i, d in enumerate(decode, 1))
+    short = (StepItem(1, 4000),)  # inside the window every layer reads the same
+    assert em.cost.step_s(short) == full.step_s(short)
