@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import statistics
 import subprocess
 import time
@@ -32,17 +33,20 @@ from router.config.loader import parse_config
 
 # the vLLM side: reads {"ids": [...]} lines, answers {"s": seconds} lines (the first line: "ready")
 VLLM_DRIVER = """
-import json, sys, time
+import json, os, sys, time
+answers = os.fdopen(os.dup(1), "w")  # the protocol's own stream: vLLM logs to stdout, sent to stderr here
+os.dup2(2, 1)
+sys.stdout = sys.stderr
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 llm = LLM(model=sys.argv[1], dtype=sys.argv[2], enable_prefix_caching=False, seed=0, max_model_len=4096)
 one = SamplingParams(max_tokens=1, temperature=0.0)
-print(json.dumps({"ready": True}), flush=True)
+print(json.dumps({"ready": True}), file=answers, flush=True)
 for line in sys.stdin:
     ids = json.loads(line)["ids"]
     t0 = time.perf_counter()
     out = llm.generate([TokensPrompt(prompt_token_ids=ids)], one, use_tqdm=False)
-    print(json.dumps({"s": time.perf_counter() - t0, "token": out[0].outputs[0].token_ids[0]}), flush=True)
+    print(json.dumps({"s": time.perf_counter() - t0, "token": out[0].outputs[0].token_ids[0]}), file=answers, flush=True)
 """
 
 
@@ -84,7 +88,8 @@ class Vllm:
         if preload:
             env["LD_PRELOAD"] = ":".join(preload)
         self.proc = subprocess.Popen(pinned([str(venv / "bin" / "python"), "-c", VLLM_DRIVER, model, dtype]),
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env,
+                                     start_new_session=True)  # its engine-core and worker processes with it
         line = self.proc.stdout.readline()
         if not line.strip().startswith('{"ready"'):
             self.close()
@@ -97,13 +102,18 @@ class Vllm:
         return answer["s"], answer["token"]
 
     def close(self) -> None:
+        """End vLLM and the processes it started (its engine core and worker outlive a killed parent)."""
         if self.proc.poll() is None:
             self.proc.stdin.close()
             try:
                 self.proc.wait(timeout=60)
             except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+                pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
 
 
 def measure(sides: dict, lengths: list[int], rounds: int, vocab: int) -> dict:
