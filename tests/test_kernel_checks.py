@@ -154,7 +154,7 @@ def test_a_request_short_of_blocks_is_refused_not_padded(llama_dir):
 
 
 def test_the_checks_hold_under_python_o():
-    script = ("import torch; from engine import cpu_kernel\n"
+    script = ("import torch; from engine.kernels import cpu_kernel\n"
               "k, why = cpu_kernel.load(); pool = torch.zeros(4, 2, 4, 1, 16)\n"
               "k.decode(torch.zeros(1, 1, 16), pool[:, 0], pool[:, 1], torch.tensor([[9]]), torch.tensor([3]),"
               " torch.zeros(1, 1, 16), 1.0, 0, 0.0)\n")

@@ -33,7 +33,7 @@ ALLOWED: dict[str, set[str]] = {
     "bench": {"protocol", "sizing", "engine", "router", "client", "checkpoints"},
     "simulate": {"protocol", "sizing", "engine", "worker_runtime", "kv_transfer", "prefill_worker", "decode_worker",
                  "worker_host", "router", "bench"},
-    "microbench": {"protocol", "sizing", "engine", "kv_transfer", "worker_runtime", "checkpoints", "bench"},
+    "microbench": {"protocol", "sizing", "engine", "kv_transfer", "worker_runtime", "checkpoints", "router", "bench"},
     "stress": {"protocol", "sizing", "engine", "kv_transfer", "worker_runtime", "router", "client", "bench",
                "checkpoints"},
     "cli": {"protocol", "router", "client", "bench", "checkpoints", "simulate"},

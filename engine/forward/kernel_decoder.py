@@ -2,8 +2,7 @@
 the embedding, the rotary (cos, sin) looked up in a table of the rotary module's own outputs, every
 layer and the final norm as one C call (`pd_decoder_forward`), for Llama-shaped models under their
 plain heads. Same modules and kernels on the same inputs as the model's own forward, so the same
-bits (docs/engine_speed.md, "Threads that finish together, and the decoder's loop without
-transformers")."""
+bits (docs/engine_speed.md, "One call per layer")."""
 
 from __future__ import annotations
 

@@ -7,8 +7,8 @@ sums, two `index_put_` for the new K/V, views, allocations), 3-4 ms of a 16-row 
 SmolLM2 (docs/engine_speed.md, "One call per layer"). `KernelLayer` makes the layer one ctypes
 call: the same kernels in the same order on the same buffers, so the same bits. The layer's dtype
 (`Shape.dtype`) is its weights': float32 on the float32 GEMM, bfloat16 where the bfloat16 GEMM runs (AMX
-tiles, or AVX512-BF16's vdpbf16ps: docs/engine_speed.md, "bfloat16 layers as one call", "bfloat16
-without AMX"); the pool and every scratch buffer share it.
+tiles, or AVX512-BF16's vdpbf16ps: docs/engine_speed.md, "One call per layer", "bfloat16
+linears"); the pool and every scratch buffer share it.
 
 A layer is swapped only where all of it is the kernels' (a `FusedAttention` with the rotary
 kernel, a `FusedMLP` with the SiLU kernel, both norms on the RMSNorm kernel, every linear on the

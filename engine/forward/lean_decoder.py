@@ -15,8 +15,7 @@ forward; an engine test compares the two bit for bit. Steps whose layers are one
 (float32; bfloat16 where the bfloat16 GEMM runs, AMX or vdpbf16ps, up to its cut) take `KernelDecoder` first; a layer
 swapped for one call (`KernelLayer`) is still its modules here, which this loop calls directly.
 
-SmolLM2-135M in bfloat16, 16 decode rows (2026-12-03, Xeon host): docs/engine_speed.md, "bfloat16
-decode".
+Where it runs and why: docs/engine_speed.md, "How a step runs".
 """
 
 from __future__ import annotations

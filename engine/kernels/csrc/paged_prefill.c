@@ -123,6 +123,49 @@ static inline void scores(const float *kf, const float *qt, float *st, int dim, 
 #endif
 }
 
+#if defined(__AVX512BF16__) && defined(__AVX512F__)
+#include <immintrin.h>
+#define DOT_PREFILL 1
+/* A bfloat16 step's scores by vdpbf16ps, keys j0 .. j0 + 5 (kp[j]: key j in the pool, read in place)
+   against R tiles of 16 rows from r0: qp holds each row's q as pairs of dimensions, [dim / 2][ROWS]
+   dwords, so one instruction takes two dimensions of sixteen rows (two FMAs of exact products per
+   lane, as scores_dot in decode.h). No key is widened; the scale is applied after (softmax_step's
+   `post`). Each row's sum still runs over its dimensions in one fixed order. */
+__attribute__((always_inline)) static inline void scores_dot_tile(const uint32_t *qp, const uint16_t *const *kp,
+                                                                  float *st, int pairs, int j0, int r0, const int R) {
+    __m512 a[6][3];
+    for (int j = 0; j < 6; j++)
+        for (int x = 0; x < R; x++) a[j][x] = _mm512_setzero_ps();
+    for (int i = 0; i < pairs; i++) {
+        __m512bh qv[3];
+        for (int x = 0; x < R; x++) qv[x] = (__m512bh)_mm512_loadu_si512(qp + i * ROWS + r0 + 16 * x);
+        for (int j = 0; j < 6; j++) {
+            int32_t pair;
+            memcpy(&pair, kp[j0 + j] + 2 * i, sizeof pair);
+            __m512bh kj = (__m512bh)_mm512_set1_epi32(pair);
+            for (int x = 0; x < R; x++) a[j][x] = _mm512_dpbf16_ps(a[j][x], qv[x], kj);
+        }
+    }
+    for (int j = 0; j < 6; j++)
+        for (int x = 0; x < R; x++) _mm512_storeu_ps(st + (j0 + j) * ROWS + r0 + 16 * x, a[j][x]);
+}
+
+static void scores_dot(const uint32_t *qp, const uint16_t *const *kp, float *st, int dim, int j0, int rows) {
+    for (int r0 = 0; r0 < rows;) {
+        int wide = (rows - r0 + 15) / 16;
+        if (wide >= 3) scores_dot_tile(qp, kp, st, dim / 2, j0, r0, 3), r0 += 48;
+        else if (wide == 2) scores_dot_tile(qp, kp, st, dim / 2, j0, r0, 2), r0 += 32;
+        else scores_dot_tile(qp, kp, st, dim / 2, j0, r0, 1), r0 += 16;
+    }
+}
+#else
+#define DOT_PREFILL 0
+static void scores_dot(const uint32_t *qp, const uint16_t *const *kp, float *st, int dim, int j0, int rows) {
+    (void)qp, (void)kp, (void)st, (void)dim, (void)j0, (void)rows;
+    __builtin_trap(); /* never called: vector_task takes it only where DOT_PREFILL */
+}
+#endif
+
 /* A step's weighted values into rows r0 .. r0 + VROWS - 1 of o, dimensions 0 .. dim - 1. */
 static inline void values(const float *st, const float *vf, const float *corr, float *o, int dim, int r0, int ks) {
     int d = 0;
@@ -142,39 +185,60 @@ static inline void values(const float *st, const float *vf, const float *corr, f
         }
 }
 
-/* A task on vectors: each step's keys and values widened to float32, scores and values in FMA
-   tiles. Returns 0, or -2 when it could not allocate its buffers. */
-static int vector_task(const Call *c, int tile, int h, int rows) {
+/* A task's queries: float32 (scaled), [dim][ROWS], or, where its scores go by vdpbf16ps (`dot`), the
+   bfloat16 bits as pairs of dimensions, [dim / 2][ROWS] dwords; padding rows stay zero. */
+static void pack_queries(const Call *c, int tile, int h, int rows, int dot, float *qt) {
     int dim = c->dim;
+    float row_q[dim];
+    for (int r = 0; r < rows; r++) {
+        const char *q = (const char *)c->q + row_offset(c, tile, h, r, c->q_tok, c->q_head);
+        if (dot) {
+            uint32_t *qp = (uint32_t *)(void *)qt;
+            for (int i = 0; i < dim / 2; i++) memcpy(qp + i * ROWS + r, q + 4 * i, 4);
+            continue;
+        }
+        widen(q, c->dtype, row_q, dim);
+        for (int d = 0; d < dim; d++) qt[d * ROWS + r] = row_q[d] * c->scale;
+    }
+}
+
+/* A task on vectors: each step's values (and, but for `dot`, keys) widened to float32, scores and
+   values in FMA tiles; a bfloat16 pool's scores by vdpbf16ps where the CPU has it (`dot`: keys read
+   in place, a zero key standing in past the last). Returns 0, or -2 when it could not allocate. */
+static int vector_task(const Call *c, int tile, int h, int rows) {
+    int dim = c->dim, dot = DOT_PREFILL && c->dtype == 1 && dim % 2 == 0;
     float *buf = malloc(sizeof(float) * (size_t)(2 * ROWS * dim + 2 * KSTEP * dim + KSTEP * ROWS));
     if (buf == NULL) return -2;
     float *qt = buf, *o = qt + ROWS * dim, *kf = o + ROWS * dim, *vf = kf + KSTEP * dim, *st = vf + KSTEP * dim;
-    float m[ROWS], l[ROWS], corr[ROWS], row_q[dim];
+    float m[ROWS], l[ROWS], corr[ROWS];
     int32_t pos[ROWS];
+    const uint16_t *kp[KSTEP];
     memset(qt, 0, sizeof(float) * ROWS * dim);
     memset(o, 0, sizeof(float) * ROWS * dim);
+    if (dot) memset(kf, 0, sizeof(float) * (size_t)dim); /* the zero key */
     start_rows(c, tile, rows, pos, m, l);
-    for (int r = 0; r < rows; r++) {
-        widen((const char *)c->q + row_offset(c, tile, h, r, c->q_tok, c->q_head), c->dtype, row_q, dim);
-        for (int d = 0; d < dim; d++) qt[d * ROWS + r] = row_q[d] * c->scale;
-    }
+    pack_queries(c, tile, h, rows, dot, qt);
     int64_t last = pos[rows - 1], lo = c->window > 0 && pos[0] >= c->window ? pos[0] - c->window + 1 : 0;
     for (int64_t p0 = lo / KSTEP * KSTEP; p0 <= last; p0 += KSTEP) {
         for (int j = 0; j < KSTEP; j++) { /* this step's keys and values; zeros past `last` */
             int64_t p = p0 + j;
             if (p > last) {
-                memset(kf + j * dim, 0, sizeof(float) * (size_t)dim);
+                if (dot) kp[j] = (const uint16_t *)(const void *)kf;
+                else memset(kf + j * dim, 0, sizeof(float) * (size_t)dim);
                 memset(vf + j * dim, 0, sizeof(float) * (size_t)dim);
                 continue;
             }
             int64_t at = (c->table[p / c->block_size] * c->blk_stride + (p % c->block_size) * c->tok_stride
                           + h * c->head_stride) * c->elem;
-            widen((const char *)c->k + at, c->dtype, kf + j * dim, dim);
+            if (dot) kp[j] = (const uint16_t *)(const void *)((const char *)c->k + at);
+            else widen((const char *)c->k + at, c->dtype, kf + j * dim, dim);
             widen((const char *)c->v + at, c->dtype, vf + j * dim, dim);
         }
-        for (int j0 = 0; j0 < KSTEP; j0 += 6) /* padding rows past `rows`: only to the tile's edge */
-            scores(kf, qt, st, dim, j0, rows);
-        softmax_step(st, m, l, corr, pos, p0, KSTEP, c->window, c->softcap, 1.0f);
+        for (int j0 = 0; j0 < KSTEP; j0 += 6) { /* padding rows past `rows`: only to the tile's edge */
+            if (dot) scores_dot((const uint32_t *)(const void *)qt, kp, st, dim, j0, rows);
+            else scores(kf, qt, st, dim, j0, rows);
+        }
+        softmax_step(st, m, l, corr, pos, p0, KSTEP, c->window, c->softcap, dot ? c->scale : 1.0f);
         for (int r0 = 0; r0 < rows; r0 += VROWS) values(st, vf, corr, o, dim, r0, KSTEP);
     }
     for (int r = 0; r < rows; r++) finish_row(c, tile, h, r, o + r * dim, 1, l[r]);

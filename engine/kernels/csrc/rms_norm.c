@@ -90,7 +90,7 @@ NO_CONTRACT static void norm_row(const float *x, const float *w, float eps, floa
 
 void pd_rms_norm(const float *x, int64_t x_stride, const float *w, float eps, float *out, int64_t out_stride,
                  int rows, int n, int threads) {
-    _Pragma("omp parallel for schedule(static) if(rows >= 32) num_threads(threads)")
+    _Pragma("omp parallel for schedule(static) if((int64_t)rows * n >= PD_SPLIT_VALUES) num_threads(threads)")
     for (int r = 0; r < rows; r++) norm_row(x + r * x_stride, w, eps, out + r * out_stride, n);
 }
 
@@ -113,7 +113,7 @@ NO_CONTRACT static void norm_row_bf16(const uint16_t *x, const uint16_t *w, floa
 
 void pd_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, float eps, uint16_t *out,
                       int64_t out_stride, int rows, int n, int threads) {
-    _Pragma("omp parallel for schedule(static) if(rows >= 32) num_threads(threads)")
+    _Pragma("omp parallel for schedule(static) if((int64_t)rows * n >= PD_SPLIT_VALUES) num_threads(threads)")
     for (int r = 0; r < rows; r++) norm_row_bf16(x + r * x_stride, w, eps, out + r * out_stride, n);
 }
 
@@ -123,7 +123,7 @@ void pd_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *w, fl
    x, y, sum and out are `n` contiguous values, x_stride / y_stride / n apart. */
 void pd_add_rms_norm(const float *x, int64_t x_stride, const float *y, int64_t y_stride, const float *w, float eps,
                      float *sum, float *out, int rows, int n, int threads) {
-    _Pragma("omp parallel for schedule(static) if(rows >= 32) num_threads(threads)")
+    _Pragma("omp parallel for schedule(static) if((int64_t)rows * n >= PD_SPLIT_VALUES) num_threads(threads)")
     for (int r = 0; r < rows; r++) {
         const float *a = x + r * x_stride, *b = y + r * y_stride;
         float *s = sum + (int64_t)r * n;
@@ -134,7 +134,7 @@ void pd_add_rms_norm(const float *x, int64_t x_stride, const float *y, int64_t y
 
 void pd_add_rms_norm_bf16(const uint16_t *x, int64_t x_stride, const uint16_t *y, int64_t y_stride,
                           const uint16_t *w, float eps, uint16_t *sum, uint16_t *out, int rows, int n, int threads) {
-    _Pragma("omp parallel for schedule(static) if(rows >= 32) num_threads(threads)")
+    _Pragma("omp parallel for schedule(static) if((int64_t)rows * n >= PD_SPLIT_VALUES) num_threads(threads)")
     for (int r = 0; r < rows; r++) {
         const uint16_t *a = x + r * x_stride, *b = y + r * y_stride;
         uint16_t *s = sum + (int64_t)r * n;

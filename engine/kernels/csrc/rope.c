@@ -36,7 +36,7 @@ NO_CONTRACT static void rope_head(float *x, const float *c, const float *s, int 
 /* Every token's first `heads` heads through HEAD (rope_head or rope_head_bf16). */
 #define EVERY_HEAD(HEAD)                                                                            \
     int half = dim / 2;                                                                             \
-    _Pragma("omp parallel for schedule(static) if(tokens >= 64) num_threads(threads)")              \
+    _Pragma("omp parallel for schedule(static) if((int64_t)tokens * heads * dim >= PD_SPLIT_VALUES) num_threads(threads)") \
     for (int t = 0; t < tokens; t++)                                                                \
         for (int h = 0; h < heads; h++)                                                             \
             HEAD(x + t * tok_stride + (int64_t)h * dim, cos + t * cs_stride, sin + t * cs_stride, half);
