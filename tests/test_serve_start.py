@@ -38,7 +38,7 @@ def _config(tmp_path, llama_dir):
 
 @pytest.mark.parametrize("when", ["ray", "workers"])
 def test_sigterm_while_starting_stops_at_once_and_leaves_nothing(tmp_path, llama_dir, when):
-    marks = {"ray": ("raylet",), "workers": ("ray::PrefillWorker", "ray::DecodeWorker")}[when]
+    marks = {"ray": ("raylet",), "workers": ("ray::WorkerHost",)}[when]  # each pool worker: worker_host/host.py
     log = tmp_path / "serve.log"
     with log.open("w") as stderr:
         proc = subprocess.Popen([*PDSERVE, "serve", "--config", str(_config(tmp_path, llama_dir))],
