@@ -51,6 +51,20 @@ def _modules() -> dict[str, Path]:
     return found
 
 
+def _imports_any(path: Path, names: bool = False) -> set[str]:
+    """Every module `path` imports, at any depth; `names`: also module.name for each name taken
+    from a module (it may be a submodule)."""
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            out.add(node.module)
+            if names:
+                out |= {f"{node.module}.{a.name}" for a in node.names}
+    return out
+
+
 def _imports(path: Path) -> set[str]:
     """pdserve modules `path` imports, at any depth (lazy imports count too)."""
     return {m for m in _imports_any(path, names=True) if m.split(".")[0] in PACKAGES}
@@ -142,17 +156,3 @@ def test_no_test_imports_a_scripts_module():
     found = sorted(f"{path.name}: {dep}" for path in (ROOT / "tests").rglob("*.py")
                    for dep in _imports_any(path) if dep == "scripts" or dep.startswith("scripts."))
     assert not found, found
-
-
-def _imports_any(path: Path, names: bool = False) -> set[str]:
-    """Every module `path` imports, at any depth; `names`: also module.name for each name taken
-    from a module (it may be a submodule)."""
-    out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            out |= {a.name for a in node.names}
-        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-            out.add(node.module)
-            if names:
-                out |= {f"{node.module}.{a.name}" for a in node.names}
-    return out
