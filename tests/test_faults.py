@@ -70,8 +70,9 @@ def _stream_and_kill(client: Client, cluster: LocalCluster, prompt, kill_after: 
         tokens.extend(msg.token_ids)
         last = msg
         if i == kill_after:
-            live = [w for w in cluster.router.lives.values()]
-            holder = live[0].decode
+            # this request's life: the one streaming (another test's may still be ending)
+            holder = next(life.decode for life in cluster.router.lives.values()
+                          if life.decode is not None and life.output_token_ids and not life.ended)
             killed = holder.name
             ray.kill(holder.actor, no_restart=True)
     return tokens, last, killed
