@@ -63,7 +63,11 @@ class KVHandoff:
         if self.requests or self.reserved or +self.pinned:
             raise RuntimeError(f"reset_cache with {len(self.requests)} requests, {len(self.reserved)} "
                                f"reservations and {sum(self.pinned.values())} pins held: drain first")
-        self.allocator = BlockAllocator(self.allocator.num_blocks, enable_caching=self.config.enable_prefix_caching)
+        self._new_ledger(self.allocator.num_blocks)
+
+    def _new_ledger(self, num_blocks: int) -> None:
+        """Every block of the pool free and uncached, with a scheduler over them."""
+        self.allocator = BlockAllocator(num_blocks, enable_caching=self.config.enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.allocator)
 
     def release(self, request_id: str) -> None:

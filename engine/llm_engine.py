@@ -28,11 +28,10 @@ from engine.config import EngineConfig
 from engine.detokenizer import IncrementalDetokenizer, NoText
 from engine.handoff import KVHandoff
 from engine.isolation import ForwardFailed, isolate
-from engine.kv_cache import BlockAllocator
 from engine.model_runner import ModelRunner
 from engine.request import Request, ScheduledItem, Status
 from engine.sampler import sample_isolated
-from engine.scheduler import PrefixStats, Scheduler
+from engine.scheduler import PrefixStats
 from engine.telemetry import StepLog
 from protocol import clock
 from protocol.errors import InvalidRequest
@@ -75,8 +74,7 @@ class LLMEngine(KVHandoff):
         else:
             self.tokenizer, self.eos_token_ids = None, frozenset()
         self.validator = RequestValidator(self.tokenizer, self.vocab_size, self.max_model_len)
-        self.allocator = BlockAllocator(self.runner.num_blocks, enable_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.allocator)
+        self._new_ledger(self.runner.num_blocks)
         self.requests: dict[str, Request] = {}
         self.reserved: dict[str, list[int]] = {}
         self.pinned: Counter[int] = Counter()  # references held by KV sends reading the blocks
