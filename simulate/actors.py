@@ -64,13 +64,14 @@ class SimActors:
     `ledger`: each one's life on the virtual clock (simulate/accounting.py)."""
 
     def __init__(self, emulation: Emulation, shape: ModelShape, block_size: int, rpc_s: float = RPC_S,
-                 spread: Callable[[str, int, bool], float] | None = None):
+                 spread: Callable[[str, int, bool], float] | None = None,
+                 handoff: Callable[[str], float] | None = None):
         self.emulation = emulation
         self.spread = spread  # a real host's step spread (simulate/serving.py), given to every engine loop
         self.shape = shape
         self.block_size = block_size
         self.rpc_s = rpc_s
-        self.link = SimLink(emulation, block_size)
+        self.link = SimLink(emulation, block_size, handoff)
         self.workers: dict[str, Any] = {}
         self.ledger = WorkerLedger()
 

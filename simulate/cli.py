@@ -280,10 +280,13 @@ def format_error(error: dict[str, Any]) -> list[str]:
                             ("vs_real", "calibrated", "vs the real CPU cluster, profile fitted to its steps"),
                             ("vs_real", "served", "vs the real CPU cluster, steps and serving path fitted")):
         rows = (error.get(ref) or {}).get(key) or {}
-        if rows:
-            worst = {k: max((r[k]["error"] for r in rows.values() if r[k]["error"] is not None), key=abs)
+        fair = {name: r for name, r in rows.items() if not r.get("reference_disturbed")}
+        if fair:
+            worst = {k: max((r[k]["error"] for r in fair.values() if r[k]["error"] is not None), key=abs)
                      for k in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")}
             lines.append(f"  {label} (worst arrangement): " + ", ".join(f"{k} {v:+.0%}" for k, v in worst.items()))
+        lines += [f"  {label}, {name}: left out, the reference run was disturbed ({r['reference_disturbed']})"
+                  for name, r in rows.items() if r.get("reference_disturbed")]
     return lines
 
 

@@ -66,8 +66,30 @@ def compare(reference: dict, simulated: dict) -> dict:
             row[f"{metric[:-3]}_{q}"] = {"reference_ms": r, "simulated_ms": s,
                                           "error": None if not r else s / r - 1}
         row["failed"] = {"reference": ref["num_errors"], "simulated": sim["num_errors"]}
+        disturbed = _disturbed(reference, name)
+        if disturbed:  # the reference lost a worker: its figures are no measure of the simulator's error
+            row["reference_disturbed"] = disturbed
         out[name] = row
     return out
+
+
+def _disturbed(reference: dict, name: str) -> str | None:
+    """Why a reference run's arrangement is not a fair reference (a worker restarted, requests
+    failed), or None."""
+    pools = (((reference.get("cluster") or {}).get("status") or {}).get(name) or {}).get("pools") or []
+    restarts = sum(int(p.get("restarts") or 0) for p in pools)
+    failures = [_failure(p["last_failure"]) for p in pools if p.get("last_failure")]
+    errors = reference["arrangements"][name].get("num_errors") or 0
+    if not restarts and not errors:
+        return None
+    return f"{restarts} worker restart(s), {errors} request(s) failed" + (f"; {'; '.join(failures)}" if failures else "")
+
+
+def _failure(text: str) -> str:
+    worker, _, why = text.partition(": ")
+    if "out of memory" in why:
+        why = "killed by Ray's memory monitor (the host ran out of memory)"
+    return f"{worker}: {why[:120]}"
 
 
 def vs_emulated(work: Path, k: float) -> dict:

@@ -85,8 +85,9 @@ async def _run(config: ClusterConfig, emulation: Emulation, workload: Workload, 
     if rpc_s is None and serving is not None:
         rpc_s = serving.rpc_s
     spread = None if serving is None else functools.partial(serving.step_factor, seed)
+    handoff = None if serving is None else functools.partial(serving.handoff, seed)
     actors = SimActors(emulation, shape, config.kv_cache.block_size, **({} if rpc_s is None else {"rpc_s": rpc_s}),
-                       spread=spread)
+                       spread=spread, handoff=handoff)
     rng = random.Random(seed)
     router = Router(config, actors=actors, validator=_validator(shape, config), nonce=lambda: f"{rng.getrandbits(64):016x}")
     await router.start()

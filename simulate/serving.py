@@ -17,7 +17,11 @@ adds around them, from the same run's records (bench's requests.jsonl and steps.
   client. A request's tokens after its first come from consecutive decoding steps of its
   worker (a prompt-only step between them decodes nothing); aligning them (the alignment with
   the least spread) gives each token's delay past its step, whatever the offset between the
-  client's and the worker's clocks (it cancels).
+  client's and the worker's clocks (it cancels);
+- `handoff_s`: how much longer a disaggregated request's first decode gap (its token after the KV
+  hand-off: `K` in `usage.token_steps`) took than its own median decode gap. The start call, the KV
+  over gloo and the decode worker's first step of it each take the host's contention once more, so
+  this gap has a tail of its own (up to 300+ ms on a loaded host where a decode gap's p99 is ~90).
 
 The spreads are kept as quantiles; a simulation draws from them by a hash of (seed, worker, step)
 or (seed, request, token): no random state, so one seed gives one run.
@@ -46,6 +50,7 @@ class ServingFit:
     rpc_s: float
     step_ratio: dict[str, tuple[float, ...]]  # "decode" | "prefill" -> QUANTILES quantiles of host / model
     delivery_s: tuple[float, ...]  # QUANTILES quantiles of a token's delay past its request's fastest
+    handoff_s: tuple[float, ...]  # QUANTILES quantiles of a hand-off gap's excess over its request's median gap
     requests: int
     steps: int
 
@@ -54,13 +59,19 @@ class ServingFit:
         return (f"serving path fitted to {self.requests} requests and {self.steps} steps: door {self.door_s * 1e3:.2f} ms, "
                 f"call {self.rpc_s * 1e3:.2f} ms each way, step time x model: decode {ratio['decode']}, "
                 f"prefill {ratio['prefill']}, token delivery +{_at(self.delivery_s, 0.5) * 1e3:.2f} ms "
-                f"(p99 +{_at(self.delivery_s, 0.99) * 1e3:.2f} ms)")
+                f"(p99 +{_at(self.delivery_s, 0.99) * 1e3:.2f} ms), hand-off gap past its median "
+                f"p99 +{(_at(self.handoff_s, 0.99) - _at(self.handoff_s, 0.5)) * 1e3:.2f} ms")
 
     def step_factor(self, seed: int, worker: str, step: int, prefill: bool) -> float:
         return _draw(self.step_ratio["prefill" if prefill else "decode"], seed, "step", worker, step)
 
     def delivery(self, seed: int, request_id: str, token: int) -> float:
         return _draw(self.delivery_s, seed, "token", request_id, token)
+
+    def handoff(self, seed: int, request_id: str) -> float:
+        """The hand-off's delay past its median for one request (>= 0): the cluster's own calls and
+        the link model already give the median hand-off, so only the tail above it is added."""
+        return max(0.0, _draw(self.handoff_s, seed, "handoff", request_id) - _at(self.handoff_s, 0.5))
 
     @property
     def intake_s(self) -> float:
@@ -115,6 +126,7 @@ def fit_serving(run_dir: Path, arrangement: str, cost: CostModel) -> ServingFit:
         door_s=statistics.median(r["ttft_ms"] - r["usage"]["ttft_ms"] for r in requests) / 1e3,
         rpc_s=max(0.0, statistics.median(map(_outside_worker_ms, requests)) / 2e3),
         step_ratio=_step_ratios(workers, back_to_back, cost), delivery_s=_quantiles(delays or [0.0]),
+        handoff_s=_quantiles(_handoff_excess(requests) or [0.0]),
         requests=len(requests), steps=len(steps))
 
 
@@ -128,6 +140,19 @@ def _outside_worker_ms(r: dict) -> float:
     worker = u["prefill_ms"] if u.get("prefill_worker") else \
         u["prefill_queue_ms"] + u["prefill_compute_ms"] + u["kv_wait_ms"]
     return u["ttft_ms"] - u["queue_ms"] - worker
+
+
+def _handoff_excess(requests: list[dict]) -> list[float]:
+    """Each disaggregated request's hand-off gap (its `K` token) less its median decode gap."""
+    out = []
+    for r in requests:
+        kinds = r["usage"].get("token_steps", "")
+        times = np.repeat(np.asarray(r["message_times_s"], dtype=float), np.asarray(r["message_tokens"], dtype=int))
+        gaps = np.diff(times)
+        if len(kinds) != len(times) or "K" not in kinds[1:2] or len(gaps) < 3:
+            continue
+        out.append(float(gaps[0] - np.median(gaps[1:])))
+    return out
 
 
 def _quantiles(values: list[float]) -> tuple[float, ...]:

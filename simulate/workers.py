@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,15 +37,18 @@ from worker_runtime.tombstones import Tombstones
 
 class SimLink:
     """Every prefill -> decode wire of the cluster; `workers`: name -> live simulated decode worker.
-    Each pair's wire carries one piece at a time, in the order they were sent."""
+    Each pair's wire carries one piece at a time, in the order they were sent. `handoff`: a
+    request's extra delay on its first piece (a real host's hand-off spread, simulate/serving.py)."""
 
-    def __init__(self, emulation: Emulation, block_size: int):
+    def __init__(self, emulation: Emulation, block_size: int, handoff: Callable[[str], float] | None = None):
         self.bytes_per_block = block_size * emulation.cost.kv_bytes_per_token
         self.model = emulation.link
         self.workers: dict[str, SimDecodeWorker] = {}
         self._queues: dict[tuple[str, str], deque[_Piece]] = {}
         self.pieces = 0
         self.busy_s = 0.0
+        self.handoff = handoff
+        self._begun: set[str] = set()  # requests whose first piece has gone (their hand-off spread paid)
 
     def send(self, sender: str, peer: str, request_id: str, block_ids: list[int], first_block: int) -> asyncio.Future:
         """A piece on the pair's wire after the pieces before it; the future ends when it landed
@@ -65,6 +69,9 @@ class SimLink:
         took = self.model.transfer_s(len(piece.block_ids) * self.bytes_per_block)
         self.pieces += 1
         self.busy_s += took
+        if self.handoff is not None and piece.request_id not in self._begun:  # the wire waits it out too
+            self._begun.add(piece.request_id)
+            took += self.handoff(piece.request_id)
         asyncio.get_running_loop().call_later(took, self._land, queue, decode, dst)
 
     def _land(self, queue: deque[_Piece], decode: SimDecodeWorker | None, dst: list[int] | None) -> None:

@@ -47,6 +47,39 @@ def _write_run(path: Path, cost) -> None:
     (path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in requests))
 
 
+def test_the_fit_recovers_a_known_hand_off_gap(h100, tmp_path):
+    """Each request's first decode gap (`K`, after the KV hand-off) past its median decode gap:
+    every request's first token is 50 ms before its first decode step, 1 ms after it (_write_run): a 51 ms hand-off excess; request 1 91 ms."""
+    _, em = h100
+    _write_run(tmp_path, em.cost)
+    rows = [json.loads(line) for line in (tmp_path / "requests.jsonl").read_text().splitlines()]
+    for i, r in enumerate(rows):
+        r["usage"]["token_steps"] = "FKDDD"
+        if i == 1:
+            r["message_times_s"][0] -= 0.04  # the first token 40 ms earlier: a 40 ms longer hand-off gap
+    (tmp_path / "requests.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    fit = fit_serving(tmp_path, "d", em.cost)
+    median = fit.handoff_s[QUANTILES // 2]
+    assert median == pytest.approx(0.051, abs=1e-6) and fit.handoff_s[-1] - median == pytest.approx(0.04, abs=1e-6)
+    assert sorted(fit.handoff(0, f"r{i}") for i in range(50))[-1] > 0  # a draw past the median adds its excess
+
+
+def test_a_hand_off_spread_delays_the_token_after_the_hand_off_only(h100):
+    """A hand-off table whose upper half is 50 ms past its median: each request's token after the
+    KV hand-off comes 0 or up to 50 ms later than without it (its draw), every later gap unchanged."""
+    cfg, em = h100
+    plain = _flat(0.003, 0.004, 1.0)
+    spread = dataclasses.replace(plain, handoff_s=tuple(0.0 if q <= QUANTILES // 2 else 0.05 for q in range(QUANTILES)))
+    base, late = (_two_requests(cfg, em, fit, seed=1, n=8) for fit in (plain, spread))
+    added = []
+    for a, b in zip(base, late, strict=True):
+        assert b.message_times_s[0] == pytest.approx(a.message_times_s[0], abs=1e-9)
+        added.append(round((b.message_times_s[1] - b.message_times_s[0]) - (a.message_times_s[1] - a.message_times_s[0]), 9))
+        gaps = [[y - x for x, y in zip(r.message_times_s[1:], r.message_times_s[2:], strict=False)] for r in (a, b)]
+        assert gaps[1] == pytest.approx(gaps[0], abs=1e-9)
+    assert all(0.0 <= a <= 0.05 for a in added) and 0.0 in added and max(added) > 0.04  # drawn per request
+
+
 def test_the_fit_recovers_a_known_serving_path(h100, tmp_path):
     _, em = h100
     _write_run(tmp_path, em.cost)
@@ -62,12 +95,12 @@ def test_the_fit_recovers_a_known_serving_path(h100, tmp_path):
 
 def _flat(door_s: float, rpc_s: float, ratio: float) -> ServingFit:
     return ServingFit(door_s, rpc_s, {"decode": (ratio,) * QUANTILES, "prefill": (ratio,) * QUANTILES},
-                      (0.0,) * QUANTILES, 1, 1)
+                      (0.0,) * QUANTILES, (0.0,) * QUANTILES, 1, 1)
 
 
-def _two_requests(cfg, em, serving, seed=0):
-    """Two requests of 200 prompt tokens a second apart on an idle 1P+1D cluster: their records."""
-    specs = [RequestSpec(f"r{i}", float(i), tuple(range(1000 + i, 1200 + i)), 5) for i in (0, 1)]
+def _two_requests(cfg, em, serving, seed=0, n=2):
+    """`n` requests of 200 prompt tokens a second apart on an idle 1P+1D cluster: their records."""
+    specs = [RequestSpec(f"r{i}", float(i), tuple(range(1000 + i, 1200 + i)), 5) for i in range(n)]
     disaggregated = dataclasses.replace(cfg, mode="disaggregated")
     return simulate(disaggregated, em, make_workload("two", specs, None, {}), "d", seed=seed, serving=serving).records
 
