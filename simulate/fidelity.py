@@ -251,7 +251,7 @@ def _table(result: dict) -> str:
         lines.append(f"{entry}:  (reference / simulated ms, error)")
         for name, row in value["arrangements"].items():
             cells = [f"{k} {v['reference_ms']:.1f}/{v['simulated_ms']:.1f} {v['error']:+.1%}"
-                     for k, v in row.items() if k != "failed"]
+                     for k, v in row.items() if k not in ("failed", "reference_disturbed")]
             lines.append(f"  {name:<16} " + "; ".join(cells))
     return "\n".join(lines)
 

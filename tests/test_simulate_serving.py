@@ -129,3 +129,28 @@ def test_the_spread_is_drawn_by_the_seed(h100, tmp_path):
     gaps = [b - a for a, b in zip(runs[0].message_times_s, runs[0].message_times_s[1:], strict=False)]
     plain = [em.cost.step_s((StepItem(1, 201 + i),)) for i in range(4)]
     assert len({round(g / p, 6) for g, p in zip(gaps[1:], plain[1:], strict=True)}) > 1  # not one factor
+
+
+def test_a_reference_that_lost_workers_is_marked_and_left_out_of_the_printed_error():
+    """A real run where Ray's memory monitor killed a worker measures a broken cluster, not the
+    simulator's error: compare() marks it and `pdserve simulate`'s error line leaves it out."""
+    from simulate.cli import format_error
+    from simulate.fidelity import compare
+
+    def figures(ms):
+        return {m: {"p50": ms, "p99": 2 * ms} for m in ("ttft_ms", "itl_ms")} | {"num_errors": 0}
+    oom = ("decode-0: Refer to the documentation on how to address the out of memory issue: https://docs.ray.io/"
+           "en/latest/ray-observability/user-guides/debug-apps/debug-memory.html")
+    real = {"arrangements": {"disaggregated": figures(100.0), "colocated": figures(100.0) | {"num_errors": 9}},
+            "cluster": {"status": {"colocated": {"pools": [{"pool": "decode", "restarts": "2", "last_failure": oom}]},
+                                   "disaggregated": {"pools": [{"pool": "decode", "restarts": "0", "last_failure": ""}]}}}}
+    sim = {"arrangements": {"disaggregated": figures(110.0), "colocated": figures(300.0)}}
+    rows = compare(real, sim)
+    assert "reference_disturbed" not in rows["disaggregated"]
+    assert rows["colocated"]["reference_disturbed"] == ("2 worker restart(s), 9 request(s) failed; decode-0: killed by "
+                                                        "Ray's memory monitor (the host ran out of memory)")
+    lines = format_error({"measured": "now", "vs_real": {"served": rows}})
+    assert lines[1] == ("  vs the real CPU cluster, steps and serving path fitted (worst arrangement): "
+                        "ttft_p50 +10%, ttft_p99 +10%, itl_p50 +10%, itl_p99 +10%")
+    assert lines[2].startswith("  vs the real CPU cluster, steps and serving path fitted, colocated: left out, "
+                               "the reference run was disturbed (2 worker restart(s)")
