@@ -8,8 +8,9 @@ same total worker count (`--arrangements`), or the disaggregated cluster once pe
 policy at the same prefill + decode workers (`--policies`), every one with cold caches.
 The report names what limits each run's p99 TTFT and ITL, ranks the runs at equal worker count
 (goodput, SLO attainment, tokens per worker-second, cost with --cost-per-worker-hour) and
-recommends one; `--report FILE.html` writes it as one page. Input and connection problems exit
-2 with one line.
+recommends one; `--report FILE.html` writes it as one page. `--autoscale` replays once with the
+planner on and once per `--statics` arrangement (bench/autoscale_live.py). Input and connection
+problems exit 2 with one line.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from bench import autoscale_live
 from bench.arrangements import ARRANGEMENTS
 from bench.bottleneck import collect_steps
 from bench.capacity import CLAMP_OPTION, fit, worker_capacity
@@ -91,6 +93,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     credentials.add_flags(parser)
     _add_workload_options(parser)
     _add_report_options(parser)
+    autoscale_live.add_options(parser)
     parser.set_defaults(func=run)
     return parser
 
@@ -209,6 +212,8 @@ def run(args: argparse.Namespace) -> int:
         if args.emulate:
             base = emulated_config(base, *parse_emulate(args.emulate), args.emulate_time_scale, args.config)
         workload = _fitted(args, build_workload(_workload_options(args, _model_limits(base))), base, runs)
+        if args.autoscale:
+            return autoscale_live.run(args, base, workload, slo)
         records, cluster, steps = _measure(args, workload, base, runs)
     except BenchError as err:
         print(f"pdserve bench: {err}", file=sys.stderr)
@@ -322,6 +327,8 @@ def _cluster_runs(args: argparse.Namespace) -> list[str]:
                          "and --prefill-workers; the rest decode)")
     if args.emulate_time_scale is not None and not args.emulate:
         raise BenchError("--emulate-time-scale needs --emulate")
+    if autoscale_live.check_flags(args):
+        return ["autoscaled"]
     if not args.config:
         if args.emulate:
             given.append("--emulate")

@@ -31,6 +31,7 @@ from router.frontdoor.tls import open_gate, server_ssl_context
 from router.lifecycle.service import Router
 from router.observability.metrics import RouterMetrics
 from router.observability.metrics_server import start_metrics_server
+from router.pools.actors import Actors
 
 log = logging.getLogger(__name__)
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -91,11 +92,11 @@ def _check_answers(address: str) -> None:
 class RunningCluster:
     """A router, its servers and its pools inside one asyncio loop."""
 
-    def __init__(self, cfg: ClusterConfig, insecure: bool = False):
+    def __init__(self, cfg: ClusterConfig, insecure: bool = False, actors: Actors | None = None):
         self.cfg = cfg
         self.gate, self.refusals = open_gate(cfg, insecure), Refusals()  # refuses an open listener first
         self.metrics = RouterMetrics()
-        self.router = Router(cfg, self.metrics)
+        self.router = Router(cfg, self.metrics, actors)
         r = cfg.router
         self.server = RouterServer(self.router, r.host, r.port, self.gate, r.tls, self.refusals)
         self.metrics_server = None
@@ -135,10 +136,11 @@ class RunningCluster:
         return self.gate.reload()
 
 
-async def _serve(cfg: ClusterConfig, on_ready, stop: asyncio.Event, insecure: bool = False) -> None:
+async def _serve(cfg: ClusterConfig, on_ready, stop: asyncio.Event, insecure: bool = False,
+                 actors: Actors | None = None) -> None:
     """Start, serve until `stop`, stop. A stop while the pools still start ends the start: each
     worker not ready yet is killed (router/pools/manager.py), the ready ones stop as at any stop."""
-    cluster = RunningCluster(cfg, insecure)
+    cluster = RunningCluster(cfg, insecure, actors)
     try:
         if await _until_stopped(cluster.start(), stop):
             log.info("stopped while starting")
@@ -263,11 +265,15 @@ async def _main(cfg: ClusterConfig, on_ready, insecure: bool) -> None:
 
 
 class LocalCluster:
-    """`with LocalCluster(cfg) as c: c.address` — a whole cluster on a background thread."""
+    """`with LocalCluster(cfg) as c: c.address` — a whole cluster on a background thread.
+    `actors`: how the pool manager starts and kills workers (default Ray's; `pdserve bench
+    --autoscale` records each worker's life through it)."""
 
-    def __init__(self, cfg: ClusterConfig, start_timeout_s: float = 120.0, insecure: bool = False):
+    def __init__(self, cfg: ClusterConfig, start_timeout_s: float = 120.0, insecure: bool = False,
+                 actors: Actors | None = None):
         self.cfg = cfg
         self.insecure = insecure
+        self.actors = actors
         self.timeout = start_timeout_s
         self.cluster: RunningCluster | None = None
         self._ready = threading.Event()
@@ -317,7 +323,7 @@ class LocalCluster:
         async def main() -> None:
             self._loop = asyncio.get_running_loop()
             self._stop = asyncio.Event()
-            await _serve(self.cfg, self._on_ready, self._stop, self.insecure)
+            await _serve(self.cfg, self._on_ready, self._stop, self.insecure, self.actors)
 
         try:
             asyncio.run(main())

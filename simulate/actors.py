@@ -16,9 +16,7 @@ from typing import Any
 
 import ray.exceptions
 
-from protocol import clock
 from router.config.schema import PoolSection
-from simulate.accounting import WorkerLedger
 from simulate.engine import SimRunner
 from simulate.workers import SimLink, SimWorkerHost
 from sizing.cost_model import Emulation
@@ -60,8 +58,8 @@ class _Method:
 
 
 class SimActors:
-    """Starts simulated workers for the pool manager; `workers`: every one started, by name;
-    `ledger`: each one's life on the virtual clock (simulate/accounting.py)."""
+    """Starts simulated workers for the pool manager; `workers`: every one started, by name (each
+    one's life on the virtual clock: bench/accounting.py's `RecordingActors` around this)."""
 
     def __init__(self, emulation: Emulation, shape: ModelShape, block_size: int, rpc_s: float = RPC_S,
                  spread: Callable[[str, int, bool], float] | None = None,
@@ -73,7 +71,6 @@ class SimActors:
         self.rpc_s = rpc_s
         self.link = SimLink(emulation, block_size, handoff)
         self.workers: dict[str, Any] = {}
-        self.ledger = WorkerLedger()
 
     def start(self, cls: type, sec: PoolSection, env: dict[str, str], args: tuple) -> SimHandle:
         """`cls`: the pool manager's `WorkerHost`, whose simulated twin (`SimWorkerHost`) starts."""
@@ -83,13 +80,11 @@ class SimActors:
         worker = SimWorkerHost(pool, name, engine, self.emulation, runner, self.link, transfer)
         worker.core.loop.spread = self.spread
         self.workers[name] = worker
-        self.ledger.started(name, pool, clock.now())  # the pool it starts in (a role change later is not split)
         return SimHandle(worker, self.rpc_s)
 
     def kill(self, actor: SimHandle) -> None:
         if not actor.dead:
             actor.dead = True
-            self.ledger.stopped(actor.worker.core.name, clock.now())
             actor.worker.core.stop()
             self.link.workers.pop(actor.worker.core.name, None)
 

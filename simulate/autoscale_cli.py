@@ -14,11 +14,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from bench.accounting import USD_PER_HOUR
+from bench.autoscale_compare import autoscaled_config, format_comparison
 from bench.errors import BenchError
 from bench.workload import Workload
 from router.config.schema import ClusterConfig
-from simulate.accounting import USD_PER_HOUR
-from simulate.autoscale import autoscaled_config, compare, format_comparison, static_configs
+from simulate.autoscale import compare, static_configs
 from sizing.cost_model import Emulation
 
 

@@ -29,11 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.accounting import USD_PER_HOUR
 from bench.metrics import parse_slo
 from bench.presets import WorkloadOptions, build_workload
 from bench.workload import Workload
 from router.config.loader import load_config
-from simulate.accounting import USD_PER_HOUR
 from simulate.autoscale import _one, static_configs
 from simulate.cli import emulated
 

@@ -22,6 +22,7 @@ from typing import Any
 
 import looptime
 
+from bench.accounting import RecordingActors, WorkerLedger
 from bench.bottleneck import step_records_to_dicts
 from bench.metrics import RequestRecord
 from bench.workload import RequestSpec, Workload
@@ -31,7 +32,6 @@ from protocol.validation import RequestValidator
 from router.config.schema import ClusterConfig
 from router.frontdoor.grpc_server import STATUS
 from router.lifecycle.service import Router
-from simulate.accounting import WorkerLedger
 from simulate.actors import SimActors
 from simulate.serving import ServingFit
 from sizing.cost_model import Emulation
@@ -88,8 +88,9 @@ async def _run(config: ClusterConfig, emulation: Emulation, workload: Workload, 
     handoff = None if serving is None else functools.partial(serving.handoff, seed)
     actors = SimActors(emulation, shape, config.kv_cache.block_size, **({} if rpc_s is None else {"rpc_s": rpc_s}),
                        spread=spread, handoff=handoff)
+    recording = RecordingActors(actors)  # every worker's life, for the worker-hours
     rng = random.Random(seed)
-    router = Router(config, actors=actors, validator=_validator(shape, config), nonce=lambda: f"{rng.getrandbits(64):016x}")
+    router = Router(config, actors=recording, validator=_validator(shape, config), nonce=lambda: f"{rng.getrandbits(64):016x}")
     await router.start()
     t0 = clock.now()
     client = _Client(router, label, t0, serving, seed)
@@ -112,7 +113,7 @@ async def _run(config: ClusterConfig, emulation: Emulation, workload: Workload, 
     workers = {name: ("prefill" if name.startswith("prefill") else "decode") for name in actors.workers}
     await _teardown(router, actors)
     link = {"pieces": actors.link.pieces, "busy_s": actors.link.busy_s}
-    return SimRun(records, steps, simulated, 0.0, workers, link, checks, actors.ledger, t0, decisions)
+    return SimRun(records, steps, simulated, 0.0, workers, link, checks, recording.ledger, t0, decisions)
 
 
 def planner_decisions(router: Router) -> list[dict] | None:

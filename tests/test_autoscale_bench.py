@@ -1,5 +1,5 @@
-"""What a simulated cluster cost (simulate/accounting.py), the autoscaling comparison's verdict and
-schema (simulate/autoscale.py), and the presets it replays (bench/swings.py).
+"""What a simulated cluster cost (bench/accounting.py), the autoscaling comparison's verdict and
+schema (bench/autoscale_compare.py, simulate/autoscale.py), and the presets it replays (bench/swings.py).
 
 Reference checks: a pool manager scaled at chosen virtual times gives exactly the worker-seconds
 those times imply; a static cluster's mean workers are its size and its worker-hours its size x
@@ -19,15 +19,16 @@ from pathlib import Path
 import looptime
 import pytest
 
+from bench.accounting import Life, RecordingActors, WorkerLedger, figures, usage
+from bench.autoscale_compare import verdict
 from bench.errors import BenchError
 from bench.metrics import Slo
 from bench.presets import WorkloadOptions, build_workload
 from protocol import clock
 from router.config.loader import load_config
 from router.pools.manager import PoolManager
-from simulate.accounting import Life, WorkerLedger, figures, usage
 from simulate.actors import SimActors
-from simulate.autoscale import static_configs, verdict
+from simulate.autoscale import static_configs
 from simulate.cli import emulated
 from simulate.run import simulate
 
@@ -67,7 +68,7 @@ def test_a_pool_scaled_at_chosen_times_costs_exactly_those_worker_seconds(h100):
     t=40; the ledger reads the lives those calls imply, to the nanosecond."""
     cfg, em = h100
     cfg = _sized(cfg, 1, 1)
-    actors = SimActors(em, em.cost.shape, cfg.kv_cache.block_size, rpc_s=0.0)
+    actors = RecordingActors(SimActors(em, em.cost.shape, cfg.kv_cache.block_size, rpc_s=0.0))
 
     async def scenario() -> None:
         pools = PoolManager(cfg, actors)
@@ -145,7 +146,7 @@ def test_the_bursty_preset_swings_between_a_24th_of_its_rate_and_its_rate():
 def test_a_planner_run_counts_its_changes_and_the_pools_follow_them(h100):
     """The planner's own decisions are the scaling actions, and after each change the ledger shows
     the pool reaching the size it asked for (event order, not timing)."""
-    from simulate.autoscale import autoscaled_config
+    from bench.autoscale_compare import autoscaled_config
 
     cfg, em = h100
     cfg = autoscaled_config(_sized(cfg, 1, 1), prefill_max=6, decode_max=3, max_workers=8)

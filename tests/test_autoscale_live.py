@@ -1,20 +1,26 @@
 """The planner on a real cluster (real Ray actors, gRPC, KV channels; the tiny model on CPU): the
 same `Planner` object the simulator runs scales the prefill pool up when requests wait for a
 prefill past the TTFT SLO, every request's tokens still arrive, `pdserve status` and /metrics show
-the decision, and with traffic gone the pool drains back to its min with nothing lost. Config
-errors of `router.autoscale` exit 2 naming the key."""
+the decision, and with traffic gone the pool drains back to its min with nothing lost; the
+worker-hours ledger `pdserve bench --autoscale` keeps (bench/accounting.py) holds exactly the
+workers the pool manager started and stopped. Config errors of `router.autoscale` exit 2 naming
+the key."""
 
 from __future__ import annotations
 
+import logging
 import random
 import threading
+import time
 
 import pytest
 import yaml
 
+from bench.accounting import RecordingActors, scaling_actions, usage
 from cli.main import main as pdserve
 from client.grpc_client import format_status
 from router.launch import LocalCluster
+from router.pools.actors import RayActors
 from tests.cluster_util import Client, cluster_config, hold_engine, wait_until
 
 
@@ -40,14 +46,38 @@ def test_a_bad_autoscale_value_exits_2_naming_the_key(tmp_path, autoscale, messa
     assert code == 2 and len(err) == 1 and message in err[0], err
 
 
+class PoolEvents(logging.Handler):
+    """The pool manager's own "started NAME" / "stopped NAME" lines, stamped on the router's clock
+    as they are logged (right after the start's ready reply, right after the kill)."""
+
+    def __init__(self):
+        super().__init__()
+        self.events: list[tuple[str, str, float]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        what = record.getMessage().split()
+        if what[0] in ("started", "stopped"):
+            self.events.append((what[0], what[1], time.monotonic()))
+
+
 @pytest.fixture(scope="module")
 def autoscaled(no_shared_ray, llama_dir):
-    """1 + 1 workers, the planner on every 0.5 s with a 0.3 s TTFT SLO; prefill may grow to 2."""
+    """1 + 1 workers, the planner on every 0.5 s with a 0.3 s TTFT SLO; prefill may grow to 2.
+    Its workers' lives are recorded as `pdserve bench --autoscale` records them."""
     cfg = cluster_config(llama_dir, router={"call_timeout_s": 5, "drain_timeout_s": 5, "autoscale": {
         "enabled": True, "ttft_s": 0.3, "interval_s": 0.5, "prefill_max": 2, "decode_max": 1,
         "scale_up_cooldown_s": 1, "scale_down_cooldown_s": 3, "warmup_s": 0, "profile": "online"}})
-    with LocalCluster(cfg) as cluster:
-        yield cluster
+    events, manager = PoolEvents(), logging.getLogger("router.pools.manager")
+    manager.addHandler(events)
+    level, manager.level = manager.level, logging.INFO
+    actors = RecordingActors(RayActors())
+    try:
+        with LocalCluster(cfg, actors=actors) as cluster:
+            cluster.recorded, cluster.pool_events = actors, events.events
+            yield cluster
+    finally:
+        manager.removeHandler(events)
+        manager.setLevel(level)
 
 
 def test_the_planner_scales_a_live_pool_up_and_back_down(autoscaled):
@@ -73,3 +103,28 @@ def test_the_planner_scales_a_live_pool_up_and_back_down(autoscaled):
     assert down and router.pools.health["prefill"].target == 1
     assert client.many(prompts[:2], max_tokens=4, ignore_eos=True)[0]  # still serving after the drain
     client.close()
+
+
+def test_the_worker_hours_ledger_holds_exactly_the_pool_managers_starts_and_kills(autoscaled):
+    """After the scale up and back down above: one life per worker the pool manager started (its
+    start call before its "started" line), a stop for exactly the one it stopped (between the
+    scale-down decision and its "stopped" line), and the figures integrate those lives."""
+    ledger, events = autoscaled.recorded.ledger, list(autoscaled.pool_events)
+    started = [name for what, name, _ in events if what == "started"]
+    stopped = [name for what, name, _ in events if what == "stopped"]
+    assert [life.name for life in ledger.lives] == ["prefill-0", "decode-1", "prefill-2"] == sorted(
+        started, key=lambda n: int(n.split("-")[1]))
+    assert [life.pool for life in ledger.lives] == ["prefill", "decode", "prefill"]
+    assert [life.name for life in ledger.lives if life.stop is not None] == stopped == ["prefill-2"]
+    logged = {(what, name): at for what, name, at in events}
+    decisions = autoscaled.router.autoscaler.decisions
+    up = next(d for d in decisions if d.desired("prefill") == 2)
+    down = next(d for d in decisions if d.at > up.at and d.desired("prefill") == 1 and d.changed)
+    extra = ledger.lives[2]
+    assert up.at <= extra.start <= logged[("started", "prefill-2")]
+    assert down.at <= extra.stop <= logged[("stopped", "prefill-2")]
+    t0, end = max(ledger.lives[0].start, ledger.lives[1].start), time.monotonic()
+    used = usage(ledger, t0, end)
+    assert used["worker_hours"] == pytest.approx((2 * (end - t0) + extra.stop - extra.start) / 3600)
+    assert used["peak_workers"] == 3 and 2 < used["mean_workers"] < 3
+    assert scaling_actions(decisions, ledger, t0) == sum(d.changed for d in decisions) >= 2

@@ -1,8 +1,10 @@
-"""What a simulated cluster cost: every worker's life on the virtual clock, and the figures of it.
+"""What a cluster cost: every worker's life on the router's clock, and the figures of it.
 
-`WorkerLedger` is filled by SimActors: a worker's life begins when the pool manager asks for it
-(its weights load counts: a starting GPU is paid for) and ends when it is killed (stopped after a
-drain, failed, or a start that failed). `usage` integrates the lives over a window [t0, end]
+Shared by `pdserve simulate --autoscale` (virtual clock) and `pdserve bench --autoscale` (a live
+cluster). `RecordingActors` wraps the pool manager's `Actors` (Ray's, or simulate/actors.py's) and
+fills a `WorkerLedger`: a worker's life begins at the pool manager's start call (its weights load
+counts: a starting GPU is paid for) and ends at its kill (stopped after a drain, failed, or a start
+that failed); a role change keeps the life (the process lives on, in the pool it started in). `usage` integrates the lives over a window [t0, end]
 (the first arrival's origin to the last request's end): mean and peak workers, worker-hours, per
 pool and in total. `scaling_actions` counts the planner's decisions that changed a pool, or,
 for a cluster without a planner, the batches of workers started after t0 (replacements of the
@@ -11,10 +13,13 @@ dead included: a static cluster should read 0).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from bench.metrics import Slo, meets_slo, summarize_run
+from protocol import clock
+from router.config.schema import PoolSection
+from router.pools.actors import Actors
 
 # The price of one H100 SXM for an hour, on demand (late-2025 public cloud list prices run
 # $2-4; we state $2.99, the figure every comparison here uses unless --cost-per-worker-hour says otherwise).
@@ -69,6 +74,40 @@ class WorkerLedger:
         """Distinct (time, pool) at which workers were started after t0."""
         return len({(life.start, life.pool) for life in self.lives if life.start > t0})
 
+    def contracted(self, t0: float, k: float) -> WorkerLedger:
+        """The lives with every time's distance from `t0` divided by `k` (an emulated run at
+        time_scale k: back to emulated seconds)."""
+        def back(t: float | None) -> float | None:
+            return None if t is None else t0 + (t - t0) / k
+        return WorkerLedger([replace(life, start=back(life.start), stop=back(life.stop)) for life in self.lives])
+
+
+class RecordingActors:
+    """The pool manager's `Actors` (router/pools/actors.py) with each worker's life written into
+    `ledger` on the router's clock: from the start call to the kill. Everything else is `inner`'s."""
+
+    def __init__(self, inner: Actors):
+        self.inner = inner
+        self.ledger = WorkerLedger()
+        self._names: dict[int, tuple[Any, str]] = {}  # id(handle) -> (handle, the name it started as)
+
+    def start(self, cls: type, sec: PoolSection, env: dict[str, str], args: tuple) -> Any:
+        pool, name = args[0], args[1]  # PoolManager._start_one's (pool, name, engine, ...)
+        at = clock.now()
+        handle = self.inner.start(cls, sec, env, args)
+        self.ledger.started(name, pool, at)
+        self._names[id(handle)] = (handle, name)
+        return handle
+
+    def kill(self, actor: Any) -> None:
+        self.inner.kill(actor)
+        entry = self._names.pop(id(actor), None)
+        if entry is not None:
+            self.ledger.stopped(entry[1], clock.now())
+
+    def check_placeable(self, pool: str, sec: PoolSection, count: int) -> None:
+        self.inner.check_placeable(pool, sec, count)
+
 
 def _pool_usage(ledger: WorkerLedger, t0: float, end: float, pool: str | None) -> dict[str, float]:
     span = max(end - t0, 1e-9)
@@ -116,3 +155,10 @@ def figures(records: list, slo: Slo, ledger: WorkerLedger, t0: float, end: float
 def _attainment(records: list, slo: Slo, start: float, end: float) -> float | None:
     sent = [r for r in records if start <= r.send_s < end]
     return sum(meets_slo(r, slo) for r in sent) / len(sent) if sent else None
+
+
+def timeline(ledger: WorkerLedger, t0: float, end: float, decisions: list[dict] | None) -> dict[str, Any]:
+    """For the plot (simulate/autoscale_plot.py): each pool's workers alive and the planner's
+    decisions, in seconds from `t0`."""
+    return {"actual": {pool: [(t - t0, n) for t, n in ledger.changes(t0, end, pool)] for pool in ledger.pools()},
+            "decisions": [d | {"at": d["at"] - t0} for d in decisions or []]}
