@@ -1,4 +1,4 @@
-"""`pdserve` command line: serve, generate, chat, status, scale, convert-gguf, bench, plan, inspect, simulate.
+"""`pdserve` command line: serve, generate, chat, status, scale, role, convert-gguf, bench, plan, inspect, simulate.
 
 The CLI only maps flags onto the config and the gRPC API. Usage and config errors print one
 line naming the problem and exit 2; a failed RPC prints its status and exits 1.
@@ -58,6 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_chat(sub)
     _add_status(sub)
     _add_scale(sub)
+    _add_role(sub)
     _add_convert(sub)
     bench_cli.add_parser(sub)
     plan_cli.add_parser(sub)
@@ -225,6 +226,31 @@ def _scale(args: argparse.Namespace) -> int:
     changes += [f"drained and stopped {', '.join(resp.stopped)}"] if resp.stopped else []
     print(f"{resp.pool} pool has {resp.replicas} workers ({'; '.join(changes) or 'no change'}) "
           f"after {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+def _add_role(sub) -> None:
+    p = sub.add_parser("role", help="move a live worker to the other pool, its weights kept loaded (drained first)",
+                       description="Move a live worker to the other pool without a restart: it is drained (what it "
+                                   "holds finishes), its KV ledger reset, and it serves the other role under a new "
+                                   "name (`pdserve status` lists it). Exit 1 with the status when the router "
+                                   "refuses: NOT_FOUND (no live worker of that name), FAILED_PRECONDITION (the last "
+                                   "ready worker of its pool, pools placed differently, colocated mode; with "
+                                   "--if-idle, a worker that holds requests or KV), ABORTED (the change failed on "
+                                   "the worker, which was stopped and is replaced).")
+    p.add_argument("worker", help="the worker's name, as `pdserve status` lists it (e.g. prefill-1)")
+    p.add_argument("role", choices=["prefill", "decode"], help="the pool it joins")
+    p.add_argument("--if-idle", action="store_true",
+                   help="refuse while it holds requests or KV blocks, instead of draining it first")
+    _router_flag(p)
+    p.set_defaults(func=_role)
+
+
+def _role(args: argparse.Namespace) -> int:
+    t0 = time.perf_counter()
+    resp = client.change_role(router_target(args), args.worker, args.role, args.if_idle)
+    print(f"{resp.worker} is now {resp.new_name} in the {resp.role} pool, weights kept (role change in "
+          f"{resp.seconds:.2f} s on the router; {time.perf_counter() - t0:.2f} s here)")
     return 0
 
 

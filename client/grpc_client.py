@@ -1,4 +1,4 @@
-"""A small synchronous gRPC client for the CLI (generate, chat, status, scale).
+"""A small synchronous gRPC client for the CLI (generate, chat, status, scale, role).
 
 Each call takes a router address or a `Target` (client/credentials.py: TLS and a bearer token).
 """
@@ -78,6 +78,15 @@ def scale(target: Target | str, pool: str, replicas: int) -> pb.ScaleResponse:
     stub = pb_grpc.AdminStub(_channel(target))
     return _call(lambda: stub.Scale(pb.ScaleRequest(pool=pool, replicas=replicas), timeout=600,
                                     metadata=target.metadata))
+
+
+def change_role(target: Target | str, worker: str, role: str, if_idle: bool = False) -> pb.ChangeRoleResponse:
+    """`worker` serves the `role` pool from now on, its weights kept (drained first, unless
+    `if_idle`: then refused while it holds anything)."""
+    target = as_target(target)
+    stub = pb_grpc.AdminStub(_channel(target))
+    return _call(lambda: stub.ChangeRole(pb.ChangeRoleRequest(worker=worker, role=role, if_idle=if_idle), timeout=900,
+                                         metadata=target.metadata))
 
 
 def _hit_rate(w: pb.WorkerStatus) -> str:

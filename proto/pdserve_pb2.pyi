@@ -225,3 +225,25 @@ class ScaleResponse(_message.Message):
     started: _containers.RepeatedScalarFieldContainer[str]
     stopped: _containers.RepeatedScalarFieldContainer[str]
     def __init__(self, pool: _Optional[str] = ..., replicas: _Optional[int] = ..., started: _Optional[_Iterable[str]] = ..., stopped: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ChangeRoleRequest(_message.Message):
+    __slots__ = ("worker", "role", "if_idle")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    IF_IDLE_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    role: str
+    if_idle: bool
+    def __init__(self, worker: _Optional[str] = ..., role: _Optional[str] = ..., if_idle: _Optional[bool] = ...) -> None: ...
+
+class ChangeRoleResponse(_message.Message):
+    __slots__ = ("worker", "new_name", "role", "seconds")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    NEW_NAME_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    new_name: str
+    role: str
+    seconds: float
+    def __init__(self, worker: _Optional[str] = ..., new_name: _Optional[str] = ..., role: _Optional[str] = ..., seconds: _Optional[float] = ...) -> None: ...

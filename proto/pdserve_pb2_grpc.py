@@ -117,6 +117,11 @@ class AdminStub:
                 request_serializer=proto_dot_pdserve__pb2.ScaleRequest.SerializeToString,
                 response_deserializer=proto_dot_pdserve__pb2.ScaleResponse.FromString,
                 _registered_method=True)
+        self.ChangeRole = channel.unary_unary(
+                '/pdserve.v1.Admin/ChangeRole',
+                request_serializer=proto_dot_pdserve__pb2.ChangeRoleRequest.SerializeToString,
+                response_deserializer=proto_dot_pdserve__pb2.ChangeRoleResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -135,6 +140,17 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ChangeRole(self, request, context):
+        """Moves a live worker to the other pool, its weights kept loaded (drained first, nothing lost);
+        returns once it serves there. NOT_FOUND: no live worker of that name; FAILED_PRECONDITION: the
+        change is not allowed (the last ready worker of its pool, pools placed differently, colocated
+        mode), or with if_idle it holds requests or KV blocks; ABORTED: the change failed on the worker
+        (it was stopped; its old pool starts a replacement).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -147,6 +163,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.Scale,
                     request_deserializer=proto_dot_pdserve__pb2.ScaleRequest.FromString,
                     response_serializer=proto_dot_pdserve__pb2.ScaleResponse.SerializeToString,
+            ),
+            'ChangeRole': grpc.unary_unary_rpc_method_handler(
+                    servicer.ChangeRole,
+                    request_deserializer=proto_dot_pdserve__pb2.ChangeRoleRequest.FromString,
+                    response_serializer=proto_dot_pdserve__pb2.ChangeRoleResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -203,6 +224,33 @@ class Admin:
             '/pdserve.v1.Admin/Scale',
             proto_dot_pdserve__pb2.ScaleRequest.SerializeToString,
             proto_dot_pdserve__pb2.ScaleResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ChangeRole(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.v1.Admin/ChangeRole',
+            proto_dot_pdserve__pb2.ChangeRoleRequest.SerializeToString,
+            proto_dot_pdserve__pb2.ChangeRoleResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -86,7 +86,7 @@ def test_serving_a_model_dir_without_a_checkpoint_says_how_to_make_one(tmp_path,
     assert f"{tmp_path}/models/absent has no config.json" in line and "pdserve convert-gguf --smollm2" in line
 
 
-@pytest.mark.parametrize("command", ["serve", "generate", "chat", "status", "scale", "convert-gguf"])
+@pytest.mark.parametrize("command", ["serve", "generate", "chat", "status", "scale", "role", "convert-gguf"])
 def test_every_option_has_a_help_line(command):
     (subcommands,) = [a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction)]
     parser = subcommands.choices[command]

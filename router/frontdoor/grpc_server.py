@@ -35,8 +35,16 @@ from router.frontdoor.guards import GrpcGuard, Refusals, grpc_authorization, grp
 from router.frontdoor.public_errors import public_message
 from router.frontdoor.tls import grpc_server_credentials
 from router.lifecycle.life import RequestLife
-from router.lifecycle.outcomes import CannotPlace, Chunk, InternalError, QueueFull, Unavailable
+from router.lifecycle.outcomes import (
+    CannotChangeRole,
+    CannotPlace,
+    Chunk,
+    InternalError,
+    QueueFull,
+    Unavailable,
+)
 from router.lifecycle.service import Router
+from router.lifecycle.worker_calls import CALL_FAILURES, short
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +180,40 @@ class AdminService(pb_grpc.AdminServicer):
         except tuple(STATUS) as e:
             await context.abort(STATUS[type(e)], str(e))
         return pb.ScaleResponse(pool=request.pool, replicas=request.replicas, started=started, stopped=stopped)
+
+    async def ChangeRole(self, request: pb.ChangeRoleRequest, context) -> pb.ChangeRoleResponse:
+        """`pdserve role`: PoolManager.change_role by a worker's name, its refusals as statuses."""
+        if request.role not in ("prefill", "decode"):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"unknown role {request.role!r}: use prefill or decode")
+        w = next((w for w in self.router.pools.all() if w.name == request.worker and not w.stopped), None)
+        if w is None:
+            live = ", ".join(w.name for w in self.router.pools.all() if not w.stopped) or "none"
+            await context.abort(grpc.StatusCode.NOT_FOUND, f"no live worker is named {request.worker!r} (live: {live})")
+        if request.if_idle and (held := await self._held(w)):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, f"{w.name} holds {held}: not changed "
+                                "(without if_idle it is drained first)")
+        began = clock.now()
+        try:
+            name = await self.router.change_role(request.worker, request.role)
+        except CannotChangeRole as e:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except CALL_FAILURES as e:
+            await context.abort(grpc.StatusCode.ABORTED, f"the role change of {request.worker} failed on the worker "
+                                f"({short(e)}); it was stopped and its pool starts a replacement")
+        return pb.ChangeRoleResponse(worker=request.worker, new_name=name, role=request.role,
+                                     seconds=clock.now() - began)
+
+    async def _held(self, w) -> str:
+        """What `w` holds now ('' when idle): the router's requests placed there, else its engine's
+        running and waiting requests and KV blocks in use."""
+        if w.inflight:
+            return f"{len(w.inflight)} of the router's requests"
+        try:
+            stats = await self.router.pools.fetch_stats(w)
+        except CALL_FAILURES as e:
+            return f"an unknown load (its stats did not come: {short(e)})"
+        return ", ".join(f"{n} {what}" for n, what in ((stats.running + stats.waiting, "engine requests"),
+                                                       (stats.blocks_used, "KV blocks")) if n)
 
 
 class RouterServer:
