@@ -197,6 +197,8 @@ class AdminService(pb_grpc.AdminServicer):
             name = await self.router.change_role(request.worker, request.role)
         except CannotChangeRole as e:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION, str(e))
+        except InvalidRequest as e:  # it stopped meanwhile
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except CALL_FAILURES as e:
             await context.abort(grpc.StatusCode.ABORTED, f"the role change of {request.worker} failed on the worker "
                                 f"({short(e)}); it was stopped and its pool starts a replacement")
