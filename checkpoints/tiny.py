@@ -37,7 +37,7 @@ from transformers import (
 )
 
 Arch = Literal["llama", "qwen2"]
-Size = Literal["tiny", "bench"]
+Size = Literal["tiny", "bench", "gemma3-270m"]
 
 CORPUS_DIR = Path(__file__).resolve().parent / "corpus"
 BOS, EOS, PAD = "<|bos|>", "<|eos|>", "<|pad|>"
@@ -67,11 +67,18 @@ class ModelSize:
     num_key_value_heads: int
     intermediate_size: int
     max_position_embeddings: int
+    head_dim: int | None = None  # None: hidden_size / num_attention_heads
+    tie_word_embeddings: bool = False
+    dtype: str = "float32"  # the saved weights'
 
 
 SIZES: dict[str, ModelSize] = {
     "tiny": ModelSize(2048, 64, 2, 4, 2, 128, 2048),
     "bench": ModelSize(32000, 512, 8, 8, 4, 1408, 4096),
+    # Gemma 3 270M's shape on Llama's layers: a 262,144-token vocabulary whose tied embedding is
+    # 63% of the weights, so decode's head (a 262k x 640 product per token) outweighs the layers
+    "gemma3-270m": ModelSize(262144, 640, 18, 4, 1, 2048, 32768, head_dim=256, tie_word_embeddings=True,
+                             dtype="bfloat16"),
 }
 ARCHS = ("llama", "qwen2")
 
@@ -162,16 +169,15 @@ def build_config(arch: Arch, size: Size):
     """The transformers config for one (arch, size); qwen2 adds q/k/v biases by design."""
     _check_choices(arch, size)
     config_cls = LlamaConfig if arch == "llama" else Qwen2Config
+    shape = {k: v for k, v in asdict(SIZES[size]).items() if v is not None}
     return config_cls(
-        **asdict(SIZES[size]),
+        **shape,
         hidden_act="silu",
         rms_norm_eps=1e-6,
         rope_theta=10000.0,
-        tie_word_embeddings=False,
         bos_token_id=BOS_ID,
         eos_token_id=EOS_ID,
         pad_token_id=PAD_ID,
-        dtype="float32",
     )
 
 
@@ -233,7 +239,7 @@ def make_tiny_model(out_dir: str | os.PathLike[str], arch: Arch = "llama", size:
     muted_ids = [BOS_ID, PAD_ID, *range(num_trained, shape.vocab_size)]
     model = _build_model(arch, size, seed, muted_ids)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    model.to(getattr(torch, shape.dtype)).save_pretrained(out)
     save_tokenizer(tokenizer, shape.max_position_embeddings, out)
     return out
 

@@ -116,8 +116,7 @@ class ModelRunner:
         elif self.forward.lean_decoder is not None:
             how += ", the decoder's loop as direct calls"
         if self.forward.greedy_head is not None:
-            copy = "a bfloat16 copy of the LM head on AMX tiles" if self.forward.greedy_head.tiles else "a half-float copy of the LM head"
-            how += f", greedy steps' tokens from {copy}"
+            how += f", greedy steps' tokens from {self.forward.greedy_head.what}"
         elif self.forward.kernel_decoder is not None:
             how += f", greedy steps through the {dtype} LM head ({self.forward.greedy_reason})"
         return f"CPU kernels {self.kernel_paths}; {self.hf_config.model_type} in {dtype} on {self.device}, {how}"

@@ -31,7 +31,9 @@ from engine.llm_engine import LLMEngine
 from protocol.sampling import SamplingParams
 from router.config.loader import parse_config
 
-# the vLLM side: reads {"ids": [...]} lines, answers {"s": seconds} lines (the first line: "ready")
+# the vLLM side: reads {"ids": [...]} lines (or {"batch": [[...], ...], "max_tokens": n}: prompts
+# decoded together, microbench/decode.py), answers {"s": seconds, "token": the first prompt's first
+# token} lines (the first line: "ready")
 VLLM_DRIVER = """
 import json, os, sys, time
 answers = os.fdopen(os.dup(1), "w")  # the protocol's own stream: vLLM logs to stdout, sent to stderr here
@@ -40,12 +42,13 @@ sys.stdout = sys.stderr
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 llm = LLM(model=sys.argv[1], dtype=sys.argv[2], enable_prefix_caching=False, seed=0, max_model_len=4096)
-one = SamplingParams(max_tokens=1, temperature=0.0)
 print(json.dumps({"ready": True}), file=answers, flush=True)
 for line in sys.stdin:
-    ids = json.loads(line)["ids"]
+    ask = json.loads(line)
+    batch = ask.get("batch") or [ask["ids"]]
+    params = SamplingParams(max_tokens=ask.get("max_tokens", 1), temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=ids)], one, use_tqdm=False)
+    out = llm.generate([TokensPrompt(prompt_token_ids=ids) for ids in batch], params, use_tqdm=False)
     print(json.dumps({"s": time.perf_counter() - t0, "token": out[0].outputs[0].token_ids[0]}), file=answers, flush=True)
 """
 
@@ -59,11 +62,11 @@ def prompt(length: int, seed: int, vocab: int) -> list[int]:
 class Pdserve:
     """A prefill worker's engine on `threads` torch threads, timed on one prompt at a time."""
 
-    def __init__(self, model: str, dtype: str, threads: int):
+    def __init__(self, model: str, dtype: str, threads: int, role: str = "prefill"):
         self.threads = threads
         cfg = parse_config({"model": {"path": model, "dtype": dtype},
                             "kv_cache": {"memory": f"{KV_BUDGET >> 20}MiB", "prefix_caching": False}})
-        self.config = cfg.engine_config(cfg.prefill, device="cpu")
+        self.config = cfg.engine_config(getattr(cfg, role), device="cpu")
         self.engine = LLMEngine(self.config)
         self.describe = self.engine.runner.describe()
         self._ids = 0

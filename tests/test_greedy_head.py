@@ -11,7 +11,7 @@ from torch import nn
 
 from engine.config import EngineConfig
 from engine.forward import dense
-from engine.forward.greedy_head import GreedyHead
+from engine.forward.greedy_head import Bf16GreedyHead, GreedyHead
 from engine.llm_engine import LLMEngine
 from protocol.sampling import SamplingParams
 from tests.kernel_util import KERNELS, WHY
@@ -118,8 +118,7 @@ def _run(engine: LLMEngine, prompts: list[list[int]], sampling: list[SamplingPar
 def test_greedy_steps_take_the_half_float_head_and_give_generates_tokens(llama_dir):
     engine = _engine(llama_dir)
     head = engine.runner.forward.greedy_head
-    copy = "a bfloat16 copy of the LM head on AMX tiles" if head.tiles is not None else "a half-float copy of the LM head"
-    assert head is not None and copy in engine.runner.describe()
+    assert head is not None and head.what in engine.runner.describe()
     prompts = [[11, 12, 13], list(range(40, 75)), [5] * 9]
     greedy = SamplingParams(max_tokens=12, ignore_eos=True)
     assert _run(engine, prompts, [greedy] * 3) == [hf_greedy(llama_dir, p, 12, ignore_eos=True) for p in prompts]
@@ -139,3 +138,68 @@ def test_a_step_with_a_sampled_row_computes_the_logits_and_samples_as_without_th
     assert off.runner.forward.greedy_head is None and off.runner.forward.greedy_reason == "engine.greedy_head: off"
     assert got == _run(off, prompts, sampling)
     assert head.rows == 10 - 6  # the greedy request's steps after the sampled one finished
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [1, 3, 16, 23])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_bfloat16_greedy_head_gives_the_bfloat16_gemms_argmax_bit_for_bit(bias, rows, threads):
+    """`pd_bf16_greedy` against the argmax kernel over the same GEMM's bfloat16 logits: random rows,
+    rows whose logits tie exactly (equal columns, and many columns equal once rounded to bfloat16,
+    where the first must win), a part panel at the end, every block shape of rows and both thread counts."""
+    gemm = KERNELS.gemm_for(torch.bfloat16)
+    if gemm is None or gemm.path != "AVX512-BF16":
+        pytest.skip("no vdpbf16ps GEMM here (AVX512-BF16 without AMX)")
+    n, k = 1003, 72
+    torch.manual_seed(rows)
+    linear = nn.Linear(k, n, bias=bias)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k) * 0.05)
+        linear.weight[300] = linear.weight[7]  # an exact tie: the first index wins
+        linear.weight[990] = linear.weight[5]  # across threads' shares and the part panel
+    head = dense.PackedLinear(linear.bfloat16(), keep_weight=False, gemm=gemm, small_rows=None)
+    x = torch.randn(rows, k).bfloat16() * 4
+    w = linear.weight
+    if rows >= 3:
+        x[0], x[1] = w[7] * 300, w[5] * 300
+        x[2] = 0  # every logit the bias (or 0): ties everywhere, the first column wins
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused = Bf16GreedyHead(head)
+        tokens = fused(x)
+        want = KERNELS.argmax(head(x))
+    finally:
+        torch.set_num_threads(before)
+    assert tokens is not None and torch.equal(tokens, want)
+    if rows >= 3:
+        assert tokens[0] == 7 and tokens[1] == 5
+    assert Bf16GreedyHead.fits(head) is None and fused.full == 0
+
+
+def test_a_nan_takes_the_bfloat16_logits_and_a_float32_head_gets_no_fused_one():
+    gemm = KERNELS.gemm_for(torch.bfloat16)
+    if gemm is None or gemm.path != "AVX512-BF16":
+        pytest.skip("no vdpbf16ps GEMM here (AVX512-BF16 without AMX)")
+    head = dense.PackedLinear(nn.Linear(32, 400).bfloat16(), keep_weight=False, gemm=gemm, small_rows=None)
+    fused = Bf16GreedyHead(head)
+    x = torch.randn(3, 32).bfloat16()
+    x[1, 4] = float("nan")
+    assert fused(x) is None and fused.full == 1 and fused.calls == 1
+    assert Bf16GreedyHead.fits(_head(400, 32, bias=False)) == "the LM head is not on the CPU GEMM's bfloat16 panels"
+
+
+def test_bfloat16_greedy_steps_take_the_fused_head_and_give_the_unfused_tokens(llama_dir):
+    """An all-greedy bfloat16 engine's steps take the fused head where the GEMM is vdpbf16ps, and give
+    the tokens of an engine without it (its bfloat16 logits and the argmax kernel)."""
+    engine = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=256, dtype="bfloat16"))
+    head = engine.runner.forward.greedy_head
+    if not isinstance(head, Bf16GreedyHead):
+        pytest.skip(f"no fused bfloat16 head here: {engine.runner.forward.greedy_reason}")
+    assert head.what in engine.runner.describe()
+    prompts = [[11, 12, 13], list(range(40, 75)), [5] * 9]
+    greedy = [SamplingParams(max_tokens=12, ignore_eos=True)] * 3
+    got = _run(engine, prompts, greedy)
+    assert head.calls >= 12 and head.full == 0
+    off = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=256, dtype="bfloat16", greedy_head=False))
+    assert got == _run(off, prompts, greedy)

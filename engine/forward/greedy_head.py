@@ -31,6 +31,11 @@ tiles flush values under 2^-126 to zero, which the bound covers only above that)
 
 Only steps whose every sampled row is greedy use it; any other step computes the logits
 (engine/model_runner.py). docs/engine_speed.md has the window's width and the step's figures.
+
+A bfloat16 head on the vdpbf16ps GEMM (`Bf16GreedyHead`) needs no window: its logits are already
+the bfloat16 GEMM's, so `pd_bf16_greedy` computes exactly them and keeps each row's running argmax
+in registers instead of writing them (a 262k vocabulary at 16 rows: 8 MiB of logits written and
+read again by the argmax); the token is the argmax of the logits the unfused head gives, bit for bit.
 """
 
 from __future__ import annotations
@@ -86,6 +91,7 @@ class GreedyHead:
             self.half, self.bf16 = self.gemm.half(self.panels), None
             self.rel, self.abs = bounds(self.k)
         self._approx = torch.empty(0)
+        self.what = "a bfloat16 copy of the LM head on AMX tiles" if tiles is not None else "a half-float copy of the LM head"
         self.calls = self.full = 0  # steps it ran; of those, the ones that took the full product
         self.rows = self.reread = 0  # rows it gave tokens for; the float32 panels it reread for them
 
@@ -117,4 +123,30 @@ class GreedyHead:
         tokens, reread = found
         self.rows += m
         self.reread += int(reread.sum())
+        return tokens
+
+
+class Bf16GreedyHead:
+    """`(x [M, K] bfloat16) -> [M] int64 greedy tokens` of a bfloat16 `dense.PackedLinear` on the
+    vdpbf16ps GEMM's panels (`pd_bf16_greedy`), or None where the logits must be taken (a NaN)."""
+
+    def __init__(self, head) -> None:
+        self.gemm, self.panels, self.bias, self.n = head.gemm, head.panels, head.bias, head.out_features
+        self.calls = self.full = 0  # steps it ran; of those, the ones that took the logits
+        self.what = "the bfloat16 LM head with its argmax fused (vdpbf16ps)"  # in words, for the start-up line
+
+    @staticmethod
+    def fits(head) -> str | None:
+        """Why `head` gets no fused bfloat16 greedy head, or None: it does."""
+        gemm = getattr(head, "gemm", None)
+        if getattr(head, "panels", None) is None or gemm is None or gemm.dtype != torch.bfloat16:
+            return "the LM head is not on the CPU GEMM's bfloat16 panels"
+        if getattr(gemm, "path", "") != "AVX512-BF16" or head.packed is not None:
+            return "the LM head's bfloat16 GEMM is not vdpbf16ps for every row count"
+        return None
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
+        self.calls += 1
+        tokens = self.gemm.greedy(x.contiguous(), self.panels, self.bias, self.n)
+        self.full += tokens is None
         return tokens

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from engine.forward import attention, dense, fused, kernel_decoder, kernel_layer, lean_decoder
-from engine.forward.greedy_head import GreedyHead
+from engine.forward.greedy_head import Bf16GreedyHead, GreedyHead
 
 log = logging.getLogger(__name__)
 
@@ -121,7 +121,7 @@ class Forward:
         self.lean_decoder: lean_decoder.LeanDecoder | None = None
         # with the kernel decoder: an all-greedy step's tokens without the float32 logits (engine/forward/greedy_head.py)
         self._want_greedy_head = greedy_head
-        self.greedy_head: GreedyHead | None = None
+        self.greedy_head: GreedyHead | Bf16GreedyHead | None = None
         self.greedy_reason: str | None = "engine.greedy_head: off"  # why there is none (None: there is)
         self.fallback_reason: str | None = None
         self.graphs_reason: str | None = None  # why CUDA graphs were asked for and are not used
@@ -188,10 +188,21 @@ class Forward:
             if self.fuse and skip is None and (self.kernel_decoder is not None or not self.kernel_layers):
                 self.lean_decoder = lean_decoder.lean_decoder(self.model)
         if self._want_greedy_head:
-            self.greedy_reason = ("the decoder is not the kernel's" if self.kernel_decoder is None
-                                  else GreedyHead.fits(self.model.lm_head))
+            self._pick_greedy_head()
+
+    def _pick_greedy_head(self) -> None:
+        """The float32 head's windowed first pass, or the bfloat16 head's fused argmax, where it fits."""
+        head = self.model.lm_head
+        gemm = getattr(head, "gemm", None)
+        if self.kernel_decoder is None:
+            self.greedy_reason = "the decoder is not the kernel's"
+        elif gemm is None or gemm.dtype != torch.bfloat16:
+            self.greedy_reason = GreedyHead.fits(head)
             tiles = self.layer_kernel.amx_gemm if self.layer_kernel and self.layer_kernel.amx_gemm.ready() else None
-            self.greedy_head = GreedyHead(self.model.lm_head, tiles) if self.greedy_reason is None else None
+            self.greedy_head = GreedyHead(head, tiles) if self.greedy_reason is None else None
+        else:
+            self.greedy_reason = Bf16GreedyHead.fits(head)
+            self.greedy_head = Bf16GreedyHead(head) if self.greedy_reason is None else None
 
     def __call__(self, input_ids, positions, sample_rows, decode_only: bool = False, greedy: bool = False):
         """`decode_only`: the step has one token per row and no prefill, so it may be padded to a

@@ -169,8 +169,22 @@ class Bf16Gemm:
     VECTOR_ROWS: int | None = None
 
     def __init__(self, lib: ctypes.CDLL, amx: AmxGemm) -> None:
-        self._gemm, self._path = lib.pd_bf16_gemm, lib.pd_bf16_gemm_path
+        self._gemm, self._path, self._greedy = lib.pd_bf16_gemm, lib.pd_bf16_gemm_path, lib.pd_bf16_greedy
         self.pack = amx.pack  # the tiles' pair layout is vdpbf16ps's too
+
+    def greedy(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
+        """`pd_bf16_greedy`: x `[M, K]` bfloat16 (rows contiguous) -> `[M]` int64, the argmax of each
+        row of this GEMM's `[M, n]` output (the first on a tie) without writing it; None where a row's
+        output has a NaN or the fused head does not run here (no vdpbf16ps, or AMX takes the GEMM)."""
+        m, k = x.shape
+        checks.rows_of("bfloat16 greedy head: x", x, (torch.bfloat16,))
+        _gemm_args("bfloat16 greedy head", panels, bias, n, -(-n // 16) * -(-k // 32) * 512)
+        tokens = torch.empty(m, dtype=torch.int64)
+        rc = self._greedy(x.data_ptr(), x.stride(0), panels.data_ptr(), None if bias is None else bias.data_ptr(),
+                          m, n, k, tokens.data_ptr(), torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError(f"the bfloat16 greedy head could not stage {m} rows")
+        return tokens if rc == 0 else None
 
     @property
     def path(self) -> str:

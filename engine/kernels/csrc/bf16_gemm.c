@@ -14,7 +14,12 @@ one another, so a panel streams from memory once and from cache for the next til
 Each output is one float32 sum over the pairs of k in order, whatever R, P, the thread or the row
 count, then its bias added and rounded once to bfloat16 (nearest even), as the tiles do: a row's
 bits do not depend on what it is batched with. Threads take even shares of the panels, and a
-thread that runs out of its own takes from the back of another's. */
+thread that runs out of its own takes from the back of another's.
+
+pd_bf16_greedy is the same product for an LM head whose rows all sample greedily: each output
+rounded as above, but kept only as each row's running largest (the first column on a tie, as
+torch's argmax), lane by lane in registers, so the [rows, vocabulary] logits are never written nor
+read again (a 262k vocabulary: 8 MiB a 16-row step) and the argmax needs no pass of its own. */
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -53,11 +58,50 @@ static __attribute__((noinline)) void store_rows(const float *sums, int R, int P
     }
 }
 
+/* pd_bf16_greedy's running argmax of one row in one thread: lane l holds the largest rounded output
+   it has seen in columns = l mod 16, the first such column, and whether any was NaN */
+typedef struct {
+    __m512 top;
+    __m512i where, nan;
+} best16;
+
+/* R rows' sums for P panels, rounded as store_rows rounds them, into the rows' running argmax
+   (col0: the block's first column; columns past cols are not outputs) */
+static __attribute__((noinline)) void keep_best(const float *sums, int R, int P, const uint16_t *bias, best16 *best,
+                                                int64_t col0, int64_t cols) {
+    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+    for (int r = 0; r < R; r++) {
+        best16 b = best[r];
+        for (int p = 0; p < P && 16 * p < cols; p++) {
+            v16f s = f32_load16(sums + (r * P + p) * 16);
+            if (bias) {
+                uint16_t part[16] = {0}; /* the bias ends at the last column */
+                memcpy(part, bias + 16 * p, sizeof(uint16_t) * (size_t)(cols - 16 * p < 16 ? cols - 16 * p : 16));
+                s += bf16_load16(part);
+            }
+            __m512 v = (__m512)bf16_round16(s);
+            __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)(col0 + 16 * p)));
+            __mmask16 valid = _mm512_cmplt_epi32_mask(_mm512_sub_epi32(at, _mm512_set1_epi32((int)col0)),
+                                                      _mm512_set1_epi32((int)cols));
+            __mmask16 nan = _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
+            __mmask16 more = _mm512_mask_cmp_ps_mask(valid, v, b.top, _CMP_GT_OQ) |
+                             (_mm512_mask_cmp_ps_mask(valid, v, b.top, _CMP_EQ_OQ) &
+                              _mm512_cmplt_epi32_mask(at, b.where));
+            b.top = _mm512_mask_mov_ps(b.top, more, v);
+            b.where = _mm512_mask_mov_epi32(b.where, more, at);
+            b.nan = _mm512_mask_mov_epi32(b.nan, nan, _mm512_set1_epi32(-1));
+        }
+        best[r] = b;
+    }
+}
+
 /* R rows (xs, pairs of k, kp2 a row) by P panels from w (a panel's kp2 * 32 values apart): the sums
-   over all of k, then the bias added and each row's cols (<= 16 P) outputs rounded into out. */
+   over all of k, then the bias added and each row's cols (<= 16 P) outputs rounded into out, or
+   into the rows' running argmax where best is set (pd_bf16_greedy; col0 the first column). */
 static inline __attribute__((always_inline)) void block(const uint32_t *xs, int64_t kp2, const uint16_t *w,
                                                         const uint16_t *bias, uint16_t *out, int64_t out_stride,
-                                                        int64_t cols, const int R, const int P) {
+                                                        int64_t cols, best16 *best, int64_t col0, const int R,
+                                                        const int P) {
     __m512 acc[TILE_ROWS][8];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
@@ -79,13 +123,16 @@ static inline __attribute__((always_inline)) void block(const uint32_t *xs, int6
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int p = 0; p < P; p++) _mm512_storeu_ps(sums + (r * P + p) * 16, acc[r][p]);
-    store_rows(sums, R, P, bias, out, out_stride, cols);
+    if (best)
+        keep_best(sums, R, P, bias, best, col0, cols);
+    else
+        store_rows(sums, R, P, bias, out, out_stride, cols);
 }
 
 /* R rows by P panels, R and P as literals so each block keeps its sums in registers */
-#define BLOCK(R, P) block(xs, kp2, w, bias, out, out_stride, cols, R, P)
+#define BLOCK(R, P) block(xs, kp2, w, bias, out, out_stride, cols, best, col0, R, P)
 static void run_block(const uint32_t *xs, int64_t kp2, const uint16_t *w, const uint16_t *bias, uint16_t *out,
-                      int64_t out_stride, int64_t cols, int rows, int panels) {
+                      int64_t out_stride, int64_t cols, best16 *best, int64_t col0, int rows, int panels) {
     switch (panels == 1 ? rows : 16 + rows) {
     case 1: BLOCK(1, 1); break;
     case 2: BLOCK(2, 1); break;
@@ -111,7 +158,7 @@ static void run_block(const uint32_t *xs, int64_t kp2, const uint16_t *w, const 
    row tile in turn; rows split in tiles of at most TILE_ROWS, as even as they go. A last job short of
    a whole group takes its panels one at a time. */
 static void run_job(const uint32_t *xs, int64_t kp2, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
-                    int64_t out_stride, int rows, int64_t n, int64_t np, int group, int64_t job) {
+                    int64_t out_stride, best16 *best, int rows, int64_t n, int64_t np, int group, int64_t job) {
     int tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
     for (int64_t p0 = job * group, end = p0 + group < np ? p0 + group : np; p0 < end;) {
         int cnt = end - p0 == group ? group : 1;
@@ -119,7 +166,8 @@ static void run_job(const uint32_t *xs, int64_t kp2, const uint16_t *panels, con
         for (int t = 0; t < tiles; t++) {
             int r0 = t * rows / tiles, r1 = (t + 1) * rows / tiles;
             run_block(xs + r0 * kp2, kp2, panels + p0 * kp2 * 32, bias ? bias + col0 : NULL,
-                      out + r0 * out_stride + col0, out_stride, cols, r1 - r0, cnt);
+                      best ? NULL : out + r0 * out_stride + col0, out_stride, cols, best ? best + r0 : NULL, col0,
+                      r1 - r0, cnt);
         }
         p0 += cnt;
     }
@@ -138,9 +186,10 @@ static inline int64_t take(uint64_t *range, int from_back) {
     }
 }
 
-/* The vdpbf16ps path of pd_bf16_gemm, any number of rows. */
-static int dpbf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias,
-                       uint16_t *out, int64_t out_stride, int rows, int64_t n, int64_t k, int threads) {
+/* The vdpbf16ps path of pd_bf16_gemm, any number of rows; with best set (pd_bf16_greedy), a
+   [threads][rows] array of running argmaxes instead of out, thread i keeping its own. */
+static int dpbf16_run(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias,
+                      uint16_t *out, int64_t out_stride, best16 *best, int rows, int64_t n, int64_t k, int threads) {
     int64_t kp = (k + 31) / 32 * 32, np = (n + 15) / 16; /* the panels' k, padded as pd_amx_pack pads it */
     uint16_t *xs = malloc(sizeof(uint16_t) * (size_t)(rows * kp)); /* the rows, zero-padded to kp */
     if (xs == NULL) return -2;
@@ -160,14 +209,33 @@ static int dpbf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *pane
     _Pragma("omp parallel num_threads(threads)")
     {
         int me = omp_get_thread_num(); /* a smaller team than asked: the shares nobody owns are taken too */
+        best16 *mine = best ? best + (int64_t)me * rows : NULL;
         for (int i = 0; i < threads; i++) { /* its own share first, then the others' from their backs */
             uint64_t *range = &ranges[(me + i) % threads].jobs;
             for (int64_t job; (job = take(range, i > 0)) >= 0;)
-                run_job((const uint32_t *)xs, kp / 2, panels, bias, out, out_stride, rows, n, np, group, job);
+                run_job((const uint32_t *)xs, kp / 2, panels, bias, out, out_stride, mine, rows, n, np, group, job);
         }
     }
     free(xs);
     return 0;
+}
+
+/* Row r's token from every thread's lanes: the largest, the first column on a tie; -1 if any was NaN. */
+static int64_t merge_best(const best16 *best, int rows, int teams, int r) {
+    float top = 0;
+    int64_t at = -1;
+    for (int t = 0; t < teams; t++) {
+        const best16 *b = best + (int64_t)t * rows + r;
+        if (_mm512_test_epi32_mask(b->nan, b->nan)) return -1;
+        float vals[16];
+        int32_t where[16];
+        _mm512_storeu_ps(vals, b->top);
+        _mm512_storeu_si512(where, b->where);
+        for (int l = 0; l < 16; l++)
+            if (where[l] != INT32_MAX && (at < 0 || vals[l] > top || (vals[l] == top && where[l] < at)))
+                top = vals[l], at = where[l];
+    }
+    return at;
 }
 #endif
 
@@ -181,9 +249,33 @@ int pd_bf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, co
     if (amx_ready()) return rows <= AMX_ROWS ? pd_amx_gemm(x, x_stride, panels, bias, out, out_stride, rows, n, k,
                                                            threads) : -1;
 #if HAVE_DPBF16
-    return dpbf16_gemm(x, x_stride, panels, bias, out, out_stride, rows, n, k, threads < 1 ? 1 : threads);
+    return dpbf16_run(x, x_stride, panels, bias, out, out_stride, NULL, rows, n, k, threads < 1 ? 1 : threads);
 #else
     (void)x, (void)x_stride, (void)panels, (void)bias, (void)out, (void)out_stride, (void)threads;
+    return -1;
+#endif
+}
+
+/* tokens [rows] = each row's argmax of pd_bf16_gemm's output, the first column on a tie, without
+   writing the outputs (an LM head whose rows all sample greedily). Returns 0; 1 where a row has a
+   NaN output (nothing reliable in tokens: the caller takes the outputs); -1 where vdpbf16ps does not
+   run here or AMX tiles take pd_bf16_gemm (the caller takes the outputs); -2 out of memory. */
+int pd_bf16_greedy(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, int rows,
+                   int64_t n, int64_t k, int64_t *tokens, int threads) {
+    if (rows < 1 || n < 1 || k < 1 || n >= INT32_MAX || amx_ready()) return -1;
+#if HAVE_DPBF16
+    threads = threads < 1 ? 1 : threads;
+    best16 *best = aligned_alloc(64, sizeof(best16) * (size_t)threads * (size_t)rows);
+    if (best == NULL) return -2;
+    for (int64_t i = 0; i < (int64_t)threads * rows; i++)
+        best[i] = (best16){_mm512_set1_ps(-__builtin_inff()), _mm512_set1_epi32(INT32_MAX), _mm512_setzero_si512()};
+    int rc = dpbf16_run(x, x_stride, panels, bias, NULL, 0, best, rows, n, k, threads);
+    for (int r = 0; rc == 0 && r < rows; r++)
+        if ((tokens[r] = merge_best(best, rows, threads, r)) < 0) rc = 1;
+    free(best);
+    return rc;
+#else
+    (void)x, (void)x_stride, (void)panels, (void)bias, (void)tokens, (void)threads;
     return -1;
 #endif
 }

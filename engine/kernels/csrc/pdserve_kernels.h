@@ -73,6 +73,8 @@ PD_API int pd_amx_head_approx(const float *x, int64_t ldx, const uint16_t *panel
 PD_API int pd_bf16_gemm_path(void);
 PD_API int pd_bf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias,
                         uint16_t *out, int64_t out_stride, int rows, int64_t n, int64_t k, int threads);
+PD_API int pd_bf16_greedy(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, int rows,
+                          int64_t n, int64_t k, int64_t *tokens, int threads);
 
 /* the small ops, each in float32 and bfloat16 (rms_norm.c, rope.c, silu_mul.c, argmax.c) */
 PD_API void pd_rms_norm(const float *x, int64_t x_stride, const float *w, float eps, float *out, int64_t out_stride,
