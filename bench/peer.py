@@ -87,9 +87,21 @@ def make_workload_for(tokenizer, args: argparse.Namespace) -> Workload:
                            input_len=mean, range_ratio=spread, output_len=args.output_len, seed=args.seed,
                            max_context=8192, vocab=(100, min(40000, len(tokenizer))))
     workload = build_workload(opts)
-    specs = [dataclasses.replace(s, prompt_token_ids=_stable(tokenizer, s.prompt_token_ids))
+    drawn = _drawable(tokenizer, *opts.vocab)
+    specs = [dataclasses.replace(s, prompt_token_ids=_stable(tokenizer, drawn(s.prompt_token_ids)))
              for s in workload.requests]
     return make_workload(workload.name, specs, workload.concurrency, workload.metadata)
+
+
+def _drawable(tokenizer, low: int, high: int):
+    """ids -> ids: unchanged where nearly every id of [low, high) encodes back to itself alone, else
+    each mapped onto those that do. A vocabulary padded with ids no text encodes to (the Gemma-3-shaped
+    random checkpoint: 262,144 ids, a quarter of the first 40,000 reachable) would otherwise turn each
+    such id into the dozen tokens of its name, and a 512-token prompt into thousands."""
+    stable = [i for i in range(low, high) if tokenizer.encode(tokenizer.decode([i]), add_special_tokens=False) == [i]]
+    if len(stable) >= 0.9 * (high - low):
+        return lambda ids: ids
+    return lambda ids: tuple(stable[(i - low) % len(stable)] for i in ids)
 
 
 def _stable(tokenizer, ids: tuple[int, ...]) -> tuple[int, ...]:

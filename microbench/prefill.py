@@ -10,7 +10,7 @@ round used, so a neighbour's load falls on both alike; the ratio per length is t
 rounds' paired ratios. Each figure carries the load average over its samples, the host being shared.
 
     python -m microbench.prefill [--model models/smollm2-135m-instruct] [--dtypes float32,bfloat16]
-        [--lengths 128,512,2048] [--rounds 5] [--pdserve-threads 2,1] [--peers-dir .peers] [--no-vllm] [--json]
+        [--lengths 128,512,2048] [--rounds 5] [--pdserve-threads 2,1,2/whole] [--peers-dir .peers] [--no-vllm] [--json]
 """
 
 from __future__ import annotations
@@ -62,9 +62,9 @@ def prompt(length: int, seed: int, vocab: int) -> list[int]:
 class Pdserve:
     """A prefill worker's engine on `threads` torch threads, timed on one prompt at a time."""
 
-    def __init__(self, model: str, dtype: str, threads: int, role: str = "prefill"):
+    def __init__(self, model: str, dtype: str, threads: int, role: str = "prefill", chunk: int | None = 256):
         self.threads = threads
-        cfg = parse_config({"model": {"path": model, "dtype": dtype},
+        cfg = parse_config({"model": {"path": model, "dtype": dtype}, "scheduler": {"chunk_size": chunk},
                             "kv_cache": {"memory": f"{KV_BUDGET >> 20}MiB", "prefix_caching": False}})
         self.config = cfg.engine_config(getattr(cfg, role), device="cpu")
         self.engine = LLMEngine(self.config)
@@ -154,7 +154,7 @@ def run(args: argparse.Namespace) -> dict:
     report = {"cpu": _cpu_name(), "cores": list(CORES), "model": args.model, "rounds": args.rounds, "dtypes": {}}
     vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
     for dtype in args.dtypes:
-        sides = {("pdserve" if i == 0 else f"pdserve@{t}"): Pdserve(args.model, dtype, t)
+        sides = {("pdserve" if i == 0 else f"pdserve@{t}"): Pdserve(args.model, dtype, *_side(t))
                  for i, t in enumerate(args.pdserve_threads)}
         entry = {"pdserve_engine": sides["pdserve"].describe, "chunk_size": sides["pdserve"].config.chunk_size,
                  "pdserve_threads": args.pdserve_threads}
@@ -170,6 +170,13 @@ def run(args: argparse.Namespace) -> dict:
         report["dtypes"][dtype] = entry
         del sides
     return report
+
+
+def _side(spec: int | str) -> tuple[int, str, int | None]:
+    """`--pdserve-threads` entry -> (threads, role, chunk): "2" (chunks of 256, `pdserve serve`'s
+    default) or "2/whole" (whole prompts, as bench.peer's arrangements run them) or "2/512"."""
+    threads, _, chunk = str(spec).partition("/")
+    return int(threads), "prefill", None if chunk == "whole" else int(chunk or 256)
 
 
 def _cpu_name() -> str:
@@ -195,8 +202,9 @@ def main() -> None:
     p.add_argument("--dtypes", type=lambda s: s.split(","), default=["float32", "bfloat16"])
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[128, 512, 2048])
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--pdserve-threads", type=lambda s: [int(x) for x in s.split(",")], default=[len(CORES)],
-                   help="pdserve engines side by side, one per thread count (the first is `pdserve`)")
+    p.add_argument("--pdserve-threads", type=lambda s: [x if "/" in x else int(x) for x in s.split(",")],
+                   default=[len(CORES)], help="pdserve engines side by side, one per thread count (the first is "
+                   "`pdserve`), each `N` (prompt chunks of 256), `N/whole` (whole prompts) or `N/CHUNK`")
     p.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS_DIR", ".peers")))
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="pdserve alone")
     p.add_argument("--json", action="store_true")
