@@ -2,9 +2,10 @@
 together (16 by default, as bench.peer's 16 streams), each dtype, side by side in one run.
 
 A round gives both engines the same `--batch` prompts of `--prompt` tokens twice: once for one
-output token each, once for 1 + `--tokens`; the difference of the two times is the decode steps'
-alone (prefix caching is off on both, so the second call computes its prompts again), so decode
-tok/s = batch x tokens / (t_long - t_short) and the step (about ITL) = (t_long - t_short) / tokens.
+output token each, once for 1 + `--tokens`. Prefix caching is off on both, so the second call
+computes its prompts again and the difference of the two times is the decode steps' alone: decode
+tok/s = batch x tokens / (t_long - t_short), and the step (about ITL) = (t_long - t_short) / tokens.
+A round where the difference is not positive (a neighbour's burst) gives no sample (null).
 Both engines stay up for the whole run (microbench/prefill.py's: pdserve's engine as a decode
 worker of `pdserve serve` gets it, in this process; vLLM's offline engine in a child process on the
 same two cores); rounds alternate which goes first, ratios are the median of the rounds' pairs,
@@ -65,15 +66,18 @@ def measure(sides: dict, args: argparse.Namespace, vocab: int) -> dict:
         for name in names if r % 2 == 0 else names[::-1]:
             short = sides[name].batch(prompts, 1)
             long = sides[name].batch(prompts, 1 + args.tokens)
-            tok_s[name].append(args.batch * args.tokens / max(long - short, 1e-9))
+            # a neighbour's burst can make the short run the slower: no decode time to read, no sample
+            tok_s[name].append(args.batch * args.tokens / (long - short) if long > short else None)
         loads.append(os.getloadavg()[0])
     out = {}
     for name, v in tok_s.items():
-        out[f"{name}_tok_s"] = round(statistics.median(v), 1)
-        out[f"{name}_step_ms"] = round(1e3 * args.batch / statistics.median(v), 2)
-        if name != "vllm" and "vllm" in tok_s:
-            out[f"{name}_over_vllm"] = round(statistics.median(a / b for a, b in zip(v, tok_s["vllm"], strict=True)), 3)
-    out["samples_tok_s"] = {name: [round(x, 1) for x in v] for name, v in tok_s.items()}
+        kept = [x for x in v if x is not None]
+        out[f"{name}_tok_s"] = round(statistics.median(kept), 1) if kept else None
+        out[f"{name}_step_ms"] = round(1e3 * args.batch / statistics.median(kept), 2) if kept else None
+        pairs = [a / b for a, b in zip(v, tok_s["vllm"], strict=True) if a and b] if "vllm" in tok_s else []
+        if name != "vllm" and pairs:
+            out[f"{name}_over_vllm"] = round(statistics.median(pairs), 3)
+    out["samples_tok_s"] = {name: [None if x is None else round(x, 1) for x in v] for name, v in tok_s.items()}
     out["load_avg_1min"] = [round(min(loads), 2), round(max(loads), 2)]
     return out
 
