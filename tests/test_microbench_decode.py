@@ -24,7 +24,7 @@ def test_the_decode_side_times_a_batch_and_reports_tokens_per_second(llama_dir):
     samples = entry["samples_tok_s"]["pdserve"]
     assert len(samples) == 2 and all(x is None or x > 0 for x in samples)
     if entry["pdserve_tok_s"] is not None:
-        assert entry["pdserve_step_ms"] == pytest.approx(1e3 * 3 / entry["pdserve_tok_s"], rel=1e-2)
+        assert entry["pdserve_step_ms"] == pytest.approx(1e3 * 3 / entry["pdserve_tok_s"], rel=1e-2, abs=0.006)  # to 0.01 ms
     assert "pdserve_over_vllm" not in entry
 
 
