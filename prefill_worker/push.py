@@ -5,9 +5,10 @@ Streamed (kv_transfer.stream_chunks): after every engine step the full blocks a 
 request has filled leave at once while its next chunk computes; the rest (the last, partial
 block included) once its first token is sampled. Not streamed: all of it then, in one piece.
 A stream opened before its decode reservation came back (skip_blocks None) cuts nothing until
-`aim` says how many leading blocks the decode side holds; the computing goes on meanwhile.
-Ray does not keep an async actor's calls in order, so an `aim` may come before its prefill has
-opened the stream: it is kept (worker_runtime/tombstones.py) and taken when the stream opens.
+`aim` says how many leading blocks the decode side holds (and, when the decode worker was chosen
+after the prefill, which one); the computing goes on meanwhile, and a prefilled request's blocks
+stay held. Ray does not keep an async actor's calls in order, so an `aim` may come before its
+prefill has opened the stream: it is kept (worker_runtime/tombstones.py) and taken when it opens.
 Everything here runs on the engine loop thread (`after_step`, and `loop.call` for a piece's
 end), so it reads the engine directly. A piece's blocks are pinned (engine.pin) from its cut
 until its send ended: a preemption, abort or finish never frees blocks on the wire. A stream
@@ -40,7 +41,7 @@ OnFailed = Callable[[str, str, str], None]  # (request id, decode worker, reason
 @dataclass
 class KVStream:
     request_id: str
-    decode_name: str
+    decode_name: str | None  # None: not chosen yet (`aim` names it)
     next_block: int | None  # the first block of the request not yet cut into a piece; None: not aimed yet
     in_flight: int = 0  # pieces cut whose send has not ended (held back or on the wire)
     complete: bool = False  # no piece will be cut any more
@@ -60,30 +61,44 @@ class KVPusher:
         self._on_failed = on_failed
         self._on_ended = on_ended
         self._streams: dict[str, KVStream] = {}  # loop thread only
-        # id -> skip_blocks of an aim that found no stream; one whose stream never opens expires
-        self._early_aims: Tombstones[int] = Tombstones()
+        # id -> (skip_blocks, decode worker) of an aim that found no stream; one never opened expires
+        self._early_aims: Tombstones[tuple[int, str | None]] = Tombstones()
 
-    def open(self, request_id: str, decode_name: str, skip_blocks: int | None) -> None:
+    def open(self, request_id: str, decode_name: str | None, skip_blocks: int | None) -> None:
         """Loop thread, right after the request was added: `skip_blocks` the decode side holds
         (None: not known yet; `aim` tells it, or told it already)."""
+        stream = KVStream(request_id, decode_name, skip_blocks)
         aimed = self._early_aims.pop(request_id)
         if skip_blocks is None and aimed is not None:
-            skip_blocks = aimed
-        self._streams[request_id] = KVStream(request_id, decode_name, skip_blocks)
+            stream.next_block, stream.decode_name = aimed[0], aimed[1] or decode_name
+        self._streams[request_id] = stream
 
-    def aim(self, e: LLMEngine, request_id: str, skip_blocks: int) -> bool:
-        """Loop thread: the decode side holds the first `skip_blocks` blocks; what is ready leaves
-        now (all of it if the prefill is already done). No stream: kept for when it opens (the
-        prefill call has not reached the engine yet). False if the stream was abandoned (aborted)."""
+    def aim(self, e: LLMEngine, request_id: str, skip_blocks: int, decode_name: str | None = None) -> bool:
+        """Loop thread: the decode side (`decode_name`, when the stream has none yet) holds the
+        first `skip_blocks` blocks; what is ready leaves now (all of it if the prefill is already
+        done). No stream: kept for when it opens (the prefill call has not reached the engine
+        yet). False if the stream was abandoned (aborted)."""
         stream = self._streams.get(request_id)
         if stream is None:
-            self._early_aims.add(request_id, skip_blocks)
+            self._early_aims.add(request_id, (skip_blocks, decode_name))
             return True
         if stream.abandoned:
             return False
         if stream.next_block is None:
+            stream.decode_name = decode_name or stream.decode_name
+            assert stream.decode_name is not None, f"{request_id} was aimed at no decode worker"
             stream.next_block = skip_blocks
             self.after_step(e)
+        return True
+
+    def expire(self, e: LLMEngine, request_id: str) -> bool:
+        """Loop thread: drop the request if its KV still waits for an `aim` (its hold ran out);
+        True if it did. Nothing was sent, so nothing is reported."""
+        stream = self._streams.get(request_id)
+        if stream is None or stream.next_block is not None:
+            return False
+        self.abandon(e, request_id)
+        e.abort(request_id)
         return True
 
     def abandon(self, e: LLMEngine, request_id: str) -> None:

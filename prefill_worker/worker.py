@@ -67,15 +67,15 @@ class PrefillWorker(WorkerCalls):
         self._aborted: Tombstones[None] = Tombstones()  # a late prefill or aim for these is refused
 
     async def prefill(self, task: PrefillTask, decode_actor=None) -> PrefillResult:
-        """`decode_actor` comes with the first request for a decode worker and is kept."""
-        if decode_actor is not None:
-            self._peers[task.decode_name] = decode_actor
-        if task.decode_name not in self._peers:
-            raise KeyError(f"{self.core.name} has no handle of {task.decode_name}")
-        await self._ensure_channel(task.decode_name, self._peers[task.decode_name])
+        """`decode_actor` comes with the first request for a decode worker and is kept. A task
+        with no decode worker yet computes now; its KV waits for `aim` (at most `task.hold_s`)."""
+        if task.decode_name is not None:
+            await self._connect(task.decode_name, decode_actor)
         arrived = clock.now()
         if task.request_id in self._aborted:
             raise asyncio.CancelledError(f"{task.request_id} was cancelled")
+        if task.hold_s is not None:
+            self.core.aio.call_later(task.hold_s, self._track_expiry, task.request_id)
         out = await self._first_token(task, arrived)
         if out.finish_reason is FinishReason.ERROR:
             failed = PrefillStepFailed if out.retryable else PrefillFailed
@@ -102,12 +102,37 @@ class PrefillWorker(WorkerCalls):
                       emitted_chars=task.emitted_chars, arrived_at=arrived)
         self.pusher.open(task.request_id, task.decode_name, task.skip_blocks)
 
-    async def aim(self, request_id: str, skip_blocks: int) -> bool:
+    async def aim(self, request_id: str, skip_blocks: int, decode_name: str | None = None,
+                  decode_actor=None) -> bool:
         """The decode reservation of a prefill sent before it came back: the decode side holds the
-        first `skip_blocks` blocks; the KV may leave now. False if the request is gone (aborted)."""
+        first `skip_blocks` blocks; the KV may leave now. `decode_name`: the decode worker chosen
+        after the prefill (its `decode_actor` comes with its first request, as in `prefill`).
+        False if the request is gone (aborted, or its hold ran out)."""
+        if decode_name is not None:
+            await self._connect(decode_name, decode_actor)
         if request_id in self._aborted:  # its stream may be gone already, or never open
             return False
-        return await self.core.run(lambda e: self.pusher.aim(e, request_id, skip_blocks))
+        return await self.core.run(lambda e: self.pusher.aim(e, request_id, skip_blocks, decode_name))
+
+    async def _connect(self, decode_name: str, decode_actor) -> None:
+        """The pair's channel, opened on first use; `decode_actor` is kept when it comes."""
+        if decode_actor is not None:
+            self._peers[decode_name] = decode_actor
+        if decode_name not in self._peers:
+            raise KeyError(f"{self.core.name} has no handle of {decode_name}")
+        await self._ensure_channel(decode_name, self._peers[decode_name])
+
+    def _track_expiry(self, request_id: str) -> None:
+        self._track(self._expire(request_id))
+
+    async def _expire(self, request_id: str) -> None:
+        """A held KV whose `aim` never came within its task's hold_s: dropped, its blocks freed."""
+        if await self.core.run(lambda e: self.pusher.expire(e, request_id)):
+            self._aborted.add(request_id)
+            waiter = self._waiters.pop(request_id, None)
+            if waiter is not None and not waiter.done():
+                waiter.cancel()
+            log.warning("%s: the KV of %s was never aimed at a decode worker; dropped", self.core.name, request_id)
 
     async def _ensure_channel(self, decode_name: str, decode_actor) -> None:
         lock = self._channel_locks.setdefault(decode_name, asyncio.Lock())

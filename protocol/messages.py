@@ -110,12 +110,15 @@ class PrefillTask:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
-    decode_name: str  # where the KV goes
+    decode_name: str | None  # where the KV goes; None: chosen after the prefill, named by `aim`
     output_token_ids: list[int] = field(default_factory=list)
     emitted_chars: int = 0  # characters of text already streamed to the client
     # leading blocks the decode worker already holds: not sent. None: its reservation is still in
     # flight (the prefill computes meanwhile); the router says it with `aim` and nothing leaves before
     skip_blocks: int | None = 0
+    # seconds from the task's arrival that an un-aimed KV is kept; then the request is dropped there
+    # (its blocks freed): a router that never aims cannot leak them. None: no limit
+    hold_s: float | None = None
 
 
 @dataclass(frozen=True)

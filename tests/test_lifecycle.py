@@ -69,9 +69,10 @@ def test_no_event_reaches_an_ended_request():
 
 Q, R, P, H, D = Phase.QUEUED, Phase.RESERVING, Phase.PREFILLING, Phase.HANDOFF, Phase.DECODING
 # written out from the lifecycle (life.py's docstring, attempt.py), not from the table: the forward paths
-# (disaggregated Q-R-P-H-D, colocated Q-D, finished at the first token from P or H), and from
-# every live phase a failed attempt (back to Q), a failure or a cancel
-ALLOWED = ({(Q, R), (R, P), (P, H), (H, D), (D, Phase.FINISHED), (Q, D), (P, Phase.FINISHED), (H, Phase.FINISHED)}
+# (disaggregated Q-R-P-H-D, after_prefill Q-P-R-H-D, colocated Q-D, finished at the first token from
+# P or H), and from every live phase a failed attempt (back to Q), a failure or a cancel
+ALLOWED = ({(Q, R), (R, P), (P, H), (H, D), (D, Phase.FINISHED), (Q, D), (P, Phase.FINISHED), (H, Phase.FINISHED),
+            (Q, P), (P, R), (R, H)}
            | {(live, end) for live in (Q, R, P, H, D) for end in (Q, Phase.FAILED, Phase.CANCELLED)})
 
 

@@ -23,6 +23,7 @@ from worker_runtime.faults import FaultConfig
 
 Policy = Literal["cache_aware", "load", "round_robin"]
 POLICIES: tuple[str, ...] = typing.get_args(Policy)  # the placement policies, in the order help lists them
+DecodeReservation = Literal["before_prefill", "after_prefill"]  # router.decode_reservation
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,10 @@ class RouterSection:
     # start the prefill while the decode reservation is in flight (its KV leaves once the
     # reservation is back): one router -> worker round trip less in TTFT (router/lifecycle/attempt.py)
     prefill_during_reserve: bool = True
+    # when a disaggregated request reserves its decode KV: before_prefill (before its prompt is
+    # computed) or after_prefill (its prefill worker computes first and holds the KV until a decode
+    # worker has room: the prefill pool's memory is the queue's buffer; router/lifecycle/prefill_first.py)
+    decode_reservation: DecodeReservation = "before_prefill"
     call_timeout_s: float = 10.0  # deadline of every short router -> worker call
     # deadline of one prefill, queueing on the worker included; also how long a decode stream may
     # send nothing (no token, finish or failure) before its request moves to another worker

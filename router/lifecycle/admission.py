@@ -7,6 +7,8 @@ than `max_queue` of them: QueueFull. The lock is never held across anything with
 deadline: `try_place`'s worker calls carry their own, and `deadline` (the router's clock) is the
 request's own, so an attempt never waits for an answer past it. A request placed again without
 having failed (a Respin) passes `since`, the start of its first wait: its queue timeout runs once.
+`place_handoff` is the second wait of router.decode_reservation: after_prefill (a computed prompt
+waiting for decode KV), in its own FIFO under the same deadline.
 
 Overload is refused at once, not after `timeout_s`: the queue measures its service rate (the
 mean of the last RATE_WINDOW intervals between two placements while requests stayed queued
@@ -41,6 +43,7 @@ class Admission:
         self.waiting = 0
         self._on_waiting = on_waiting  # told the queue length whenever it changes (the router's gauge)
         self._lock = asyncio.Lock()  # FIFO: asyncio.Lock wakes waiters in arrival order
+        self._handoff_lock = asyncio.Lock()  # the computed prompts waiting for a decode reservation
         self._capacity = asyncio.Event()
         self._intervals: deque[float] = deque(maxlen=RATE_WINDOW)  # seconds between placements under a queue
         self._last_departure: float | None = None  # the last placement, if it left others queued
@@ -80,33 +83,50 @@ class Admission:
                             + (f"the {left:.2f} s left of its {limit}" if waited_before else limit),
                             retry_after_s=math.ceil(wait_s - left))
         self._count(+1)
-        arrived, waited = clock.now(), self._lock.locked()  # waits from arrival if others are ahead
         try:
-            try:  # behind the requests queued first, but never past this one's own deadline
-                await within(self._lock.acquire(), max(0.0, deadline - clock.now()))
-            except TimeoutError:
-                raise Unavailable(timed_out) from None
-            try:
-                while True:
-                    placed = await try_place(deadline)
-                    if placed is not None:
-                        self._departed()
-                        return placed, (clock.now() - arrived) if waited else 0.0
-                    if not accepting():
-                        raise Unavailable("the server is shutting down")
-                    left = deadline - clock.now()
-                    if left <= 0:
-                        raise Unavailable(timed_out)
-                    waited = True
-                    self._capacity.clear()
-                    try:
-                        await within(self._capacity.wait(), min(TICK_S, left))  # wakes at the deadline
-                    except TimeoutError:
-                        pass
-            finally:
-                self._lock.release()
+            placed, waited = await self._in_turn(self._lock, try_place, accepting, deadline, timed_out)
+            self._departed()
+            return placed, waited
         finally:
             self._count(-1)
+
+    async def place_handoff(self, try_place: Callable[[float], Awaitable[T | None]], accepting: Callable[[], bool],
+                            timeout_s: float, since: float) -> tuple[T, float]:
+        """As `place`, for a request whose prompt is computed and whose KV waits on its prefill
+        worker for a decode reservation (router.decode_reservation: after_prefill): FIFO among such
+        requests only (never behind one waiting for the prefill slot it holds), under the same
+        deadline (`since` + `timeout_s`); not counted in `waiting`, QueueFull or the service rate."""
+        deadline = since + timeout_s
+        return await self._in_turn(self._handoff_lock, try_place, accepting, deadline,
+                                   f"no decode worker had room for this request's KV within {timeout_s:g} s")
+
+    async def _in_turn(self, lock: asyncio.Lock, try_place: Callable[[float], Awaitable[T | None]],
+                       accepting: Callable[[], bool], deadline: float, timed_out: str) -> tuple[T, float]:
+        """`try_place` in turn behind `lock`'s earlier waiters until it places, or Unavailable at
+        `deadline`; the placement and the seconds waited (0 when it fit at once)."""
+        arrived, waited = clock.now(), lock.locked()  # waits from arrival if others are ahead
+        try:  # behind the requests queued first, but never past this one's own deadline
+            await within(lock.acquire(), max(0.0, deadline - clock.now()))
+        except TimeoutError:
+            raise Unavailable(timed_out) from None
+        try:
+            while True:
+                placed = await try_place(deadline)
+                if placed is not None:
+                    return placed, (clock.now() - arrived) if waited else 0.0
+                if not accepting():
+                    raise Unavailable("the server is shutting down")
+                left = deadline - clock.now()
+                if left <= 0:
+                    raise Unavailable(timed_out)
+                waited = True
+                self._capacity.clear()
+                try:
+                    await within(self._capacity.wait(), min(TICK_S, left))  # wakes at the deadline
+                except TimeoutError:
+                    pass
+        finally:
+            lock.release()
 
     def _departed(self) -> None:
         """A placement. The interval since the previous one is a service interval if requests

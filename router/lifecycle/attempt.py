@@ -23,7 +23,14 @@ from collections.abc import AsyncIterator
 
 from protocol import clock
 from protocol.deadline import within
-from protocol.messages import GenerateTask, PrefillTask, Reservation, Reserved, StartDecode
+from protocol.messages import (
+    GenerateTask,
+    PrefillResult,
+    PrefillTask,
+    Reservation,
+    Reserved,
+    StartDecode,
+)
 from protocol.outputs import FinishReason, RequestOutput
 from router.config.schema import ClusterConfig
 from router.lifecycle.admission import Admission, QueueWaits
@@ -76,6 +83,10 @@ class Attempts:
             async for chunk in self._generate(life, pair.worker):
                 yield chunk
             return
+        if pair.decode is None:  # router.decode_reservation: after_prefill
+            async for chunk in self._prefill_first(life, pair.prefill):
+                yield chunk
+            return
         aid, prefill, decode, skip = life.attempt_id, pair.prefill, pair.decode, pair.cached_blocks
         life.to(Phase.PREFILLING)
         try:
@@ -90,32 +101,90 @@ class Attempts:
         finally:
             prefill.release(aid)
         prefill.peers.add(decode.name)
-        life.usage.prefill_ms += res.prefill_s * 1e3
-        life.usage.cached_tokens = res.cached_tokens
-        observe_first_token(life, res.step_kind, res.timing)
-        self.metrics.observe_prefill(res.prefill_s)
-        self.metrics.observe_prefix("prefill", life.num_context_tokens(), res.cached_tokens)
-        finish = None if res.finish_reason is FinishReason.PREFILLED else res.finish_reason
-        life.to(Phase.FINISHED if finish else Phase.HANDOFF)
-        chunk = self.chunk(life, RequestOutput(aid, [res.token_id], res.text, finish))
-        if finish:
+        chunk = self._prefilled(life, res, Phase.HANDOFF)
+        if chunk.finish_reason is not None:
             life.prefill = None  # a finished prefill-only request freed its blocks; the service
             yield chunk          # aborts the decode reservation it never needed
             return
-        start = StartDecode(aid, life.prompt_token_ids, list(life.output_token_ids), life.sampling,
-                            life.emitted_chars, self.config.kv_transfer.timeout_s)
-        started = decode.actor.start.remote(start)
+        started = self._start(life, decode)
         try:
             yield chunk  # before the decode worker confirms `start`: that round trip is not TTFT
         except BaseException:  # the client left at its first token: `start` is still read, never dropped
             self._read_later(started, self.rc.call_timeout_s)
             raise
-        try:
-            await call(decode, started, self.rc.call_timeout_s, "start")
-        except Retry as e:  # the reservation ended first: say why, when a worker told us
-            raise queued_failure(life) or e from None
-        async for chunk in self._stream(life, decode):
+        async for chunk in self._decode(life, decode, started):
             yield chunk
+
+    async def _prefill_first(self, life: RequestLife, prefill: WorkerView) -> AsyncIterator[Chunk]:
+        """router.decode_reservation: after_prefill. The prompt is computed first and its worker
+        holds the KV (its slot stays taken meanwhile: max_prefill_inflight bounds the KV it holds);
+        the first token streams at once; then a decode worker with room is reserved, chosen now
+        (its cache as it is now), under the queue deadline, and `aim` sends the KV there."""
+        aid = life.attempt_id
+        life.to(Phase.PREFILLING)
+        deadline = life.queued_since + self.rc.queue_timeout_s  # the wait for capacity, in all
+        hold_s = max(0.0, deadline - clock.now()) + self.rc.prefill_timeout_s + 2 * self.rc.call_timeout_s
+        task = dataclasses.replace(self._prefill_task(life, None, None), hold_s=hold_s)
+        try:
+            res = await call(prefill, prefill.actor.prefill.remote(task, None), self.rc.prefill_timeout_s, "prefill")
+            prefill.prefill_tokens.pop(aid, None)  # computed: no more work there, only its KV
+            chunk = self._prefilled(life, res, Phase.RESERVING)
+            if chunk.finish_reason is not None:
+                life.prefill = None  # it ended at its first token: the worker freed its blocks
+                yield chunk
+                return
+            yield chunk  # at once: the wait for decode KV comes after the first token
+            decode, skip = await self._reserve_after(life, prefill)
+            handle = None if decode.name in prefill.peers else decode.actor  # travels once per pair
+            aimed = await call(prefill, prefill.actor.aim.remote(aid, skip, decode.name, handle),
+                               self.rc.call_timeout_s, "aim")
+        finally:
+            prefill.release(aid)
+        if not aimed:
+            raise Retry(f"{prefill.name} dropped the KV of {life.client_id} before its decode reservation came")
+        prefill.peers.add(decode.name)
+        life.to(Phase.HANDOFF)
+        async for chunk in self._decode(life, decode, self._start(life, decode)):
+            yield chunk
+
+    async def _reserve_after(self, life: RequestLife, prefill: WorkerView) -> tuple[WorkerView, int]:
+        """The decode worker that took the reservation of `life`'s computed context, and the
+        leading blocks it holds cached; waits in turn (Admission.place_handoff) until one has room."""
+        waits = QueueWaits(life)
+        try:
+            (decode, reserved), waited = await self.admission.place_handoff(
+                lambda deadline: self._try_reserve(life, prefill, waits, deadline), self.accepting,
+                self.rc.queue_timeout_s, life.queued_since)
+        finally:
+            waited_s = waits.close()
+            life.usage.queue_ms += waited_s * 1e3  # a KV capacity wait, as docs/metrics.md splits it
+            life.usage.kv_wait_ms += waited_s * 1e3
+        life.usage.decode_worker = decode.name
+        return decode, reserved.cached_blocks
+
+    async def _try_reserve(self, life: RequestLife, prefill: WorkerView, waits: QueueWaits,
+                           deadline: float) -> tuple[WorkerView, Reserved] | None:
+        """A reservation on the first decode worker, in placement order, that has room; None."""
+        decode_ready = self._ready_or_wait("decode", life)
+        if not decode_ready:
+            return waits.failed("workers")
+        hashes = life.context_hashes(decode_ready[0].info.block_size)
+        needed, reservation = self._reservation(life, decode_ready[0].info.block_size, deadline)
+        final = len(life.prompt_token_ids) + life.sampling.max_tokens
+        for decode in self.placer.decode_candidates(decode_ready, hashes, needed, final_tokens=final):
+            if deadline <= clock.now():
+                break
+            life.decode = decode  # a holder before the call: a cancel reaches it
+            decode.hold(life.attempt_id)
+            ref = decode.actor.reserve.remote(dataclasses.replace(reservation, wait_s=deadline - clock.now()))
+            reserved = await call(decode, ref, self.rc.call_timeout_s, "reserve")
+            if reserved is not None:
+                self._reserved(life, prefill, decode, reserved, hashes)
+                return decode, reserved
+            decode.had_no_room(needed)
+            life.decode = None
+            decode.release(life.attempt_id)
+        return waits.failed("kv")
 
     async def _place_pair(self, life: RequestLife, waits: QueueWaits,
                           deadline: float) -> Pair | LocalPlacement | None:
@@ -137,18 +206,18 @@ class Attempts:
         prefill = self.placer.pick_prefill(prefill_ready, hashes, context, self.rc.max_prefill_inflight)
         if prefill is None:
             return waits.failed("prefill")
-        num_tokens = context + 1  # the KV pushed, plus the next token
-        needed = -(-num_tokens // bs)
-        lease_s = self.rc.prefill_timeout_s + self.config.kv_transfer.timeout_s + self.rc.call_timeout_s
-        pushed = tuple(life.context_token_ids())
+        if self.rc.decode_reservation == "after_prefill":  # the decode worker is chosen once it is computed
+            self._claim_prefill(life, prefill, hashes)
+            self.placer.placed(prefill, hashes)
+            return Pair(prefill, None, 0, None)
+        needed, reservation = self._reservation(life, bs, deadline)
         final = len(life.prompt_token_ids) + life.sampling.max_tokens
         for i, decode in enumerate(self.placer.decode_candidates(decode_ready, hashes, needed, final_tokens=final)):
             wait_s = deadline - clock.now()
             if wait_s <= 0:
                 break
             self._hold(life, decode, Phase.RESERVING)
-            ref = decode.actor.reserve.remote(Reservation(life.attempt_id, num_tokens, lease_s, pushed,
-                                                          life.sampling.cache_salt, wait_s))
+            ref = decode.actor.reserve.remote(dataclasses.replace(reservation, wait_s=wait_s))
             early = self._prefill_early(life, prefill, decode, hashes) if i == 0 else None
             reserved = await call(decode, ref, self.rc.call_timeout_s, "reserve")  # raises: both are aborted
             if reserved is not None:
@@ -161,6 +230,42 @@ class Attempts:
                              f"{prefill.name} meanwhile is dropped")
             self._unhold(life, decode)
         return waits.failed("kv")
+
+    def _reservation(self, life: RequestLife, block_size: int, deadline: float) -> tuple[int, Reservation]:
+        """The blocks a decode reservation of `life`'s context needs, and the reservation (its
+        lease covers a prefill, the transfer and a call; its wait_s is the time to `deadline`)."""
+        num_tokens = life.num_context_tokens() + 1  # the KV pushed, plus the next token
+        lease_s = self.rc.prefill_timeout_s + self.config.kv_transfer.timeout_s + self.rc.call_timeout_s
+        return -(-num_tokens // block_size), Reservation(life.attempt_id, num_tokens, lease_s,
+                                                          tuple(life.context_token_ids()),
+                                                          life.sampling.cache_salt, deadline - clock.now())
+
+    def _prefilled(self, life: RequestLife, res: PrefillResult, then: Phase) -> Chunk:
+        """The first token's chunk from a prefill's result (its usage and metrics observed); the
+        phase becomes FINISHED if the request ended there, else `then`."""
+        life.usage.prefill_ms += res.prefill_s * 1e3
+        life.usage.cached_tokens = res.cached_tokens
+        observe_first_token(life, res.step_kind, res.timing)
+        self.metrics.observe_prefill(res.prefill_s)
+        self.metrics.observe_prefix("prefill", life.num_context_tokens(), res.cached_tokens)
+        finish = None if res.finish_reason is FinishReason.PREFILLED else res.finish_reason
+        life.to(Phase.FINISHED if finish else then)
+        return self.chunk(life, RequestOutput(life.attempt_id, [res.token_id], res.text, finish))
+
+    def _start(self, life: RequestLife, decode: WorkerView):
+        """`start` sent to the decode worker holding the reservation (the next token's ref)."""
+        return decode.actor.start.remote(StartDecode(life.attempt_id, life.prompt_token_ids,
+                                                     list(life.output_token_ids), life.sampling,
+                                                     life.emitted_chars, self.config.kv_transfer.timeout_s))
+
+    async def _decode(self, life: RequestLife, decode: WorkerView, started) -> AsyncIterator[Chunk]:
+        """The tokens after the hand-off, once the decode worker confirmed `started`."""
+        try:
+            await call(decode, started, self.rc.call_timeout_s, "start")
+        except Retry as e:  # the reservation ended first: say why, when a worker told us
+            raise queued_failure(life) or e from None
+        async for chunk in self._stream(life, decode):
+            yield chunk
 
     def _place_local(self, life: RequestLife, prefill_ready: list[WorkerView], decode_ready: list[WorkerView],
                      hashes: list[bytes]) -> LocalPlacement | None:
@@ -209,8 +314,8 @@ class Attempts:
             task.exception()  # read: an abandoned one's failure is expected, an awaited one's is raised there
 
     @staticmethod
-    def _prefill_task(life: RequestLife, decode: WorkerView, skip_blocks: int | None) -> PrefillTask:
-        return PrefillTask(life.attempt_id, life.prompt_token_ids, life.sampling, decode.name,
+    def _prefill_task(life: RequestLife, decode: WorkerView | None, skip_blocks: int | None) -> PrefillTask:
+        return PrefillTask(life.attempt_id, life.prompt_token_ids, life.sampling, decode and decode.name,
                            list(life.output_token_ids), life.emitted_chars, skip_blocks=skip_blocks)
 
     def _claim_prefill(self, life: RequestLife, prefill: WorkerView, hashes: list[bytes]) -> None:
@@ -392,6 +497,6 @@ class Pair:
     during the reservation (None: not sent yet)."""
 
     prefill: WorkerView
-    decode: WorkerView
+    decode: WorkerView | None  # None: chosen after the prefill (router.decode_reservation: after_prefill)
     cached_blocks: int
     early: asyncio.Task | None

@@ -1,6 +1,8 @@
 """One accepted request's life as the router keeps it: a phase with explicit transitions.
 
     QUEUED -> RESERVING -> PREFILLING -> HANDOFF -> DECODING -> FINISHED      (disaggregated)
+    QUEUED -> PREFILLING -> RESERVING -> HANDOFF -> DECODING -> FINISHED      (router.decode_reservation:
+                                                                               after_prefill)
     QUEUED -> DECODING -> FINISHED                          (colocated; disaggregated, prefilled locally)
     any live phase -> QUEUED (a failed attempt: the request moves, `migrations` += 1)
     any live phase -> FAILED | CANCELLED
@@ -28,8 +30,8 @@ from protocol.usage import Usage
 
 class Phase(enum.Enum):
     QUEUED = "queued"          # waiting for capacity (counts towards router.max_queue)
-    RESERVING = "reserving"    # reserve call in flight on a decode worker
-    PREFILLING = "prefilling"  # prefill call in flight; the reservation is held
+    RESERVING = "reserving"    # reserve call in flight on a decode worker (after_prefill: the KV waits for one)
+    PREFILLING = "prefilling"  # prefill call in flight; the reservation is held (after_prefill: none yet)
     HANDOFF = "handoff"        # next token streamed; the KV is moving, start sent
     DECODING = "decoding"      # tokens come from the decode worker
     FINISHED = "finished"
@@ -40,9 +42,9 @@ class Phase(enum.Enum):
 ENDED = frozenset({Phase.FINISHED, Phase.FAILED, Phase.CANCELLED})
 _LIVE_EXITS = {Phase.QUEUED, Phase.FAILED, Phase.CANCELLED}
 TRANSITIONS: dict[Phase, frozenset[Phase]] = {
-    Phase.QUEUED: frozenset({Phase.RESERVING, Phase.DECODING} | _LIVE_EXITS),
-    Phase.RESERVING: frozenset({Phase.PREFILLING} | _LIVE_EXITS),
-    Phase.PREFILLING: frozenset({Phase.HANDOFF, Phase.FINISHED} | _LIVE_EXITS),
+    Phase.QUEUED: frozenset({Phase.RESERVING, Phase.PREFILLING, Phase.DECODING} | _LIVE_EXITS),
+    Phase.RESERVING: frozenset({Phase.PREFILLING, Phase.HANDOFF} | _LIVE_EXITS),
+    Phase.PREFILLING: frozenset({Phase.RESERVING, Phase.HANDOFF, Phase.FINISHED} | _LIVE_EXITS),
     Phase.HANDOFF: frozenset({Phase.DECODING, Phase.FINISHED} | _LIVE_EXITS),
     Phase.DECODING: frozenset({Phase.FINISHED} | _LIVE_EXITS),
     Phase.FINISHED: frozenset(),

@@ -1,0 +1,142 @@
+"""router.decode_reservation: after_prefill (the prefill runs first, its worker holds the KV until a
+decode worker has room): in the simulator, a decode pool with room for one request no longer holds
+back the next prompt's prefill; on the real cluster (the shared 1 + 1 `served`), greedy tokens equal
+to before_prefill's and transformers', every block back, and a cancel while the computed KV waits
+for its decode reservation reaches both workers."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+from pathlib import Path
+
+import pytest
+import ray
+import yaml
+
+from bench.workload import RequestSpec, make_workload
+from cli.main import main as pdserve
+from router.config.loader import load_config
+from router.lifecycle.life import Phase
+from simulate.cli import emulated
+from simulate.run import simulate
+from tests.cluster_util import Client, faults, wait_until
+from tests.reference import hf_greedy
+
+ROOT = Path(__file__).resolve().parent.parent
+BS = 16
+
+
+def _mode(cfg, mode: str):
+    return dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, decode_reservation=mode))
+
+
+def test_a_bad_mode_is_one_line_naming_the_key_and_exit_2(tmp_path, capsys):
+    bad = tmp_path / "cluster.yaml"
+    bad.write_text(yaml.safe_dump({"router": {"decode_reservation": "later"}}))
+    capsys.readouterr()
+    code = pdserve(["serve", "--config", str(bad)])
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.strip().splitlines()) == 1 and "router.decode_reservation" in err, err
+    assert "'before_prefill', 'after_prefill'" in err, err
+
+
+# ---- in the simulator -------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def one_decode_slot():
+    """1P+1D H100 x Llama-3.1-8B whose decode worker holds the KV of one 1,000-token request only."""
+    base = load_config(str(ROOT / "cluster.yaml"))
+    cfg, em = emulated(base, dataclasses.replace(base.emulate, device="h100", model="llama-3.1-8b"), "test")
+    return dataclasses.replace(cfg, mode="disaggregated", prefill=dataclasses.replace(cfg.prefill, replicas=1),
+                               decode=dataclasses.replace(cfg.decode, replicas=1, num_blocks=80)), em
+
+
+def test_after_prefill_computes_the_next_prompt_while_decode_kv_is_full(one_decode_slot):
+    cfg, em = one_decode_slot
+    specs = [RequestSpec(f"r{i}", 0.001 * i, tuple(range(1000 + i, 2000 + i)), 32) for i in range(3)]
+    workload = make_workload("full-decode", specs, None, {})
+    runs = {mode: simulate(_mode(cfg, mode), em, workload, mode, rpc_s=0.0) for mode in ("before_prefill",
+                                                                                      "after_prefill")}
+    for run in runs.values():
+        assert all(r.ok and r.output_tokens == 32 for r in run.records)
+        assert all(c["used"] == 0 and c["free"] == c["total"] for c in run.checks.values()), run.checks
+    before, after = ([r for r in runs[m].records] for m in ("before_prefill", "after_prefill"))
+    first_token = lambda r: r.message_times_s[0]  # noqa: E731
+    # before_prefill: the second request's prompt waits for the first's decode KV to be freed
+    assert first_token(before[1]) > before[0].end_s
+    # after_prefill: it is computed (and its first token streamed) while the first still decodes,
+    # and its KV waits on the prefill worker: its wait is charged as a KV wait after the first token
+    assert first_token(after[1]) < after[0].end_s and first_token(after[2]) < after[0].end_s
+    assert after[1].usage["kv_wait_ms"] > 0 and after[1].usage["prefill_worker"] == "prefill-0"
+    # the same KV went over the link (after_prefill: in one piece once aimed, the prompt computed)
+    assert [r.usage["kv_transfer_bytes"] for r in after] == [r.usage["kv_transfer_bytes"] for r in before]
+    assert min(r.usage["kv_transfer_bytes"] for r in after) > 0 and runs["after_prefill"].link["pieces"] == 3
+
+
+# ---- on the real cluster ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def after_on(served):
+    """The shared 1 + 1 cluster with after_prefill for this module's tests; back as found after."""
+    attempts = served.router.attempts
+    before = attempts.rc
+    attempts.rc = dataclasses.replace(before, decode_reservation="after_prefill")
+    yield served
+    attempts.rc = before
+
+
+def _tokens(n: int, seed: int) -> list[int]:
+    rng = random.Random(f"test_decode_reservation-{seed}")  # its own prompts: the shared cache holds others'
+    return [rng.randrange(10, 2000) for _ in range(n)]
+
+
+def _blocks(cluster) -> list[dict]:
+    return ray.get([w.actor.check.remote() for w in cluster.router.pools.all()], timeout=30)
+
+
+def _whole(cluster) -> bool:
+    return all(c["used"] == 0 and c["free"] == c["total"] for c in _blocks(cluster))
+
+
+def test_after_prefill_tokens_equal_before_prefill_and_transformers(after_on, llama_dir):
+    client = Client(after_on.address)
+    (prefill,), (decode,) = after_on.router.pools.ready("prefill"), after_on.router.pools.ready("decode")
+    prompts = [_tokens(70, 1), _tokens(33, 2)]
+    outs = []
+    for prompt in prompts:
+        tokens, last = client.tokens(prompt, max_tokens=8, ignore_eos=True)
+        assert (last.usage.prefill_worker, last.usage.decode_worker) == (prefill.name, decode.name)
+        assert last.usage.kv_transfer_bytes > 0
+        outs.append(tokens)
+    attempts = after_on.router.attempts
+    after_rc, attempts.rc = attempts.rc, dataclasses.replace(attempts.rc, decode_reservation="before_prefill")
+    try:
+        assert [client.tokens(p, max_tokens=8, ignore_eos=True)[0] for p in prompts] == outs
+    finally:
+        attempts.rc = after_rc
+    assert outs == [hf_greedy(llama_dir, p, 8, ignore_eos=True) for p in prompts]
+    wait_until(lambda: _whole(after_on), 30, "every block free on both workers")
+    client.close()
+
+
+def test_a_cancel_while_the_kv_waits_for_its_decode_reservation_frees_both_workers(after_on):
+    """Every decode reservation refused (fault injection): the prompt is computed, its first token
+    streams, and its KV waits on the prefill worker, held exactly; the client cancels; the
+    request is gone and every block on both workers is free."""
+    router = after_on.router
+    client = Client(after_on.address)
+    prompt = _tokens(90, 3)
+    with faults(after_on, reserve_refuse_rate=1.0):
+        stream = client.stream(prompt, max_tokens=16, ignore_eos=True)
+        first = next(stream)
+        assert len(first.token_ids) == 1
+        wait_until(lambda: any(life.phase is Phase.RESERVING and life.waiting_for == "kv"
+                               for life in router.lives.values()), 30, "the KV waiting for a reservation")
+        (held,) = [life for life in router.lives.values() if life.phase is Phase.RESERVING]
+        assert held.prefill is not None and held.decode is None
+        prefill_blocks, decode_blocks = _blocks(after_on)
+        assert prefill_blocks["used"] == -(-len(prompt) // BS)  # the prompt's KV, held for the hand-off
+        assert decode_blocks["used"] == 0
+        stream.cancel()
+        wait_until(lambda: not router.lives, 30, "the request gone")
+    wait_until(lambda: _whole(after_on), 30, "every block free on both workers")
+    client.close()
