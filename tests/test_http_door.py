@@ -120,15 +120,15 @@ def test_a_chunked_body_over_the_limit_is_413(cluster):
 
 @pytest.fixture
 def broken_chunk(cluster, monkeypatch):
-    """Makes the router's `attempts.chunk` raise a RuntimeError (a defect) at its call number `fail_at`."""
-    real, calls = cluster.router.attempts.chunk, {"n": 0, "fail_at": 0}
+    """Makes the router's `attempts.tokens.chunk` raise a RuntimeError (a defect) at its call number `fail_at`."""
+    real, calls = cluster.router.attempts.tokens.chunk, {"n": 0, "fail_at": 0}
 
     def chunk(life, out):
         calls["n"] += 1
         if calls["n"] == calls["fail_at"]:
             raise RuntimeError("a defect, with internals: decode-0 at 10.0.0.1:1234")
         return real(life, out)
-    monkeypatch.setattr(cluster.router.attempts, "chunk", chunk)
+    monkeypatch.setattr(cluster.router.attempts.tokens, "chunk", chunk)
     return calls
 
 

@@ -160,7 +160,7 @@ def test_a_slow_request_on_a_worker_that_steps_waits_its_turn_and_is_not_moved()
             life.deliver(life.attempt_id, "token")
         task = asyncio.get_running_loop().create_task(steps_then_token())
         try:
-            return await attempts._next_event(life, w)
+            return await attempts.tokens._next_event(life, w)
         finally:
             await task
 

@@ -6,7 +6,10 @@ worker -> its tokens. With router.prefill_during_reserve, the prefill of a pair 
 has a channel starts while the reservation is in flight; the prefill worker holds the KV back
 until `aim` tells it how many leading blocks the reservation found cached. If that reservation
 finds no room after all, the prefill is aborted and the request placed again (`Respin`; once:
-after that its reservations come first again). Colocated: wait for a decode-pool worker with
+after that its reservations come first again). With router.decode_reservation: after_prefill the
+order turns: wait for a prefill slot -> prefill (its worker holds the KV, the slot stays taken) ->
+stream its first token at once -> wait (a FIFO of their own, under the same deadline) for a decode
+worker with room, chosen then -> `aim` names it to the prefill worker -> `start`. Colocated: wait for a decode-pool worker with
 room -> `generate` there. Disaggregated with router.local_prefill, a request whose prefill is
 short or whose prefill pool is backed up runs as colocated on its decode worker
 (router/lifecycle/local_prefill.py).
@@ -38,12 +41,11 @@ from router.lifecycle.life import Phase, RequestLife, observe_first_token, queue
 from router.lifecycle.local_prefill import LocalPlacement, LocalPrefill
 from router.lifecycle.outcomes import (
     Chunk,
-    InternalError,
     Respin,
     Retry,
     Unavailable,
-    merge_outputs,
 )
+from router.lifecycle.tokens import Tokens
 from router.lifecycle.worker_calls import call
 from router.observability.metrics import RouterMetrics
 from router.pools.manager import PoolManager
@@ -60,6 +62,7 @@ class Attempts:
         self.metrics = metrics
         self.accepting = accepting  # () -> bool
         self.placer = pools.placer
+        self.tokens = Tokens(pools.placer, metrics, config.router.prefill_timeout_s)
         self.local = LocalPrefill(config.router.local_prefill)  # conditional disaggregation's thresholds
         self._early: set[asyncio.Task] = set()  # calls read by nobody's await (the loop keeps tasks weakly)
 
@@ -250,7 +253,7 @@ class Attempts:
         self.metrics.observe_prefix("prefill", life.num_context_tokens(), res.cached_tokens)
         finish = None if res.finish_reason is FinishReason.PREFILLED else res.finish_reason
         life.to(Phase.FINISHED if finish else then)
-        return self.chunk(life, RequestOutput(life.attempt_id, [res.token_id], res.text, finish))
+        return self.tokens.chunk(life, RequestOutput(life.attempt_id, [res.token_id], res.text, finish))
 
     def _start(self, life: RequestLife, decode: WorkerView):
         """`start` sent to the decode worker holding the reservation (the next token's ref)."""
@@ -264,7 +267,7 @@ class Attempts:
             await call(decode, started, self.rc.call_timeout_s, "start")
         except Retry as e:  # the reservation ended first: say why, when a worker told us
             raise queued_failure(life) or e from None
-        async for chunk in self._stream(life, decode):
+        async for chunk in self.tokens.stream(life, decode):
             yield chunk
 
     def _place_local(self, life: RequestLife, prefill_ready: list[WorkerView], decode_ready: list[WorkerView],
@@ -348,7 +351,7 @@ class Attempts:
         task = GenerateTask(life.attempt_id, life.prompt_token_ids, life.sampling, list(life.output_token_ids),
                             life.emitted_chars)
         await call(w, w.actor.generate.remote(task), self.rc.call_timeout_s, "generate")
-        async for chunk in self._stream(life, w):
+        async for chunk in self.tokens.stream(life, w):
             yield chunk
 
     async def _place_colocated(self, life: RequestLife, waits: QueueWaits) -> WorkerView | None:
@@ -414,80 +417,6 @@ class Attempts:
         if not life.output_token_ids:
             life.usage.prefill_queue_ms += prefill_s * 1e3
             life.usage.kv_wait_ms += max(0.0, waited - prefill_s) * 1e3
-
-    async def _stream(self, life: RequestLife, w: WorkerView) -> AsyncIterator[Chunk]:
-        """Tokens of this attempt from decode worker `w` until it finishes; failures raise."""
-        while True:
-            items = [await self._next_event(life, w)]
-            while not life.events.empty():  # the client was slower than decode: one message
-                items.append(life.events.get_nowait())
-            outputs = [item for aid, item in items if aid == life.attempt_id]
-            for out in outputs:
-                if isinstance(out, Exception):
-                    raise out
-                if out.finish_reason is FinishReason.ERROR:
-                    raise Retry(f"{w.name}: {out.text}", failed_on=w.name) if out.retryable else InternalError(out.text)
-            if not outputs:
-                continue
-            for out in outputs:
-                observe_first_token(life, out.step_kind, out.prefill_timing)
-            if life.phase is Phase.HANDOFF:  # the KV landed: the prefill worker holds nothing now
-                life.to(Phase.DECODING)
-                life.prefill = None
-            w.prefill_tokens.pop(life.attempt_id, None)  # a prefill here (colocated, local) is done
-            if not life.output_token_ids:  # the first outputs, from this worker's own prefill
-                life.usage.cached_tokens = outputs[0].num_cached_tokens
-                self.metrics.observe_prefix("decode", life.num_context_tokens(), outputs[0].num_cached_tokens)
-            chunk = self.chunk(life, merge_outputs(outputs))
-            if chunk.finish_reason is not None:
-                # the worker caches the finished context: a next turn of the conversation finds it
-                self.placer.placed(w, life.context_hashes(w.info.block_size))
-                life.to(Phase.FINISHED)
-                life.decode = None  # a finished request freed its blocks on the worker
-                w.release(life.attempt_id)
-            yield chunk
-            if chunk.finish_reason is not None:
-                return
-
-    async def _next_event(self, life: RequestLife, w: WorkerView):
-        """The attempt's next event. Progress is judged per worker, not per request: a request
-        silent for `prefill_timeout_s` on a worker whose engine stepped meanwhile is waiting its
-        turn there (a saturated worker is not a stalled one) and keeps waiting; a stalled engine
-        is the monitor's to find (router/pools/monitor.py), and it moves every request there."""
-        steps = w.engine_steps
-        while True:
-            try:
-                return await within(life.events.get(), self.rc.prefill_timeout_s)
-            except TimeoutError:
-                if w.stopped or w.engine_steps == steps:
-                    raise Retry(f"no progress from {w.name} for {self.rc.prefill_timeout_s:g} s") from None
-                steps = w.engine_steps
-
-    def chunk(self, life: RequestLife, out: RequestOutput) -> Chunk:
-        now = clock.now()
-        n = len(out.token_ids)
-        gaps = n
-        if n and life.first_token_at is None:
-            life.first_token_at = now
-            self.metrics.observe_first_token(now - life.accepted)
-            gaps = n - 1
-        if gaps and life.last_token_at is not None:
-            self.metrics.observe_token(now - life.last_token_at)
-            for _ in range(gaps - 1):
-                self.metrics.observe_token(0.0)
-        if n:
-            life.last_token_at = now
-        life.record(out.token_ids, out.text)
-        if out.kv_transfer_bytes:
-            self.metrics.observe_kv_transfer(out.kv_transfer_s, out.kv_transfer_bytes)
-            life.usage.kv_transfer_ms, life.usage.kv_transfer_bytes = out.kv_transfer_s * 1e3, out.kv_transfer_bytes
-        usage = None
-        if out.finish_reason is not None:
-            self.metrics.observe_finish(out.finish_reason, now - life.accepted)
-            usage = dataclasses.replace(life.usage, prompt_tokens=len(life.prompt_token_ids),
-                                        completion_tokens=len(life.output_token_ids), migrations=life.migrations,
-                                        ttft_ms=((life.first_token_at or now) - life.accepted) * 1e3)
-        return Chunk(out.token_ids, out.text, out.finish_reason, usage)
 
 
 @dataclasses.dataclass(frozen=True)
