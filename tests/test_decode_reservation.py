@@ -16,6 +16,9 @@ import yaml
 
 from bench.workload import RequestSpec, make_workload
 from cli.main import main as pdserve
+from protocol.messages import PrefillTask
+from protocol.outputs import FinishReason
+from protocol.sampling import SamplingParams
 from router.config.loader import load_config
 from router.lifecycle.life import Phase
 from simulate.cli import emulated
@@ -71,6 +74,25 @@ def test_after_prefill_computes_the_next_prompt_while_decode_kv_is_full(one_deco
     # the same KV went over the link (after_prefill: in one piece once aimed, the prompt computed)
     assert [r.usage["kv_transfer_bytes"] for r in after] == [r.usage["kv_transfer_bytes"] for r in before]
     assert min(r.usage["kv_transfer_bytes"] for r in after) > 0 and runs["after_prefill"].link["pieces"] == 3
+
+
+def test_a_kv_that_finds_no_decode_room_by_the_queue_deadline_fails_and_frees_every_block(one_decode_slot):
+    """The first request's KV fills the decode worker (3,800 tokens of a 270-block pool) for the
+    ~2.7 s of its 400 tokens; the second's prompt is computed, its first token streamed, and its KV
+    waits on the prefill worker until its 1 s queue deadline: it fails then (UNAVAILABLE, naming
+    the wait), the first finishes, and no block stays held on either worker."""
+    cfg, em = one_decode_slot
+    cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, decode_reservation="after_prefill",
+                                                              queue_timeout_s=1.0),
+                              decode=dataclasses.replace(cfg.decode, num_blocks=270))
+    specs = [RequestSpec("long", 0.0, tuple(range(1000, 4800)), 400),
+             RequestSpec("late", 0.6, tuple(range(5000, 5900)), 8)]  # after the first has its reservation
+    run = simulate(cfg, em, make_workload("deadline", specs, None, {}), "deadline", rpc_s=0.0)
+    long_, late = run.records
+    assert long_.ok and long_.output_tokens == 400 and long_.end_s > late.send_s + 1.0
+    assert late.output_tokens == 1 and late.message_times_s[0] < late.send_s + 1.0
+    assert "no decode worker had room for this request's KV within 1 s" in late.error, late.error
+    assert all(c["used"] == 0 and c["free"] == c["total"] for c in run.checks.values()), run.checks
 
 
 # ---- on the real cluster ----------------------------------------------------------------
@@ -140,3 +162,19 @@ def test_a_cancel_while_the_kv_waits_for_its_decode_reservation_frees_both_worke
         wait_until(lambda: not router.lives, 30, "the request gone")
     wait_until(lambda: _whole(after_on), 30, "every block free on both workers")
     client.close()
+
+
+def test_a_kv_never_aimed_is_dropped_by_the_prefill_worker_after_its_hold(after_on):
+    """A prefill with no decode worker and a 1 s hold, called on the worker directly (a router that
+    never aims): its first token comes back, its blocks are held, then freed at the hold's end; a
+    late `aim` is told the request is gone."""
+    (prefill,), (decode,) = after_on.router.pools.ready("prefill"), after_on.router.pools.ready("decode")
+    prompt = _tokens(50, 5)
+    task = PrefillTask("unaimed-1", prompt, SamplingParams(max_tokens=4, ignore_eos=True), None, skip_blocks=None,
+                       hold_s=1.0)
+    result = ray.get(prefill.actor.prefill.remote(task, None), timeout=60)
+    assert result.finish_reason is FinishReason.PREFILLED
+    held = ray.get(prefill.actor.check.remote(), timeout=30)
+    wait_until(lambda: _whole(after_on), 30, "the un-aimed KV dropped")
+    assert held["used"] in (0, -(-len(prompt) // BS))  # held until the hold ran out (or already out on a slow host)
+    assert ray.get(prefill.actor.aim.remote("unaimed-1", 0, decode.name, None), timeout=30) is False
