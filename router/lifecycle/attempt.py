@@ -153,15 +153,13 @@ class Attempts:
     async def _reserve_after(self, life: RequestLife, prefill: WorkerView) -> tuple[WorkerView, int]:
         """The decode worker that took the reservation of `life`'s computed context, and the
         leading blocks it holds cached; waits in turn (Admission.place_handoff) until one has room."""
-        waits = QueueWaits(life)
+        waits = QueueWaits(life)  # `life.waiting_for` says "kv" meanwhile (the autoscaler reads it)
         try:
-            (decode, reserved), waited = await self.admission.place_handoff(
+            (decode, reserved), _ = await self.admission.place_handoff(
                 lambda deadline: self._try_reserve(life, prefill, waits, deadline), self.accepting,
                 self.rc.queue_timeout_s, life.queued_since)
-        finally:
-            waited_s = waits.close()
-            life.usage.queue_ms += waited_s * 1e3  # a KV capacity wait, as docs/metrics.md splits it
-            life.usage.kv_wait_ms += waited_s * 1e3
+        finally:  # the wait follows the first token: it is in the second token's gap, not in the usage's
+            waits.close()  # queue and KV waits, which are parts of TTFT (docs/metrics.md)
         life.usage.decode_worker = decode.name
         return decode, reserved.cached_blocks
 
