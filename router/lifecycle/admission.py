@@ -97,8 +97,10 @@ class Admission:
         requests only (never behind one waiting for the prefill slot it holds), under the same
         deadline (`since` + `timeout_s`); not counted in `waiting`, QueueFull or the service rate."""
         deadline = since + timeout_s
-        return await self._in_turn(self._handoff_lock, try_place, accepting, deadline,
-                                   f"no decode worker had room for this request's KV within {timeout_s:g} s")
+        timed_out = f"no decode worker had room for this request's KV within {timeout_s:g} s"
+        if deadline <= clock.now():
+            raise Unavailable(timed_out)
+        return await self._in_turn(self._handoff_lock, try_place, accepting, deadline, timed_out)
 
     async def _in_turn(self, lock: asyncio.Lock, try_place: Callable[[float], Awaitable[T | None]],
                        accepting: Callable[[], bool], deadline: float, timed_out: str) -> tuple[T, float]:

@@ -152,40 +152,51 @@ class Attempts:
 
     async def _reserve_after(self, life: RequestLife, prefill: WorkerView) -> tuple[WorkerView, int]:
         """The decode worker that took the reservation of `life`'s computed context, and the
-        leading blocks it holds cached; waits in turn (Admission.place_handoff) until one has room."""
+        leading blocks it holds cached. A worker is picked in turn (Admission.place_handoff) from
+        the router's view of free blocks alone, and reserved on outside the turn, so the
+        reservations of many requests are in flight at once; one refused is picked again in turn."""
         waits = QueueWaits(life)  # `life.waiting_for` says "kv" meanwhile (the autoscaler reads it)
         try:
-            (decode, reserved), _ = await self.admission.place_handoff(
-                lambda deadline: self._try_reserve(life, prefill, waits, deadline), self.accepting,
-                self.rc.queue_timeout_s, life.queued_since)
+            while True:
+                (decode, needed), _ = await self.admission.place_handoff(
+                    lambda deadline: self._pick_decode(life, waits), self.accepting,
+                    self.rc.queue_timeout_s, life.queued_since)
+                reserved = await self._reserve_on(life, decode, needed)
+                if reserved is not None:
+                    break
+                waits.failed("kv")
         finally:  # the wait follows the first token: it is in the second token's gap, not in the usage's
             waits.close()  # queue and KV waits, which are parts of TTFT (docs/metrics.md)
+        self._reserved(life, prefill, decode, reserved, life.context_hashes(decode.info.block_size), counted=needed)
         life.usage.decode_worker = decode.name
         return decode, reserved.cached_blocks
 
-    async def _try_reserve(self, life: RequestLife, prefill: WorkerView, waits: QueueWaits,
-                           deadline: float) -> tuple[WorkerView, Reserved] | None:
-        """A reservation on the first decode worker, in placement order, that has room; None."""
+    async def _pick_decode(self, life: RequestLife, waits: QueueWaits) -> tuple[WorkerView, int] | None:
+        """The decode worker, in placement order, whose free blocks (as the router sees them) fit
+        the context, held and its blocks counted as taken until its answer; and the blocks. None."""
         decode_ready = self._ready_or_wait("decode", life)
         if not decode_ready:
             return waits.failed("workers")
-        hashes = life.context_hashes(decode_ready[0].info.block_size)
-        needed, reservation = self._reservation(life, decode_ready[0].info.block_size, deadline)
+        bs = decode_ready[0].info.block_size
+        needed = -(-(life.num_context_tokens() + 1) // bs)
         final = len(life.prompt_token_ids) + life.sampling.max_tokens
-        for decode in self.placer.decode_candidates(decode_ready, hashes, needed, final_tokens=final):
-            if deadline <= clock.now():
-                break
-            life.decode = decode  # a holder before the call: a cancel reaches it
-            decode.hold(life.attempt_id)
-            ref = decode.actor.reserve.remote(dataclasses.replace(reservation, wait_s=deadline - clock.now()))
-            reserved = await call(decode, ref, self.rc.call_timeout_s, "reserve")
-            if reserved is not None:
-                self._reserved(life, prefill, decode, reserved, hashes)
-                return decode, reserved
+        fits = self.placer.decode_candidates(decode_ready, life.context_hashes(bs), needed, final_tokens=final)
+        if not fits:
+            return waits.failed("kv")
+        life.decode = fits[0]  # a holder before the call: a cancel reaches it
+        fits[0].hold(life.attempt_id)
+        fits[0].took_blocks(needed)
+        return fits[0], needed
+
+    async def _reserve_on(self, life: RequestLife, decode: WorkerView, needed: int) -> Reserved | None:
+        """`decode`'s reservation of the context (no room: None, and it no longer holds the request)."""
+        _, reservation = self._reservation(life, decode.info.block_size, life.queued_since + self.rc.queue_timeout_s)
+        reserved = await call(decode, decode.actor.reserve.remote(reservation), self.rc.call_timeout_s, "reserve")
+        if reserved is None:
             decode.had_no_room(needed)
             life.decode = None
             decode.release(life.attempt_id)
-        return waits.failed("kv")
+        return reserved
 
     async def _place_pair(self, life: RequestLife, waits: QueueWaits,
                           deadline: float) -> Pair | LocalPlacement | None:
@@ -324,8 +335,9 @@ class Attempts:
         prefill.hold(life.attempt_id, self.placer.prefill_work(prefill, hashes, life.num_context_tokens()))
 
     def _reserved(self, life: RequestLife, prefill: WorkerView, decode: WorkerView, reserved: Reserved,
-                  hashes: list[bytes]) -> None:
-        decode.took_blocks(reserved.num_blocks - reserved.cached_blocks)
+                  hashes: list[bytes], counted: int = 0) -> None:
+        """`counted`: blocks the router already took off `decode`'s view when it picked it."""
+        decode.took_blocks(reserved.num_blocks - reserved.cached_blocks - counted)
         life.usage.kv_cached_blocks = reserved.cached_blocks
         context = life.num_context_tokens()
         self.metrics.observe_prefix("decode", context, reserved.cached_blocks * decode.info.block_size)
