@@ -56,12 +56,15 @@ def one_decode_slot():
 
 def test_after_prefill_computes_the_next_prompt_while_decode_kv_is_full(one_decode_slot):
     cfg, em = one_decode_slot
-    specs = [RequestSpec(f"r{i}", 0.001 * i, tuple(range(1000 + i, 2000 + i)), 32) for i in range(3)]
+    # r1's 1,024 tokens fill whole blocks: its reservation is for the KV computed (1,024 tokens and
+    # the next), not for the context with its first token (one block more, which no push fills)
+    lengths = (1000, 1024, 1000)
+    specs = [RequestSpec(f"r{i}", 0.001 * i, tuple(range(1000 + i, 1000 + i + n)), 32) for i, n in enumerate(lengths)]
     workload = make_workload("full-decode", specs, None, {})
     runs = {mode: simulate(_mode(cfg, mode), em, workload, mode, rpc_s=0.0) for mode in ("before_prefill",
                                                                                       "after_prefill")}
     for run in runs.values():
-        assert all(r.ok and r.output_tokens == 32 for r in run.records)
+        assert all(r.ok and r.output_tokens == 32 and r.usage["migrations"] == 0 for r in run.records)
         assert all(c["used"] == 0 and c["free"] == c["total"] for c in run.checks.values()), run.checks
     before, after = ([r for r in runs[m].records] for m in ("before_prefill", "after_prefill"))
     first_token = lambda r: r.message_times_s[0]  # noqa: E731
@@ -123,12 +126,12 @@ def _whole(cluster) -> bool:
 def test_after_prefill_tokens_equal_before_prefill_and_transformers(after_on, llama_dir):
     client = Client(after_on.address)
     (prefill,), (decode,) = after_on.router.pools.ready("prefill"), after_on.router.pools.ready("decode")
-    prompts = [_tokens(70, 1), _tokens(33, 2)]
+    prompts = [_tokens(70, 1), _tokens(33, 2), _tokens(4 * BS, 6)]  # the last fills its blocks exactly
     outs = []
     for prompt in prompts:
         tokens, last = client.tokens(prompt, max_tokens=8, ignore_eos=True)
         assert (last.usage.prefill_worker, last.usage.decode_worker) == (prefill.name, decode.name)
-        assert last.usage.kv_transfer_bytes > 0
+        assert last.usage.kv_transfer_bytes > 0 and last.usage.migrations == 0
         outs.append(tokens)
     attempts = after_on.router.attempts
     after_rc, attempts.rc = attempts.rc, dataclasses.replace(attempts.rc, decode_reservation="before_prefill")

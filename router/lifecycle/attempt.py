@@ -131,13 +131,14 @@ class Attempts:
         try:
             res = await call(prefill, prefill.actor.prefill.remote(task, None), self.rc.prefill_timeout_s, "prefill")
             prefill.prefill_tokens.pop(aid, None)  # computed: no more work there, only its KV
+            pushed = life.num_context_tokens()  # the tokens whose KV it holds (not the one it sampled)
             chunk = self._prefilled(life, res, Phase.RESERVING)
             if chunk.finish_reason is not None:
                 life.prefill = None  # it ended at its first token: the worker freed its blocks
                 yield chunk
                 return
             yield chunk  # at once: the wait for decode KV comes after the first token
-            decode, skip = await self._reserve_after(life, prefill)
+            decode, skip = await self._reserve_after(life, prefill, pushed)
             handle = None if decode.name in prefill.peers else decode.actor  # travels once per pair
             aimed = await call(prefill, prefill.actor.aim.remote(aid, skip, decode.name, handle),
                                self.rc.call_timeout_s, "aim")
@@ -150,8 +151,9 @@ class Attempts:
         async for chunk in self._decode(life, decode, self._start(life, decode)):
             yield chunk
 
-    async def _reserve_after(self, life: RequestLife, prefill: WorkerView) -> tuple[WorkerView, int]:
-        """The decode worker that took the reservation of `life`'s computed context, and the
+    async def _reserve_after(self, life: RequestLife, prefill: WorkerView, pushed: int) -> tuple[WorkerView, int]:
+        """The decode worker that took the reservation of the KV of `life`'s first `pushed` context
+        tokens (and the token after them), and the
         leading blocks it holds cached. A worker is picked in turn (Admission.place_handoff) from
         the router's view of free blocks alone, and reserved on outside the turn, so the
         reservations of many requests are in flight at once; one refused is picked again in turn."""
@@ -159,28 +161,30 @@ class Attempts:
         try:
             while True:
                 (decode, needed), _ = await self.admission.place_handoff(
-                    lambda deadline: self._pick_decode(life, waits), self.accepting,
+                    lambda deadline: self._pick_decode(life, waits, pushed), self.accepting,
                     self.rc.queue_timeout_s, life.queued_since)
-                reserved = await self._reserve_on(life, decode, needed)
+                reserved = await self._reserve_on(life, decode, needed, pushed)
                 if reserved is not None:
                     break
                 waits.failed("kv")
         finally:  # the wait follows the first token: it is in the second token's gap, not in the usage's
             waits.close()  # queue and KV waits, which are parts of TTFT (docs/metrics.md)
-        self._reserved(life, prefill, decode, reserved, life.context_hashes(decode.info.block_size), counted=needed)
+        bs = decode.info.block_size
+        self._reserved(life, prefill, decode, reserved, life.context_hashes(bs)[:pushed // bs], counted=needed)
         life.usage.decode_worker = decode.name
         return decode, reserved.cached_blocks
 
-    async def _pick_decode(self, life: RequestLife, waits: QueueWaits) -> tuple[WorkerView, int] | None:
+    async def _pick_decode(self, life: RequestLife, waits: QueueWaits, pushed: int) -> tuple[WorkerView, int] | None:
         """The decode worker, in placement order, whose free blocks (as the router sees them) fit
         the context, held and its blocks counted as taken until its answer; and the blocks. None."""
         decode_ready = self._ready_or_wait("decode", life)
         if not decode_ready:
             return waits.failed("workers")
         bs = decode_ready[0].info.block_size
-        needed = -(-(life.num_context_tokens() + 1) // bs)
+        needed = -(-(pushed + 1) // bs)
         final = len(life.prompt_token_ids) + life.sampling.max_tokens
-        fits = self.placer.decode_candidates(decode_ready, life.context_hashes(bs), needed, final_tokens=final)
+        fits = self.placer.decode_candidates(decode_ready, life.context_hashes(bs)[:pushed // bs], needed,
+                                             final_tokens=final)
         if not fits:
             return waits.failed("kv")
         life.decode = fits[0]  # a holder before the call: a cancel reaches it
@@ -188,9 +192,10 @@ class Attempts:
         fits[0].took_blocks(needed)
         return fits[0], needed
 
-    async def _reserve_on(self, life: RequestLife, decode: WorkerView, needed: int) -> Reserved | None:
-        """`decode`'s reservation of the context (no room: None, and it no longer holds the request)."""
-        _, reservation = self._reservation(life, decode.info.block_size, life.queued_since + self.rc.queue_timeout_s)
+    async def _reserve_on(self, life: RequestLife, decode: WorkerView, needed: int, pushed: int) -> Reserved | None:
+        """`decode`'s reservation (no room: None, and it no longer holds the request)."""
+        _, reservation = self._reservation(life, decode.info.block_size, life.queued_since + self.rc.queue_timeout_s,
+                                           pushed)
         reserved = await call(decode, decode.actor.reserve.remote(reservation), self.rc.call_timeout_s, "reserve")
         if reserved is None:
             decode.had_no_room(needed)
@@ -243,13 +248,17 @@ class Attempts:
             self._unhold(life, decode)
         return waits.failed("kv")
 
-    def _reservation(self, life: RequestLife, block_size: int, deadline: float) -> tuple[int, Reservation]:
-        """The blocks a decode reservation of `life`'s context needs, and the reservation (its
-        lease covers a prefill, the transfer and a call; its wait_s is the time to `deadline`)."""
-        num_tokens = life.num_context_tokens() + 1  # the KV pushed, plus the next token
+    def _reservation(self, life: RequestLife, block_size: int, deadline: float,
+                     pushed: int | None = None) -> tuple[int, Reservation]:
+        """The blocks a decode reservation needs for the KV of `life`'s first `pushed` context
+        tokens (None: all of them, the prefill still to come) and the token after them, and the
+        reservation (its lease covers a prefill, the transfer and a call; its wait_s is the time
+        to `deadline`)."""
+        pushed = life.num_context_tokens() if pushed is None else pushed
+        num_tokens = pushed + 1  # the KV pushed, plus the next token
         lease_s = self.rc.prefill_timeout_s + self.config.kv_transfer.timeout_s + self.rc.call_timeout_s
         return -(-num_tokens // block_size), Reservation(life.attempt_id, num_tokens, lease_s,
-                                                          tuple(life.context_token_ids()),
+                                                          tuple(life.context_token_ids()[:pushed]),
                                                           life.sampling.cache_salt, deadline - clock.now())
 
     def _prefilled(self, life: RequestLife, res: PrefillResult, then: Phase) -> Chunk:
