@@ -427,12 +427,14 @@ class Attempts:
         if life.prefill is not None:
             life.usage.prefill_worker = life.prefill.name
 
-    @staticmethod
-    def _charge_queue(life: RequestLife, waited: float, waits: QueueWaits) -> None:
+    def _charge_queue(self, life: RequestLife, waited: float, waits: QueueWaits) -> None:
         """`waited` into the usage, split as docs/metrics.md says: a prefill slot is prefill
-        queueing, anything else KV capacity (`waits` closed)."""
+        queueing, anything else KV capacity (`waits` closed). With after_prefill the queue waits
+        for no decode KV: behind the others, too, it waits for prefill slots."""
         life.usage.queue_ms += waited * 1e3
         prefill_s = min(waited, waits.spent.get("prefill", 0.0))
+        if self.config.mode == "disaggregated" and self.rc.decode_reservation == "after_prefill":
+            prefill_s = max(0.0, waited - waits.spent.get("kv", 0.0))
         if not life.output_token_ids:
             life.usage.prefill_queue_ms += prefill_s * 1e3
             life.usage.kv_wait_ms += max(0.0, waited - prefill_s) * 1e3
