@@ -44,6 +44,7 @@ class Admission:
         self._on_waiting = on_waiting  # told the queue length whenever it changes (the router's gauge)
         self._lock = asyncio.Lock()  # FIFO: asyncio.Lock wakes waiters in arrival order
         self._handoff_lock = asyncio.Lock()  # the computed prompts waiting for a decode reservation
+        self.handoff_waiting = 0  # requests in place_handoff
         self._capacity = asyncio.Event()
         self._intervals: deque[float] = deque(maxlen=RATE_WINDOW)  # seconds between placements under a queue
         self._last_departure: float | None = None  # the last placement, if it left others queued
@@ -100,7 +101,11 @@ class Admission:
         timed_out = f"no decode worker had room for this request's KV within {timeout_s:g} s"
         if deadline <= clock.now():
             raise Unavailable(timed_out)
-        return await self._in_turn(self._handoff_lock, try_place, accepting, deadline, timed_out)
+        self.handoff_waiting += 1
+        try:
+            return await self._in_turn(self._handoff_lock, try_place, accepting, deadline, timed_out)
+        finally:
+            self.handoff_waiting -= 1
 
     async def _in_turn(self, lock: asyncio.Lock, try_place: Callable[[float], Awaitable[T | None]],
                        accepting: Callable[[], bool], deadline: float, timed_out: str) -> tuple[T, float]:
