@@ -5,7 +5,7 @@ simulated devices, `pdserve simulate --sweep`'s study (every rate, scored by the
 knee, goodput per device at SLO) over these families of arrangements: colocated (chunked); pure
 disaggregation at each P:D split, with whole prompts (`disaggregated`), with chunked prefill
 (`disaggregated-chunked`), and chunked with router.decode_reservation: after_prefill
-(`disaggregated-after`); and conditional disaggregation, the chunked split with
+(`disaggregated-after`; with whole prompts, as `--sweep`'s splits: `disaggregated-whole-after`); and conditional disaggregation, the chunked split with
 `router.local_prefill` on (`conditional`: the decode worker prefills a request whose uncached part
 is at most `--max-uncached` tokens, or whose prefill pool is backed up past `--wait-factor` x the
 local cost), also with after_prefill (`conditional-after`). It prints, per workload, each
@@ -34,9 +34,9 @@ from simulate.cli import emulated
 from simulate.sweep import _one, _score
 
 SHIPPED = "conversation=bench/data/conversation_window.jsonl"  # Mooncake's conversation trace, first 120 s
-FAMILIES = ("colocated", "disaggregated", "disaggregated-chunked", "disaggregated-after", "conditional",
-            "conditional-after")
-RIVALS = FAMILIES[:4]  # conditional disaggregation is measured against the best of these
+FAMILIES = ("colocated", "disaggregated", "disaggregated-chunked", "disaggregated-after", "disaggregated-whole-after",
+            "conditional", "conditional-after")
+RIVALS = FAMILIES[:5]  # conditional disaggregation is measured against the best of these
 
 
 def family(name: str) -> str:
@@ -62,6 +62,7 @@ def arrangements(base: ClusterConfig, n: int, splits: list[int], max_uncached: i
         chunked = arrangement_config(base, "disaggregated-chunked", n, prefill_workers=p)
         out[f"disaggregated-chunked-{split}"] = chunked
         out[f"disaggregated-after-{split}"] = after_prefill(chunked)
+        out[f"disaggregated-whole-after-{split}"] = after_prefill(out[f"disaggregated-{split}"])  # as the sweep's splits
         out[f"conditional-{split}"] = with_local_prefill(chunked, max_uncached, wait)
         out[f"conditional-after-{split}"] = after_prefill(out[f"conditional-{split}"])
     return {name: cfg for name, cfg in out.items() if family(name) in families}
