@@ -10,8 +10,8 @@ after that its reservations come first again). With router.decode_reservation: a
 order turns: wait for a prefill slot -> prefill (its worker holds the KV, the slot stays taken) ->
 stream its first token at once -> wait (a FIFO of their own, under the same deadline) for a decode
 worker with room, chosen then -> `aim` names it to the prefill worker -> `start`
-(router/lifecycle/prefill_first.py; a worker with room while it computes is reserved then). Colocated: wait for a decode-pool worker with
-room -> `generate` there. Disaggregated with router.local_prefill, a request whose prefill is
+(router/lifecycle/prefill_first.py; a worker with room while it computes is reserved then).
+Colocated: wait for a decode-pool worker with room -> `generate` there. Disaggregated with router.local_prefill, a request whose prefill is
 short or whose prefill pool is backed up runs as colocated on its decode worker
 (router/lifecycle/local_prefill.py).
 Any failure another worker may not have raises `Retry`; the router then starts the next
