@@ -6,8 +6,11 @@ forecast the next interval (router/autoscale/forecast.py), size each pool on its
 (router/autoscale/sizing.py), then apply the rules below, per pool, with `n` the warmed-up ready
 workers (capacity) and `t` the pool's current target:
 
-- up: to ceil(load / target_utilization) at once (an absolute size for the forecast and the
-  backlog: no cooldown) once the load passes t x target_utilization x (1 + band / 2), or to n + step when its SLO is missed now, where step grows with the miss
+- up: to ceil(load / target_utilization) (an absolute size for the forecast and the backlog: no
+  cooldown) once the load passes t x target_utilization x (1 + band / 2), at once when the load
+  already hurts (`Need.urgent`: a backlog the warm workers cannot clear within the TTFT budget,
+  waits past half the SLO, KV waits), else only when the previous evaluation asked for more too
+  (one Poisson bunch of prompts is not a trend); or to n + step when its SLO is missed now, where step grows with the miss
   (+1 .. doubling); a miss adds nothing while workers are still starting or warming (they are
   capacity on its way: counting them twice over-scales, Dynamo #12430), nor within
   `scale_up_cooldown_s` of the pool's last change (the last step's effect has not shown yet);
@@ -18,7 +21,11 @@ workers (capacity) and `t` the pool's current target:
   `scale_down_cooldown_s` of the pool's last change or of the first evaluation;
 - a pool whose last scale is still in flight (workers starting, a drain) is held as it is;
 - otherwise hold. Then min/max per pool and the budget (both pools' total), never below a needed
-  pool's min (>= 1): with no traffic every load is 0 and each pool goes to its min.
+  pool's min (>= 1): with no traffic every load is 0 and each pool goes to its min. When the budget
+  cuts, a KV-bound decode pool (KV waits, or KV use within the band of `kv_high`) is served first:
+  prefill beyond what decode can admit only queues behind it; otherwise the room is shared in
+  proportion, and a pool changed within `scale_down_cooldown_s` keeps its size (a worker is not
+  traded between the pools back and forth, each trade a drain and a start-up).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ from router.autoscale.profile import CapacityProfile
 from router.autoscale.sizing import Load, Need, Sizer, ceil_workers, warm
 from router.config.autoscale import AutoscaleSection
 
+CONFIRM = 2  # evaluations in a row over the target before a scale-up that is not urgent
 LENGTH_GAIN = 0.3  # EWMA weight of a window's mean prompt / output length and of its prefix-cache hit share
 
 
@@ -47,6 +55,7 @@ class Planner:
         self._hit_share = 0.0  # of arriving prompt tokens, the share prefill finds cached (not computed)
         self._history = {p: deque() for p in self.pools}  # (at, load): the peak a scale-down plans for
         self._changed_at = {p: -math.inf for p in self.pools}
+        self._over = {p: 0 for p in self.pools}  # evaluations in a row whose load asked for more than the target
         self._started_at: float | None = None  # the first evaluation: no scale-down within a cooldown of it
 
     def bounds(self, pool: str) -> tuple[int, int]:
@@ -62,7 +71,8 @@ class Planner:
         needs = {"decode": self.sizer.colocated(obs, load)} if self.mode == "colocated" else \
             {"prefill": self.sizer.prefill(obs, load), "decode": self.sizer.decode(obs, load)}
         sized = {p: self._size(p, obs, needs[p]) for p in self.pools}
-        desired, budget_note = self._within_budget({p: d for p, (d, _, _) in sized.items()})
+        desired, budget_note = self._within_budget({p: d for p, (d, _, _) in sized.items()}, obs,
+                                                   self._kv_bound(obs, needs))
         decisions = {}
         for p in self.pools:
             po, (wanted, why, cause) = obs.pools[p], sized[p]
@@ -102,6 +112,10 @@ class Planner:
         up = ceil_workers(need.load, c.target_utilization) if need.load is not None else 0
         if up > t and need.load <= t * c.target_utilization * (1 + c.band / 2):
             up = t  # hysteresis up as well as down: a forecast within half the band above the target holds
+        self._over[pool] = self._over[pool] + 1 if up > t else 0
+        unconfirmed = up > t and not need.urgent and self._over[pool] < CONFIRM
+        if unconfirmed:
+            up = t  # the first interval over, with the waits well inside the SLO: wait for the next to confirm
         slo = n + max(1, math.ceil(n * min(1.0, need.pressure - 1))) if need.pressure > 1 and not pending else 0
         since = obs.now - self._changed_at[pool]
         cooling = since < c.scale_up_cooldown_s
@@ -114,6 +128,8 @@ class Planner:
             why += "; up: " + ("its SLO is missed now" if cause == "slo" else "forecast + backlog")
         elif slo > t:
             why, cause = why + f"; up held: {since:.0f} s since its last change (scale_up_cooldown_s)", "cooldown"
+        elif unconfirmed:
+            why, cause = why + "; up held: one interval over, waits within the SLO (confirming)", "confirming"
         elif need.pressure > 1 and pending:
             why, cause = why + f"; SLO missed, {pending} worker(s) starting or warming up: waiting for them", "pending"
         elif peak is not None and need.pressure <= 1:
@@ -146,13 +162,22 @@ class Planner:
         return text + (f", {failed} failed start(s) in a row" if failed else "")
 
     # ---- both pools ----------------------------------------------------------------------
-    def _within_budget(self, wanted: dict[str, int]) -> tuple[dict[str, int], str]:
-        """Each pool its min, the rest of the budget shared in proportion to what each wants above
-        its min (largest remainders first; decode first on a tie)."""
+    def _within_budget(self, wanted: dict[str, int], obs: Observation, kv_bound: bool) -> tuple[dict[str, int], str]:
+        """Each pool its min; a KV-bound decode pool served first; else a pool changed within
+        scale_down_cooldown_s keeps its size, and the rest of the budget is shared in proportion to
+        what each wants above that (largest remainders first; decode first on a tie)."""
         budget = self.cfg.budget_workers
         if budget is None or sum(wanted.values()) <= budget:
             return wanted, ""
+        note = f"; cut to the budget of {budget} workers (max_workers / max_cost_per_hour)"
         floor = {p: self.bounds(p)[0] for p in wanted}
+        if kv_bound and "prefill" in wanted:
+            out = {"decode": min(wanted["decode"], budget - floor["prefill"])}
+            return out | {"prefill": min(wanted["prefill"], budget - out["decode"])}, note + ", decode (KV-bound) first"
+        kept = {p: max(floor[p], min(wanted[p], obs.pools[p].target))
+                if obs.now - self._changed_at[p] < self.cfg.scale_down_cooldown_s else floor[p] for p in wanted}
+        if sum(kept.values()) <= budget:
+            floor = kept
         extra = {p: wanted[p] - floor[p] for p in wanted}
         room, total = budget - sum(floor.values()), sum(extra.values())
         shares = {p: room * extra[p] / total for p in wanted}
@@ -160,7 +185,13 @@ class Planner:
         order = sorted(wanted, key=lambda p: (-(shares[p] - int(shares[p])), p != "decode"))
         for p in order[:budget - sum(out.values())]:
             out[p] += 1
-        return out, f"; cut to the budget of {budget} workers (max_workers / max_cost_per_hour)"
+        return out, note
+
+    def _kv_bound(self, obs: Observation, needs: dict[str, Need]) -> bool:
+        """Decode's KV is what limits the cluster: requests wait for KV room, or its KV use is within
+        the band of kv_high."""
+        kv_use = needs["decode"].figures.get("kv_use", 0.0)
+        return obs.kv_waiting > 0 or kv_use >= self.cfg.kv_high * (1 - self.cfg.band)
 
     def _inputs(self, obs: Observation, load: Load, needs: dict[str, Need]) -> dict[str, float]:
         inputs = {"arrivals_per_s": obs.arrivals / max(obs.window_s, 1e-9), "forecast_requests_per_s":

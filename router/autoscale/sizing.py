@@ -25,6 +25,8 @@ from router.autoscale.observation import Observation, WorkerSample
 from router.autoscale.profile import CapacityProfile
 from router.config.autoscale import AutoscaleSection
 
+URGENT_WAIT = 0.5  # first-token waits past this share of the TTFT SLO: a scale-up goes at once
+
 
 @dataclass(frozen=True)
 class Load:
@@ -41,6 +43,11 @@ class Need:
     load: float | None  # worker-equivalents at full capacity; None: no profile yet and work to do
     pressure: float  # the SLO signal's worst ratio (<= 1: met)
     figures: dict[str, float]
+    # the load is already hurting, so a scale-up need not wait for a second interval to confirm it:
+    # prefill, a backlog its warm workers cannot clear within the TTFT budget or first-token waits
+    # past half the SLO; decode, requests waiting for KV room, more held now than its warm workers
+    # keep, or its SLO signal within the band of a miss
+    urgent: bool = False
 
 
 def warm(workers: tuple[WorkerSample, ...], warmup_s: float) -> list[WorkerSample]:
@@ -84,8 +91,12 @@ class Sizer:
         # of the backlog, what the forecast rate keeps in service anyway (Little: rate x a prompt's own
         # prefill time) is not a backlog to clear: steady load would otherwise read as a surplus
         excess = max(0.0, backlog - load.prompt_tokens_per_s * own)
-        figures |= {"prefill_tokens_per_s_per_worker": rate, "prefill_own_s": own, "prefill_excess_tokens": excess}
-        return Need((load.prompt_tokens_per_s + excess / drain_s) / rate, pressure, figures)
+        spare = len(warm(p.workers, c.warmup_s)) * rate - load.prompt_tokens_per_s  # tokens/s left for the backlog
+        clear_s = excess / spare if spare > 0 else (math.inf if excess else 0.0)
+        figures |= {"prefill_tokens_per_s_per_worker": rate, "prefill_own_s": own, "prefill_excess_tokens": excess,
+                    "prefill_clear_s": min(clear_s, 1e9)}
+        urgent = pressure >= URGENT_WAIT or clear_s > drain_s
+        return Need((load.prompt_tokens_per_s + excess / drain_s) / rate, pressure, figures, urgent)
 
     def decode(self, obs: Observation, load: Load, pool: str = "decode") -> Need:
         c, workers = self.cfg, obs.pools[pool].workers
@@ -98,25 +109,27 @@ class Sizer:
         pressure = max((itl or 0.0) / c.itl_s, kv_use / c.kv_high, 1.0 + 1e-9 if obs.kv_waiting and hot and
                        kv_use > c.kv_high * (1 - c.band) else 0.0)
         figures = {"decode_held": float(held), "kv_use": kv_use, "decode_step_itl_s": itl or 0.0}
+        urgent = obs.kv_waiting > 0 or pressure > 1 - c.band
         if load.requests_per_s == 0 and held == 0:
-            return Need(0.0, pressure, figures)
+            return Need(0.0, pressure, figures, urgent)
         by_kv = kv_used / (kv_each * c.kv_high) if kv_each else 0.0
         if not self.profile.ready(pool):
-            return Need(by_kv or None, pressure, figures)
+            return Need(by_kv or None, pressure, figures, urgent)
         context = load.prompt_len + load.output_len / 2
         slots = self.profile.decode_slots(pool, context, load.prompt_len + load.output_len, kv_each, c.itl_s,
                                           c.kv_high)
         step = self.profile.decode_step_s(pool, slots, context)
         concurrent = max(load.requests_per_s * load.output_len * step, float(held))
         figures |= {"decode_slots_per_worker": float(slots), "decode_concurrent": concurrent}
-        return Need(max(concurrent / slots, by_kv), pressure, figures)
+        urgent = urgent or max(held / slots, by_kv) > len(hot)  # what it holds now is past its warm workers
+        return Need(max(concurrent / slots, by_kv), pressure, figures, urgent)
 
     def colocated(self, obs: Observation, load: Load) -> Need:
         """One pool does both: its prefill share and its decode share add up."""
         prefill, decode = self.prefill(obs, load, "decode"), self.decode(obs, load, "decode")
         figures = {f"colocated_{k}": v for k, v in prefill.figures.items()} | decode.figures
         both = None if prefill.load is None or decode.load is None else prefill.load + decode.load
-        return Need(both, max(prefill.pressure, decode.pressure), figures)
+        return Need(both, max(prefill.pressure, decode.pressure), figures, prefill.urgent or decode.urgent)
 
     def _step_itl(self, hot: list[WorkerSample]) -> float | None:
         """The token gap of the warmed-up workers' decode steps at the SLO percentile (a step's
