@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from router.autoscale import planner as planner_module
+from router.autoscale.observation import WorkerSample
 from router.autoscale.profile import LinearStepModel
 from sizing.cost_model import StepTotals
 from tests.autoscale_util import KV_BLOCKS, decode_step, interval, planner, pool, profile, worker
@@ -31,7 +32,10 @@ def test_a_backlog_scales_prefill_up_while_finished_latency_still_looks_fine():
     # 1.6M queued tokens to clear within the TTFT budget at ~32k tokens/s a worker: about 19 workers
     assert 15 <= burst.desired("prefill") <= 25 and burst.changed
     assert burst.pools["prefill"].cause == "forecast" and "backlog" in burst.pools["prefill"].reason
-    assert burst.desired("decode") == 2  # the backlog waits for prefill, not for decode
+    # decode grows to admit what the larger prefill pool will send it, not to the arrival forecast alone
+    i = burst.inputs
+    assert i["decode_admitting_load"] > i["decode_concurrent"] / i["decode_slots_per_worker"]
+    assert 2 < burst.desired("decode") < burst.desired("prefill")
 
 
 def test_requests_waiting_for_kv_size_decode_not_prefill():
@@ -73,7 +77,7 @@ def test_steady_load_settles_then_makes_no_change(monkeypatch):
     # the mean load is exactly one worker at the target utilization: 1 (held by the band above it)
     # or 2 (its peaks taken), and then no change
     assert sizes[-1] in (1, 2) and all(i < 5 for i in changes), (sizes, changes)
-    monkeypatch.setattr(planner_module, "CONFIRM", 1)  # a scale-up on one interval's load
+    monkeypatch.setattr(planner_module, "CONFIRM", 0)  # a scale-up on one interval's load
     flapping = _steady(band=0.0, up_s=0, down_s=0)  # the same load without hysteresis or cooldown
     assert sum(flapping[i] != flapping[i - 1] for i in range(1, len(flapping))) >= 20
 
@@ -230,33 +234,72 @@ def test_one_poisson_bunch_does_not_scale_up_but_a_second_interval_over_does(mon
     assert [d.desired("prefill") for d in sizes] == [2] * 10 and sizes[8].pools["prefill"].cause == "confirming"
     twice = [_bunch(p, 10 + k, bunch=True) for k in range(2)]
     assert [d.desired("prefill") for d in twice] == [2, 3] and twice[1].pools["prefill"].cause == "forecast"
-    monkeypatch.setattr(planner_module, "CONFIRM", 1)
+    monkeypatch.setattr(planner_module, "CONFIRM", 0)
     unconfirmed = planner(ttft_s=2.0)
     assert [_bunch(unconfirmed, k, bunch=k == 8).desired("prefill") for k in range(9)][-1] == 3
 
 
+H100_BLOCKS = 30_000  # an H100's KV for Llama-3.1-8B, 16-token blocks: ~52 requests of 8,200 tokens
+
+
+def _decode_workers(n: int, use: float, running: int) -> list[WorkerSample]:
+    return [WorkerSample(f"d{i}", 1000.0, int(use * H100_BLOCKS), H100_BLOCKS, 16, running, 0) for i in range(n)]
+
+
 def _kv_bound_burst(p):
-    """Budget 16: 12 prefill workers and a 1.2M-token backlog, 3 decode workers at 95% KV with 20
-    requests waiting for KV room; then, 10 s later, the KV waits gone and KV at half."""
-    kw = dict(arrivals=240, prompt=8000, output=200, ttft_q_s=1.0, queued=150, queued_prompt_tokens=1_200_000,
-              waiting_first=170, wait_q_s=2.5)
-    full = [worker(f"d{i}", kv_used=int(0.95 * KV_BLOCKS), running=18) for i in range(3)]
-    first = p.decide(interval(1000.0, pool("prefill", 12), pool("decode", full), kv_waiting=20,
-                              kv_waiting_tokens=160_000, **kw))
-    half = [worker(f"d{i}", kv_used=KV_BLOCKS // 2, running=10) for i in range(first.desired("decode"))]
-    return first, p.decide(interval(1010.0, pool("prefill", first.desired("prefill")), pool("decode", half), **kw))
+    """Budget 16, a burst of 8,000-token prompts: 12 prefill workers, 4 decode workers at 95% KV with
+    20 requests waiting for KV room; then, 10 s later, the KV waits gone (decode at half its KV) and
+    the prefill backlog grown to 1.2M tokens."""
+    kw = dict(arrivals=240, prompt=8000, output=200, ttft_q_s=1.0, waiting_first=60, wait_q_s=2.5)
+    first = p.decide(interval(1000.0, pool("prefill", 12), pool("decode", _decode_workers(4, 0.95, 50)), queued=40,
+                              queued_prompt_tokens=480_000, kv_waiting=20, kv_waiting_tokens=160_000, **kw))
+    half = _decode_workers(first.desired("decode"), 0.5, 30)
+    return first, p.decide(interval(1010.0, pool("prefill", first.desired("prefill")), pool("decode", half), queued=150,
+                                    queued_prompt_tokens=1_200_000, **kw))
+
+
+def _budgeted():
+    return planner(ttft_s=3.0, prefill_max=15, decode_max=15, max_workers=16)
 
 
 def test_the_budget_serves_a_kv_bound_decode_pool_first_and_trades_no_worker_back(monkeypatch):
-    """Both pools want more than the budget. Decode's KV is full: it gets all it wants (6) and
-    prefill the rest (10); prefill beyond what decode admits would only queue behind it. The next
-    evaluation, decode no longer KV-bound, prefill still wants 15: shares in proportion (14 above the
-    mins at 14:5) would hand prefill a decode worker back (11 + 5), a drain and a start for nothing;
-    within scale_down_cooldown_s of its change decode keeps its 6."""
-    first, second = _kv_bound_burst(planner(ttft_s=3.0, prefill_max=15, decode_max=15, max_workers=16))
-    assert (first.desired("prefill"), first.desired("decode")) == (10, 6)
-    assert "KV-bound" in first.pools["prefill"].reason
-    assert (second.desired("prefill"), second.desired("decode")) == (10, 6) and not second.changed
-    monkeypatch.setattr(planner_module.Planner, "_kv_bound", lambda self, obs, needs: False)
-    shared, _ = _kv_bound_burst(planner(ttft_s=3.0, prefill_max=15, decode_max=15, max_workers=16))
-    assert (shared.desired("prefill"), shared.desired("decode")) == (11, 5)
+    """Both pools want more than the budget and decode's KV is full: its KV need (6 workers) is
+    served first, and the rest shared (9 + 7); prefill beyond what decode admits only queues behind
+    it. Shared in proportion alone it gets 6 (10 + 6). The next evaluation prefill wants 15: shares
+    in proportion would hand it a decode worker back (10 + 6), a drain and a start for nothing;
+    within scale_down_cooldown_s of its change decode keeps its 7."""
+    first, second = _kv_bound_burst(_budgeted())
+    assert (first.desired("prefill"), first.desired("decode")) == (9, 7), first.reason
+    assert "KV need (6) first" in first.pools["prefill"].reason
+    assert (second.desired("prefill"), second.desired("decode")) == (9, 7) and not second.changed, second.reason
+    with monkeypatch.context() as m:
+        m.setattr(planner_module.Planner, "_kv_need", lambda self, obs, needs: 0)
+        assert _kv_bound_burst(_budgeted())[0].desired("decode") == 6
+    monkeypatch.setattr(planner_module.Planner, "_kept", lambda self, wanted, obs, floor: dict(floor))
+    traded = _kv_bound_burst(_budgeted())[1]
+    assert (traded.desired("prefill"), traded.desired("decode")) == (10, 6)
+
+
+def _burst_begins(p):
+    """Six quiet intervals at 1 request/s of 8,000 tokens, then a 2 s window (an early evaluation)
+    where 46 arrived and 19 already queue for a prefill slot, the oldest 0.9 s."""
+    for k in range(6):
+        p.decide(interval(10.0 * k, pool("prefill", 2), pool("decode", _decode_workers(2, 0.02, 1)), arrivals=10,
+                          prompt=8000, output=200, ttft_q_s=0.3))
+    return p.decide(interval(52.0, pool("prefill", 2), pool("decode", _decode_workers(2, 0.2, 12)), arrivals=46,
+                             prompt=8000, output=200, window_s=2.0, ttft_q_s=1.4, queued=19,
+                             queued_prompt_tokens=152_000, waiting_first=35, wait_q_s=0.9))
+
+
+def test_a_burst_is_sized_for_the_rate_just_seen_and_decode_for_what_prefill_sends(monkeypatch):
+    """The first evaluation of a burst: the smoothed forecast still lags the 23 requests/s just
+    seen; with a backlog the warm workers cannot clear in time the pool sizes for the rate seen (a
+    panic window), and decode for what that prefill pool will send it, at once."""
+    d = _burst_begins(planner(ttft_s=3.0, prefill_max=15, decode_max=15))
+    assert d.inputs["forecast_requests_per_s"] < 23 / 1.5  # Holt's level is half way
+    assert d.desired("prefill") >= 9 and d.desired("decode") >= 4, d.reason
+    with monkeypatch.context() as m:
+        m.setattr(planner_module.Planner, "_seen", lambda self, obs, load: None)
+        assert _burst_begins(planner(ttft_s=3.0, prefill_max=15, decode_max=15)).desired("prefill") < d.desired("prefill")
+    monkeypatch.setattr(planner_module.Planner, "_admitting", staticmethod(lambda needs, workers, load: needs["decode"]))
+    assert _burst_begins(planner(ttft_s=3.0, prefill_max=15, decode_max=15)).desired("decode") < d.desired("decode")

@@ -5,7 +5,7 @@ simulation's teardown cancels its tasks like every other). All timing is `protoc
 every wait an `asyncio.sleep`, so it runs unchanged on `pdserve simulate`'s virtual clock.
 
 An evaluation runs every `interval_s`, or sooner when a request has waited for its first token
-longer than half the TTFT SLO. Each builds an `Observation` (router/autoscale/observation.py)
+longer than a quarter of the TTFT SLO past its own prefill. Each builds an `Observation` (router/autoscale/observation.py)
 from the router's own state (its request lives: queue, waits of requests still without a first token, KV waits; the
 pool manager's health and each ready worker's last stats; each worker's step records since the
 last evaluation, read through its `telemetry` call within half an interval), calls
@@ -48,7 +48,8 @@ Router = Any  # router/lifecycle/service.py's Router, which builds this (importi
 
 log = logging.getLogger(__name__)
 STEPS_PER_WORKER = 512  # step records a worker contributes per evaluation (evenly thinned beyond)
-URGENT_CHECKS = 5  # looks an interval for requests waiting past half the TTFT SLO (then it decides at once)
+URGENT_CHECKS = 10  # looks an interval for requests waiting past URGENT_SHARE of the TTFT SLO (then decides at once)
+URGENT_SHARE = 0.25  # of the TTFT SLO, counted past the prompt's own prefill: a start-up must still fit in the rest
 
 
 def build_profile(cfg: ClusterConfig, emulating: Emulation | None) -> CapacityProfile:
@@ -99,8 +100,8 @@ class Autoscaler:
                 log.exception("autoscale: the evaluation failed")
 
     async def _until_due(self) -> None:
-        """Until `next_at`, or sooner once a request has waited for its first token longer than half
-        the TTFT SLO (checked URGENT_CHECKS times an interval): a burst is answered when it shows,
+        """Until `next_at`, or sooner once a request has waited for its first token, past its own
+        prefill, longer than URGENT_SHARE of the TTFT SLO (checked URGENT_CHECKS times an interval): a burst is answered when it shows,
         not up to an interval later (as AIBrix's panic window does beside its stable window)."""
         tick = self.cfg.interval_s / URGENT_CHECKS
         while clock.now() < self.next_at:
@@ -109,9 +110,18 @@ class Autoscaler:
                 return
 
     def _urgent(self) -> bool:
-        since = clock.now() - self.cfg.ttft_s / 2
-        return any(life.first_token_at is None and life.accepted < since and not life.ended
+        since = clock.now() - self.cfg.ttft_s * URGENT_SHARE
+        own = self._own_prefill_s()
+        return any(life.first_token_at is None and not life.ended and life.accepted + own(life) < since
                    for life in self.router.lives.values())
+
+    def _own_prefill_s(self) -> Callable[[Any], float]:
+        """A request's own prefill by the profile (0 while it has none): waiting that long is no backlog."""
+        pool = "prefill" if self.router.config.mode == "disaggregated" else "decode"
+        profile = self.planner.profile
+        if not profile.ready(pool):
+            return lambda life: 0.0
+        return lambda life: profile.prefill_time_s(pool, len(life.prompt_token_ids))
 
     async def evaluate(self) -> Decision:
         """One evaluation: observe, decide, log, export, apply."""

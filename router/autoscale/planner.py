@@ -9,8 +9,8 @@ workers (capacity) and `t` the pool's current target:
 - up: to ceil(load / target_utilization) (an absolute size for the forecast and the backlog: no
   cooldown) once the load passes t x target_utilization x (1 + band / 2), at once when the load
   already hurts (`Need.urgent`: a backlog the warm workers cannot clear within the TTFT budget,
-  waits past half the SLO, KV waits), else only when the previous evaluation asked for more too
-  (one Poisson bunch of prompts is not a trend); or to n + step when its SLO is missed now, where step grows with the miss
+  waits past half the SLO, KV waits), else only once it has asked for more for half an interval
+  (an evaluation since confirms it: one Poisson bunch of prompts is not a trend); or to n + step when its SLO is missed now, where step grows with the miss
   (+1 .. doubling); a miss adds nothing while workers are still starting or warming (they are
   capacity on its way: counting them twice over-scales, Dynamo #12430), nor within
   `scale_up_cooldown_s` of the pool's last change (the last step's effect has not shown yet);
@@ -30,6 +30,7 @@ workers (capacity) and `t` the pool's current target:
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections import deque
 
@@ -39,7 +40,7 @@ from router.autoscale.profile import CapacityProfile
 from router.autoscale.sizing import Load, Need, Sizer, ceil_workers, warm
 from router.config.autoscale import AutoscaleSection
 
-CONFIRM = 2  # evaluations in a row over the target before a scale-up that is not urgent
+CONFIRM = 0.5  # intervals a load over the target must last before a scale-up that is not urgent
 LENGTH_GAIN = 0.3  # EWMA weight of a window's mean prompt / output length and of its prefix-cache hit share
 
 
@@ -55,7 +56,7 @@ class Planner:
         self._hit_share = 0.0  # of arriving prompt tokens, the share prefill finds cached (not computed)
         self._history = {p: deque() for p in self.pools}  # (at, load): the peak a scale-down plans for
         self._changed_at = {p: -math.inf for p in self.pools}
-        self._over = {p: 0 for p in self.pools}  # evaluations in a row whose load asked for more than the target
+        self._over_since: dict[str, float | None] = dict.fromkeys(self.pools)  # since when its load asks for more
         self._started_at: float | None = None  # the first evaluation: no scale-down within a cooldown of it
 
     def bounds(self, pool: str) -> tuple[int, int]:
@@ -68,11 +69,19 @@ class Planner:
         for pool in self.pools:
             self.profile.learn(pool, [r for w in warm(obs.pools[pool].workers, self.cfg.warmup_s) for r in w.steps])
         load = self._forecast(obs)
-        needs = {"decode": self.sizer.colocated(obs, load)} if self.mode == "colocated" else \
-            {"prefill": self.sizer.prefill(obs, load), "decode": self.sizer.decode(obs, load)}
-        sized = {p: self._size(p, obs, needs[p]) for p in self.pools}
+        needs = self._needs(obs, load)
+        seen = self._seen(obs, load)
+        if seen is not None and any(n.urgent for n in needs.values()):
+            # a pool the load already hurts sizes for the rate just seen where the smoothed
+            # forecast still lags it (the first seconds of a burst), as a panic window does
+            now = self._needs(obs, seen)
+            needs = {p: now[p] if n.urgent and (now[p].load or 0.0) > (n.load or 0.0) else n for p, n in needs.items()}
+        sized = {p: self._size(p, obs, needs[p]) for p in self.pools if p == "prefill"}
+        if "prefill" in needs and needs["prefill"].urgent and needs["prefill"].figures.get("prefill_excess_tokens"):
+            needs["decode"] = self._admitting(needs, sized["prefill"][0], load)
+        sized["decode"] = self._size("decode", obs, needs["decode"])
         desired, budget_note = self._within_budget({p: d for p, (d, _, _) in sized.items()}, obs,
-                                                   self._kv_bound(obs, needs))
+                                                   self._kv_need(obs, needs))
         decisions = {}
         for p in self.pools:
             po, (wanted, why, cause) = obs.pools[p], sized[p]
@@ -101,6 +110,34 @@ class Planner:
         return Load(requests, tokens * (1 - self._hit_share), max(1.0, self._lengths["prompt"]),
                     max(1.0, self._lengths["output"]))
 
+    def _needs(self, obs: Observation, load: Load) -> dict[str, Need]:
+        if self.mode == "colocated":
+            return {"decode": self.sizer.colocated(obs, load)}
+        return {"prefill": self.sizer.prefill(obs, load), "decode": self.sizer.decode(obs, load)}
+
+    @staticmethod
+    def _admitting(needs: dict[str, Need], prefill_workers: int, load: Load) -> Need:
+        """Decode's need while prefill clears a backlog: it must admit what `prefill_workers` send it
+        at full speed (requests/s x the time each stays on decode), or the KV it lacks stalls prefill."""
+        pf, need = needs["prefill"].figures, needs["decode"]
+        slots, stay = need.figures.get("decode_slots_per_worker"), need.figures.get("decode_stay_s")
+        if need.load is None or not slots or stay is None:
+            return need
+        sent = prefill_workers * pf.get("prefill_tokens_per_s_per_worker", 0.0) / load.prompt_len
+        admitting = sent * stay / slots
+        figures = need.figures | {"decode_admitting_load": admitting}
+        return dataclasses.replace(need, load=max(need.load, admitting), figures=figures, urgent=True)
+
+    def _seen(self, obs: Observation, load: Load) -> Load | None:
+        """The window's own arrival rates where they are above the forecast's (else None)."""
+        window = max(obs.window_s, 1e-9)
+        requests = obs.arrivals / window
+        tokens = requests * obs.prompt.mean * (1 - self._hit_share)
+        if requests <= load.requests_per_s and tokens <= load.prompt_tokens_per_s:
+            return None
+        return dataclasses.replace(load, requests_per_s=max(requests, load.requests_per_s),
+                                   prompt_tokens_per_s=max(tokens, load.prompt_tokens_per_s))
+
     # ---- one pool ------------------------------------------------------------------------
     def _size(self, pool: str, obs: Observation, need: Need) -> tuple[int, str, str]:
         """(desired size before the budget, why, cause)."""
@@ -112,8 +149,9 @@ class Planner:
         up = ceil_workers(need.load, c.target_utilization) if need.load is not None else 0
         if up > t and need.load <= t * c.target_utilization * (1 + c.band / 2):
             up = t  # hysteresis up as well as down: a forecast within half the band above the target holds
-        self._over[pool] = self._over[pool] + 1 if up > t else 0
-        unconfirmed = up > t and not need.urgent and self._over[pool] < CONFIRM
+        self._over_since[pool] = (self._over_since[pool] if self._over_since[pool] is not None else obs.now) \
+            if up > t else None
+        unconfirmed = up > t and not need.urgent and obs.now - self._over_since[pool] < CONFIRM * c.interval_s
         if unconfirmed:
             up = t  # the first interval over, with the waits well inside the SLO: wait for the next to confirm
         slo = n + max(1, math.ceil(n * min(1.0, need.pressure - 1))) if need.pressure > 1 and not pending else 0
@@ -162,36 +200,45 @@ class Planner:
         return text + (f", {failed} failed start(s) in a row" if failed else "")
 
     # ---- both pools ----------------------------------------------------------------------
-    def _within_budget(self, wanted: dict[str, int], obs: Observation, kv_bound: bool) -> tuple[dict[str, int], str]:
-        """Each pool its min; a KV-bound decode pool served first; else a pool changed within
-        scale_down_cooldown_s keeps its size, and the rest of the budget is shared in proportion to
-        what each wants above that (largest remainders first; decode first on a tie)."""
+    def _within_budget(self, wanted: dict[str, int], obs: Observation, kv_need: int) -> tuple[dict[str, int], str]:
+        """Each pool its min, and a KV-bound decode pool its KV need (`kv_need` workers: prefill beyond
+        what decode can admit only queues behind it); a pool changed within scale_down_cooldown_s
+        keeps its size (the KV-bound decode pool's need aside); the rest of the budget is shared in
+        proportion to what each wants above that (largest remainders first; decode first on a tie)."""
         budget = self.cfg.budget_workers
         if budget is None or sum(wanted.values()) <= budget:
             return wanted, ""
         note = f"; cut to the budget of {budget} workers (max_workers / max_cost_per_hour)"
         floor = {p: self.bounds(p)[0] for p in wanted}
-        if kv_bound and "prefill" in wanted:
-            out = {"decode": min(wanted["decode"], budget - floor["prefill"])}
-            return out | {"prefill": min(wanted["prefill"], budget - out["decode"])}, note + ", decode (KV-bound) first"
-        kept = {p: max(floor[p], min(wanted[p], obs.pools[p].target))
-                if obs.now - self._changed_at[p] < self.cfg.scale_down_cooldown_s else floor[p] for p in wanted}
+        if kv_need and "prefill" in wanted:
+            floor["decode"] = max(floor["decode"], min(wanted["decode"], kv_need, budget - floor["prefill"]))
+            note += f", decode's KV need ({kv_need}) first"
+        kept = self._kept(wanted, obs, floor)
+        if kv_need and "prefill" in kept:  # decode's KV need may take from prefill
+            kept["prefill"] = max(floor["prefill"], min(kept["prefill"], budget - kept["decode"]))
         if sum(kept.values()) <= budget:
             floor = kept
         extra = {p: wanted[p] - floor[p] for p in wanted}
         room, total = budget - sum(floor.values()), sum(extra.values())
-        shares = {p: room * extra[p] / total for p in wanted}
+        shares = {p: room * extra[p] / total if total else 0.0 for p in wanted}
         out = {p: floor[p] + int(shares[p]) for p in wanted}
         order = sorted(wanted, key=lambda p: (-(shares[p] - int(shares[p])), p != "decode"))
         for p in order[:budget - sum(out.values())]:
             out[p] += 1
         return out, note
 
-    def _kv_bound(self, obs: Observation, needs: dict[str, Need]) -> bool:
-        """Decode's KV is what limits the cluster: requests wait for KV room, or its KV use is within
-        the band of kv_high."""
-        kv_use = needs["decode"].figures.get("kv_use", 0.0)
-        return obs.kv_waiting > 0 or kv_use >= self.cfg.kv_high * (1 - self.cfg.band)
+    def _kept(self, wanted: dict[str, int], obs: Observation, floor: dict[str, int]) -> dict[str, int]:
+        """A pool changed within scale_down_cooldown_s keeps what it has (up to what it wants)."""
+        return {p: max(floor[p], min(wanted[p], obs.pools[p].target))
+                if obs.now - self._changed_at[p] < self.cfg.scale_down_cooldown_s else floor[p] for p in wanted}
+
+    def _kv_need(self, obs: Observation, needs: dict[str, Need]) -> int:
+        """Decode workers its KV needs now when KV is what limits the cluster (requests wait for KV
+        room, or its KV use is within the band of kv_high); else 0."""
+        need = needs["decode"]
+        if not (obs.kv_waiting > 0 or need.figures.get("kv_use", 0.0) >= self.cfg.kv_high * (1 - self.cfg.band)):
+            return 0
+        return max(1, ceil_workers(need.figures.get("decode_kv_load", 0.0), self.cfg.target_utilization))
 
     def _inputs(self, obs: Observation, load: Load, needs: dict[str, Need]) -> dict[str, float]:
         inputs = {"arrivals_per_s": obs.arrivals / max(obs.window_s, 1e-9), "forecast_requests_per_s":

@@ -6,7 +6,8 @@ Each pool on its own signal, in worker-equivalents at 100% of the profile's capa
   in service anyway: rate x a prompt's own prefill time), cleared within the TTFT budget left
   after a prompt's own prefill, over one worker's prompt tokens/s;
 - decode: the requests it must hold at once, the larger of Little's law on the forecast (arrivals/s
-  x output tokens x the step time at the slots a worker keeps) and what it holds now (running,
+  x output tokens x the step time at the slots a worker keeps), plus the prefill backlog's requests
+  that overlap on decode (prefill is sized to clear them within the TTFT budget), and what it holds now (running,
   plus requests waiting for KV room), over the slots one worker keeps within the ITL SLO and its KV;
   and at least the KV held now (plus the KV-waiters') over one worker's KV at `kv_high`;
 - colocated: both on the one pool.
@@ -119,10 +120,24 @@ class Sizer:
         slots = self.profile.decode_slots(pool, context, load.prompt_len + load.output_len, kv_each, c.itl_s,
                                           c.kv_high)
         step = self.profile.decode_step_s(pool, slots, context)
-        concurrent = max(load.requests_per_s * load.output_len * step, float(held))
-        figures |= {"decode_slots_per_worker": float(slots), "decode_concurrent": concurrent}
+        stay_s = load.output_len * step  # a request's time on decode
+        coming = self._backlog_coming(obs, load, stay_s)
+        concurrent = max(load.requests_per_s * stay_s + coming, float(held))
+        figures |= {"decode_slots_per_worker": float(slots), "decode_concurrent": concurrent,
+                    "decode_from_backlog": coming, "decode_kv_load": by_kv, "decode_stay_s": stay_s}
         urgent = urgent or max(held / slots, by_kv) > len(hot)  # what it holds now is past its warm workers
         return Need(max(concurrent / slots, by_kv), pressure, figures, urgent)
+
+    def _backlog_coming(self, obs: Observation, load: Load, stay_s: float) -> float:
+        """Requests the prefill backlog sends decode at once, on top of the forecast (disaggregated):
+        the prefill pool is sized to clear it within the TTFT budget, so its requests arrive within
+        that budget and overlap for as long as each stays on decode."""
+        prefill = obs.pools.get("prefill")
+        if prefill is None or not self.profile.ready("prefill"):
+            return 0.0
+        waiting = max(0, obs.queued - obs.kv_waiting) + prefill.queued_tokens / load.prompt_len
+        own = self.profile.prefill_time_s("prefill", load.prompt_len)
+        return waiting * min(1.0, stay_s / max(self.cfg.ttft_s - own, 0.25 * self.cfg.ttft_s))
 
     def colocated(self, obs: Observation, load: Load) -> Need:
         """One pool does both: its prefill share and its decode share add up."""
