@@ -8,6 +8,11 @@ mean prompt and output lengths of the whole trace) as the load to carry, at the 
 `target_utilization`: prefill workers + decode workers for a disaggregated cluster, workers for a
 colocated one (chunked prefill), and the cheaper of the two (colocated on a tie). The window
 (default 30 s) is what a static cluster must carry without queueing past a TTFT SLO of seconds.
+A TTFT SLO also needs headroom for how arrivals bunch within seconds, which a 30 s mean hides:
+the prefill capacity is also sized by replaying the whole trace through a fluid queue (the
+pool's prompt tokens/s at `target_utilization`, first come first served, each prompt's own
+prefill added to its wait) and taking the fewest workers whose replay meets the TTFT SLO for the
+SLO's percentile of requests; colocated, with the decode load's share of the workers set aside.
 """
 
 from __future__ import annotations
@@ -30,6 +35,7 @@ from router.config.schema import ClusterConfig
 from sizing.cost_model import Emulation
 
 PEAK_WINDOW_S = 30.0
+MAX_WORKERS = 1024  # the replay's search gives up here (a trace no cluster serves)
 GPU_CLUSTER = Path(__file__).resolve().parent.parent / "simulate" / "gpu_cluster.yaml"
 
 
@@ -51,36 +57,84 @@ def peak_load(workload: Workload, window_s: float = PEAK_WINDOW_S) -> Load:
     return Load(best_n / span, best / span, prompt, output)
 
 
-def _need(config: ClusterConfig, em: Emulation, slo: Slo, load: Load, colocated: bool) -> tuple[int, int]:
-    """(prefill workers, decode workers) the planner's sizing asks for this load; (0, N) colocated."""
-    auto = dataclasses.replace(config.router.autoscale, **({"ttft_s": slo.ttft_s} if slo.ttft_s else {}),
+def fluid_ttft_met(workload: Workload, tokens_per_s: float, own_s: list[float], ttft_s: float) -> float:
+    """The share of requests whose TTFT meets `ttft_s` when the trace's prompts queue first come
+    first served for `tokens_per_s` of prefill capacity (a fluid queue) and each also takes its own
+    prefill time `own_s[i]` (one prompt runs on one worker)."""
+    free_at, met = -math.inf, 0
+    for r, own in zip(workload.requests, own_s, strict=True):
+        wait = max(0.0, free_at - r.arrival_s)
+        free_at = r.arrival_s + wait + r.num_prompt_tokens / tokens_per_s
+        met += wait + own <= ttft_s
+    return met / len(workload.requests)
+
+
+def _fluid_workers(workload: Workload, profile: CapacityProfile, pool: str, auto, reserved: float) -> int:
+    """The fewest workers whose prefill capacity at target utilization, less `reserved` workers
+    (colocated: the decode load), meets the TTFT SLO for the SLO percentile of requests in replay."""
+    prompt = sum(r.num_prompt_tokens for r in workload.requests) / len(workload.requests)
+    rate = profile.prefill_rate(pool, prompt)
+    own = [profile.prefill_time_s(pool, r.num_prompt_tokens) for r in workload.requests]
+    n = max(1, math.floor(reserved / auto.target_utilization) + 1)
+    while n < MAX_WORKERS and fluid_ttft_met(workload, (n * auto.target_utilization - reserved) * rate, own,
+                                             auto.ttft_s) < auto.percentile / 100:
+        n += 1
+    return n
+
+
+def _auto(config: ClusterConfig, slo: Slo):
+    return dataclasses.replace(config.router.autoscale, **({"ttft_s": slo.ttft_s} if slo.ttft_s else {}),
                                **({"itl_s": slo.tpot_s} if slo.tpot_s else {}))
-    sched, block = config.scheduler, config.kv_cache.block_size
+
+
+def _profile(config: ClusterConfig, em: Emulation, colocated: bool) -> CapacityProfile:
+    sched = config.scheduler
     chunk = (sched.chunk_size or 64) if colocated else None  # as bench/arrangements.py sets them up
-    profile = CapacityProfile("cost_model", CostStepModel(em.cost), sched.max_num_batched_tokens, chunk,
-                              sched.max_num_seqs)
+    return CapacityProfile("cost_model", CostStepModel(em.cost), sched.max_num_batched_tokens, chunk,
+                           sched.max_num_seqs)
+
+
+def _sizer(config: ClusterConfig, em: Emulation, slo: Slo, colocated: bool) -> tuple[Sizer, Observation]:
+    """The planner's sizing on the cost-model profile, and an observation of one idle worker per pool."""
+    block = config.kv_cache.block_size
     blocks = emulated_num_blocks(config.emulate, block) or config.kv_cache.num_blocks or 0
     sample = WorkerSample("profile", math.inf, 0, blocks, block, 0, 0)
     pools = {p: PoolObservation(p, 1, 0, 0, 0, (sample,)) for p in ("prefill", "decode")}
     obs = Observation(now=0.0, window_s=PEAK_WINDOW_S, mode="colocated" if colocated else "disaggregated",
                       pools=pools)
-    sizer = Sizer(auto, profile)
-    u = auto.target_utilization
+    return Sizer(_auto(config, slo), _profile(config, em, colocated)), obs
+
+
+def _need(config: ClusterConfig, em: Emulation, slo: Slo, load: Load, colocated: bool) -> tuple[int, int]:
+    """(prefill workers, decode workers) the planner's sizing asks for this load; (0, N) colocated."""
+    sizer, obs = _sizer(config, em, slo, colocated)
+    u = sizer.cfg.target_utilization
     if colocated:
         return 0, max(1, ceil_workers(sizer.colocated(obs, load).load or 0.0, u))
     return (max(1, ceil_workers(sizer.prefill(obs, load).load or 0.0, u)),
             max(1, ceil_workers(sizer.decode(obs, load).load or 0.0, u)))
 
 
+def _decode_load(config: ClusterConfig, em: Emulation, slo: Slo, load: Load) -> float:
+    """The decode share of a colocated pool's load, in workers at full capacity."""
+    sizer, obs = _sizer(config, em, slo, colocated=True)
+    return sizer.decode(obs, load, "decode").load or 0.0
+
+
 def recommend(config: ClusterConfig, em: Emulation, workload: Workload, slo: Slo,
               window_s: float = PEAK_WINDOW_S) -> dict[str, Any]:
     """The static arrangement (a name as `pdserve simulate --statics` takes it) and the figures behind it."""
-    load = peak_load(workload, window_s)
+    load, auto = peak_load(workload, window_s), _auto(config, slo)
     p, d = _need(config, em, slo, load, colocated=False)
     _, n = _need(config, em, slo, load, colocated=True)
+    by_window = f"{p}P{d}D", f"colocated-{n}"
+    p = max(p, _fluid_workers(workload, _profile(config, em, False), "prefill", auto, 0.0))
+    decode_share = _decode_load(config, em, slo, load)
+    n = max(n, _fluid_workers(workload, _profile(config, em, True), "decode", auto, decode_share))
     name = f"colocated-{n}" if n <= p + d else f"{p}P{d}D"
     return {"recommended": name, "workers": min(n, p + d), "disaggregated": f"{p}P{d}D", "colocated": f"colocated-{n}",
-            "peak_load": dataclasses.asdict(load), "peak_window_s": window_s, "profile": "cost_model",
+            "peak_load": dataclasses.asdict(load), "peak_window_s": window_s, "by_peak_window": list(by_window),
+            "profile": "cost_model",
             "target_utilization": config.router.autoscale.target_utilization}
 
 

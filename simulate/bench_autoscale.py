@@ -1,7 +1,9 @@
 """The planner's targets (issue 44), measured: `python -m simulate.bench_autoscale --json`.
 
 Cases, each on simulated H100 x Llama-3.1-8B (simulate/gpu_cluster.yaml):
-- swinging, conversation, conversation-4x: the planner against the cheapest static arrangement
+- swinging (a day compressed into ~3 minutes), swinging-long (the same ramp and burst over 30
+  simulated minutes, slow against a start-up as a real day is), conversation, conversation-4x:
+  the planner against the cheapest static arrangement
   meeting 90% attainment. That arrangement is searched, not guessed: a binary search over a
   ladder of sizes, at each size the P:D splits of `Case.shares` and colocated, until the smallest
   size where one of them meets the target (statics' results are cached by case and arrangement
@@ -59,6 +61,11 @@ CASES = {c.name: c for c in (
                       "--output-len", "128"),
          {"preset": "diurnal", "rate": 24.0, "num_requests": 3000, "input_len": 3072, "output_len": 128},
          "ttft=2,tpot=50ms", (6, 8, 10, 12, 14, 16, 20, 24, 32), (0.75, 0.625)),
+    Case("swinging-long", ("--preset", "diurnal", "--rate", "8", "--num-requests", "10368", "--input-len", "8192",
+                           "--output-len", "128", "--max-context", "16384"),
+         {"preset": "diurnal", "rate": 8.0, "num_requests": 10368, "input_len": 8192, "output_len": 128,
+          "max_context": 16384},
+         "ttft=2,tpot=50ms", (6, 8, 10, 12, 16, 20, 24), (0.75, 0.625)),
     Case("conversation", ("--trace", TRACE, "--length-scale", "1", "--window", "0:300", "--max-context", "131072"),
          {"trace": TRACE, "length_scale": 1.0, "window": (0.0, 300.0), "max_context": 131072},
          "ttft=5,tpot=50ms", (4, 6, 8, 10, 12, 16, 20), (0.625, 0.75)),
