@@ -216,27 +216,29 @@ def test_a_pool_whose_scale_is_in_flight_is_held():
 
 def _bunch(p, k: int, bunch: bool):
     """Two prefill workers under 6.4 prompts/s of 6,144 tokens (~1.2 workers of load), finished TTFT
-    0.4 s of 2 s; `bunch`: 8 prompts coincide in the queue, waiting 0.3 s (Poisson at this rate)."""
-    queued = 8 if bunch else 0
+    0.4 s of 2 s; `bunch`: 22 prompts coincide in the queue, waiting 0.3 s (Poisson at this rate)."""
+    queued = 22 if bunch else 0
     return p.decide(interval(10.0 * k, pool("prefill", 2), pool("decode", 2), arrivals=64, prompt=6144, output=128,
                              ttft_q_s=0.4, queued=queued, queued_prompt_tokens=6144 * queued,
                              waiting_first=queued, wait_q_s=0.3 if bunch else 0.0))
 
 
 def test_one_poisson_bunch_does_not_scale_up_but_a_second_interval_over_does(monkeypatch):
-    """Steady load at 2 prefill workers: one interval where 8 prompts coincide reads as a load
-    past the band (backlog over the TTFT budget) although the warm workers clear it within the
-    SLO and the waits are 0.3 s of 2 s; the planner waits for the next interval to confirm. A
-    second interval over in a row scales up. (A real backlog still goes at once: the first test.)"""
+    """Steady load at 2 prefill workers: one interval where 22 prompts coincide reads as a load
+    past the band, and its last prompt would wait about the TTFT budget, but the arrivals alone do
+    not outrun the warm workers and the waits are 0.3 s of 2 s: the planner waits for the next
+    interval to confirm. A second interval over in a row scales up. (A real backlog still goes at
+    once: the first test; a burst whose arrivals outrun the workers too: the burst test.)"""
     p = planner(ttft_s=2.0)
     sizes = [_bunch(p, k, bunch=k == 8) for k in range(10)]
     assert sizes[8].inputs["prefill_load"] > 2 * 0.8 * 1.1  # past the band: without the rule, 3
     assert [d.desired("prefill") for d in sizes] == [2] * 10 and sizes[8].pools["prefill"].cause == "confirming"
     twice = [_bunch(p, 10 + k, bunch=True) for k in range(2)]
-    assert [d.desired("prefill") for d in twice] == [2, 3] and twice[1].pools["prefill"].cause == "forecast"
+    assert twice[0].desired("prefill") == 2 and twice[1].desired("prefill") > 2
+    assert twice[1].pools["prefill"].cause == "forecast"
     monkeypatch.setattr(planner_module, "CONFIRM", 0)
     unconfirmed = planner(ttft_s=2.0)
-    assert [_bunch(unconfirmed, k, bunch=k == 8).desired("prefill") for k in range(9)][-1] == 3
+    assert [_bunch(unconfirmed, k, bunch=k == 8).desired("prefill") for k in range(9)][-1] > 2
 
 
 H100_BLOCKS = 30_000  # an H100's KV for Llama-3.1-8B, 16-token blocks: ~52 requests of 8,200 tokens
@@ -282,13 +284,13 @@ def test_the_budget_serves_a_kv_bound_decode_pool_first_and_trades_no_worker_bac
 
 def _burst_begins(p):
     """Six quiet intervals at 1 request/s of 8,000 tokens, then a 2 s window (an early evaluation)
-    where 46 arrived and 19 already queue for a prefill slot, the oldest 0.9 s."""
+    where 46 arrived and 30 already queue for a prefill slot, the oldest 0.9 s."""
     for k in range(6):
         p.decide(interval(10.0 * k, pool("prefill", 2), pool("decode", _decode_workers(2, 0.02, 1)), arrivals=10,
                           prompt=8000, output=200, ttft_q_s=0.3))
     return p.decide(interval(52.0, pool("prefill", 2), pool("decode", _decode_workers(2, 0.2, 12)), arrivals=46,
-                             prompt=8000, output=200, window_s=2.0, ttft_q_s=1.4, queued=19,
-                             queued_prompt_tokens=152_000, waiting_first=35, wait_q_s=0.9))
+                             prompt=8000, output=200, window_s=2.0, ttft_q_s=1.4, queued=30,
+                             queued_prompt_tokens=240_000, waiting_first=46, wait_q_s=0.9))
 
 
 def test_a_burst_is_sized_for_the_rate_just_seen_and_decode_for_what_prefill_sends(monkeypatch):

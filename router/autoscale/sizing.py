@@ -26,8 +26,6 @@ from router.autoscale.observation import Observation, WorkerSample
 from router.autoscale.profile import CapacityProfile
 from router.config.autoscale import AutoscaleSection
 
-URGENT_WAIT = 0.5  # first-token waits past this share of the TTFT SLO: a scale-up goes at once
-
 
 @dataclass(frozen=True)
 class Load:
@@ -45,9 +43,10 @@ class Need:
     pressure: float  # the SLO signal's worst ratio (<= 1: met)
     figures: dict[str, float]
     # the load is already hurting, so a scale-up need not wait for a second interval to confirm it:
-    # prefill, a backlog its warm workers cannot clear within the TTFT budget or first-token waits
-    # past half the SLO; decode, requests waiting for KV room, more held now than its warm workers
-    # keep, or its SLO signal within the band of a miss
+    # prefill, first-token waits within the band of a miss, a backlog its warm workers cannot clear
+    # within the TTFT budget while the arrivals alone outrun them, or one past twice the SLO; decode,
+    # requests waiting for KV room, more held now than its warm workers keep, or its SLO signal
+    # within the band of a miss
     urgent: bool = False
 
 
@@ -92,11 +91,14 @@ class Sizer:
         # of the backlog, what the forecast rate keeps in service anyway (Little: rate x a prompt's own
         # prefill time) is not a backlog to clear: steady load would otherwise read as a surplus
         excess = max(0.0, backlog - load.prompt_tokens_per_s * own)
-        spare = len(warm(p.workers, c.warmup_s)) * rate - load.prompt_tokens_per_s  # tokens/s left for the backlog
-        clear_s = excess / spare if spare > 0 else (math.inf if excess else 0.0)
+        capacity = len(warm(p.workers, c.warmup_s)) * rate
+        clear_s = excess / capacity if capacity else (math.inf if excess else 0.0)  # the last queued prompt's wait
+        outrun = load.prompt_tokens_per_s > capacity * c.target_utilization  # arrivals alone outrun the warm workers
         figures |= {"prefill_tokens_per_s_per_worker": rate, "prefill_own_s": own, "prefill_excess_tokens": excess,
                     "prefill_clear_s": min(clear_s, 1e9)}
-        urgent = pressure >= URGENT_WAIT or clear_s > drain_s
+        # a backlog that hurts: waits near a miss; one the warm workers cannot clear within the TTFT
+        # budget while arrivals outrun them (a burst); or one past twice the SLO (no Poisson bunch)
+        urgent = pressure >= 1 - c.band or clear_s > drain_s and outrun or clear_s > 2 * c.ttft_s
         return Need((load.prompt_tokens_per_s + excess / drain_s) / rate, pressure, figures, urgent)
 
     def decode(self, obs: Observation, load: Load, pool: str = "decode") -> Need:
