@@ -12,7 +12,9 @@ A TTFT SLO also needs headroom for how arrivals bunch within seconds, which a 30
 the prefill capacity is also sized by replaying the whole trace through a fluid queue (the
 pool's prompt tokens/s at `target_utilization`, first come first served, each prompt's own
 prefill added to its wait) and taking the fewest workers whose replay meets the TTFT SLO for the
-SLO's percentile of requests; colocated, with the decode load's share of the workers set aside.
+SLO's percentile of requests; colocated, with the decode load's share of the workers set aside
+and, with an ITL SLO, only the share of a worker's time that keeps its decode steps' mean gap
+within it (a step carrying prefill chunks takes several decode steps' time).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import dataclasses
 import json
 import math
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +32,7 @@ from bench.metrics import Slo
 from bench.workload import Workload
 from router.autoscale.observation import Observation, PoolObservation, WorkerSample
 from router.autoscale.profile import CapacityProfile, CostStepModel
-from router.autoscale.sizing import Load, Sizer, ceil_workers
+from router.autoscale.sizing import Load, Need, Sizer, ceil_workers
 from router.config.emulate import emulated_num_blocks
 from router.config.schema import ClusterConfig
 from sizing.cost_model import Emulation
@@ -69,17 +72,33 @@ def fluid_ttft_met(workload: Workload, tokens_per_s: float, own_s: list[float], 
     return met / len(workload.requests)
 
 
-def _fluid_workers(workload: Workload, profile: CapacityProfile, pool: str, auto, reserved: float) -> int:
-    """The fewest workers whose prefill capacity at target utilization, less `reserved` workers
-    (colocated: the decode load), meets the TTFT SLO for the SLO percentile of requests in replay."""
+def _fluid_workers(workload: Workload, profile: CapacityProfile, pool: str, auto,
+                   tokens_per_s: Callable[[int, float], float]) -> int:
+    """The fewest workers whose prefill capacity (`tokens_per_s(n, one worker's prompt tokens/s)`)
+    meets the TTFT SLO for the SLO percentile of requests in the fluid replay."""
     prompt = sum(r.num_prompt_tokens for r in workload.requests) / len(workload.requests)
     rate = profile.prefill_rate(pool, prompt)
     own = [profile.prefill_time_s(pool, r.num_prompt_tokens) for r in workload.requests]
-    n = max(1, math.floor(reserved / auto.target_utilization) + 1)
-    while n < MAX_WORKERS and fluid_ttft_met(workload, (n * auto.target_utilization - reserved) * rate, own,
-                                             auto.ttft_s) < auto.percentile / 100:
+    n = 1
+    while n < MAX_WORKERS and (tokens_per_s(n, rate) <= 0 or fluid_ttft_met(
+            workload, tokens_per_s(n, rate), own, auto.ttft_s) < auto.percentile / 100):
         n += 1
     return n
+
+
+def _colocated_prefill(profile: CapacityProfile, auto, load: Load, decode: Need) -> Callable[[int, float], float]:
+    """A colocated pool's prefill capacity at n workers: what the decode load leaves of them; and,
+    with an ITL SLO, only the share of each worker's time that keeps its decode steps' mean gap
+    within it (a step that carries prefill chunks is several times a decode step: prefill time
+    share <= 1 - decode step / itl_s), else TPOT, not TTFT, is what fails."""
+    context = load.prompt_len + load.output_len / 2
+    concurrent = decode.figures.get("decode_concurrent", 0.0)
+
+    def tokens_per_s(n: int, rate: float) -> float:
+        left = (n * auto.target_utilization - (decode.load or 0.0)) * rate
+        step = profile.decode_step_s("decode", max(1, math.ceil(concurrent / n)), context)
+        return min(left, n * auto.target_utilization * rate * max(0.0, 1 - step / auto.itl_s))
+    return tokens_per_s
 
 
 def _auto(config: ClusterConfig, slo: Slo):
@@ -115,10 +134,10 @@ def _need(config: ClusterConfig, em: Emulation, slo: Slo, load: Load, colocated:
             max(1, ceil_workers(sizer.decode(obs, load).load or 0.0, u)))
 
 
-def _decode_load(config: ClusterConfig, em: Emulation, slo: Slo, load: Load) -> float:
-    """The decode share of a colocated pool's load, in workers at full capacity."""
+def _decode_need(config: ClusterConfig, em: Emulation, slo: Slo, load: Load) -> Need:
+    """The decode share of a colocated pool's load (workers at full capacity, and its figures)."""
     sizer, obs = _sizer(config, em, slo, colocated=True)
-    return sizer.decode(obs, load, "decode").load or 0.0
+    return sizer.decode(obs, load, "decode")
 
 
 def recommend(config: ClusterConfig, em: Emulation, workload: Workload, slo: Slo,
@@ -128,9 +147,11 @@ def recommend(config: ClusterConfig, em: Emulation, workload: Workload, slo: Slo
     p, d = _need(config, em, slo, load, colocated=False)
     _, n = _need(config, em, slo, load, colocated=True)
     by_window = f"{p}P{d}D", f"colocated-{n}"
-    p = max(p, _fluid_workers(workload, _profile(config, em, False), "prefill", auto, 0.0))
-    decode_share = _decode_load(config, em, slo, load)
-    n = max(n, _fluid_workers(workload, _profile(config, em, True), "decode", auto, decode_share))
+    p = max(p, _fluid_workers(workload, _profile(config, em, False), "prefill", auto,
+                              lambda k, rate: k * auto.target_utilization * rate))
+    coloc = _profile(config, em, True)
+    prefill = _colocated_prefill(coloc, auto, load, _decode_need(config, em, slo, load))
+    n = max(n, _fluid_workers(workload, coloc, "decode", auto, prefill))
     name = f"colocated-{n}" if n <= p + d else f"{p}P{d}D"
     return {"recommended": name, "workers": min(n, p + d), "disaggregated": f"{p}P{d}D", "colocated": f"colocated-{n}",
             "peak_load": dataclasses.asdict(load), "peak_window_s": window_s, "by_peak_window": list(by_window),
