@@ -60,3 +60,32 @@ def test_bad_input_exits_2_with_one_line(tmp_path):
         done = subprocess.run([sys.executable, "-m", "cli", "plan", *args], capture_output=True, text=True, cwd=ROOT,
                               timeout=120)
         assert done.returncode == 2 and words in done.stderr and done.stderr.count("\n") == 1, done.stderr
+
+
+def _clumped(rate: float, clump: int, prompt: int, seconds: float = 120.0):
+    """`rate` requests/s on average, arriving `clump` at once (every clump / rate seconds)."""
+    specs = [RequestSpec(f"r{i}", (i // clump) * clump / rate, tuple(range(1000, 1000 + prompt)), 16)
+             for i in range(int(rate * seconds))]
+    return make_workload("clumped", specs, None, {})
+
+
+def test_arrivals_that_bunch_within_seconds_get_more_prefill_than_the_busiest_mean(h100):
+    """The same 30 s mean, once spread evenly, once in clumps of 40 prompts every 10 s: each clump
+    must be computed within the TTFT SLO, so the fluid replay asks for more prefill workers than
+    the busiest window's mean does (the earlier answer, one worker short on both traces)."""
+    cfg, em = h100
+    slo = Slo(ttft_s=2.0, tpot_s=0.05)
+    even, clumped = recommend(cfg, em, _workload(4, 8000, 16), slo), recommend(cfg, em, _clumped(4, 40, 8000), slo)
+    assert even["by_peak_window"] == clumped["by_peak_window"]  # the same busiest 30 s
+    prefill = [int(r["disaggregated"].split("P")[0]) for r in (even, clumped)]
+    assert prefill[1] > prefill[0] and prefill[1] > int(clumped["by_peak_window"][0].split("P")[0])
+
+
+def test_a_tighter_itl_slo_leaves_a_colocated_worker_less_time_for_prefill(h100):
+    """Colocated, a step that carries prefill chunks takes several decode steps' time: the tighter
+    the ITL SLO, the smaller the share of a worker's time prefill may take, the more workers."""
+    cfg, em = h100
+    wl = _workload(8, 8000, 256)
+    loose, tight = (int(recommend(cfg, em, wl, Slo(ttft_s=2.0, tpot_s=itl))["colocated"].split("-")[1])
+                    for itl in (0.2, 0.03))
+    assert tight > loose
