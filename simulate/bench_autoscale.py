@@ -8,7 +8,8 @@ Cases, each on simulated H100 x Llama-3.1-8B (simulate/gpu_cluster.yaml):
   ladder of sizes, at each size the P:D splits of `Case.shares` and colocated, until the smallest
   size where one of them meets the target (statics' results are cached by case and arrangement
   in `--cache`, so a rerun after a planner change reruns only the planner).
-- steady: the plateau preset for 30 simulated minutes; scaling actions after the planner settled
+- steady (the planner at the compressed pacing, a stricter test) and steady-default (at its
+  default pacing): the plateau preset for 30 simulated minutes; scaling actions after the planner settled
   (its first decision that changed nothing, then every later change counts) and failed requests.
 - bursty: Dynamo #10528's square wave, the planner against the same planner blind to queue wait.
 - every compare case also checks `pdserve plan --trace`'s static answer (bench/plan_trace.py): it
@@ -75,6 +76,10 @@ CASES = {c.name: c for c in (
          "ttft=5,tpot=50ms", (16, 20, 24, 32, 40, 48, 64), (0.625, 0.75)),
     Case("steady", ("--preset", "plateau", "--rate", "6", "--input-len", "6144", "--output-len", "128",
                     "--max-context", "131072"),
+         {"preset": "plateau", "rate": 6.0, "input_len": 6144, "output_len": 128, "max_context": 131072},
+         "ttft=2,tpot=50ms", kind="steady"),
+    Case("steady-default", ("--preset", "plateau", "--rate", "6", "--input-len", "6144", "--output-len", "128",
+                            "--max-context", "131072"),
          {"preset": "plateau", "rate": 6.0, "input_len": 6144, "output_len": 128, "max_context": 131072},
          "ttft=2,tpot=50ms", kind="steady"),
     Case("bursty", ("--preset", "bursty", "--rate", "24"), {"preset": "bursty", "rate": 24.0, "max_context": 131072},

@@ -23,7 +23,8 @@ from simulate.autoscale_plot import plot_timeline
 
 ATTAINMENT, RATIO = 0.9, 0.7  # the targets
 SETTLE_S = 600.0  # the steady run: changes after its first 10 simulated minutes count against it
-BUDGET = {"swinging": 32, "swinging-long": 32, "conversation": 16, "conversation-4x": 64, "steady": 16, "bursty": 16}
+BUDGET = {"swinging": 32, "swinging-long": 32, "conversation": 16, "conversation-4x": 64, "steady": 16,
+          "steady-default": 16, "bursty": 16}
 # The swinging case compresses a day into three minutes, so the planner's pacing is compressed with
 # it; every other case (swinging-long's 30-minute day too) runs at the defaults (10 s interval,
 # 30 s / 120 s cooldowns, 30 s warm-up). The steady case takes the compressed pacing
