@@ -13,8 +13,9 @@ the prefill capacity is also sized by replaying the whole trace through a fluid 
 pool's prompt tokens/s at `target_utilization`, first come first served, each prompt's own
 prefill added to its wait) and taking the fewest workers whose replay meets the TTFT SLO for the
 SLO's percentile of requests; colocated, with the decode load's share of the workers set aside
-and, with an ITL SLO, only the share of a worker's time that keeps its decode steps' mean gap
-within it (a step carrying prefill chunks takes several decode steps' time).
+and enough workers that the prefill landing on one during a request's decode (chunks of prompts
+arriving meanwhile, each step several decode steps long) keeps that request's token gaps within
+the ITL SLO at the SLO percentile.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import argparse
 import dataclasses
 import json
 import math
+import statistics
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -86,18 +88,27 @@ def _fluid_workers(workload: Workload, profile: CapacityProfile, pool: str, auto
     return n
 
 
-def _colocated_prefill(profile: CapacityProfile, auto, load: Load, decode: Need) -> Callable[[int, float], float]:
-    """A colocated pool's prefill capacity at n workers: what the decode load leaves of them; and,
-    with an ITL SLO, only the share of each worker's time that keeps its decode steps' mean gap
-    within it (a step that carries prefill chunks is several times a decode step: prefill time
-    share <= 1 - decode step / itl_s), else TPOT, not TTFT, is what fails."""
+def _colocated_prefill(profile: CapacityProfile, auto, load: Load, decode: Need,
+                       workload: Workload) -> Callable[[int, float], float]:
+    """A colocated pool's prefill capacity at n workers: what the decode load leaves of them, and 0
+    (too few) while the prefill its worker computes during one request's decode would stretch
+    that request's token gaps past the ITL SLO at the SLO percentile. A request decoding
+    `output_len` tokens within itl_s each has output_len x (itl_s - decode step) to spare; the
+    prefill time that lands on its worker meanwhile is a compound Poisson sum (its worker's share
+    of the arrivals x each prompt's own prefill), taken at mean + z x its deviation."""
     context = load.prompt_len + load.output_len / 2
     concurrent = decode.figures.get("decode_concurrent", 0.0)
+    own = [profile.prefill_time_s("decode", r.num_prompt_tokens) for r in workload.requests]
+    first, second = sum(own) / len(own), sum(t * t for t in own) / len(own)
+    z = max(0.0, statistics.NormalDist().inv_cdf(min(auto.percentile, 99.9) / 100))
 
     def tokens_per_s(n: int, rate: float) -> float:
-        left = (n * auto.target_utilization - (decode.load or 0.0)) * rate
         step = profile.decode_step_s("decode", max(1, math.ceil(concurrent / n)), context)
-        return min(left, n * auto.target_utilization * rate * max(0.0, 1 - step / auto.itl_s))
+        spare = load.output_len * (auto.itl_s - step)
+        arrivals = load.requests_per_s / n * load.output_len * auto.itl_s  # onto its worker meanwhile
+        if spare <= 0 or arrivals * first + z * math.sqrt(arrivals * second) > spare:
+            return 0.0
+        return (n * auto.target_utilization - (decode.load or 0.0)) * rate
     return tokens_per_s
 
 
@@ -150,7 +161,7 @@ def recommend(config: ClusterConfig, em: Emulation, workload: Workload, slo: Slo
     p = max(p, _fluid_workers(workload, _profile(config, em, False), "prefill", auto,
                               lambda k, rate: k * auto.target_utilization * rate))
     coloc = _profile(config, em, True)
-    prefill = _colocated_prefill(coloc, auto, load, _decode_need(config, em, slo, load))
+    prefill = _colocated_prefill(coloc, auto, load, _decode_need(config, em, slo, load), workload)
     n = max(n, _fluid_workers(workload, coloc, "decode", auto, prefill))
     name = f"colocated-{n}" if n <= p + d else f"{p}P{d}D"
     return {"recommended": name, "workers": min(n, p + d), "disaggregated": f"{p}P{d}D", "colocated": f"colocated-{n}",

@@ -83,7 +83,8 @@ def test_arrivals_that_bunch_within_seconds_get_more_prefill_than_the_busiest_me
 
 def test_a_tighter_itl_slo_leaves_a_colocated_worker_less_time_for_prefill(h100):
     """Colocated, a step that carries prefill chunks takes several decode steps' time: the tighter
-    the ITL SLO, the smaller the share of a worker's time prefill may take, the more workers."""
+    the ITL SLO, the less prefill may land on a worker during one request's decode, the more
+    workers (the decode load alone would not ask for more)."""
     cfg, em = h100
     wl = _workload(8, 8000, 256)
     loose, tight = (int(recommend(cfg, em, wl, Slo(ttft_s=2.0, tpot_s=itl))["colocated"].split("-")[1])
