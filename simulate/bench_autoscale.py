@@ -66,7 +66,7 @@ CASES = {c.name: c for c in (
                            "--output-len", "128", "--max-context", "32768"),
          {"preset": "diurnal", "rate": 4.0, "num_requests": 5184, "input_len": 16384, "output_len": 128,
           "max_context": 32768},
-         "ttft=2,tpot=50ms", (6, 8, 10, 12, 16, 20, 24), (0.75, 0.625)),
+         "ttft=2,tpot=50ms", (8, 12, 16, 20, 24), (0.75, 0.625)),
     Case("conversation", ("--trace", TRACE, "--length-scale", "1", "--window", "0:300", "--max-context", "131072"),
          {"trace": TRACE, "length_scale": 1.0, "window": (0.0, 300.0), "max_context": 131072},
          "ttft=5,tpot=50ms", (4, 6, 8, 10, 12, 16, 20), (0.625, 0.75)),
