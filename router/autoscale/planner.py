@@ -8,9 +8,11 @@ workers (capacity) and `t` the pool's current target:
 
 - up: to ceil(load / target_utilization) (an absolute size for the forecast and the backlog: no
   cooldown) once the load passes t x target_utilization x (1 + band / 2), at once when the load
-  already hurts (`Need.urgent`: a backlog the warm workers cannot clear within the TTFT budget,
-  waits past half the SLO, KV waits), else only once it has asked for more for half an interval
-  (an evaluation since confirms it: one Poisson bunch of prompts is not a trend); or to n + step when its SLO is missed now, where step grows with the miss
+  already hurts (`Need.urgent`, router/autoscale/sizing.py: a backlog that will miss the TTFT SLO
+  while arrivals outrun the warm workers, waits near a miss, KV waits; then for the rate just
+  seen where the smoothed forecast lags it), else only once it has asked for more for a whole
+  interval (a later evaluation confirms it: a Poisson surge of a few seconds is not a trend); or
+  to n + step when its SLO is missed now, where step grows with the miss
   (+1 .. doubling); a miss adds nothing while workers are still starting or warming (they are
   capacity on its way: counting them twice over-scales, Dynamo #12430), nor within
   `scale_up_cooldown_s` of the pool's last change (the last step's effect has not shown yet);
@@ -40,7 +42,7 @@ from router.autoscale.profile import CapacityProfile
 from router.autoscale.sizing import Load, Need, Sizer, ceil_workers, warm
 from router.config.autoscale import AutoscaleSection
 
-CONFIRM = 0.5  # intervals a load over the target must last before a scale-up that is not urgent
+CONFIRM = 1.0  # intervals a load over the target must last before a scale-up that is not urgent
 LENGTH_GAIN = 0.3  # EWMA weight of a window's mean prompt / output length and of its prefix-cache hit share
 
 
