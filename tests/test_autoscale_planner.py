@@ -305,3 +305,25 @@ def test_a_burst_is_sized_for_the_rate_just_seen_and_decode_for_what_prefill_sen
         assert _burst_begins(planner(ttft_s=3.0, prefill_max=15, decode_max=15)).desired("prefill") < d.desired("prefill")
     monkeypatch.setattr(planner_module.Planner, "_admitting", staticmethod(lambda needs, workers, load: needs["decode"]))
     assert _burst_begins(planner(ttft_s=3.0, prefill_max=15, decode_max=15)).desired("decode") < d.desired("decode")
+
+
+def test_the_loop_counts_kv_waits_in_either_reservation_order():
+    """The decode pool's KV signal: a request queued for decode KV (before_prefill), and one whose
+    KV is computed and held on its prefill worker while it waits for a decode reservation
+    (router.decode_reservation: after_prefill, phase RESERVING, its first token streamed)."""
+    from types import SimpleNamespace
+
+    from protocol.sampling import SamplingParams
+    from router.autoscale.loop import _Lives
+    from router.lifecycle.life import Phase, RequestLife
+
+    def life(key, phase, waiting_for, first_token_at=None):
+        out = RequestLife(f"r{key}", key, list(range(100 * key)), SamplingParams(max_tokens=8), 0.0, phase=phase,
+                          first_token_at=first_token_at)
+        out.waiting_for = waiting_for
+        return out
+    lives = [life(1, Phase.QUEUED, "kv"), life(2, Phase.RESERVING, "kv", first_token_at=1.0),
+             life(3, Phase.QUEUED, "prefill"), life(4, Phase.DECODING, None, first_token_at=1.0)]
+    seen = _Lives.of(SimpleNamespace(lives={x.key: x for x in lives}), now=2.0, q=0.9)
+    assert (seen.kv_waiting, seen.kv_waiting_tokens) == (2, 100 + 200)
+    assert (seen.queued, seen.queued_prompt_tokens, seen.decoding, seen.waiting_first) == (2, 400, 1, 2)

@@ -276,11 +276,11 @@ class _Lives:
             if life.phase is Phase.QUEUED:
                 out.queued += 1
                 out.queued_prompt_tokens += life.num_context_tokens()
-                if life.waiting_for == "kv":
-                    out.kv_waiting += 1
-                    out.kv_waiting_tokens += life.num_context_tokens()
             elif life.phase in (Phase.HANDOFF, Phase.DECODING):
                 out.decoding += 1
+            if life.waiting_for == "kv":  # queued for it, or (decode_reservation: after_prefill) its
+                out.kv_waiting += 1       # KV computed and held on the prefill worker meanwhile
+                out.kv_waiting_tokens += life.num_context_tokens()
         if waits:
             waits.sort()
             out.waiting_first, out.oldest_wait_s = len(waits), waits[-1]
