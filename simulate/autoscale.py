@@ -11,8 +11,6 @@ the attainment target (fewest worker-hours) is the one the planner has to beat;
 
 from __future__ import annotations
 
-import multiprocessing
-import os
 from typing import Any
 
 from bench.accounting import figures, timeline
@@ -20,6 +18,7 @@ from bench.autoscale_compare import AUTOSCALED, autoscaled_config, named_statics
 from bench.metrics import Slo
 from bench.workload import Workload
 from router.config.schema import ClusterConfig
+from simulate.parallel import run_jobs
 from simulate.run import simulate
 from simulate.sweep import arrangements
 from sizing.cost_model import Emulation
@@ -51,11 +50,6 @@ def compare(autoscaled: ClusterConfig, statics: dict[str, ClusterConfig], em: Em
     workers over time, seconds from the first arrival)."""
     jobs = [(AUTOSCALED, autoscaled, em, workload, slo, seed, usd_per_hour)]
     jobs += [(name, cfg, em, workload, slo, seed, usd_per_hour) for name, cfg in statics.items()]
-    procs = processes or min(len(jobs), os.cpu_count() or 1)
-    if procs > 1:
-        with multiprocessing.get_context("spawn").Pool(procs) as pool:
-            results = pool.map(_one, jobs, chunksize=1)
-    else:
-        results = [_one(job) for job in jobs]
+    results = list(run_jobs(_one, jobs, processes))
     rows = {name: row for name, row, _ in results}
     return verdict(rows.pop(AUTOSCALED), rows, attainment), results[0][2]

@@ -25,7 +25,6 @@ import argparse
 import dataclasses
 import hashlib
 import json
-import multiprocessing
 import sys
 import time
 from dataclasses import dataclass
@@ -39,6 +38,7 @@ from bench.workload import Workload
 from router.config.loader import load_config
 from simulate.autoscale import _one, static_configs
 from simulate.cli import emulated
+from simulate.parallel import run_jobs
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIG = ROOT / "simulate" / "gpu_cluster.yaml"
@@ -123,10 +123,7 @@ def splits(n: int, shares: tuple[float, ...]) -> list[str]:
 
 
 def run_many(jobs: list[tuple], procs: int) -> list[tuple]:
-    if procs > 1 and len(jobs) > 1:
-        with multiprocessing.get_context("spawn").Pool(min(procs, len(jobs))) as pool:
-            return pool.map(_one, jobs, chunksize=1)
-    return [_one(job) for job in jobs]
+    return list(run_jobs(_one, jobs, procs))
 
 
 def static_search(case: Case, base, em, wl: Workload, slo, cache: Cache, procs: int, price: float) -> dict[str, dict]:

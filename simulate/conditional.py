@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import multiprocessing
 import os
 import time
 from typing import Any
@@ -31,6 +30,7 @@ from bench.workload import Workload
 from router.config.loader import load_config
 from router.config.schema import ClusterConfig
 from simulate.cli import emulated
+from simulate.parallel import run_jobs
 from simulate.sweep import _one, _score
 
 SHIPPED = "conversation=bench/data/conversation_window.jsonl"  # Mooncake's conversation trace, first 120 s
@@ -91,10 +91,7 @@ def _run_all(jobs: list[tuple], processes: int, partial: str | None) -> list[tup
                 f.write(json.dumps({"arrangement": name, "devices": n, "rate": rate, "host_s": host_s,
                                     **figures}) + "\n")
         return result
-    if processes == 1:
-        return [keep(_one(job)) for job in jobs]
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        return [keep(r) for r in pool.imap_unordered(_one, jobs, chunksize=1)]
+    return [keep(result) for result in run_jobs(_one, jobs, processes, ordered=False)]
 
 
 def study(args: argparse.Namespace) -> dict[str, Any]:

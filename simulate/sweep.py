@@ -14,8 +14,6 @@ best. Runs are spread over this host's cores (one process each); each is determi
 from __future__ import annotations
 
 import dataclasses
-import multiprocessing
-import os
 import time
 from typing import Any
 
@@ -23,6 +21,7 @@ from bench.arrangements import arrangement_config
 from bench.metrics import Slo, summarize_run
 from bench.workload import Workload
 from router.config.schema import ClusterConfig
+from simulate.parallel import process_count, run_jobs
 from simulate.run import simulate
 from sizing.cost_model import Emulation
 
@@ -61,12 +60,7 @@ def sweep(base: ClusterConfig, em: Emulation, workload: Workload, sizes: list[in
     jobs = [(name, n, rate, cfg, em, workload, slo, seed) for n in sizes
             for name, cfg in arrangements(base, n, splits).items() for rate in rates]
     began = time.perf_counter()
-    procs = processes or min(len(jobs), os.cpu_count() or 1)
-    if procs > 1:
-        with multiprocessing.get_context("spawn").Pool(procs) as pool:
-            results = pool.map(_one, jobs, chunksize=1)
-    else:
-        results = [_one(job) for job in jobs]
+    results = list(run_jobs(_one, jobs, processes))
     host_s = time.perf_counter() - began
     by_size: dict[int, dict[str, dict[str, Any]]] = {}
     for name, n, rate, figures, run_host_s in results:
@@ -75,7 +69,7 @@ def sweep(base: ClusterConfig, em: Emulation, workload: Workload, sizes: list[in
         entry["host_s"] += run_host_s
     sizes_out = {str(n): _score(arr, n, rates, attainment) for n, arr in by_size.items()}
     return {"sizes": sizes_out, "rates_per_device": rates, "attainment_target": attainment,
-            "runs": len(jobs), "host_s": host_s, "processes": procs}
+            "runs": len(jobs), "host_s": host_s, "processes": process_count(processes, len(jobs))}
 
 
 def _score(arrangements_: dict[str, dict[str, Any]], n: int, rates: list[float], target: float) -> dict[str, Any]:
