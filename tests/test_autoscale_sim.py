@@ -70,7 +70,7 @@ def test_a_burst_backlog_scales_prefill_before_finished_latency_shows_it(caplog)
 
 
 def test_steady_load_settles_and_then_makes_no_change(caplog):
-    """Poisson arrivals at a steady 8 requests/s (2,000-token prompts, 200 out) for 240 simulated s
+    """Poisson arrivals at a steady 8 requests/s (2,000-token prompts, 100 out) for 180 simulated s
     on 3 + 3 workers, decided every 10 s: the pools shrink to what the load needs once the
     scale-down cooldown after the start has passed, and then no scaling action follows (the
     issue's target: at most 2 after settling)."""
@@ -78,8 +78,8 @@ def test_steady_load_settles_and_then_makes_no_change(caplog):
     cfg = dataclasses.replace(cfg, prefill=dataclasses.replace(cfg.prefill, replicas=3),
                               decode=dataclasses.replace(cfg.decode, replicas=3))
     rng = np.random.default_rng(1)
-    arrivals = np.cumsum(rng.exponential(1 / 8, size=8 * 240))
-    specs = synthetic_requests("steady", arrivals, np.full(len(arrivals), 2000), np.full(len(arrivals), 200),
+    arrivals = np.cumsum(rng.exponential(1 / 8, size=8 * 180))
+    specs = synthetic_requests("steady", arrivals, np.full(len(arrivals), 2000), np.full(len(arrivals), 100),
                                32_768, (16, 30_000), rng)
     with caplog.at_level(logging.INFO, logger="router.autoscale.loop"):
         run = simulate(cfg, em, make_workload("steady", specs, None, {}), "steady")
@@ -87,7 +87,7 @@ def test_steady_load_settles_and_then_makes_no_change(caplog):
     t0 = decisions[0].at - 10.0
     changes = [d for d in decisions if d.changed]
     assert changes and all(d.at - t0 <= 90 for d in changes), [d.line() for d in changes]
-    assert len(decisions) >= 20 and (decisions[-1].desired("prefill"), decisions[-1].desired("decode")) == (1, 1)
+    assert len(decisions) >= 15 and (decisions[-1].desired("prefill"), decisions[-1].desired("decode")) == (1, 1)
     assert all(r.ok for r in run.records)  # nothing lost to the scale-down
 
 
@@ -97,7 +97,7 @@ def _role_change_run(role_change: bool, caplog):
     the one prefill worker and a backlog it cannot clear in time: the scale-up goes at once)."""
     cfg, em = _config(interval_s=5.0, scale_down_cooldown_s=1.0, warmup_s=0.0, role_change=role_change)
     cfg = dataclasses.replace(cfg, decode=dataclasses.replace(cfg.decode, replicas=3))
-    quiet, busy = np.arange(0, 7, 1.0), np.arange(7, 40, 1 / 24)  # the first decision may not shrink a pool
+    quiet, busy = np.arange(0, 7, 1.0), np.arange(7, 25, 1 / 24)  # the first decision may not shrink a pool
     arrivals = np.concatenate([quiet, busy])
     prompts = np.concatenate([np.full(len(quiet), 500), np.full(len(busy), 8000)])
     specs = synthetic_requests("prompts", arrivals, prompts, np.full(len(arrivals), 4), 32_768, (16, 30_000),

@@ -18,6 +18,7 @@ import pytest
 
 from bench.presets import WorkloadOptions, build_workload
 from bench.workload import RequestSpec, make_workload
+from cli.main import main as pdserve
 from router.config.loader import load_config
 from router.pools.placement import Placer
 from simulate.cli import emulated
@@ -105,7 +106,7 @@ def test_a_placement_rule_changed_in_the_router_changes_the_live_router_and_the_
     assert used == {live}
 
 
-def test_the_cli_prints_benchs_schema_the_same_for_a_seed(tmp_path):
+def test_the_cli_prints_benchs_schema_the_same_for_a_seed(tmp_path, capsys):
     args = [sys.executable, "-m", "cli", "simulate", "--config", str(ROOT / "cluster.yaml"), "--emulate",
             "h100:llama-3.1-8b", "--preset", "steady", "--rate", "20", "--duration", "3", "--arrangements",
             "colocated-chunked,disaggregated", "--workers", "4", "--json", "--slo", "ttft=0.2"]
@@ -118,8 +119,9 @@ def test_the_cli_prints_benchs_schema_the_same_for_a_seed(tmp_path):
     for name in summary["arrangements"]:
         assert summary["arrangements"][name]["num_errors"] == 0 and summary["arrangements"][name]["num_requests"] == 60
     assert summary["decision"]["recommendation"]
-    bad = subprocess.run(args[:7] + ["tpu:llama-3.1-8b"], capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert bad.returncode == 2 and "--emulate 'tpu:llama-3.1-8b'" in bad.stderr
+    capsys.readouterr()
+    assert pdserve([*args[3:7], "tpu:llama-3.1-8b"]) == 2  # the `main` the console script calls
+    assert "--emulate 'tpu:llama-3.1-8b'" in capsys.readouterr().err
 
 
 def test_the_knee_is_where_attainment_crosses_the_target():
