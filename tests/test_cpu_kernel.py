@@ -266,7 +266,10 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
     header = tmp_path / "vec.h"  # the sources' shared header is part of the name too
     header.write_text(kernel_build.HEADERS[0].read_text() + "\n/* changed */\n")
     monkeypatch.setattr(kernel_build, "HEADERS", (header,))
-    assert kernel_build.build(cc) != built
+    compiled: list = []  # the compile above is the real one; this one is recorded, not run again
+    monkeypatch.setattr(kernel_build, "_compile", lambda cc, name, target: compiled.append(target))
+    rebuilt = kernel_build.build(cc)
+    assert rebuilt != built and compiled == [rebuilt]  # a new name, so built afresh
 
 
 @pytest.fixture

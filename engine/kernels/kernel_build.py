@@ -22,6 +22,7 @@ import stat
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from engine.kernels.cpu_ops import KernelUnavailable
@@ -139,10 +140,8 @@ def _compile(cc: str, name: str, target: Path) -> None:
                                 "PDSERVE_KERNEL_CACHE to a writable directory") from e
     os.close(fd)
     try:
-        done = subprocess.run([cc, *flags(name), "-o", tmp, *map(str, SOURCES), "-lm"], capture_output=True,
-                              text=True, timeout=BUILD_TIMEOUT_S)
-        if done.returncode != 0:
-            raise KernelUnavailable(f"{cc} failed to build {_names()}: {done.stderr.strip()[-400:]}")
+        with tempfile.TemporaryDirectory(dir=target.parent) as objects:
+            _link(cc, name, _objects(cc, name, Path(objects)), tmp)
         os.chmod(tmp, 0o755)  # whatever the umask: a group-writable build would be distrusted next time
         os.replace(tmp, target)
     except subprocess.TimeoutExpired as e:
@@ -152,6 +151,27 @@ def _compile(cc: str, name: str, target: Path) -> None:
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
+
+
+def _objects(cc: str, name: str, out: Path) -> list[str]:
+    """Each source compiled to its own object, as many at once as the process has cores (the
+    sources are independent: on 2 cores the build takes about half the time of one `cc` call)."""
+    jobs = [[cc, *flags(name), "-c", str(src), "-o", str(out / f"{src.stem}.o")] for src in SOURCES]
+    with ThreadPoolExecutor(max(1, min(len(jobs), len(os.sched_getaffinity(0))))) as pool:
+        for done in pool.map(_run, jobs):
+            if done.returncode != 0:
+                raise KernelUnavailable(f"{cc} failed to build {_names()}: {done.stderr.strip()[-400:]}")
+    return [job[-1] for job in jobs]
+
+
+def _link(cc: str, name: str, objects: list[str], tmp: str) -> None:
+    done = _run([cc, *flags(name), "-o", tmp, *objects, "-lm"])
+    if done.returncode != 0:
+        raise KernelUnavailable(f"{cc} failed to link {_names()}: {done.stderr.strip()[-400:]}")
+
+
+def _run(argv: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(argv, capture_output=True, text=True, timeout=BUILD_TIMEOUT_S)
 
 
 def _names() -> str:
