@@ -28,7 +28,7 @@ from proto import pdserve_pb2_grpc as pb_grpc  # noqa: E402
 from router.frontdoor.openai_request import ENDPOINTS  # noqa: E402
 from tests.cluster_util import wait_until  # noqa: E402
 
-FUZZ_EXAMPLES = 2000
+FUZZ_EXAMPLES = 1000
 BATCH = 20  # inputs sent at once: each hypothesis example is a batch
 FUZZ = settings(max_examples=FUZZ_EXAMPLES // BATCH, deadline=None, derandomize=True, database=None,
                 suppress_health_check=list(HealthCheck))
