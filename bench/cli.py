@@ -21,14 +21,13 @@ import dataclasses
 import json
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench import autoscale_live
 from bench.arrangements import ARRANGEMENTS
 from bench.bottleneck import collect_steps
-from bench.capacity import CLAMP_OPTION, fit, worker_capacity
+from bench.capacity import fit, worker_capacity
 from bench.client import fetch_status, replay
 from bench.decision import rank, worker_counts
 from bench.emulation import (
@@ -42,13 +41,19 @@ from bench.emulation import (
     format_fidelity,
     parse_emulate,
 )
-from bench.errors import BenchError, WorkloadError
+from bench.errors import BenchError
 from bench.metrics import RequestRecord, ideal_hit_rate, parse_slo
-from bench.openai_client import DEFAULT_EXTRA_BODY, Endpoint, parse_endpoint, replay_openai
-from bench.presets import PRESETS, WorkloadOptions, build_workload
+from bench.openai_client import Endpoint, parse_endpoint, replay_openai
+from bench.options import (
+    add_cluster_options,
+    add_endpoint_options,
+    add_report_options,
+    add_workload_options,
+    workload_options,
+)
+from bench.presets import build_workload
 from bench.report import build_summary, format_report, summarize_arrangements, write_report
-from bench.trace import parse_window
-from bench.workload import DEFAULT_VOCAB, Workload
+from bench.workload import Workload
 from client import credentials
 from router.config.checks import check_host_memory
 from router.config.schema import POLICIES
@@ -56,24 +61,7 @@ from router.observability.request_log import block_ids
 
 RAY_START_S = 60.0  # a local Ray instance and the router's channels, on top of the workers' start
 
-FALLBACK_MAX_CONTEXT = 2048
 DEFAULT_BLOCK_SIZE = 16  # requests.jsonl's block ids without --config: kv_cache.block_size's default
-
-
-def _typed(kind: Callable[[str], Any], check: Callable[[Any], bool], what: str) -> Callable:
-    def parse(text: str) -> Any:
-        try:
-            value = kind(text)
-        except ValueError as err:
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}") from err
-        if not check(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not {what}")
-        return value
-    return parse
-
-
-_positive_int = _typed(int, lambda v: v > 0, "a positive integer")
-_positive_float = _typed(float, lambda v: v > 0, "a positive number")
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -86,120 +74,16 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     target.add_argument("--endpoint", metavar="openai:URL",
                         help="measure this OpenAI-compatible server, e.g. openai:http://127.0.0.1:8000/v1")
     target.add_argument("--config", metavar="YAML", help="start each arrangement (or policy) of this cluster")
-    _add_cluster_options(parser)
+    add_cluster_options(parser)
     parser.add_argument("--label", help="the name in the report for --router / --endpoint "
                                         "(default: router / endpoint)")
-    _add_endpoint_options(parser)
+    add_endpoint_options(parser)
     credentials.add_flags(parser)
-    _add_workload_options(parser)
-    _add_report_options(parser)
+    add_workload_options(parser)
+    add_report_options(parser)
     autoscale_live.add_options(parser)
     parser.set_defaults(func=run)
     return parser
-
-
-def _add_cluster_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("clusters of --config")
-    group.add_argument("--arrangements", metavar="NAMES",
-                       help=f"comma-separated, of {', '.join(ARRANGEMENTS)} (default: all four)")
-    group.add_argument("--policies", metavar="NAMES",
-                       help=f"comma-separated placement policies, of {', '.join(POLICIES)}: the "
-                            "disaggregated cluster once per policy, instead of --arrangements")
-    group.add_argument("--workers", type=_positive_int, default=2,
-                       help="total workers of every arrangement; with --policies split evenly "
-                            "between prefill and decode (default 2)")
-    group.add_argument("--prefill-workers", type=_positive_int,
-                       help="prefill workers of the --policies clusters, or of the disaggregated "
-                            "--arrangements out of --workers, e.g. 2 of 8 for P:D 2:6 (default: half of --workers)")
-    group.add_argument("--decode-workers", type=_positive_int,
-                       help="with --policies: decode workers (default: the rest of --workers)")
-    group.add_argument("--prefix-caching", choices=("on", "off"),
-                       help="set kv_cache.prefix_caching of every cluster (default: the config's)")
-    group.add_argument("--pin-cpus", action="store_true",
-                       help="pin worker i of each cluster to CPU core i (prefill workers first)")
-    group.add_argument(CLAMP_OPTION, action="store_true",
-                       help="cut requests whose prompt + output exceed a worker's KV pool to fit it "
-                            "(default: refuse to run such a workload)")
-    group.add_argument("--emulate", metavar="DEVICE:MODEL",
-                       help="run every cluster at this device's timings for this model, e.g. h100:llama-3.1-8b "
-                            "(the config's other emulate: keys apply; docs/architecture.md, Emulation)")
-    group.add_argument("--emulate-time-scale", type=_typed(float, lambda v: v >= 1, "a number >= 1"), metavar="K",
-                       help="with --emulate: stretch modelled time and arrivals by K, report divided back "
-                            "(default: the config's emulate.time_scale)")
-
-
-def _add_endpoint_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("OpenAI endpoint (--endpoint)")
-    group.add_argument("--model", help="the request's model field (default: the first of GET /v1/models)")
-    group.add_argument("--tokenizer", metavar="DIR",
-                       help="the server's tokenizer: prompts go as its text when the server refuses token ids")
-    group.add_argument("--extra-body", type=_json_object, default=dict(DEFAULT_EXTRA_BODY), metavar="JSON",
-                       help=f"fields added to every request (default: {json.dumps(DEFAULT_EXTRA_BODY)}: exact "
-                            "output lengths on pdserve, vLLM, SGLang)")
-
-
-def _json_object(text: str) -> dict:
-    try:
-        value = json.loads(text)
-    except ValueError as err:
-        raise argparse.ArgumentTypeError(f"{text!r} is not JSON: {err}") from err
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"{text!r} is not a JSON object")
-    return value
-
-
-def _add_workload_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("workload")
-    group.add_argument("--preset", choices=list(PRESETS), default="steady",
-                       help="; ".join(f"{name}: {p.description}" for name, p in PRESETS.items())
-                       .replace("%", "%%") + " (default: %(default)s)")
-    group.add_argument("--trace", metavar="FILE", help="Mooncake-format JSONL trace to replay")
-    group.add_argument("--length-scale", type=_positive_float,
-                       help="trace lengths divided by this (conversation preset: 16)")
-    group.add_argument("--time-scale", type=_positive_float,
-                       help="trace timestamps divided by this (>1 replays faster)")
-    group.add_argument("--window", default="0:", metavar="START:END",
-                       help="seconds of the trace to replay (default all)")
-    group.add_argument("--num-requests", type=_positive_int, help="requests to send (default: the preset's)")
-    group.add_argument("--rate", type=_positive_float,
-                       help="requests/s, Poisson or gamma (default: the preset's; none with --concurrency)")
-    group.add_argument("--burstiness", type=_positive_float, default=1.0,
-                       help="gamma shape; 1 = Poisson, < 1 burstier (default 1)")
-    group.add_argument("--concurrency", type=_positive_int,
-                       help="max requests in flight; without --rate: closed loop")
-    group.add_argument("--input-len", type=_positive_int, help="mean prompt tokens (default: the preset's)")
-    group.add_argument("--output-len", type=_positive_int,
-                       help="output tokens of every request, exact (default: the preset's)")
-    group.add_argument("--range-ratio", type=_typed(float, lambda v: 0 <= v < 1, "in [0, 1)"),
-                       help="prompt lengths uniform in mean*(1 +- r) (default: the preset's)")
-    group.add_argument("--max-context", type=_positive_int,
-                       help="prompt + output limit (default: the model's, else 2048)")
-    group.add_argument("--vocab-range", default=None, metavar="LOW:HIGH",
-                       help=f"prompt token ids (default {DEFAULT_VOCAB[0]}:{DEFAULT_VOCAB[1]})")
-    group.add_argument("--seed", type=int, default=0,
-                       help="seeds arrivals, lengths and prompt tokens (default 0)")
-
-
-def _add_report_options(parser: argparse.ArgumentParser) -> None:
-    group = parser.add_argument_group("report")
-    group.add_argument("--slo", default="", help="per-request objectives for goodput, e.g. ttft=1.0,tpot=50ms "
-                                                  "(seconds or ms; keys ttft, tpot, e2e)")
-    group.add_argument("--out", default="bench-out",
-                       help="directory for summary.json, requests.jsonl and charts (default: %(default)s)")
-    group.add_argument("--json", action="store_true",
-                       help="print summary.json on stdout instead of the tables")
-    group.add_argument("--plot", action="store_true",
-                       help="also write PNG charts: TTFT and ITL CDFs, ITL over time (a panel per run)")
-    group.add_argument("--connect-timeout", type=_positive_float, default=10.0,
-                       help="seconds to wait for each router or server (default 10)")
-    group.add_argument("--no-progress", action="store_true",
-                       help="no progress on stderr (a bar on a terminal, else a line every few seconds)")
-    group.add_argument("--cost-per-worker-hour", type=_positive_float, metavar="USD",
-                       help="price of one worker for an hour: the ranking adds the cost per million output "
-                            "tokens (all, and of requests that met the SLO)")
-    group.add_argument("--report", metavar="FILE.html",
-                       help="also write one self-contained HTML page: recommendation, ranking, limits, "
-                            "latency tables and charts (charts need matplotlib)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -211,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
         base = _load_base_config(args.config) if args.config else None
         if args.emulate:
             base = emulated_config(base, *parse_emulate(args.emulate), args.emulate_time_scale, args.config)
-        workload = _fitted(args, build_workload(_workload_options(args, _model_limits(base))), base, runs)
+        workload = _fitted(args, build_workload(workload_options(args, _model_limits(base))), base, runs)
         if args.autoscale:
             return autoscale_live.run(args, base, workload, slo)
         records, cluster, steps = _measure(args, workload, base, runs)
@@ -251,30 +135,6 @@ def _emulation_lines(summaries: dict[str, Any]) -> str:
     lines = ["", f"modelled: {first['assumptions']}; measured: tokens, scheduling, queues, routing "
                  "(durations above are emulated seconds)"]
     return "\n".join(lines + [format_fidelity(name, f) for name, f in emulated.items()])
-
-
-def _parse_vocab(text: str | None, model_vocab: int | None) -> tuple[int, int]:
-    if text is None:
-        low, high = DEFAULT_VOCAB
-        return low, min(high, model_vocab) if model_vocab else high
-    low, sep, high = (part.strip() for part in text.partition(":"))
-    if not (sep and low.isdigit() and high.isdigit()):
-        raise WorkloadError(f"--vocab-range {text!r}: expected LOW:HIGH token ids")
-    return int(low), int(high)
-
-
-def _workload_options(args: argparse.Namespace,
-                      limits: tuple[int | None, int | None]) -> WorkloadOptions:
-    max_positions, model_vocab = limits
-    return WorkloadOptions(
-        preset=args.preset, num_requests=args.num_requests, rate=args.rate,
-        burstiness=args.burstiness, concurrency=args.concurrency, input_len=args.input_len,
-        output_len=args.output_len, range_ratio=args.range_ratio,
-        max_context=args.max_context or max_positions or FALLBACK_MAX_CONTEXT,
-        vocab=_parse_vocab(args.vocab_range, model_vocab), seed=args.seed, trace=args.trace,
-        length_scale=args.length_scale, time_scale=args.time_scale,
-        window=parse_window(args.window),
-    )
 
 
 def _fitted(args: argparse.Namespace, workload: Workload, base: Any, runs: list[str]) -> Workload:

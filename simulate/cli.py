@@ -25,17 +25,17 @@ from pathlib import Path
 from typing import Any
 
 from bench.arrangements import ARRANGEMENTS, arrangement_config
-from bench.cli import (
-    _add_report_options,
-    _add_workload_options,
-    _positive_float,
-    _positive_int,
-    _workload_options,
-)
 from bench.decision import rank
 from bench.emulation import parse_emulate
 from bench.errors import BenchError
 from bench.metrics import ideal_hit_rate, parse_slo
+from bench.options import (
+    add_report_options,
+    add_workload_options,
+    positive_float,
+    positive_int,
+    workload_options,
+)
 from bench.presets import build_workload
 from bench.report import build_summary, format_report, summarize_arrangements, write_report
 from bench.workload import Workload
@@ -72,10 +72,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                              "`config`: the config's own emulate: section")
     parser.add_argument("--arrangements", metavar="NAMES",
                         help=f"comma-separated, of {', '.join(ARRANGEMENTS)} (default: the config's own cluster)")
-    parser.add_argument("--workers", type=_positive_int, help="devices of every arrangement (with --arrangements)")
-    parser.add_argument("--prefill-workers", type=_positive_int,
+    parser.add_argument("--workers", type=positive_int, help="devices of every arrangement (with --arrangements)")
+    parser.add_argument("--prefill-workers", type=positive_int,
                         help="prefill devices of a disaggregated arrangement (default half of --workers)")
-    parser.add_argument("--duration", type=_positive_float, metavar="S",
+    parser.add_argument("--duration", type=positive_float, metavar="S",
                         help="simulated seconds of arrivals: a trace's first S seconds, or rate x S requests")
     parser.add_argument("--rpc-latency", type=float, default=None, metavar="S",
                         help="one-way router <-> worker call latency (default 0.0002)")
@@ -88,9 +88,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                        help="requests/s per device, the workload's arrivals scaled to each (default 0.25,...,8)")
     sweep.add_argument("--splits", choices=("all", "eighths"), default="all",
                        help="P:D splits: every P from 1 to N-1, or P in N/8 steps (default all)")
-    sweep.add_argument("--attainment", type=_positive_float, default=0.9,
+    sweep.add_argument("--attainment", type=positive_float, default=0.9,
                        help="the share of requests within the SLO a rate must keep (default 0.9)")
-    sweep.add_argument("--processes", type=_positive_int, help="runs at once (default: this host's cores)")
+    sweep.add_argument("--processes", type=positive_int, help="runs at once (default: this host's cores)")
     scaled = parser.add_argument_group("the planner (--autoscale) against static arrangements of --sizes / --splits")
     scaled.add_argument("--autoscale", action="store_true",
                         help="replay once with the config's router.autoscale on and once per static arrangement; "
@@ -98,8 +98,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     scaled.add_argument("--statics", metavar="NAMES",
                         help="the static arrangements, e.g. colocated-16,8P8D,10P6D (default: every arrangement "
                              "of --sizes by --splits)")
-    _add_workload_options(parser)
-    _add_report_options(parser)
+    add_workload_options(parser)
+    add_report_options(parser)
     parser.set_defaults(func=run, out="simulate-out")
     return parser
 
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
         base, em = emulated(base, _emulate_section(base, args.emulate), args.config)
         serving = serving_fit(args.emulate, em)
         configs = cluster_configs(base, args.arrangements, args.workers, args.prefill_workers)
-        workload = build_workload(_workload_options(_with_duration(args), (em.cost.shape.max_positions,
+        workload = build_workload(workload_options(_with_duration(args), (em.cost.shape.max_positions,
                                                                            em.cost.shape.vocab_size)))
     except (BenchError, ConfigError, ValueError) as err:
         print(f"pdserve simulate: {err}", file=sys.stderr)
