@@ -77,8 +77,7 @@ class Attempts(PrefillFirst):
     async def _disaggregated(self, life: RequestLife) -> AsyncIterator[Chunk]:
         waits = QueueWaits(life)
         try:
-            pair, waited = await self.admission.place(lambda deadline: self._place_pair(life, waits, deadline),
-                                                      self.accepting, self.rc.queue_timeout_s, life.queued_since)
+            pair, waited = await self._placed(life, waits)
         except Respin:  # placed again next: the wait so far stays in its usage split
             self._charge_queue(life, waits.close(), waits)
             raise
@@ -121,8 +120,9 @@ class Attempts(PrefillFirst):
             yield chunk
 
     async def _place_pair(self, life: RequestLife, waits: QueueWaits,
-                          deadline: float) -> Pair | LocalPlacement | None:
-        """A prefill worker and a decode worker holding the KV's blocks, a decode worker that
+                          deadline: float) -> Reserving | Pair | LocalPlacement | None:
+        """In the queue's turn: a prefill worker and a decode worker whose reservation is sent
+        (`Reserving`; with after_prefill a `Pair` with no decode worker yet), a decode worker that
         prefills the request itself (router.local_prefill), or None; no reservation waits past
         `deadline` (the router's clock), when the request is refused."""
         prefill_ready = self._ready_or_wait("prefill", life)
@@ -146,24 +146,52 @@ class Attempts(PrefillFirst):
             return Pair(prefill, None, 0, None)
         needed, reservation = self._reservation(life, bs, deadline)
         final = len(life.prompt_token_ids) + life.sampling.max_tokens
-        for i, decode in enumerate(self.placer.decode_candidates(decode_ready, hashes, needed, final_tokens=final)):
-            wait_s = deadline - clock.now()
-            if wait_s <= 0:
-                break
-            self._hold(life, decode, Phase.RESERVING)
-            ref = decode.actor.reserve.remote(dataclasses.replace(reservation, wait_s=wait_s))
-            early = self._prefill_early(life, prefill, decode, hashes) if i == 0 else None
-            reserved = await call(decode, ref, self.rc.call_timeout_s, "reserve")  # raises: both are aborted
-            if reserved is not None:
-                self._reserved(life, prefill, decode, reserved, hashes)
-                return Pair(prefill, decode, reserved.cached_blocks, early)
-            decode.had_no_room(needed)
-            if early is not None:  # the service aborts the prefill and places the request again
-                self.metrics.observe_early_prefill("dropped")
-                raise Respin(f"{decode.name} had no room for the KV after all; the prefill started on "
-                             f"{prefill.name} meanwhile is dropped")
-            self._unhold(life, decode)
-        return waits.failed("kv")
+        fits = self.placer.decode_candidates(decode_ready, hashes, needed, final_tokens=final)
+        wait_s = deadline - clock.now()
+        if not fits or wait_s <= 0:
+            return waits.failed("kv")
+        decode = fits[0]
+        self._hold(life, decode, Phase.RESERVING)  # holders before the calls: a cancel reaches both
+        self._claim_prefill(life, prefill, hashes)  # its work counted before `placed` predicts its cache
+        decode.took_blocks(needed)  # until its answer: the next placement in turn sees them taken
+        self.placer.placed(prefill, hashes)
+        ref = decode.actor.reserve.remote(dataclasses.replace(reservation, wait_s=wait_s))
+        return Reserving(prefill, decode, needed, ref, self._prefill_early(life, prefill, decode, hashes))
+
+    async def _placed(self, life: RequestLife, waits: QueueWaits) -> tuple[Pair | LocalPlacement, float]:
+        """The attempt's placement and the seconds it waited for capacity. A decode reservation
+        (router.decode_reservation: before_prefill) is sent in the queue's turn, from the router's
+        view of free blocks, and awaited outside it, so the reservations of many requests are in
+        flight at once and placement never waits for a busy decode engine's step; a refused one
+        is placed again in turn (a Respin if its prefill started meanwhile)."""
+        began, refused = clock.now(), False
+        while True:
+            placed, waited = await self.admission.place(lambda deadline: self._place_pair(life, waits, deadline),
+                                                        self.accepting, self.rc.queue_timeout_s, life.queued_since)
+            if not isinstance(placed, Reserving):
+                return placed, waited
+            pair = await self._reserve_outside(life, placed)
+            if pair is not None:
+                return pair, (clock.now() - began) if refused else waited
+            waits.failed("kv")
+            refused = True
+
+    async def _reserve_outside(self, life: RequestLife, r: Reserving) -> Pair | None:
+        """`r`'s reservation answered: the pair, or None (no room after all: both released)."""
+        reserved = await call(r.decode, r.ref, self.rc.call_timeout_s, "reserve")  # raises: both are aborted
+        hashes = life.context_hashes(r.decode.info.block_size)
+        if reserved is not None:
+            self._reserved(life, r.prefill, r.decode, reserved, hashes, counted=r.needed)
+            return Pair(r.prefill, r.decode, reserved.cached_blocks, r.early)
+        r.decode.had_no_room(r.needed)
+        if r.early is not None:  # the service aborts the prefill and places the request again
+            self.metrics.observe_early_prefill("dropped")
+            raise Respin(f"{r.decode.name} had no room for the KV after all; the prefill started on "
+                         f"{r.prefill.name} meanwhile is dropped")
+        self._unhold(life, r.decode)
+        life.prefill = None
+        r.prefill.release(life.attempt_id)
+        return None
 
     def _reservation(self, life: RequestLife, block_size: int, deadline: float,
                      pushed: int | None = None) -> tuple[int, Reservation]:
@@ -234,8 +262,7 @@ class Attempts(PrefillFirst):
         respun = life.attempt > life.migrations
         if not self.rc.prefill_during_reserve or decode.name not in prefill.peers or respun:
             return None
-        self._claim_prefill(life, prefill, hashes)  # a holder before the call: a cancel reaches it
-        ref = prefill.actor.prefill.remote(self._prefill_task(life, decode, None), None)
+        ref = prefill.actor.prefill.remote(self._prefill_task(life, decode, None), None)  # claimed in turn
         return self._read_later(ref, self.rc.prefill_timeout_s + self.rc.call_timeout_s)
 
     def _read_later(self, ref, timeout_s: float) -> asyncio.Task:
@@ -366,4 +393,17 @@ class Pair:
     prefill: WorkerView
     decode: WorkerView | None  # None: chosen after the prefill (router.decode_reservation: after_prefill)
     cached_blocks: int
+    early: asyncio.Task | None
+
+
+@dataclasses.dataclass
+class Reserving:
+    """A before_prefill placement made in the queue's turn: its prefill slot claimed, `needed`
+    blocks taken off the decode worker's view, and the reservation `ref` in flight (awaited
+    outside the turn); `early`: the prefill sent meanwhile (router.prefill_during_reserve)."""
+
+    prefill: WorkerView
+    decode: WorkerView
+    needed: int
+    ref: object
     early: asyncio.Task | None

@@ -10,9 +10,14 @@ decodes on) instead of the prefill pool, when either
   `max_local_prefill_length`, counted after the cache hit as its disaggregated router does); or
 - `prefill_wait`: the prefill pool's work ahead of it, the tokens the router has queued on its
   least busy accepting worker (none accepting: unbounded), exceeds `factor` x the local cost,
-  that decode worker's own local prefills ahead plus this request's uncached tokens. Both are
-  tokens of prefill work: the rule assumes both pools' workers compute prefill at the same rate
-  (the same device); a factor above 1 keeps more prefills off the decode workers.
+  this request's uncached tokens. Both are tokens of prefill work: the rule assumes both pools'
+  workers compute prefill at the same rate (the same device); a factor above 1 keeps more
+  prefills off the decode workers. And the decode
+  worker's rows pay for it: while a prompt is prefilled there, each of its steps carries a chunk
+  of it (up to `scheduler.chunk_size` tokens) and every row it decodes waits for that chunk. So
+  the wait rule sends a decode worker one prompt at a time (none while a local prefill longer than
+  `max_uncached_tokens` is still computing there): its rows' ITL grows by one chunk at most, and
+  it lends the prefill pool its spare time without giving up its own (docs/roles.md).
 
 `LocalPrefill.set` changes the thresholds at run time (the planner sizes them from its profile).
 """
@@ -61,12 +66,14 @@ class LocalPrefill:
 
     def reason(self, uncached: int, local_ahead: int, remote_ahead: int | None) -> Reason | None:
         """Why the prefill should run locally, or None (the prefill pool computes it).
-        `remote_ahead`: tokens queued on the least busy prefill worker; None when none accepts."""
+        `local_ahead`: the uncomputed tokens of the long prompts the decode worker is prefilling
+        already (its short ones are not counted); `remote_ahead`: tokens queued on the least busy
+        prefill worker, None when none accepts."""
         if uncached <= self.max_uncached_tokens:
             return "short"
-        if self.wait_factor is None:
+        if self.wait_factor is None or local_ahead > 0:  # one long local prefill at a time (docstring)
             return None
-        if remote_ahead is None or remote_ahead > self.wait_factor * (local_ahead + uncached):
+        if remote_ahead is None or remote_ahead > self.wait_factor * uncached:
             return "prefill_wait"
         return None
 
@@ -80,5 +87,6 @@ class LocalPrefill:
         uncached = uncached_tokens(context, held_blocks, decode.info.block_size)
         accepting = [w for w in prefill if w.accepting]
         remote_ahead = min((sum(w.prefill_tokens.values()) for w in accepting), default=None)
-        why = self.reason(uncached, sum(decode.prefill_tokens.values()), remote_ahead)
+        long_ahead = sum(n for n in decode.prefill_tokens.values() if n > self.max_uncached_tokens)
+        why = self.reason(uncached, long_ahead, remote_ahead)
         return None if why is None else LocalPlacement(decode, why, uncached)
