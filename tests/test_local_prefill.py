@@ -45,7 +45,7 @@ def test_the_rule_counts_uncached_tokens_and_the_prefill_pools_work_ahead():
     assert rule.reason(100, 0, 0) == "short"
     assert rule.reason(101, 0, 101) is None            # the pool's work ahead equals the local cost
     assert rule.reason(101, 0, 102) == "prefill_wait"
-    assert rule.reason(101, 50, 151) is None            # the decode worker's own local prefills count
+    assert rule.reason(101, 50, 10**6) is None          # one long local prefill at a time per decode worker
     assert rule.reason(101, 0, None) == "prefill_wait"  # no prefill worker takes requests
     rule.set(0, 2.0)
     assert rule.reason(1, 0, 0) is None and rule.reason(100, 0, 201) == "prefill_wait"
@@ -104,16 +104,20 @@ def test_a_short_request_prefilled_locally_takes_one_step_and_sends_no_kv(h100_1
 
 def test_a_backed_up_prefill_pool_sends_requests_local_only_with_the_wait_rule(h100_1p1d):
     cfg, em = h100_1p1d
-    specs = [RequestSpec(f"r{i}", 0.001 * i, tuple(range(1000 + i, 5000 + i)), 4) for i in range(8)]  # 4,000 each
+    specs = [RequestSpec(f"r{i}", 0.03 * i, tuple(range(1000 + i, 5000 + i)), 4) for i in range(8)]  # 4,000 each
     workload = make_workload("burst", specs, None, {})
-    placed = {}
+    placed, run_auto = {}, None
     for wait in ("auto", "off"):
         run = simulate(_local(cfg, 0, wait), em, workload, wait, rpc_s=0.0)
         assert all(r.ok and r.output_tokens == 4 for r in run.records)
         assert all(c["used"] == 0 and c["free"] == c["total"] for c in run.checks.values()), run.checks
         placed[wait] = [r.usage["prefill_worker"] for r in run.records]
+        run_auto = run if wait == "auto" else run_auto
     assert placed["off"] == ["prefill-0"] * 8
-    assert placed["auto"][0] == "prefill-0" and 0 < placed["auto"].count("") < 8, placed["auto"]
+    assert placed["auto"][0] == "prefill-0" and 1 < placed["auto"].count("") < 8, placed["auto"]
+    # the decode worker computed the local prompts one at a time: no step carried chunks of two
+    decode_steps = run_auto.steps["decode-1"]["steps"]
+    assert max(s["prefill_rows"] for s in decode_steps) == 1, [s["prefill_rows"] for s in decode_steps]
 
 
 # ---- on the real cluster ----------------------------------------------------------------
