@@ -69,7 +69,8 @@ class PoolManager:
         prefill_n = config.prefill.replicas if config.mode == "disaggregated" else 0
         self.health = {"prefill": PoolHealth("prefill", prefill_n), "decode": PoolHealth("decode", config.decode.replicas)}
         self._ids = itertools.count()
-        self._scale_lock = asyncio.Lock()
+        # one per pool: a pool's start (a weights load) never holds up the other pool's scale
+        self._scale_locks = {pool: asyncio.Lock() for pool in POOLS}
         self._dead_pending: dict[str, int] = {"prefill": 0, "decode": 0}  # deaths not yet replaced
         self.placer = Placer({pool: config.router.policy_for(pool) for pool in ("prefill", "decode")})
         self.on_started = None  # callback(view): the router starts polling it
@@ -163,10 +164,11 @@ class PoolManager:
         return True
 
     async def heal(self) -> None:
-        """Start one replacement per missing worker whose backoff has passed."""
-        if self._scale_lock.locked():
-            return  # a scale is changing the pool; look again next time
+        """Start one replacement per missing worker whose backoff has passed (not in a pool a scale
+        or role change is changing: it looks again next time)."""
         for pool, health in self.health.items():
+            if self._scale_locks[pool].locked():
+                continue
             missing = health.target - len(self.live(pool)) - health.starting
             if missing > 0 and clock.now() >= health.next_start_at:
                 await asyncio.gather(*(self._replace(pool) for _ in range(missing)), return_exceptions=True)
@@ -187,8 +189,9 @@ class PoolManager:
 
     # ---- scaling ----------------------------------------------------------------------
     async def scale(self, pool: str, replicas: int) -> tuple[list[str], list[str]]:
-        """Grow or drain `pool` to `replicas`; returns (started, stopped) worker names."""
-        async with self._scale_lock:
+        """Grow or drain `pool` to `replicas`; returns (started, stopped) worker names. Under the
+        pool's own lock: the other pool scales meanwhile."""
+        async with self._scale_locks[pool]:
             current = self.live(pool)
             if replicas > len(current):
                 self._check_placeable(pool, replicas - len(current))
@@ -278,8 +281,9 @@ class PoolManager:
         drained first (nothing lost: what it holds finishes, or moves after drain_timeout_s), its
         peers' channels closed, then the actor resets its KV ledger and takes the new role under a
         new name. The pools' targets move with it. CannotChangeRole when it may not; a worker
-        whose change fails is taken out as failed (its old pool starts a replacement)."""
-        async with self._scale_lock:
+        whose change fails is taken out as failed (its old pool starts a replacement). Under both
+        pools' locks, taken in POOLS order (a scale takes one: no two wait for each other)."""
+        async with self._scale_locks[POOLS[0]], self._scale_locks[POOLS[1]]:
             self._check_role_change(w, to_pool)
             began, old = clock.now(), w.info.pool
             w.drain()
