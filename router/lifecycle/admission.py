@@ -65,10 +65,11 @@ class Admission:
         self._capacity.set()
 
     async def place(self, try_place: Callable[[float], Awaitable[T | None]], accepting: Callable[[], bool],
-                    timeout_s: float, since: float | None = None) -> tuple[T, float]:
+                    timeout_s: float, since: float | None = None, admitted: bool = False) -> tuple[T, float]:
         """The placement and the seconds spent waiting for capacity (0 when it fit at once).
-        `since`: when this request's wait began (the router's clock), if before this call."""
-        if self.waiting >= self.max_queue:
+        `since`: when this request's wait began (the router's clock), if before this call;
+        `admitted`: it was placed once already and its decode reservation refused (no QueueFull)."""
+        if self.waiting >= self.max_queue and not admitted:
             raise QueueFull(f"the router queue is full ({self.max_queue} requests waiting)")
         now = clock.now()
         deadline = (now if since is None else since) + timeout_s
@@ -76,7 +77,7 @@ class Admission:
         if deadline <= now:
             raise Unavailable(timed_out)
         wait_s, left = self.predicted_wait_s(), (timeout_s if since is None else deadline - now)
-        if wait_s > left:
+        if wait_s > left and not admitted:
             limit = f"router.queue_timeout_s ({timeout_s:g} s)"
             waited_before = timeout_s - left > RESPIN_SHOWN_S
             raise QueueFull(f"the cluster is saturated: this request would wait about {wait_s:.2f} s for capacity "

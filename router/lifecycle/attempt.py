@@ -167,7 +167,8 @@ class Attempts(PrefillFirst):
         began, refused = clock.now(), False
         while True:
             placed, waited = await self.admission.place(lambda deadline: self._place_pair(life, waits, deadline),
-                                                        self.accepting, self.rc.queue_timeout_s, life.queued_since)
+                                                        self.accepting, self.rc.queue_timeout_s, life.queued_since,
+                                                        admitted=refused)
             if not isinstance(placed, Reserving):
                 return placed, waited
             pair = await self._reserve_outside(life, placed)
