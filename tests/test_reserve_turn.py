@@ -1,4 +1,4 @@
-"""router.decode_reservation: before_prefill, pick-then-reserve (router/lifecycle/attempt.py `_placed`):
+"""router.decode_reservation: before_prefill, pick-then-reserve (router/lifecycle/reserve_turn.py):
 the decode reservation is sent in the queue's turn and awaited outside it.
 
 Checked in the simulator (the real router, decode worker and hand-off code over a simulated
@@ -18,7 +18,7 @@ import pytest
 from bench.workload import RequestSpec, make_workload
 from decode_worker.worker import DecodeWorker
 from router.config.loader import load_config
-from router.lifecycle import attempt
+from router.lifecycle import reserve_turn
 from simulate.cli import emulated
 from simulate.run import simulate
 
@@ -47,7 +47,7 @@ def _watch_reserve(monkeypatch, refuse: set[int] = frozenset(), first_token: int
     prompt's first token), a first reservation of each request in `refuse` answered "no room";
     and the router's awaits of their answers: the most awaited at once."""
     seen = {"order": [], "refused": [], "awaited": 0, "most": 0}
-    reserve, call = DecodeWorker.reserve, attempt.call
+    reserve, call = DecodeWorker.reserve, reserve_turn.call
 
     async def watched(self, r):
         i = r.token_ids[0] - first_token
@@ -67,7 +67,7 @@ def _watch_reserve(monkeypatch, refuse: set[int] = frozenset(), first_token: int
         finally:
             seen["awaited"] -= 1
     monkeypatch.setattr(DecodeWorker, "reserve", watched)
-    monkeypatch.setattr(attempt, "call", awaited)
+    monkeypatch.setattr(reserve_turn, "call", awaited)
     return seen
 
 

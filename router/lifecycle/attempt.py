@@ -47,6 +47,7 @@ from router.lifecycle.outcomes import (
     Unavailable,
 )
 from router.lifecycle.prefill_first import PrefillFirst
+from router.lifecycle.reserve_turn import Pair, ReserveInTurn, Reserving
 from router.lifecycle.tokens import Tokens
 from router.lifecycle.worker_calls import call
 from router.observability.metrics import RouterMetrics
@@ -54,7 +55,7 @@ from router.pools.manager import PoolManager
 from router.pools.worker_view import WorkerView
 
 
-class Attempts(PrefillFirst):
+class Attempts(PrefillFirst, ReserveInTurn):
     def __init__(self, config: ClusterConfig, pools: PoolManager, admission: Admission, metrics: RouterMetrics,
                  accepting):
         self.config = config
@@ -157,42 +158,6 @@ class Attempts(PrefillFirst):
         self.placer.placed(prefill, hashes)
         ref = decode.actor.reserve.remote(dataclasses.replace(reservation, wait_s=wait_s))
         return Reserving(prefill, decode, needed, ref, self._prefill_early(life, prefill, decode, hashes))
-
-    async def _placed(self, life: RequestLife, waits: QueueWaits) -> tuple[Pair | LocalPlacement, float]:
-        """The attempt's placement and the seconds it waited for capacity. A decode reservation
-        (router.decode_reservation: before_prefill) is sent in the queue's turn, from the router's
-        view of free blocks, and awaited outside it, so the reservations of many requests are in
-        flight at once and placement never waits for a busy decode engine's step; a refused one
-        is placed again in turn (a Respin if its prefill started meanwhile)."""
-        began, refused = clock.now(), False
-        while True:
-            placed, waited = await self.admission.place(lambda deadline: self._place_pair(life, waits, deadline),
-                                                        self.accepting, self.rc.queue_timeout_s, life.queued_since,
-                                                        admitted=refused)
-            if not isinstance(placed, Reserving):
-                return placed, waited
-            pair = await self._reserve_outside(life, placed)
-            if pair is not None:
-                return pair, (clock.now() - began) if refused else waited
-            waits.failed("kv")
-            refused = True
-
-    async def _reserve_outside(self, life: RequestLife, r: Reserving) -> Pair | None:
-        """`r`'s reservation answered: the pair, or None (no room after all: both released)."""
-        reserved = await call(r.decode, r.ref, self.rc.call_timeout_s, "reserve")  # raises: both are aborted
-        hashes = life.context_hashes(r.decode.info.block_size)
-        if reserved is not None:
-            self._reserved(life, r.prefill, r.decode, reserved, hashes, counted=r.needed)
-            return Pair(r.prefill, r.decode, reserved.cached_blocks, r.early)
-        r.decode.had_no_room(r.needed)
-        if r.early is not None:  # the service aborts the prefill and places the request again
-            self.metrics.observe_early_prefill("dropped")
-            raise Respin(f"{r.decode.name} had no room for the KV after all; the prefill started on "
-                         f"{r.prefill.name} meanwhile is dropped")
-        self._unhold(life, r.decode)
-        life.prefill = None
-        r.prefill.release(life.attempt_id)
-        return None
 
     def _reservation(self, life: RequestLife, block_size: int, deadline: float,
                      pushed: int | None = None) -> tuple[int, Reservation]:
@@ -383,28 +348,3 @@ class Attempts(PrefillFirst):
         if not life.output_token_ids:
             life.usage.prefill_queue_ms += prefill_s * 1e3
             life.usage.kv_wait_ms += max(0.0, waited - prefill_s) * 1e3
-
-
-@dataclasses.dataclass(frozen=True)
-class Pair:
-    """Where a disaggregated attempt was placed: its workers, the leading blocks the decode
-    reservation found cached (the prefill sends none of them), and the prefill call already sent
-    during the reservation (None: not sent yet)."""
-
-    prefill: WorkerView
-    decode: WorkerView | None  # None: chosen after the prefill (router.decode_reservation: after_prefill)
-    cached_blocks: int
-    early: asyncio.Task | None
-
-
-@dataclasses.dataclass
-class Reserving:
-    """A before_prefill placement made in the queue's turn: its prefill slot claimed, `needed`
-    blocks taken off the decode worker's view, and the reservation `ref` in flight (awaited
-    outside the turn); `early`: the prefill sent meanwhile (router.prefill_during_reserve)."""
-
-    prefill: WorkerView
-    decode: WorkerView
-    needed: int
-    ref: object
-    early: asyncio.Task | None
