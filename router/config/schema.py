@@ -93,8 +93,8 @@ class LocalPrefillSection:
     prefill runs on its decode worker, chunked as colocated, when the part of its context that
     worker does not hold cached is at most `max_uncached_tokens` (0 = never for length), or, with
     `when_prefill_wait_exceeds`, when the prefill pool's work ahead of it (in tokens) is more than
-    the local prefill would cost: auto = more than its cost (the decode worker's own local
-    prefills ahead plus this one's uncached tokens), a number k = more than k times it, off = never."""
+    the local prefill would cost (its uncached tokens) and that decode worker computes no other
+    long local prefill: auto = more than its cost, a number k = more than k times it, off = never."""
 
     max_uncached_tokens: int = 0
     when_prefill_wait_exceeds: Literal["auto", "off"] | float = "off"
