@@ -77,7 +77,7 @@ class Pair:
     early: asyncio.Task | None
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Reserving:
     """A before_prefill placement made in the queue's turn: its prefill slot claimed, `needed`
     blocks taken off the decode worker's view, and the reservation `ref` in flight (awaited
