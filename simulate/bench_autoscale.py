@@ -5,9 +5,11 @@ Cases, each on simulated H100 x Llama-3.1-8B (simulate/gpu_cluster.yaml):
   simulated minutes, slow against a start-up as a real day is), conversation, conversation-4x:
   the planner against the cheapest static arrangement
   meeting 90% attainment. That arrangement is searched, not guessed: a binary search over a
-  ladder of sizes, at each size the P:D splits of `Case.shares` and colocated, until the smallest
-  size where one of them meets the target (statics' results are cached by case and arrangement
-  in `--cache`, so a rerun after a planner change reruns only the planner).
+  ladder of sizes brackets the smallest size where one meets the target, then every size between
+  the largest rung that failed and the rung that met is tried in turn (`static_search`); at each
+  size the P:D splits of `Case.shares` and colocated, then neighbouring splits while attainment
+  improves (`meets_at`). Statics' results are cached by case and arrangement in `--cache`, so a
+  rerun after a planner change reruns only the planner.
 - steady (the planner at the compressed pacing, a stricter test) and steady-default (at its
   default pacing): the plateau preset for 30 simulated minutes; scaling actions after the planner settled
   (its first decision that changed nothing, then every later change counts) and failed requests.
@@ -27,6 +29,7 @@ import hashlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -113,7 +116,7 @@ class Cache:
 
 
 def splits(n: int, shares: tuple[float, ...]) -> list[str]:
-    """The arrangements tried at `n` devices: P:D at each share (1 <= P < n), then colocated."""
+    """The arrangements tried first at `n` devices: P:D at each share (1 <= P < n), then colocated."""
     out = []
     for share in shares:
         p = min(n - 1, max(1, round(share * n)))
@@ -122,37 +125,78 @@ def splits(n: int, shares: tuple[float, ...]) -> list[str]:
     return out + [f"colocated-{n}"]
 
 
+# arrangement names -> the SLO attainment of each run, in order, stopping after the first that meets ATTAINMENT
+Runner = Callable[[list[str]], dict[str, float]]
+
+
 def run_many(jobs: list[tuple], procs: int) -> list[tuple]:
     return list(run_jobs(_one, jobs, procs))
 
 
-def static_search(case: Case, base, em, wl: Workload, slo, cache: Cache, procs: int, price: float) -> dict[str, dict]:
-    """Binary search over `case.ladder` for the smallest size where an arrangement meets
-    ATTAINMENT; at a size the arrangements run `procs` at a time, in `splits` order, until one
-    meets it. Returns every static row it ran (or found cached)."""
-    lo, hi = 0, len(case.ladder) - 1
+def static_search(case: Case, run: Runner) -> int | None:
+    """The smallest size at which an arrangement meets ATTAINMENT (None: no rung does). A binary
+    search over `case.ladder` brackets it; then each size from the largest rung that failed (its
+    other splits too) up to the rung that met is tried in turn, so a size between rungs is found."""
+    lo, hi, failed, met = 0, len(case.ladder) - 1, None, None
     while lo <= hi:
         mid = (lo + hi) // 2
-        if _meets_at(case, case.ladder[mid], base, em, wl, slo, cache, procs, price):
-            hi = mid - 1
+        if meets_at(case.ladder[mid], case.shares, run):
+            met, hi = case.ladder[mid], mid - 1
         else:
-            lo = mid + 1
-    return dict(cache.rows)
+            failed, lo = case.ladder[mid], mid + 1
+    if met is None:
+        return None
+    for n in range(failed if failed is not None else met, met):
+        if meets_at(n, case.shares, run, climb_all=True):
+            return n
+    return met
 
 
-def _meets_at(case: Case, n: int, base, em, wl: Workload, slo, cache: Cache, procs: int, price: float) -> bool:
-    names = splits(n, case.shares)
-    for i in range(0, len(names), max(1, procs)):
-        batch = names[i:i + max(1, procs)]
-        todo = [name for name in batch if name not in cache.rows]
-        configs = static_configs(base, ",".join(todo), [], "all") if todo else {}
-        for name, row, _ in run_many([(name, configs[name], em, wl, slo, 0, price) for name in todo], procs):
-            cache.rows[name] = row
-            cache.save()
-            print(f"bench_autoscale: {case.name} {name}: attainment {row['slo_attainment']:.1%}", file=sys.stderr)
-        if any(cache.rows[name]["slo_attainment"] >= ATTAINMENT for name in batch):
-            return True
+def meets_at(n: int, shares: tuple[float, ...], run: Runner, climb_all: bool = False) -> bool:
+    """Whether an arrangement of `n` workers meets ATTAINMENT: the `splits` first, then from the best
+    P:D split tried, one prefill worker more or less while attainment improves (across one size's
+    splits attainment rises to a single peak: prefill-bound on one side, decode-bound on the other,
+    so the walk finds the best split without running every one). `climb_all`: from every tried
+    split, not only the best (a size in the bracket, where the answer is decided)."""
+    seen = run(splits(n, shares))
+    if any(a >= ATTAINMENT for a in seen.values()):
+        return True
+    by_p = {int(name.split("P")[0]): a for name, a in seen.items() if not name.startswith("colocated")}
+    starts = sorted(by_p, key=by_p.get, reverse=True)
+    for start in starts if climb_all else starts[:1]:
+        for step in (1, -1):
+            p = start
+            while 1 <= p + step < n:
+                q = p + step
+                if q not in by_p:
+                    name = f"{q}P{n - q}D"
+                    by_p[q] = run([name])[name]
+                if by_p[q] >= ATTAINMENT:
+                    return True
+                if by_p[q] <= by_p[p]:
+                    break
+                p = q
     return False
+
+
+def cached_runner(case: Case, base, em, wl: Workload, slo, cache: Cache, procs: int, price: float) -> Runner:
+    """Runs the arrangements `procs` at a time (those not in `cache`; each row saved as it comes)
+    until a batch holds one that meets ATTAINMENT; returns the attainments of those run."""
+    def run(names: list[str]) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for i in range(0, len(names), max(1, procs)):
+            batch = names[i:i + max(1, procs)]
+            todo = [name for name in batch if name not in cache.rows]
+            configs = static_configs(base, ",".join(todo), [], "all") if todo else {}
+            for name, row, _ in run_many([(name, configs[name], em, wl, slo, 0, price) for name in todo], procs):
+                cache.rows[name] = row
+                cache.save()
+                print(f"bench_autoscale: {case.name} {name}: attainment {row['slo_attainment']:.1%}", file=sys.stderr)
+            out |= {name: cache.rows[name]["slo_attainment"] for name in batch}
+            if max(out.values()) >= ATTAINMENT:
+                break
+        return out
+    return run
 
 
 def per_worker_hour(row: dict) -> float:
@@ -231,7 +275,7 @@ def _compare(case: Case, base, em, wl: Workload, slo, price: float, args: argpar
         planner = planner_run(case, base, em, wl, slo, price, Path(args.out))
         results[case.name] = {"autoscaled": planner[0]}
         _write(Path(args.out), results)
-    static_search(case, base, em, wl, slo, cache, args.processes, price)
+    static_search(case, cached_runner(case, base, em, wl, slo, cache, args.processes, price))
     found = recommendation(base, em, wl, slo, cache, price)
     if planner is None:
         return {"static": dict(cache.rows), "static_recommendation": found}

@@ -119,6 +119,31 @@ def test_the_verdict_is_the_cheapest_static_meeting_the_target():
     assert nobody["cheapest_static_meeting_attainment"] is None and nobody["worker_hours_ratio"] is None
 
 
+def test_the_static_search_finds_the_cheapest_size_between_ladder_rungs():
+    """A fake cluster that meets 90% with at least 7 prefill and 2 decode workers: the cheapest is
+    7P2D, 9 workers, between the ladder's rungs 8 and 12. The binary search brackets it (8 fails,
+    12 meets), then tries 8's other splits and 9 before 12's answer: 9, found by walking from the
+    first split tried (4P5D) towards more prefill. The ladder alone would answer 12."""
+    from simulate.bench_autoscale import Case, meets_at, static_search
+
+    ran: list[str] = []
+
+    def attainment(name: str) -> float:
+        if name.startswith("colocated"):
+            return 0.5
+        p, d = (int(x) for x in name[:-1].split("P"))
+        return 0.95 * min(p / 7, d / 2, 1.0)
+
+    def run(names: list[str]) -> dict[str, float]:
+        ran.extend(names)
+        return {name: attainment(name) for name in names}
+    case = Case("fake", (), {}, "ttft=2", ladder=(8, 12, 16), shares=(0.5,))
+    assert static_search(case, run) == 9
+    assert "7P2D" in ran and "8P1D" not in ran  # 9's walk stopped where it met
+    assert {int(x) + int(y) for x, y in (n[:-1].split("P") for n in ran if "P" in n)} == {8, 9, 12}
+    assert not meets_at(8, (0.5,), run, climb_all=True)  # every 8-worker split short of it: 6P2D best, 81%
+
+
 def test_static_arrangements_by_name_or_by_size(h100):
     cfg, _ = h100
     named = static_configs(cfg, "colocated-16,10P6D", [], "all")

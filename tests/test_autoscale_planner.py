@@ -268,7 +268,7 @@ def test_the_budget_serves_a_kv_bound_decode_pool_first_and_trades_no_worker_bac
     """Both pools want more than the budget and decode's KV is full: its KV need (6 workers) is
     served first, and the rest shared (9 + 7); prefill beyond what decode admits only queues behind
     it. Shared in proportion alone it gets 6 (10 + 6). The next evaluation prefill wants 15: shares
-    in proportion would hand it a decode worker back (10 + 6), a drain and a start for nothing;
+    in proportion would take decode workers back for prefill (11 + 5), a drain and a start each for nothing;
     within scale_down_cooldown_s of its change decode keeps its 7."""
     first, second = _kv_bound_burst(_budgeted())
     assert (first.desired("prefill"), first.desired("decode")) == (9, 7), first.reason
@@ -279,7 +279,7 @@ def test_the_budget_serves_a_kv_bound_decode_pool_first_and_trades_no_worker_bac
         assert _kv_bound_burst(_budgeted())[0].desired("decode") == 6
     monkeypatch.setattr(planner_module.Planner, "_kept", lambda self, wanted, obs, floor: dict(floor))
     traded = _kv_bound_burst(_budgeted())[1]
-    assert (traded.desired("prefill"), traded.desired("decode")) == (10, 6)
+    assert (traded.desired("prefill"), traded.desired("decode")) == (11, 5)
 
 
 def _burst_begins(p):

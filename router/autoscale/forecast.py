@@ -25,14 +25,16 @@ class Holt:
         self.level: float | None = None
         self.trend = 0.0
 
-    def update(self, value: float) -> float:
-        """Take the interval's observed value; return the forecast of the next (>= 0)."""
+    def update(self, value: float, weight: float = 1.0) -> float:
+        """Take the interval's observed value; return the forecast of the next (>= 0). `weight`: the
+        window's length in intervals (an early evaluation's shorter window, a noisier rate, moves
+        the forecast as much as that share of an interval would: gains 1 - (1 - gain) ** weight)."""
         if self.level is None:
             self.level = value
         else:
-            previous = self.level
-            self.level = ALPHA * value + (1 - ALPHA) * (previous + PHI * self.trend)
-            self.trend = BETA * (self.level - previous) + (1 - BETA) * PHI * self.trend
+            previous, alpha, beta, phi = self.level, 1 - (1 - ALPHA) ** weight, 1 - (1 - BETA) ** weight, PHI ** weight
+            self.level = alpha * value + (1 - alpha) * (previous + phi * self.trend)
+            self.trend = beta * (self.level - previous) + (1 - beta) * phi * self.trend
         if value == 0.0 and self.level + PHI * self.trend <= 0.0:
             self.level, self.trend = 0.0, 0.0  # quiet: no negative trend left to undo later
         return self.forecast

@@ -197,6 +197,8 @@ class Autoscaler:
         prefill, decode = await asyncio.gather(self._pool("prefill", now), self._pool("decode", now))
         pools = {"prefill": prefill, "decode": decode}
         outputs = seen.output_lengths or seen.asked_output
+        placed = [n for w in self.router.pools.workers[prompt_pool] if not w.stopped for n in w.prefill_tokens.values()]
+        lives.waiting_prompts = tuple(sorted(lives.waiting_prompts + tuple(placed), reverse=True))
         return Observation(
             now=now, window_s=window, mode=self.router.config.mode, arrivals=seen.arrivals,
             prompt=Lengths.of(seen.prompt_lengths), output=Lengths.of(outputs), finished=len(seen.output_lengths),
@@ -222,7 +224,7 @@ class Autoscaler:
         return PoolObservation(pool, health.target, health.starting, health.failures_in_a_row,
                                sum(w.state is WorkerState.DRAINING for w in workers), samples,
                                sum(sum(w.prefill_tokens.values()) for w in workers if not w.stopped),
-                               scaling=scaling is not None and not scaling.done())
+                               scaling=scaling is not None and not scaling.done(), start_s=health.start_s)
 
     @property
     def _steps_deadline_s(self) -> float:
@@ -262,12 +264,13 @@ class _Lives:
     kv_waiting: int = 0
     kv_waiting_tokens: int = 0
     decoding: int = 0
+    waiting_prompts: tuple[int, ...] = ()  # the router queue's, for a prefill slot (the loop adds the placed ones)
 
     @classmethod
     def of(cls, router: Router, now: float, q: float, own: Callable[[int], float] | None = None) -> _Lives:
         """`own`: a prompt's own prefill time by the profile; a wait counts past it (a prompt whose
         own prefill is longer than the TTFT SLO misses it on any number of workers: more do not help)."""
-        out, waits = cls(), []
+        out, waits, queued = cls(), [], []
         for life in router.lives.values():
             if life.ended:
                 continue
@@ -281,6 +284,9 @@ class _Lives:
             if life.waiting_for == "kv":  # queued for it, or (decode_reservation: after_prefill) its
                 out.kv_waiting += 1       # KV computed and held on the prefill worker meanwhile
                 out.kv_waiting_tokens += life.num_context_tokens()
+            elif life.phase is Phase.QUEUED:
+                queued.append(life.num_context_tokens())
+        out.waiting_prompts = tuple(queued)
         if waits:
             waits.sort()
             out.waiting_first, out.oldest_wait_s = len(waits), waits[-1]

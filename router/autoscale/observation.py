@@ -60,6 +60,7 @@ class PoolObservation:
     workers: tuple[WorkerSample, ...] = ()  # ready workers (warming ones included; the planner tells)
     queued_tokens: int = 0  # prefill: prompt tokens placed on its workers and not yet computed
     scaling: bool = False  # a scale of this pool (starting or draining workers) is still in flight
+    start_s: float | None = None  # how long its last worker start-up took (None: none measured yet)
 
 
 @dataclass(frozen=True)
@@ -76,6 +77,9 @@ class Observation:
     itl_q_s: float | None = None  # the window's token gaps as clients saw them, at the percentile
     queued: int = 0  # requests in the router's queue (no worker yet)
     queued_prompt_tokens: int = 0  # their context tokens
+    # the tokens to compute of each prompt waiting for its prefill (in the router's queue for a
+    # prefill slot, or placed on a prefill worker and not computed), largest first
+    waiting_prompts: tuple[int, ...] = ()
     waiting_first: int = 0  # requests without a first token yet, wherever they are
     wait_q_s: float = 0.0  # their wait so far, at the percentile
     oldest_wait_s: float = 0.0

@@ -59,6 +59,9 @@ class Planner:
         self._history = {p: deque() for p in self.pools}  # (at, load): the peak a scale-down plans for
         self._changed_at = {p: -math.inf for p in self.pools}
         self._over_since: dict[str, float | None] = dict.fromkeys(self.pools)  # since when its load asks for more
+        self._for_backlog = dict.fromkeys(self.pools, False)  # its last change grew it for a backlog
+        self._released_at = dict.fromkeys(self.pools, -math.inf)  # its last release of a backlog's workers
+        self._target: dict[str, int] = {}  # each pool's target at this evaluation
         self._started_at: float | None = None  # the first evaluation: no scale-down within a cooldown of it
 
     def bounds(self, pool: str) -> tuple[int, int]:
@@ -68,20 +71,22 @@ class Planner:
     def decide(self, obs: Observation) -> Decision:
         if self._started_at is None:
             self._started_at = obs.now
+        self._target = {p: obs.pools[p].target for p in self.pools}
         for pool in self.pools:
             self.profile.learn(pool, [r for w in warm(obs.pools[pool].workers, self.cfg.warmup_s) for r in w.steps])
         load = self._forecast(obs)
         needs = self._needs(obs, load)
+        steady = {p: n.rate_load for p, n in needs.items()}  # what a scale-down plans for: the forecast, no backlog
         seen = self._seen(obs, load)
         if seen is not None and any(n.urgent for n in needs.values()):
             # a pool the load already hurts sizes for the rate just seen where the smoothed
             # forecast still lags it (the first seconds of a burst), as a panic window does
             now = self._needs(obs, seen)
             needs = {p: now[p] if n.urgent and (now[p].load or 0.0) > (n.load or 0.0) else n for p, n in needs.items()}
-        sized = {p: self._size(p, obs, needs[p]) for p in self.pools if p == "prefill"}
+        sized = {p: self._size(p, obs, needs[p], steady[p]) for p in self.pools if p == "prefill"}
         if "prefill" in needs and needs["prefill"].urgent and needs["prefill"].figures.get("prefill_excess_tokens"):
             needs["decode"] = self._admitting(needs, sized["prefill"][0], load)
-        sized["decode"] = self._size("decode", obs, needs["decode"])
+        sized["decode"] = self._size("decode", obs, needs["decode"], steady["decode"])
         desired, budget_note = self._within_budget({p: d for p, (d, _, _) in sized.items()}, obs,
                                                    self._kv_need(obs, needs))
         decisions = {}
@@ -107,10 +112,11 @@ class Planner:
         if obs.prefix_hit_share is not None:
             self._hit_share += LENGTH_GAIN * (min(1.0, max(0.0, obs.prefix_hit_share)) - self._hit_share)
         window = max(obs.window_s, 1e-9)
-        requests = self._rates["requests"].update(obs.arrivals / window)
-        tokens = self._rates["prompt_tokens"].update(obs.arrivals * obs.prompt.mean / window)
+        weight = min(1.0, window / self.cfg.interval_s)  # an early evaluation's short window counts for its length
+        requests = self._rates["requests"].update(obs.arrivals / window, weight)
+        tokens = self._rates["prompt_tokens"].update(obs.arrivals * obs.prompt.mean / window, weight)
         return Load(requests, tokens * (1 - self._hit_share), max(1.0, self._lengths["prompt"]),
-                    max(1.0, self._lengths["output"]))
+                    max(1.0, self._lengths["output"]), obs.arrivals * obs.prompt.mean / window * (1 - self._hit_share))
 
     def _needs(self, obs: Observation, load: Load) -> dict[str, Need]:
         if self.mode == "colocated":
@@ -141,15 +147,17 @@ class Planner:
                                    prompt_tokens_per_s=max(tokens, load.prompt_tokens_per_s))
 
     # ---- one pool ------------------------------------------------------------------------
-    def _size(self, pool: str, obs: Observation, need: Need) -> tuple[int, str, str]:
-        """(desired size before the budget, why, cause)."""
+    def _size(self, pool: str, obs: Observation, need: Need, steady: float | None) -> tuple[int, str, str]:
+        """(desired size before the budget, why, cause). `steady`: the forecast's load without a
+        backlog, what a scale-down plans for."""
         c, po = self.cfg, obs.pools[pool]
         lo, hi = self.bounds(pool)
         t, n = po.target, len(warm(po.workers, c.warmup_s))
         pending = po.starting + len(po.workers) - n
-        peak = self._peak(pool, obs.now, need.load)
-        up = ceil_workers(need.load, c.target_utilization) if need.load is not None else 0
-        if up > t and need.load <= t * c.target_utilization * (1 + c.band / 2):
+        peak, peak_rate = self._peak(pool, obs.now, need.load, steady)
+        exact = need.workers(c.target_utilization)
+        up = math.ceil(exact - 1e-9) if need.load is not None and exact > 0 else 0
+        if up > t and exact <= t * (1 + c.band / 2):
             up = t  # hysteresis up as well as down: a forecast within half the band above the target holds
         self._over_since[pool] = (self._over_since[pool] if self._over_since[pool] is not None else obs.now) \
             if up > t else None
@@ -166,6 +174,11 @@ class Planner:
         if wanted > t:
             size, cause = wanted, "slo" if wanted > up else "forecast"
             why += "; up: " + ("its SLO is missed now" if cause == "slo" else "forecast + backlog")
+            # grown for a backlog beyond what its rate asks, and not one that came back within
+            # scale_down_cooldown_s of a release (backlogs that recur: the cooldown holds them)
+            self._for_backlog[pool] = cause == "forecast" and up > ceil_workers(
+                need.rate_load or 0.0, c.target_utilization) and obs.now - self._released_at[pool] >= \
+                c.scale_down_cooldown_s
         elif slo > t:
             why, cause = why + f"; up held: {since:.0f} s since its last change (scale_up_cooldown_s)", "cooldown"
         elif unconfirmed:
@@ -173,26 +186,45 @@ class Planner:
         elif need.pressure > 1 and pending:
             why, cause = why + f"; SLO missed, {pending} worker(s) starting or warming up: waiting for them", "pending"
         elif peak is not None and need.pressure <= 1:
-            down = ceil_workers(peak, c.target_utilization * (1 - c.band))
-            quiet = obs.now - max(self._changed_at[pool], self._started_at)
-            if down < t and quiet < c.scale_down_cooldown_s:
-                why += f"; down held: {quiet:.0f} s since its last change or the start (scale_down_cooldown_s)"
-                cause = "cooldown"
-            elif down < t:
-                size, cause = down, "survivors"
-                why += f"; down: the survivors carry the peak load {peak:.2f} at <= {1 - c.band:.0%} of target"
+            size, why, cause = self._down(pool, obs.now, need, (peak, peak_rate), why)
         if not lo <= size <= hi:
             why, cause = why + f"; held to [{lo}, {hi}] ({pool}_min, {pool}_max)", "bounds"
         return min(hi, max(lo, size)), why, cause
 
-    def _peak(self, pool: str, now: float, load: float | None) -> float | None:
-        """The highest load of the last scale_down_cooldown_s (None: none known)."""
+    def _down(self, pool: str, now: float, need: Need, peaks: tuple[float, float], why: str) -> tuple[int, str, str]:
+        """A scale-down to what the survivors carry (the peak load at <= (1 - band) of the target
+        utilization), not within scale_down_cooldown_s of the pool's last change or of the start;
+        unless that change grew it for a backlog, now cleared (within the band of its rate's load):
+        the workers bought to clear it are a surplus the cooldown would hold idle, released down to
+        what the peak of its rate's load needs (the backlog's own peak is gone with it)."""
+        c, t = self.cfg, self._target[pool]
+        quiet = now - max(self._changed_at[pool], self._started_at)
+        cleared = self._for_backlog[pool] and need.backlog_load <= c.band * (need.rate_load or 0.0)
+        if quiet < c.scale_down_cooldown_s and cleared:
+            down = ceil_workers(peaks[1], c.target_utilization * (1 - c.band))
+            if down < t:
+                self._for_backlog[pool], self._released_at[pool] = False, now
+                return down, why + f"; down: the backlog it grew for is cleared, the survivors carry its rate's " \
+                    f"peak load {peaks[1]:.2f} at <= {1 - c.band:.0%} of target", "cleared"
+        down = ceil_workers(peaks[0], c.target_utilization * (1 - c.band))
+        if down >= t:
+            return t, why, "steady"
+        if quiet < c.scale_down_cooldown_s:
+            return t, why + f"; down held: {quiet:.0f} s since its last change or the start (scale_down_cooldown_s)", \
+                "cooldown"
+        self._for_backlog[pool] = False
+        return down, why + f"; down: the survivors carry the peak load {peaks[0]:.2f} at <= {1 - c.band:.0%} of " \
+            "target", "survivors"
+
+    def _peak(self, pool: str, now: float, load: float | None, rate: float | None) -> tuple[float | None, float]:
+        """The highest load (None: none known) and the highest rate's load (the forecast's, no
+        backlog) of the last scale_down_cooldown_s."""
         history = self._history[pool]
         if load is not None:
-            history.append((now, load))
+            history.append((now, load, rate if rate is not None else load))
         while history and history[0][0] < now - self.cfg.scale_down_cooldown_s:
             history.popleft()
-        return max((v for _, v in history), default=None)
+        return max((v for _, v, _ in history), default=None), max((r for _, _, r in history), default=0.0)
 
     @staticmethod
     def _describe(need: Need, up: int, n: int, pending: int, failed: int) -> str:

@@ -1,10 +1,16 @@
 """How many workers each pool needs for the next interval, before hysteresis and bounds.
 
-Each pool on its own signal, in worker-equivalents at 100% of the profile's capacity (`Need.load`):
-- prefill: the forecast prompt tokens/s plus the backlog (prompt tokens queued in the router for a
+Each pool on its own signal, in worker-equivalents at 100% of the profile's capacity (`Need.load`),
+split into what the forecast rate keeps busy (`Need.steady`) and a backlog to clear (the rest):
+- prefill: the forecast prompt tokens/s, plus the backlog (prompts queued in the router for a
   prefill slot and placed on prefill workers but not computed, less what the forecast rate keeps
-  in service anyway: rate x a prompt's own prefill time), cleared within the TTFT budget left
-  after a prompt's own prefill, over one worker's prompt tokens/s;
+  in service anyway: rate x a prompt's own prefill time). The backlog is counted per prompt, each at
+  most the clearing horizon (one prompt runs on one worker: a 100k-token prompt is one busy worker,
+  not a backlog more workers clear). A worker asked for now is ready only after the pool's last
+  start-up, so the backlog it is sized for is what is left by then: the warm workers (and, from half
+  a start-up on, those starting or warming) clear it meanwhile, net of the arrivals; what is left
+  is cleared within the TTFT budget after a prompt's own prefill, and never faster than a start-up
+  (workers bought to clear a backlog in less time than they take to start idle longer than they work);
 - decode: the requests it must hold at once, the larger of Little's law on the forecast (arrivals/s
   x output tokens x the step time at the slots a worker keeps), plus the prefill backlog's requests
   that overlap on decode (prefill is sized to clear them within the TTFT budget), and what it holds now (running,
@@ -35,6 +41,7 @@ class Load:
     prompt_tokens_per_s: float  # to compute: the prefix caches' expected hits left out
     prompt_len: float
     output_len: float
+    window_prompt_tokens_per_s: float = 0.0  # the last window's own rate to compute (a burst shows here first)
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,20 @@ class Need:
     # requests waiting for KV room, more held now than its warm workers keep, or its SLO signal
     # within the band of a miss
     urgent: bool = False
+    steady: float | None = None  # of `load`, what the forecast rate keeps busy (the rest: a backlog); None: all of it
+
+    @property
+    def rate_load(self) -> float | None:
+        return self.load if self.steady is None or self.load is None else min(self.steady, self.load)
+
+    @property
+    def backlog_load(self) -> float:
+        """Worker-equivalents asked for a backlog, to clear once: a size for it needs no headroom."""
+        return 0.0 if self.load is None or self.rate_load is None else self.load - self.rate_load
+
+    def workers(self, utilization: float) -> float:
+        """The workers it asks for (unrounded): the rate's load at `utilization`, the backlog's at full use."""
+        return 0.0 if self.load is None else (self.rate_load or 0.0) / utilization + self.backlog_load
 
 
 def warm(workers: tuple[WorkerSample, ...], warmup_s: float) -> list[WorkerSample]:
@@ -88,18 +109,38 @@ class Sizer:
         rate = self.profile.prefill_rate(pool, load.prompt_len)
         own = self.profile.prefill_time_s(pool, load.prompt_len)
         drain_s = max(c.ttft_s - own, 0.25 * c.ttft_s)
+        start_s = p.start_s or 0.0
+        horizon = max(drain_s, start_s)
         # of the backlog, what the forecast rate keeps in service anyway (Little: rate x a prompt's own
         # prefill time) is not a backlog to clear: steady load would otherwise read as a surplus
-        excess = max(0.0, backlog - load.prompt_tokens_per_s * own)
-        capacity = len(warm(p.workers, c.warmup_s)) * rate
-        clear_s = excess / capacity if capacity else (math.inf if excess else 0.0)  # the last queued prompt's wait
-        outrun = load.prompt_tokens_per_s > capacity * c.target_utilization  # arrivals alone outrun the warm workers
-        figures |= {"prefill_tokens_per_s_per_worker": rate, "prefill_own_s": own, "prefill_excess_tokens": excess,
-                    "prefill_clear_s": min(clear_s, 1e9)}
+        work_s = self._backlog_work_s(obs, pool, backlog / rate, horizon)
+        excess_s = max(0.0, work_s - load.prompt_tokens_per_s * own / rate)
+        warm_n = len(warm(p.workers, c.warmup_s))
+        coming_n = p.starting + len(p.workers) - warm_n
+        capacity = warm_n * rate
+        clear_s = excess_s * rate / capacity if capacity else (math.inf if excess_s else 0.0)  # the last queued prompt's wait
+        arriving = max(load.prompt_tokens_per_s, load.window_prompt_tokens_per_s)
+        outrun = arriving > capacity * c.target_utilization  # arrivals alone outrun the warm workers
+        # what is left when a worker asked for now is ready: the warm workers clear it meanwhile (those
+        # starting or warming from half a start-up on), net of the arrivals (negative: it grows)
+        net = warm_n + coming_n / 2 - load.prompt_tokens_per_s / rate
+        residual_s = max(0.0, excess_s - net * start_s) if excess_s else 0.0
+        steady = load.prompt_tokens_per_s / rate
+        figures |= {"prefill_tokens_per_s_per_worker": rate, "prefill_own_s": own, "prefill_excess_tokens":
+                    excess_s * rate, "prefill_clear_s": min(clear_s, 1e9), "prefill_start_s": start_s,
+                    "prefill_residual_s": residual_s, "prefill_backlog_workers": residual_s / horizon}
         # a backlog that hurts: waits near a miss; one the warm workers cannot clear within the TTFT
         # budget while arrivals outrun them (a burst); or one past twice the SLO (no Poisson bunch)
         urgent = pressure >= 1 - c.band or clear_s > drain_s and outrun or clear_s > 2 * c.ttft_s
-        return Need((load.prompt_tokens_per_s + excess / drain_s) / rate, pressure, figures, urgent)
+        return Need(steady + residual_s / horizon, pressure, figures, urgent, steady)
+
+    def _backlog_work_s(self, obs: Observation, pool: str, total_s: float, horizon: float) -> float:
+        """The backlog in worker-seconds within `horizon`: each waiting prompt its own prefill, at most
+        the horizon (a prompt runs on one worker); `total_s` (all of it at the mean prompt's rate)
+        when the observation has no per-prompt lengths."""
+        if not obs.waiting_prompts:
+            return total_s
+        return sum(min(self.profile.prefill_time_s(pool, n), horizon) for n in obs.waiting_prompts)
 
     def decode(self, obs: Observation, load: Load, pool: str = "decode") -> Need:
         c, workers = self.cfg, obs.pools[pool].workers
@@ -128,7 +169,8 @@ class Sizer:
         figures |= {"decode_slots_per_worker": float(slots), "decode_concurrent": concurrent,
                     "decode_from_backlog": coming, "decode_kv_load": by_kv, "decode_stay_s": stay_s}
         urgent = urgent or max(held / slots, by_kv) > len(hot)  # what it holds now is past its warm workers
-        return Need(max(concurrent / slots, by_kv), pressure, figures, urgent)
+        steady = max(max(load.requests_per_s * stay_s, float(held)) / slots, by_kv)
+        return Need(max(concurrent / slots, by_kv), pressure, figures, urgent, steady)
 
     def _backlog_coming(self, obs: Observation, load: Load, stay_s: float) -> float:
         """Requests the prefill backlog sends decode at once, on top of the forecast (disaggregated):
@@ -146,7 +188,8 @@ class Sizer:
         prefill, decode = self.prefill(obs, load, "decode"), self.decode(obs, load, "decode")
         figures = {f"colocated_{k}": v for k, v in prefill.figures.items()} | decode.figures
         both = None if prefill.load is None or decode.load is None else prefill.load + decode.load
-        return Need(both, max(prefill.pressure, decode.pressure), figures, prefill.urgent or decode.urgent)
+        steady = None if both is None else (prefill.rate_load or 0.0) + (decode.rate_load or 0.0)
+        return Need(both, max(prefill.pressure, decode.pressure), figures, prefill.urgent or decode.urgent, steady)
 
     def _step_itl(self, hot: list[WorkerSample]) -> float | None:
         """The token gap of the warmed-up workers' decode steps at the SLO percentile (a step's

@@ -1,0 +1,85 @@
+"""The planner's backlog sizing (router/autoscale/sizing.py, planner.py `_down`), on hand-built
+observations of an H100 x Llama-3.1-8B cluster: a backlog is sized for what is left when a new
+worker is ready, one long prompt is one busy worker, and the workers bought for a backlog are
+released once it is cleared, not held for the scale-down cooldown. Each with the contrast that
+fails without the rule."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from tests.autoscale_util import interval, planner, pool
+
+
+def _draining(start_s: float | None):
+    """Two warm prefill workers, 1 request/s of 8,000 tokens, and 300k prompt tokens waiting (the
+    oldest 2.5 s of a 3 s SLO: urgent). The two clear it in ~5 s; a new worker is ready in `start_s`."""
+    prefill = dataclasses.replace(pool("prefill", 2, queued_tokens=300_000), start_s=start_s)
+    return planner(ttft_s=3.0, prefill_max=32).decide(interval(
+        1000.0, prefill, pool("decode", 2), arrivals=10, prompt=8000, output=200, ttft_q_s=0.4,
+        waiting_first=38, wait_q_s=2.5))
+
+
+def test_a_backlog_the_workers_clear_before_a_new_one_is_ready_asks_for_none():
+    slow_start = _draining(start_s=10.0)
+    assert slow_start.inputs["prefill_residual_s"] == 0.0
+    assert slow_start.desired("prefill") == 2 and slow_start.pools["prefill"].cause != "forecast", slow_start.reason
+    unknown = _draining(start_s=None)  # no start-up measured: the whole backlog within the TTFT budget
+    assert unknown.desired("prefill") > 2 and unknown.pools["prefill"].cause == "forecast"
+    quick = _draining(start_s=1.0)  # ready in 1 s: what the two have not cleared by then still asks
+    assert 2 < quick.desired("prefill") < unknown.desired("prefill")
+
+
+def _one_long_prompt(waiting: tuple[int, ...]):
+    """Two warm prefill workers, 1 request/s of 8,000 tokens, and 120k tokens placed on them."""
+    return planner(ttft_s=3.0, prefill_max=32).decide(interval(
+        1000.0, pool("prefill", 2, queued_tokens=120_000), pool("decode", 2), arrivals=10, prompt=8000,
+        output=200, ttft_q_s=0.4, waiting_first=len(waiting) or 1, wait_q_s=1.0, waiting_prompts=waiting))
+
+
+def test_one_long_prompt_is_one_busy_worker_not_a_backlog_more_workers_clear():
+    single = _one_long_prompt((120_000,))
+    assert single.inputs["prefill_backlog_workers"] <= 1.0
+    many = _one_long_prompt((8000,) * 15)  # the same tokens as 15 prompts: several workers clear them sooner
+    assert many.inputs["prefill_backlog_workers"] > 1.2
+    aggregate = _one_long_prompt(())  # without the per-prompt lengths: all of it at the mean prompt's rate
+    assert aggregate.inputs["prefill_backlog_workers"] > 1.2
+
+
+def _burst_then_quiet(queued_first: int, arrivals_first: int, p=None, at: float = 1000.0, size: int = 2):
+    """One evaluation at `at` (`queued_first` 8,000-token prompts queued, the oldest 2.5 s of 3 s;
+    `arrivals_first` in its 10 s), then 1 request/s and no backlog, every 10 s for 60 s."""
+    p = p or planner(ttft_s=3.0, prefill_max=32)
+    first = p.decide(interval(at, pool("prefill", size), pool("decode", 4), arrivals=arrivals_first, prompt=8000,
+                              output=200, ttft_q_s=0.4, queued=queued_first,
+                              queued_prompt_tokens=8000 * queued_first, waiting_first=queued_first + 1, wait_q_s=2.5))
+    size, after = first.desired("prefill"), []
+    for k in range(1, 7):
+        d = p.decide(interval(at + 10 * k, pool("prefill", size), pool("decode", 4), arrivals=10, prompt=8000,
+                              output=200, ttft_q_s=0.4))
+        size = d.desired("prefill")
+        after.append(d)
+    return first, after
+
+
+def test_workers_grown_for_a_backlog_go_once_it_is_cleared_not_after_the_cooldown():
+    first, after = _burst_then_quiet(queued_first=150, arrivals_first=10)
+    assert first.desired("prefill") > 10 and first.pools["prefill"].cause == "forecast"
+    assert after[0].pools["prefill"].cause == "cleared" and after[0].desired("prefill") < first.desired("prefill")
+    assert after[0].desired("prefill") >= 1 and not any(d.changed for d in after[1:])  # once, then held
+    # the contrast: a pool grown for its arrival rate keeps its size (the peak of the last
+    # scale_down_cooldown_s, and the cooldown)
+    grown, quiet = _burst_then_quiet(queued_first=0, arrivals_first=400)
+    assert grown.desired("prefill") > 10 and grown.pools["prefill"].cause == "forecast"
+    assert all(d.desired("prefill") == grown.desired("prefill") for d in quiet)
+
+
+def test_a_backlog_that_comes_back_soon_after_a_release_is_held_for_the_cooldown():
+    """Backlogs that recur are load, not a one-off: the second, 70 s after the first's workers
+    were released, grows the pool again and its workers stay for scale_down_cooldown_s."""
+    p = planner(ttft_s=3.0, prefill_max=32)
+    _, after = _burst_then_quiet(150, 10, p)
+    assert after[0].pools["prefill"].cause == "cleared"
+    again, later = _burst_then_quiet(150, 10, p, at=1080.0, size=after[-1].desired("prefill"))
+    assert again.desired("prefill") > 10
+    assert all(d.desired("prefill") == again.desired("prefill") for d in later), [d.reason for d in later]
