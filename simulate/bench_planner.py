@@ -108,7 +108,8 @@ def _blind_one(job: tuple) -> tuple:
         obs = await seen(self)
         pools = {p: dataclasses.replace(po, queued_tokens=0) for p, po in obs.pools.items()}
         return dataclasses.replace(obs, arrivals=obs.finished, queued=0, queued_prompt_tokens=0, waiting_first=0,
-                                   wait_q_s=0.0, oldest_wait_s=0.0, kv_waiting=0, kv_waiting_tokens=0, pools=pools)
+                                   wait_q_s=0.0, oldest_wait_s=0.0, kv_waiting=0, kv_waiting_tokens=0, pools=pools,
+                                   waiting_prompts=())
     loop.Autoscaler.observe = blind
     try:
         return _one(job)

@@ -137,8 +137,8 @@ class Sizer:
     def _backlog_work_s(self, obs: Observation, pool: str, total_s: float, horizon: float) -> float:
         """The backlog in worker-seconds within `horizon`: each waiting prompt its own prefill, at most
         the horizon (a prompt runs on one worker); `total_s` (all of it at the mean prompt's rate)
-        when the observation has no per-prompt lengths."""
-        if not obs.waiting_prompts:
+        when the observation has no per-prompt lengths (or no backlog: the lengths are of the same prompts)."""
+        if not obs.waiting_prompts or not total_s:
             return total_s
         return sum(min(self.profile.prefill_time_s(pool, n), horizon) for n in obs.waiting_prompts)
 
