@@ -5,14 +5,19 @@ The planner's own sizing (router/autoscale/sizing.py `Sizer`) on its capacity pr
 emulated device's cost model (router/autoscale/profile.py, source `cost_model`), fed the trace's
 busiest `--peak-window` seconds (the highest prompt tokens/s of any window, and its requests/s;
 mean prompt and output lengths of the whole trace) as the load to carry, at the planner's
-`target_utilization`: prefill workers + decode workers for a disaggregated cluster, workers for a
-colocated one (chunked prefill), and the cheaper of the two (colocated on a tie). The window
+`target_utilization`: decode workers for a disaggregated cluster (its prefill workers by the
+replay below), workers for a colocated one (chunked prefill), and the cheaper of the two
+(colocated on a tie). The window
 (default 30 s) is what a static cluster must carry without queueing past a TTFT SLO of seconds.
-A TTFT SLO also needs headroom for how arrivals bunch within seconds, which a 30 s mean hides:
-the prefill capacity is also sized by replaying the whole trace through a fluid queue (the
-pool's prompt tokens/s at `target_utilization`, first come first served, each prompt's own
-prefill added to its wait) and taking the fewest workers whose replay meets the TTFT SLO for the
-SLO's percentile of requests; colocated, with the decode load's share of the workers set aside
+A TTFT SLO also needs headroom for how arrivals bunch within seconds, which a 30 s mean hides.
+Disaggregated, the prefill pool is sized by replaying the whole trace instead: each prompt goes to
+the worker free first (the router places on the least work ahead) and runs there at the profile's
+full speed, one prompt on one worker (a long prompt holds its worker while the others go on); the
+fewest workers whose replay meets the TTFT SLO for the SLO's percentile of requests. The replay
+sees every bunch of the trace, so no utilization headroom is added (on the driver's traces it
+predicts the simulated attainment of each P within 1-6 points). Colocated, the prefill capacity is
+sized by a fluid queue (the pool's prompt tokens/s at `target_utilization`, first come first
+served, each prompt's own prefill added to its wait), with the decode load's share of the workers set aside
 and enough workers that the prefill landing on one during a request's decode (chunks of prompts
 arriving meanwhile, each step several decode steps long) keeps that request's token gaps within
 the ITL SLO at the SLO percentile.
@@ -22,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import heapq
 import json
 import math
 import statistics
@@ -60,6 +66,26 @@ def peak_load(workload: Workload, window_s: float = PEAK_WINDOW_S) -> Load:
     prompt = sum(r.num_prompt_tokens for r in reqs) / len(reqs)
     output = sum(r.max_tokens for r in reqs) / len(reqs)
     return Load(best_n / span, best / span, prompt, output)
+
+
+def replay_ttft_met(workload: Workload, workers: int, profile: CapacityProfile, pool: str, ttft_s: float) -> float:
+    """The share of requests whose TTFT meets `ttft_s` when each prompt goes to the worker free
+    first and takes its tokens / the profile's prompt tokens/s there, its TTFT the wait plus its
+    own prefill time."""
+    free_at, met = [0.0] * workers, 0
+    for r in workload.requests:
+        start = max(heapq.heappop(free_at), r.arrival_s)
+        heapq.heappush(free_at, start + r.num_prompt_tokens / profile.prefill_rate(pool, r.num_prompt_tokens))
+        met += start - r.arrival_s + profile.prefill_time_s(pool, r.num_prompt_tokens) <= ttft_s
+    return met / len(workload.requests)
+
+
+def _replay_workers(workload: Workload, profile: CapacityProfile, pool: str, auto) -> int:
+    """The fewest prefill workers whose replay meets the TTFT SLO for the SLO percentile of requests."""
+    n = 1
+    while n < MAX_WORKERS and replay_ttft_met(workload, n, profile, pool, auto.ttft_s) < auto.percentile / 100:
+        n += 1
+    return n
 
 
 def fluid_ttft_met(workload: Workload, tokens_per_s: float, own_s: list[float], ttft_s: float) -> float:
@@ -158,8 +184,7 @@ def recommend(config: ClusterConfig, em: Emulation, workload: Workload, slo: Slo
     p, d = _need(config, em, slo, load, colocated=False)
     _, n = _need(config, em, slo, load, colocated=True)
     by_window = f"{p}P{d}D", f"colocated-{n}"
-    p = max(p, _fluid_workers(workload, _profile(config, em, False), "prefill", auto,
-                              lambda k, rate: k * auto.target_utilization * rate))
+    p = _replay_workers(workload, _profile(config, em, False), "prefill", auto)
     coloc = _profile(config, em, True)
     prefill = _colocated_prefill(coloc, auto, load, _decode_need(config, em, slo, load), workload)
     n = max(n, _fluid_workers(workload, coloc, "decode", auto, prefill))

@@ -73,7 +73,7 @@ def _clumped(rate: float, clump: int, prompt: int, seconds: float = 120.0):
 
 def test_arrivals_that_bunch_within_seconds_get_more_prefill_than_the_busiest_mean(h100):
     """The same 30 s mean, once spread evenly, once in clumps of 40 prompts every 10 s: each clump
-    must be computed within the TTFT SLO, so the fluid replay asks for more prefill workers than
+    must be computed within the TTFT SLO, so the replay asks for more prefill workers than
     the busiest window's mean does (the earlier answer, one worker short on both traces)."""
     cfg, em = h100
     slo = Slo(ttft_s=2.0, tpot_s=0.05)
@@ -81,6 +81,15 @@ def test_arrivals_that_bunch_within_seconds_get_more_prefill_than_the_busiest_me
     assert even["by_peak_window"] == clumped["by_peak_window"]  # the same busiest 30 s
     prefill = [int(r["disaggregated"].split("P")[0]) for r in (even, clumped)]
     assert prefill[1] > prefill[0] and prefill[1] > int(clumped["by_peak_window"][0].split("P")[0])
+
+
+def test_prefill_is_sized_by_replaying_the_trace_at_full_speed_not_the_window_with_headroom(h100):
+    """16 prompts/s of 8,000 tokens arriving evenly: four prefill workers at the profile's full
+    speed meet every TTFT in the replay (no prompt ever waits), so the static answer has 4; the
+    busiest window at the target utilization (80%) asks for 5, a worker the trace never needs."""
+    cfg, em = h100
+    found = recommend(cfg, em, _workload(16, 8000, 16), Slo(ttft_s=2.0, tpot_s=0.05))
+    assert found["disaggregated"].startswith("4P") and found["by_peak_window"][0].startswith("5P")
 
 
 def test_a_tighter_itl_slo_leaves_a_colocated_worker_less_time_for_prefill(h100):
