@@ -83,3 +83,18 @@ def test_a_backlog_that_comes_back_soon_after_a_release_is_held_for_the_cooldown
     again, later = _burst_then_quiet(150, 10, p, at=1080.0, size=after[-1].desired("prefill"))
     assert again.desired("prefill") > 10
     assert all(d.desired("prefill") == again.desired("prefill") for d in later), [d.reason for d in later]
+
+
+def test_a_miss_new_workers_cannot_shorten_adds_none():
+    """The window's TTFT is 10 s of a 3 s SLO (a 120k-token prompt's own prefill), but the two
+    warm workers clear what waits before a worker started now would be ready: no step up. The same
+    miss with a backlog left by then steps up."""
+    def missed(queued_tokens: int):
+        prefill = dataclasses.replace(pool("prefill", 2, queued_tokens=queued_tokens), start_s=3.2)
+        return planner(ttft_s=3.0, prefill_max=32).decide(interval(
+            1000.0, prefill, pool("decode", 2), arrivals=10, prompt=8000, output=200, ttft_q_s=10.0,
+            waiting_first=3, wait_q_s=0.5))
+    held = missed(24_000)
+    assert held.desired("prefill") == 2 and "before a new one would be ready" in held.pools["prefill"].reason
+    stepped = missed(600_000)
+    assert stepped.desired("prefill") > 2 and stepped.pools["prefill"].cause in ("slo", "forecast")

@@ -15,7 +15,9 @@ workers (capacity) and `t` the pool's current target:
   to n + step when its SLO is missed now, where step grows with the miss
   (+1 .. doubling); a miss adds nothing while workers are still starting or warming (they are
   capacity on its way: counting them twice over-scales, Dynamo #12430), nor within
-  `scale_up_cooldown_s` of the pool's last change (the last step's effect has not shown yet);
+  `scale_up_cooldown_s` of the pool's last change (the last step's effect has not shown yet), nor
+  when workers started now would not shorten the waits (`Need.helps`: prefill whose warm workers
+  clear the backlog before a new one is ready, the miss a long prompt's own prefill);
 - down: only with the SLO met, to ceil(peak / (target_utilization x (1 - band))), where peak is the
   highest load of the last `scale_down_cooldown_s`, which already counts what the pool holds now
   (decode: running and KV held): the survivors carry it at most at (1 - band) x the utilization
@@ -164,7 +166,8 @@ class Planner:
         unconfirmed = up > t and not need.urgent and obs.now - self._over_since[pool] < CONFIRM * c.interval_s
         if unconfirmed:
             up = t  # the first interval over, with the waits well inside the SLO: wait for the next to confirm
-        slo = n + max(1, math.ceil(n * min(1.0, need.pressure - 1))) if need.pressure > 1 and not pending else 0
+        missed = need.pressure > 1 and not pending and need.helps
+        slo = n + max(1, math.ceil(n * min(1.0, need.pressure - 1))) if missed else 0
         since = obs.now - self._changed_at[pool]
         cooling = since < c.scale_up_cooldown_s
         wanted = max(up, 0 if cooling else slo)
@@ -185,6 +188,8 @@ class Planner:
             why, cause = why + "; up held: one interval over, waits within the SLO (confirming)", "confirming"
         elif need.pressure > 1 and pending:
             why, cause = why + f"; SLO missed, {pending} worker(s) starting or warming up: waiting for them", "pending"
+        elif need.pressure > 1 and not need.helps:
+            why += "; SLO missed, but the warm workers clear the backlog before a new one would be ready: held"
         elif peak is not None and need.pressure <= 1:
             size, why, cause = self._down(pool, obs.now, need, (peak, peak_rate), why)
         if not lo <= size <= hi:

@@ -56,6 +56,9 @@ class Need:
     # within the band of a miss
     urgent: bool = False
     steady: float | None = None  # of `load`, what the forecast rate keeps busy (the rest: a backlog); None: all of it
+    # workers started now would shorten the waits (prefill: False when those there clear the backlog
+    # before a new one is ready; a miss then is of prompts already on their way, a long one's own prefill)
+    helps: bool = True
 
     @property
     def rate_load(self) -> float | None:
@@ -132,7 +135,7 @@ class Sizer:
         # a backlog that hurts: waits near a miss; one the warm workers cannot clear within the TTFT
         # budget while arrivals outrun them (a burst); or one past twice the SLO (no Poisson bunch)
         urgent = pressure >= 1 - c.band or clear_s > drain_s and outrun or clear_s > 2 * c.ttft_s
-        return Need(steady + residual_s / horizon, pressure, figures, urgent, steady)
+        return Need(steady + residual_s / horizon, pressure, figures, urgent, steady, residual_s > 0)
 
     def _backlog_work_s(self, obs: Observation, pool: str, total_s: float, horizon: float) -> float:
         """The backlog in worker-seconds within `horizon`: each waiting prompt its own prefill, at most
@@ -189,7 +192,8 @@ class Sizer:
         figures = {f"colocated_{k}": v for k, v in prefill.figures.items()} | decode.figures
         both = None if prefill.load is None or decode.load is None else prefill.load + decode.load
         steady = None if both is None else (prefill.rate_load or 0.0) + (decode.rate_load or 0.0)
-        return Need(both, max(prefill.pressure, decode.pressure), figures, prefill.urgent or decode.urgent, steady)
+        return Need(both, max(prefill.pressure, decode.pressure), figures, prefill.urgent or decode.urgent, steady,
+                    prefill.helps or decode.pressure > 1)
 
     def _step_itl(self, hot: list[WorkerSample]) -> float | None:
         """The token gap of the warmed-up workers' decode steps at the SLO percentile (a step's
