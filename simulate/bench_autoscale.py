@@ -147,35 +147,32 @@ def static_search(case: Case, run: Runner) -> int | None:
     if met is None:
         return None
     for n in range(failed if failed is not None else met, met):
-        if meets_at(n, case.shares, run, climb_all=True):
+        if meets_at(n, case.shares, run):
             return n
     return met
 
 
-def meets_at(n: int, shares: tuple[float, ...], run: Runner, climb_all: bool = False) -> bool:
+def meets_at(n: int, shares: tuple[float, ...], run: Runner) -> bool:
     """Whether an arrangement of `n` workers meets ATTAINMENT: the `splits` first, then from the best
     P:D split tried, one prefill worker more or less while attainment improves (across one size's
     splits attainment rises to a single peak: prefill-bound on one side, decode-bound on the other,
-    so the walk finds the best split without running every one). `climb_all`: from every tried
-    split, not only the best (a size in the bracket, where the answer is decided)."""
+    so the walk finds the best split without running every one)."""
     seen = run(splits(n, shares))
     if any(a >= ATTAINMENT for a in seen.values()):
         return True
     by_p = {int(name.split("P")[0]): a for name, a in seen.items() if not name.startswith("colocated")}
-    starts = sorted(by_p, key=by_p.get, reverse=True)
-    for start in starts if climb_all else starts[:1]:
-        for step in (1, -1):
-            p = start
-            while 1 <= p + step < n:
-                q = p + step
-                if q not in by_p:
-                    name = f"{q}P{n - q}D"
-                    by_p[q] = run([name])[name]
-                if by_p[q] >= ATTAINMENT:
-                    return True
-                if by_p[q] <= by_p[p]:
-                    break
-                p = q
+    best = max(by_p, key=by_p.get, default=None)
+    for step in (1, -1) if best is not None else ():
+        p = best
+        while 1 <= p + step < n:
+            q = p + step
+            if q not in by_p:
+                by_p[q] = run([f"{q}P{n - q}D"])[f"{q}P{n - q}D"]
+            if by_p[q] >= ATTAINMENT:
+                return True
+            if by_p[q] <= by_p[p]:
+                break
+            p = q
     return False
 
 
@@ -227,6 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", default=",".join(CASES), help=f"cases, of {', '.join(CASES)}")
     parser.add_argument("--statics-only", action="store_true", help="search the static arrangements only")
+    parser.add_argument("--planner-only", action="store_true",
+                        help="run the planner only, against the statics already in --cache (no search, no static run)")
     parser.add_argument("--cache", default="simulate-out/autoscale-cache", help="statics' rows (default %(default)s)")
     parser.add_argument("--out", default="simulate-out/autoscale-bench", help="JSON and plots (default %(default)s)")
     parser.add_argument("--processes", type=int, default=2)
@@ -275,6 +274,8 @@ def _compare(case: Case, base, em, wl: Workload, slo, price: float, args: argpar
         planner = planner_run(case, base, em, wl, slo, price, Path(args.out))
         results[case.name] = {"autoscaled": planner[0]}
         _write(Path(args.out), results)
+    if args.planner_only:
+        return compare_result(case, *planner, dict(cache.rows))
     static_search(case, cached_runner(case, base, em, wl, slo, cache, args.processes, price))
     found = recommendation(base, em, wl, slo, cache, price)
     if planner is None:
