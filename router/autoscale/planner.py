@@ -6,7 +6,7 @@ forecast the next interval (router/autoscale/forecast.py), size each pool on its
 (router/autoscale/sizing.py), then apply the rules below, per pool, with `n` the warmed-up ready
 workers (capacity) and `t` the pool's current target:
 
-- up: to ceil(load / target_utilization) (an absolute size for the forecast and the backlog: no
+- up: to ceil(rate's load / target_utilization + backlog's load) (`Need.workers`: an absolute size for the forecast and the backlog: no
   cooldown) once the load passes t x target_utilization x (1 + band / 2), at once when the load
   already hurts (`Need.urgent`, router/autoscale/sizing.py: a backlog that will miss the TTFT SLO
   while arrivals outrun the warm workers, waits near a miss, KV waits; then for the rate just
@@ -22,7 +22,9 @@ workers (capacity) and `t` the pool's current target:
   highest load of the last `scale_down_cooldown_s`, which already counts what the pool holds now
   (decode: running and KV held): the survivors carry it at most at (1 - band) x the utilization
   that would scale up again, so steady load settles instead of flapping 2 <-> 1; not within
-  `scale_down_cooldown_s` of the pool's last change or of the first evaluation;
+  `scale_down_cooldown_s` of the pool's last change or of the first evaluation, unless that change
+  grew it for a backlog now cleared: then at once to what the peak of its rate's load (no backlog)
+  needs (`cleared`), once, and not for a backlog back within the cooldown of such a release;
 - a pool whose last scale is still in flight (workers starting, a drain) is held as it is;
 - otherwise hold. Then min/max per pool and the budget (both pools' total), never below a needed
   pool's min (>= 1): with no traffic every load is 0 and each pool goes to its min. When the budget
