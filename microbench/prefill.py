@@ -62,7 +62,8 @@ def prompt(length: int, seed: int, vocab: int) -> list[int]:
 class Pdserve:
     """A prefill worker's engine on `threads` torch threads, timed on one prompt at a time."""
 
-    def __init__(self, model: str, dtype: str, threads: int, role: str = "prefill", chunk: int | None = 256):
+    def __init__(self, model: str, dtype: str, threads: int, role: str = "prefill", chunk: int | None = 256,
+                 team: bool = True):
         self.threads = threads
         cfg = parse_config({"model": {"path": model, "dtype": dtype}, "scheduler": {"chunk_size": chunk},
                             "kv_cache": {"memory": f"{KV_BUDGET >> 20}MiB", "prefix_caching": False}})
@@ -70,10 +71,18 @@ class Pdserve:
         self.engine = LLMEngine(self.config)
         self.describe = self.engine.runner.describe()
         self._ids = 0
+        kernels = self.engine.runner.forward.layer_kernel
+        self._layer = kernels.layer if kernels is not None else None
+        if self._layer is not None:  # the build's default for the one-region path (layer_team.c), or off
+            default = self._layer.use_team(0)
+            self._team_rows = default if team else 0
+            self._layer.use_team(default)
 
     def __call__(self, ids: list[int]) -> tuple[float, int]:
         self._ids += 1
         torch.set_num_threads(self.threads)  # the kernels take the count at each step
+        if self._layer is not None:  # process-wide: each side sets its own
+            self._layer.use_team(self._team_rows)
         t0 = time.perf_counter()
         self.engine.add_request(f"p{self._ids}", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1))
         token = None
@@ -172,11 +181,14 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def _side(spec: int | str) -> tuple[int, str, int | None]:
-    """`--pdserve-threads` entry -> (threads, role, chunk): "2" (chunks of 256, `pdserve serve`'s
-    default) or "2/whole" (whole prompts, as bench.peer's arrangements run them) or "2/512"."""
-    threads, _, chunk = str(spec).partition("/")
-    return int(threads), "prefill", None if chunk == "whole" else int(chunk or 256)
+def _side(spec: int | str) -> tuple[int, str, int | None, bool]:
+    """`--pdserve-threads` entry -> (threads, role, chunk, team): "2" (chunks of 256, `pdserve serve`'s
+    default) or "2/whole" (whole prompts, as bench.peer's arrangements run them) or "2/512"; a last
+    "/kernelwise" runs every step kernel by kernel (a region per kernel, not layer_team.c's one a step)."""
+    threads, *rest = str(spec).split("/")
+    team = rest[-1:] != ["kernelwise"]
+    chunk = rest[0] if rest and rest[0] != "kernelwise" else ""
+    return int(threads), "prefill", None if chunk == "whole" else int(chunk or 256), team
 
 
 def _cpu_name() -> str:
@@ -204,7 +216,8 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--pdserve-threads", type=lambda s: [x if "/" in x else int(x) for x in s.split(",")],
                    default=[len(CORES)], help="pdserve engines side by side, one per thread count (the first is "
-                   "`pdserve`), each `N` (prompt chunks of 256), `N/whole` (whole prompts) or `N/CHUNK`")
+                   "`pdserve`), each `N` (prompt chunks of 256), `N/whole` (whole prompts) or `N/CHUNK`, "
+                   "each with `/kernelwise` for a region per kernel instead of one a step")
     p.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS_DIR", ".peers")))
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="pdserve alone")
     p.add_argument("--json", action="store_true")

@@ -279,3 +279,36 @@ def test_a_failing_layer_call_raises_what_failed(code, error):
         failing(kernel_layer.LayerArgs(), kernel_layer.StepArgs(), x, x)
     with pytest.raises(MemoryError if code == -2 else RuntimeError, match=error):
         failing.decoder((kernel_layer.LayerArgs * 2)(), kernel_layer.StepArgs(), x, (x, x), x[0], 1e-6, x)
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+def test_a_step_on_one_region_split_by_rows_gives_the_kernel_by_kernel_bits(llama_dir, layer_dtype, threads):
+    """`pd_use_team` (layer_team.c): a step of decode rows, a fresh prompt and a chunk after cached
+    context, run as one OpenMP region split by rows and attention pieces, gives the per-kernel
+    loop's hidden states and pool bit for bit, on two and three threads."""
+    decoder = _engine(llama_dir, layer_dtype).runner.forward.kernel_decoder
+    assert decoder is not None and decoder.table is not None
+    kernels = _kernels()
+    tokens_of = [(8, 1), (30, 1), (0, 37), (40, 25)]  # 64 rows: the float32 GEMM's cut on AVX-512 hosts
+    tokens = sum(q for _, q in tokens_of)
+    meta = kernel_layer._probe_step(kernels, decoder.layers[0].shape, len(decoder.layers), tokens_of,
+                                    torch.Generator().manual_seed(2))
+    ids = torch.randint(10, 2000, (1, tokens), generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([[p + i for p, q in tokens_of for i in range(q)]])
+    before, was = torch.get_num_threads(), kernels.layer.use_team(0)
+    results = []
+    try:
+        torch.set_num_threads(threads)
+        for rows in (0, 1):  # per kernel, then one region for every step of at least one row
+            kernels.layer.use_team(rows)
+            run = dataclasses.replace(meta, kv=meta.kv.clone())
+            steps = kernels.layer.team_steps()
+            with torch.inference_mode(), attention.step_context(run):
+                results.append((decoder(ids, positions).clone(), run.kv))
+            assert kernels.layer.team_steps() == steps + rows  # the path asked for ran
+    finally:
+        torch.set_num_threads(before)
+        kernels.layer.use_team(was)
+    (want, want_kv), (got, got_kv) = results
+    assert torch.equal(got, want) and torch.equal(got_kv, want_kv)
+    assert not torch.equal(got_kv, meta.kv)  # the step wrote its K/V

@@ -112,6 +112,17 @@ class LayerKernel:
         self._fn = lib.pd_layer_forward
         self._seconds = (ctypes.c_double * len(self.KINDS)).in_dll(lib, "pd_layer_seconds")
         self._decoder = lib.pd_decoder_forward
+        self._team, self._team_steps = lib.pd_use_team, lib.pd_team_steps
+
+    def use_team(self, rows: int) -> int:
+        """`pd_use_team`: `decoder` runs steps of at least `rows` tokens on two or more threads as one
+        OpenMP region split by rows (layer_team.c), 0 never; returns the setting before. Process-wide:
+        for tests and measurements of either path (the outputs are the same bits)."""
+        return int(self._team(int(rows)))
+
+    def team_steps(self) -> int:
+        """The steps `decoder` has run as one region so far, in this process."""
+        return int(self._team_steps())
 
     def seconds(self) -> dict[str, float]:
         """Wall seconds every call so far spent on each kind of work (`KINDS`), summed over the process."""

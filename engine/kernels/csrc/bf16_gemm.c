@@ -203,6 +203,12 @@ static int dpbf16_run(const uint16_t *x, int64_t x_stride, const uint16_t *panel
     int tiles = (rows + TILE_ROWS - 1) / TILE_ROWS, group = panels_for((rows + tiles - 1) / tiles);
     int64_t jobs = (np + group - 1) / group;
     if (threads > jobs) threads = (int)jobs;
+    if (threads == 1) { /* no region (a caller's team runs it on each of its threads: layer_team.c) */
+        for (int64_t job = 0; job < jobs; job++)
+            run_job((const uint32_t *)xs, kp / 2, panels, bias, out, out_stride, best, rows, n, np, group, job);
+        free(xs);
+        return 0;
+    }
     struct { _Alignas(64) uint64_t jobs; } ranges[threads]; /* a cache line each: no false sharing */
     for (int i = 0; i < threads; i++)
         ranges[i].jobs = (uint64_t)(jobs * i / threads) << 32 | (uint64_t)(jobs * (i + 1) / threads);

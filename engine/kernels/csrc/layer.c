@@ -31,9 +31,9 @@ per kernel, about 10 us a step. */
 #include <time.h>
 
 #include "pdserve_kernels.h"
+#include "layer.h"
 #include "vec.h"
 
-enum { LAYER_SMALL, LAYER_GEMM, LAYER_KV_WRITE, LAYER_DECODE, LAYER_PREFILL, LAYER_KINDS };
 _Static_assert(LAYER_KINDS == PD_LAYER_KINDS, "pdserve_kernels.h counts the kinds of work");
 double pd_layer_seconds[PD_LAYER_KINDS];
 
@@ -41,22 +41,19 @@ double pd_layer_seconds[PD_LAYER_KINDS];
 int64_t pd_layer_size(void) { return (int64_t)sizeof(pd_layer); }
 int64_t pd_step_size(void) { return (int64_t)sizeof(pd_step); }
 
-static double now_s(void) {
+double layer_now(void) {
     struct timespec t;
     clock_gettime(CLOCK_MONOTONIC, &t);
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
 /* the time since the last mark, to `kind` */
-#define MARK(kind) (t1 = now_s(), pd_layer_seconds[kind] += t1 - t0, t0 = t1)
+#define MARK(kind) (t1 = layer_now(), pd_layer_seconds[kind] += t1 - t0, t0 = t1)
 
-
-/* value i of a buffer of the step's dtype */
-#define AT(p, i) ((char *)(p) + (int64_t)(i) * (int64_t)es)
 
 /* Each of `tokens` rows' K and V (`width` values each, at k_at and v_at of its qkv row) into its
    slot of one layer's pool. */
-static void kv_write(const void *qkv, int64_t qkv_stride, int64_t k_at, int64_t v_at, int64_t width, void *k, void *v,
+void layer_kv_write(const void *qkv, int64_t qkv_stride, int64_t k_at, int64_t v_at, int64_t width, void *k, void *v,
                      int64_t blk_stride, int64_t tok_stride, const int64_t *blocks, const int64_t *offsets,
                      int tokens, size_t es) {
     for (int t = 0; t < tokens; t++) {
@@ -67,7 +64,7 @@ static void kv_write(const void *qkv, int64_t qkv_stride, int64_t k_at, int64_t 
 }
 
 /* out = a + b over n values, as torch adds them (bfloat16: the float32 sum rounded to nearest even) */
-static void add_rows(int dtype, const void *a, const void *b, void *out, int64_t n) {
+void layer_add_rows(int dtype, const void *a, const void *b, void *out, int64_t n) {
     if (dtype == 0) {
         const float *x = a, *y = b;
         float *o = out;
@@ -80,7 +77,7 @@ static void add_rows(int dtype, const void *a, const void *b, void *out, int64_t
 }
 
 /* y [m, n] = x [m, k] @ the panels' weight^T (+ bias): 0, or the bfloat16 GEMM's failure */
-static int gemm(int dtype, const void *x, int64_t ldx, const void *panels, const void *bias, void *y, int64_t ldy,
+int layer_gemm(int dtype, const void *x, int64_t ldx, const void *panels, const void *bias, void *y, int64_t ldy,
                 int m, int n, int k, int threads) {
     if (dtype == 0) {
         pd_f32_gemm(x, ldx, panels, bias, y, ldy, m, n, k, threads);
@@ -89,7 +86,7 @@ static int gemm(int dtype, const void *x, int64_t ldx, const void *panels, const
     return pd_bf16_gemm(x, ldx, panels, bias, y, ldy, m, n, k, threads);
 }
 
-static void rms_norm(int dtype, const void *x, const void *w, float eps, void *out, int rows, int n, int threads) {
+void layer_rms_norm(int dtype, const void *x, const void *w, float eps, void *out, int rows, int n, int threads) {
     if (dtype == 0)
         pd_rms_norm(x, n, w, eps, out, n, rows, n, threads);
     else
@@ -105,17 +102,17 @@ int pd_layer_forward(const pd_layer *L, const pd_step *S, const void *x, void *o
     int q_width = L->heads * dim, kv_width = L->kv_heads * dim, qkv_n = q_width + 2 * kv_width;
     void *k = AT(S->kv, L->layer * S->layer_stride), *v = AT(k, S->layer_stride / 2);
 
-    double t0 = now_s(), t1;
-    rms_norm(dt, x, L->norm1, L->eps1, S->h, T, hid, th);
+    double t0 = layer_now(), t1;
+    layer_rms_norm(dt, x, L->norm1, L->eps1, S->h, T, hid, th);
     MARK(LAYER_SMALL);
-    if ((rc = gemm(dt, S->h, hid, L->qkv, L->qkv_bias, S->qkv, qkv_n, T, qkv_n, hid, th)) != 0) return rc;
+    if ((rc = layer_gemm(dt, S->h, hid, L->qkv, L->qkv_bias, S->qkv, qkv_n, T, qkv_n, hid, th)) != 0) return rc;
     MARK(LAYER_GEMM);
     if (dt == 0)
         pd_rope(S->qkv, qkv_n, L->heads + L->kv_heads, dim, S->cos, S->sin, dim, T, th);
     else
         pd_rope_bf16(S->qkv, qkv_n, L->heads + L->kv_heads, dim, S->cos, S->sin, dim, T, th);
     MARK(LAYER_SMALL);
-    kv_write(S->qkv, qkv_n, q_width, q_width + kv_width, kv_width, k, v, S->blk_stride, S->tok_stride,
+    layer_kv_write(S->qkv, qkv_n, q_width, q_width + kv_width, kv_width, k, v, S->blk_stride, S->tok_stride,
              S->slot_blocks, S->slot_offsets, T, es);
     MARK(LAYER_KV_WRITE);
     if (S->decodes > 0) {
@@ -135,23 +132,23 @@ int pd_layer_forward(const pd_layer *L, const pd_step *S, const void *x, void *o
         if (rc != 0) return rc;
     }
     MARK(LAYER_PREFILL);
-    if ((rc = gemm(dt, S->attn, q_width, L->o, L->o_bias, S->tmp, hid, T, hid, q_width, th)) != 0) return rc;
+    if ((rc = layer_gemm(dt, S->attn, q_width, L->o, L->o_bias, S->tmp, hid, T, hid, q_width, th)) != 0) return rc;
     MARK(LAYER_GEMM);
     if (dt == 0)
         pd_add_rms_norm(x, hid, S->tmp, hid, L->norm2, L->eps2, out, S->h, T, hid, th);
     else
         pd_add_rms_norm_bf16(x, hid, S->tmp, hid, L->norm2, L->eps2, out, S->h, T, hid, th);
     MARK(LAYER_SMALL);
-    if ((rc = gemm(dt, S->h, hid, L->gate_up, L->gate_up_bias, S->gu, 2 * L->inter, T, 2 * L->inter, hid, th)) != 0)
+    if ((rc = layer_gemm(dt, S->h, hid, L->gate_up, L->gate_up_bias, S->gu, 2 * L->inter, T, 2 * L->inter, hid, th)) != 0)
         return rc;
     MARK(LAYER_GEMM);
     rc = dt == 0 ? pd_silu_mul(S->gu, 2 * L->inter, S->act, L->inter, T, L->inter, th)
                  : pd_silu_mul_bf16(S->gu, 2 * L->inter, S->act, L->inter, T, L->inter, th);
     if (rc != 0) return -3;
     MARK(LAYER_SMALL);
-    if ((rc = gemm(dt, S->act, L->inter, L->down, L->down_bias, S->tmp, hid, T, hid, L->inter, th)) != 0) return rc;
+    if ((rc = layer_gemm(dt, S->act, L->inter, L->down, L->down_bias, S->tmp, hid, T, hid, L->inter, th)) != 0) return rc;
     MARK(LAYER_GEMM);
-    add_rows(dt, out, S->tmp, out, (int64_t)T * hid);
+    layer_add_rows(dt, out, S->tmp, out, (int64_t)T * hid);
     MARK(LAYER_SMALL);
     return 0;
 }
@@ -163,6 +160,7 @@ int pd_layer_forward(const pd_layer *L, const pd_step *S, const void *x, void *o
    code (its outputs and the later layers' are not written). */
 int pd_decoder_forward(const pd_layer *layers, int n, const pd_step *S, const void *x, void *out0, void *out1,
                        const void *norm, float eps, void *normed) {
+    if (n > 0 && layer_team_takes(S)) return layer_team_forward(layers, n, S, x, out0, out1, norm, eps, normed);
     const void *in = x;
     for (int i = 0; i < n; i++) {
         void *out = i % 2 ? out1 : out0;
@@ -171,8 +169,8 @@ int pd_decoder_forward(const pd_layer *layers, int n, const pd_step *S, const vo
         in = out;
     }
     int hid = n > 0 ? layers[0].hidden : 0;
-    double t0 = now_s(), t1;
-    rms_norm(S->dtype, in, norm, eps, normed, S->tokens, hid, S->threads);
+    double t0 = layer_now(), t1;
+    layer_rms_norm(S->dtype, in, norm, eps, normed, S->tokens, hid, S->threads);
     MARK(LAYER_SMALL);
     return 0;
 }

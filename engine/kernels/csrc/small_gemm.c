@@ -248,6 +248,10 @@ static void gemm(const float *x, int64_t ldx, const void *panels, int half, cons
     int jobs = (count + PANELS_PER_JOB - 1) / PANELS_PER_JOB * tiles;
     if (threads > jobs) threads = jobs;
     if (threads < 1) threads = 1;
+    if (threads == 1) { /* no region (a caller's team runs it on each of its threads: layer_team.c) */
+        for (int job = 0; job < jobs; job++) run_job(x, ldx, panels, half, bias, y, ldy, m, n, k, count, tiles, job, 1);
+        return;
+    }
     struct { _Alignas(64) uint64_t jobs; } ranges[threads]; /* a cache line each: no false sharing */
     for (int i = 0; i < threads; i++)
         ranges[i].jobs = (uint64_t)((int64_t)jobs * i / threads) << 32 | (uint64_t)((int64_t)jobs * (i + 1) / threads);
