@@ -40,6 +40,9 @@ class Counting:
         self.calls += 1
         return self.kernel(*args)
 
+    def team_takes(self, *args):
+        return self.kernel.team_takes(*args)
+
     def decoder(self, table, *args):
         assert len(table) == len(self.siblings)
         for counter in self.siblings:
@@ -282,14 +285,16 @@ def test_a_failing_layer_call_raises_what_failed(code, error):
 
 
 @pytest.mark.parametrize("threads", [2, 3])
-def test_a_step_on_one_region_split_by_rows_gives_the_kernel_by_kernel_bits(llama_dir, layer_dtype, threads):
+def test_a_step_on_one_region_split_by_rows_gives_the_kernel_by_kernel_bits(llama_dir, layer_dtype, threads,
+                                                                            monkeypatch):
     """`pd_use_team` (layer_team.c): a step of decode rows, a fresh prompt and a chunk after cached
     context, run as one OpenMP region split by rows and attention pieces, gives the per-kernel
-    loop's hidden states and pool bit for bit, on two and three threads."""
+    loop's hidden states and pool bit for bit, on two and three threads; past the float32 GEMM's
+    cut (64 rows on AVX-512 hosts) too, where the region's GEMMs take tiles within it."""
     decoder = _engine(llama_dir, layer_dtype).runner.forward.kernel_decoder
     assert decoder is not None and decoder.table is not None
     kernels = _kernels()
-    tokens_of = [(8, 1), (30, 1), (0, 37), (40, 25)]  # 64 rows: the float32 GEMM's cut on AVX-512 hosts
+    tokens_of = [(8, 1), (30, 1), (0, 70), (40, 50)]
     tokens = sum(q for _, q in tokens_of)
     meta = kernel_layer._probe_step(kernels, decoder.layers[0].shape, len(decoder.layers), tokens_of,
                                     torch.Generator().manual_seed(2))
@@ -299,8 +304,10 @@ def test_a_step_on_one_region_split_by_rows_gives_the_kernel_by_kernel_bits(llam
     results = []
     try:
         torch.set_num_threads(threads)
-        for rows in (0, 1):  # per kernel, then one region for every step of at least one row
+        for rows in (0, 1):  # per kernel (the GEMM on all 122 rows at once), then one region
             kernels.layer.use_team(rows)
+            for layer in decoder.layers:
+                monkeypatch.setattr(layer, "max_rows", None if rows == 0 else layer.max_rows)
             run = dataclasses.replace(meta, kv=meta.kv.clone())
             steps = kernels.layer.team_steps()
             with torch.inference_mode(), attention.step_context(run):

@@ -89,7 +89,7 @@ class KernelDecoder:
         (the caller runs the model's forward instead)."""
         x = self.embed(input_ids)
         cos_sin = self.rotary(x, positions)
-        step = self.layers[0]._step(x, cos_sin)  # the first layer's checks, and the step's arguments
+        step = self.layers[0]._step(x, cos_sin, decoder=self.table is not None)  # its checks and arguments
         if step is None:
             return None
         if self.table is not None:  # the norm into the output buffer the last layer read (free by then)

@@ -143,17 +143,21 @@ class KernelLayer:
         self.kernel(self.args, step.args, hidden_states, out)
         return out
 
-    def _step(self, x: torch.Tensor, position_embeddings) -> Step | None:
-        """The step's arguments where this layer's call can take it, else None (the module runs)."""
+    def _step(self, x: torch.Tensor, position_embeddings, decoder: bool = False) -> Step | None:
+        """The step's arguments where this layer's call can take it, else None (the module runs).
+        `decoder`: for `pd_decoder_forward`, which also takes steps past the GEMM's cut where it runs
+        them as one region (its GEMMs on tiles of at most 64 rows: layer_team.c)."""
         if not attention._current or position_embeddings is None or torch.compiler.is_compiling():
             return None
         meta, (cos, sin) = attention._current[-1], position_embeddings
         step = meta.kernel_step
         if step is None or step.cos is not cos or step.shape != self.shape:  # the forward's first layer
+            tokens = cos.shape[1] if cos.dim() == 3 else 0
+            wide = decoder and self.kernel.team_takes(tokens, torch.get_num_threads())
             if (features.active_probe() is not None or cos.dim() != 3 or cos.shape[0] != 1
                     or cos.shape[2] != self.shape.dim or sin.shape != cos.shape or cos.dtype != self.shape.dtype
                     or not (cos.is_contiguous() and sin.is_contiguous())
-                    or not self._fits(x, cos.shape[1]) or not _kernels_take(meta, cos.shape[1], self.shape.dtype)):
+                    or not self._fits(x, tokens, wide) or not _kernels_take(meta, tokens, self.shape.dtype)):
                 return None
             step = meta.kernel_step = _build_step(meta, self.shape, cos, sin)
             return step
@@ -162,9 +166,10 @@ class KernelLayer:
             return step if self.max_rows is None or step.args.tokens <= self.max_rows else None
         return step if self._fits(x, step.args.tokens) else None
 
-    def _fits(self, x: torch.Tensor, tokens: int) -> bool:
-        """x is `[1, tokens, hidden]` of the layer's dtype on the CPU, contiguous, within the GEMM's cut."""
-        return ((self.max_rows is None or tokens <= self.max_rows) and x.shape == (1, tokens, self.shape.hidden)
+    def _fits(self, x: torch.Tensor, tokens: int, wide: bool = False) -> bool:
+        """x is `[1, tokens, hidden]` of the layer's dtype on the CPU, contiguous, within the GEMM's cut
+        (or past it, `wide`)."""
+        return ((wide or self.max_rows is None or tokens <= self.max_rows) and x.shape == (1, tokens, self.shape.hidden)
                 and x.dtype == self.shape.dtype and x.device.type == "cpu" and x.is_contiguous())
 
 

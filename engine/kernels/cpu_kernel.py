@@ -118,7 +118,13 @@ class LayerKernel:
         """`pd_use_team`: `decoder` runs steps of at least `rows` tokens on two or more threads as one
         OpenMP region split by rows (layer_team.c), 0 never; returns the setting before. Process-wide:
         for tests and measurements of either path (the outputs are the same bits)."""
-        return int(self._team(int(rows)))
+        return int(self._team(max(int(rows), 0)))
+
+    def team_takes(self, tokens: int, threads: int) -> bool:
+        """Whether `decoder` runs a step of `tokens` rows on `threads` threads as one region, whose
+        GEMMs then take tiles of at most 64 rows (so a step past the GEMM's cut may run there)."""
+        rows = int(self._team(-1))
+        return threads > 1 and 0 < rows <= tokens
 
     def team_steps(self) -> int:
         """The steps `decoder` has run as one region so far, in this process."""

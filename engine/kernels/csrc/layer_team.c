@@ -52,7 +52,7 @@ int64_t pd_team_steps(void) { return __atomic_load_n(&team_steps, __ATOMIC_RELAX
 
 int pd_use_team(int rows) {
     int before = team_rows;
-    team_rows = rows < 0 ? 0 : rows;
+    if (rows >= 0) team_rows = rows;
     return before;
 }
 

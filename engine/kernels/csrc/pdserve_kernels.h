@@ -104,7 +104,7 @@ PD_API int pd_decoder_forward(const pd_layer *layers, int n, const pd_step *S, c
                               const void *norm, float eps, void *normed);
 PD_API extern double pd_layer_seconds[PD_LAYER_KINDS];
 /* pd_decoder_forward runs steps of at least `rows` tokens on two or more threads as one OpenMP
-   region split by rows (layer_team.c); 0: never. Returns the setting before. */
+   region split by rows (layer_team.c); 0: never; negative: unchanged. Returns the setting before. */
 PD_API int pd_use_team(int rows);
 PD_API int64_t pd_team_steps(void); /* the steps that path has run */
 
