@@ -37,6 +37,7 @@ class Scheduler:
         self.block_size = config.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._prefills_only = False  # schedule's: only prefill-only requests are running
         self.prefix_stats = PrefixStats()
         self.num_preemptions = 0  # since start (engine/telemetry.py: per step)
         self.kv_clock = KVWaitClock()  # how long admission stood still for want of KV blocks
@@ -64,21 +65,25 @@ class Scheduler:
     def schedule(self) -> list[ScheduledItem]:
         budget = self.config.max_num_batched_tokens
         items: list[ScheduledItem] = []
+        # only prefill-only requests running (a disaggregated prefill worker's): no decode rows to
+        # protect, so their prompts go whole (within the budget) instead of in chunk_size chunks
+        self._prefills_only = all(r.prefill_only for r in self.running)
         for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not Status.RUNNING:
                 continue  # preempted earlier in this loop
-            n = self._chunk(req.num_uncomputed_tokens, budget)
+            n = self._chunk(req, req.num_uncomputed_tokens, budget)
             if self._grow(req, n, items):
                 items.append(ScheduledItem(req, n))
                 budget -= n
         budget = self._admit_waiting(budget, items)
         return sorted(items, key=lambda it: (not it.is_decode, it.end if it.is_decode else 0))
 
-    def _chunk(self, uncomputed: int, budget: int) -> int:
+    def _chunk(self, req: Request, uncomputed: int, budget: int) -> int:
         n = min(uncomputed, budget)
-        if uncomputed > 1 and self.config.chunk_size is not None:  # still prefilling
+        whole = req.prefill_only and self._prefills_only  # docs/engine_speed.md, "Whole prompts on prefill workers"
+        if uncomputed > 1 and self.config.chunk_size is not None and not whole:  # still prefilling
             n = min(n, self.config.chunk_size)
         return n
 
@@ -134,7 +139,7 @@ class Scheduler:
         assert not req.block_ids and req.num_computed_tokens == 0, "a waiting request holds no KV"
         hits = self._cached_prefix(req)
         start = len(hits) * self.block_size
-        n = self._chunk(req.num_tokens - start, budget)
+        n = self._chunk(req, req.num_tokens - start, budget)
         need = -(-(start + n) // self.block_size) - len(hits)
         if not self.allocator.fits(need, hits):
             return None

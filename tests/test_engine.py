@@ -192,6 +192,32 @@ def _hand_off(engine: LLMEngine, prompt: list[int], sampling: SamplingParams) ->
     return prefilled, _outputs_to_end(engine)["dec"]
 
 
+def test_prefill_only_prompts_go_whole_unless_a_request_is_decoding(llama_dir):
+    """A disaggregated prefill worker's requests (prefill-only, nothing decoding) take their whole
+    prompts in one step past chunk_size; next to a decoding request they are cut into chunks again,
+    and the tokens are the same either way."""
+    engine = _engine(llama_dir, chunk_size=8, enable_prefix_caching=False)  # pre2 computes all its prompt
+    prompts = _prompts(2, seed=41, lo=20, hi=30)
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"pre{i}", prompt_token_ids=prompt, sampling=sampling, prefill_only=True)
+    outs = engine.step()
+    assert [o.finish_reason for o in outs] == [FinishReason.PREFILLED] * 2  # one step, both whole
+    whole = [o.token_ids for o in outs]
+    for i in range(2):
+        engine.release(f"pre{i}")
+    engine.add_request("dec", prompt_token_ids=prompts[0][:5], sampling=SamplingParams(max_tokens=8, ignore_eos=True))
+    engine.step()  # "dec" is decoding from here on
+    engine.add_request("pre2", prompt_token_ids=prompts[1], sampling=sampling, prefill_only=True)
+    steps = 0
+    while "pre2" not in {o.request_id for o in engine.step()}:
+        steps += 1
+    assert steps == -(-len(prompts[1]) // 8) - 1  # in chunks of 8
+    assert engine.requests["pre2"].output_token_ids == whole[1]
+    engine.release("pre2")
+    _outputs_to_end(engine)
+
+
 def test_hand_off_streams_every_character_once(llama_dir):
     engine = _engine(llama_dir)
     sampling = SamplingParams(max_tokens=12, ignore_eos=True, stop=("\x00never",))  # holds back 5 characters
