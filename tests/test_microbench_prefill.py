@@ -38,9 +38,23 @@ def test_the_pdserve_side_runs_each_length_and_thread_count(llama_dir):
 
 
 def test_a_whole_prompt_side_runs_its_prompts_unchunked(llama_dir):
-    assert prefill._side(2) == (2, "prefill", 256) and prefill._side("1/whole") == (1, "prefill", None)
-    assert prefill._side("2/512") == (2, "prefill", 512)
+    assert prefill._side(2) == (2, "prefill", 256, True) and prefill._side("1/whole") == (1, "prefill", None, True)
+    assert prefill._side("2/512") == (2, "prefill", 512, True)
+    assert prefill._side("2/kernelwise") == (2, "prefill", 256, False)
+    assert prefill._side("2/whole/kernelwise") == (2, "prefill", None, False)
     args = argparse.Namespace(model=llama_dir, dtypes=["float32"], lengths=[40], rounds=1,
                               pdserve_threads=["1/whole"], peers_dir=Path("/nonexistent"), vllm=False)
     entry = prefill.run(args)["dtypes"]["float32"]
     assert entry["chunk_size"] is None and entry["lengths"][40]["pdserve_tok_s"] > 0
+
+
+def test_a_kernelwise_side_turns_the_one_region_path_off_for_its_own_steps(llama_dir):
+    """`N/kernelwise`: that side's steps run a region per kernel (pd_use_team 0), the others' the
+    one-region path; each side sets the process-wide switch before its prompts."""
+    sides = {"team": prefill.Pdserve(llama_dir, "float32", 2, chunk=None),
+             "kernelwise": prefill.Pdserve(llama_dir, "float32", 2, chunk=None, team=False)}
+    layer = sides["team"]._layer
+    for name, want in (("kernelwise", 0), ("team", 1), ("kernelwise", 0)):
+        steps = layer.team_steps()
+        sides[name](prefill.prompt(64, 1, 2000))  # 64 rows: one step
+        assert layer.team_steps() == steps + want
