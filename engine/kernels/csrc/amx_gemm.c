@@ -18,6 +18,7 @@ row's result does not depend on what it is batched with. SmolLM2-135M's linears 
 oneDNN's packed bfloat16 linears took 16.4 ms in the engine's step. Past 64 rows oneDNN stays the
 faster too: a 2 x 2 tile blocking over panel pairs (rows from L2, panels from L1) took 2.46 ms for a
 SmolLM2 layer's four linears at 512 rows against oneDNN's 1.93. */
+#include <math.h>
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>

@@ -9,7 +9,7 @@ row-wise: the o GEMM, the residual and norm, gate|up, SiLU·up, down, the residu
 layer's norm, q|k|v GEMM, rotary and K/V write each read and write only their own rows. So a layer
 is two phases:
 
-    rows      tiles of 16-64 rows, each through the chain above (kernels on one thread, on the tile)
+    rows      tiles of 16-64 rows (32 on AMX), each through the chain above (kernels on one thread, on the tile)
     attention the prompt chunks cut into pieces of about equal work (a piece: query positions
               [a, b) of one chunk, every head; its keys are all in the pool by then), decode rows one each
 
@@ -33,6 +33,7 @@ counted to the phase's kind (rows: LAYER_GEMM; attention: LAYER_PREFILL). */
 #include <string.h>
 
 #include "pdserve_kernels.h"
+#include "amx.h"
 #include "layer.h"
 #include "prefill.h"
 
@@ -239,7 +240,8 @@ int layer_team_forward(const pd_layer *layers, int n, const pd_step *S, const vo
     int threads = S->threads, T = S->tokens, want = 4 * threads;
     int tile = (T + want - 1) / want;
     tile = (tile + 7) / 8 * 8;
-    tile = tile < 16 ? 16 : tile > 64 ? 64 : tile;
+    int most = S->dtype == 1 && amx_ready() ? 32 : 64; /* within the GEMM's cut: AMX tiles', or SMALL_ROWS */
+    tile = tile < 16 ? 16 : tile > most ? most : tile;
     piece *pieces = malloc(sizeof(piece) * (size_t)(S->n_chunks * want + S->decodes + 1));
     counter *phases = aligned_alloc(64, sizeof(counter) * (size_t)(2 * n + 1));
     if (pieces == NULL || phases == NULL) {
