@@ -17,7 +17,7 @@ Threads claim a phase's items from a counter and a phase ends when its items are
 every thread has arrived: a thread the OS has descheduled between items costs nothing, its
 partner takes the rest (a thread only waits for an item another has claimed and not finished).
 A late thread finds the phases it missed claimed and catches up. Waiting spins a while, then
-yields the core (to the partner, on an oversubscribed one).
+sleeps on the counter (futex), so the core is free for the partner it waits for.
 
 Bits: each kernel's output for a row depends on that row alone (the GEMMs' sums are batch- and
 thread-invariant, the small ops row-wise) and prefill attention's on the row's position alone
@@ -44,7 +44,17 @@ counted to the phase's kind (rows: LAYER_GEMM; attention: LAYER_PREFILL). */
 #define RELAX() ((void)0)
 #endif
 
-#define SPINS 20000 /* waits spin this many times before yielding the core each time round */
+#if defined(__linux__)
+#include <limits.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define FUTEX 1
+#else
+#define FUTEX 0
+#endif
+
+#define SPINS 4000 /* a wait spins this many pauses (~0.1 ms), then sleeps until the phase is done */
 
 static int team_rows = 64; /* pd_use_team: the fewest step rows that take this path; 0 never */
 static int64_t team_steps; /* steps run on this path (pd_team_steps) */
@@ -68,7 +78,7 @@ typedef struct {
 } piece;
 
 typedef struct {
-    _Alignas(64) int next, done; /* items claimed, items finished */
+    _Alignas(64) int next, done, sleepers; /* items claimed, items finished, threads asleep on done */
 } counter;
 
 typedef struct {
@@ -204,14 +214,33 @@ static int attention_item(const team *t, int l, int i, int mine) {
     return rc;
 }
 
-/* Until phase c's items are all done: spin, then yield the core each time round. */
+/* Until phase c's items are all done: spin a while, then sleep on the counter (a waiting thread
+   that kept its core, spinning or yielding, would keep the OS from running a descheduled partner
+   there: on an oversubscribed host the partner is what it waits for). */
 static void wait_done(counter *c, int items) {
-    for (int spin = 0; __atomic_load_n(&c->done, __ATOMIC_ACQUIRE) < items; spin++) {
-        if (spin < SPINS)
-            RELAX();
-        else
-            sched_yield();
+    for (int spin = 0; spin < SPINS; spin++) {
+        if (__atomic_load_n(&c->done, __ATOMIC_ACQUIRE) >= items) return;
+        RELAX();
     }
+#if FUTEX
+    __atomic_fetch_add(&c->sleepers, 1, __ATOMIC_SEQ_CST);
+    for (int seen; (seen = __atomic_load_n(&c->done, __ATOMIC_SEQ_CST)) < items;)
+        syscall(SYS_futex, &c->done, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0); /* returns when done moved */
+    __atomic_fetch_sub(&c->sleepers, 1, __ATOMIC_SEQ_CST);
+#else
+    while (__atomic_load_n(&c->done, __ATOMIC_ACQUIRE) < items) sched_yield();
+#endif
+}
+
+/* One item of phase c finished: the last wakes the threads asleep on it. */
+static void finish_item(counter *c, int items) {
+    int done = __atomic_add_fetch(&c->done, 1, __ATOMIC_SEQ_CST);
+#if FUTEX
+    if (done == items && __atomic_load_n(&c->sleepers, __ATOMIC_SEQ_CST) > 0)
+        syscall(SYS_futex, &c->done, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+#else
+    (void)done, (void)items;
+#endif
 }
 
 /* One thread's part of the step: every phase in turn, claiming items until none is left. */
@@ -226,7 +255,7 @@ static void run(team *t) {
                 int none = 0;
                 if (rc != 0) __atomic_compare_exchange_n(&t->failed, &none, rc, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
             }
-            __atomic_fetch_add(&c->done, 1, __ATOMIC_ACQ_REL);
+            finish_item(c, items);
         }
         double t0 = layer_now(), t1;
         wait_done(c, items);
