@@ -274,13 +274,14 @@ def test_usage_log_and_step_records_through_a_live_cluster(served, capsys):
     steps = collect_steps(cluster, 0.0)
     assert {w["pool"] for w in steps.values()} == {"prefill", "decode"}
     # the prefill compute each usage reports is the wall time of the prefill steps that computed
-    # its prompt: 600 tokens in chunks of 256; the second prompt's 37 cached blocks skipped, 48
-    # tokens left; the third, 40 tokens (one request at a time: each step holds one prompt's chunk)
+    # its prompt: 600 tokens in one step (a prefill worker with no decode rows takes a prompt
+    # whole, engine/scheduler.py); the second prompt's 37 cached blocks skipped, 48 tokens left;
+    # the third, 40 tokens (one request at a time: each step holds one prompt)
     name, prefill = next((n, w["steps"]) for n, w in steps.items() if w["pool"] == "prefill")
     chunks = [s for s in prefill if s["seq"] > seen_steps.get(name, 0) and s["prefill_rows"]]
-    assert [s["prefill_tokens"] for s in chunks] == [256, 256, 88, 48, 40]
+    assert [s["prefill_tokens"] for s in chunks] == [600, 48, 40]
     assert [f.usage.cached_tokens for f in finals] == [0, 37 * 16, 0]
-    walls = [sum(s["wall_s"] for s in chunks[:3]), chunks[3]["wall_s"], chunks[4]["wall_s"]]
+    walls = [s["wall_s"] for s in chunks]
     assert [f.usage.prefill_compute_ms for f in finals] == pytest.approx([w * 1e3 for w in walls], rel=1e-4)
     name, decode = next((n, w["steps"]) for n, w in steps.items() if w["pool"] == "decode")
     mine = [s for s in decode if s["seq"] > seen_steps.get(name, 0)]
