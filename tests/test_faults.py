@@ -264,6 +264,10 @@ def test_drain_timeout_moves_the_remaining_requests(cluster, llama_dir):
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, client.tokens(prompts[i], max_tokens=300,
                                                                                             ignore_eos=True)))
                for i in range(2)]
+    # placement balances by the router's view (running from the last stats + in flight): start
+    # from a view that shows both decode workers idle, not the last test's stale counts
+    _wait(lambda: not any(w.running or w.inflight for w in cluster.router.pools.workers["decode"]), 20,
+          "the router's view of both decode workers idle")
     with faults(cluster, step_delay_s=0.02):  # 300 tokens: 6 s or more, far past the 1 s drain timeout
         for t in threads:
             t.start()
