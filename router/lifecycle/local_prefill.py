@@ -19,7 +19,8 @@ decodes on) instead of the prefill pool, when either
   `max_uncached_tokens` is still computing there): its rows' ITL grows by one chunk at most, and
   it lends the prefill pool its spare time without giving up its own (docs/roles.md).
 
-`LocalPrefill.set` changes the thresholds at run time (the planner sizes them from its profile).
+`LocalPrefill.set` changes the thresholds at run time; nothing calls it yet (`auto`, k = 1, wins on
+every workload measured with the one-at-a-time rule: docs/roles.md), so they stay the config's.
 """
 
 from __future__ import annotations
