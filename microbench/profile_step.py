@@ -236,7 +236,7 @@ def main() -> None:
     malloc.exec_as_worker(args.malloc)
     model = _model(args.model)
     cases = {f"decode b={b}": decode_case(model, b, args.context, args.steps, args.threads, args.dtype)
-             for b in (int(x) for x in args.batches.split(","))}
+             for b in (int(x) for x in args.batches.split(",") if x.strip())}  # "" : the prefill case alone
     if args.prefill:
         cases[f"prefill {args.prefill}"] = prefill_case(model, args.prefill, args.threads, args.dtype)
     if args.json:
