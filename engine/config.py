@@ -21,6 +21,8 @@ class EngineConfig:
     runtime_overhead: int = 256 << 20
     max_num_batched_tokens: int = 2048  # the per-step token budget (vLLM's CPU default; docs/engine_speed.md)
     chunk_size: int | None = 256  # longest prefill chunk; None = whole prompts (no chunking)
+    # prompts left part-way through their prefill at once (engine/scheduler.py); None = no limit
+    max_num_partial_prefills: int | None = 1
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True  # reuse the KV of full blocks seen before (protocol/block_hash.py)
     max_model_len: int | None = None  # None = the model's max_position_embeddings
@@ -44,6 +46,7 @@ class EngineConfig:
             "memory_fraction": 0.0 < self.memory_fraction <= 1.0,
             "max_num_batched_tokens": self.max_num_batched_tokens >= 1,
             "chunk_size": self.chunk_size is None or self.chunk_size >= 1,
+            "max_num_partial_prefills": self.max_num_partial_prefills is None or self.max_num_partial_prefills >= 1,
             "max_num_seqs": self.max_num_seqs >= 1,
             "dtype": self.dtype in ("auto", "float32", "bfloat16", "float16"),
             "compile": self.compile in ("auto", "on", "off"),

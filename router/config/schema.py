@@ -204,6 +204,7 @@ class SchedulerSection:
     max_num_batched_tokens: int = 2048
     chunk_size: int | None = 256  # null/off = whole prompts
     max_num_seqs: int = 64
+    max_num_partial_prefills: int | None = 1  # prompts part-way through their prefill at once; null = no limit
 
 
 @dataclass(frozen=True)
@@ -253,6 +254,7 @@ class ClusterConfig:
             num_blocks=pool.num_blocks or kv.num_blocks or emulated_num_blocks(self.emulate, kv.block_size), kv_cache_memory=parse_bytes(kv.memory) if kv.memory else None,
             memory_fraction=kv.memory_fraction, runtime_overhead=parse_bytes(kv.runtime_overhead),
             max_num_batched_tokens=self.scheduler.max_num_batched_tokens, chunk_size=self.scheduler.chunk_size,
+            max_num_partial_prefills=self.scheduler.max_num_partial_prefills,
             max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.model.max_model_len,
             torch_threads=None if pool.torch_threads == "auto" else pool.torch_threads,
             enable_prefix_caching=kv.prefix_caching,
