@@ -18,13 +18,16 @@ workers (capacity) and `t` the pool's current target:
   `scale_up_cooldown_s` of the pool's last change (the last step's effect has not shown yet), nor
   when workers started now would not shorten the waits (`Need.helps`: prefill whose warm workers
   clear the backlog before a new one is ready, the miss a long prompt's own prefill);
-- down: only with the SLO met, to ceil(peak / (target_utilization x (1 - band))), where peak is the
-  highest load of the last `scale_down_cooldown_s`, which already counts what the pool holds now
-  (decode: running and KV held): the survivors carry it at most at (1 - band) x the utilization
-  that would scale up again, so steady load settles instead of flapping 2 <-> 1; not within
+- down: only with the SLO met, to the fewest workers that carry the last `scale_down_cooldown_s`'s
+  work (its mean load, weighted by each evaluation's window, backlogs included: a short backlog
+  is worker-seconds spread over the window, not a level to hold) and what the pool holds now
+  (decode: running and KV held), both at <= (1 - band) x target_utilization, and that none of
+  the window's arrival rates (the forecast's, no backlog, nothing held) would scale up from (each
+  within target_utilization): so steady load settles instead of flapping 2 <-> 1; not within
   `scale_down_cooldown_s` of the pool's last change or of the first evaluation, unless that change
   grew it for a backlog now cleared: then at once to what the peak of its rate's load (no backlog)
-  needs (`cleared`), once, and not for a backlog back within the cooldown of such a release;
+  needs at (1 - band) x target_utilization (`cleared`), once, and not for a backlog back within
+  the cooldown of such a release;
 - a pool whose last scale is still in flight (workers starting, a drain) is held as it is;
 - otherwise hold. Then min/max per pool and the budget (both pools' total), never below a needed
   pool's min (>= 1): with no traffic every load is 0 and each pool goes to its min. When the budget
@@ -39,6 +42,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import deque
+from dataclasses import dataclass
 
 from router.autoscale.forecast import Holt
 from router.autoscale.observation import Decision, Observation, PoolDecision
@@ -48,6 +52,15 @@ from router.config.autoscale import AutoscaleSection
 
 CONFIRM = 1.0  # intervals a load over the target must last before a scale-up that is not urgent
 LENGTH_GAIN = 0.3  # EWMA weight of a window's mean prompt / output length and of its prefix-cache hit share
+
+
+@dataclass(frozen=True)
+class Window:
+    """The loads of the last scale_down_cooldown_s (worker-equivalents at full capacity)."""
+
+    mean: float  # weighted by each evaluation's window: the work done in it, backlogs included
+    arrivals_peak: float  # the highest of the forecast's arrival rates alone
+    rate_peak: float  # the highest of the rate's load (no backlog; decode: what it held included)
 
 
 class Planner:
@@ -60,7 +73,7 @@ class Planner:
         self._rates = {"requests": Holt(), "prompt_tokens": Holt()}
         self._lengths = {"prompt": 0.0, "output": 0.0}
         self._hit_share = 0.0  # of arriving prompt tokens, the share prefill finds cached (not computed)
-        self._history = {p: deque() for p in self.pools}  # (at, load): the peak a scale-down plans for
+        self._history = {p: deque() for p in self.pools}  # (at, window_s, load, rate's, arrivals'): what a scale-down plans for
         self._changed_at = {p: -math.inf for p in self.pools}
         self._over_since: dict[str, float | None] = dict.fromkeys(self.pools)  # since when its load asks for more
         self._for_backlog = dict.fromkeys(self.pools, False)  # its last change grew it for a backlog
@@ -80,7 +93,8 @@ class Planner:
             self.profile.learn(pool, [r for w in warm(obs.pools[pool].workers, self.cfg.warmup_s) for r in w.steps])
         load = self._forecast(obs)
         needs = self._needs(obs, load)
-        steady = {p: n.rate_load for p, n in needs.items()}  # what a scale-down plans for: the forecast, no backlog
+        # what a scale-down plans for: the forecast's rate (no backlog) and its arrivals alone
+        steady = {p: (n.rate_load, n.arrivals_load) for p, n in needs.items()}
         seen = self._seen(obs, load)
         if seen is not None and any(n.urgent for n in needs.values()):
             # a pool the load already hurts sizes for the rate just seen where the smoothed
@@ -151,14 +165,15 @@ class Planner:
                                    prompt_tokens_per_s=max(tokens, load.prompt_tokens_per_s))
 
     # ---- one pool ------------------------------------------------------------------------
-    def _size(self, pool: str, obs: Observation, need: Need, steady: float | None) -> tuple[int, str, str]:
+    def _size(self, pool: str, obs: Observation, need: Need, steady: tuple[float | None, float | None]) \
+            -> tuple[int, str, str]:
         """(desired size before the budget, why, cause). `steady`: the forecast's load without a
-        backlog, what a scale-down plans for."""
+        backlog, and of it the arrivals' alone (decode: without what it holds), what a scale-down plans for."""
         c, po = self.cfg, obs.pools[pool]
         lo, hi = self.bounds(pool)
         t, n = po.target, len(warm(po.workers, c.warmup_s))
         pending = po.starting + len(po.workers) - n
-        peak, peak_rate = self._peak(pool, obs.now, need.load, steady)
+        window = self._window(pool, obs, need.load, steady)
         exact = need.workers(c.target_utilization)
         up = math.ceil(exact - 1e-9) if need.load is not None and exact > 0 else 0
         if up > t and exact <= t * (1 + c.band / 2):
@@ -192,46 +207,62 @@ class Planner:
             why, cause = why + f"; SLO missed, {pending} worker(s) starting or warming up: waiting for them", "pending"
         elif need.pressure > 1 and not need.helps:
             why += "; SLO missed, but the warm workers clear the backlog before a new one would be ready: held"
-        elif peak is not None and need.pressure <= 1:
-            size, why, cause = self._down(pool, obs.now, need, (peak, peak_rate), why)
+        elif window is not None and need.pressure <= 1:
+            size, why, cause = self._down(pool, obs.now, need, window, why)
         if not lo <= size <= hi:
             why, cause = why + f"; held to [{lo}, {hi}] ({pool}_min, {pool}_max)", "bounds"
         return min(hi, max(lo, size)), why, cause
 
-    def _down(self, pool: str, now: float, need: Need, peaks: tuple[float, float], why: str) -> tuple[int, str, str]:
-        """A scale-down to what the survivors carry (the peak load at <= (1 - band) of the target
-        utilization), not within scale_down_cooldown_s of the pool's last change or of the start;
-        unless that change grew it for a backlog, now cleared (within the band of its rate's load):
-        the workers bought to clear it are a surplus the cooldown would hold idle, released down to
-        what the peak of its rate's load needs (the backlog's own peak is gone with it)."""
+    def _down(self, pool: str, now: float, need: Need, window: Window, why: str) -> tuple[int, str, str]:
+        """A scale-down to what the survivors carry, not within scale_down_cooldown_s of the pool's
+        last change or of the start; unless that change grew it for a backlog, now cleared (within
+        the band of its rate's load): the workers bought to clear it are a surplus the cooldown would
+        hold idle, released down to what the peak of its rate's load needs (the backlog's own peak
+        is gone with it)."""
         c, t = self.cfg, self._target[pool]
         quiet = now - max(self._changed_at[pool], self._started_at)
         cleared = self._for_backlog[pool] and need.backlog_load <= c.band * (need.rate_load or 0.0)
         if quiet < c.scale_down_cooldown_s and cleared:
-            down = ceil_workers(peaks[1], c.target_utilization * (1 - c.band))
+            down = ceil_workers(window.rate_peak, c.target_utilization * (1 - c.band))
             if down < t:
                 self._for_backlog[pool], self._released_at[pool] = False, now
                 return down, why + f"; down: the backlog it grew for is cleared, the survivors carry its rate's " \
-                    f"peak load {peaks[1]:.2f} at <= {1 - c.band:.0%} of target", "cleared"
-        down = ceil_workers(peaks[0], c.target_utilization * (1 - c.band))
+                    f"peak load {window.rate_peak:.2f} at <= {1 - c.band:.0%} of target", "cleared"
+        down = self._survivors(window, need)
         if down >= t:
             return t, why, "steady"
         if quiet < c.scale_down_cooldown_s:
             return t, why + f"; down held: {quiet:.0f} s since its last change or the start (scale_down_cooldown_s)", \
                 "cooldown"
         self._for_backlog[pool] = False
-        return down, why + f"; down: the survivors carry the peak load {peaks[0]:.2f} at <= {1 - c.band:.0%} of " \
-            "target", "survivors"
+        return down, why + f"; down: the survivors carry the window's work {window.mean:.2f} and what they hold " \
+            f"now {need.held:.2f} at <= {1 - c.band:.0%} of target, its arrivals' peak {window.arrivals_peak:.2f} " \
+            "within it", "survivors"
 
-    def _peak(self, pool: str, now: float, load: float | None, rate: float | None) -> tuple[float | None, float]:
-        """The highest load (None: none known) and the highest rate's load (the forecast's, no
-        backlog) of the last scale_down_cooldown_s."""
+    def _survivors(self, window: Window, need: Need) -> int:
+        """The fewest workers that carry the last scale_down_cooldown_s's work (its mean load,
+        backlogs included: a backlog is worker-seconds, not a level to hold) and what the pool holds
+        now at <= (1 - band) of the target utilization, and that none of the window's arrival
+        rates would have scaled up from (each within the target utilization): steady load settles."""
+        u, band = self.cfg.target_utilization, self.cfg.band
+        return max(ceil_workers(window.mean, u * (1 - band)), ceil_workers(need.held, u * (1 - band)),
+                   ceil_workers(window.arrivals_peak, u))
+
+    def _window(self, pool: str, obs: Observation, load: float | None,
+                steady: tuple[float | None, float | None]) -> Window | None:
+        """The last scale_down_cooldown_s's loads, this evaluation's included (None: none known)."""
         history = self._history[pool]
         if load is not None:
-            history.append((now, load, rate if rate is not None else load))
-        while history and history[0][0] < now - self.cfg.scale_down_cooldown_s:
+            rate = steady[0] if steady[0] is not None else load
+            arrivals = steady[1] if steady[1] is not None else rate
+            history.append((obs.now, max(obs.window_s, 1e-9), load, rate, arrivals))
+        while history and history[0][0] < obs.now - self.cfg.scale_down_cooldown_s:
             history.popleft()
-        return max((v for _, v, _ in history), default=None), max((r for _, _, r in history), default=0.0)
+        if not history:
+            return None
+        span = sum(w for _, w, *_ in history)
+        return Window(sum(w * load for _, w, load, _, _ in history) / span, max(a for *_, a in history),
+                      max(r for _, _, _, r, _ in history))
 
     @staticmethod
     def _describe(need: Need, up: int, n: int, pending: int, failed: int) -> str:

@@ -59,10 +59,19 @@ class Need:
     # workers started now would shorten the waits (prefill: False when those there clear the backlog
     # before a new one is ready; a miss then is of prompts already on their way, a long one's own prefill)
     helps: bool = True
+    # of `steady`, what the forecast's arrivals alone keep busy (decode: without what it holds now);
+    # None: all of `steady`
+    arrivals: float | None = None
+    held: float = 0.0  # what the pool holds now, worker-equivalents (decode: its requests and KV)
 
     @property
     def rate_load(self) -> float | None:
         return self.load if self.steady is None or self.load is None else min(self.steady, self.load)
+
+    @property
+    def arrivals_load(self) -> float | None:
+        rate = self.rate_load
+        return rate if self.arrivals is None or rate is None else min(self.arrivals, rate)
 
     @property
     def backlog_load(self) -> float:
@@ -161,7 +170,7 @@ class Sizer:
             return Need(0.0, pressure, figures, urgent)
         by_kv = kv_used / (kv_each * c.kv_high) if kv_each else 0.0
         if not self.profile.ready(pool):
-            return Need(by_kv or None, pressure, figures, urgent)
+            return Need(by_kv or None, pressure, figures, urgent, held=by_kv)
         context = load.prompt_len + load.output_len / 2
         slots = self.profile.decode_slots(pool, context, load.prompt_len + load.output_len, kv_each, c.itl_s,
                                           c.kv_high)
@@ -171,9 +180,12 @@ class Sizer:
         concurrent = max(load.requests_per_s * stay_s + coming, float(held))
         figures |= {"decode_slots_per_worker": float(slots), "decode_concurrent": concurrent,
                     "decode_from_backlog": coming, "decode_kv_load": by_kv, "decode_stay_s": stay_s}
-        urgent = urgent or max(held / slots, by_kv) > len(hot)  # what it holds now is past its warm workers
-        steady = max(max(load.requests_per_s * stay_s, float(held)) / slots, by_kv)
-        return Need(max(concurrent / slots, by_kv), pressure, figures, urgent, steady)
+        holding = max(held / slots, by_kv)
+        urgent = urgent or holding > len(hot)  # what it holds now is past its warm workers
+        arrivals = load.requests_per_s * stay_s / slots
+        steady = max(arrivals, holding)
+        return Need(max(concurrent / slots, by_kv), pressure, figures, urgent, steady, arrivals=arrivals,
+                    held=holding)
 
     def _backlog_coming(self, obs: Observation, load: Load, stay_s: float) -> float:
         """Requests the prefill backlog sends decode at once, on top of the forecast (disaggregated):
@@ -192,8 +204,9 @@ class Sizer:
         figures = {f"colocated_{k}": v for k, v in prefill.figures.items()} | decode.figures
         both = None if prefill.load is None or decode.load is None else prefill.load + decode.load
         steady = None if both is None else (prefill.rate_load or 0.0) + (decode.rate_load or 0.0)
+        arrivals = None if both is None else (prefill.arrivals_load or 0.0) + (decode.arrivals_load or 0.0)
         return Need(both, max(prefill.pressure, decode.pressure), figures, prefill.urgent or decode.urgent, steady,
-                    prefill.helps or decode.pressure > 1)
+                    prefill.helps or decode.pressure > 1, arrivals, decode.held)
 
     def _step_itl(self, hot: list[WorkerSample]) -> float | None:
         """The token gap of the warmed-up workers' decode steps at the SLO percentile (a step's

@@ -1,0 +1,68 @@
+"""The planner's scale-down (router/autoscale/planner.py `_survivors`), on hand-built observations
+of an H100 x Llama-3.1-8B cluster: the survivors carry the window's work, a short backlog
+amortized over it (worker-seconds, not a level to hold), and none of the window's arrival rates
+would scale them up again. Each with the contrast that fails without the rule."""
+
+from __future__ import annotations
+
+import math
+
+from router.autoscale import planner as planner_module
+from tests.autoscale_util import interval, planner, pool
+
+U, BAND = 0.8, 0.2  # the planner's defaults: target_utilization, band
+
+
+def _window(p, rates: list[int], backlog_at: int | None = None, size: int = 6):
+    """Evaluations every 10 s from t=1000 (the last at 1120: the first a scale-down may take) with `rates[k]` 8,000-token prompts arriving in each
+    10 s window, on `size` warm prefill workers; at `backlog_at` 60 of them (480k tokens) also wait
+    for a prefill slot, the oldest 0.5 s of a 5 s SLO (the workers clear it in ~3 s: no scale-up)."""
+    out = []
+    for k, arrivals in enumerate(rates):
+        queued = 60 if k == backlog_at else 0
+        out.append(p.decide(interval(1000.0 + 10 * k, pool("prefill", size), pool("decode", 2), arrivals=arrivals,
+                                     prompt=8000, output=200, ttft_q_s=0.4, queued=queued,
+                                     queued_prompt_tokens=8000 * queued, waiting_first=queued,
+                                     wait_q_s=0.5 if queued else 0.0)))
+    return out
+
+
+def _arrivals_load(d) -> float:
+    return d.inputs["prompt_tokens_per_s"] / d.inputs["prefill_tokens_per_s_per_worker"]
+
+
+def test_a_short_backlog_is_the_windows_work_not_a_level_the_survivors_hold(monkeypatch):
+    """Six prefill workers, a flat 5 requests/s (about 1.3 workers), and once a 480k-token backlog
+    that asks for ~3 workers more for one evaluation. After the cooldown the pool goes to what the
+    window's work needs (3); planning for its peak load, backlog included, holds 6."""
+    decisions = _window(planner(ttft_s=5.0), [50] * 13, backlog_at=4)
+    spike = decisions[4].inputs["prefill_load"]
+    assert spike > 6 * U * (1 - BAND) and all(d.desired("prefill") == 6 for d in decisions[:-1])
+    last = decisions[-1]
+    assert last.desired("prefill") == 3 and last.pools["prefill"].cause == "survivors", last.reason
+    loads = [d.inputs["prefill_load"] for d in decisions[1:]]
+    assert math.ceil(sum(loads) / len(loads) / (U * (1 - BAND))) <= 3 < math.ceil(spike / (U * (1 - BAND)))
+
+    def peak(self, window, need):  # the rule before: the window's peak load, backlog included
+        return math.ceil(max(h[2] for h in self._history["prefill"]) / (U * (1 - BAND)) - 1e-9)
+    monkeypatch.setattr(planner_module.Planner, "_survivors", peak)
+    assert _window(planner(ttft_s=5.0), [50] * 13, backlog_at=4)[-1].desired("prefill") == 6
+
+
+def test_the_survivors_are_a_size_no_arrival_rate_of_the_window_scales_up_from(monkeypatch):
+    """A flat 3 requests/s with one interval of 9: the window's mean fits 2 workers at (1 - band)
+    of the target, but at 2 that interval's rate would ask for more again (a flap). The pool
+    goes to the size that rate fits within the target utilization."""
+    rates = [30] * 13
+    rates[3] = 90
+    decisions = _window(planner(ttft_s=5.0), rates)
+    peak = max(_arrivals_load(d) for d in decisions[1:])
+    last = decisions[-1]
+    assert last.pools["prefill"].cause == "survivors", last.reason
+    assert last.desired("prefill") == math.ceil(peak / U) == 3
+
+    def unguarded(self, window, need):  # the window's work and what it holds, without the peak's guard
+        return max(planner_module.ceil_workers(window.mean, U * (1 - BAND)),
+                   planner_module.ceil_workers(need.held, U * (1 - BAND)))
+    monkeypatch.setattr(planner_module.Planner, "_survivors", unguarded)
+    assert _window(planner(ttft_s=5.0), rates)[-1].desired("prefill") == 2
