@@ -1,13 +1,15 @@
 """The planner's backlog sizing (router/autoscale/sizing.py, planner.py `_down`), on hand-built
 observations of an H100 x Llama-3.1-8B cluster: a backlog is sized for what is left when a new
 worker is ready, one long prompt is one busy worker, and the workers bought for a backlog are
-released once it is cleared, not held for the scale-down cooldown. Each with the contrast that
-fails without the rule."""
+released once it is cleared, not held for the scale-down cooldown; decode admits what prefill
+sends, but no more requests than there are. Each with the contrast that fails without the rule."""
 
 from __future__ import annotations
 
 import dataclasses
+import math
 
+from router.autoscale.observation import WorkerSample
 from tests.autoscale_util import interval, planner, pool
 
 
@@ -98,3 +100,26 @@ def test_a_miss_new_workers_cannot_shorten_adds_none():
     assert held.desired("prefill") == 2 and "before a new one would be ready" in held.pools["prefill"].reason
     stepped = missed(600_000)
     assert stepped.desired("prefill") > 2 and stepped.pools["prefill"].cause in ("slo", "forecast")
+
+
+def _finite_backlog():
+    """2 warm prefill and 2 warm decode workers (H100 KV), 3 requests/s of 15,000 tokens, and 8
+    prompts of 36,000 tokens waiting for prefill, the oldest 4.2 s of a 5 s SLO (urgent): the
+    conversation trace's bunches."""
+    decode = [WorkerSample(f"d{i}", 1000.0, 6000, 30_000, 16, 5, 0) for i in range(2)]
+    return planner(ttft_s=5.0, prefill_max=15, decode_max=15).decide(interval(
+        1000.0, pool("prefill", 2), pool("decode", decode), arrivals=30, prompt=15000, output=330, ttft_q_s=1.6,
+        queued=8, queued_prompt_tokens=8 * 36000, waiting_first=8, wait_q_s=4.2, waiting_prompts=(36000,) * 8,
+        decoding=10))
+
+
+def test_decode_admits_what_prefill_sends_but_no_more_requests_than_there_are():
+    """Prefill grows 2 -> 5 for the backlog; at full speed 5 workers would send decode ~10
+    requests/s, 3.2 workers' worth over a request's stay, but there are only 10 held + 8 waiting +
+    a stay's arrivals: decode keeps 2 (without the cap, 4)."""
+    d = _finite_backlog()
+    assert d.desired("prefill") == 5 and d.desired("decode") == 2, d.reason
+    f = d.inputs
+    full_speed = 5 * f["prefill_tokens_per_s_per_worker"] / 15000 * f["decode_stay_s"] / f["decode_slots_per_worker"]
+    there = (10 + 8 + 3.0 * f["decode_stay_s"]) / f["decode_slots_per_worker"]  # held, waiting, a stay's arrivals
+    assert full_speed > 3 and math.isclose(f["decode_admitting_load"], there)

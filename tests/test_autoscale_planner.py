@@ -305,7 +305,7 @@ def test_a_burst_is_sized_for_the_rate_just_seen_and_decode_for_what_prefill_sen
     with monkeypatch.context() as m:
         m.setattr(planner_module.Planner, "_seen", lambda self, obs, load: None)
         assert _burst_begins(planner(ttft_s=3.0, prefill_max=15, decode_max=15)).desired("prefill") < d.desired("prefill")
-    monkeypatch.setattr(planner_module.Planner, "_admitting", staticmethod(lambda needs, workers, load: needs["decode"]))
+    monkeypatch.setattr(planner_module.Planner, "_admitting", staticmethod(lambda needs, workers, load, obs: needs["decode"]))
     assert _burst_begins(planner(ttft_s=3.0, prefill_max=15, decode_max=15)).desired("decode") < d.desired("decode")
 
 

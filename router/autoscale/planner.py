@@ -10,7 +10,7 @@ workers (capacity) and `t` the pool's current target:
   cooldown) once the load passes t x target_utilization x (1 + band / 2), at once when the load
   already hurts (`Need.urgent`, router/autoscale/sizing.py: a backlog that will miss the TTFT SLO
   while arrivals outrun the warm workers, waits near a miss, KV waits; then for the rate just
-  seen where the smoothed forecast lags it), else only once it has asked for more for a whole
+  seen, at the Poisson lower bound of the window's count, where the smoothed forecast lags it), else only once it has asked for more for a whole
   interval (a later evaluation confirms it: a Poisson surge of a few seconds is not a trend); or
   to n + step when its SLO is missed now, where step grows with the miss
   (+1 .. doubling); a miss adds nothing while workers are still starting or warming (they are
@@ -96,15 +96,16 @@ class Planner:
         needs = self._needs(obs, load)
         # what a scale-down plans for: the forecast's rate (no backlog) and its arrivals alone
         steady = {p: (n.rate_load, n.arrivals_load) for p, n in needs.items()}
-        seen = self._seen(obs, load)
+        seen, arriving = self._seen(obs, load), load  # `arriving`: the load prefill is sized for
         if seen is not None and any(n.urgent for n in needs.values()):
             # a pool the load already hurts sizes for the rate just seen where the smoothed
             # forecast still lags it (the first seconds of a burst), as a panic window does
             now = self._needs(obs, seen)
             needs = {p: now[p] if n.urgent and (now[p].load or 0.0) > (n.load or 0.0) else n for p, n in needs.items()}
+            arriving = seen if "prefill" in needs and needs["prefill"] is now["prefill"] else load
         sized = {p: self._size(p, obs, needs[p], steady[p]) for p in self.pools if p == "prefill"}
         if "prefill" in needs and needs["prefill"].urgent and needs["prefill"].figures.get("prefill_excess_tokens"):
-            needs["decode"] = self._admitting(needs, sized["prefill"][0], load)
+            needs["decode"] = self._admitting(needs, sized["prefill"][0], arriving, obs)
         sized["decode"] = self._size("decode", obs, needs["decode"], steady["decode"])
         desired, budget_note = self._within_budget({p: d for p, (d, _, _) in sized.items()}, obs,
                                                    self._kv_need(obs, needs))
@@ -143,15 +144,19 @@ class Planner:
         return {"prefill": self.sizer.prefill(obs, load), "decode": self.sizer.decode(obs, load)}
 
     @staticmethod
-    def _admitting(needs: dict[str, Need], prefill_workers: int, load: Load) -> Need:
+    def _admitting(needs: dict[str, Need], prefill_workers: int, load: Load, obs: Observation) -> Need:
         """Decode's need while prefill clears a backlog: it must admit what `prefill_workers` send it
-        at full speed (requests/s x the time each stays on decode), or the KV it lacks stalls prefill."""
+        at full speed (requests/s x the time each stays on decode), or the KV it lacks stalls prefill;
+        but no more requests than there are to send within one stay: those it holds, those still
+        without a first token, and the arrivals of a stay at the rate prefill is sized for (a finite
+        backlog sent at full speed is over before decode fills with it)."""
         pf, need = needs["prefill"].figures, needs["decode"]
         slots, stay = need.figures.get("decode_slots_per_worker"), need.figures.get("decode_stay_s")
         if need.load is None or not slots or stay is None:
             return need
         sent = prefill_workers * pf.get("prefill_tokens_per_s_per_worker", 0.0) / load.prompt_len
-        admitting = sent * stay / slots
+        there = need.figures.get("decode_held", 0.0) + obs.waiting_first + load.requests_per_s * stay
+        admitting = min(sent * stay, there) / slots
         figures = need.figures | {"decode_admitting_load": admitting}
         return dataclasses.replace(need, load=max(need.load, admitting), figures=figures, urgent=True)
 
