@@ -76,15 +76,20 @@ def test_workers_grown_for_a_backlog_go_once_it_is_cleared_not_after_the_cooldow
     assert all(d.desired("prefill") == grown.desired("prefill") for d in quiet)
 
 
-def test_a_backlog_that_comes_back_soon_after_a_release_is_held_for_the_cooldown():
+def test_a_backlog_that_comes_back_soon_after_a_release_is_released_to_the_windows_work():
     """Backlogs that recur are load, not a one-off: the second, 70 s after the first's workers
-    were released, grows the pool again and its workers stay for scale_down_cooldown_s."""
+    were released (to its rate's peak: 1), grows the pool again; once it is cleared its workers
+    go down to what the window's work needs, both backlogs counted (not to 1 again, and not held
+    at 14 for the cooldown), and that size is held."""
     p = planner(ttft_s=3.0, prefill_max=32)
     _, after = _burst_then_quiet(150, 10, p)
-    assert after[0].pools["prefill"].cause == "cleared"
+    assert after[0].pools["prefill"].cause == "cleared" and after[0].desired("prefill") == 1
     again, later = _burst_then_quiet(150, 10, p, at=1080.0, size=after[-1].desired("prefill"))
     assert again.desired("prefill") > 10
-    assert all(d.desired("prefill") == again.desired("prefill") for d in later), [d.reason for d in later]
+    released = later[0].desired("prefill")
+    assert later[0].pools["prefill"].cause == "cleared" and 1 < released < again.desired("prefill"), later[0].reason
+    assert "a recurring backlog" in later[0].pools["prefill"].reason
+    assert all(d.desired("prefill") == released for d in later[1:]), [d.reason for d in later]
 
 
 def test_a_miss_new_workers_cannot_shorten_adds_none():
@@ -123,3 +128,20 @@ def test_decode_admits_what_prefill_sends_but_no_more_requests_than_there_are():
     full_speed = 5 * f["prefill_tokens_per_s_per_worker"] / 15000 * f["decode_stay_s"] / f["decode_slots_per_worker"]
     there = (10 + 8 + 3.0 * f["decode_stay_s"]) / f["decode_slots_per_worker"]  # held, waiting, a stay's arrivals
     assert full_speed > 3 and math.isclose(f["decode_admitting_load"], there)
+
+
+def test_a_step_for_a_miss_a_backlog_makes_goes_once_the_backlog_is_cleared():
+    """Five warm prefill workers, 700k prompt tokens waiting and the window's TTFT 3.3 s of 3 s:
+    the forecast asks for no more than 5, the miss steps up to 6 (cause `slo`), and what is left
+    when a new worker is ready is a backlog (`prefill_residual_s` > 0). Once it is cleared the pool
+    goes down at once (`cleared`), not after the cooldown."""
+    p = planner(ttft_s=3.0, prefill_max=32)
+
+    def observe(at: float, size: int, queued_tokens: int, **kw):
+        prefill = dataclasses.replace(pool("prefill", size, queued_tokens=queued_tokens), start_s=3.2)
+        return p.decide(interval(at, prefill, pool("decode", 2), arrivals=10, prompt=8000, output=200, **kw))
+    stepped = observe(1000.0, 5, 700_000, ttft_q_s=3.3, waiting_first=3, wait_q_s=0.5)
+    assert stepped.desired("prefill") == 6 and stepped.pools["prefill"].cause == "slo"
+    assert stepped.inputs["prefill_residual_s"] > 0
+    after = observe(1010.0, 6, 0, ttft_q_s=0.4)
+    assert after.pools["prefill"].cause == "cleared" and after.desired("prefill") < 6, after.reason

@@ -79,6 +79,7 @@ class Planner:
         self._over_since: dict[str, float | None] = dict.fromkeys(self.pools)  # since when its load asks for more
         self._for_backlog = dict.fromkeys(self.pools, False)  # its last change grew it for a backlog
         self._released_at = dict.fromkeys(self.pools, -math.inf)  # its last release of a backlog's workers
+        self._recurred = dict.fromkeys(self.pools, False)  # that growth came within scale_down_cooldown_s of a release
         self._target: dict[str, int] = {}  # each pool's target at this evaluation
         self._started_at: float | None = None  # the first evaluation: no scale-down within a cooldown of it
 
@@ -203,11 +204,11 @@ class Planner:
         if wanted > t:
             size, cause = wanted, "slo" if wanted > up else "forecast"
             why += "; up: " + ("its SLO is missed now" if cause == "slo" else "forecast + backlog")
-            # grown for a backlog beyond what its rate asks, and not one that came back within
-            # scale_down_cooldown_s of a release (backlogs that recur: the cooldown holds them)
-            self._for_backlog[pool] = cause == "forecast" and up > ceil_workers(
-                need.rate_load or 0.0, c.target_utilization) and obs.now - self._released_at[pool] >= \
-                c.scale_down_cooldown_s
+            # grown for a backlog: beyond what its rate asks, or a step for a miss a backlog makes;
+            # one back within scale_down_cooldown_s of a release recurs (released to the window's work)
+            self._for_backlog[pool] = up > ceil_workers(need.rate_load or 0.0, c.target_utilization) \
+                if cause == "forecast" else need.backlog_load > 0
+            self._recurred[pool] = obs.now - self._released_at[pool] < c.scale_down_cooldown_s
         elif slo > t:
             why, cause = why + f"; up held: {since:.0f} s since its last change (scale_up_cooldown_s)", "cooldown"
         elif unconfirmed:
@@ -227,16 +228,21 @@ class Planner:
         last change or of the start; unless that change grew it for a backlog, now cleared (within
         the band of its rate's load): the workers bought to clear it are a surplus the cooldown would
         hold idle, released down to what the peak of its rate's load needs (the backlog's own peak
-        is gone with it)."""
+        is gone with it); or, for a backlog back within the cooldown of such a release (backlogs
+        that recur are load), to what the survivors carry (the window's work counts them)."""
         c, t = self.cfg, self._target[pool]
         quiet = now - max(self._changed_at[pool], self._started_at)
         cleared = self._for_backlog[pool] and need.backlog_load <= c.band * (need.rate_load or 0.0)
         if quiet < c.scale_down_cooldown_s and cleared:
-            down = ceil_workers(window.rate_peak, c.target_utilization * (1 - c.band))
+            recurred = self._recurred[pool]
+            down = self._survivors(window, need) if recurred else \
+                ceil_workers(window.rate_peak, c.target_utilization * (1 - c.band))
             if down < t:
                 self._for_backlog[pool], self._released_at[pool] = False, now
-                return down, why + f"; down: the backlog it grew for is cleared, the survivors carry its rate's " \
-                    f"peak load {window.rate_peak:.2f} at <= {1 - c.band:.0%} of target", "cleared"
+                carry = f"the window's work {window.mean:.2f} (a recurring backlog)" if recurred else \
+                    f"its rate's peak load {window.rate_peak:.2f}"
+                return down, why + f"; down: the backlog it grew for is cleared, the survivors carry {carry} at " \
+                    f"<= {1 - c.band:.0%} of target", "cleared"
         down = self._survivors(window, need)
         if down >= t:
             return t, why, "steady"
