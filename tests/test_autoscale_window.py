@@ -1,7 +1,8 @@
-"""The planner's scale-down (router/autoscale/planner.py `_survivors`), on hand-built observations
-of an H100 x Llama-3.1-8B cluster: the survivors carry the window's work, a short backlog
-amortized over it (worker-seconds, not a level to hold), and none of the window's arrival rates
-would scale them up again. Each with the contrast that fails without the rule."""
+"""The planner's windows, on hand-built observations of an H100 x Llama-3.1-8B cluster: a
+scale-down (router/autoscale/planner.py `_survivors`) leaves survivors that carry the window's
+work, a short backlog amortized over it (worker-seconds, not a level to hold), and that none of
+the window's arrival rates would scale up again; an early evaluation's short window reads its
+arrivals at their Poisson lower bound (`_seen`). Each with the contrast that fails without the rule."""
 
 from __future__ import annotations
 
@@ -66,3 +67,26 @@ def test_the_survivors_are_a_size_no_arrival_rate_of_the_window_scales_up_from(m
                    planner_module.ceil_workers(need.held, U * (1 - BAND)))
     monkeypatch.setattr(planner_module.Planner, "_survivors", unguarded)
     assert _window(planner(ttft_s=5.0), rates)[-1].desired("prefill") == 2
+
+
+def _bunch(p):
+    """Three prefill workers at 3 requests/s of 15,000 tokens; then an early evaluation whose 1.3 s
+    window saw 12 arrivals (9 requests/s by its count) and 350k tokens waiting, the oldest 4.1 s
+    of a 5 s SLO (urgent): the conversation trace's bunches."""
+    for k in range(6):
+        p.decide(interval(10.0 * k, pool("prefill", 3), pool("decode", 2), arrivals=30, prompt=15000, output=330,
+                          ttft_q_s=1.5))
+    return p.decide(interval(51.3, pool("prefill", 3), pool("decode", 2), arrivals=12, prompt=15000, output=330,
+                             window_s=1.3, ttft_q_s=2.0, queued=20, queued_prompt_tokens=350_000, waiting_first=20,
+                             wait_q_s=4.1))
+
+
+def test_a_bunch_in_an_early_evaluations_second_is_not_yet_a_rate(monkeypatch):
+    """The window's 12 arrivals, two standard deviations below their count (5.1), read as 3.9
+    requests/s: the pool grows for the backlog, 3 -> 5. Read at face value (9 requests/s, arrivals
+    outrunning the 3 warm workers) it asks 8 prefill and 8 decode."""
+    d = _bunch(planner(ttft_s=5.0, prefill_max=15, decode_max=15))
+    assert (d.desired("prefill"), d.desired("decode")) == (5, 5), d.reason
+    monkeypatch.setattr(planner_module, "SEEN_Z", 0.0)
+    face = _bunch(planner(ttft_s=5.0, prefill_max=15, decode_max=15))
+    assert (face.desired("prefill"), face.desired("decode")) == (8, 8), face.reason
