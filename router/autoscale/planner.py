@@ -25,9 +25,10 @@ workers (capacity) and `t` the pool's current target:
   the window's arrival rates (the forecast's, no backlog, nothing held) would scale up from (each
   within target_utilization): so steady load settles instead of flapping 2 <-> 1; not within
   `scale_down_cooldown_s` of the pool's last change or of the first evaluation, unless that change
-  grew it for a backlog now cleared: then at once to what the peak of its rate's load (no backlog)
-  needs at (1 - band) x target_utilization (`cleared`), once, and not for a backlog back within
-  the cooldown of such a release;
+  grew it for a backlog now cleared (beyond what its rate asks, or an SLO step while a backlog is
+  left when a new worker would be ready): then at once to what the peak of its rate's load (no
+  backlog) needs at (1 - band) x target_utilization (`cleared`), once; for a backlog back within
+  the cooldown of such a release (recurring: load), only down to what the survivors carry;
 - a pool whose last scale is still in flight (workers starting, a drain) is held as it is;
 - otherwise hold. Then min/max per pool and the budget (both pools' total), never below a needed
   pool's min (>= 1): with no traffic every load is 0 and each pool goes to its min. When the budget
