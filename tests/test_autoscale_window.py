@@ -82,11 +82,11 @@ def _bunch(p):
 
 
 def test_a_bunch_in_an_early_evaluations_second_is_not_yet_a_rate(monkeypatch):
-    """The window's 12 arrivals, two standard deviations below their count (5.1), read as 3.9
-    requests/s: the pool grows for the backlog, 3 -> 5. Read at face value (9 requests/s, arrivals
-    outrunning the 3 warm workers) it asks 8 prefill and 8 decode."""
+    """The window's 12 arrivals, one standard deviation below their count (8.5), read as 6.6
+    requests/s: the pool grows for the backlog, 3 -> 7 prefill, 2 -> 6 decode. Read at face value
+    (9.2 requests/s) it asks 8 prefill and 8 decode."""
     d = _bunch(planner(ttft_s=5.0, prefill_max=15, decode_max=15))
-    assert (d.desired("prefill"), d.desired("decode")) == (5, 5), d.reason
+    assert (d.desired("prefill"), d.desired("decode")) == (7, 6), d.reason
     monkeypatch.setattr(planner_module, "SEEN_Z", 0.0)
     face = _bunch(planner(ttft_s=5.0, prefill_max=15, decode_max=15))
     assert (face.desired("prefill"), face.desired("decode")) == (8, 8), face.reason

@@ -52,7 +52,7 @@ from router.autoscale.sizing import Load, Need, Sizer, ceil_workers, warm
 from router.config.autoscale import AutoscaleSection
 
 CONFIRM = 1.0  # intervals a load over the target must last before a scale-up that is not urgent
-SEEN_Z = 2.0  # a window's arrival count, less this many standard deviations (Poisson: its square root), is its rate seen
+SEEN_Z = 1.0  # a window's arrival count, less this many standard deviations (Poisson: its square root), is its rate seen
 LENGTH_GAIN = 0.3  # EWMA weight of a window's mean prompt / output length and of its prefix-cache hit share
 
 
@@ -165,8 +165,8 @@ class Planner:
     def _seen(self, obs: Observation, load: Load) -> Load | None:
         """The window's own arrival rates where they are above the forecast's (else None), at the
         Poisson lower bound of its count (SEEN_Z standard deviations below it): in an early
-        evaluation's second or two a dozen coinciding arrivals are a bunch, not yet a rate, while
-        a burst's dozens still read as one."""
+        evaluation's second or two a dozen coinciding arrivals are partly a bunch, while a burst's
+        dozens or hundreds read as a rate within 10-15%."""
         window = max(obs.window_s, 1e-9)
         requests = max(0.0, obs.arrivals - SEEN_Z * math.sqrt(obs.arrivals)) / window
         tokens = requests * obs.prompt.mean * (1 - self._hit_share)
