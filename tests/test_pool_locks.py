@@ -16,7 +16,8 @@ import pytest
 from protocol.messages import WorkerInfo
 from router.config.loader import parse_config
 from router.lifecycle.outcomes import CannotChangeRole
-from router.pools.manager import PoolManager
+from router.pools.manager import PoolManager, scale_down_victims
+from router.pools.worker_view import WorkerView
 
 
 class _Ready:
@@ -106,3 +107,21 @@ def test_a_role_change_waits_for_a_scale_of_either_pool():
         with pytest.raises(CannotChangeRole, match="is a prefill worker already"):
             await change
     asyncio.run(run())
+
+
+def _view(name: str, ready_at: float, inflight: int) -> WorkerView:
+    return WorkerView(WorkerInfo(name, name.split("-")[0], "127.0.0.1", num_blocks=64, block_size=16), None,
+                      ready_at=ready_at, inflight={f"a{i}" for i in range(inflight)})
+
+
+def test_a_scale_down_drains_warming_workers_before_warm_ones():
+    """The bursty case's release: 2 warm workers and 9 warming, the warm ones idle, 4 to go. The
+    warming go first (the planner counts only warm workers as capacity: draining the warm ones
+    left it none and it grew again), the fewest in flight first among them, then the newest."""
+    warm = [_view("prefill-0", 0.0, 0), _view("prefill-1", 0.0, 0)]
+    warming = [_view(f"prefill-{i}", 60.0, i % 3) for i in range(2, 11)]
+    victims = scale_down_victims(warm + warming, 4, now=70.0, warmup_s=30.0)
+    assert [w.name for w in victims] == ["prefill-9", "prefill-6", "prefill-3", "prefill-10"]
+    # all warm: the quickest to drain, then the newest (the order before)
+    aged = scale_down_victims(warm + warming, 5, now=200.0, warmup_s=30.0)
+    assert [w.name for w in aged] == ["prefill-9", "prefill-6", "prefill-3", "prefill-1", "prefill-0"]

@@ -199,8 +199,8 @@ class PoolManager:
                 views = await asyncio.gather(*(self._start_one(pool) for _ in range(replicas - len(current))))
                 return [v.name for v in views], []
             self.health[pool].target = replicas
-            victims = sorted(current, key=lambda w: (len(w.inflight), -int(w.name.split("-")[1])))
-            victims = victims[:len(current) - replicas]
+            victims = scale_down_victims(current, len(current) - replicas, clock.now(),
+                                         self.config.router.autoscale.warmup_s)
             for w in victims:
                 w.drain()
             await asyncio.gather(*(self._drain_and_stop(w) for w in victims))
@@ -340,3 +340,13 @@ class PoolManager:
         self.placer.forget(w)
         if w in self.workers[w.info.pool]:
             self.workers[w.info.pool].remove(w)
+
+
+def scale_down_victims(workers: list[WorkerView], count: int, now: float, warmup_s: float) -> list[WorkerView]:
+    """The `count` workers a scale-down drains: those still warming up first (ready less than
+    `warmup_s` ago: not yet capacity to the planner, router/autoscale/sizing.py `warm`; draining
+    the warm ones while others warm left a pool the planner saw as empty, and it grew again), then
+    the fewest requests in flight (the quickest to drain), then the newest."""
+    def order(w: WorkerView) -> tuple[bool, int, int]:
+        return now - w.ready_at >= warmup_s, len(w.inflight), -int(w.name.split("-")[1])
+    return sorted(workers, key=order)[:count]
