@@ -22,7 +22,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 2048  # the per-step token budget (vLLM's CPU default; docs/engine_speed.md)
     chunk_size: int | None = 256  # longest prefill chunk; None = whole prompts (no chunking)
     # prompts left part-way through their prefill at once (engine/scheduler.py); None = no limit
-    max_num_partial_prefills: int | None = 1
+    max_num_partial_prefills: int | None = None
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True  # reuse the KV of full blocks seen before (protocol/block_hash.py)
     max_model_len: int | None = None  # None = the model's max_position_embeddings

@@ -124,17 +124,17 @@ def _first_token_work(engine: LLMEngine, prompts: list[list[int]]) -> tuple[dict
 
 
 def test_one_partial_prefill_at_a_time_gives_first_tokens_in_arrival_order(llama_dir):
-    """max_num_partial_prefills 1 (the default): prompts waiting together are prefilled one after
+    """max_num_partial_prefills 1: prompts waiting together are prefilled one after
     another, so the first gets its first token after its own prompt and at most a chunk of the next
     (not after a chunk of every waiting prompt), in arrival order, each step leaving at most one
-    prompt part-way; without a limit every prompt takes a chunk each step."""
+    prompt part-way; without a limit (the default) every prompt takes a chunk each step."""
     prompts = _prompts(4, seed=44, lo=30, hi=40)
-    one = _engine(llama_dir, chunk_size=8, max_num_batched_tokens=64, enable_prefix_caching=False)
+    one = _engine(llama_dir, chunk_size=8, max_num_batched_tokens=64, enable_prefix_caching=False,
+                  max_num_partial_prefills=1)
     work, most_partial = _first_token_work(one, prompts)
     assert work["r0"] <= len(prompts[0]) + 8 and most_partial == 1
     assert sorted(work, key=work.get) == ["r0", "r1", "r2", "r3"]
-    unlimited = _engine(llama_dir, chunk_size=8, max_num_batched_tokens=64, enable_prefix_caching=False,
-                        max_num_partial_prefills=None)
+    unlimited = _engine(llama_dir, chunk_size=8, max_num_batched_tokens=64, enable_prefix_caching=False)
     work_all, most_partial_all = _first_token_work(unlimited, prompts)
     assert work_all["r0"] >= 3 * len(prompts[0]) and most_partial_all == 4
     assert sum(work.values()) < sum(work_all.values())
@@ -142,7 +142,7 @@ def test_one_partial_prefill_at_a_time_gives_first_tokens_in_arrival_order(llama
 
 def test_one_partial_prefill_matches_generate(llama_dir):
     prompts = _prompts(4, seed=45, lo=20, hi=60)
-    engine = _engine(llama_dir, chunk_size=8, max_num_batched_tokens=64)
+    engine = _engine(llama_dir, chunk_size=8, max_num_batched_tokens=64, max_num_partial_prefills=1)
     for i, p in enumerate(prompts):
         engine.add_request(f"c{i}", prompt_token_ids=p, sampling=SamplingParams(max_tokens=8, ignore_eos=True))
     out = _run_to_end(engine)
@@ -350,6 +350,6 @@ def test_a_bad_partial_prefill_limit_names_the_key(value, message):
 
 
 def test_the_partial_prefill_limit_reaches_the_engine():
-    assert parse_config({}).engine_config(parse_config({}).decode).max_num_partial_prefills == 1
-    off = parse_config({"scheduler": {"max_num_partial_prefills": None}})
-    assert off.engine_config(off.decode).max_num_partial_prefills is None
+    assert parse_config({}).engine_config(parse_config({}).decode).max_num_partial_prefills is None
+    one = parse_config({"scheduler": {"max_num_partial_prefills": 1}})
+    assert one.engine_config(one.decode).max_num_partial_prefills == 1

@@ -204,7 +204,7 @@ class SchedulerSection:
     max_num_batched_tokens: int = 2048
     chunk_size: int | None = 256  # null/off = whole prompts
     max_num_seqs: int = 64
-    max_num_partial_prefills: int | None = 1  # prompts part-way through their prefill at once; null = no limit
+    max_num_partial_prefills: int | None = None  # prompts part-way through their prefill at once; null = no limit
 
 
 @dataclass(frozen=True)
