@@ -39,8 +39,8 @@ class AutoscaleSection:
     cost_per_worker_hour: float = 1.0  # what one worker (one device) costs an hour, in your currency
     interval_s: float = 10.0  # one decision per interval; its observation window is the interval
     scale_up_cooldown_s: float = 30.0  # after a change to a pool, no SLO-driven step up of it for this long
-    scale_down_cooldown_s: float = 120.0  # after a change, no scale-down for this long; the load a
-    # scale-down plans for is the highest of this long
+    scale_down_cooldown_s: float = 120.0  # after a change, no scale-down for this long; a scale-down
+    # plans for this long's work (its mean load, backlogs included) and its highest arrival rate
     band: float = 0.2  # hysteresis: scale down only to a size the load fills at most (1 - band) x target_utilization
     target_utilization: float = 0.8  # share of a worker's modelled capacity the planner fills
     kv_high: float = 0.9  # decode KV use (blocks used / total) above which decode is full
