@@ -44,6 +44,7 @@ import dataclasses
 import math
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from router.autoscale.forecast import Holt
 from router.autoscale.observation import Decision, Observation, PoolDecision
@@ -54,6 +55,16 @@ from router.config.autoscale import AutoscaleSection
 CONFIRM = 1.0  # intervals a load over the target must last before a scale-up that is not urgent
 SEEN_Z = 1.0  # a window's arrival count, less this many standard deviations (Poisson: its square root), is its rate seen
 LENGTH_GAIN = 0.3  # EWMA weight of a window's mean prompt / output length and of its prefix-cache hit share
+
+
+class Sample(NamedTuple):
+    """One evaluation's loads, as a scale-down remembers them (worker-equivalents at full capacity)."""
+
+    at: float
+    window_s: float  # the evaluation's window: its weight in the mean
+    load: float  # backlogs included
+    rate: float  # the forecast rate's alone (decode: what it held included)
+    arrivals: float  # the forecast's arrivals alone
 
 
 @dataclass(frozen=True)
@@ -75,7 +86,7 @@ class Planner:
         self._rates = {"requests": Holt(), "prompt_tokens": Holt()}
         self._lengths = {"prompt": 0.0, "output": 0.0}
         self._hit_share = 0.0  # of arriving prompt tokens, the share prefill finds cached (not computed)
-        self._history = {p: deque() for p in self.pools}  # (at, window_s, load, rate's, arrivals'): what a scale-down plans for
+        self._history: dict[str, deque[Sample]] = {p: deque() for p in self.pools}  # what a scale-down plans for
         self._changed_at = {p: -math.inf for p in self.pools}
         self._over_since: dict[str, float | None] = dict.fromkeys(self.pools)  # since when its load asks for more
         self._for_backlog = dict.fromkeys(self.pools, False)  # its last change grew it for a backlog
@@ -271,14 +282,14 @@ class Planner:
         if load is not None:
             rate = steady[0] if steady[0] is not None else load
             arrivals = steady[1] if steady[1] is not None else rate
-            history.append((obs.now, max(obs.window_s, 1e-9), load, rate, arrivals))
-        while history and history[0][0] < obs.now - self.cfg.scale_down_cooldown_s:
+            history.append(Sample(obs.now, max(obs.window_s, 1e-9), load, rate, arrivals))
+        while history and history[0].at < obs.now - self.cfg.scale_down_cooldown_s:
             history.popleft()
         if not history:
             return None
-        span = sum(w for _, w, *_ in history)
-        return Window(sum(w * load for _, w, load, _, _ in history) / span, max(a for *_, a in history),
-                      max(r for _, _, _, r, _ in history))
+        span = sum(h.window_s for h in history)
+        return Window(sum(h.window_s * h.load for h in history) / span, max(h.arrivals for h in history),
+                      max(h.rate for h in history))
 
     @staticmethod
     def _describe(need: Need, up: int, n: int, pending: int, failed: int) -> str:
