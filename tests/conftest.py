@@ -89,10 +89,16 @@ def _stop_shared() -> None:
 def no_shared_ray():
     """For a module that starts Ray nodes of its own: the shared clusters and Ray stop first
     (the next module that asks for them starts them again)."""
+    import os
+
     import ray
 
+    from router import leftovers
+
     _stop_shared()
+    leftovers.adopt_orphans()  # the dying raylet's agents become ours, to end before the next start
     ray.shutdown()
+    leftovers.end(leftovers.below(os.getpid()))
 
 
 @pytest.fixture(scope="session")
