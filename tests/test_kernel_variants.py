@@ -19,8 +19,11 @@ from protocol.sampling import SamplingParams
 from tests.kernel_util import KERNELS, attention_reference
 from tests.reference import hf_greedy
 
-# native's builds run every other kernel test (tests/test_cpu_kernel.py and the rest); here the others
-VARIANTS = pytest.mark.parametrize("variant", [v for v in kernel_build.VARIANTS if v != "native"])
+# native's builds run every other kernel test (tests/test_cpu_kernel.py and the rest); here the others.
+# noamx is native less AMX: a build of its own only where the CPU has AMX (elsewhere it is native's code)
+AMX_CPU = "amx_tile" in kernel_build.cpu_flags().split()
+VARIANTS = pytest.mark.parametrize("variant", [v for v in kernel_build.VARIANTS
+                                               if v != "native" and (v != "noamx" or AMX_CPU)])
 PROMPTS = [[5, 17, 300, 42, 8, 99, 1000, 7, 7, 31, 64, 2, 5, 900, 12, 13, 14], [40, 41], list(range(100, 140))]
 
 
@@ -45,7 +48,8 @@ def built():
 @VARIANTS
 def test_each_variant_says_what_it_runs(built, variant):
     k = built(variant)
-    expected = {"avx2": "AVX2 (avx2 build; no AMX in this build)",
+    expected = {"noamx": "AVX512-BF16, AVX-512, AVX2 (noamx build; no AMX in this build)",
+                "avx2": "AVX2 (avx2 build; no AMX in this build)",
                 "avx512": "AVX-512, AVX2 (avx512 build; no AMX in this build)"}
     assert k.variant == variant and k.paths() == expected[variant]
     assert k.best() == k.paths().split(",")[0].split(" (")[0]

@@ -1,12 +1,13 @@
 """Builds pdserve's CPU kernels (engine/kernels/csrc) into one shared library per variant, cached by content.
 
 A variant is the instruction set the build targets (`VARIANTS`): `native` (`-march=native`, the
-default: whatever this CPU has, AMX included), `avx512` (AVX-512 without AVX512-BF16 or AMX, as on
+default: whatever this CPU has, AMX included), `noamx` (native without the AMX instruction sets:
+on an AMX host, the build an AVX512-BF16 CPU without AMX runs, for comparing the two), `avx512` (AVX-512 without AVX512-BF16 or AMX, as on
 Skylake-X / Cascade Lake) or `avx2` (x86-64-v3: AVX2 + FMA, no AVX-512). `$PDSERVE_KERNEL_ARCH`
 picks one; tests build every one on one host, so each branch of the C code is compiled and run.
 
 The library lands in `$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`), named by a hash
-of the sources and headers, the compiler, its flags and (native only) the CPU's flags, so a changed
+of the sources and headers, the compiler, its flags and (native and noamx only) the CPU's flags, so a changed
 source, compiler or variant builds anew and processes on a host share one build. A cached library
 is loaded only if this user owns it and nobody else can write it or its directory; one that fails
 that is rebuilt in its place, or refused where it cannot be.
@@ -37,7 +38,8 @@ HEADERS = tuple(sorted(CSRC.glob("*.h")))
 COMMON_FLAGS = ("-O3", "-fopenmp", "-fPIC", "-shared", "-std=gnu11", "-fvisibility=hidden", "-Wno-psabi",
                 "-Werror=implicit-function-declaration")
 VARIANT_ENV = "PDSERVE_KERNEL_ARCH"
-VARIANTS = {"native": "-march=native", "avx512": "-march=skylake-avx512", "avx2": "-march=x86-64-v3"}
+VARIANTS = {"native": ("-march=native",), "noamx": ("-march=native", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"),
+            "avx512": ("-march=skylake-avx512",), "avx2": ("-march=x86-64-v3",)}
 # /proc/cpuinfo flags a variant's code needs (the ones its -march turns on that the kernels use)
 NEEDS = {"avx512": ("avx512f", "avx512bw", "avx512dq", "avx512vl", "avx2", "fma", "f16c"),
          "avx2": ("avx2", "fma", "f16c", "bmi2")}
@@ -53,7 +55,7 @@ def variant() -> str:
 
 
 def flags(name: str) -> tuple[str, ...]:
-    return (*COMMON_FLAGS, VARIANTS[name])
+    return (*COMMON_FLAGS, *VARIANTS[name])
 
 
 def cache_dir() -> Path:
@@ -77,7 +79,7 @@ def cpu_flags() -> str:
 
 def check_runs_here(name: str) -> None:
     """KernelUnavailable where this CPU lacks an instruction set the variant's code uses."""
-    if name == "native":
+    if name in ("native", "noamx"):
         return
     have = set(cpu_flags().partition(":")[2].split())
     lacking = [flag for flag in NEEDS[name] if flag not in have]
@@ -107,7 +109,7 @@ def build(cc: str, name: str = "native") -> Path:
         raise KernelUnavailable(f"{cc} --version failed: {e}") from e
     sources = [f"{path.name}\0{path.read_text()}" for path in (*SOURCES, *HEADERS)]
     # -march=native: the CPU's flags are part of the name, so hosts sharing a cache never share a build
-    host = cpu_flags() if name == "native" else ""
+    host = cpu_flags() if VARIANTS[name][0] == "-march=native" else ""
     key = hashlib.sha256("\0".join([*sources, cc, version, *flags(name), sys.platform, host]).encode())
     target = cache_dir() / f"pdserve_kernels-{name}-{key.hexdigest()[:16]}.so"
     _make_dir(target.parent)
