@@ -17,7 +17,7 @@ from engine.kernels.cpu_ops import KernelUnavailable
 from engine.llm_engine import LLMEngine
 from protocol.sampling import SamplingParams
 from tests.kernel_util import KERNELS, attention_reference
-from tests.reference import hf_greedy
+from tests.reference import bf16_near_ties, hf_greedy
 
 # native's builds run every other kernel test (tests/test_cpu_kernel.py and the rest); here the others.
 # noamx is native less AMX: a build of its own only where the CPU has AMX (elsewhere it is native's code)
@@ -137,7 +137,16 @@ def test_real_head_dims_give_transformers_greedy_tokens(built, variant, dtype, h
                                     cpu_kernels="on"))
     assert engine.runner.shape.head_dim == head_dim and engine.runner.decode_kernel is not None
     got = engine.generate(PROMPTS, SamplingParams(max_tokens=8, ignore_eos=True))
-    assert got == [_greedy(path, p, 8, dtype) for p in PROMPTS]
+    if dtype == "float32":
+        assert got == [_greedy(path, p, 8, dtype) for p in PROMPTS]
+        return
+    # bfloat16: generate's tokens, except where a step's two best logits are a bfloat16 rounding apart
+    # (on AMX hosts the engine's tiles and transformers' oneDNN sum in different orders: 2026-12-05,
+    # this 17-token prompt's first logits 13.875 / 13.8125, the float32 model's 13.887 / 13.834); such a
+    # sequence is checked token by token on transformers' logits along the engine's own tokens
+    for prompt, tokens in zip(PROMPTS, got, strict=True):
+        if tokens != _greedy(path, prompt, 8, dtype):
+            assert bf16_near_ties(path, prompt, tokens), "differs from generate with no near-tie on its way"
 
 
 def _greedy(path: str, prompt: list[int], tokens: int, dtype: str) -> list[int]:

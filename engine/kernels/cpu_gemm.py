@@ -156,7 +156,7 @@ class AmxGemm:
 
 class Bf16Gemm:
     """`pd_bf16_gemm`: bfloat16 `x @ W^T + bias` on `AmxGemm.pack`'s panels, on AMX tiles where they
-    run (up to 64 rows), else by AVX512-BF16's vdpbf16ps (any row count: engine/kernels/csrc/bf16_gemm.c);
+    run, else by AVX512-BF16's vdpbf16ps, any row count (engine/kernels/csrc/bf16_gemm.c);
     the one bfloat16 GEMM `PackedLinear` and the kernel layers call, so both take the same path. `path`
     says which, or "" where neither runs here (oneDNN takes bfloat16's linears)."""
 
@@ -167,6 +167,7 @@ class Bf16Gemm:
     # EPYC Zen 4 (2026-12-04, engine steps side by side, oneDNN's linears / cut at 32 / every product):
     # a 512-token prompt 273.7 / 276.8 / 245.4 ms, a 48-row decode step 590 / 560 / 391 ms (a loaded host)
     VECTOR_ROWS: int | None = None
+    kernel_rows = None  # one call takes any row count (on AMX tiles 64 at a time, the same bits)
 
     def __init__(self, lib: ctypes.CDLL, amx: AmxGemm) -> None:
         self._gemm, self._path, self._greedy = lib.pd_bf16_gemm, lib.pd_bf16_gemm_path, lib.pd_bf16_greedy
@@ -195,11 +196,6 @@ class Bf16Gemm:
         return bool(self.path)
 
     @property
-    def kernel_rows(self) -> int | None:
-        """The most rows one call takes (None: any)."""
-        return AmxGemm.kernel_rows if self.path == "AMX" else None
-
-    @property
     def max_rows(self) -> int | None:
         """`PackedLinear`'s cut (None: every product, and no oneDNN copy of the weights)."""
         return AmxGemm.max_rows if self.path == "AMX" else self.VECTOR_ROWS
@@ -211,11 +207,10 @@ class Bf16Gemm:
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
                  threads: int | None = None) -> torch.Tensor:
-        """x `[M, K]` bfloat16 (rows contiguous, M <= kernel_rows where that is set) -> `[M, n]` bfloat16."""
+        """x `[M, K]` bfloat16 (rows contiguous) -> `[M, n]` bfloat16."""
         checks.rows_of("bfloat16 gemm: x", x, (torch.bfloat16,))
         return _panels_gemm(self._gemm, "bfloat16 GEMM", x, panels, bias, n, threads,
-                            lambda rc: f"pd_bf16_gemm failed ({rc}): no bfloat16 GEMM here, or {x.shape[0]} rows "
-                                       f"past its {self.kernel_rows}")
+                            lambda rc: f"pd_bf16_gemm failed ({rc}): no bfloat16 GEMM here")
 
 
 def _panels_gemm(gemm, name: str, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,

@@ -246,14 +246,20 @@ static int64_t merge_best(const best16 *best, int rows, int teams, int r) {
 #endif
 
 /* x [rows][k] bfloat16, rows x_stride apart -> out [rows][n] bfloat16, rows out_stride apart; panels
-   from pd_amx_pack; bias [n] bfloat16 or NULL. On AMX tiles where they run (up to 64 rows), else by
-   vdpbf16ps (any row count). Returns 0; -1 where neither runs here or rows is out of range (nothing
+   from pd_amx_pack; bias [n] bfloat16 or NULL. On AMX tiles where they run (64 rows a call: a row's
+   sums do not depend on its batch, so more rows go 64 at a time, the same bits), else by vdpbf16ps
+   (any row count). Returns 0; -1 where neither runs here or a size is out of range (nothing
    written); -2 when it could not allocate its staging buffer. */
 int pd_bf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
                  int64_t out_stride, int rows, int64_t n, int64_t k, int threads) {
     if (rows < 1 || n < 1 || k < 1) return -1;
-    if (amx_ready()) return rows <= AMX_ROWS ? pd_amx_gemm(x, x_stride, panels, bias, out, out_stride, rows, n, k,
-                                                           threads) : -1;
+    if (amx_ready()) {
+        for (int r0 = 0, rc; r0 < rows; r0 += AMX_ROWS)
+            if ((rc = pd_amx_gemm(x + r0 * x_stride, x_stride, panels, bias, out + r0 * out_stride, out_stride,
+                                  rows - r0 < AMX_ROWS ? rows - r0 : AMX_ROWS, n, k, threads)) != 0)
+                return rc;
+        return 0;
+    }
 #if HAVE_DPBF16
     return dpbf16_run(x, x_stride, panels, bias, out, out_stride, NULL, rows, n, k, threads < 1 ? 1 : threads);
 #else
