@@ -209,5 +209,5 @@ def test_a_library_that_will_not_load_is_unavailable_with_the_reason(tmp_path, m
 
 def test_an_unknown_variant_is_named_with_the_choices(monkeypatch):
     monkeypatch.setenv(kernel_build.VARIANT_ENV, "avx9000")
-    assert cpu_kernel.load() == (None, "PDSERVE_KERNEL_ARCH='avx9000' is no kernel variant; choose one of native, "
+    assert cpu_kernel.load() == (None, "PDSERVE_KERNEL_ARCH='avx9000' is no kernel variant; choose one of native, noamx, "
                                        "avx512, avx2")
