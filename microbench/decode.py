@@ -31,6 +31,7 @@ from bench.peer import CORES
 from microbench.idle import add_idle_wait, wait_idle
 from microbench.prefill import Pdserve, Vllm, _cpu_name, prompt
 from protocol.sampling import SamplingParams
+from worker_runtime import malloc
 
 
 class PdserveBatch(Pdserve):
@@ -121,10 +122,14 @@ def main() -> None:
     p.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS_DIR", ".peers")))
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="pdserve alone")
     add_idle_wait(p)
+    p.add_argument("--malloc", default="auto", choices=("auto", "system"),
+                   help="pdserve's allocator, as a worker's `malloc` (auto: tcmalloc where the host has it, as "
+                        "vLLM's side preloads it)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    malloc.exec_as_worker(args.malloc)
     os.sched_setaffinity(0, set(CORES))
-    report = run(args)
+    report = {"malloc": malloc.in_use(), **run(args)}
     print(json.dumps(report, indent=1))
 
 

@@ -34,6 +34,7 @@ from engine.llm_engine import LLMEngine
 from microbench.idle import add_idle_wait, wait_idle
 from protocol.sampling import SamplingParams
 from router.config.loader import parse_config
+from worker_runtime import malloc
 
 # the vLLM side: reads {"ids": [...]} lines (or {"batch": [[...], ...], "max_tokens": n}: prompts
 # decoded together, microbench/decode.py), answers {"s": seconds, "token": the first prompt's first
@@ -229,10 +230,14 @@ def main() -> None:
     p.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS_DIR", ".peers")))
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="pdserve alone")
     add_idle_wait(p)
+    p.add_argument("--malloc", default="auto", choices=("auto", "system"),
+                   help="pdserve's allocator, as a worker's `malloc` (auto: tcmalloc where the host has it, as "
+                        "vLLM's side preloads it)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    malloc.exec_as_worker(args.malloc)
     os.sched_setaffinity(0, set(CORES))  # vLLM's child is pinned to CORES too
-    report = run(args)
+    report = {"malloc": malloc.in_use(), **run(args)}
     print(json.dumps(report, indent=1) if args.json else _table(report))
 
 
