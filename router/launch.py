@@ -72,20 +72,25 @@ def init_ray(cfg: ClusterConfig) -> bool:
         return False
     needed = cfg.prefill.replicas * cfg.prefill.num_cpus + cfg.decode.replicas * cfg.decode.num_cpus
     num_cpus = cfg.ray.num_cpus or max(os.cpu_count() or 1, int(needed) + 4)
-    options = dict(num_cpus=num_cpus, include_dashboard=False,
-                   object_store_memory=parse_bytes(cfg.ray.object_store_memory), log_to_driver=True)
+    start_head(dict(num_cpus=num_cpus, include_dashboard=False,
+                    object_store_memory=parse_bytes(cfg.ray.object_store_memory), log_to_driver=True))
+    return True
+
+
+def start_head(options: dict, init=ray.init, shutdown=ray.shutdown) -> None:
+    """`init(**options)`, once more if Ray's raylet missed its fixed 30 s to register (a loaded
+    host), after ending what the failed start left; any other failure is raised as it was."""
     before = leftovers.below(os.getpid())
     try:
-        ray.init(**options)
-    except Exception as e:  # Ray raises a bare Exception when its raylet misses its 30 s to register
+        init(**options)
+    except Exception as e:  # Ray raises a bare Exception for this one
         if "timed out during startup" not in str(e):
             raise
         log.warning("the local Ray head did not start in time (%s); ending what it started and starting "
                     "it once more", e)
-        ray.shutdown()
+        shutdown()
         leftovers.end(leftovers.below(os.getpid()) - before)
-        ray.init(**options)
-    return True
+        init(**options)
 
 
 def _check_answers(address: str) -> None:
