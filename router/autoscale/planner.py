@@ -175,11 +175,15 @@ class Planner:
 
     def _seen(self, obs: Observation, load: Load) -> Load | None:
         """The window's own arrival rates where they are above the forecast's (else None), at the
-        Poisson lower bound of its count (SEEN_Z standard deviations below it): in an early
-        evaluation's second or two a dozen coinciding arrivals are partly a bunch, while a burst's
-        dozens or hundreds read as a rate within 10-15%."""
+        lower bound of its count (SEEN_Z standard deviations below it): in an early evaluation's
+        second or two a dozen coinciding arrivals are partly a bunch, while a burst's dozens or
+        hundreds read as a rate within 10-15%. Arrivals sent together (a trace's batch) are one
+        event of a compound Poisson process, whose count's variance is the sum of the squared batch
+        sizes: a window holding one batch of 12 reads as no rate at all (the conversation trace
+        sends its requests in batches every 3 s), 46 arrivals one by one as 39."""
         window = max(obs.window_s, 1e-9)
-        requests = max(0.0, obs.arrivals - SEEN_Z * math.sqrt(obs.arrivals)) / window
+        deviation = math.sqrt(max(obs.arrivals, obs.arrival_bunch_sq))
+        requests = max(0.0, obs.arrivals - SEEN_Z * deviation) / window
         tokens = requests * obs.prompt.mean * (1 - self._hit_share)
         if requests <= load.requests_per_s and tokens <= load.prompt_tokens_per_s:
             return None
@@ -340,7 +344,8 @@ class Planner:
         return max(1, ceil_workers(need.figures.get("decode_kv_load", 0.0), self.cfg.target_utilization))
 
     def _inputs(self, obs: Observation, load: Load, needs: dict[str, Need]) -> dict[str, float]:
-        inputs = {"arrivals_per_s": obs.arrivals / max(obs.window_s, 1e-9), "forecast_requests_per_s":
+        inputs = {"arrivals_per_s": obs.arrivals / max(obs.window_s, 1e-9), "arrival_bunch_sq": float(obs.arrival_bunch_sq),
+                  "forecast_requests_per_s":
                   load.requests_per_s, "prompt_len": load.prompt_len, "output_len": load.output_len,
                   "queued": float(obs.queued), "waiting_first": float(obs.waiting_first), "wait_q_s": obs.wait_q_s,
                   "kv_waiting": float(obs.kv_waiting), "prefix_hit_share": self._hit_share}
