@@ -145,3 +145,16 @@ def test_a_step_for_a_miss_a_backlog_makes_goes_once_the_backlog_is_cleared():
     assert stepped.inputs["prefill_residual_s"] > 0
     after = observe(1010.0, 6, 0, ttft_q_s=0.4)
     assert after.pools["prefill"].cause == "cleared" and after.desired("prefill") < 6, after.reason
+
+
+def test_a_prefill_miss_steps_up_by_what_its_backlog_needs_not_a_doubling():
+    """Ten warm prefill workers, the window's TTFT 6 s of 3 s (a ratio of 2, which steps a pool
+    twice its size) and 1M prompt tokens waiting: what is left of them when a new worker is ready
+    asks for ~1.9 workers over the clearing horizon, so the step is 10 -> 12, not 10 -> 20
+    (conversation-4x's step at a bunch's miss)."""
+    prefill = dataclasses.replace(pool("prefill", 10, queued_tokens=1_000_000), start_s=3.2)
+    d = planner(ttft_s=3.0, prefill_max=32).decide(interval(
+        1000.0, prefill, pool("decode", 2), arrivals=100, prompt=8000, output=200, ttft_q_s=6.0, waiting_first=3,
+        wait_q_s=0.5))
+    assert d.pools["prefill"].cause == "slo", d.reason
+    assert 1 < d.inputs["prefill_backlog_workers"] <= 2 and d.desired("prefill") == 12

@@ -210,7 +210,12 @@ class Planner:
         if unconfirmed:
             up = t  # the first interval over, with the waits well inside the SLO: wait for the next to confirm
         missed = need.pressure > 1 and not pending and need.helps
-        slo = n + max(1, math.ceil(n * min(1.0, need.pressure - 1))) if missed else 0
+        step = max(1, math.ceil(n * min(1.0, need.pressure - 1)))
+        if pool == "prefill" and need.load is not None:
+            # a prefill miss is its backlog's: a step adds the workers what is left of it when they
+            # are ready needs (its load), not a doubling (conversation-4x: 10 -> 20 for 1.2 workers' backlog)
+            step = min(step, max(1, math.ceil(need.backlog_load - 1e-9)))
+        slo = n + step if missed else 0
         since = obs.now - self._changed_at[pool]
         cooling = since < c.scale_up_cooldown_s
         wanted = max(up, 0 if cooling else slo)
