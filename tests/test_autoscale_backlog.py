@@ -158,3 +158,22 @@ def test_a_prefill_miss_steps_up_by_what_its_backlog_needs_not_a_doubling():
         wait_q_s=0.5))
     assert d.pools["prefill"].cause == "slo", d.reason
     assert 1 < d.inputs["prefill_backlog_workers"] <= 2 and d.desired("prefill") == 12
+
+
+def test_prompts_the_rate_keeps_waiting_are_not_a_backlog_for_decode():
+    """12 requests/s of 15,000 tokens on 10 warm prefill workers, a 5 s TTFT SLO. 20 prompts
+    waiting for prefill are what that rate keeps waiting within the TTFT budget (12 x ~4.5 s = 54):
+    decode is sized on the arrivals alone (12/s x a stay over the slots a worker keeps), where
+    counting them as a backlog on top added 20 requests (2.2 workers here). 100 waiting are 46
+    beyond the rate's, each overlapping a stay on decode."""
+    def decide(waiting: int):
+        return planner(ttft_s=5.0, prefill_max=32, decode_max=32).decide(interval(
+            1000.0, pool("prefill", 10, queued_tokens=15000 * waiting), pool("decode", 6), arrivals=120, prompt=15000,
+            output=330, ttft_q_s=1.5, waiting_first=waiting, wait_q_s=1.0)).inputs
+    steady = decide(20)
+    budget = 5.0 - steady["prefill_own_s"]
+    assert steady["decode_from_backlog"] == 0.0
+    assert math.isclose(steady["decode_load"], 12 * steady["decode_stay_s"] / steady["decode_slots_per_worker"])
+    backlog = decide(100)
+    overlap = min(1.0, backlog["decode_stay_s"] / budget)
+    assert math.isclose(backlog["decode_from_backlog"], (100 - 12 * budget) * overlap)
