@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from router.autoscale.observation import WorkerSample
-from tests.autoscale_util import interval, planner, pool
+from router.autoscale.observation import PoolObservation, WorkerSample
+from tests.autoscale_util import interval, planner, pool, worker
 
 
 def _draining(start_s: float | None):
@@ -177,3 +177,25 @@ def test_prompts_the_rate_keeps_waiting_are_not_a_backlog_for_decode():
     backlog = decide(100)
     overlap = min(1.0, backlog["decode_stay_s"] / budget)
     assert math.isclose(backlog["decode_from_backlog"], (100 - 12 * budget) * overlap)
+
+
+def test_the_release_after_an_opening_backlog_plans_for_the_rates_mean_not_one_windows_peak():
+    """The conversation trace's opening: the first 5 s window holds two batches, 26 prompts of
+    15,000 tokens (5.2 requests/s against the trace's 3), and 12 wait while both prefill workers
+    are still warming up: prefill grows 2 -> 6 for the backlog. At the next evaluation, with 3
+    requests/s and the backlog cleared, it goes to what the survivors carry without the backlog
+    (the rate's mean load at (1 - band) of the target, the first window's arrivals within the
+    target): 4. Planned at (1 - band) for the peak of the rate's load (that first window's
+    forecast) it held 5."""
+    p = planner(ttft_s=5.0, prefill_max=15, decode_max=15)
+
+    def prefill(n: int, age_s: float) -> PoolObservation:
+        return dataclasses.replace(pool("prefill", [worker(f"p{i}", age_s=age_s) for i in range(n)]), start_s=3.2)
+    grown = p.decide(interval(5.0, prefill(2, 5.0), pool("decode", 2), arrivals=26, prompt=15000, output=330,
+                              window_s=5.0, waiting_first=12, queued=12, queued_prompt_tokens=180_000, wait_q_s=2.0))
+    assert grown.desired("prefill") == 6 and grown.pools["prefill"].cause == "forecast", grown.reason
+    peak = grown.inputs["prompt_tokens_per_s"] / grown.inputs["prefill_tokens_per_s_per_worker"]
+    released = p.decide(interval(15.0, prefill(6, 100.0), pool("decode", 2), arrivals=30, prompt=15000, output=330,
+                                 ttft_q_s=1.0))
+    assert released.pools["prefill"].cause == "cleared" and released.desired("prefill") == 4, released.reason
+    assert math.ceil(peak / (0.8 * (1 - 0.2))) == 5

@@ -26,9 +26,10 @@ workers (capacity) and `t` the pool's current target:
   within target_utilization): so steady load settles instead of flapping 2 <-> 1; not within
   `scale_down_cooldown_s` of the pool's last change or of the first evaluation, unless that change
   grew it for a backlog now cleared (beyond what its rate asks, or an SLO step while a backlog is
-  left when a new worker would be ready): then at once to what the peak of its rate's load (no
-  backlog) needs at (1 - band) x target_utilization (`cleared`), once; for a backlog back within
-  the cooldown of such a release (recurring: load), only down to what the survivors carry;
+  left when a new worker would be ready): then at once to what the survivors carry without the
+  backlog (its rate's mean load in place of the window's work) (`cleared`), once; for a backlog
+  back within the cooldown of such a release (recurring: load), only down to what the survivors
+  carry;
 - a pool whose last scale is still in flight (workers starting, a drain) is held as it is;
 - otherwise hold. Then min/max per pool and the budget (both pools' total), never below a needed
   pool's min (>= 1): with no traffic every load is 0 and each pool goes to its min. When the budget
@@ -73,7 +74,7 @@ class Window:
 
     mean: float  # weighted by each evaluation's window: the work done in it, backlogs included
     arrivals_peak: float  # the highest of the forecast's arrival rates alone
-    rate_peak: float  # the highest of the rate's load (no backlog; decode: what it held included)
+    rate_mean: float  # the rate's load (no backlog; decode: what it held included), weighted as `mean`
 
 
 class Planner:
@@ -248,22 +249,25 @@ class Planner:
         """A scale-down to what the survivors carry, not within scale_down_cooldown_s of the pool's
         last change or of the start; unless that change grew it for a backlog, now cleared (within
         the band of its rate's load): the workers bought to clear it are a surplus the cooldown would
-        hold idle, released down to what the peak of its rate's load needs (the backlog's own peak
-        is gone with it); or, for a backlog back within the cooldown of such a release (backlogs
-        that recur are load), to what the survivors carry (the window's work counts them)."""
+        hold idle, released down to what the survivors carry without it (its rate's mean load, what
+        it holds, and the window's arrival peak within the target: the backlog is gone, and a peak of
+        the rate planned at (1 - band) held the conversation trace's opening 5 prefill for 120 s on
+        one 5 s window's 5.2 requests/s); or, for a backlog back within the cooldown of such a
+        release (backlogs that recur are load), to what the survivors carry (the window's work
+        counts them)."""
         c, t = self.cfg, self._target[pool]
         quiet = now - max(self._changed_at[pool], self._started_at)
         cleared = self._for_backlog[pool] and need.backlog_load <= c.band * (need.rate_load or 0.0)
         if quiet < c.scale_down_cooldown_s and cleared:
             recurred = self._recurred[pool]
             down = self._survivors(window, need) if recurred else \
-                ceil_workers(window.rate_peak, c.target_utilization * (1 - c.band))
+                self._survivors(dataclasses.replace(window, mean=window.rate_mean), need)
             if down < t:
                 self._for_backlog[pool], self._released_at[pool] = False, now
                 carry = f"the window's work {window.mean:.2f} (a recurring backlog)" if recurred else \
-                    f"its rate's peak load {window.rate_peak:.2f}"
+                    f"its rate's mean load {window.rate_mean:.2f}"
                 return down, why + f"; down: the backlog it grew for is cleared, the survivors carry {carry} at " \
-                    f"<= {1 - c.band:.0%} of target", "cleared"
+                    f"<= {1 - c.band:.0%} of target, its arrivals' peak {window.arrivals_peak:.2f} within it", "cleared"
         down = self._survivors(window, need)
         if down >= t:
             return t, why, "steady"
@@ -298,7 +302,7 @@ class Planner:
             return None
         span = sum(h.window_s for h in history)
         return Window(sum(h.window_s * h.load for h in history) / span, max(h.arrivals for h in history),
-                      max(h.rate for h in history))
+                      sum(h.window_s * h.rate for h in history) / span)
 
     @staticmethod
     def _describe(need: Need, up: int, n: int, pending: int, failed: int) -> str:
