@@ -9,8 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
-from router.autoscale.observation import WorkerSample
-from tests.autoscale_util import interval, planner, pool
+from router.autoscale.observation import PoolObservation, WorkerSample
+from tests.autoscale_util import interval, planner, pool, worker
 
 
 def _draining(start_s: float | None):
@@ -145,3 +145,57 @@ def test_a_step_for_a_miss_a_backlog_makes_goes_once_the_backlog_is_cleared():
     assert stepped.inputs["prefill_residual_s"] > 0
     after = observe(1010.0, 6, 0, ttft_q_s=0.4)
     assert after.pools["prefill"].cause == "cleared" and after.desired("prefill") < 6, after.reason
+
+
+def test_a_prefill_miss_steps_up_by_what_its_backlog_needs_not_a_doubling():
+    """Ten warm prefill workers, the window's TTFT 6 s of 3 s (a ratio of 2, which steps a pool
+    twice its size) and 1M prompt tokens waiting: what is left of them when a new worker is ready
+    asks for ~1.9 workers over the clearing horizon, so the step is 10 -> 12, not 10 -> 20
+    (conversation-4x's step at a bunch's miss)."""
+    prefill = dataclasses.replace(pool("prefill", 10, queued_tokens=1_000_000), start_s=3.2)
+    d = planner(ttft_s=3.0, prefill_max=32).decide(interval(
+        1000.0, prefill, pool("decode", 2), arrivals=100, prompt=8000, output=200, ttft_q_s=6.0, waiting_first=3,
+        wait_q_s=0.5))
+    assert d.pools["prefill"].cause == "slo", d.reason
+    assert 1 < d.inputs["prefill_backlog_workers"] <= 2 and d.desired("prefill") == 12
+
+
+def test_prompts_the_rate_keeps_waiting_are_not_a_backlog_for_decode():
+    """12 requests/s of 15,000 tokens on 10 warm prefill workers, a 5 s TTFT SLO. 20 prompts
+    waiting for prefill are what that rate keeps waiting within the TTFT budget (12 x ~4.5 s = 54):
+    decode is sized on the arrivals alone (12/s x a stay over the slots a worker keeps), where
+    counting them as a backlog on top added 20 requests (2.2 workers here). 100 waiting are 46
+    beyond the rate's, each overlapping a stay on decode."""
+    def decide(waiting: int):
+        return planner(ttft_s=5.0, prefill_max=32, decode_max=32).decide(interval(
+            1000.0, pool("prefill", 10, queued_tokens=15000 * waiting), pool("decode", 6), arrivals=120, prompt=15000,
+            output=330, ttft_q_s=1.5, waiting_first=waiting, wait_q_s=1.0)).inputs
+    steady = decide(20)
+    budget = 5.0 - steady["prefill_own_s"]
+    assert steady["decode_from_backlog"] == 0.0
+    assert math.isclose(steady["decode_load"], 12 * steady["decode_stay_s"] / steady["decode_slots_per_worker"])
+    backlog = decide(100)
+    overlap = min(1.0, backlog["decode_stay_s"] / budget)
+    assert math.isclose(backlog["decode_from_backlog"], (100 - 12 * budget) * overlap)
+
+
+def test_the_release_after_an_opening_backlog_plans_for_the_rates_mean_not_one_windows_peak():
+    """The conversation trace's opening: the first 5 s window holds two batches, 26 prompts of
+    15,000 tokens (5.2 requests/s against the trace's 3), and 12 wait while both prefill workers
+    are still warming up: prefill grows 2 -> 6 for the backlog. At the next evaluation, with 3
+    requests/s and the backlog cleared, it goes to what the survivors carry without the backlog
+    (the rate's mean load at (1 - band) of the target, the first window's arrivals within the
+    target): 4. Planned at (1 - band) for the peak of the rate's load (that first window's
+    forecast) it held 5."""
+    p = planner(ttft_s=5.0, prefill_max=15, decode_max=15)
+
+    def prefill(n: int, age_s: float) -> PoolObservation:
+        return dataclasses.replace(pool("prefill", [worker(f"p{i}", age_s=age_s) for i in range(n)]), start_s=3.2)
+    grown = p.decide(interval(5.0, prefill(2, 5.0), pool("decode", 2), arrivals=26, prompt=15000, output=330,
+                              window_s=5.0, waiting_first=12, queued=12, queued_prompt_tokens=180_000, wait_q_s=2.0))
+    assert grown.desired("prefill") == 6 and grown.pools["prefill"].cause == "forecast", grown.reason
+    peak = grown.inputs["prompt_tokens_per_s"] / grown.inputs["prefill_tokens_per_s_per_worker"]
+    released = p.decide(interval(15.0, prefill(6, 100.0), pool("decode", 2), arrivals=30, prompt=15000, output=330,
+                                 ttft_q_s=1.0))
+    assert released.pools["prefill"].cause == "cleared" and released.desired("prefill") == 4, released.reason
+    assert math.ceil(peak / (0.8 * (1 - 0.2))) == 5

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 from router.autoscale import planner as planner_module
+from router.observability.recent import RecentLoad
 from tests.autoscale_util import interval, planner, pool
 
 U, BAND = 0.8, 0.2  # the planner's defaults: target_utilization, band
@@ -69,16 +70,17 @@ def test_the_survivors_are_a_size_no_arrival_rate_of_the_window_scales_up_from(m
     assert _window(planner(ttft_s=5.0), rates)[-1].desired("prefill") == 2
 
 
-def _bunch(p):
+def _bunch(p, bunch_sq: int = 0):
     """Three prefill workers at 3 requests/s of 15,000 tokens; then an early evaluation whose 1.3 s
     window saw 12 arrivals (9 requests/s by its count) and 350k tokens waiting, the oldest 4.1 s
-    of a 5 s SLO (urgent): the conversation trace's bunches."""
+    of a 5 s SLO (urgent): the conversation trace's bunches. `bunch_sq`: the sum of the squares of
+    the window's arrival batches (0: not known, one by one)."""
     for k in range(6):
         p.decide(interval(10.0 * k, pool("prefill", 3), pool("decode", 2), arrivals=30, prompt=15000, output=330,
                           ttft_q_s=1.5))
     return p.decide(interval(51.3, pool("prefill", 3), pool("decode", 2), arrivals=12, prompt=15000, output=330,
                              window_s=1.3, ttft_q_s=2.0, queued=20, queued_prompt_tokens=350_000, waiting_first=20,
-                             wait_q_s=4.1))
+                             wait_q_s=4.1, arrival_bunch_sq=bunch_sq))
 
 
 def test_a_bunch_in_an_early_evaluations_second_is_not_yet_a_rate(monkeypatch):
@@ -90,3 +92,28 @@ def test_a_bunch_in_an_early_evaluations_second_is_not_yet_a_rate(monkeypatch):
     monkeypatch.setattr(planner_module, "SEEN_Z", 0.0)
     face = _bunch(planner(ttft_s=5.0, prefill_max=15, decode_max=15))
     assert (face.desired("prefill"), face.desired("decode")) == (8, 8), face.reason
+
+
+def test_a_batch_sent_together_is_one_arrival_event_not_a_rate():
+    """The same 12 arrivals sent as one batch (the conversation trace sends its requests in batches
+    every 3 s): one event of a compound Poisson process, its count's deviation sqrt(12^2) = 12, so
+    the window shows no rate above the forecast (3.6 requests/s): the pools grow for the backlog
+    at the forecast's rate, 3 -> 5 prefill, 2 -> 5 decode, where the same count one by one asks 7
+    + 6 (the test above)."""
+    one_by_one = _bunch(planner(ttft_s=5.0, prefill_max=15, decode_max=15), bunch_sq=12)
+    assert (one_by_one.desired("prefill"), one_by_one.desired("decode")) == (7, 6), one_by_one.reason
+    batch = _bunch(planner(ttft_s=5.0, prefill_max=15, decode_max=15), bunch_sq=144)
+    assert (batch.desired("prefill"), batch.desired("decode")) == (5, 5), batch.reason
+    assert batch.inputs["arrival_bunch_sq"] == 144
+
+
+def test_the_window_counts_arrivals_sent_together_as_one_batch():
+    """Arrivals within 1 ms of the one before join its batch: 3 at 0 s, 1 at 0.5 s, 2 at 1 s are
+    batches of 3, 1 and 2 (squares summing to 14); the next window starts afresh, even within 1 ms."""
+    recent = RecentLoad()
+    for at in (0.0, 0.0, 0.0004, 0.5, 1.0, 1.0):
+        recent.arrived(1000, 100, at)
+    window = recent.take()
+    assert (window.arrivals, window.bunch_sq) == (6, 3 * 3 + 1 + 2 * 2)
+    recent.arrived(1000, 100, 1.0)
+    assert recent.take().bunch_sq == 1

@@ -69,6 +69,9 @@ class Observation:
     window_s: float
     mode: str  # "disaggregated" | "colocated"
     arrivals: int = 0
+    # the sum of the squares of the arrivals' bunch sizes (arrivals sent together: within 1 ms);
+    # 0: not known, read as `arrivals` (no two together, Poisson)
+    arrival_bunch_sq: int = 0
     prompt: Lengths = field(default_factory=Lengths)  # of the window's arrivals
     output: Lengths = field(default_factory=Lengths)  # of the window's finished requests (else asked max_tokens)
     finished: int = 0

@@ -26,9 +26,10 @@ workers (capacity) and `t` the pool's current target:
   within target_utilization): so steady load settles instead of flapping 2 <-> 1; not within
   `scale_down_cooldown_s` of the pool's last change or of the first evaluation, unless that change
   grew it for a backlog now cleared (beyond what its rate asks, or an SLO step while a backlog is
-  left when a new worker would be ready): then at once to what the peak of its rate's load (no
-  backlog) needs at (1 - band) x target_utilization (`cleared`), once; for a backlog back within
-  the cooldown of such a release (recurring: load), only down to what the survivors carry;
+  left when a new worker would be ready): then at once to what the survivors carry without the
+  backlog (its rate's mean load in place of the window's work) (`cleared`), once; for a backlog
+  back within the cooldown of such a release (recurring: load), only down to what the survivors
+  carry;
 - a pool whose last scale is still in flight (workers starting, a drain) is held as it is;
 - otherwise hold. Then min/max per pool and the budget (both pools' total), never below a needed
   pool's min (>= 1): with no traffic every load is 0 and each pool goes to its min. When the budget
@@ -73,7 +74,7 @@ class Window:
 
     mean: float  # weighted by each evaluation's window: the work done in it, backlogs included
     arrivals_peak: float  # the highest of the forecast's arrival rates alone
-    rate_peak: float  # the highest of the rate's load (no backlog; decode: what it held included)
+    rate_mean: float  # the rate's load (no backlog; decode: what it held included), weighted as `mean`
 
 
 class Planner:
@@ -175,11 +176,15 @@ class Planner:
 
     def _seen(self, obs: Observation, load: Load) -> Load | None:
         """The window's own arrival rates where they are above the forecast's (else None), at the
-        Poisson lower bound of its count (SEEN_Z standard deviations below it): in an early
-        evaluation's second or two a dozen coinciding arrivals are partly a bunch, while a burst's
-        dozens or hundreds read as a rate within 10-15%."""
+        lower bound of its count (SEEN_Z standard deviations below it): in an early evaluation's
+        second or two a dozen coinciding arrivals are partly a bunch, while a burst's dozens or
+        hundreds read as a rate within 10-15%. Arrivals sent together (a trace's batch) are one
+        event of a compound Poisson process, whose count's variance is the sum of the squared batch
+        sizes: a window holding one batch of 12 reads as no rate at all (the conversation trace
+        sends its requests in batches every 3 s), 46 arrivals one by one as 39."""
         window = max(obs.window_s, 1e-9)
-        requests = max(0.0, obs.arrivals - SEEN_Z * math.sqrt(obs.arrivals)) / window
+        deviation = math.sqrt(max(obs.arrivals, obs.arrival_bunch_sq))
+        requests = max(0.0, obs.arrivals - SEEN_Z * deviation) / window
         tokens = requests * obs.prompt.mean * (1 - self._hit_share)
         if requests <= load.requests_per_s and tokens <= load.prompt_tokens_per_s:
             return None
@@ -206,7 +211,12 @@ class Planner:
         if unconfirmed:
             up = t  # the first interval over, with the waits well inside the SLO: wait for the next to confirm
         missed = need.pressure > 1 and not pending and need.helps
-        slo = n + max(1, math.ceil(n * min(1.0, need.pressure - 1))) if missed else 0
+        step = max(1, math.ceil(n * min(1.0, need.pressure - 1)))
+        if pool == "prefill" and need.load is not None:
+            # a prefill miss is its backlog's: a step adds the workers what is left of it when they
+            # are ready needs (its load), not a doubling (conversation-4x: 10 -> 20 for 1.2 workers' backlog)
+            step = min(step, max(1, math.ceil(need.backlog_load - 1e-9)))
+        slo = n + step if missed else 0
         since = obs.now - self._changed_at[pool]
         cooling = since < c.scale_up_cooldown_s
         wanted = max(up, 0 if cooling else slo)
@@ -239,22 +249,25 @@ class Planner:
         """A scale-down to what the survivors carry, not within scale_down_cooldown_s of the pool's
         last change or of the start; unless that change grew it for a backlog, now cleared (within
         the band of its rate's load): the workers bought to clear it are a surplus the cooldown would
-        hold idle, released down to what the peak of its rate's load needs (the backlog's own peak
-        is gone with it); or, for a backlog back within the cooldown of such a release (backlogs
-        that recur are load), to what the survivors carry (the window's work counts them)."""
+        hold idle, released down to what the survivors carry without it (its rate's mean load, what
+        it holds, and the window's arrival peak within the target: the backlog is gone, and a peak of
+        the rate planned at (1 - band) held the conversation trace's opening 5 prefill for 120 s on
+        one 5 s window's 5.2 requests/s); or, for a backlog back within the cooldown of such a
+        release (backlogs that recur are load), to what the survivors carry (the window's work
+        counts them)."""
         c, t = self.cfg, self._target[pool]
         quiet = now - max(self._changed_at[pool], self._started_at)
         cleared = self._for_backlog[pool] and need.backlog_load <= c.band * (need.rate_load or 0.0)
         if quiet < c.scale_down_cooldown_s and cleared:
             recurred = self._recurred[pool]
             down = self._survivors(window, need) if recurred else \
-                ceil_workers(window.rate_peak, c.target_utilization * (1 - c.band))
+                self._survivors(dataclasses.replace(window, mean=window.rate_mean), need)
             if down < t:
                 self._for_backlog[pool], self._released_at[pool] = False, now
                 carry = f"the window's work {window.mean:.2f} (a recurring backlog)" if recurred else \
-                    f"its rate's peak load {window.rate_peak:.2f}"
+                    f"its rate's mean load {window.rate_mean:.2f}"
                 return down, why + f"; down: the backlog it grew for is cleared, the survivors carry {carry} at " \
-                    f"<= {1 - c.band:.0%} of target", "cleared"
+                    f"<= {1 - c.band:.0%} of target, its arrivals' peak {window.arrivals_peak:.2f} within it", "cleared"
         down = self._survivors(window, need)
         if down >= t:
             return t, why, "steady"
@@ -289,7 +302,7 @@ class Planner:
             return None
         span = sum(h.window_s for h in history)
         return Window(sum(h.window_s * h.load for h in history) / span, max(h.arrivals for h in history),
-                      max(h.rate for h in history))
+                      sum(h.window_s * h.rate for h in history) / span)
 
     @staticmethod
     def _describe(need: Need, up: int, n: int, pending: int, failed: int) -> str:
@@ -340,7 +353,8 @@ class Planner:
         return max(1, ceil_workers(need.figures.get("decode_kv_load", 0.0), self.cfg.target_utilization))
 
     def _inputs(self, obs: Observation, load: Load, needs: dict[str, Need]) -> dict[str, float]:
-        inputs = {"arrivals_per_s": obs.arrivals / max(obs.window_s, 1e-9), "forecast_requests_per_s":
+        inputs = {"arrivals_per_s": obs.arrivals / max(obs.window_s, 1e-9), "arrival_bunch_sq": float(obs.arrival_bunch_sq),
+                  "forecast_requests_per_s":
                   load.requests_per_s, "prompt_len": load.prompt_len, "output_len": load.output_len,
                   "queued": float(obs.queued), "waiting_first": float(obs.waiting_first), "wait_q_s": obs.wait_q_s,
                   "kv_waiting": float(obs.kv_waiting), "prefix_hit_share": self._hit_share}

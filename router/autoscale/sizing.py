@@ -190,13 +190,17 @@ class Sizer:
     def _backlog_coming(self, obs: Observation, load: Load, stay_s: float) -> float:
         """Requests the prefill backlog sends decode at once, on top of the forecast (disaggregated):
         the prefill pool is sized to clear it within the TTFT budget, so its requests arrive within
-        that budget and overlap for as long as each stays on decode."""
+        that budget and overlap for as long as each stays on decode. Those the forecast rate keeps
+        waiting anyway (Little: the rate x the TTFT budget) are not a backlog: the rate's term
+        (arrivals x a stay) already holds them (conversation-4x's 20-40 prompts always waiting, 12
+        requests/s, held decode a worker above the static 6)."""
         prefill = obs.pools.get("prefill")
         if prefill is None or not self.profile.ready("prefill"):
             return 0.0
         waiting = max(0, obs.queued - obs.kv_waiting) + prefill.queued_tokens / load.prompt_len
         own = self.profile.prefill_time_s("prefill", load.prompt_len)
-        return waiting * min(1.0, stay_s / max(self.cfg.ttft_s - own, 0.25 * self.cfg.ttft_s))
+        budget_s = max(self.cfg.ttft_s - own, 0.25 * self.cfg.ttft_s)
+        return max(0.0, waiting - load.requests_per_s * budget_s) * min(1.0, stay_s / budget_s)
 
     def colocated(self, obs: Observation, load: Load) -> Need:
         """One pool does both: its prefill share and its decode share add up."""

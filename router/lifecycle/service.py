@@ -168,7 +168,7 @@ class Router:
         self.requests_total += 1
         recent = self.metrics.recent  # the autoscaler's window (None without one)
         if recent is not None:
-            recent.arrived(len(life.prompt_token_ids), life.sampling.max_tokens)
+            recent.arrived(len(life.prompt_token_ids), life.sampling.max_tokens, life.accepted)
         try:
             while True:
                 try:

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 BUCKET_RATIO = 1.05
 MAX_LENGTHS = 20_000  # lengths kept per window (beyond, only counted)
+BUNCH_S = 0.001  # an arrival this soon after the one before joins its bunch (sent together)
 
 
 class LogHistogram:
@@ -46,6 +47,9 @@ class LogHistogram:
 @dataclass
 class Window:
     arrivals: int = 0
+    # the sum of the squares of its arrival bunches' sizes (arrivals within BUNCH_S of the one
+    # before): equal to `arrivals` when none coincide; a trace sent in batches reads larger
+    bunch_sq: int = 0
     prompt_lengths: list[int] = field(default_factory=list)
     asked_output: list[int] = field(default_factory=list)  # max_tokens of the arrivals
     output_lengths: list[int] = field(default_factory=list)  # completion tokens of finished requests
@@ -56,10 +60,17 @@ class Window:
 class RecentLoad:
     def __init__(self) -> None:
         self.window = Window()
+        self._last_at: float | None = None
+        self._bunch = 0  # the size of the bunch the last arrival joined (in this window)
 
-    def arrived(self, prompt_tokens: int, max_tokens: int) -> None:
+    def arrived(self, prompt_tokens: int, max_tokens: int, at: float) -> None:
+        """One arrival, accepted at `at` (the router's clock)."""
         w = self.window
         w.arrivals += 1
+        joins = self._last_at is not None and at - self._last_at <= BUNCH_S and self._bunch > 0
+        self._bunch = self._bunch + 1 if joins else 1
+        w.bunch_sq += 2 * self._bunch - 1  # (b + 1)^2 - b^2: the bunch grew by one
+        self._last_at = at
         if len(w.prompt_lengths) < MAX_LENGTHS:
             w.prompt_lengths.append(prompt_tokens)
             w.asked_output.append(max_tokens)
@@ -76,5 +87,5 @@ class RecentLoad:
 
     def take(self) -> Window:
         """The window so far; a new one starts."""
-        window, self.window = self.window, Window()
+        window, self.window, self._bunch = self.window, Window(), 0
         return window
