@@ -41,7 +41,6 @@ class SmallGemm:
     """`pd_f32_pack` / `pd_f32_gemm`: float32 `x @ W^T + bias` (for up to SMALL_ROWS rows, where that is set)."""
 
     dtype = torch.float32
-    kernel_rows = None  # one call takes any row count
     max_rows = SMALL_ROWS  # None: every product (no oneDNN copy)
     reach = GEMM_REACH
 
@@ -156,7 +155,8 @@ class AmxGemm:
 
 class Bf16Gemm:
     """`pd_bf16_gemm`: bfloat16 `x @ W^T + bias` on `AmxGemm.pack`'s panels, on AMX tiles where they
-    run, else by AVX512-BF16's vdpbf16ps, any row count (engine/kernels/csrc/bf16_gemm.c);
+    run (64 rows a call, the same bits), else by AVX512-BF16's vdpbf16ps, any row count
+    (engine/kernels/csrc/bf16_gemm.c);
     the one bfloat16 GEMM `PackedLinear` and the kernel layers call, so both take the same path. `path`
     says which, or "" where neither runs here (oneDNN takes bfloat16's linears)."""
 
@@ -167,7 +167,6 @@ class Bf16Gemm:
     # EPYC Zen 4 (2026-12-04, engine steps side by side, oneDNN's linears / cut at 32 / every product):
     # a 512-token prompt 273.7 / 276.8 / 245.4 ms, a 48-row decode step 590 / 560 / 391 ms (a loaded host)
     VECTOR_ROWS: int | None = None
-    kernel_rows = None  # one call takes any row count (on AMX tiles 64 at a time, the same bits)
 
     def __init__(self, lib: ctypes.CDLL, amx: AmxGemm) -> None:
         self._gemm, self._path, self._greedy = lib.pd_bf16_gemm, lib.pd_bf16_gemm_path, lib.pd_bf16_greedy

@@ -2,13 +2,14 @@
 
 A variant is the instruction set the build targets (`VARIANTS`): `native` (`-march=native`, the
 default: whatever this CPU has, AMX included), `noamx` (native without the AMX instruction sets:
-on an AMX host, the build an AVX512-BF16 CPU without AMX runs, for comparing the two), `avx512` (AVX-512 without AVX512-BF16 or AMX, as on
-Skylake-X / Cascade Lake) or `avx2` (x86-64-v3: AVX2 + FMA, no AVX-512). `$PDSERVE_KERNEL_ARCH`
-picks one; tests build every one on one host, so each branch of the C code is compiled and run.
+on an AMX host, the build an AVX512-BF16 CPU without AMX runs, for comparing the two), `avx512`
+(AVX-512 without AVX512-BF16 or AMX, as on Skylake-X / Cascade Lake) or `avx2` (x86-64-v3: AVX2 +
+FMA, no AVX-512). `$PDSERVE_KERNEL_ARCH` picks one; tests build every one on one host, so each
+branch of the C code is compiled and run.
 
 The library lands in `$PDSERVE_KERNEL_CACHE` (default `~/.cache/pdserve/kernels`), named by a hash
-of the sources and headers, the compiler, its flags and (native and noamx only) the CPU's flags, so a changed
-source, compiler or variant builds anew and processes on a host share one build. A cached library
+of the sources and headers, the compiler, its flags and (native and noamx only) the CPU's flags, so
+a changed source, compiler or variant builds anew and processes on a host share one build. A cached library
 is loaded only if this user owns it and nobody else can write it or its directory; one that fails
 that is rebuilt in its place, or refused where it cannot be.
 """
@@ -79,7 +80,7 @@ def cpu_flags() -> str:
 
 def check_runs_here(name: str) -> None:
     """KernelUnavailable where this CPU lacks an instruction set the variant's code uses."""
-    if name in ("native", "noamx"):
+    if name not in NEEDS:  # native and noamx: this CPU's own flags
         return
     have = set(cpu_flags().partition(":")[2].split())
     lacking = [flag for flag in NEEDS[name] if flag not in have]

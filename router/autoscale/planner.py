@@ -353,9 +353,9 @@ class Planner:
         return max(1, ceil_workers(need.figures.get("decode_kv_load", 0.0), self.cfg.target_utilization))
 
     def _inputs(self, obs: Observation, load: Load, needs: dict[str, Need]) -> dict[str, float]:
-        inputs = {"arrivals_per_s": obs.arrivals / max(obs.window_s, 1e-9), "arrival_bunch_sq": float(obs.arrival_bunch_sq),
-                  "forecast_requests_per_s":
-                  load.requests_per_s, "prompt_len": load.prompt_len, "output_len": load.output_len,
+        inputs = {"arrivals_per_s": obs.arrivals / max(obs.window_s, 1e-9),
+                  "arrival_bunch_sq": float(obs.arrival_bunch_sq), "forecast_requests_per_s": load.requests_per_s,
+                  "prompt_len": load.prompt_len, "output_len": load.output_len,
                   "queued": float(obs.queued), "waiting_first": float(obs.waiting_first), "wait_q_s": obs.wait_q_s,
                   "kv_waiting": float(obs.kv_waiting), "prefix_hit_share": self._hit_share}
         if obs.ttft_q_s is not None:
