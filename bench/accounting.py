@@ -14,12 +14,14 @@ dead included: a static cluster should read 0).
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.metrics import Slo, meets_slo, summarize_run
 from protocol import clock
 from router.config.schema import PoolSection
-from router.pools.actors import Actors
+
+if TYPE_CHECKING:  # Ray's own Actors import ray: not for `pdserve --help`
+    from router.pools.actors import Actors
 
 # The price of one H100 SXM for an hour, on demand (late-2025 public cloud list prices run
 # $2-4; we state $2.99, the figure every comparison here uses unless --cost-per-worker-hour says otherwise).

@@ -19,6 +19,7 @@ import ray
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from kv_transfer import KVSender, KVTransferConfig
+from prefill_worker.errors import PrefillFailed, PrefillStepFailed
 from prefill_worker.push import KVPusher
 from protocol import clock
 from protocol.deadline import within
@@ -33,14 +34,6 @@ from worker_runtime.tombstones import Tombstones
 
 log = logging.getLogger(__name__)
 KILL_DELAY_S = 0.05  # a kill "after the first token" lets the result leave first
-
-
-class PrefillFailed(RuntimeError):
-    """The engine failed on this request (not the worker): the router does not retry it."""
-
-
-class PrefillStepFailed(RuntimeError):
-    """The engine step this prefill was in failed, not because of it: the router moves it."""
 
 
 class PrefillWorker(WorkerCalls):

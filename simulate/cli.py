@@ -22,7 +22,7 @@ import dataclasses
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.arrangements import ARRANGEMENTS, arrangement_config
 from bench.decision import rank
@@ -44,8 +44,10 @@ from router.config.emulate import CUSTOM, EmulateSection, check_emulate, emulati
 from router.config.schema import ClusterConfig
 from router.config.typed_yaml import ConfigError
 from simulate.host import serving_fit
-from simulate.run import SimRun, simulate
 from sizing.cost_model import Emulation
+
+if TYPE_CHECKING:
+    from simulate.run import SimRun
 
 FIDELITY = Path(__file__).with_name("fidelity.json")  # written by `python -m simulate.fidelity --record`
 
@@ -122,6 +124,8 @@ def run(args: argparse.Namespace) -> int:
         from simulate.autoscale_cli import run_autoscale
 
         return run_autoscale(args, base, em, workload, slo)
+    from simulate.run import simulate  # the router's own code: imported for a run, not for --help
+
     runs = {name: simulate(cfg, em, workload, name, args.seed, args.rpc_latency, serving=serving)
             for name, cfg in configs.items()}
     summary, records, steps = report(runs, workload, slo, base, em, configs, args.cost_per_worker_hour)

@@ -70,7 +70,7 @@ def test_a_burst_backlog_scales_prefill_before_finished_latency_shows_it(caplog)
 
 
 def test_steady_load_settles_and_then_makes_no_change(caplog):
-    """Poisson arrivals at a steady 8 requests/s (2,000-token prompts, 100 out) for 180 simulated s
+    """Poisson arrivals at a steady 4 requests/s (2,000-token prompts, 20 out) for 180 simulated s
     on 3 + 3 workers, decided every 10 s: the pools shrink to what the load needs once the
     scale-down cooldown after the start has passed, and then no scaling action follows (the
     issue's target: at most 2 after settling)."""
@@ -78,8 +78,8 @@ def test_steady_load_settles_and_then_makes_no_change(caplog):
     cfg = dataclasses.replace(cfg, prefill=dataclasses.replace(cfg.prefill, replicas=3),
                               decode=dataclasses.replace(cfg.decode, replicas=3))
     rng = np.random.default_rng(1)
-    arrivals = np.cumsum(rng.exponential(1 / 8, size=8 * 180))
-    specs = synthetic_requests("steady", arrivals, np.full(len(arrivals), 2000), np.full(len(arrivals), 100),
+    arrivals = np.cumsum(rng.exponential(1 / 4, size=4 * 180))
+    specs = synthetic_requests("steady", arrivals, np.full(len(arrivals), 2000), np.full(len(arrivals), 20),
                                32_768, (16, 30_000), rng)
     with caplog.at_level(logging.INFO, logger="router.autoscale.loop"):
         run = simulate(cfg, em, make_workload("steady", specs, None, {}), "steady")

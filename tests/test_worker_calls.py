@@ -11,7 +11,7 @@ import itertools
 import pytest
 import ray.exceptions as rex
 
-from prefill_worker.worker import PrefillFailed
+from prefill_worker.errors import PrefillFailed
 from protocol.messages import CacheDelta, EngineBeat, WorkerInfo, WorkerStats
 from protocol.sampling import SamplingParams
 from router.config.loader import parse_config

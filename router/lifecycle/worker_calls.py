@@ -15,7 +15,7 @@ import enum
 
 import ray
 
-from prefill_worker.worker import PrefillFailed
+from prefill_worker.errors import PrefillFailed
 from protocol.deadline import within
 from router.lifecycle.outcomes import InternalError, Retry
 from router.pools.worker_view import WorkerView
