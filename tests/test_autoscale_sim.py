@@ -97,7 +97,7 @@ def _role_change_run(role_change: bool, caplog):
     the one prefill worker and a backlog it cannot clear in time: the scale-up goes at once)."""
     cfg, em = _config(interval_s=5.0, scale_down_cooldown_s=1.0, warmup_s=0.0, role_change=role_change)
     cfg = dataclasses.replace(cfg, decode=dataclasses.replace(cfg.decode, replicas=3))
-    quiet, busy = np.arange(0, 7, 1.0), np.arange(7, 25, 1 / 24)  # the first decision may not shrink a pool
+    quiet, busy = np.arange(0, 7, 1.0), np.arange(7, 17, 1 / 24)  # the first decision may not shrink a pool
     arrivals = np.concatenate([quiet, busy])
     prompts = np.concatenate([np.full(len(quiet), 500), np.full(len(busy), 8000)])
     specs = synthetic_requests("prompts", arrivals, prompts, np.full(len(arrivals), 4), 32_768, (16, 30_000),

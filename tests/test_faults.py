@@ -259,16 +259,16 @@ def test_stop_string_text_is_exact_across_the_hand_off(cluster, llama_dir):
 def test_drain_timeout_moves_the_remaining_requests(cluster, llama_dir):
     client = Client(cluster.address)
     prompts = [_prompt(61), _prompt(62)]
-    expected = [hf_greedy(llama_dir, p, 300, ignore_eos=True) for p in prompts]
+    expected = [hf_greedy(llama_dir, p, 160, ignore_eos=True) for p in prompts]
     results: list = [None, None]
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, client.tokens(prompts[i], max_tokens=300,
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, client.tokens(prompts[i], max_tokens=160,
                                                                                             ignore_eos=True)))
                for i in range(2)]
     # placement balances by the router's view (running from the last stats + in flight): start
     # from a view that shows both decode workers idle, not the last test's stale counts
     _wait(lambda: not any(w.running or w.inflight for w in cluster.router.pools.workers["decode"]), 20,
           "the router's view of both decode workers idle")
-    with faults(cluster, step_delay_s=0.02):  # 300 tokens: 6 s or more, far past the 1 s drain timeout
+    with faults(cluster, step_delay_s=0.02):  # 160 tokens: 3.2 s or more, past the 1 s drain timeout
         for t in threads:
             t.start()
         _wait(lambda: all(w.inflight for w in cluster.router.pools.workers["decode"]), 20, "both decode workers busy")
