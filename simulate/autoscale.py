@@ -19,7 +19,6 @@ from bench.metrics import Slo
 from bench.workload import Workload
 from router.config.schema import ClusterConfig
 from simulate.parallel import run_jobs
-from simulate.run import simulate
 from simulate.sweep import arrangements
 from sizing.cost_model import Emulation
 
@@ -36,6 +35,8 @@ def static_configs(base: ClusterConfig, names: str | None, sizes: list[int], spl
 
 
 def _one(job: tuple) -> tuple[str, dict[str, Any], dict[str, Any]]:
+    from simulate.run import simulate  # the router's code: loaded by a run, not by a usage error
+
     name, cfg, em, workload, slo, seed, usd_per_hour = job
     run = simulate(cfg, em, workload, name, seed, check=False)
     row = figures(run.records, slo, run.ledger, run.t0, run.end, run.decisions, usd_per_hour,

@@ -22,7 +22,6 @@ from bench.metrics import Slo, summarize_run
 from bench.workload import Workload
 from router.config.schema import ClusterConfig
 from simulate.parallel import process_count, run_jobs
-from simulate.run import simulate
 from sizing.cost_model import Emulation
 
 ATTAINMENT = 0.9  # DistServe's target: 90% of requests within every SLO
@@ -46,6 +45,8 @@ def retimed(workload: Workload, rate: float) -> Workload:
 
 
 def _one(job: tuple) -> tuple[str, int, float, dict[str, Any], float]:
+    from simulate.run import simulate  # the router's code: loaded by a run, not by a usage error
+
     name, n, rate, cfg, em, workload, slo, seed = job
     run = simulate(cfg, em, retimed(workload, rate * n), name, seed, check=False)
     s = summarize_run(run.records, slo)
