@@ -101,7 +101,7 @@ class AmxGemm:
     `PackedLinear` gives it up to `max_rows`."""
 
     dtype = torch.bfloat16
-    kernel_rows = 64  # the most rows one call takes
+    kernel_rows = 256  # the most rows one call takes
     # the engine's cut: oneDNN takes larger products. SmolLM2's 210 linears, 2 threads (bench_linears
     # --dtype bfloat16, 2026-12-03): 0.66x oneDNN's time at 1-16 rows, 0.72-0.75x at 24-32, 1.06-1.19x
     # at 40-64 (three and four row tiles, one panel at a time)

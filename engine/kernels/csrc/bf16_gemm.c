@@ -36,7 +36,7 @@ read again (a 262k vocabulary: 8 MiB a 16-row step) and the argmax needs no pass
 #define HAVE_DPBF16 0
 #endif
 
-#define AMX_ROWS 64 /* the most rows pd_amx_gemm takes */
+#define AMX_ROWS 256 /* the most rows pd_amx_gemm takes */
 #define TILE_ROWS 8 /* rows of one block */
 
 /* Which path pd_bf16_gemm takes now: 2 AMX tiles (pd_use_amx on), 1 vdpbf16ps, 0 none here. */
