@@ -175,7 +175,8 @@ class Bf16Gemm:
     def greedy(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
         """`pd_bf16_greedy`: x `[M, K]` bfloat16 (rows contiguous) -> `[M]` int64, the argmax of each
         row of this GEMM's `[M, n]` output (the first on a tie) without writing it; None where a row's
-        output has a NaN or the fused head does not run here (no vdpbf16ps, or AMX takes the GEMM)."""
+        output has a NaN or the fused head does not run here (neither vdpbf16ps nor AMX, or on AMX
+        more than the 256 rows a call takes)."""
         m, k = x.shape
         checks.rows_of("bfloat16 greedy head: x", x, (torch.bfloat16,))
         _gemm_args("bfloat16 greedy head", panels, bias, n, -(-n // 16) * -(-k // 32) * 512)

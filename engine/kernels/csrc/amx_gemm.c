@@ -30,6 +30,7 @@ checkpoint's gate|up and down at 256 rows): 430-470 GMAC/s, against 350 with the
 #include "pdserve_kernels.h"
 #include "amx.h"
 #include "vec.h"
+#include "greedy_lanes.h"
 
 #define MAX_ROWS 256
 
@@ -60,6 +61,27 @@ static inline void store_sums(const float *s, const uint16_t *bias, uint16_t *o,
 #endif
     for (; j + 8 <= cols; j += 8) bf16_store8(o + j, bias ? f32_load8(s + j) + bf16_load8(bias + j) : f32_load8(s + j));
     for (; j < cols; j++) o[j] = bf16_store(bias ? s[j] + bf16_load(bias[j]) : s[j]);
+}
+
+#if defined(__AVX512F__)
+#define FUSED_ARGMAX 1
+#else
+#define FUSED_ARGMAX 0
+typedef struct best16 best16; /* never made here */
+#endif
+
+/* m rows' sums of a block ([m][ld] floats, its first `cols` columns from col0 on) biased and rounded:
+   into out, or, with best (amx_greedy), into the rows' running argmax instead. */
+static inline void block_out(const float *sums, int ld, int m, const uint16_t *bias, uint16_t *out,
+                             int64_t out_stride, best16 *best, int64_t col0, int64_t cols) {
+#if FUSED_ARGMAX
+    if (best) {
+        keep_best(sums, m, ld / 16, bias ? bias + col0 : NULL, best, col0, cols);
+        return;
+    }
+#endif
+    for (int r = 0; r < m; r++)
+        store_sums(sums + (int64_t)r * ld, bias ? bias + col0 : NULL, out + (int64_t)r * out_stride + col0, cols);
 }
 
 /* Tile (p, c): panel p's values of k 32 c .. 32 c + 31. */
@@ -96,7 +118,8 @@ static inline void four_panels(const uint16_t *a, const uint16_t *a2, int64_t xr
    them, 1 or 2: tiles 5 and 6) over all of k: sums in tiles 0-3 (row tile r, panel q: tile 2 r + q),
    stored to `sums` ([32][32] floats), then biased, rounded and written. */
 static void two_by_two(const uint16_t *xs, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
-                       int64_t out_stride, int r0, int m, int64_t n, int64_t kp, int64_t p0, int cnt, float *sums) {
+                       int64_t out_stride, best16 *best, int r0, int m, int64_t n, int64_t kp, int64_t p0, int cnt,
+                       float *sums) {
     const uint16_t *a0 = xs + (int64_t)r0 * kp, *a1 = a0 + 16 * kp; /* row tiles, staged tile by tile */
     _tile_zero(0);
     _tile_zero(1);
@@ -117,8 +140,8 @@ static void two_by_two(const uint16_t *xs, const uint16_t *panels, const uint16_
     if (m > 16) _tile_stored(2, sums + 16 * 32, 128);
     if (m > 16 && cnt > 1) _tile_stored(3, sums + 16 * 32 + 16, 128);
     int64_t col0 = p0 * 16, cols = (int64_t)cnt * 16 < n - col0 ? (int64_t)cnt * 16 : n - col0;
-    for (int r = 0; r < m; r++)
-        store_sums(sums + (int64_t)r * 32, bias ? bias + col0 : NULL, out + (int64_t)(r0 + r) * out_stride + col0, cols);
+    block_out(sums, 32, m, bias, out ? out + (int64_t)r0 * out_stride : NULL, out_stride, best ? best + r0 : NULL,
+              col0, cols);
 }
 
 /* One thread's panels [p_lo, p_hi). Up to 16 rows (a decode step, bound by the weights' stream):
@@ -127,11 +150,12 @@ static void two_by_two(const uint16_t *xs, const uint16_t *panels, const uint16_
    rows in turn (`two_by_two`), so the pair streams from memory once and from cache for the next
    blocks, and the rows stay in L2. */
 static void panels_of(const uint16_t *xs, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
-                      int64_t out_stride, int rows, int64_t n, int64_t kp, int64_t p_lo, int64_t p_hi, float *sums) {
+                      int64_t out_stride, best16 *best, int rows, int64_t n, int64_t kp, int64_t p_lo, int64_t p_hi,
+                      float *sums) {
     if (rows > 16) {
         for (int64_t p0 = p_lo; p0 < p_hi; p0 += 2)
             for (int r0 = 0; r0 < rows; r0 += 32)
-                two_by_two(xs, panels, bias, out, out_stride, r0, rows - r0 < 32 ? rows - r0 : 32, n, kp, p0,
+                two_by_two(xs, panels, bias, out, out_stride, best, r0, rows - r0 < 32 ? rows - r0 : 32, n, kp, p0,
                            p_hi - p0 < 2 ? 1 : 2, sums);
         return;
     }
@@ -147,12 +171,42 @@ static void panels_of(const uint16_t *xs, const uint16_t *panels, const uint16_t
         if (cnt > 2) _tile_stored(2, sums + 32, 256);
         if (cnt > 3) _tile_stored(3, sums + 48, 256);
         int64_t col0 = p0 * 16, cols = (int64_t)cnt * 16 < n - col0 ? (int64_t)cnt * 16 : n - col0;
-        for (int r = 0; r < rows; r++)
-            store_sums(sums + (int64_t)r * 64, bias ? bias + col0 : NULL, out + r * out_stride + col0, cols);
+        block_out(sums, 64, rows, bias, out, out_stride, best, col0, cols);
     }
 }
 
 #undef PANEL
+#endif
+
+#if HAVE_AMX
+/* pd_amx_gemm's work, into out, or into each thread's running argmax of the rows (best: [threads][rows],
+   thread i keeping its own; out NULL). */
+static int amx_run(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
+                   int64_t out_stride, best16 *best, int rows, int64_t n, int64_t k, int threads) {
+    int64_t kp = padded_k(k), np = (n + 15) / 16, staged = (rows + 15) / 16 * 16;
+    /* the rows, zero-padded, tile by tile: row tile t's k-step c (its 16 rows' 32 values of k) is
+       the 1 KiB at xs + (t * kp / 32 + c) * 512, so each tile load reads one contiguous KiB */
+    uint16_t *xs = aligned_alloc(64, sizeof(uint16_t) * (size_t)(staged * kp));
+    if (xs == NULL) return -2;
+    for (int64_t r = 0; r < staged; r++)
+        for (int64_t c = 0; c < kp / 32; c++) {
+            uint16_t *to = xs + ((r / 16) * (kp / 32) + c) * 512 + (r % 16) * 32;
+            int64_t have = r < rows ? (k - 32 * c < 32 ? k - 32 * c : 32) : 0; /* k - 32 c > 0 below kp */
+            if (have > 0) memcpy(to, x + r * x_stride + 32 * c, sizeof(uint16_t) * (size_t)have);
+            memset(to + have, 0, sizeof(uint16_t) * (size_t)(32 - have));
+        }
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        int t = omp_get_thread_num(), count = omp_get_num_threads();
+        float sums[32 * 32]; /* a block's sums: 4 KiB */
+        amx_configure();
+        panels_of(xs, panels, bias, out, out_stride, best ? best + (int64_t)t * rows : NULL, rows, n, kp,
+                  np * t / count, np * (t + 1) / count, sums);
+        _tile_release();
+    }
+    free(xs);
+    return 0;
+}
 #endif
 
 /* x [rows][k] bfloat16, rows x_stride apart (1 <= rows <= MAX_ROWS) -> out [rows][n] bfloat16, rows
@@ -162,31 +216,32 @@ int pd_amx_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, con
                 int64_t out_stride, int rows, int64_t n, int64_t k, int threads) {
 #if HAVE_AMX
     if (!amx_permitted() || rows < 1 || rows > MAX_ROWS) return -1;
-    int64_t kp = padded_k(k), np = (n + 15) / 16, staged = (rows + 15) / 16 * 16;
-    /* the rows, zero-padded, tile by tile: row tile t's k-step c (its 16 rows' 32 values of k) is
-       the 1 KiB at xs + (t * kp / 32 + c) * 512, so each tile load reads one contiguous KiB */
-    uint16_t *xs = aligned_alloc(64, sizeof(uint16_t) * (size_t)(staged * kp));
-    if (xs == NULL) return -2;
-    for (int64_t r = 0; r < staged; r++)
-        for (int64_t c = 0; c < kp / 32; c++) {
-            uint16_t *to = xs + ((r / 16) * (kp / 32) + c) * 512 + (r % 16) * 32;
-            int64_t have = r < rows ? (k - 32 * c < 32 ? k - 32 * c : 32) : 0;
-            if (have > 0) memcpy(to, x + r * x_stride + 32 * c, sizeof(uint16_t) * (size_t)have);
-            memset(to + (have > 0 ? have : 0), 0, sizeof(uint16_t) * (size_t)(32 - (have > 0 ? have : 0)));
-        }
-    _Pragma("omp parallel num_threads(threads)")
-    {
-        int t = omp_get_thread_num(), count = omp_get_num_threads();
-        float sums[32 * 32]; /* a block's sums: 4 KiB */
-        amx_configure();
-        panels_of(xs, panels, bias, out, out_stride, rows, n, kp, np * t / count, np * (t + 1) / count, sums);
-        _tile_release();
-    }
-    free(xs);
-    return 0;
+    return amx_run(x, x_stride, panels, bias, out, out_stride, NULL, rows, n, k, threads);
 #else
     (void)x, (void)x_stride, (void)panels, (void)bias, (void)out, (void)out_stride, (void)rows, (void)n, (void)k;
     (void)threads;
+    return -1;
+#endif
+}
+
+/* pd_bf16_greedy on AMX tiles (amx.h): tokens [rows] = each row's argmax of pd_amx_gemm's output (the
+   first column on a tie) without writing it. Returns 0; 1 where a row has a NaN output; -1 where the
+   tiles or AVX-512 are not here or rows is out of range; -2 out of memory. */
+int amx_greedy(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, int rows, int64_t n,
+               int64_t k, int64_t *tokens, int threads) {
+#if HAVE_AMX && FUSED_ARGMAX
+    if (!amx_permitted() || rows < 1 || rows > MAX_ROWS || n >= INT32_MAX) return -1;
+    threads = threads < 1 ? 1 : threads;
+    best16 *best = aligned_alloc(64, sizeof(best16) * (size_t)threads * (size_t)rows);
+    if (best == NULL) return -2;
+    for (int64_t i = 0; i < (int64_t)threads * rows; i++) best[i] = best16_none();
+    int rc = amx_run(x, x_stride, panels, bias, NULL, 0, best, rows, n, k, threads);
+    for (int r = 0; rc == 0 && r < rows; r++)
+        if ((tokens[r] = merge_best(best, rows, threads, r)) < 0) rc = 1;
+    free(best);
+    return rc;
+#else
+    (void)x, (void)x_stride, (void)panels, (void)bias, (void)rows, (void)n, (void)k, (void)tokens, (void)threads;
     return -1;
 #endif
 }
