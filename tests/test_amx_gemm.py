@@ -31,8 +31,8 @@ def gemm(request):
 
 
 def _row_counts(gemm) -> tuple[int, ...]:
-    """1 to 64 rows (one to four AMX row tiles; vdpbf16ps blocks of 1 to 8 rows by 1 to 8 panels), and
-    past 64 (on AMX tiles, 64 rows a call)."""
+    """1 to 64 rows (one to four AMX row tiles: four panels at a time, or pairs through blocks of 32
+    rows; vdpbf16ps blocks of 1 to 8 rows by 1 to 8 panels), and past 256 (on AMX tiles, 256 rows a call)."""
     return (1, 2, 3, 5, 8, 9, 16, 17, 31, 32, 33, 48, 64, 100, 257)
 
 

@@ -140,16 +140,28 @@ def test_a_step_with_a_sampled_row_computes_the_logits_and_samples_as_without_th
     assert head.rows == 10 - 6  # the greedy request's steps after the sampled one finished
 
 
+@pytest.fixture(params=["AMX", "AVX512-BF16"])
+def bf16_gemm(request):
+    """The bfloat16 GEMM on one path: AMX tiles, or vdpbf16ps with the engine's AMX use off."""
+    KERNELS.use_amx(request.param == "AMX")
+    try:
+        gemm = KERNELS.gemm_for(torch.bfloat16)
+        if gemm is None or gemm.path != request.param:
+            pytest.skip(f"no {request.param} bfloat16 GEMM here (CPU or OS)")
+        yield gemm
+    finally:
+        KERNELS.use_amx(True)
+
+
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 16, 23])
+@pytest.mark.parametrize("rows", [1, 3, 16, 23, 40])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_bfloat16_greedy_head_gives_the_bfloat16_gemms_argmax_bit_for_bit(bias, rows, threads):
+def test_the_bfloat16_greedy_head_gives_the_bfloat16_gemms_argmax_bit_for_bit(bf16_gemm, bias, rows, threads):
     """`pd_bf16_greedy` against the argmax kernel over the same GEMM's bfloat16 logits: random rows,
     rows whose logits tie exactly (equal columns, and many columns equal once rounded to bfloat16,
-    where the first must win), a part panel at the end, every block shape of rows and both thread counts."""
-    gemm = KERNELS.gemm_for(torch.bfloat16)
-    if gemm is None or gemm.path != "AVX512-BF16":
-        pytest.skip("no vdpbf16ps GEMM here (AVX512-BF16 without AMX)")
+    where the first must win), a part panel at the end, every block shape of rows (vdpbf16ps's; on AMX
+    four panels for up to 16 rows, pairs through blocks of 32 past) and both thread counts."""
+    gemm = bf16_gemm
     n, k = 1003, 72
     torch.manual_seed(rows)
     linear = nn.Linear(k, n, bias=bias)
@@ -157,6 +169,8 @@ def test_the_bfloat16_greedy_head_gives_the_bfloat16_gemms_argmax_bit_for_bit(bi
         linear.weight.copy_(torch.randn(n, k) * 0.05)
         linear.weight[300] = linear.weight[7]  # an exact tie: the first index wins
         linear.weight[990] = linear.weight[5]  # across threads' shares and the part panel
+        if bias:  # the tied columns' biases tied too, so the first of each pair is the row's argmax
+            linear.bias[300], linear.bias[990] = linear.bias[7], linear.bias[5]
     head = dense.PackedLinear(linear.bfloat16(), keep_weight=False, gemm=gemm, small_rows=None)
     x = torch.randn(rows, k).bfloat16() * 4
     w = linear.weight
@@ -177,11 +191,8 @@ def test_the_bfloat16_greedy_head_gives_the_bfloat16_gemms_argmax_bit_for_bit(bi
     assert Bf16GreedyHead.fits(head) is None and fused.full == 0
 
 
-def test_a_nan_takes_the_bfloat16_logits_and_a_float32_head_gets_no_fused_one():
-    gemm = KERNELS.gemm_for(torch.bfloat16)
-    if gemm is None or gemm.path != "AVX512-BF16":
-        pytest.skip("no vdpbf16ps GEMM here (AVX512-BF16 without AMX)")
-    head = dense.PackedLinear(nn.Linear(32, 400).bfloat16(), keep_weight=False, gemm=gemm, small_rows=None)
+def test_a_nan_takes_the_bfloat16_logits_and_a_float32_head_gets_no_fused_one(bf16_gemm):
+    head = dense.PackedLinear(nn.Linear(32, 400).bfloat16(), keep_weight=False, gemm=bf16_gemm, small_rows=None)
     fused = Bf16GreedyHead(head)
     x = torch.randn(3, 32).bfloat16()
     x[1, 4] = float("nan")
@@ -189,9 +200,25 @@ def test_a_nan_takes_the_bfloat16_logits_and_a_float32_head_gets_no_fused_one():
     assert Bf16GreedyHead.fits(_head(400, 32, bias=False)) == "the LM head is not on the CPU GEMM's bfloat16 panels"
 
 
+def test_past_the_gemms_cut_the_fused_head_leaves_the_logits_to_onednn(bf16_gemm):
+    """Where the unfused head hands more rows than the GEMM's cut to oneDNN (AMX: past 32), the fused
+    head takes only steps within it, so a step's tokens are the unfused head's on either side."""
+    linear = nn.Linear(64, 300).bfloat16()
+    head = dense.PackedLinear(linear, keep_weight=False, gemm=bf16_gemm, small_rows=bf16_gemm.max_rows)
+    fused = Bf16GreedyHead(head)
+    cut = bf16_gemm.max_rows
+    for rows in (1, cut or 40, (cut or 40) + 1):
+        x = torch.randn(rows, 64).bfloat16()
+        tokens = fused(x)
+        beyond = cut is not None and rows > cut
+        assert (tokens is None) == beyond, rows
+        if tokens is not None:
+            assert torch.equal(tokens, KERNELS.argmax(head(x)))
+
+
 def test_bfloat16_greedy_steps_take_the_fused_head_and_give_the_unfused_tokens(llama_dir):
-    """An all-greedy bfloat16 engine's steps take the fused head where the GEMM is vdpbf16ps, and give
-    the tokens of an engine without it (its bfloat16 logits and the argmax kernel)."""
+    """An all-greedy bfloat16 engine's steps take the fused head where the GEMM is vdpbf16ps or AMX
+    tiles, and give the tokens of an engine without it (its bfloat16 logits and the argmax kernel)."""
     engine = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=256, dtype="bfloat16"))
     head = engine.runner.forward.greedy_head
     if not isinstance(head, Bf16GreedyHead):
@@ -200,6 +227,6 @@ def test_bfloat16_greedy_steps_take_the_fused_head_and_give_the_unfused_tokens(l
     prompts = [[11, 12, 13], list(range(40, 75)), [5] * 9]
     greedy = [SamplingParams(max_tokens=12, ignore_eos=True)] * 3
     got = _run(engine, prompts, greedy)
-    assert head.calls >= 12 and head.full == 0
+    assert head.calls >= 11 and head.full == 0  # every decode step (the prompts' step: the kernel decoder's where it takes 47 rows)
     off = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=256, dtype="bfloat16", greedy_head=False))
     assert got == _run(off, prompts, greedy)

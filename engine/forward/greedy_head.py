@@ -32,10 +32,11 @@ tiles flush values under 2^-126 to zero, which the bound covers only above that)
 Only steps whose every sampled row is greedy use it; any other step computes the logits
 (engine/model_runner.py). docs/engine_speed.md has the window's width and the step's figures.
 
-A bfloat16 head on the vdpbf16ps GEMM (`Bf16GreedyHead`) needs no window: its logits are already
-the bfloat16 GEMM's, so `pd_bf16_greedy` computes exactly them and keeps each row's running argmax
-in registers instead of writing them (a 262k vocabulary at 16 rows: 8 MiB of logits written and
-read again by the argmax); the token is the argmax of the logits the unfused head gives, bit for bit.
+A bfloat16 head on the bfloat16 GEMM (`Bf16GreedyHead`: vdpbf16ps, or AMX tiles up to the GEMM's
+32-row cut) needs no window: its logits are already the bfloat16 GEMM's, so `pd_bf16_greedy` computes
+exactly them and keeps each row's running argmax in registers instead of writing them (a 262k
+vocabulary at 16 rows: 8 MiB of logits written and read again by the argmax); the token is the
+argmax of the logits the unfused head gives, bit for bit.
 """
 
 from __future__ import annotations
@@ -128,12 +129,16 @@ class GreedyHead:
 
 class Bf16GreedyHead:
     """`(x [M, K] bfloat16) -> [M] int64 greedy tokens` of a bfloat16 `dense.PackedLinear` on the
-    vdpbf16ps GEMM's panels (`pd_bf16_greedy`), or None where the logits must be taken (a NaN)."""
+    bfloat16 GEMM's panels (`pd_bf16_greedy`: vdpbf16ps, or AMX tiles), or None where the logits must
+    be taken (a NaN; on AMX, more rows than the GEMM's cut, past which the unfused head is oneDNN's)."""
 
     def __init__(self, head) -> None:
         self.gemm, self.panels, self.bias, self.n = head.gemm, head.panels, head.bias, head.out_features
+        # the unfused head's cut: past it oneDNN computes the logits (None: the GEMM takes every product)
+        self.cut = head.small_rows if head.packed is not None else None
         self.calls = self.full = 0  # steps it ran; of those, the ones that took the logits
-        self.what = "the bfloat16 LM head with its argmax fused (vdpbf16ps)"  # in words, for the start-up line
+        how = "AMX tiles" if self.gemm.path == "AMX" else "vdpbf16ps"
+        self.what = f"the bfloat16 LM head with its argmax fused ({how})"  # in words, for the start-up line
 
     @staticmethod
     def fits(head) -> str | None:
@@ -141,12 +146,15 @@ class Bf16GreedyHead:
         gemm = getattr(head, "gemm", None)
         if getattr(head, "panels", None) is None or gemm is None or gemm.dtype != torch.bfloat16:
             return "the LM head is not on the CPU GEMM's bfloat16 panels"
-        if getattr(gemm, "path", "") != "AVX512-BF16" or head.packed is not None:
-            return "the LM head's bfloat16 GEMM is not vdpbf16ps for every row count"
+        if getattr(gemm, "path", "") not in ("AVX512-BF16", "AMX"):
+            return "the LM head's bfloat16 GEMM is neither vdpbf16ps nor AMX tiles here"
         return None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:
         self.calls += 1
+        if self.cut is not None and x.shape[0] > self.cut:  # the unfused head's logits are oneDNN's there
+            self.full += 1
+            return None
         tokens = self.gemm.greedy(x.contiguous(), self.panels, self.bias, self.n)
         self.full += tokens is None
         return tokens

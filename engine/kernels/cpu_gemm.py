@@ -101,7 +101,7 @@ class AmxGemm:
     `PackedLinear` gives it up to `max_rows`."""
 
     dtype = torch.bfloat16
-    kernel_rows = 64  # the most rows one call takes
+    kernel_rows = 256  # the most rows one call takes
     # the engine's cut: oneDNN takes larger products. SmolLM2's 210 linears, 2 threads (bench_linears
     # --dtype bfloat16, 2026-12-03): 0.66x oneDNN's time at 1-16 rows, 0.72-0.75x at 24-32, 1.06-1.19x
     # at 40-64 (three and four row tiles, one panel at a time)
@@ -175,7 +175,8 @@ class Bf16Gemm:
     def greedy(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
         """`pd_bf16_greedy`: x `[M, K]` bfloat16 (rows contiguous) -> `[M]` int64, the argmax of each
         row of this GEMM's `[M, n]` output (the first on a tie) without writing it; None where a row's
-        output has a NaN or the fused head does not run here (no vdpbf16ps, or AMX takes the GEMM)."""
+        output has a NaN or the fused head does not run here (neither vdpbf16ps nor AMX, or on AMX
+        more than the 256 rows a call takes)."""
         m, k = x.shape
         checks.rows_of("bfloat16 greedy head: x", x, (torch.bfloat16,))
         _gemm_args("bfloat16 greedy head", panels, bias, n, -(-n // 16) * -(-k // 32) * 512)

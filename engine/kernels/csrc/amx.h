@@ -43,6 +43,10 @@ static inline int amx_permitted(void) { return 0; }
 
 extern int pd_amx_enabled; /* pd_use_amx (prefill_amx.c) */
 
+/* pd_bf16_greedy's path on the tiles (amx_gemm.c): each row's argmax of pd_amx_gemm's output. */
+int amx_greedy(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, int rows, int64_t n,
+               int64_t k, int64_t *tokens, int threads);
+
 /* Whether bfloat16 attention takes the tiles now: prefill chunks' scores and values, decode rows'
    scores. (A first try at decode scores, keys staged sixteen at a time, took 7.2-8.1 ms for SmolLM2's
    16-row step against 6.2-6.6 on vectors, 2026-12-03; read straight from the pool, 5.5-5.7 against

@@ -1,23 +1,26 @@
-/* bfloat16 linears on AMX tiles for a few rows (a decode step): out = x @ W^T + bias, for up to 64
-   rows; engine/forward/dense.py's `PackedLinear` gives it up to 32 (cpu_kernel.AmxGemm.max_rows: past that
-   oneDNN was the faster here) where the CPU has AMX.
+/* bfloat16 linears on AMX tiles: out = x @ W^T + bias, for up to 256 rows a call; engine/forward/dense.py's
+   `PackedLinear` gives it up to 32 (cpu_kernel.AmxGemm.max_rows: past that oneDNN's module path) and
+   a prompt step run as one region (layer_team.c) its tiles of up to 256 rows, where the CPU has AMX.
 
 A decode step reads every weight once for a handful of rows: it is bound by how fast the weights
 stream from memory, and a tile product (16 rows x 16 columns x 32 of k in one instruction) leaves
 the cores free to keep the stream going. The weight is packed once into panels of 16 columns in
 the tiles' pair layout, panels[p][k2][c][e] = W[16 p + c][2 k2 + e] (k padded with zeros to a
 multiple of 32, the last panel's missing columns zero): a panel's 32 values of k are one 1 KiB
-tile, read straight from the panels. The rows are staged once per call, zero-padded to whole tiles.
+tile, read straight from the panels. The rows are staged once per call, zero-padded to whole tiles
+and laid out tile by tile, so a row tile's 32 values of k are one contiguous 1 KiB too.
 
-Each thread takes an even share of the panels and walks them in groups, the group's sums in tiles
-0-3 over all of k: four panels for up to 16 rows, two for up to 32, one for up to 64 (rows in four
-tiles of sixteen). Every output is one float32 sum of exact products in the order of k, whatever
-the group or the row count, then the bias added and rounded once to bfloat16 (nearest even): a
-row's result does not depend on what it is batched with. SmolLM2-135M's linears at 16 rows,
-2 threads (2026-12-03, Xeon host with AMX): 9.6 ms for its 269 MB of weights (28 GB/s), where
-oneDNN's packed bfloat16 linears took 16.4 ms in the engine's step. Past 64 rows oneDNN stays the
-faster too: a 2 x 2 tile blocking over panel pairs (rows from L2, panels from L1) took 2.46 ms for a
-SmolLM2 layer's four linears at 512 rows against oneDNN's 1.93. */
+Each thread takes an even share of the panels, the sums in tiles 0-3 over all of k: up to 16 rows,
+four panels at a time; more, a pair of panels at a time through every block of 32 rows (2 x 2
+tiles), so the pair streams from memory once a call and from cache for the other blocks. Every
+output is one float32 sum of exact products in the order of k, whatever the blocking or the row
+count, then the bias added and rounded once to bfloat16 (nearest even): a row's result does not
+depend on what it is batched with. SmolLM2-135M's linears at 16 rows, 2 threads (2026-12-03, Xeon
+host with AMX): 9.6 ms for its 269 MB of weights (28 GB/s), where oneDNN's packed bfloat16 linears
+took 16.4 ms in the engine's step. A prompt's rows (host E, 2026-12-05, one thread, the Gemma-3-shaped
+checkpoint's gate|up and down at 256 rows): 430-470 GMAC/s, against 350 with the rows read in place
+(row-major staging) and 145 in 32-row calls, each streaming the weights again
+(docs/engine_speed.md, "bfloat16 linears"). */
 #include <math.h>
 #include <omp.h>
 #include <stdint.h>
@@ -27,8 +30,9 @@ SmolLM2 layer's four linears at 512 rows against oneDNN's 1.93. */
 #include "pdserve_kernels.h"
 #include "amx.h"
 #include "vec.h"
+#include "greedy_lanes.h"
 
-#define MAX_ROWS 64
+#define MAX_ROWS 256
 
 static inline int64_t padded_k(int64_t k) { return (k + 31) / 32 * 32; }
 
@@ -51,8 +55,33 @@ int pd_amx_gemm_ready(void) { return amx_permitted(); }
 /* `cols` sums of one row plus their bias (or none), rounded to bfloat16 (nearest even) into o. */
 static inline void store_sums(const float *s, const uint16_t *bias, uint16_t *o, int64_t cols) {
     int64_t j = 0;
+#if defined(__AVX512F__)
+    for (; j + 16 <= cols; j += 16)
+        bf16_store16(o + j, bias ? f32_load16(s + j) + bf16_load16(bias + j) : f32_load16(s + j));
+#endif
     for (; j + 8 <= cols; j += 8) bf16_store8(o + j, bias ? f32_load8(s + j) + bf16_load8(bias + j) : f32_load8(s + j));
     for (; j < cols; j++) o[j] = bf16_store(bias ? s[j] + bf16_load(bias[j]) : s[j]);
+}
+
+#if defined(__AVX512F__)
+#define FUSED_ARGMAX 1
+#else
+#define FUSED_ARGMAX 0
+typedef struct best16 best16; /* never made here */
+#endif
+
+/* m rows' sums of a block ([m][ld] floats, its first `cols` columns from col0 on) biased and rounded:
+   into out, or, with best (amx_greedy), into the rows' running argmax instead. */
+static inline void block_out(const float *sums, int ld, int m, const uint16_t *bias, uint16_t *out,
+                             int64_t out_stride, best16 *best, int64_t col0, int64_t cols) {
+#if FUSED_ARGMAX
+    if (best) {
+        keep_best(sums, m, ld / 16, bias ? bias + col0 : NULL, best, col0, cols);
+        return;
+    }
+#endif
+    for (int r = 0; r < m; r++)
+        store_sums(sums + (int64_t)r * ld, bias ? bias + col0 : NULL, out + (int64_t)r * out_stride + col0, cols);
 }
 
 /* Tile (p, c): panel p's values of k 32 c .. 32 c + 31. */
@@ -85,92 +114,134 @@ static inline void four_panels(const uint16_t *a, const uint16_t *a2, int64_t xr
     }
 }
 
-/* One thread's panels [p_lo, p_hi): sums in tiles 0-3 (row tile r, panel q of the group), the rows'
-   32 values of k in tile 4 (and 7), the panels' in tiles 5 and 6; each group's sums stored to `sums`
-   ([64][64] floats, row-major by the group's columns), then biased, rounded and written. */
+/* Rows [r0, r0 + m) (m <= 32: one or two row tiles, in tiles 4 and 7) by panels p0 and p0 + 1 (cnt of
+   them, 1 or 2: tiles 5 and 6) over all of k: sums in tiles 0-3 (row tile r, panel q: tile 2 r + q),
+   stored to `sums` ([32][32] floats), then biased, rounded and written. */
+static void two_by_two(const uint16_t *xs, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
+                       int64_t out_stride, best16 *best, int r0, int m, int64_t n, int64_t kp, int64_t p0, int cnt,
+                       float *sums) {
+    const uint16_t *a0 = xs + (int64_t)r0 * kp, *a1 = a0 + 16 * kp; /* row tiles, staged tile by tile */
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < kp / 32; c++) {
+        _tile_loadd(4, a0 + c * 512, 64);
+        _tile_loadd(5, PANEL(p0, c), 64);
+        if (m > 16) _tile_loadd(7, a1 + c * 512, 64);
+        if (cnt > 1) _tile_loadd(6, PANEL(p0 + 1, c), 64);
+        _tile_dpbf16ps(0, 4, 5);
+        if (m > 16) _tile_dpbf16ps(2, 7, 5);
+        if (cnt > 1) _tile_dpbf16ps(1, 4, 6);
+        if (m > 16 && cnt > 1) _tile_dpbf16ps(3, 7, 6);
+    }
+    _tile_stored(0, sums, 128);
+    if (cnt > 1) _tile_stored(1, sums + 16, 128);
+    if (m > 16) _tile_stored(2, sums + 16 * 32, 128);
+    if (m > 16 && cnt > 1) _tile_stored(3, sums + 16 * 32 + 16, 128);
+    int64_t col0 = p0 * 16, cols = (int64_t)cnt * 16 < n - col0 ? (int64_t)cnt * 16 : n - col0;
+    block_out(sums, 32, m, bias, out ? out + (int64_t)r0 * out_stride : NULL, out_stride, best ? best + r0 : NULL,
+              col0, cols);
+}
+
+/* One thread's panels [p_lo, p_hi). Up to 16 rows (a decode step, bound by the weights' stream):
+   four panels at a time, the sums in tiles 0-3, the rows' 32 values of k in tile 4, the panels' in
+   tiles 5 and 6. More rows (a prompt's tile): a pair of panels at a time, through every block of 32
+   rows in turn (`two_by_two`), so the pair streams from memory once and from cache for the next
+   blocks, and the rows stay in L2. */
 static void panels_of(const uint16_t *xs, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
-                      int64_t out_stride, int rows, int64_t n, int64_t kp, int64_t p_lo, int64_t p_hi, float *sums) {
-    int tiles = (rows + 15) / 16, group = tiles == 1 ? 4 : tiles == 2 ? 2 : 1;
-    int64_t xrow = kp * (int64_t)sizeof(uint16_t);
-    for (int64_t p0 = p_lo; p0 < p_hi; p0 += group) {
-        int cnt = p_hi - p0 < group ? (int)(p_hi - p0) : group;
+                      int64_t out_stride, best16 *best, int rows, int64_t n, int64_t kp, int64_t p_lo, int64_t p_hi,
+                      float *sums) {
+    if (rows > 16) {
+        for (int64_t p0 = p_lo; p0 < p_hi; p0 += 2)
+            for (int r0 = 0; r0 < rows; r0 += 32)
+                two_by_two(xs, panels, bias, out, out_stride, best, r0, rows - r0 < 32 ? rows - r0 : 32, n, kp, p0,
+                           p_hi - p0 < 2 ? 1 : 2, sums);
+        return;
+    }
+    for (int64_t p0 = p_lo; p0 < p_hi; p0 += 4) {
+        int cnt = p_hi - p0 < 4 ? (int)(p_hi - p0) : 4;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t c = 0; c < kp / 32; c++) {
-            const uint16_t *a = xs + c * 32;
-            if (tiles == 1) { /* four panels */
-                four_panels(a, NULL, xrow, panels, kp, p0, c, cnt);
-            } else if (tiles == 2) { /* two row tiles (4, 7) by two panels (5, 6) */
-                _tile_loadd(5, PANEL(p0, c), 64);
-                _tile_loadd(4, a, xrow);
-                _tile_loadd(7, a + 16 * kp, xrow);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_dpbf16ps(2, 7, 5);
-                if (cnt > 1) {
-                    _tile_loadd(6, PANEL(p0 + 1, c), 64);
-                    _tile_dpbf16ps(1, 4, 6);
-                    _tile_dpbf16ps(3, 7, 6);
-                }
-            } else { /* one panel (5) by up to four row tiles (4, 6, 7, 4) */
-                _tile_loadd(5, PANEL(p0, c), 64);
-                _tile_loadd(4, a, xrow);
-                _tile_dpbf16ps(0, 4, 5);
-                _tile_loadd(6, a + 16 * kp, xrow);
-                _tile_dpbf16ps(1, 6, 5);
-                _tile_loadd(7, a + 32 * kp, xrow);
-                _tile_dpbf16ps(2, 7, 5);
-                if (tiles > 3) {
-                    _tile_loadd(4, a + 48 * kp, xrow);
-                    _tile_dpbf16ps(3, 4, 5);
-                }
-            }
-        }
-        /* tile t holds row tile t / group, panel t % group: sums [row][q * 16 + column] */
-        const int64_t ld = (int64_t)group * 16 * (int64_t)sizeof(float);
-#define STORE(t)                                                                                    \
-        if ((t) / group < tiles && (t) % group < cnt)                                               \
-            _tile_stored(t, sums + ((t) / group) * 16 * group * 16 + ((t) % group) * 16, ld);
-        STORE(0) STORE(1) STORE(2) STORE(3)
-#undef STORE
+        for (int64_t c = 0; c < kp / 32; c++) four_panels(xs + c * 512, NULL, 64, panels, kp, p0, c, cnt);
+        _tile_stored(0, sums, 256);
+        if (cnt > 1) _tile_stored(1, sums + 16, 256);
+        if (cnt > 2) _tile_stored(2, sums + 32, 256);
+        if (cnt > 3) _tile_stored(3, sums + 48, 256);
         int64_t col0 = p0 * 16, cols = (int64_t)cnt * 16 < n - col0 ? (int64_t)cnt * 16 : n - col0;
-        for (int r = 0; r < rows; r++)
-            store_sums(sums + (int64_t)r * group * 16, bias ? bias + col0 : NULL, out + r * out_stride + col0, cols);
+        block_out(sums, 64, rows, bias, out, out_stride, best, col0, cols);
     }
 }
 
 #undef PANEL
 #endif
 
-/* x [rows][k] bfloat16, rows x_stride apart (1 <= rows <= 64) -> out [rows][n] bfloat16, rows
+#if HAVE_AMX
+/* pd_amx_gemm's work, into out, or into each thread's running argmax of the rows (best: [threads][rows],
+   thread i keeping its own; out NULL). */
+static int amx_run(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
+                   int64_t out_stride, best16 *best, int rows, int64_t n, int64_t k, int threads) {
+    int64_t kp = padded_k(k), np = (n + 15) / 16, staged = (rows + 15) / 16 * 16;
+    /* the rows, zero-padded, tile by tile: row tile t's k-step c (its 16 rows' 32 values of k) is
+       the 1 KiB at xs + (t * kp / 32 + c) * 512, so each tile load reads one contiguous KiB */
+    uint16_t *xs = aligned_alloc(64, sizeof(uint16_t) * (size_t)(staged * kp));
+    if (xs == NULL) return -2;
+    for (int64_t r = 0; r < staged; r++)
+        for (int64_t c = 0; c < kp / 32; c++) {
+            uint16_t *to = xs + ((r / 16) * (kp / 32) + c) * 512 + (r % 16) * 32;
+            int64_t have = r < rows ? (k - 32 * c < 32 ? k - 32 * c : 32) : 0; /* k - 32 c > 0 below kp */
+            if (have > 0) memcpy(to, x + r * x_stride + 32 * c, sizeof(uint16_t) * (size_t)have);
+            memset(to + have, 0, sizeof(uint16_t) * (size_t)(32 - have));
+        }
+    _Pragma("omp parallel num_threads(threads)")
+    {
+        int t = omp_get_thread_num(), count = omp_get_num_threads();
+        float sums[32 * 32]; /* a block's sums: 4 KiB */
+        amx_configure();
+        panels_of(xs, panels, bias, out, out_stride, best ? best + (int64_t)t * rows : NULL, rows, n, kp,
+                  np * t / count, np * (t + 1) / count, sums);
+        _tile_release();
+    }
+    free(xs);
+    return 0;
+}
+#endif
+
+/* x [rows][k] bfloat16, rows x_stride apart (1 <= rows <= MAX_ROWS) -> out [rows][n] bfloat16, rows
    out_stride apart; bias [n] bfloat16 or NULL. Returns 0; -1 where AMX is unavailable or rows is
    out of range (nothing written); -2 when it could not allocate its staging buffer. */
 int pd_amx_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
                 int64_t out_stride, int rows, int64_t n, int64_t k, int threads) {
 #if HAVE_AMX
     if (!amx_permitted() || rows < 1 || rows > MAX_ROWS) return -1;
-    int64_t kp = padded_k(k), np = (n + 15) / 16, staged = (rows + 15) / 16 * 16;
-    uint16_t *xs = malloc(sizeof(uint16_t) * (size_t)(staged * kp)); /* the rows, zero-padded */
-    if (xs == NULL) return -2;
-    for (int64_t r = 0; r < staged; r++) {
-        uint16_t *to = xs + r * kp;
-        if (r < rows) memcpy(to, x + r * x_stride, sizeof(uint16_t) * (size_t)k);
-        memset(to + (r < rows ? k : 0), 0, sizeof(uint16_t) * (size_t)(r < rows ? kp - k : kp));
-    }
-    _Pragma("omp parallel num_threads(threads)")
-    {
-        int t = omp_get_thread_num(), count = omp_get_num_threads();
-        float sums[MAX_ROWS * 64]; /* a group's sums: 16 KiB */
-        amx_configure();
-        panels_of(xs, panels, bias, out, out_stride, rows, n, kp, np * t / count, np * (t + 1) / count, sums);
-        _tile_release();
-    }
-    free(xs);
-    return 0;
+    return amx_run(x, x_stride, panels, bias, out, out_stride, NULL, rows, n, k, threads);
 #else
     (void)x, (void)x_stride, (void)panels, (void)bias, (void)out, (void)out_stride, (void)rows, (void)n, (void)k;
     (void)threads;
+    return -1;
+#endif
+}
+
+/* pd_bf16_greedy on AMX tiles (amx.h): tokens [rows] = each row's argmax of pd_amx_gemm's output (the
+   first column on a tie) without writing it. Returns 0; 1 where a row has a NaN output; -1 where the
+   tiles or AVX-512 are not here or rows is out of range; -2 out of memory. */
+int amx_greedy(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, int rows, int64_t n,
+               int64_t k, int64_t *tokens, int threads) {
+#if HAVE_AMX && FUSED_ARGMAX
+    if (!amx_permitted() || rows < 1 || rows > MAX_ROWS || n >= INT32_MAX) return -1;
+    threads = threads < 1 ? 1 : threads;
+    best16 *best = aligned_alloc(64, sizeof(best16) * (size_t)threads * (size_t)rows);
+    if (best == NULL) return -2;
+    for (int64_t i = 0; i < (int64_t)threads * rows; i++) best[i] = best16_none();
+    int rc = amx_run(x, x_stride, panels, bias, NULL, 0, best, rows, n, k, threads);
+    for (int r = 0; rc == 0 && r < rows; r++)
+        if ((tokens[r] = merge_best(best, rows, threads, r)) < 0) rc = 1;
+    free(best);
+    return rc;
+#else
+    (void)x, (void)x_stride, (void)panels, (void)bias, (void)rows, (void)n, (void)k, (void)tokens, (void)threads;
     return -1;
 #endif
 }

@@ -28,6 +28,7 @@ read again (a 262k vocabulary: 8 MiB a 16-row step) and the argmax needs no pass
 #include "pdserve_kernels.h"
 #include "amx.h"
 #include "vec.h"
+#include "greedy_lanes.h"
 
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
@@ -36,7 +37,7 @@ read again (a 262k vocabulary: 8 MiB a 16-row step) and the argmax needs no pass
 #define HAVE_DPBF16 0
 #endif
 
-#define AMX_ROWS 64 /* the most rows pd_amx_gemm takes */
+#define AMX_ROWS 256 /* the most rows pd_amx_gemm takes */
 #define TILE_ROWS 8 /* rows of one block */
 
 /* Which path pd_bf16_gemm takes now: 2 AMX tiles (pd_use_amx on), 1 vdpbf16ps, 0 none here. */
@@ -55,43 +56,6 @@ static __attribute__((noinline)) void store_rows(const float *sums, int R, int P
         int64_t j = 0;
         for (; j + 16 <= cols; j += 16) bf16_store16(o + j, bias ? f32_load16(s + j) + bf16_load16(bias + j) : f32_load16(s + j));
         for (; j < cols; j++) o[j] = bf16_store(bias ? s[j] + bf16_load(bias[j]) : s[j]);
-    }
-}
-
-/* pd_bf16_greedy's running argmax of one row in one thread: lane l holds the largest rounded output
-   it has seen in columns = l mod 16, the first such column, and whether any was NaN */
-typedef struct {
-    __m512 top;
-    __m512i where, nan;
-} best16;
-
-/* R rows' sums for P panels, rounded as store_rows rounds them, into the rows' running argmax
-   (col0: the block's first column; columns past cols are not outputs) */
-static __attribute__((noinline)) void keep_best(const float *sums, int R, int P, const uint16_t *bias, best16 *best,
-                                                int64_t col0, int64_t cols) {
-    const __m512i lanes = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-    for (int r = 0; r < R; r++) {
-        best16 b = best[r];
-        for (int p = 0; p < P && 16 * p < cols; p++) {
-            v16f s = f32_load16(sums + (r * P + p) * 16);
-            if (bias) {
-                uint16_t part[16] = {0}; /* the bias ends at the last column */
-                memcpy(part, bias + 16 * p, sizeof(uint16_t) * (size_t)(cols - 16 * p < 16 ? cols - 16 * p : 16));
-                s += bf16_load16(part);
-            }
-            __m512 v = (__m512)bf16_round16(s);
-            __m512i at = _mm512_add_epi32(lanes, _mm512_set1_epi32((int)(col0 + 16 * p)));
-            __mmask16 valid = _mm512_cmplt_epi32_mask(_mm512_sub_epi32(at, _mm512_set1_epi32((int)col0)),
-                                                      _mm512_set1_epi32((int)cols));
-            __mmask16 nan = _mm512_mask_cmp_ps_mask(valid, v, v, _CMP_UNORD_Q);
-            __mmask16 more = _mm512_mask_cmp_ps_mask(valid, v, b.top, _CMP_GT_OQ) |
-                             (_mm512_mask_cmp_ps_mask(valid, v, b.top, _CMP_EQ_OQ) &
-                              _mm512_cmplt_epi32_mask(at, b.where));
-            b.top = _mm512_mask_mov_ps(b.top, more, v);
-            b.where = _mm512_mask_mov_epi32(b.where, more, at);
-            b.nan = _mm512_mask_mov_epi32(b.nan, nan, _mm512_set1_epi32(-1));
-        }
-        best[r] = b;
     }
 }
 
@@ -226,23 +190,6 @@ static int dpbf16_run(const uint16_t *x, int64_t x_stride, const uint16_t *panel
     return 0;
 }
 
-/* Row r's token from every thread's lanes: the largest, the first column on a tie; -1 if any was NaN. */
-static int64_t merge_best(const best16 *best, int rows, int teams, int r) {
-    float top = 0;
-    int64_t at = -1;
-    for (int t = 0; t < teams; t++) {
-        const best16 *b = best + (int64_t)t * rows + r;
-        if (_mm512_test_epi32_mask(b->nan, b->nan)) return -1;
-        float vals[16];
-        int32_t where[16];
-        _mm512_storeu_ps(vals, b->top);
-        _mm512_storeu_si512(where, b->where);
-        for (int l = 0; l < 16; l++)
-            if (where[l] != INT32_MAX && (at < 0 || vals[l] > top || (vals[l] == top && where[l] < at)))
-                top = vals[l], at = where[l];
-    }
-    return at;
-}
 #endif
 
 /* x [rows][k] bfloat16, rows x_stride apart -> out [rows][n] bfloat16, rows out_stride apart; panels
@@ -270,17 +217,18 @@ int pd_bf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, co
 
 /* tokens [rows] = each row's argmax of pd_bf16_gemm's output, the first column on a tie, without
    writing the outputs (an LM head whose rows all sample greedily). Returns 0; 1 where a row has a
-   NaN output (nothing reliable in tokens: the caller takes the outputs); -1 where vdpbf16ps does not
-   run here or AMX tiles take pd_bf16_gemm (the caller takes the outputs); -2 out of memory. */
+   NaN output (nothing reliable in tokens: the caller takes the outputs); -1 where neither runs here,
+   or, on AMX tiles (amx_gemm.c's amx_greedy, up to 256 rows), more rows (the caller takes the
+   outputs); -2 out of memory. */
 int pd_bf16_greedy(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, int rows,
                    int64_t n, int64_t k, int64_t *tokens, int threads) {
-    if (rows < 1 || n < 1 || k < 1 || n >= INT32_MAX || amx_ready()) return -1;
+    if (rows < 1 || n < 1 || k < 1 || n >= INT32_MAX) return -1;
+    if (amx_ready()) return amx_greedy(x, x_stride, panels, bias, rows, n, k, tokens, threads);
 #if HAVE_DPBF16
     threads = threads < 1 ? 1 : threads;
     best16 *best = aligned_alloc(64, sizeof(best16) * (size_t)threads * (size_t)rows);
     if (best == NULL) return -2;
-    for (int64_t i = 0; i < (int64_t)threads * rows; i++)
-        best[i] = (best16){_mm512_set1_ps(-__builtin_inff()), _mm512_set1_epi32(INT32_MAX), _mm512_setzero_si512()};
+    for (int64_t i = 0; i < (int64_t)threads * rows; i++) best[i] = best16_none();
     int rc = dpbf16_run(x, x_stride, panels, bias, NULL, 0, best, rows, n, k, threads);
     for (int r = 0; rc == 0 && r < rows; r++)
         if ((tokens[r] = merge_best(best, rows, threads, r)) < 0) rc = 1;

@@ -9,7 +9,7 @@ row-wise: the o GEMM, the residual and norm, gate|up, SiLU·up, down, the residu
 layer's norm, q|k|v GEMM, rotary and K/V write each read and write only their own rows. So a layer
 is two phases:
 
-    rows      tiles of 16-64 rows (32 on AMX), each through the chain above (kernels on one thread, on the tile)
+    rows      tiles of 16-64 rows (16-256 on AMX), each through the chain above (kernels on one thread, on the tile)
     attention the prompt chunks cut into pieces of about equal work (a piece: query positions
               [a, b) of one chunk, every head; its keys are all in the pool by then), decode rows one each
 
@@ -266,10 +266,15 @@ static void run(team *t) {
 /* pd_decoder_forward's step on one region (n > 0): as the per-kernel loop's, bit for bit. */
 int layer_team_forward(const pd_layer *layers, int n, const pd_step *S, const void *x, void *out0, void *out1,
                        const void *norm, float eps, void *normed) {
-    int threads = S->threads, T = S->tokens, want = 4 * threads;
-    int tile = (T + want - 1) / want;
+    /* AMX tiles: a GEMM streams a weight once a call and keeps it in cache for the call's blocks of
+       32 rows, so a tile of more rows reads the layer's weights fewer times a step (and bigger tiles
+       make fewer of them): two tiles a thread, up to the 256 rows a call takes. Elsewhere four a
+       thread, within the float32 GEMM's 64-row cut. */
+    int amx = S->dtype == 1 && amx_ready();
+    int threads = S->threads, T = S->tokens, want = 4 * threads, tiles = (amx ? 2 : 4) * threads;
+    int tile = (T + tiles - 1) / tiles;
     tile = (tile + 7) / 8 * 8;
-    int most = S->dtype == 1 && amx_ready() ? 32 : 64; /* within the GEMM's cut: AMX tiles', or SMALL_ROWS */
+    int most = amx ? 256 : 64;
     tile = tile < 16 ? 16 : tile > most ? most : tile;
     piece *pieces = malloc(sizeof(piece) * (size_t)(S->n_chunks * want + S->decodes + 1));
     counter *phases = aligned_alloc(64, sizeof(counter) * (size_t)(2 * n + 1));
