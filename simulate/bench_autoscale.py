@@ -76,7 +76,7 @@ CASES = {c.name: c for c in (
     Case("conversation-4x", ("--trace", TRACE, "--length-scale", "1", "--window", "0:600", "--time-scale", "4",
                              "--max-context", "131072"),
          {"trace": TRACE, "length_scale": 1.0, "window": (0.0, 600.0), "time_scale": 4.0, "max_context": 131072},
-         "ttft=5,tpot=50ms", (16, 20, 24, 32, 40, 48, 64), (0.625, 0.75)),
+         "ttft=5,tpot=50ms", (8, 10, 12, 14, 16, 20, 24, 32, 40, 48, 64), (0.625, 0.75)),
     Case("steady", ("--preset", "plateau", "--rate", "6", "--input-len", "6144", "--output-len", "128",
                     "--max-context", "131072"),
          {"preset": "plateau", "rate": 6.0, "input_len": 6144, "output_len": 128, "max_context": 131072},
@@ -135,8 +135,10 @@ def run_many(jobs: list[tuple], procs: int) -> list[tuple]:
 
 def static_search(case: Case, run: Runner) -> int | None:
     """The smallest size at which an arrangement meets ATTAINMENT (None: no rung does). A binary
-    search over `case.ladder` brackets it; then each size from the largest rung that failed (its
-    other splits too) up to the rung that met is tried in turn, so a size between rungs is found."""
+    search over `case.ladder` brackets it; where the lowest rung meets, sizes below it are halved
+    until one fails (else a smaller arrangement meeting it was never run); then each size from the
+    largest that failed (its other splits too) up to the one that met is tried in turn, so a size
+    between rungs is found."""
     lo, hi, failed, met = 0, len(case.ladder) - 1, None, None
     while lo <= hi:
         mid = (lo + hi) // 2
@@ -146,6 +148,12 @@ def static_search(case: Case, run: Runner) -> int | None:
             failed, lo = case.ladder[mid], mid + 1
     if met is None:
         return None
+    while failed is None and met > 2:  # 2: one prefill and one decode worker
+        below = max(2, met // 2)
+        if meets_at(below, case.shares, run):
+            met = below
+        else:
+            failed = below
     for n in range(failed if failed is not None else met, met):
         if meets_at(n, case.shares, run):
             return n

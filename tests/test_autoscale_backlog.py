@@ -180,9 +180,10 @@ def test_prompts_the_rate_keeps_waiting_are_not_a_backlog_for_decode():
 
 
 def test_the_release_after_an_opening_backlog_plans_for_the_rates_mean_not_one_windows_peak():
-    """The conversation trace's opening: the first 5 s window holds two batches, 26 prompts of
-    15,000 tokens (5.2 requests/s against the trace's 3), and 12 wait while both prefill workers
-    are still warming up: prefill grows 2 -> 6 for the backlog. At the next evaluation, with 3
+    """An opening like the conversation trace's: the first window (a whole interval here; a shorter
+    one is now read at its lower bound, tests/test_autoscale_window.py) holds 5.2 requests/s of
+    15,000 tokens against the trace's 3, and 12 wait while both prefill workers are still warming
+    up: prefill grows 2 -> 6 for the backlog. At the next evaluation, with 3
     requests/s and the backlog cleared, it goes to what the survivors carry without the backlog
     (the rate's mean load at (1 - band) of the target, the first window's arrivals within the
     target): 4. Planned at (1 - band) for the peak of the rate's load (that first window's
@@ -191,11 +192,28 @@ def test_the_release_after_an_opening_backlog_plans_for_the_rates_mean_not_one_w
 
     def prefill(n: int, age_s: float) -> PoolObservation:
         return dataclasses.replace(pool("prefill", [worker(f"p{i}", age_s=age_s) for i in range(n)]), start_s=3.2)
-    grown = p.decide(interval(5.0, prefill(2, 5.0), pool("decode", 2), arrivals=26, prompt=15000, output=330,
-                              window_s=5.0, waiting_first=12, queued=12, queued_prompt_tokens=180_000, wait_q_s=2.0))
+    grown = p.decide(interval(10.0, prefill(2, 10.0), pool("decode", 2), arrivals=52, prompt=15000, output=330,
+                              waiting_first=12, queued=12, queued_prompt_tokens=180_000, wait_q_s=2.0))
     assert grown.desired("prefill") == 6 and grown.pools["prefill"].cause == "forecast", grown.reason
     peak = grown.inputs["prompt_tokens_per_s"] / grown.inputs["prefill_tokens_per_s_per_worker"]
-    released = p.decide(interval(15.0, prefill(6, 100.0), pool("decode", 2), arrivals=30, prompt=15000, output=330,
+    released = p.decide(interval(20.0, prefill(6, 100.0), pool("decode", 2), arrivals=30, prompt=15000, output=330,
                                  ttft_q_s=1.0))
     assert released.pools["prefill"].cause == "cleared" and released.desired("prefill") == 4, released.reason
     assert math.ceil(peak / (0.8 * (1 - 0.2))) == 5
+
+
+def test_decode_grown_for_the_kv_a_bunch_holds_goes_once_it_has_left():
+    """Two warm decode workers at 85% KV (a bunch of long requests held) and 1 request/s arriving:
+    decode grows 2 -> 3 for what it holds, beyond what its arrivals ask. Ten seconds later the
+    bunch has left (KV 10%): the pool goes back at once (`cleared`), not after the 120 s cooldown
+    (the conversation trace held decode 3 from 146 s to 266 s on 62-79% KV)."""
+    p = planner(ttft_s=5.0, prefill_max=15, decode_max=15)
+
+    def observe(at: float, n: int, kv_used: int, running: int):
+        decode = [worker(f"d{i}", kv_used=kv_used, running=running) for i in range(n)]
+        return p.decide(interval(at, pool("prefill", 2), pool("decode", decode), arrivals=10, prompt=8000,
+                                 output=200, ttft_q_s=0.5, decoding=n * running))
+    grown = observe(1000.0, 2, 8500, 4)
+    assert grown.desired("decode") == 3 and grown.pools["decode"].cause == "forecast", grown.reason
+    after = observe(1010.0, 3, 1000, 1)
+    assert after.pools["decode"].cause == "cleared" and after.desired("decode") == 2, after.reason

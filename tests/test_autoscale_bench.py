@@ -144,6 +144,22 @@ def test_the_static_search_finds_the_cheapest_size_between_ladder_rungs():
     assert not meets_at(8, (0.5,), run)  # every 8-worker split short of it: 6P2D the best, 81%
 
 
+def test_a_ladder_whose_lowest_rung_meets_is_searched_below_it():
+    """The same fake cluster (7P2D the cheapest) on a ladder starting at 12, which meets: sizes
+    below are halved until one fails (6), then 7, 8 and 9 are tried in turn: 9. Without the
+    descent the search answers 12, and a cheaper static meeting the target was never run
+    (conversation-4x's ladder once started at 16, so 8P6D's 14 was never compared with less)."""
+    from simulate.bench_autoscale import Case, static_search
+
+    def run(names: list[str]) -> dict[str, float]:
+        out = {}
+        for name in names:
+            p, d = (int(x) for x in name[:-1].split("P")) if "P" in name else (0, 0)
+            out[name] = 0.95 * min(p / 7, d / 2, 1.0)
+        return out
+    assert static_search(Case("fake", (), {}, "ttft=2", ladder=(12, 16), shares=(0.5,)), run) == 9
+
+
 def test_static_arrangements_by_name_or_by_size(h100):
     cfg, _ = h100
     named = static_configs(cfg, "colocated-16,10P6D", [], "all")
