@@ -8,11 +8,6 @@ always may start): with a limit of 1, prompts are prefilled one after another, s
 arrive gets its first token after its own prompt rather than after every waiting prompt's chunks
 (docs/engine_speed.md, "Prompts part-way at once": off by default, measured both ways).
 
-On a prefill worker (only prompts running) the prompts with the fewest tokens left go first, and
-waiting prompts shorter than what a running one has left start ahead of it within half the budget
-(`_shortest_first`: a short prompt is not held for a long one's whole prefill; prompts of one
-length keep arrival order).
-
 A running request that cannot get a block preempts the most recently admitted one, which frees
 its blocks and is recomputed later. The returned items list decodes first (by context length),
 then prefill chunks.
@@ -39,10 +34,6 @@ class PrefixStats:
 
     query_tokens: int = 0
     hit_tokens: int = 0
-
-
-def _left(req: Request) -> int:
-    return req.num_uncomputed_tokens
 
 
 class Scheduler:
@@ -85,15 +76,7 @@ class Scheduler:
         # protect, so their prompts go whole (within the budget) instead of in chunk_size chunks
         self._prefills_only = all(r.prefill_only for r in self.running)
         self._partial = 0
-        running = list(self.running)
-        if self._prefills_only and running:
-            budget = self._shortest_first(running, budget, items)
-        budget = self._admit_waiting(self._run(running, budget, items), items)
-        return sorted(items, key=lambda it: (not it.is_decode, it.end if it.is_decode else 0))
-
-    def _run(self, requests: list[Request], budget: int, items: list[ScheduledItem]) -> int:
-        """Running requests in the given order: a decode token or the next chunk each; the budget left."""
-        for req in requests:
+        for req in list(self.running):
             if budget == 0:
                 break
             if req.status is not Status.RUNNING:
@@ -103,27 +86,8 @@ class Scheduler:
                 items.append(ScheduledItem(req, n))
                 budget -= n
                 self._partial += n < req.num_uncomputed_tokens
-        return budget
-
-    def _shortest_first(self, running: list[Request], budget: int, items: list[ScheduledItem]) -> int:
-        """A prefill worker's step (only prompts running): the fewest tokens left go first (`running`
-        is sorted so), and waiting prompts shorter than what a running one has left start ahead of
-        it, within half the budget; the budget left. A 1,000-token prompt placed behind a 100k-token
-        one gets its first token in a step, not after the long prompt's ~7 s (docs/engine_speed.md,
-        "Shortest first on prefill workers"); prompts of one length keep their arrival order; a long
-        prompt waits only while shorter ones keep the worker busy."""
-        running.sort(key=_left)
-        if not self.waiting:
-            return budget
-        half = budget // 2
-        return budget - half + self._admit_waiting(half, items, shorter_than=_left(running[-1]))
-
-    def _admit(self, req: Request, n: int, items: list[ScheduledItem]) -> int:
-        req.timing.admitted(self.kv_clock)
-        req.status = Status.RUNNING
-        self.running.append(req)
-        items.append(ScheduledItem(req, n))
-        return n
+        budget = self._admit_waiting(budget, items)
+        return sorted(items, key=lambda it: (not it.is_decode, it.end if it.is_decode else 0))
 
     def _chunk(self, req: Request, uncomputed: int, budget: int) -> int:
         n = min(uncomputed, budget)
@@ -161,13 +125,10 @@ class Scheduler:
         req.status = Status.WAITING
         self.waiting.appendleft(req)
 
-    def _admit_waiting(self, budget: int, items: list[ScheduledItem], shorter_than: int | None = None) -> int:
-        """Waiting requests in arrival order (`shorter_than`: while the first one's prompt is shorter); the budget left."""
+    def _admit_waiting(self, budget: int, items: list[ScheduledItem]) -> int:
         blocked = False
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             req = self.waiting[0]
-            if shorter_than is not None and _left(req) >= shorter_than:
-                break
             n = self._take_blocks(req, budget)
             if n is None:
                 blocked = True
@@ -175,7 +136,11 @@ class Scheduler:
             if n == 0:
                 break  # it would be left part-way and enough prompts are: it waits for one to finish
             self.waiting.popleft()
-            budget -= self._admit(req, n, items)
+            req.timing.admitted(self.kv_clock)
+            req.status = Status.RUNNING
+            self.running.append(req)
+            items.append(ScheduledItem(req, n))
+            budget -= n
         self.kv_clock.set_blocked(blocked)
         return budget
 
