@@ -6,12 +6,11 @@ arrivals at their Poisson lower bound (`_seen`). Each with the contrast that fai
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 from router.autoscale import planner as planner_module
 from router.observability.recent import RecentLoad
-from tests.autoscale_util import interval, planner, pool, worker
+from tests.autoscale_util import interval, planner, pool
 
 U, BAND = 0.8, 0.2  # the planner's defaults: target_utilization, band
 
@@ -118,23 +117,3 @@ def test_the_window_counts_arrivals_sent_together_as_one_batch():
     assert (window.arrivals, window.bunch_sq) == (6, 3 * 3 + 1 + 2 * 2)
     recent.arrived(1000, 100, 1.0)
     assert recent.take().bunch_sq == 1
-
-
-def test_the_first_window_shorter_than_an_interval_seeds_the_forecast_at_its_lower_bound():
-    """The conversation trace's opening: the first evaluation, 5 s in (early: 12 prompts of 15,000
-    tokens wait while both prefill workers warm up), holds two of the trace's 3 s batches, 10 and 16
-    prompts. Seeded at the count's lower bound (the batches as events: 26 - sqrt(356) in 5 s, 1.4
-    requests/s) prefill keeps 2 (the two clear the backlog soon after they are warm); seeded at 5.2
-    requests/s (the count as it is, on a 3 requests/s trace) it grew to 6 (tests/test_autoscale_backlog.py,
-    the release after it). A first window of a whole interval is taken as it is."""
-    def first(window_s: float, arrivals: int, bunch_sq: int):
-        p = planner(ttft_s=5.0, prefill_max=15, decode_max=15)
-        prefill = dataclasses.replace(pool("prefill", [worker(f"p{i}", age_s=window_s) for i in range(2)]),
-                                      start_s=3.2)
-        return p.decide(interval(window_s, prefill, pool("decode", 2), arrivals=arrivals, prompt=15000, output=330,
-                                 window_s=window_s, waiting_first=12, queued=12, queued_prompt_tokens=180_000,
-                                 wait_q_s=2.0, arrival_bunch_sq=bunch_sq))
-    early = first(5.0, 26, 356)
-    assert early.desired("prefill") == 2 and early.inputs["forecast_requests_per_s"] < 1.5, early.reason
-    whole = first(10.0, 52, 356 * 2)
-    assert math.isclose(whole.inputs["forecast_requests_per_s"], 5.2)

@@ -147,14 +147,8 @@ class Planner:
             self._hit_share += LENGTH_GAIN * (min(1.0, max(0.0, obs.prefix_hit_share)) - self._hit_share)
         window = max(obs.window_s, 1e-9)
         weight = min(1.0, window / self.cfg.interval_s)  # an early evaluation's short window counts for its length
-        count = float(obs.arrivals)
-        if self._rates["requests"].level is None and weight < 1:
-            # the first window, shorter than an interval, seeds the forecast at its count's lower bound
-            # (as `_seen` reads an early window): the conversation trace's first 5 s hold two of its 3 s
-            # batches, 26 prompts, 5.2 requests/s on a 3 requests/s trace, which grew prefill 2 -> 7
-            count = max(0.0, count - SEEN_Z * math.sqrt(max(obs.arrivals, obs.arrival_bunch_sq)))
-        requests = self._rates["requests"].update(count / window, weight)
-        tokens = self._rates["prompt_tokens"].update(count * obs.prompt.mean / window, weight)
+        requests = self._rates["requests"].update(obs.arrivals / window, weight)
+        tokens = self._rates["prompt_tokens"].update(obs.arrivals * obs.prompt.mean / window, weight)
         return Load(requests, tokens * (1 - self._hit_share), max(1.0, self._lengths["prompt"]),
                     max(1.0, self._lengths["output"]), obs.arrivals * obs.prompt.mean / window * (1 - self._hit_share))
 
