@@ -110,8 +110,8 @@ def test_the_gemms_refuse_short_panels_and_wrong_dtypes():
         KERNELS.gemm(torch.randn(2, 64).bfloat16(), panels, None, 40)
     with pytest.raises(KernelArgumentError, match=r"small gemm pack: a float32 \[N, K\] weight"):
         KERNELS.gemm.pack(weight.double())
-    with pytest.raises(KernelArgumentError, match=r"AMX gemm: 65 rows, more than the 64 a call takes"):
-        KERNELS.amx_gemm(torch.randn(65, 64).bfloat16(), panels, None, 40)
+    with pytest.raises(KernelArgumentError, match=r"AMX gemm: 257 rows, more than the 256 a call takes"):
+        KERNELS.amx_gemm(torch.randn(257, 64).bfloat16(), panels, None, 40)
     with pytest.raises(KernelArgumentError, match=r"AMX pack: a bfloat16 \[N, K\] weight"):
         KERNELS.amx_gemm.pack(weight)
 
