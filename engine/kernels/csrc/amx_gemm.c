@@ -231,15 +231,7 @@ int amx_greedy(const uint16_t *x, int64_t x_stride, const uint16_t *panels, cons
                int64_t k, int64_t *tokens, int threads) {
 #if HAVE_AMX && FUSED_ARGMAX
     if (!amx_permitted() || rows < 1 || rows > MAX_ROWS || n >= INT32_MAX) return -1;
-    threads = threads < 1 ? 1 : threads;
-    best16 *best = aligned_alloc(64, sizeof(best16) * (size_t)threads * (size_t)rows);
-    if (best == NULL) return -2;
-    for (int64_t i = 0; i < (int64_t)threads * rows; i++) best[i] = best16_none();
-    int rc = amx_run(x, x_stride, panels, bias, NULL, 0, best, rows, n, k, threads);
-    for (int r = 0; rc == 0 && r < rows; r++)
-        if ((tokens[r] = merge_best(best, rows, threads, r)) < 0) rc = 1;
-    free(best);
-    return rc;
+    return greedy_by(amx_run, x, x_stride, panels, bias, rows, n, k, tokens, threads);
 #else
     (void)x, (void)x_stride, (void)panels, (void)bias, (void)rows, (void)n, (void)k, (void)tokens, (void)threads;
     return -1;

@@ -6,6 +6,7 @@
 #define PDSERVE_GREEDY_LANES_H
 
 #if defined(__AVX512F__)
+#include <stdlib.h>
 #include <immintrin.h>
 #include <stdint.h>
 #include <string.h>
@@ -70,6 +71,25 @@ static inline __attribute__((unused)) int64_t merge_best(const best16 *best, int
                 top = vals[l], at = where[l];
     }
     return at;
+}
+
+/* A GEMM that keeps each row's lanes in `best` (threads x rows) instead of writing outputs. */
+typedef int (*lanes_gemm)(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias,
+                          uint16_t *out, int64_t out_stride, best16 *best, int rows, int64_t n, int64_t k, int threads);
+
+/* Each row's greedy token by `gemm`: its lanes per thread, merged; -2 out of memory, 1 a NaN row. */
+static inline __attribute__((unused)) int greedy_by(lanes_gemm gemm, const uint16_t *x, int64_t x_stride,
+                                                    const uint16_t *panels, const uint16_t *bias, int rows, int64_t n,
+                                                    int64_t k, int64_t *tokens, int threads) {
+    threads = threads < 1 ? 1 : threads;
+    best16 *best = aligned_alloc(64, sizeof(best16) * (size_t)threads * (size_t)rows);
+    if (best == NULL) return -2;
+    for (int64_t i = 0; i < (int64_t)threads * rows; i++) best[i] = best16_none();
+    int rc = gemm(x, x_stride, panels, bias, NULL, 0, best, rows, n, k, threads);
+    for (int r = 0; rc == 0 && r < rows; r++)
+        if ((tokens[r] = merge_best(best, rows, threads, r)) < 0) rc = 1;
+    free(best);
+    return rc;
 }
 #endif
 #endif
