@@ -34,9 +34,11 @@ def cluster_config(model_path: str, **overrides) -> ClusterConfig:
         "model": {"path": model_path, "dtype": "float32"},
         "router": {"port": 0, "metrics_port": 0, "shutdown_grace_s": 5},  # 0: the bound port is read back
         # one torch thread per worker, as before `torch_threads: auto`: many workers share 2 cores in
-        # the suite; the session's default cluster (conftest `served`) runs auto
-        "prefill": {"replicas": 1, "num_cpus": 0.5, "torch_threads": 1},
-        "decode": {"replicas": 1, "num_cpus": 0.5, "torch_threads": 1},
+        # the suite; glibc's malloc, so a worker needs no runtime_env (LD_PRELOAD), whose fresh
+        # process cost a worker start here ~0.6 s more (5 starts each, alternating). The session's
+        # default clusters (conftest `served`, `served_colocated`) run the defaults: auto, auto
+        "prefill": {"replicas": 1, "num_cpus": 0.5, "torch_threads": 1, "malloc": "system"},
+        "decode": {"replicas": 1, "num_cpus": 0.5, "torch_threads": 1, "malloc": "system"},
         "kv_cache": {"block_size": 16, "num_blocks": 256},
         "kv_transfer": {"timeout_s": 10},
     }

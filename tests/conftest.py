@@ -148,7 +148,8 @@ def served(request, ray_instance, llama_dir, tmp_path_factory):
     def config():
         log = tmp_path_factory.mktemp("served") / "requests.jsonl"
         return cluster_config(llama_dir, router={"http_port": 0, "request_log": str(log)},
-                              prefill={"torch_threads": "auto"}, decode={"torch_threads": "auto"})
+                              prefill={"torch_threads": "auto", "malloc": "auto"},
+                              decode={"torch_threads": "auto", "malloc": "auto"})
     yield from _shared(request, "served", config)
 
 
@@ -177,7 +178,8 @@ def served_colocated(request, ray_instance, llama_dir):
     from tests.cluster_util import cluster_config
 
     yield from _shared(request, "colocated", lambda: cluster_config(
-        llama_dir, mode="colocated", prefill={"replicas": 0}, decode={"replicas": 2, "torch_threads": "auto"},
+        llama_dir, mode="colocated", prefill={"replicas": 0},
+        decode={"replicas": 2, "torch_threads": "auto", "malloc": "auto"},
         router={"restart_backoff_s": 0.2}))
 
 

@@ -110,11 +110,13 @@ def test_the_cli_prints_benchs_schema_the_same_for_a_seed(tmp_path, capsys):
     args = [sys.executable, "-m", "cli", "simulate", "--config", str(ROOT / "cluster.yaml"), "--emulate",
             "h100:llama-3.1-8b", "--preset", "steady", "--rate", "20", "--duration", "3", "--arrangements",
             "colocated-chunked,disaggregated", "--workers", "4", "--json", "--slo", "ttft=0.2"]
-    outs = [subprocess.run(args + ["--out", str(tmp_path / str(i))], capture_output=True, text=True, cwd=ROOT,
-                           env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": str(i)}, timeout=300) for i in (1, 2)]
-    assert outs[0].returncode == 0, outs[0].stderr
-    assert outs[0].stdout == outs[1].stdout
-    summary = json.loads(outs[0].stdout)
+    runs = [subprocess.Popen(args + ["--out", str(tmp_path / str(i))], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": str(i)})
+            for i in (1, 2)]  # side by side: each is a whole CLI start and run
+    outs = [run.communicate(timeout=300) for run in runs]
+    assert runs[0].returncode == 0, outs[0][1]
+    assert outs[0][0] == outs[1][0]
+    summary = json.loads(outs[0][0])
     assert set(summary["arrangements"]) == {"colocated-chunked", "disaggregated"}
     for name in summary["arrangements"]:
         assert summary["arrangements"][name]["num_errors"] == 0 and summary["arrangements"][name]["num_requests"] == 60
