@@ -22,7 +22,7 @@ A pdserve server may name its shape, `pdserve-<arrangement>@<workers>x<threads>`
 `pdserve-colocated@1x2`: one worker of two threads; `@2x1`: a worker per core, each pinned to
 its core), to compare thread counts per arrangement on the same cores; without one it is two
 workers with pdserve's default threads, unpinned. A shape whose threads fit the cores gives each
-worker a Ray CPU share of its thread count (`num_cpus`), so its OpenMP threads spin between ops;
+worker a Ray CPU share of its thread count (`num_cpus`), so its OpenMP threads spin briefly between ops;
 one that oversubscribes them (`@2x2`) keeps `num_cpus: 1`, and its threads wait passively.
 Prints one table (output tok/s, TTFT p50/p99, ITL p50/p99) and, per peer and dtype, pdserve's best
 arrangement over the peer: output tok/s (> 1 is better), ITL p50 (< 1 is better) and the
@@ -171,7 +171,7 @@ def pdserve_launch(model: str, server: str, dtype: str, http_port: int, workdir:
     arrangement, shape = parse_server(server)
     per_worker = f"{KV_BUDGET // shape.workers // 2**20}MiB"
     # a shape whose threads fit the cores gives each worker a Ray CPU per thread: it owns them, and
-    # its OpenMP threads spin between ops (worker_runtime/threads.py, wait_env)
+    # its OpenMP threads spin briefly between ops (worker_runtime/threads.py, wait_env)
     owned = shape.threads and shape.workers * shape.threads <= len(CORES)
     threads = {"num_cpus": shape.threads if owned else 1} | ({"torch_threads": shape.threads} if shape.threads else {})
     base = parse_config({"model": {"path": str(Path(model).resolve()), "dtype": dtype},

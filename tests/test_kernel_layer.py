@@ -284,17 +284,20 @@ def test_a_failing_layer_call_raises_what_failed(code, error):
         failing.decoder((kernel_layer.LayerArgs * 2)(), kernel_layer.StepArgs(), x, (x, x), x[0], 1e-6, x)
 
 
-@pytest.mark.parametrize("threads", [2, 3])
+SHORT, LONG = [(8, 1), (30, 1), (0, 70), (40, 50)], [(8, 1), (0, 1100)]
+
+
+@pytest.mark.parametrize("threads, tokens_of", [(2, SHORT), (3, SHORT), (2, LONG)], ids=["2-short", "3-short", "2-long"])
 def test_a_step_on_one_region_split_by_rows_gives_the_kernel_by_kernel_bits(llama_dir, layer_dtype, threads,
-                                                                            monkeypatch):
+                                                                            tokens_of, monkeypatch):
     """`pd_use_team` (layer_team.c): a step of decode rows, a fresh prompt and a chunk after cached
     context, run as one OpenMP region split by rows and attention pieces, gives the per-kernel
     loop's hidden states and pool bit for bit, on two and three threads; past the float32 GEMM's
-    cut (64 rows on AVX-512 hosts) too, where the region's GEMMs take tiles within it."""
+    cut (64 rows on AVX-512 hosts) too, and over a 1,100-token prompt (on AMX tiles of 256 rows, the
+    most a tile takes)."""
     decoder = _engine(llama_dir, layer_dtype).runner.forward.kernel_decoder
     assert decoder is not None and decoder.table is not None
     kernels = _kernels()
-    tokens_of = [(8, 1), (30, 1), (0, 70), (40, 50)]
     tokens = sum(q for _, q in tokens_of)
     meta = kernel_layer._probe_step(kernels, decoder.layers[0].shape, len(decoder.layers), tokens_of,
                                     torch.Generator().manual_seed(2))
@@ -304,7 +307,7 @@ def test_a_step_on_one_region_split_by_rows_gives_the_kernel_by_kernel_bits(llam
     results = []
     try:
         torch.set_num_threads(threads)
-        for rows in (0, 1):  # per kernel (the GEMM on all 122 rows at once), then one region
+        for rows in (0, 1):  # per kernel (the GEMM on all the step's rows at once), then one region
             kernels.layer.use_team(rows)
             for layer in decoder.layers:
                 monkeypatch.setattr(layer, "max_rows", None if rows == 0 else layer.max_rows)

@@ -41,17 +41,22 @@ def test_bad_thread_counts_name_the_key(value, message):
         parse_config({"decode": {"torch_threads": value}})
 
 
+SPIN, PASSIVE = {"GOMP_SPINCOUNT": "10000"}, {"OMP_WAIT_POLICY": "PASSIVE"}
+
+
 @pytest.mark.parametrize("threads, share, colocated, pinned, env", [
-    (None, 1.0, True, False, {"OMP_WAIT_POLICY": "PASSIVE"}),  # colocated auto: 2 threads on a 1-CPU share
+    (None, 1.0, True, False, PASSIVE),                          # colocated auto: 2 threads on a 1-CPU share
     (None, 1.0, False, False, {}),                              # 1P+1D auto: 1 thread, no OpenMP team
-    (None, 2.0, False, False, {}),                              # 2 threads that own their 2 CPUs spin
-    (2, 2.0, True, False, {}),                                  # one colocated worker owning both cores
-    (2, 1.0, True, False, {"OMP_WAIT_POLICY": "PASSIVE"}),      # bench_peer's @2x2
-    (4, 2.0, False, False, {"OMP_WAIT_POLICY": "PASSIVE"}),
+    (1, 4.0, True, False, {}),                                  # one thread, whatever its share
+    (None, 2.0, False, False, SPIN),                            # 2 threads that own their 2 CPUs spin briefly
+    (2, 2.0, True, False, SPIN),                                # one colocated worker owning both cores
+    (3, 2.5, False, False, PASSIVE),                            # 3 threads on 2.5 CPUs
+    (2, 1.0, True, False, PASSIVE),                             # bench_peer's @2x2
+    (4, 2.0, False, False, PASSIVE),
     (None, 8.0, True, True, {}),                                # pinned: one thread
 ])
-def test_workers_whose_threads_outnumber_their_cpu_share_wait_passively(threads, share, colocated, pinned, env,
-                                                                        monkeypatch):
+def test_a_team_spins_briefly_where_it_owns_its_cpus_and_waits_passively_where_it_outnumbers_them(
+        threads, share, colocated, pinned, env, monkeypatch):
     monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
     monkeypatch.delenv("GOMP_SPINCOUNT", raising=False)
     assert wait_env(threads, share, colocated, pinned) == env

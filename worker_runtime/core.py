@@ -29,7 +29,7 @@ from worker_runtime.engine_loop import EngineLoop
 from worker_runtime.faults import Faults
 from worker_runtime.outbox import Outbox
 from worker_runtime.pacing import Pacer
-from worker_runtime.threads import auto_threads
+from worker_runtime.threads import auto_threads, waits_described
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +57,8 @@ class WorkerCore:
             engine = LLMEngine(config)
             if faults is not None:
                 engine.before_forward = faults.before_forward
-            log.info("%s: %s, malloc %s, %d torch threads (OpenMP waits %s)", name, engine.runner.describe(),
-                     malloc.in_use(), torch.get_num_threads(), os.environ.get("OMP_WAIT_POLICY", "spinning").lower())
+            log.info("%s: %s, malloc %s, %d torch threads (OpenMP waits: %s)", name, engine.runner.describe(),
+                     malloc.in_use(), torch.get_num_threads(), waits_described())
             return engine
         self.loop = EngineLoop(make_engine, on_outputs, name=name, before_step=hook, after_step=after_step,
                                pace=self.pacer.pace if self.pacer is not None else None)

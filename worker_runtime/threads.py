@@ -10,13 +10,18 @@ decode worker side by side gained nothing from a second thread (-12% to +6% tok/
 decode worker's ITL tail grew with the prefill worker's extra threads.
 
 How a worker's idle OpenMP threads wait between ops (`wait_env`, set when the router starts the
-worker: libgomp reads it once, as torch loads): a worker whose threads fit in its CPU share keeps
-GNU OpenMP's default, spinning a few milliseconds before sleeping, so the next op finds them
-awake; a worker with more threads than its share (colocated workers, by the rule above) shares
-its cores with other workers, and its threads sleep at once (`OMP_WAIT_POLICY=PASSIVE`) instead
-of spinning on a core another worker is computing on. Measured (docs/engine_speed.md, "One
-OpenMP team per worker"): two colocated workers of 2 threads each served 12.9 tok/s spinning and
-41.9 passive; one worker owning both cores 47.2 spinning and 38.2 passive.
+worker: libgomp reads it once, as torch loads): a worker with more threads than its CPU share
+(colocated workers, by the rule above) shares its cores with other workers, and its threads sleep
+at once (`OMP_WAIT_POLICY=PASSIVE`) instead of spinning on a core another worker is computing on
+(two colocated workers of 2 threads each: 12.9 tok/s spinning, 41.9 passive). A worker whose
+threads fit its share spins briefly, then sleeps: `GOMP_SPINCOUNT` = `SPIN_COUNT` pauses, 0.2 ms
+where a pause takes 20 ns (Sapphire and Emerald Rapids), so the next op of a step still finds
+its threads awake (one worker owning 2 cores, quiet: 47.2 tok/s spinning, 38.2 passive).
+libgomp's default, 300,000 pauses (6 ms there), made served steps collapse on a 2-core Emerald
+Rapids host, where the router, the client and Ray share the worker's cores: 16-row decode steps
+of 600-900 ms for tens of seconds, likely a descheduled thread at each of a step's ~100 joins.
+Served there (docs/engine_speed.md, "One OpenMP team per worker"), one worker owning both cores
+collapsed in 4 of 4 runs at the default, 2 of 4 at 100,000 pauses, none of 4 at 10,000 or passive.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import math
 import os
 
 UNCAPPED = 1 << 16  # `auto_threads(cores=)` where the worker's node is not known
+SPIN_COUNT = 10_000  # GOMP_SPINCOUNT of a worker whose threads fit its CPU share (module docstring)
 
 
 def auto_threads(cpu_share: float, pinned: bool, colocated: bool, cores: int | None = None) -> int:
@@ -38,14 +44,24 @@ def auto_threads(cpu_share: float, pinned: bool, colocated: bool, cores: int | N
 
 
 def wait_env(torch_threads: int | None, cpu_share: float, colocated: bool, pinned: bool) -> dict[str, str]:
-    """The OpenMP wait policy a worker starts with (see the module's docstring): PASSIVE when its
-    threads (`torch_threads`, else the `auto` count before the node's core cap) outnumber its Ray
-    CPU share, else nothing (libgomp's spinning default). An OMP_WAIT_POLICY or GOMP_SPINCOUNT
-    in the router's environment wins: workers inherit it."""
+    """The OpenMP wait policy a worker starts with (see the module's docstring): for a team of two or
+    more threads (`torch_threads`, else the `auto` count before the node's core cap), PASSIVE when
+    they outnumber its Ray CPU share, else `SPIN_COUNT` pauses of spinning; nothing for one thread.
+    An OMP_WAIT_POLICY or GOMP_SPINCOUNT in the router's environment wins: workers inherit it."""
     if {"OMP_WAIT_POLICY", "GOMP_SPINCOUNT"} & os.environ.keys():
         return {}
     threads = torch_threads or auto_threads(cpu_share, pinned, colocated, cores=UNCAPPED)
-    return {"OMP_WAIT_POLICY": "PASSIVE"} if threads > 1 and threads > cpu_share else {}
+    if threads <= 1:
+        return {}
+    return {"OMP_WAIT_POLICY": "PASSIVE"} if threads > cpu_share else {"GOMP_SPINCOUNT": str(SPIN_COUNT)}
+
+
+def waits_described() -> str:
+    """How this process's OpenMP threads wait, from the settings libgomp read, for a worker's log line."""
+    policy, spins = os.environ.get("OMP_WAIT_POLICY"), os.environ.get("GOMP_SPINCOUNT")
+    if spins is not None:
+        return f"spin {spins} pauses, then sleep"
+    return policy.lower() if policy else "libgomp's default spin"
 
 
 def ray_cpu_share() -> float:

@@ -216,7 +216,8 @@ def _probe_step(kernels: cpu_kernel.Kernels, shape: Shape, layers: int, tokens_o
                 generator: torch.Generator) -> attention.StepMetadata:
     """A step over a scratch pool of random keys: for each (first position, queries) of `tokens_of`,
     one query is a decode row and more are a prefill chunk (decode rows first, as the runner orders them)."""
-    block_size, blocks = 4, 64
+    block_size = 4
+    blocks = max(64, sum(-(-(p + q) // block_size) for p, q in tokens_of))  # every request's blocks fit
     kv = torch.randn(blocks, layers, 2, block_size, shape.kv_heads, shape.dim, generator=generator).to(shape.dtype)
     free = torch.randperm(blocks, generator=generator).tolist()
     decodes = [(p, q) for p, q in tokens_of if q == 1]
