@@ -9,17 +9,26 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from router.autoscale import planner as planner_module
 from router.autoscale.observation import PoolObservation, WorkerSample
 from tests.autoscale_util import interval, planner, pool, worker
 
 
+def _in_queue(tokens: int, prompt: int = 8000) -> dict:
+    """The observation's fields for `tokens` of `prompt`-token prompts waiting in the router's queue
+    for a prefill slot (not yet placed on a worker: the first worker with a slot takes each)."""
+    n = max(1, tokens // prompt)
+    return {"queued": n, "queued_prompt_tokens": tokens, "waiting_first": n}
+
+
 def _draining(start_s: float | None):
-    """Two warm prefill workers, 1 request/s of 8,000 tokens, and 300k prompt tokens waiting (the
-    oldest 2.5 s of a 3 s SLO: urgent). The two clear it in ~5 s; a new worker is ready in `start_s`."""
-    prefill = dataclasses.replace(pool("prefill", 2, queued_tokens=300_000), start_s=start_s)
+    """Two warm prefill workers, 1 request/s of 8,000 tokens, and 300k prompt tokens waiting in the
+    router's queue (the oldest 2.5 s of a 3 s SLO: urgent). The two clear it in ~5 s; a new worker
+    is ready in `start_s`."""
+    prefill = dataclasses.replace(pool("prefill", 2), start_s=start_s)
     return planner(ttft_s=3.0, prefill_max=32).decide(interval(
         1000.0, prefill, pool("decode", 2), arrivals=10, prompt=8000, output=200, ttft_q_s=0.4,
-        waiting_first=38, wait_q_s=2.5))
+        wait_q_s=2.5, **_in_queue(300_000)))
 
 
 def test_a_backlog_the_workers_clear_before_a_new_one_is_ready_asks_for_none():
@@ -33,10 +42,11 @@ def test_a_backlog_the_workers_clear_before_a_new_one_is_ready_asks_for_none():
 
 
 def _one_long_prompt(waiting: tuple[int, ...]):
-    """Two warm prefill workers, 1 request/s of 8,000 tokens, and 120k tokens placed on them."""
+    """Two warm prefill workers, 1 request/s of 8,000 tokens, and 120k tokens waiting for a slot."""
     return planner(ttft_s=3.0, prefill_max=32).decide(interval(
-        1000.0, pool("prefill", 2, queued_tokens=120_000), pool("decode", 2), arrivals=10, prompt=8000,
-        output=200, ttft_q_s=0.4, waiting_first=len(waiting) or 1, wait_q_s=1.0, waiting_prompts=waiting))
+        1000.0, pool("prefill", 2), pool("decode", 2), arrivals=10, prompt=8000, output=200, ttft_q_s=0.4,
+        queued=len(waiting) or 1, queued_prompt_tokens=120_000, waiting_first=len(waiting) or 1, wait_q_s=1.0,
+        waiting_prompts=waiting))
 
 
 def test_one_long_prompt_is_one_busy_worker_not_a_backlog_more_workers_clear():
@@ -92,42 +102,78 @@ def test_a_backlog_that_comes_back_soon_after_a_release_is_released_to_the_windo
     assert all(d.desired("prefill") == released for d in later[1:]), [d.reason for d in later]
 
 
+def _missed(tokens: int, placed: bool = False):
+    """Two warm prefill workers, the window's TTFT 10 s of a 3 s SLO, and `tokens` of 8,000-token
+    prompts waiting: in the router's queue, or `placed` on the two workers already."""
+    waiting = {"waiting_first": max(1, tokens // 8000)} if placed else _in_queue(tokens)
+    prefill = dataclasses.replace(pool("prefill", 2, queued_tokens=tokens if placed else 0), start_s=3.2)
+    return planner(ttft_s=3.0, prefill_max=32).decide(interval(
+        1000.0, prefill, pool("decode", 2), arrivals=10, prompt=8000, output=200, ttft_q_s=10.0, wait_q_s=0.5,
+        **waiting))
+
+
 def test_a_miss_new_workers_cannot_shorten_adds_none():
     """The window's TTFT is 10 s of a 3 s SLO (a 120k-token prompt's own prefill), but the two
     warm workers clear what waits before a worker started now would be ready: no step up. The same
     miss with a backlog left by then steps up."""
-    def missed(queued_tokens: int):
-        prefill = dataclasses.replace(pool("prefill", 2, queued_tokens=queued_tokens), start_s=3.2)
-        return planner(ttft_s=3.0, prefill_max=32).decide(interval(
-            1000.0, prefill, pool("decode", 2), arrivals=10, prompt=8000, output=200, ttft_q_s=10.0,
-            waiting_first=3, wait_q_s=0.5))
-    held = missed(24_000)
+    held = _missed(24_000)
     assert held.desired("prefill") == 2 and "before a new one would be ready" in held.pools["prefill"].reason
-    stepped = missed(600_000)
+    stepped = _missed(600_000)
     assert stepped.desired("prefill") > 2 and stepped.pools["prefill"].cause in ("slo", "forecast")
 
 
-def _finite_backlog():
-    """2 warm prefill and 2 warm decode workers (H100 KV), 3 requests/s of 15,000 tokens, and 8
-    prompts of 36,000 tokens waiting for prefill, the oldest 4.2 s of a 5 s SLO (urgent): the
-    conversation trace's bunches."""
-    decode = [WorkerSample(f"d{i}", 1000.0, 6000, 30_000, 16, 5, 0) for i in range(2)]
+def test_prompts_placed_on_the_workers_are_not_a_backlog_a_new_worker_takes():
+    """The same 600k tokens and miss, placed on the two workers already (the router places a prompt
+    as it arrives, up to `max_prefill_inflight` a worker, and each is computed where it was placed):
+    a new worker would take none of them, so none is started (the conversation trace's bunches of
+    8-20 prompts, all placed, grew prefill 3 -> 4-6 without shortening their waits). Counted as work
+    any worker can take, they step the pool up (the test above)."""
+    placed = _missed(600_000, placed=True)
+    assert placed.inputs["prefill_backlog_tokens"] == 600_000 and placed.inputs["prefill_residual_s"] == 0.0
+    assert placed.desired("prefill") == 2 and "before a new one would be ready" in placed.pools["prefill"].reason
+
+
+def _finite_backlog(running: int = 5):
+    """2 warm prefill and 2 warm decode workers (H100 KV) running `running` requests each, 3
+    requests/s of 15,000 tokens, and 8 prompts of 36,000 tokens waiting for prefill, the oldest
+    4.2 s of a 5 s SLO (urgent): the conversation trace's bunches."""
+    decode = [WorkerSample(f"d{i}", 1000.0, 6000, 30_000, 16, running, 0) for i in range(2)]
     return planner(ttft_s=5.0, prefill_max=15, decode_max=15).decide(interval(
         1000.0, pool("prefill", 2), pool("decode", decode), arrivals=30, prompt=15000, output=330, ttft_q_s=1.6,
         queued=8, queued_prompt_tokens=8 * 36000, waiting_first=8, wait_q_s=4.2, waiting_prompts=(36000,) * 8,
-        decoding=10))
+        decoding=2 * running))
 
 
 def test_decode_admits_what_prefill_sends_but_no_more_requests_than_there_are():
     """Prefill grows 2 -> 5 for the backlog; at full speed 5 workers would send decode ~10
-    requests/s, 3.2 workers' worth over a request's stay, but there are only 10 held + 8 waiting +
-    a stay's arrivals: decode keeps 2 (without the cap, 4)."""
+    requests/s, 3.2 workers' worth over a request's stay, but there are only 8 waiting and the
+    larger of 10 held and a stay's arrivals: decode keeps 2 (without the cap, 4)."""
     d = _finite_backlog()
     assert d.desired("prefill") == 5 and d.desired("decode") == 2, d.reason
     f = d.inputs
     full_speed = 5 * f["prefill_tokens_per_s_per_worker"] / 15000 * f["decode_stay_s"] / f["decode_slots_per_worker"]
-    there = (10 + 8 + 3.0 * f["decode_stay_s"]) / f["decode_slots_per_worker"]  # held, waiting, a stay's arrivals
+    there = (8 + max(10, 3.0 * f["decode_stay_s"])) / f["decode_slots_per_worker"]  # waiting; held or a stay's arrivals
     assert full_speed > 3 and math.isclose(f["decode_admitting_load"], there)
+
+
+def test_what_decode_holds_leaves_as_a_stays_arrivals_come(monkeypatch):
+    """2 warm decode workers hold 20 requests, 8 wait for prefill (urgent), 3 requests/s stay
+    ~9.2 s each: at once there are at most the 8 and the larger of the 20 held and a stay's ~27.5
+    arrivals (the held leave within the stay as they come): 1.3 workers' slots, decode keeps 2.
+    Counting the held and the stay's arrivals both (55.5 requests, 2 workers' slots at 99%) it grew
+    to 3, as the conversation trace's decode did at its bunches (2 workers carried them)."""
+    assert _finite_backlog(running=10).desired("decode") == 2
+    f = _finite_backlog(running=10).inputs
+    assert math.isclose(f["decode_admitting_load"], (8 + 3.0 * f["decode_stay_s"]) / f["decode_slots_per_worker"])
+
+    def summed(needs, prefill_workers, load, obs):  # the rule before: the held and a stay's arrivals added
+        need = needs["decode"]
+        there = need.figures["decode_held"] + obs.waiting_first + load.requests_per_s * need.figures["decode_stay_s"]
+        sent = prefill_workers * needs["prefill"].figures["prefill_tokens_per_s_per_worker"] / load.prompt_len
+        admitting = min(sent * need.figures["decode_stay_s"], there) / need.figures["decode_slots_per_worker"]
+        return dataclasses.replace(need, load=max(need.load, admitting), urgent=True)
+    monkeypatch.setattr(planner_module.Planner, "_admitting", staticmethod(summed))
+    assert _finite_backlog(running=10).desired("decode") == 3
 
 
 def test_a_step_for_a_miss_a_backlog_makes_goes_once_the_backlog_is_cleared():
@@ -137,13 +183,13 @@ def test_a_step_for_a_miss_a_backlog_makes_goes_once_the_backlog_is_cleared():
     goes down at once (`cleared`), not after the cooldown."""
     p = planner(ttft_s=3.0, prefill_max=32)
 
-    def observe(at: float, size: int, queued_tokens: int, **kw):
-        prefill = dataclasses.replace(pool("prefill", size, queued_tokens=queued_tokens), start_s=3.2)
+    def observe(at: float, size: int, **kw):
+        prefill = dataclasses.replace(pool("prefill", size), start_s=3.2)
         return p.decide(interval(at, prefill, pool("decode", 2), arrivals=10, prompt=8000, output=200, **kw))
-    stepped = observe(1000.0, 5, 700_000, ttft_q_s=3.3, waiting_first=3, wait_q_s=0.5)
+    stepped = observe(1000.0, 5, ttft_q_s=3.3, wait_q_s=0.5, **_in_queue(700_000))
     assert stepped.desired("prefill") == 6 and stepped.pools["prefill"].cause == "slo"
     assert stepped.inputs["prefill_residual_s"] > 0
-    after = observe(1010.0, 6, 0, ttft_q_s=0.4)
+    after = observe(1010.0, 6, ttft_q_s=0.4)
     assert after.pools["prefill"].cause == "cleared" and after.desired("prefill") < 6, after.reason
 
 
@@ -152,10 +198,10 @@ def test_a_prefill_miss_steps_up_by_what_its_backlog_needs_not_a_doubling():
     twice its size) and 1M prompt tokens waiting: what is left of them when a new worker is ready
     asks for ~1.9 workers over the clearing horizon, so the step is 10 -> 12, not 10 -> 20
     (conversation-4x's step at a bunch's miss)."""
-    prefill = dataclasses.replace(pool("prefill", 10, queued_tokens=1_000_000), start_s=3.2)
+    prefill = dataclasses.replace(pool("prefill", 10), start_s=3.2)
     d = planner(ttft_s=3.0, prefill_max=32).decide(interval(
-        1000.0, prefill, pool("decode", 2), arrivals=100, prompt=8000, output=200, ttft_q_s=6.0, waiting_first=3,
-        wait_q_s=0.5))
+        1000.0, prefill, pool("decode", 2), arrivals=100, prompt=8000, output=200, ttft_q_s=6.0, wait_q_s=0.5,
+        **_in_queue(1_000_000)))
     assert d.pools["prefill"].cause == "slo", d.reason
     assert 1 < d.inputs["prefill_backlog_workers"] <= 2 and d.desired("prefill") == 12
 
@@ -181,7 +227,7 @@ def test_prompts_the_rate_keeps_waiting_are_not_a_backlog_for_decode():
 
 def test_the_release_after_an_opening_backlog_plans_for_the_rates_mean_not_one_windows_peak():
     """An opening like the conversation trace's: the first window (a whole interval here; a shorter
-    one is now read at its lower bound, tests/test_autoscale_window.py) holds 5.2 requests/s of
+    one's count is not yet a rate, tests/test_autoscale_window.py) holds 5.2 requests/s of
     15,000 tokens against the trace's 3, and 12 wait while both prefill workers are still warming
     up: prefill grows 2 -> 6 for the backlog. At the next evaluation, with 3
     requests/s and the backlog cleared, it goes to what the survivors carry without the backlog

@@ -6,11 +6,12 @@ arrivals at their Poisson lower bound (`_seen`). Each with the contrast that fai
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from router.autoscale import planner as planner_module
 from router.observability.recent import RecentLoad
-from tests.autoscale_util import interval, planner, pool
+from tests.autoscale_util import interval, planner, pool, worker
 
 U, BAND = 0.8, 0.2  # the planner's defaults: target_utilization, band
 
@@ -117,3 +118,53 @@ def test_the_window_counts_arrivals_sent_together_as_one_batch():
     assert (window.arrivals, window.bunch_sq) == (6, 3 * 3 + 1 + 2 * 2)
     recent.arrived(1000, 100, 1.0)
     assert recent.take().bunch_sq == 1
+
+
+def test_the_first_windows_count_is_not_a_rate_a_scale_down_must_fit(monkeypatch):
+    """The conversation trace's opening: the first evaluation, 5 s in, sees two batches of 10 and
+    16 prompts of 15,000 tokens (5.2 requests/s by their count) and Holt's level starts at that
+    count; then 3 requests/s for two minutes, on 4 prefill workers. Once the cooldown after the
+    start has passed, the pool goes to 3, what the rate carries. Counted as a rate of the window
+    (one no later window can make again), that first count held 4."""
+    def run() -> list:
+        p = planner(ttft_s=5.0, prefill_max=15, decode_max=15)
+        out = [p.decide(interval(5.0, pool("prefill", 4), pool("decode", 2), arrivals=26, prompt=15000, output=330,
+                                 window_s=5.0, arrival_bunch_sq=10 ** 2 + 16 ** 2, ttft_q_s=1.0))]
+        out += [p.decide(interval(5.0 + 10 * k, pool("prefill", 4), pool("decode", 2), arrivals=30, prompt=15000,
+                                  output=330, ttft_q_s=1.0)) for k in range(1, 13)]
+        return out
+    decisions = run()
+    assert all(d.desired("prefill") == 4 for d in decisions[:-1])
+    last, first = decisions[-1], decisions[0]
+    assert last.pools["prefill"].cause == "survivors" and last.desired("prefill") == 3, last.reason
+    assert math.ceil(_arrivals_load(first) / U) == 4 and max(math.ceil(_arrivals_load(d) / U) for d in decisions[1:]) == 3
+    monkeypatch.setattr(planner_module, "RATE_AFTER", 0.0)
+    assert run()[-1].desired("prefill") == 4
+
+
+def test_a_pool_grown_on_the_first_windows_count_goes_once_the_rate_carries_less(monkeypatch):
+    """The same opening on 2 prefill workers still warming up, 172k prompt tokens placed on them:
+    prefill grows 2 -> 4 for the first window's 5.2 requests/s (no worker is capacity yet). That
+    count is not a rate, so the growth goes as a backlog's does: to 3 (`cleared`) once the rate's
+    mean load fits 3, within the cooldown. With that count a rate, the cooldown held 4 for 120 s
+    (the conversation trace's prefill, from 5 s to 130 s)."""
+    def run() -> list:
+        p = planner(ttft_s=5.0, prefill_max=15, decode_max=15)
+
+        def prefill(n: int, age_s: float, placed: int = 0):
+            workers = [worker(f"p{i}", age_s=age_s) for i in range(n)]
+            return dataclasses.replace(pool("prefill", workers, queued_tokens=placed), start_s=3.2)
+        out = [p.decide(interval(5.0, prefill(2, 5.0, 172_000), pool("decode", 2), arrivals=26, prompt=15000,
+                                 output=330, window_s=5.0, arrival_bunch_sq=10 ** 2 + 16 ** 2, waiting_first=12,
+                                 wait_q_s=2.0))]
+        for k in range(1, 5):
+            out.append(p.decide(interval(5.0 + 10 * k, prefill(out[-1].desired("prefill"), 100.0), pool("decode", 2),
+                                         arrivals=30, prompt=15000, output=330, ttft_q_s=1.0)))
+        return out
+    decisions = run()
+    assert decisions[0].desired("prefill") == 4 and decisions[0].pools["prefill"].cause == "forecast"
+    released = [d for d in decisions if d.pools["prefill"].cause == "cleared"]
+    assert len(released) == 1 and released[0].desired("prefill") == 3 and released[0].at < 125.0, \
+        [d.reason for d in decisions]
+    monkeypatch.setattr(planner_module, "RATE_AFTER", 0.0)
+    assert all(d.desired("prefill") == 4 for d in run())

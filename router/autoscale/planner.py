@@ -22,8 +22,9 @@ workers (capacity) and `t` the pool's current target:
   work (its mean load, weighted by each evaluation's window, backlogs included: a short backlog
   is worker-seconds spread over the window, not a level to hold) and what the pool holds now
   (decode: running and KV held), both at <= (1 - band) x target_utilization, and that none of
-  the window's arrival rates (the forecast's, no backlog, nothing held) would scale up from (each
-  within target_utilization): so steady load settles instead of flapping 2 <-> 1; not within
+  the window's arrival rates (the forecast's once it has seen an interval, no backlog, nothing
+  held) would scale up from (each within target_utilization): so steady load settles instead of
+  flapping 2 <-> 1; not within
   `scale_down_cooldown_s` of the pool's last change or of the first evaluation, unless that change
   grew it for a backlog now cleared (beyond what its rate asks, or an SLO step while a backlog is
   left when a new worker would be ready): then at once to what the survivors carry without the
@@ -55,6 +56,7 @@ from router.config.autoscale import AutoscaleSection
 
 CONFIRM = 1.0  # intervals a load over the target must last before a scale-up that is not urgent
 SEEN_Z = 1.0  # a window's arrival count, less this many standard deviations (Poisson: its square root), is its rate seen
+RATE_AFTER = 1.0  # intervals of windows the forecast must have seen before its arrival rate is a peak a scale-down fits
 LENGTH_GAIN = 0.3  # EWMA weight of a window's mean prompt / output length and of its prefix-cache hit share
 
 
@@ -95,6 +97,7 @@ class Planner:
         self._recurred = dict.fromkeys(self.pools, False)  # that growth came within scale_down_cooldown_s of a release
         self._target: dict[str, int] = {}  # each pool's target at this evaluation
         self._started_at: float | None = None  # the first evaluation: no scale-down within a cooldown of it
+        self._forecast_s = 0.0  # the windows the forecast has seen, seconds
 
     def bounds(self, pool: str) -> tuple[int, int]:
         c = self.cfg
@@ -147,6 +150,7 @@ class Planner:
             self._hit_share += LENGTH_GAIN * (min(1.0, max(0.0, obs.prefix_hit_share)) - self._hit_share)
         window = max(obs.window_s, 1e-9)
         weight = min(1.0, window / self.cfg.interval_s)  # an early evaluation's short window counts for its length
+        self._forecast_s += window
         requests = self._rates["requests"].update(obs.arrivals / window, weight)
         tokens = self._rates["prompt_tokens"].update(obs.arrivals * obs.prompt.mean / window, weight)
         return Load(requests, tokens * (1 - self._hit_share), max(1.0, self._lengths["prompt"]),
@@ -161,15 +165,16 @@ class Planner:
     def _admitting(needs: dict[str, Need], prefill_workers: int, load: Load, obs: Observation) -> Need:
         """Decode's need while prefill clears a backlog: it must admit what `prefill_workers` send it
         at full speed (requests/s x the time each stays on decode), or the KV it lacks stalls prefill;
-        but no more requests than there are to send within one stay: those it holds, those still
-        without a first token, and the arrivals of a stay at the rate prefill is sized for (a finite
-        backlog sent at full speed is over before decode fills with it)."""
+        but no more requests than there are to send within one stay: those still without a first
+        token, and the larger of those it holds and a stay's arrivals at the rate prefill is sized
+        for (a finite backlog sent at full speed is over before decode fills with it; those held
+        leave within the stay as its arrivals come)."""
         pf, need = needs["prefill"].figures, needs["decode"]
         slots, stay = need.figures.get("decode_slots_per_worker"), need.figures.get("decode_stay_s")
         if need.load is None or not slots or stay is None:
             return need
         sent = prefill_workers * pf.get("prefill_tokens_per_s_per_worker", 0.0) / load.prompt_len
-        there = need.figures.get("decode_held", 0.0) + obs.waiting_first + load.requests_per_s * stay
+        there = obs.waiting_first + max(need.figures.get("decode_held", 0.0), load.requests_per_s * stay)
         admitting = min(sent * stay, there) / slots
         figures = need.figures | {"decode_admitting_load": admitting}
         return dataclasses.replace(need, load=max(need.load, admitting), figures=figures, urgent=True)
@@ -228,10 +233,10 @@ class Planner:
             why += "; up: " + ("its SLO is missed now" if cause == "slo" else "forecast + backlog")
             # grown for a backlog: beyond what its arrivals alone ask (decode: what it holds above
             # them, a bunch of long requests' KV, leaves with their stay), or a step for a miss a
-            # backlog makes; one back within scale_down_cooldown_s of a release recurs (released to
-            # the window's work)
-            self._for_backlog[pool] = up > ceil_workers(need.arrivals_load or 0.0, c.target_utilization) \
-                if cause == "forecast" else need.backlog_load > 0
+            # backlog makes, or on a forecast not yet a rate (`_is_rate`); one back within
+            # scale_down_cooldown_s of a release recurs (released to the window's work)
+            self._for_backlog[pool] = (up > ceil_workers(need.arrivals_load or 0.0, c.target_utilization)
+                                       if cause == "forecast" else need.backlog_load > 0) or not self._is_rate()
             self._recurred[pool] = obs.now - self._released_at[pool] < c.scale_down_cooldown_s
         elif slo > t:
             why, cause = why + f"; up held: {since:.0f} s since its last change (scale_up_cooldown_s)", "cooldown"
@@ -240,7 +245,8 @@ class Planner:
         elif need.pressure > 1 and pending:
             why, cause = why + f"; SLO missed, {pending} worker(s) starting or warming up: waiting for them", "pending"
         elif need.pressure > 1 and not need.helps:
-            why += "; SLO missed, but the warm workers clear the backlog before a new one would be ready: held"
+            why += "; SLO missed, but the warm workers clear the backlog before a new one would be ready, or it is " \
+                "placed on them already: held"
         elif window is not None and need.pressure <= 1:
             size, why, cause = self._down(pool, obs.now, need, window, why)
         if not lo <= size <= hi:
@@ -297,6 +303,8 @@ class Planner:
         if load is not None:
             rate = steady[0] if steady[0] is not None else load
             arrivals = steady[1] if steady[1] is not None else rate
+            if not self._is_rate():
+                arrivals = 0.0  # the forecast is still one early window's count at face value: no peak
             history.append(Sample(obs.now, max(obs.window_s, 1e-9), load, rate, arrivals))
         while history and history[0].at < obs.now - self.cfg.scale_down_cooldown_s:
             history.popleft()
@@ -305,6 +313,12 @@ class Planner:
         span = sum(h.window_s for h in history)
         return Window(sum(h.window_s * h.load for h in history) / span, max(h.arrivals for h in history),
                       sum(h.window_s * h.rate for h in history) / span)
+
+    def _is_rate(self) -> bool:
+        """Whether the forecast has seen an interval of windows: before, its level is the first
+        window's count at face value, which no later window can make again (neither a peak a
+        scale-down fits, nor a size the cooldown holds: a pool grown on it goes as a backlog's does)."""
+        return self._forecast_s >= RATE_AFTER * self.cfg.interval_s
 
     @staticmethod
     def _describe(need: Need, up: int, n: int, pending: int, failed: int) -> str:

@@ -8,9 +8,13 @@ split into what the forecast rate keeps busy (`Need.steady`) and a backlog to cl
   most the clearing horizon (one prompt runs on one worker: a 100k-token prompt is one busy worker,
   not a backlog more workers clear). A worker asked for now is ready only after the pool's last
   start-up, so the backlog it is sized for is what is left by then: the warm workers (and, from half
-  a start-up on, those starting or warming) clear it meanwhile, net of the arrivals; what is left
-  is cleared within the TTFT budget after a prompt's own prefill, and never faster than a start-up
-  (workers bought to clear a backlog in less time than they take to start idle longer than they work);
+  a start-up on, those starting or warming) clear it meanwhile, net of the arrivals; of what is
+  left, a new worker takes none of what is still placed on the workers then (a prompt placed on a
+  worker is computed there), only the router's queue and, while there is one (the workers' slots
+  are full), the arrivals meanwhile; that is cleared within the TTFT budget after a prompt's own
+  prefill,
+  and never faster than a start-up (workers bought to clear a backlog in less time than they take
+  to start idle longer than they work);
 - decode: the requests it must hold at once, the larger of Little's law on the forecast (arrivals/s
   x output tokens x the step time at the slots a worker keeps), plus the prefill backlog's requests
   that overlap on decode (prefill is sized to clear them within the TTFT budget), and what it holds now (running,
@@ -108,7 +112,8 @@ class Sizer:
 
     def prefill(self, obs: Observation, load: Load, pool: str = "prefill") -> Need:
         c, p = self.cfg, obs.pools[pool]
-        backlog = max(0, obs.queued_prompt_tokens - obs.kv_waiting_tokens) + p.queued_tokens
+        queued = max(0, obs.queued_prompt_tokens - obs.kv_waiting_tokens)  # in the router's queue, not yet placed
+        backlog = queued + p.queued_tokens
         figures = {"prefill_backlog_tokens": float(backlog), "prompt_tokens_per_s": load.prompt_tokens_per_s}
         bound = backlog > 0 or obs.waiting_first > obs.kv_waiting  # someone waits for a prefill, not for KV
         ttft = max(obs.wait_q_s, obs.ttft_q_s or 0.0) if bound else 0.0
@@ -136,7 +141,11 @@ class Sizer:
         # what is left when a worker asked for now is ready: the warm workers clear it meanwhile (those
         # starting or warming from half a start-up on), net of the arrivals (negative: it grows)
         net = warm_n + coming_n / 2 - load.prompt_tokens_per_s / rate
-        residual_s = max(0.0, excess_s - net * start_s) if excess_s else 0.0
+        # a prompt placed on a worker is computed there (no work moves between workers): of what is
+        # left, a new worker takes none of what is still placed then; only the router's queue and, while
+        # there is one (the workers' slots are full), the arrivals meanwhile (else they are placed too)
+        placed_left_s = max(0.0, p.queued_tokens / rate - (warm_n + coming_n / 2) * start_s)
+        residual_s = max(0.0, excess_s - net * start_s - placed_left_s) if excess_s and queued else 0.0
         steady = load.prompt_tokens_per_s / rate
         figures |= {"prefill_tokens_per_s_per_worker": rate, "prefill_own_s": own, "prefill_excess_tokens":
                     excess_s * rate, "prefill_clear_s": min(clear_s, 1e9), "prefill_start_s": start_s,
