@@ -5,10 +5,10 @@ prompts for each in a round. Reports TTFT p50, ITL p50 / p99 (the gaps between a
 and output tokens/s, per setting the median over rounds.
 
 Settings are `max_num_partial_prefills` values (`none` for no limit): docs/engine_speed.md,
-"One prompt part-way at a time".
+"One prompt part-way at a time"; and `chunk_size` values (`none`: whole prompts), each pair.
 
     python -m microbench.schedule [--model models/smollm2-135m-instruct] [--dtype bfloat16]
-        [--threads 2] [--partial 1,none] [--requests 32] [--concurrency 16] [--rounds 2] [--json]
+        [--threads 2] [--partial 1,none] [--chunk 256] [--requests 32] [--concurrency 16] [--rounds 2] [--json]
 """
 
 from __future__ import annotations
@@ -81,6 +81,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--partial", type=lambda s: s.split(","), default=["1", "none"],
                    help="max_num_partial_prefills values side by side (none: no limit)")
+    p.add_argument("--chunk", type=lambda s: s.split(","), default=["256"],
+                   help="chunk_size values side by side (none: whole prompts)")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -88,9 +90,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engines = {f"partial={v}": LLMEngine(EngineConfig(
+    engines = {f"partial={v}" + (f",chunk={c}" if len(args.chunk) > 1 else ""): LLMEngine(EngineConfig(
         model_path=args.model, dtype=args.dtype, num_blocks=4096, enable_prefix_caching=False,
-        torch_threads=args.threads, max_num_partial_prefills=_limit(v))) for v in args.partial}
+        torch_threads=args.threads, max_num_partial_prefills=_limit(v), chunk_size=_limit(c)))
+        for v in args.partial for c in args.chunk}
     vocab = next(iter(engines.values())).runner.hf_config.vocab_size
     report = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "settings": measure(engines, args, vocab)}
     if args.json:
