@@ -113,7 +113,13 @@ def test_the_cli_prints_benchs_schema_the_same_for_a_seed(tmp_path, capsys):
     runs = [subprocess.Popen(args + ["--out", str(tmp_path / str(i))], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                              text=True, cwd=ROOT, env={"PATH": "/usr/bin:/bin", "PYTHONHASHSEED": str(i)})
             for i in (1, 2)]  # side by side: each is a whole CLI start and run
-    outs = [run.communicate(timeout=300) for run in runs]
+    try:
+        outs = [run.communicate(timeout=300) for run in runs]
+    finally:
+        for run in runs:  # a run past its deadline (or a failed one's twin) is ended, not left behind
+            if run.poll() is None:
+                run.kill()
+                run.wait()
     assert runs[0].returncode == 0, outs[0][1]
     assert outs[0][0] == outs[1][0]
     summary = json.loads(outs[0][0])

@@ -24,10 +24,9 @@ workers (capacity) and `t` the pool's current target:
   (decode: running and KV held), both at <= (1 - band) x target_utilization, and that none of
   the window's arrival rates (the forecast's once it has seen an interval, no backlog, nothing
   held) would scale up from (each within target_utilization): so steady load settles instead of
-  flapping 2 <-> 1; not within
-  `scale_down_cooldown_s` of the pool's last change or of the first evaluation, unless that change
-  grew it for a backlog now cleared (beyond what its rate asks, or an SLO step while a backlog is
-  left when a new worker would be ready): then at once to what the survivors carry without the
+  flapping 2 <-> 1; not within `scale_down_cooldown_s` of the pool's last change or of the first
+  evaluation, unless that change grew it for a backlog now cleared (beyond what its rate asks, or
+  an SLO step while a backlog is left when a new worker would be ready): then at once to what the survivors carry without the
   backlog (its rate's mean load in place of the window's work) (`cleared`), once; for a backlog
   back within the cooldown of such a release (recurring: load), only down to what the survivors
   carry;

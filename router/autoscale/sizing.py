@@ -12,9 +12,8 @@ split into what the forecast rate keeps busy (`Need.steady`) and a backlog to cl
   left, a new worker takes none of what is still placed on the workers then (a prompt placed on a
   worker is computed there), only the router's queue and, while there is one (the workers' slots
   are full), the arrivals meanwhile; that is cleared within the TTFT budget after a prompt's own
-  prefill,
-  and never faster than a start-up (workers bought to clear a backlog in less time than they take
-  to start idle longer than they work);
+  prefill, and never faster than a start-up (workers bought to clear a backlog in less time than
+  they take to start idle longer than they work);
 - decode: the requests it must hold at once, the larger of Little's law on the forecast (arrivals/s
   x output tokens x the step time at the slots a worker keeps), plus the prefill backlog's requests
   that overlap on decode (prefill is sized to clear them within the TTFT budget), and what it holds now (running,
