@@ -25,6 +25,10 @@ from router.frontdoor.guards import Refusals
 
 log = logging.getLogger(__name__)
 CLOSE_DEADLINE_S = 5.0
+# How often the accepting loop wakes when no one connects: to end connections past their deadline
+# and to notice `close()`, which waits for it (socketserver's default, 0.5 s, made every router
+# stop half a second longer).
+ACCEPT_POLL_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -185,6 +189,6 @@ def start_metrics_server(registry, host: str, port: int, gate: Gate, refusals: R
     """`/metrics` behind the gate, over TLS when `tls` is given, serving on its own thread."""
     server = _MetricsHTTPServer((host, port), _QuietHandler, tls, limits)
     server.set_app(guard_wsgi(prometheus_client.make_wsgi_app(registry), gate, refusals))
-    thread = threading.Thread(target=server.serve_forever, name="pdserve-metrics", daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(ACCEPT_POLL_S,), name="pdserve-metrics", daemon=True)
     thread.start()
     return MetricsServer(host, server.server_port, server, thread)
