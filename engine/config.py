@@ -19,7 +19,7 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     memory_fraction: float = DEFAULT_MEMORY_FRACTION
     runtime_overhead: int = 256 << 20
-    max_num_batched_tokens: int = 2048  # the per-step token budget (vLLM's CPU default; docs/engine_speed.md)
+    max_num_batched_tokens: int = 512  # the per-step token budget: bounds a step's time (docs/engine_speed.md)
     chunk_size: int | None = 256  # longest prefill chunk; None = whole prompts (no chunking)
     # prompts left part-way through their prefill at once (engine/scheduler.py); None = no limit
     max_num_partial_prefills: int | None = None

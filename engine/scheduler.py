@@ -6,7 +6,7 @@ blocks last, and, where `max_num_partial_prefills` is set, while fewer than that
 would be left part-way through their prefill (a prompt that completes its prefill in the step
 always may start): with a limit of 1, prompts are prefilled one after another, so the first to
 arrive gets its first token after its own prompt rather than after every waiting prompt's chunks
-(docs/engine_speed.md, "Prompts part-way at once": off by default, measured both ways).
+(docs/engine_speed.md, "The step's token budget": off by default, measured both ways).
 
 A running request that cannot get a block preempts the most recently admitted one, which frees
 its blocks and is recomputed later. The returned items list decodes first (by context length),

@@ -1,46 +1,85 @@
-"""The engine alone under a burst, scheduler settings side by side: `bench.peer`'s workload shape
-(requests arriving `--concurrency` at a time, a new one as each finishes; prompts of 128-512 tokens,
-64 output tokens) on one `LLMEngine` per setting, the settings taking turns each round, the same
-prompts for each in a round. Reports TTFT p50, ITL p50 / p99 (the gaps between a request's tokens)
-and output tokens/s, per setting the median over rounds.
+"""The engine alone under `bench.peer`'s burst, scheduler settings side by side: the same prompts
+(`bench.peer`'s workload: 32 requests, 16 at a time, 128-512 prompt tokens, 64 out, ids stable
+under decode/encode), the same warm-up (its first 4 prompts, 8 tokens each: their prefixes are
+cached when the run starts), and the served colocated @1x2 worker's engine config (whole prompts,
+prefix caching on, 1 GiB of KV), one `LLMEngine` per setting, the settings taking turns each round.
 
-Settings are `max_num_partial_prefills` values (`none` for no limit): docs/engine_speed.md,
-"One prompt part-way at a time"; and `chunk_size` values (`none`: whole prompts), each pair.
+Arrivals as served: a request that replaces a finished one reaches the engine `--arrival-ms` after
+the step that finished its predecessor (the token's trip to the client and the new request's trip
+back; ~30 ms measured on host E), and joins at the first step boundary after that, as a worker's
+engine loop applies calls between steps; its TTFT counts from its arrival. A step in flight
+therefore delays every request that arrives during it (docs/engine_speed.md, "The step's token
+budget"). Reports TTFT p50, ITL p50 / p99 and output tokens/s, per setting the median over rounds.
+
+Settings: `--budget` (`max_num_batched_tokens`), `--partial` (`max_num_partial_prefills`, `none`:
+no limit), `--chunk` (`chunk_size`, `none`: whole prompts); every combination.
 
     python -m microbench.schedule [--model models/smollm2-135m-instruct] [--dtype bfloat16]
-        [--threads 2] [--partial 1,none] [--chunk 256] [--requests 32] [--concurrency 16] [--rounds 2] [--json]
+        [--threads 2] [--budget 512,2048] [--partial none] [--chunk none] [--arrival-ms 30]
+        [--requests 32] [--concurrency 16] [--rounds 2] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import heapq
+import itertools
 import json
-import random
 import statistics
+import tempfile
 import time
+from pathlib import Path
 
 import torch
+import yaml
+from transformers import AutoTokenizer
 
+from bench import peer
+from bench.workload import RequestSpec
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol.sampling import SamplingParams
+from router.config.loader import parse_config
+
+WARM_UP = 4  # bench.peer's warm-up: its first prompts, 8 tokens each
 
 
-def burst(engine: LLMEngine, prompts: list[list[int]], concurrency: int, max_tokens: int, tag: str) -> dict:
-    """Run `prompts` through `engine`, `concurrency` at a time; the latency figures in seconds."""
-    sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    pending, added, first, last, gaps, tokens = list(enumerate(prompts)), {}, {}, {}, [], 0
+def served_config(model: str, dtype: str) -> EngineConfig:
+    """The engine config of `bench.peer`'s pdserve-colocated@1x2 worker."""
+    with tempfile.TemporaryDirectory() as d:
+        launch = peer.pdserve_launch(model, "pdserve-colocated@1x2", dtype, 0, Path(d))
+        cfg = parse_config(yaml.safe_load(Path(launch.cmd[launch.cmd.index("--config") + 1]).read_text()),
+                           where="bench_peer")
+    return cfg.engine_config(cfg.decode)
 
-    def add() -> None:
-        i, ids = pending.pop(0)
-        rid = f"{tag}-{i}"
-        added[rid] = time.perf_counter()
-        engine.add_request(rid, prompt_token_ids=ids, sampling=sampling)
+
+def burst(engine: LLMEngine, specs: list[RequestSpec], concurrency: int, arrival_s: float, tag: str) -> dict:
+    """Run `specs` through `engine`, `concurrency` at a time, a replacement arriving `arrival_s`
+    after the step that finished its predecessor; the latency figures in seconds."""
+    pending, arrivals, order = list(specs), [], itertools.count()
+    arrived, first, last, gaps, tokens = {}, {}, {}, [], 0
+
+    def arrive(at: float) -> None:
+        spec = pending.pop(0)
+        heapq.heappush(arrivals, (at, next(order), spec))
+
+    def join(now: float) -> None:  # between steps: every request that has arrived
+        while arrivals and arrivals[0][0] <= now:
+            at, _, spec = heapq.heappop(arrivals)
+            rid = f"{tag}-{spec.request_id}"
+            arrived[rid] = at
+            engine.add_request(rid, prompt_token_ids=list(spec.prompt_token_ids),
+                               sampling=SamplingParams(max_tokens=spec.max_tokens, ignore_eos=True))
 
     t0 = time.perf_counter()
     for _ in range(min(concurrency, len(pending))):
-        add()
-    while engine.has_unfinished():
+        arrive(t0)
+    while arrivals or engine.has_unfinished():
+        join(time.perf_counter())
+        if not engine.has_unfinished():
+            time.sleep(max(0.0, arrivals[0][0] - time.perf_counter()))
+            continue
         outs = engine.step()
         now = time.perf_counter()
         for o in outs:
@@ -50,22 +89,32 @@ def burst(engine: LLMEngine, prompts: list[list[int]], concurrency: int, max_tok
             if o.request_id in first:
                 gaps.append(now - last[o.request_id])
             else:
-                first[o.request_id] = now - added[o.request_id]
+                first[o.request_id] = now - arrived[o.request_id]
             last[o.request_id] = now
             if o.finished and pending:
-                add()
+                arrive(now + arrival_s)
     wall = time.perf_counter() - t0
     return {"ttft_p50_s": statistics.median(first.values()), "itl_p50_s": statistics.median(gaps),
             "itl_p99_s": statistics.quantiles(gaps, n=100)[98], "output_tok_s": tokens / wall}
 
 
-def measure(engines: dict[str, LLMEngine], args: argparse.Namespace, vocab: int) -> dict:
+def workload(tokenizer, args: argparse.Namespace, seed: int) -> list[RequestSpec]:
+    wargs = peer.parse_args(["--model", args.model, "--peers", "", "--num-requests", str(args.requests),
+                             "--concurrency", str(args.concurrency), "--output-len", str(args.max_tokens),
+                             "--seed", str(seed)])
+    return list(peer.make_workload_for(tokenizer, wargs).requests)
+
+
+def measure(engines: dict[str, LLMEngine], args: argparse.Namespace, tokenizer) -> dict:
     rows = {name: [] for name in engines}
     for r in range(args.rounds):
-        rng = random.Random(r)
-        prompts = [[rng.randrange(10, vocab) for _ in range(rng.randint(128, 512))] for _ in range(args.requests)]
+        specs = workload(tokenizer, args, seed=r)
+        warm = [dataclasses.replace(s, max_tokens=8) for s in specs[:WARM_UP]]
         for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
-            rows[name].append(burst(engines[name], prompts, args.concurrency, args.max_tokens, f"r{r}{name}"))
+            engine = engines[name]
+            engine.reset_cache()  # each setting starts from bench.peer's warm-up alone
+            burst(engine, warm, WARM_UP, 0.0, f"w{r}")
+            rows[name].append(burst(engine, specs, args.concurrency, args.arrival_ms / 1e3, f"r{r}"))
     return {name: {key: round(statistics.median(row[key] for row in runs), 4) for key in runs[0]}
             | {"rounds": runs} for name, runs in rows.items()}
 
@@ -74,15 +123,21 @@ def _limit(text: str) -> int | None:
     return None if text == "none" else int(text)
 
 
+def _values(text: str) -> list[str]:
+    return text.split(",")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m microbench.schedule", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="models/smollm2-135m-instruct")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--partial", type=lambda s: s.split(","), default=["1", "none"],
+    p.add_argument("--budget", type=_values, default=["512"], help="max_num_batched_tokens values side by side")
+    p.add_argument("--partial", type=_values, default=["none"],
                    help="max_num_partial_prefills values side by side (none: no limit)")
-    p.add_argument("--chunk", type=lambda s: s.split(","), default=["256"],
-                   help="chunk_size values side by side (none: whole prompts)")
+    p.add_argument("--chunk", type=_values, default=["none"], help="chunk_size values side by side (none: whole prompts)")
+    p.add_argument("--arrival-ms", type=float, default=30.0,
+                   help="a replacement request's arrival after the step that finished its predecessor")
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -90,12 +145,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    engines = {f"partial={v}" + (f",chunk={c}" if len(args.chunk) > 1 else ""): LLMEngine(EngineConfig(
-        model_path=args.model, dtype=args.dtype, num_blocks=4096, enable_prefix_caching=False,
-        torch_threads=args.threads, max_num_partial_prefills=_limit(v), chunk_size=_limit(c)))
-        for v in args.partial for c in args.chunk}
-    vocab = next(iter(engines.values())).runner.hf_config.vocab_size
-    report = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "settings": measure(engines, args, vocab)}
+    base = dataclasses.replace(served_config(args.model, args.dtype), torch_threads=args.threads)
+    engines = {f"budget={b},partial={v},chunk={c}": LLMEngine(dataclasses.replace(
+        base, max_num_batched_tokens=int(b), max_num_partial_prefills=_limit(v), chunk_size=_limit(c)))
+        for b in args.budget for v in args.partial for c in args.chunk}
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    report = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "arrival_ms": args.arrival_ms,
+              "settings": measure(engines, args, tokenizer)}
     if args.json:
         print(json.dumps(report, indent=1))
     else:

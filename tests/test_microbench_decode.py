@@ -59,9 +59,9 @@ def test_a_round_without_decode_time_gives_no_sample_and_no_pair(monkeypatch):
 
 
 def test_the_schedule_bench_runs_each_setting_on_the_same_burst(llama_dir, capsys):
-    schedule.main(["--model", llama_dir, "--dtype", "float32", "--threads", "1", "--requests", "4",
-                   "--concurrency", "2", "--max-tokens", "4", "--rounds", "1", "--json"])
+    schedule.main(["--model", llama_dir, "--dtype", "float32", "--threads", "1", "--requests", "6",
+                   "--concurrency", "2", "--max-tokens", "4", "--rounds", "1", "--budget", "64,512", "--json"])
     report = json.loads(capsys.readouterr().out)
-    assert set(report["settings"]) == {"partial=1", "partial=none"}
+    assert set(report["settings"]) == {"budget=64,partial=none,chunk=none", "budget=512,partial=none,chunk=none"}
     for row in report["settings"].values():
         assert row["output_tok_s"] > 0 and 0 < row["ttft_p50_s"] and row["itl_p50_s"] <= row["itl_p99_s"]

@@ -201,7 +201,7 @@ class KVCacheSection:
 
 @dataclass(frozen=True)
 class SchedulerSection:
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = 512  # a step's token budget: bounds its time, and so every arrival's wait
     chunk_size: int | None = 256  # null/off = whole prompts
     max_num_seqs: int = 64
     max_num_partial_prefills: int | None = None  # prompts part-way through their prefill at once; null = no limit
