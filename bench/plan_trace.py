@@ -146,7 +146,7 @@ def _auto(config: ClusterConfig, slo: Slo):
 def _profile(config: ClusterConfig, em: Emulation, colocated: bool) -> CapacityProfile:
     sched = config.scheduler
     chunk = (sched.chunk_size or 64) if colocated else None  # as bench/arrangements.py sets them up
-    return CapacityProfile("cost_model", CostStepModel(em.cost), sched.max_num_batched_tokens, chunk,
+    return CapacityProfile("cost_model", CostStepModel(em.cost), config.step_tokens(config.decode), chunk,
                            sched.max_num_seqs)
 
 

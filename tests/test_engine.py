@@ -353,3 +353,27 @@ def test_the_partial_prefill_limit_reaches_the_engine():
     assert parse_config({}).engine_config(parse_config({}).decode).max_num_partial_prefills is None
     one = parse_config({"scheduler": {"max_num_partial_prefills": 1}})
     assert one.engine_config(one.decode).max_num_partial_prefills == 1
+
+
+def test_the_step_budget_is_by_device_unless_set():
+    """`scheduler.max_num_batched_tokens: auto` (the default): 512 tokens a step on a CPU worker,
+    8,192 on a GPU worker or an emulated one; a number is taken as it is, everywhere."""
+    cpu = parse_config({})
+    assert cpu.scheduler.max_num_batched_tokens == "auto" and cpu.engine_config(cpu.decode).max_num_batched_tokens == 512
+    gpu = parse_config({"decode": {"num_gpus": 1}})
+    assert gpu.engine_config(gpu.decode).max_num_batched_tokens == 8192
+    assert gpu.engine_config(gpu.prefill).max_num_batched_tokens == 512  # a CPU pool beside it
+    emulated = parse_config({"emulate": {"device": "h100"}})
+    assert emulated.step_tokens(emulated.prefill) == emulated.step_tokens(emulated.decode) == 8192
+    for cfg in (parse_config({"scheduler": {"max_num_batched_tokens": 1024}}),
+                parse_config({"scheduler": {"max_num_batched_tokens": 1024}, "emulate": {"device": "h100"}})):
+        assert cfg.engine_config(cfg.decode).max_num_batched_tokens == cfg.step_tokens(cfg.prefill) == 1024
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    (0, "scheduler.max_num_batched_tokens: must be auto or >= 1"),
+    ("many", "scheduler.max_num_batched_tokens"),
+])
+def test_a_bad_step_budget_names_the_key(value, message):
+    with pytest.raises(ConfigError, match=message):
+        parse_config({"scheduler": {"max_num_batched_tokens": value}})

@@ -60,7 +60,7 @@ def build_profile(cfg: ClusterConfig, emulating: Emulation | None) -> CapacityPr
     if auto.profile == "measured":
         section = read_measured_profile(auto.measured_profile, cfg.kv_cache.block_size, "cluster.yaml")
         prior = CostStepModel(emulation(section).cost)
-    return CapacityProfile(auto.profile, prior, cfg.scheduler.max_num_batched_tokens, cfg.scheduler.chunk_size,
+    return CapacityProfile(auto.profile, prior, cfg.step_tokens(cfg.decode), cfg.scheduler.chunk_size,
                            cfg.scheduler.max_num_seqs)
 
 

@@ -84,7 +84,8 @@ def check_values(cfg: ClusterConfig, where: str) -> None:
         ("prefill.num_blocks", cfg.prefill.num_blocks is None or cfg.prefill.num_blocks >= 1, "must be >= 1"),
         ("decode.num_blocks", cfg.decode.num_blocks is None or cfg.decode.num_blocks >= 1, "must be >= 1"),
         ("kv_cache.memory_fraction", 0 < cfg.kv_cache.memory_fraction <= 1, "must be in (0, 1]"),
-        ("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens >= 1, "must be >= 1"),
+        ("scheduler.max_num_batched_tokens", cfg.scheduler.max_num_batched_tokens == "auto"
+         or cfg.scheduler.max_num_batched_tokens >= 1, "must be auto or >= 1"),
         ("scheduler.chunk_size", cfg.scheduler.chunk_size is None or cfg.scheduler.chunk_size >= 1,
          "must be >= 1, or off"),
         ("scheduler.max_num_seqs", cfg.scheduler.max_num_seqs >= 1, "must be >= 1"),

@@ -199,9 +199,19 @@ class KVCacheSection:
     prefix_caching: bool = True  # reuse the KV of full blocks other requests computed (engine/kv_cache.py)
 
 
+# A step's token budget by device (`scheduler.max_num_batched_tokens: auto`). A request that reaches
+# a worker mid-step waits for that step, so the budget bounds every arrival's wait: on a CPU a
+# 2,048-token float32 step runs ~2 s on two cores, and 512 tokens held served TTFT p50 to about
+# half at the same throughput (docs/engine_speed.md "The step's token budget"). A GPU runs 8,192
+# tokens in tens of milliseconds, and smaller steps would leave it underused (vLLM's GPU default).
+CPU_STEP_TOKENS = 512
+GPU_STEP_TOKENS = 8192
+
+
 @dataclass(frozen=True)
 class SchedulerSection:
-    max_num_batched_tokens: int = 512  # a step's token budget: bounds its time, and so every arrival's wait
+    # a step's token budget; auto: CPU_STEP_TOKENS on a CPU, GPU_STEP_TOKENS on a GPU (real or emulated)
+    max_num_batched_tokens: int | Literal["auto"] = "auto"
     chunk_size: int | None = 256  # null/off = whole prompts
     max_num_seqs: int = 64
     max_num_partial_prefills: int | None = None  # prompts part-way through their prefill at once; null = no limit
@@ -247,13 +257,21 @@ class ClusterConfig:
         """The device type a worker of `pool` runs on."""
         return "cuda" if pool.num_gpus else "cpu"
 
+    def step_tokens(self, pool: PoolSection) -> int:
+        """A step's token budget on a worker of `pool` (`scheduler.max_num_batched_tokens`, its
+        `auto` by the device: a GPU when the pool has GPUs or the cluster emulates one)."""
+        budget = self.scheduler.max_num_batched_tokens
+        if budget != "auto":
+            return budget
+        return GPU_STEP_TOKENS if pool.num_gpus or self.emulate.device is not None else CPU_STEP_TOKENS
+
     def engine_config(self, pool: PoolSection, device: str = "cpu") -> EngineConfig:
         kv = self.kv_cache
         return EngineConfig(
             model_path=self.model.path, dtype=self.model.dtype, device=device, block_size=kv.block_size,
             num_blocks=pool.num_blocks or kv.num_blocks or emulated_num_blocks(self.emulate, kv.block_size), kv_cache_memory=parse_bytes(kv.memory) if kv.memory else None,
             memory_fraction=kv.memory_fraction, runtime_overhead=parse_bytes(kv.runtime_overhead),
-            max_num_batched_tokens=self.scheduler.max_num_batched_tokens, chunk_size=self.scheduler.chunk_size,
+            max_num_batched_tokens=self.step_tokens(pool), chunk_size=self.scheduler.chunk_size,
             max_num_partial_prefills=self.scheduler.max_num_partial_prefills,
             max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.model.max_model_len,
             torch_threads=None if pool.torch_threads == "auto" else pool.torch_threads,
