@@ -23,8 +23,13 @@ def _row(name: str, s: dict[str, Any]) -> str:
 def table(case: str, result: dict[str, Any]) -> str:
     head = "| run | " + " | ".join(label for _, label, _ in COLUMNS) + " |"
     lines = [f"**{case}**", "", head, "|" + "---|" * (len(COLUMNS) + 1)]
+    planners = result.get("planners", {})
     if "autoscaled" in result:
-        lines.append(_row("**planner**", result["autoscaled"]))
+        mode = f" ({result['planner_mode']})" if planners and "planner_mode" in result else ""
+        lines.append(_row(f"**planner{mode}**", result["autoscaled"]))
+    for mode, run in planners.items():
+        if mode != result.get("planner_mode"):
+            lines.append(_row(f"planner ({mode})", run["autoscaled"]))
     if "blind_to_queue_wait" in result:
         lines.append(_row("planner blind to queue wait", result["blind_to_queue_wait"]))
     statics = result.get("static", {})
@@ -35,6 +40,9 @@ def table(case: str, result: dict[str, Any]) -> str:
     if "worker_hours_ratio" in result:
         lines.append(f"cheapest static meeting 90%: {cheapest}; planner / it worker-hours: "
                      + (f"{ratio:.2f}" if ratio is not None else "- (none met it)"))
+        for mode, run in planners.items():
+            r = run["worker_hours_ratio"]
+            lines.append(f"planner ({mode}) / it worker-hours: " + (f"{r:.2f}" if r is not None else "-"))
     for key in ("actions_after_settling", "changes_at_s"):
         if key in result:
             lines.append(f"{key.replace('_', ' ')}: {result[key]}")

@@ -58,6 +58,7 @@ class Case:
     ladder: tuple[int, ...] = ()  # static sizes searched, ascending
     shares: tuple[float, ...] = (0.625, 0.75, 0.5)  # prefill share of each split tried at a size
     kind: str = "compare"  # compare | steady | blind
+    planner: str = "disaggregated"  # the planner's mode whose row is the case's `autoscaled` (bench_planner.PLANNER_MODES)
 
 
 CASES = {c.name: c for c in (
@@ -236,6 +237,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="run the planner only, against the statics already in --cache (no search, no static run)")
     parser.add_argument("--cache", default="simulate-out/autoscale-cache", help="statics' rows (default %(default)s)")
     parser.add_argument("--out", default="simulate-out/autoscale-bench", help="JSON and plots (default %(default)s)")
+    parser.add_argument("--planner-modes", default=None,
+                        help="compare cases: the planner's modes to run, of disaggregated, colocated (default: the "
+                             "case's own); the case's own mode is the JSON's autoscaled, every mode is under planners")
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
@@ -274,21 +278,25 @@ def _write(out: Path, results: dict[str, Any]) -> None:
 def _compare(case: Case, base, em, wl: Workload, slo, price: float, args: argparse.Namespace,
              results: dict[str, Any]) -> dict[str, Any]:
     """The planner first (its row is saved before the long static search), then the statics."""
-    from simulate.bench_planner import compare_result, planner_run
+    from simulate.bench_planner import PLANNER_MODES, compare_modes, planner_run
 
     cache = Cache(Path(args.cache), case, wl)
-    planner = None
+    modes = (args.planner_modes or case.planner).split(",")
+    if unknown := [m for m in modes if m not in PLANNER_MODES]:
+        raise SystemExit(f"bench_autoscale: --planner-modes {','.join(unknown)}: expected {', '.join(PLANNER_MODES)}")
+    runs: dict[str, tuple[dict, dict]] = {}
     if not args.statics_only:
-        planner = planner_run(case, base, em, wl, slo, price, Path(args.out))
-        results[case.name] = {"autoscaled": planner[0]}
-        _write(Path(args.out), results)
+        for mode in modes:
+            runs[mode] = planner_run(case, base, em, wl, slo, price, Path(args.out), mode)
+            results[case.name] = {"autoscaled": runs[mode][0]} | {"planners": {m: r[0] for m, r in runs.items()}}
+            _write(Path(args.out), results)
     if args.planner_only:
-        return compare_result(case, *planner, dict(cache.rows))
+        return compare_modes(case, runs, dict(cache.rows))
     static_search(case, cached_runner(case, base, em, wl, slo, cache, args.processes, price))
     found = recommendation(base, em, wl, slo, cache, price)
-    if planner is None:
+    if not runs:
         return {"static": dict(cache.rows), "static_recommendation": found}
-    return compare_result(case, *planner, dict(cache.rows)) | {"static_recommendation": found}
+    return compare_modes(case, runs, dict(cache.rows)) | {"static_recommendation": found}
 
 
 if __name__ == "__main__":

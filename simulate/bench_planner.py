@@ -15,6 +15,7 @@ import shlex
 from pathlib import Path
 from typing import Any
 
+from bench.arrangements import arrangement_config
 from bench.metrics import Slo
 from bench.workload import Workload
 from router.config.schema import ClusterConfig
@@ -31,24 +32,32 @@ BUDGET = {"swinging": 32, "swinging-long": 32, "conversation": 16, "conversation
 # too: shorter cooldowns give oscillation more chances, a stricter test.
 COMPRESSED = {"interval_s": 5.0, "scale_up_cooldown_s": 10.0, "scale_down_cooldown_s": 30.0, "warmup_s": 10.0}
 PACING = {"swinging": COMPRESSED, "steady": COMPRESSED}
+PLANNER_MODES = ("disaggregated", "colocated")  # the planner's arrangement: two pools, or one (router.autoscale)
 
 
-def planner_config(case_name: str, base: ClusterConfig, slo: Slo, price: float) -> ClusterConfig:
-    """The case's cluster with its planner: 2P+2D to begin, SLOs from the case's, the budget."""
+def planner_config(case_name: str, base: ClusterConfig, slo: Slo, price: float,
+                   mode: str = "disaggregated") -> ClusterConfig:
+    """The case's cluster with its planner, SLOs from the case's, the budget: disaggregated, 2P+2D to
+    begin; colocated (one pool, chunked prefill, as the colocated-N statics), 4 workers to begin."""
     budget = BUDGET[case_name]
+    if mode not in PLANNER_MODES:
+        raise ValueError(f"planner mode {mode!r}: expected one of {', '.join(PLANNER_MODES)}")
     start = dataclasses.replace(base, mode="disaggregated", prefill=dataclasses.replace(base.prefill, replicas=2),
-                                decode=dataclasses.replace(base.decode, replicas=2))
+                                decode=dataclasses.replace(base.decode, replicas=2)) if mode == "disaggregated" \
+        else arrangement_config(base, "colocated-chunked", 4)
     slos = {"ttft_s": slo.ttft_s} | ({"itl_s": slo.tpot_s} if slo.tpot_s else {})
-    return autoscaled_config(start, prefill_min=1, decode_min=1, prefill_max=budget - 1, decode_max=budget - 1,
+    return autoscaled_config(start, prefill_min=1, decode_min=1, prefill_max=budget - 1,
+                             decode_max=budget - 1 if mode == "disaggregated" else budget,
                              max_workers=budget, cost_per_worker_hour=price, percentile=90.0, **slos,
                              **PACING.get(case_name, {}))
 
 
-def command(case, statics: list[str]) -> str:
+def command(case, statics: list[str], mode: str = "disaggregated") -> str:
     flags = " ".join(shlex.quote(f) for f in case.flags)
+    how = "" if mode == "disaggregated" else f", mode='{mode}'"
     return (f"pdserve simulate --config simulate/gpu_cluster.yaml --emulate h100:llama-3.1-8b {flags} "
             f"--slo {case.slo} --autoscale --statics {','.join(statics)} --json   # router.autoscale as "
-            f"simulate.bench_planner.planner_config('{case.name}') sets it")
+            f"simulate.bench_planner.planner_config('{case.name}'{how}) sets it")
 
 
 def _save(out: Path, name: str, timeline: dict, wl: Workload) -> str:
@@ -57,11 +66,15 @@ def _save(out: Path, name: str, timeline: dict, wl: Workload) -> str:
     return plot_timeline(timeline, [r.arrival_s for r in wl.requests], str(out / f"{name}.png"), f"{name}: the planner")
 
 
-def planner_run(case, base, em, wl: Workload, slo: Slo, price: float, out: Path) -> tuple[dict, dict]:
-    """The planner's row of the case and its timeline (saved with its plot under `out`)."""
-    cfg = planner_config(case.name, base, slo, price)
+def planner_run(case, base, em, wl: Workload, slo: Slo, price: float, out: Path,
+                mode: str = "disaggregated") -> tuple[dict, dict]:
+    """The planner's row of the case and its timeline (saved with its plot under `out`; the
+    colocated planner's as CASE-colocated)."""
+    cfg = planner_config(case.name, base, slo, price, mode)
     _, row, timeline = _one((AUTOSCALED, cfg, em, wl, slo, 0, price))
-    timeline["plot"] = _save(out, case.name, timeline, wl)
+    name = case.name if mode == "disaggregated" else f"{case.name}-{mode}"
+    timeline["plot"] = _save(out, name, timeline, wl)
+    timeline["mode"] = mode
     return row, timeline
 
 
@@ -72,7 +85,23 @@ def compare_result(case, row: dict, timeline: dict, statics: dict[str, dict]) ->
                          "worker_hours_ratio_le_0.7": ratio is not None and ratio <= RATIO}
     result["plot"] = timeline["plot"]
     result["planner_host_s"] = timeline["host_s"]
-    result["command"] = command(case, list(statics))
+    mode = timeline.get("mode", "disaggregated")
+    result["planner_mode"] = mode
+    result["command"] = command(case, list(statics), mode)
+    return result
+
+
+def compare_modes(case, runs: dict[str, tuple[dict, dict]], statics: dict[str, dict]) -> dict[str, Any]:
+    """The issue's shape for the planner the case names (`case.planner`, else the first run), and
+    beside it, under `planners`, every mode run with its own ratio to the same cheapest static."""
+    mine = case.planner if case.planner in runs else next(iter(runs))
+    result = compare_result(case, *runs[mine], statics)
+    if len(runs) > 1:
+        result["planners"] = {}
+        for mode, (row, timeline) in runs.items():
+            one = compare_result(case, row, timeline, statics)
+            result["planners"][mode] = {k: one[k] for k in ("autoscaled", "worker_hours_ratio", "targets", "plot",
+                                                             "planner_host_s", "command")}
     return result
 
 

@@ -172,6 +172,37 @@ def test_static_arrangements_by_name_or_by_size(h100):
         static_configs(cfg, "0P8D", [], "all")
 
 
+def test_the_planner_runs_colocated_and_each_mode_is_reported_against_the_same_cheapest_static(h100):
+    """bench_autoscale's planner in either mode: colocated is one pool of chunked-prefill workers
+    (as the colocated-N statics) whose max is the whole budget; the case's own mode keeps the
+    issue's JSON shape, every mode run sits under `planners` with its own ratio."""
+    from bench.metrics import parse_slo
+    from simulate.bench_autoscale import CASES
+    from simulate.bench_planner import compare_modes, planner_config
+
+    cfg, _ = h100
+    slo = parse_slo("ttft=5,tpot=50ms")
+    col = planner_config("conversation-4x", cfg, slo, 2.99, "colocated")
+    static = static_configs(cfg, "colocated-4", [], "all")["colocated-4"]
+    assert (col.mode, col.decode.replicas, col.prefill.replicas) == ("colocated", 4, 0)
+    assert col.scheduler == static.scheduler and col.router.autoscale.enabled
+    assert (col.router.autoscale.decode_max, col.router.autoscale.max_workers) == (64, 64)
+    dis = planner_config("conversation-4x", cfg, slo, 2.99)
+    assert (dis.mode, dis.prefill.replicas, dis.decode.replicas, dis.router.autoscale.decode_max) == \
+        ("disaggregated", 2, 2, 63)
+    with pytest.raises(ValueError, match="planner mode"):
+        planner_config("conversation-4x", cfg, slo, 2.99, "both")
+    runs = {"disaggregated": (_row(0.95, 0.72), {"plot": "d.png", "host_s": 1.0, "mode": "disaggregated"}),
+            "colocated": (_row(0.91, 0.50), {"plot": "c.png", "host_s": 1.0, "mode": "colocated"})}
+    statics = {"colocated-12": _row(0.902, 0.558), "colocated-11": _row(0.885, 0.518)}
+    result = compare_modes(CASES["conversation-4x"], runs, statics)
+    assert result["autoscaled"] == runs[CASES["conversation-4x"].planner][0]
+    assert result["cheapest_static_meeting_attainment"] == "colocated-12"
+    assert {m: round(r["worker_hours_ratio"], 3) for m, r in result["planners"].items()} == \
+        {"disaggregated": round(0.72 / 0.558, 3), "colocated": round(0.50 / 0.558, 3)}
+    assert "mode='colocated'" in result["planners"]["colocated"]["command"]
+
+
 def test_the_bursty_preset_swings_between_a_24th_of_its_rate_and_its_rate():
     w = build_workload(WorkloadOptions(preset="bursty", max_context=131072, seed=0))
     arrivals = [r.arrival_s for r in w.requests]

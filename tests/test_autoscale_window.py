@@ -9,6 +9,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import pytest
+
 from router.autoscale import planner as planner_module
 from router.observability.recent import RecentLoad
 from tests.autoscale_util import interval, planner, pool, worker
@@ -168,3 +170,45 @@ def test_a_pool_grown_on_the_first_windows_count_goes_once_the_rate_carries_less
         [d.reason for d in decisions]
     monkeypatch.setattr(planner_module, "RATE_AFTER", 0.0)
     assert all(d.desired("prefill") == 4 for d in run())
+
+
+def test_the_first_requests_to_finish_are_not_a_sample_of_output_lengths(monkeypatch):
+    """The opening: 38 requests asking for 350 tokens each arrived in 3 s and the 4 that finished
+    are the short ones (20 tokens). Until half of those that arrived have finished, the output
+    length is the one asked (a request's stay on decode ~350 steps, not 20), then the finished
+    ones' (moving from it by LENGTH_GAIN for a window's share of an interval). With every finished length a sample at once, 20, and
+    a colocated pool's load half of it."""
+    from router.autoscale.observation import Lengths
+
+    def first(p, finished: int, output: int, arrivals: int = 38, now: float = 3.0):
+        return p.decide(interval(now, None, pool("decode", 4), arrivals=arrivals, prompt=14000, window_s=3.0,
+                                 finished=finished, output=output, asked=Lengths(arrivals, 350.0, 350.0)))
+    p = planner(mode="colocated", ttft_s=5.0)
+    opening = first(p, 4, 20)
+    assert opening.inputs["output_len"] == 350.0
+    later = first(p, 60, 300, arrivals=40, now=6.0)  # 64 of 78 finished: a sample now
+    gain = 1 - (1 - planner_module.LENGTH_GAIN) ** 0.3  # a 3 s window of a 10 s interval
+    assert later.inputs["output_len"] == pytest.approx(350.0 + gain * (300 - 350))
+    monkeypatch.setattr(planner_module, "FINISHED_SAMPLE", 0.0)
+    sampled = first(planner(mode="colocated", ttft_s=5.0), 4, 20)
+    assert sampled.inputs["output_len"] == 20.0
+    assert opening.inputs["decode_stay_s"] > 10 * sampled.inputs["decode_stay_s"]
+    assert opening.inputs["decode_load"] > 1.5 * sampled.inputs["decode_load"]  # 12.1 workers' load, not 6.3
+
+
+def test_an_early_evaluations_few_finished_move_the_output_length_by_its_windows_share():
+    """A full 10 s window of requests that answered 300 tokens, then an early evaluation 1.2 s
+    later whose 3 finished answered 900: the output length moves by 1 - 0.7 ^ 0.12 (4%) of the
+    difference, 325 tokens, not by LENGTH_GAIN (0.3) as a full interval would, 480."""
+    from router.autoscale.observation import Lengths
+
+    p = planner(ttft_s=5.0)
+
+    def ev(now: float, window_s: float, finished: int, output: int):
+        return p.decide(interval(now, pool("prefill", 2), pool("decode", 2), arrivals=30, prompt=8000,
+                                 window_s=window_s, finished=finished, output=output,
+                                 asked=Lengths(30, 300.0, 300.0)))
+    assert ev(1000.0, 10.0, 30, 300).inputs["output_len"] == 300.0
+    gain = 1 - (1 - planner_module.LENGTH_GAIN) ** 0.12
+    assert ev(1001.2, 1.2, 3, 900).inputs["output_len"] == pytest.approx(300 + gain * 600)
+    assert 300 + gain * 600 < 330 < 300 + planner_module.LENGTH_GAIN * 600

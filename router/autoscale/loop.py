@@ -203,6 +203,7 @@ class Autoscaler:
             now=now, window_s=window, mode=self.router.config.mode, arrivals=seen.arrivals,
             arrival_bunch_sq=seen.bunch_sq,
             prompt=Lengths.of(seen.prompt_lengths), output=Lengths.of(outputs), finished=len(seen.output_lengths),
+            asked=Lengths.of(seen.asked_output),
             prefix_hit_share=self._hit_share(),
             ttft_q_s=seen.ttft.quantile(q), itl_q_s=seen.itl.quantile(q), pools=pools,
             **dataclasses.asdict(lives))

@@ -75,6 +75,7 @@ class Observation:
     prompt: Lengths = field(default_factory=Lengths)  # of the window's arrivals
     output: Lengths = field(default_factory=Lengths)  # of the window's finished requests (else asked max_tokens)
     finished: int = 0
+    asked: Lengths = field(default_factory=Lengths)  # max_tokens the window's arrivals asked for
     prefix_hit_share: float | None = None  # of the prompt tokens placed for prefill in the window, those found cached
     ttft_q_s: float | None = None  # the window's first tokens, at the SLO percentile (None: none)
     itl_q_s: float | None = None  # the window's token gaps as clients saw them, at the percentile

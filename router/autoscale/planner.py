@@ -57,6 +57,9 @@ CONFIRM = 1.0  # intervals a load over the target must last before a scale-up th
 SEEN_Z = 1.0  # a window's arrival count, less this many standard deviations (Poisson: its square root), is its rate seen
 RATE_AFTER = 1.0  # intervals of windows the forecast must have seen before its arrival rate is a peak a scale-down fits
 LENGTH_GAIN = 0.3  # EWMA weight of a window's mean prompt / output length and of its prefix-cache hit share
+# of all arrivals so far, the share that must have finished before the finished requests' output lengths are a
+# sample of them: before, they are the short ones, first to finish (the lengths asked stand in for them)
+FINISHED_SAMPLE = 0.5
 
 
 class Sample(NamedTuple):
@@ -97,6 +100,7 @@ class Planner:
         self._target: dict[str, int] = {}  # each pool's target at this evaluation
         self._started_at: float | None = None  # the first evaluation: no scale-down within a cooldown of it
         self._forecast_s = 0.0  # the windows the forecast has seen, seconds
+        self._arrived = self._finished = 0  # requests so far: output lengths are a sample once half have finished
 
     def bounds(self, pool: str) -> tuple[int, int]:
         c = self.cfg
@@ -141,14 +145,25 @@ class Planner:
 
     # ---- forecast ------------------------------------------------------------------------
     def _forecast(self, obs: Observation) -> Load:
-        for key, lengths in (("prompt", obs.prompt), ("output", obs.output)):
-            if lengths.count:
-                old = self._lengths[key]
-                self._lengths[key] = lengths.mean if not old else old + LENGTH_GAIN * (lengths.mean - old)
-        if obs.prefix_hit_share is not None:
-            self._hit_share += LENGTH_GAIN * (min(1.0, max(0.0, obs.prefix_hit_share)) - self._hit_share)
+        # the output lengths of the requests that finished, once they are a sample; until half of those
+        # that arrived have finished, the ones that did are the short ones, and the lengths asked
+        # (max_tokens, an upper bound) stand in: conversation-4x's first evaluation, 3 s in, read a
+        # 0.4 s stay on decode (short requests done) where its requests stay ~9.5 s, and sized a
+        # colocated pool 4 -> 9 where 12 carry it (its first 17 s of arrivals met 67-79%)
+        self._arrived, self._finished = self._arrived + obs.arrivals, self._finished + obs.finished
+        early = self._finished < FINISHED_SAMPLE * self._arrived
+        output = obs.asked if early and obs.asked.count else obs.output
         window = max(obs.window_s, 1e-9)
         weight = min(1.0, window / self.cfg.interval_s)  # an early evaluation's short window counts for its length
+        # an early evaluation's few finished move the output length by its window's share of an interval (as
+        # the rates): conversation's long answers finishing 1.2 s apart took it 339 -> 462, decode 2 -> 3
+        gains = {"prompt": LENGTH_GAIN, "output": 1 - (1 - LENGTH_GAIN) ** weight}
+        for key, lengths in (("prompt", obs.prompt), ("output", output)):
+            if lengths.count:
+                old = self._lengths[key]
+                self._lengths[key] = lengths.mean if not old else old + gains[key] * (lengths.mean - old)
+        if obs.prefix_hit_share is not None:
+            self._hit_share += LENGTH_GAIN * (min(1.0, max(0.0, obs.prefix_hit_share)) - self._hit_share)
         self._forecast_s += window
         requests = self._rates["requests"].update(obs.arrivals / window, weight)
         tokens = self._rates["prompt_tokens"].update(obs.arrivals * obs.prompt.mean / window, weight)
