@@ -274,15 +274,17 @@ def test_usage_log_and_step_records_through_a_live_cluster(served, capsys):
     steps = collect_steps(cluster, 0.0)
     assert {w["pool"] for w in steps.values()} == {"prefill", "decode"}
     # the prefill compute each usage reports is the wall time of the prefill steps that computed
-    # its prompt: 600 tokens in one step (a prefill worker with no decode rows takes a prompt
-    # whole, engine/scheduler.py); the second prompt's 37 cached blocks skipped, 48 tokens left;
-    # the third, 40 tokens (one request at a time: each step holds one prompt)
+    # its prompt: 600 tokens in two steps (a prefill worker with no decode rows takes a prompt whole
+    # up to the step's token budget, 512 on a CPU: engine/scheduler.py); the second prompt's 37
+    # cached blocks skipped, 48 tokens left; the third, 40 tokens (one request at a time)
+    assert served.cfg.step_tokens(served.cfg.prefill) == 512
     name, prefill = next((n, w["steps"]) for n, w in steps.items() if w["pool"] == "prefill")
     chunks = [s for s in prefill if s["seq"] > seen_steps.get(name, 0) and s["prefill_rows"]]
-    assert [s["prefill_tokens"] for s in chunks] == [600, 48, 40]
+    assert [s["prefill_tokens"] for s in chunks] == [512, 88, 48, 40]
     assert [f.usage.cached_tokens for f in finals] == [0, 37 * 16, 0]
     walls = [s["wall_s"] for s in chunks]
-    assert [f.usage.prefill_compute_ms for f in finals] == pytest.approx([w * 1e3 for w in walls], rel=1e-4)
+    assert [f.usage.prefill_compute_ms for f in finals] == pytest.approx(
+        [(walls[0] + walls[1]) * 1e3, walls[2] * 1e3, walls[3] * 1e3], rel=1e-4)
     name, decode = next((n, w["steps"]) for n, w in steps.items() if w["pool"] == "decode")
     mine = [s for s in decode if s["seq"] > seen_steps.get(name, 0)]
     assert sum(s["decode_rows"] for s in mine) == 3 * 5  # every decode token came from a logged step
