@@ -176,8 +176,8 @@ def test_the_first_requests_to_finish_are_not_a_sample_of_output_lengths(monkeyp
     """The opening: 38 requests asking for 350 tokens each arrived in 3 s and the 4 that finished
     are the short ones (20 tokens). Until half of those that arrived have finished, the output
     length is the one asked (a request's stay on decode ~350 steps, not 20), then the finished
-    ones' (moving from it by LENGTH_GAIN for a window's share of an interval). With every finished length a sample at once, 20, and
-    a colocated pool's load half of it."""
+    ones' (moving from it by LENGTH_GAIN for a window's share of an interval). With every
+    finished length a sample at once: 20, and a colocated pool's load half of it."""
     from router.autoscale.observation import Lengths
 
     def first(p, finished: int, output: int, arrivals: int = 38, now: float = 3.0):
