@@ -285,11 +285,9 @@ def _signal(pids: list[int], sig: signal.Signals) -> None:
 
 
 def _wait_gone(pids: list[int], timeout_s: float, zombies_gone: bool = False) -> None:
-    """Until none of `pids` is left, or `timeout_s`. With `zombies_gone`, a zombie counts as gone:
-    after a SIGKILL, a process whose parent died with it stays a zombie until the container's pid 1
-    reaps it, which can take longer than the timeout; it runs nothing and holds nothing. (The
-    remote stop's grace keeps counting them: ending it early, at ~0.1 s, made a node's departure
-    take the router 37 s to act on instead of 12.)"""
+    """Until none of `pids` is left, or `timeout_s`. `zombies_gone`: a killed zombie, waiting for the
+    container's pid 1 to reap it, counts as gone (the remote stop's grace keeps counting them: ending
+    it at ~0.1 s made the router act on a node's departure after 37 s instead of 12)."""
     def left(pid: int) -> bool:
         return process_util.stat(pid) is not None if zombies_gone else Path(f"/proc/{pid}").exists()
 
