@@ -61,7 +61,7 @@ class PoolEvents(logging.Handler):
 
 
 @pytest.fixture(scope="module")
-def autoscaled(no_shared_ray, llama_dir):
+def autoscaled(ray_instance, llama_dir):
     """1 + 1 workers, the planner on every 0.5 s with a 0.3 s TTFT SLO; prefill may grow to 2.
     Its workers' lives are recorded as `pdserve bench --autoscale` records them."""
     cfg = cluster_config(llama_dir, router={"call_timeout_s": 5, "drain_timeout_s": 5, "autoscale": {
@@ -69,7 +69,8 @@ def autoscaled(no_shared_ray, llama_dir):
         "scale_up_cooldown_s": 1, "scale_down_cooldown_s": 3, "warmup_s": 0, "profile": "online"}})
     events, manager = PoolEvents(), logging.getLogger("router.pools.manager")
     manager.addHandler(events)
-    level, manager.level = manager.level, logging.INFO
+    level = manager.level
+    manager.setLevel(logging.INFO)  # setLevel, not `.level =`: it clears the cached isEnabledFor answers
     actors = RecordingActors(RayActors())
     try:
         with LocalCluster(cfg, actors=actors) as cluster:
