@@ -2,7 +2,8 @@
 observations of an H100 x Llama-3.1-8B cluster: a backlog is sized for what is left when a new
 worker is ready, one long prompt is one busy worker, and the workers bought for a backlog are
 released once it is cleared, not held for the scale-down cooldown; decode admits what prefill
-sends, but no more requests than there are. Each with the contrast that fails without the rule."""
+sends, but no more requests than there are, nor the prompts the rate keeps waiting anyway. Each
+with the contrast that fails without the rule."""
 
 from __future__ import annotations
 
@@ -146,27 +147,30 @@ def _finite_backlog(running: int = 5):
 
 def test_decode_admits_what_prefill_sends_but_no_more_requests_than_there_are():
     """Prefill grows 2 -> 5 for the backlog; at full speed 5 workers would send decode ~10
-    requests/s, 3.2 workers' worth over a request's stay, but there are only 8 waiting and the
-    larger of 10 held and a stay's arrivals: decode keeps 2 (without the cap, 4)."""
+    requests/s, 3.2 workers' worth over a request's stay, but there are only the 8 waiting (within
+    the ~13 the rate keeps waiting: none beyond) and the larger of 10 held and a stay's arrivals:
+    decode keeps 2 (without the cap, 4)."""
     d = _finite_backlog()
     assert d.desired("prefill") == 5 and d.desired("decode") == 2, d.reason
     f = d.inputs
     full_speed = 5 * f["prefill_tokens_per_s_per_worker"] / 15000 * f["decode_stay_s"] / f["decode_slots_per_worker"]
-    there = (8 + max(10, 3.0 * f["decode_stay_s"])) / f["decode_slots_per_worker"]  # waiting; held or a stay's arrivals
+    beyond = max(0.0, 8 - 3.0 * (5.0 - f["prefill_own_s"]))  # waiting beyond what the rate keeps waiting
+    there = (beyond + max(10, 3.0 * f["decode_stay_s"])) / f["decode_slots_per_worker"]  # held or a stay's arrivals
     assert full_speed > 3 and math.isclose(f["decode_admitting_load"], there)
 
 
 def test_what_decode_holds_leaves_as_a_stays_arrivals_come(monkeypatch):
     """2 warm decode workers hold 20 requests, 8 wait for prefill (urgent), 3 requests/s stay
-    ~9.2 s each: at once there are at most the 8 and the larger of the 20 held and a stay's ~27.5
-    arrivals (the held leave within the stay as they come): 1.3 workers' slots, decode keeps 2.
+    ~9.2 s each: at once there are at most the larger of the 20 held and a stay's ~27.5 arrivals
+    (the held leave within the stay as they come; the 8 are within what the rate keeps waiting):
+    1.1 workers' slots, decode keeps 2.
     Counting the held and the stay's arrivals both (55.5 requests, 2 workers' slots at 99%) it grew
     to 3, as the conversation trace's decode did at its bunches (2 workers carried them)."""
     assert _finite_backlog(running=10).desired("decode") == 2
     f = _finite_backlog(running=10).inputs
-    assert math.isclose(f["decode_admitting_load"], (8 + 3.0 * f["decode_stay_s"]) / f["decode_slots_per_worker"])
+    assert math.isclose(f["decode_admitting_load"], 3.0 * f["decode_stay_s"] / f["decode_slots_per_worker"])
 
-    def summed(needs, prefill_workers, load, obs):  # the rule before: the held and a stay's arrivals added
+    def summed(needs, prefill_workers, load, obs, rps):  # the rule before: the held and a stay's arrivals added
         need = needs["decode"]
         there = need.figures["decode_held"] + obs.waiting_first + load.requests_per_s * need.figures["decode_stay_s"]
         sent = prefill_workers * needs["prefill"].figures["prefill_tokens_per_s_per_worker"] / load.prompt_len
@@ -174,6 +178,38 @@ def test_what_decode_holds_leaves_as_a_stays_arrivals_come(monkeypatch):
         return dataclasses.replace(need, load=max(need.load, admitting), urgent=True)
     monkeypatch.setattr(planner_module.Planner, "_admitting", staticmethod(summed))
     assert _finite_backlog(running=10).desired("decode") == 3
+
+
+def _conversation_bunch():
+    """The conversation trace's bunch (its decision at 90 s): 3 warm prefill and 2 warm decode
+    workers holding 17 requests, 4 requests/s of 15,000 tokens, and 16 prompts placed on prefill
+    waiting their first token, the oldest 6 s of a 5 s SLO (prefill urgent). At 4 requests/s the
+    rate keeps ~18 prompts waiting within the TTFT budget anyway."""
+    decode = [WorkerSample(f"d{i}", 1000.0, 9000, 30_000, 16, n, 0) for i, n in enumerate((9, 8))]
+    prefill = dataclasses.replace(pool("prefill", 3, queued_tokens=16 * 15000), start_s=3.2)
+    return planner(ttft_s=5.0, prefill_max=15, decode_max=15).decide(interval(
+        1000.0, prefill, pool("decode", decode), arrivals=40, prompt=15000, output=350, ttft_q_s=2.0,
+        waiting_first=16, wait_q_s=6.0, waiting_prompts=(15000,) * 16, decoding=17))
+
+
+def test_prompts_the_rate_keeps_waiting_are_not_more_for_decode_to_admit(monkeypatch):
+    """Decode admits what prefill sends: at most those without a first token beyond the rate's
+    ~18 (none here) and a stay's arrivals (~39): 1.4 workers' slots, decode keeps 2. Counting the
+    16 waiting on top (55 requests), 2 workers' slots: 2 -> 3, as the conversation trace's decode
+    went four times at its bunches (3P2D, which never grows, met 94.3%)."""
+    d = _conversation_bunch()
+    f = d.inputs
+    assert math.isclose(f["decode_admitting_load"], 4.0 * f["decode_stay_s"] / f["decode_slots_per_worker"])
+    assert d.desired("decode") == 2, d.reason
+
+    def before(self, needs, prefill_workers, load, obs, rps):  # every prompt waiting counted on top
+        need = needs["decode"]
+        stay, slots = need.figures["decode_stay_s"], need.figures["decode_slots_per_worker"]
+        there = obs.waiting_first + max(need.figures["decode_held"], load.requests_per_s * stay)
+        sent = prefill_workers * needs["prefill"].figures["prefill_tokens_per_s_per_worker"] / load.prompt_len
+        return dataclasses.replace(need, load=max(need.load, min(sent * stay, there) / slots), urgent=True)
+    monkeypatch.setattr(planner_module.Planner, "_admitting", before)
+    assert _conversation_bunch().desired("decode") == 3
 
 
 def test_a_step_for_a_miss_a_backlog_makes_goes_once_the_backlog_is_cleared():

@@ -88,25 +88,25 @@ def _bunch(p, bunch_sq: int = 0):
 
 def test_a_bunch_in_an_early_evaluations_second_is_not_yet_a_rate(monkeypatch):
     """The window's 12 arrivals, one standard deviation below their count (8.5), read as 6.6
-    requests/s: the pool grows for the backlog, 3 -> 7 prefill, 2 -> 6 decode. Read at face value
-    (9.2 requests/s) it asks 8 prefill and 8 decode."""
+    requests/s: the pool grows for the backlog, 3 -> 7 prefill, 2 -> 5 decode. Read at face value
+    (9.2 requests/s) it asks 8 prefill and 6 decode."""
     d = _bunch(planner(ttft_s=5.0, prefill_max=15, decode_max=15))
-    assert (d.desired("prefill"), d.desired("decode")) == (7, 6), d.reason
+    assert (d.desired("prefill"), d.desired("decode")) == (7, 5), d.reason
     monkeypatch.setattr(planner_module, "SEEN_Z", 0.0)
     face = _bunch(planner(ttft_s=5.0, prefill_max=15, decode_max=15))
-    assert (face.desired("prefill"), face.desired("decode")) == (8, 8), face.reason
+    assert (face.desired("prefill"), face.desired("decode")) == (8, 6), face.reason
 
 
 def test_a_batch_sent_together_is_one_arrival_event_not_a_rate():
     """The same 12 arrivals sent as one batch (the conversation trace sends its requests in batches
     every 3 s): one event of a compound Poisson process, its count's deviation sqrt(12^2) = 12, so
     the window shows no rate above the forecast (3.6 requests/s): the pools grow for the backlog
-    at the forecast's rate, 3 -> 5 prefill, 2 -> 5 decode, where the same count one by one asks 7
-    + 6 (the test above)."""
+    at the forecast's rate, 3 -> 5 prefill, 2 -> 3 decode, where the same count one by one asks 7
+    + 5 (the test above)."""
     one_by_one = _bunch(planner(ttft_s=5.0, prefill_max=15, decode_max=15), bunch_sq=12)
-    assert (one_by_one.desired("prefill"), one_by_one.desired("decode")) == (7, 6), one_by_one.reason
+    assert (one_by_one.desired("prefill"), one_by_one.desired("decode")) == (7, 5), one_by_one.reason
     batch = _bunch(planner(ttft_s=5.0, prefill_max=15, decode_max=15), bunch_sq=144)
-    assert (batch.desired("prefill"), batch.desired("decode")) == (5, 5), batch.reason
+    assert (batch.desired("prefill"), batch.desired("decode")) == (5, 3), batch.reason
     assert batch.inputs["arrival_bunch_sq"] == 144
 
 
@@ -212,3 +212,4 @@ def test_an_early_evaluations_few_finished_move_the_output_length_by_its_windows
     gain = 1 - (1 - planner_module.LENGTH_GAIN) ** 0.12
     assert ev(1001.2, 1.2, 3, 900).inputs["output_len"] == pytest.approx(300 + gain * 600)
     assert 300 + gain * 600 < 330 < 300 + planner_module.LENGTH_GAIN * 600
+

@@ -125,7 +125,7 @@ class Planner:
             arriving = seen if "prefill" in needs and needs["prefill"] is now["prefill"] else load
         sized = {p: self._size(p, obs, needs[p], steady[p]) for p in self.pools if p == "prefill"}
         if "prefill" in needs and needs["prefill"].urgent and needs["prefill"].figures.get("prefill_excess_tokens"):
-            needs["decode"] = self._admitting(needs, sized["prefill"][0], arriving, obs)
+            needs["decode"] = self._admitting(needs, sized["prefill"][0], arriving, obs, load.requests_per_s)
         sized["decode"] = self._size("decode", obs, needs["decode"], steady["decode"])
         desired, budget_note = self._within_budget({p: d for p, (d, _, _) in sized.items()}, obs,
                                                    self._kv_need(obs, needs))
@@ -175,20 +175,21 @@ class Planner:
             return {"decode": self.sizer.colocated(obs, load)}
         return {"prefill": self.sizer.prefill(obs, load), "decode": self.sizer.decode(obs, load)}
 
-    @staticmethod
-    def _admitting(needs: dict[str, Need], prefill_workers: int, load: Load, obs: Observation) -> Need:
-        """Decode's need while prefill clears a backlog: it must admit what `prefill_workers` send it
-        at full speed (requests/s x the time each stays on decode), or the KV it lacks stalls prefill;
-        but no more requests than there are to send within one stay: those still without a first
-        token, and the larger of those it holds and a stay's arrivals at the rate prefill is sized
-        for (a finite backlog sent at full speed is over before decode fills with it; those held
-        leave within the stay as its arrivals come)."""
+    def _admitting(self, needs: dict[str, Need], prefill_workers: int, load: Load, obs: Observation,
+                   forecast_rps: float) -> Need:
+        """Decode's need while prefill clears a backlog: to admit what `prefill_workers` send at full speed
+        (requests/s x a stay on decode), or its KV stalls prefill; but no more requests than there are
+        within a stay: those without a first token beyond what the forecast rate keeps waiting anyway
+        (its rate x the TTFT budget; conversation's bunches of 12-22 took decode 2 -> 3 where 2 carried
+        them), and the larger of those held and a stay's arrivals (the held leave as they come)."""
         pf, need = needs["prefill"].figures, needs["decode"]
         slots, stay = need.figures.get("decode_slots_per_worker"), need.figures.get("decode_stay_s")
         if need.load is None or not slots or stay is None:
             return need
         sent = prefill_workers * pf.get("prefill_tokens_per_s_per_worker", 0.0) / load.prompt_len
-        there = obs.waiting_first + max(need.figures.get("decode_held", 0.0), load.requests_per_s * stay)
+        budget_s = max(self.cfg.ttft_s - pf.get("prefill_own_s", 0.0), 0.25 * self.cfg.ttft_s)
+        waiting = max(0.0, obs.waiting_first - forecast_rps * budget_s)
+        there = waiting + max(need.figures.get("decode_held", 0.0), load.requests_per_s * stay)
         admitting = min(sent * stay, there) / slots
         figures = need.figures | {"decode_admitting_load": admitting}
         return dataclasses.replace(need, load=max(need.load, admitting), figures=figures, urgent=True)
@@ -329,9 +330,8 @@ class Planner:
                       sum(h.window_s * h.rate for h in history) / span)
 
     def _is_rate(self) -> bool:
-        """Whether the forecast has seen an interval of windows: before, its level is the first
-        window's count at face value, which no later window can make again (neither a peak a
-        scale-down fits, nor a size the cooldown holds: a pool grown on it goes as a backlog's does)."""
+        """Whether the forecast has seen an interval of windows: before, its level is the first window's
+        count at face value (not a peak a scale-down fits; a pool grown on it goes as a backlog's does)."""
         return self._forecast_s >= RATE_AFTER * self.cfg.interval_s
 
     @staticmethod
