@@ -50,7 +50,7 @@ from typing import NamedTuple
 from router.autoscale.forecast import Holt
 from router.autoscale.observation import Decision, Observation, PoolDecision
 from router.autoscale.profile import CapacityProfile
-from router.autoscale.sizing import Load, Need, Sizer, ceil_workers, warm
+from router.autoscale.sizing import Load, Need, Sizer, ceil_workers, kept_workers, warm
 from router.config.autoscale import AutoscaleSection
 
 CONFIRM = 1.0  # intervals a load over the target must last before a scale-up that is not urgent
@@ -232,9 +232,9 @@ class Planner:
             up = t  # the first interval over, with the waits well inside the SLO: wait for the next to confirm
         missed = need.pressure > 1 and not pending and need.helps
         step = max(1, math.ceil(n * min(1.0, need.pressure - 1)))
-        if pool == "prefill" and need.load is not None:
-            # a prefill miss is its backlog's: a step adds the workers what is left of it when they
-            # are ready needs (its load), not a doubling (conversation-4x: 10 -> 20 for 1.2 workers' backlog)
+        if need.load is not None and (pool == "prefill" or need.figures.get("colocated_first_token_wait_s", 0.0)
+                                      >= need.pressure * c.ttft_s):
+            # a first-token miss is its backlog's: a step adds what is left of it needs, not a doubling (4x: 10 -> 20)
             step = min(step, max(1, math.ceil(need.backlog_load - 1e-9)))
         slo = n + step if missed else 0
         since = obs.now - self._changed_at[pool]
@@ -308,7 +308,7 @@ class Planner:
         now at <= (1 - band) of the target utilization, and that none of the window's arrival
         rates would have scaled up from (each within the target utilization): steady load settles."""
         u, band = self.cfg.target_utilization, self.cfg.band
-        return max(ceil_workers(window.mean, u * (1 - band)), ceil_workers(need.held, u * (1 - band)),
+        return max(kept_workers(window.mean, u * (1 - band)), kept_workers(need.held, u * (1 - band)),
                    ceil_workers(window.arrivals_peak, u))
 
     def _window(self, pool: str, obs: Observation, load: float | None,
