@@ -24,7 +24,7 @@ def _settled(load_workers: float, size: int) -> int:
 
 
 def test_a_large_pool_keeps_a_square_root_headroom_a_small_one_the_whole_band(monkeypatch):
-    # 9 workers' load: kept at 9 + (1 / 0.64 - 1) x sqrt(9 x 4) = 12.4 -> 13 (its peak asks 9 / 0.8 -> 12)
+    # 9 workers' load: kept at 9 + (1 / 0.64 - 1) x sqrt(9 x 4.5) = 12.6 -> 13 (its peak asks 9 / 0.8 -> 12)
     assert _settled(9.0, 16) == 13
     # 2 workers' load: 2 / 0.64 = 3.1 -> 4, the band whole (bunched arrivals on 2-3 workers need it)
     assert _settled(2.0, 8) == 4

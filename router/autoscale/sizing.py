@@ -251,7 +251,7 @@ def kept_workers(load: float, utilization: float) -> int:
     (square-root staffing: the arrivals' bunching over a window, what the headroom absorbs, varies as the
     square root of the load), equal to the proportional one at SQRT_FROM. Small pools keep the whole
     band (conversation's bunches need ~1.5x on 2-3 workers); large ones less of it (conversation-4x's
-    colocated pool held 14 where 12 carry it)."""
+    colocated pool held 14 to 140 s where colocated-12 meets 90%)."""
     if load <= SQRT_FROM:
         return ceil_workers(load, utilization)
     return math.ceil(load + (1 / utilization - 1) * math.sqrt(load * SQRT_FROM) - 1e-9)
