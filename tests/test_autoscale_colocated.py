@@ -38,3 +38,23 @@ def test_a_colocated_pools_token_gap_is_its_mean_not_its_long_steps():
         interval(1000.0, pool("prefill", 2), pool("decode", _colocated_workers(4)), **load))
     assert dis.inputs["decode_step_itl_s"] == pytest.approx(0.150)
     assert dis.desired("decode") == 8 and dis.pools["decode"].cause == "slo", dis.reason
+
+
+def _one_prompt_waits(wait_s: float, gap_s: float):
+    """Thirteen warm colocated workers decoding at a `gap_s` token gap (SLO 50 ms), one prompt
+    without a first token for `wait_s` (SLO 5 s), none queued for a slot: it is placed already."""
+    steps = tuple(decode_step(i, 4, 2000, gap_s) for i in range(14))
+    workers = [worker(f"decode-{i}", kv_used=500, running=4, steps=steps) for i in range(13)]
+    return planner(mode="colocated", itl_s=0.05, ttft_s=5.0, decode_max=64).decide(
+        interval(1000.0, None, pool("decode", workers), arrivals=20, prompt=2000, output=200,
+                 waiting_first=1, wait_q_s=wait_s, ttft_q_s=1.0))
+
+
+def test_a_colocated_first_token_miss_steps_by_its_backlog_not_a_doubling():
+    """conversation-4x's colocated pool of 13 read one placed prompt's 14.7 s wait (2.9x its SLO)
+    with its token gap at 58 ms, and doubled to 26. A miss whose worst signal is the first token's
+    is its backlog's, as a prefill pool's is: one worker; a miss of the token gap steps by its own."""
+    first = _one_prompt_waits(14.7, 0.055)
+    assert first.pools["decode"].cause == "slo" and first.desired("decode") == 14, first.reason
+    gap = _one_prompt_waits(1.0, 0.075)  # the token gap the worst (1.5x): a step by its miss, 13 x 0.5
+    assert gap.pools["decode"].cause == "slo" and gap.desired("decode") == 20, gap.reason

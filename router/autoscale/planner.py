@@ -10,21 +10,21 @@ workers (capacity) and `t` the pool's current target:
   cooldown) once the load passes t x target_utilization x (1 + band / 2), at once when the load
   already hurts (`Need.urgent`, router/autoscale/sizing.py: a backlog that will miss the TTFT SLO
   while arrivals outrun the warm workers, waits near a miss, KV waits; then for the rate just
-  seen, at the Poisson lower bound of the window's count, where the smoothed forecast lags it), else only once it has asked for more for a whole
-  interval (a later evaluation confirms it: a Poisson surge of a few seconds is not a trend); or
-  to n + step when its SLO is missed now, where step grows with the miss
-  (+1 .. doubling); a miss adds nothing while workers are still starting or warming (they are
-  capacity on its way: counting them twice over-scales, Dynamo #12430), nor within
-  `scale_up_cooldown_s` of the pool's last change (the last step's effect has not shown yet), nor
-  when workers started now would not shorten the waits (`Need.helps`: prefill whose warm workers
-  clear the backlog before a new one is ready, the miss a long prompt's own prefill);
+  seen, at the Poisson lower bound of the window's count, where the smoothed forecast lags it), else
+  only once it has asked for more for a whole interval (a later evaluation confirms it: a Poisson surge
+  of a few seconds is not a trend); or to n + step when its SLO is missed now, where step grows with the
+  miss (+1 .. doubling; a first-token miss: what its backlog needs); a miss adds nothing while workers are
+  still starting or warming (capacity on its way: counting them twice over-scales, Dynamo #12430), nor
+  within `scale_up_cooldown_s` of the pool's last change (the last step's effect has not shown yet), nor
+  when workers started now would not shorten the waits (`Need.helps`: prefill whose warm workers clear
+  the backlog before a new one is ready, the miss a long prompt's own prefill);
 - down: only with the SLO met, to the fewest workers that carry the last `scale_down_cooldown_s`'s
-  work (its mean load, weighted by each evaluation's window, backlogs included: a short backlog
-  is worker-seconds spread over the window, not a level to hold) and what the pool holds now
-  (decode: running and KV held), both at <= (1 - band) x target_utilization, and that none of
-  the window's arrival rates (the forecast's once it has seen an interval, no backlog, nothing
-  held) would scale up from (each within target_utilization): so steady load settles instead of
-  flapping 2 <-> 1; not within `scale_down_cooldown_s` of the pool's last change or of the first
+  work (its mean load, weighted by each evaluation's window, backlogs included: a short backlog is
+  worker-seconds over the window, not a level) and what the pool holds now (decode: running and KV
+  held), both at <= (1 - band) x target_utilization (`kept_workers`: a square-root headroom above
+  `SQRT_FROM` workers' load), and that none of the window's arrival rates (the forecast's once it has
+  seen an interval, no backlog, nothing held) would scale up from (each within target_utilization): so
+  steady load settles instead of flapping 2 <-> 1; not within `scale_down_cooldown_s` of the pool's last change or of the first
   evaluation, unless that change grew it for a backlog now cleared (beyond what its rate asks, or
   an SLO step while a backlog is left when a new worker would be ready): then at once to what the survivors carry without the
   backlog (its rate's mean load in place of the window's work) (`cleared`), once; for a backlog
@@ -50,7 +50,7 @@ from typing import NamedTuple
 from router.autoscale.forecast import Holt
 from router.autoscale.observation import Decision, Observation, PoolDecision
 from router.autoscale.profile import CapacityProfile
-from router.autoscale.sizing import Load, Need, Sizer, ceil_workers, warm
+from router.autoscale.sizing import Load, Need, Sizer, ceil_workers, kept_workers, warm
 from router.config.autoscale import AutoscaleSection
 
 CONFIRM = 1.0  # intervals a load over the target must last before a scale-up that is not urgent
@@ -232,9 +232,9 @@ class Planner:
             up = t  # the first interval over, with the waits well inside the SLO: wait for the next to confirm
         missed = need.pressure > 1 and not pending and need.helps
         step = max(1, math.ceil(n * min(1.0, need.pressure - 1)))
-        if pool == "prefill" and need.load is not None:
-            # a prefill miss is its backlog's: a step adds the workers what is left of it when they
-            # are ready needs (its load), not a doubling (conversation-4x: 10 -> 20 for 1.2 workers' backlog)
+        if need.load is not None and (pool == "prefill" or need.figures.get("colocated_first_token_wait_s", 0.0)
+                                      >= need.pressure * c.ttft_s):
+            # a first-token miss is its backlog's: a step adds what is left of it needs, not a doubling (4x: 10 -> 20)
             step = min(step, max(1, math.ceil(need.backlog_load - 1e-9)))
         slo = n + step if missed else 0
         since = obs.now - self._changed_at[pool]
@@ -308,7 +308,7 @@ class Planner:
         now at <= (1 - band) of the target utilization, and that none of the window's arrival
         rates would have scaled up from (each within the target utilization): steady load settles."""
         u, band = self.cfg.target_utilization, self.cfg.band
-        return max(ceil_workers(window.mean, u * (1 - band)), ceil_workers(need.held, u * (1 - band)),
+        return max(kept_workers(window.mean, u * (1 - band)), kept_workers(need.held, u * (1 - band)),
                    ceil_workers(window.arrivals_peak, u))
 
     def _window(self, pool: str, obs: Observation, load: float | None,
