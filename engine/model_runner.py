@@ -159,6 +159,9 @@ class ModelRunner:
             if (self.small_gemm is not None and self.dtype == torch.float32 and self.config.greedy_head
                     and head is not None):
                 weights += head.weight.numel() * 2  # the greedy head's half-float copy, where it is made
+            elif (self.small_gemm is not None and self.dtype == torch.bfloat16 and self.config.greedy_head
+                  and head is not None and self.small_gemm.int8_head_ready()):
+                weights += head.weight.numel() + head.weight.shape[0] * 20  # its int8 copy and column bounds
             budget = int(device_memory(self.device) * cfg.memory_fraction) - weights - cfg.runtime_overhead
             blocks = num_kv_blocks(self.shape, self.dtype, budget, self.block_size)
         if blocks < 1:
