@@ -172,6 +172,7 @@ class Bf16Gemm:
         self._gemm, self._path, self._greedy = lib.pd_bf16_gemm, lib.pd_bf16_gemm_path, lib.pd_bf16_greedy
         self._i8_ready, self._i8_pack, self._i8_greedy = lib.pd_i8_head_ready, lib.pd_i8_head_pack, lib.pd_bf16_greedy_i8
         self.pack = amx.pack  # the tiles' pair layout is vdpbf16ps's too
+        self._arena = amx._arena  # the int8 copy, read end to end every greedy step: 2 MiB pages too
 
     def int8_head_ready(self) -> bool:
         """Whether a greedy head's int8 first pass runs here (AMX-INT8 tiles, the GEMM on AMX)."""
@@ -185,7 +186,7 @@ class Bf16Gemm:
             return None
         _gemm_args("int8 head copy", panels, None, n, -(-n // 16) * -(-k // 32) * 512)
         width = -(-n // 16) * 16
-        q = torch.empty(width * -(-k // 64) * 64, dtype=torch.int8)
+        q = self._arena.take(width * -(-k // 64) * 16).view(torch.int8)
         cols = torch.empty(5, width)
         if self._i8_pack(panels.data_ptr(), n, k, q.data_ptr(), cols.data_ptr()) != 0:
             return None
