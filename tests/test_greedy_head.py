@@ -265,7 +265,7 @@ def test_the_int8_first_pass_gives_the_exact_heads_tokens(int8_gemm, rows, threa
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        fused = Bf16GreedyHead(head)
+        fused = Bf16GreedyHead(head, int8=True)
         fused.MOST = 1.0  # a head this small: 16 rows' candidates may span over a quarter of its 63 panels
         tokens = fused(x)
         want = KERNELS.argmax(head(x))
@@ -284,17 +284,18 @@ def test_the_int8_pass_leaves_what_it_does_not_bound_to_the_exact_head(int8_gemm
     torch.manual_seed(0)
     head = dense.PackedLinear(nn.Linear(96, 500, bias=False).bfloat16(), keep_weight=False, gemm=int8_gemm,
                               small_rows=None)
-    fused = Bf16GreedyHead(head)
+    assert Bf16GreedyHead(head).int8 is None  # a head this small keeps the exact head only (`INT8_BYTES`)
+    fused = Bf16GreedyHead(head, int8=True)
     x = torch.randn(4, 96).bfloat16()
     x[1] = 0
     assert torch.equal(fused(x), KERNELS.argmax(head(x))) and fused.undecided == 1 and fused.full == 0
     x[2, 3] = float("nan")
     assert fused(x) is None and fused.full == 1
-    wide = Bf16GreedyHead(head)
+    wide = Bf16GreedyHead(head, int8=True)
     wide.MOST = 0.0  # every step's candidates are too many
     for _ in range(wide.TRIES):
         y = torch.randn(3, 96).bfloat16()
         assert torch.equal(wide(y), KERNELS.argmax(head(y)))
     assert wide.int8 is None and wide.undecided == wide.TRIES
     biased = dense.PackedLinear(nn.Linear(96, 500).bfloat16(), keep_weight=False, gemm=int8_gemm, small_rows=None)
-    assert Bf16GreedyHead(biased).int8 is None
+    assert Bf16GreedyHead(biased, int8=True).int8 is None

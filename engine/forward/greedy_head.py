@@ -134,19 +134,25 @@ class Bf16GreedyHead:
     """`(x [M, K] bfloat16) -> [M] int64 greedy tokens` of a bfloat16 `dense.PackedLinear` on the
     bfloat16 GEMM's panels (`pd_bf16_greedy`: vdpbf16ps, or AMX tiles), or None where the logits must
     be taken (a NaN; on AMX, more rows than the GEMM's cut, past which the unfused head is oneDNN's).
-    With AMX-INT8 and no bias, steps of up to 16 rows first try the int8 copy (`int8`: off to withhold it)."""
+    With AMX-INT8 and no bias, steps of up to 16 rows of a head of at least `INT8_BYTES` first try the
+    int8 copy (`int8`: None by that size, True for any head with no bias, False never)."""
 
     MOST = 0.25  # the share of panels to rerun past which the int8 pass gives way to the exact head
     TRIES = 16  # int8 steps after which, if most did not decide, the copy is dropped
+    # the int8 pass reads half the bytes but adds its rerun and its bound's arithmetic: it pays where the
+    # head streams from memory (host E, 2026-12-06, 16 rows, 2 threads: a 262,144 x 640 head 9.7-11.9 ms
+    # against 17.8 exact; SmolLM2's 49,152 x 576, 57 MB, 2.45 against 1.97 ms)
+    INT8_BYTES = 128 << 20
 
-    def __init__(self, head, int8: bool = True) -> None:
+    def __init__(self, head, int8: bool | None = None) -> None:
         self.gemm, self.panels, self.bias, self.n = head.gemm, head.panels, head.bias, head.out_features
         # the unfused head's cut: past it oneDNN computes the logits (None: the GEMM takes every product)
         self.cut = head.small_rows if head.packed is not None else None
         self.calls = self.full = 0  # steps it ran; of those, the ones that took the logits
         # the int8 first pass: (q, cols, wmax) or None; its steps, the ones it left to the exact head, the panels reread
+        wanted = int8 if int8 is not None else 2 * self.n * head.in_features >= self.INT8_BYTES
         self.int8 = (self.gemm.int8_copy(self.panels, self.n, head.in_features)
-                     if int8 and self.bias is None and hasattr(self.gemm, "int8_copy") else None)
+                     if wanted and self.bias is None and hasattr(self.gemm, "int8_copy") else None)
         self._upper = torch.empty(16 * -(-self.n // 16)) if self.int8 is not None else None
         self.int8_calls = self.undecided = self.reread = 0
         how = "AMX tiles" if self.gemm.path == "AMX" else "vdpbf16ps"
