@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from engine import sampler
 from engine.config import EngineConfig
-from engine.forward import attention, dense, features, switchboard
+from engine.forward import attention, dense, features, greedy_head, switchboard
 from engine.kernels import cpu_kernel
 from engine.kv_cache import allocate_kv_pool
 from engine.request import Request, ScheduledItem
@@ -159,6 +159,10 @@ class ModelRunner:
             if (self.small_gemm is not None and self.dtype == torch.float32 and self.config.greedy_head
                     and head is not None):
                 weights += head.weight.numel() * 2  # the greedy head's half-float copy, where it is made
+            elif (self.small_gemm is not None and self.dtype == torch.bfloat16 and self.config.greedy_head
+                  and head is not None and self.small_gemm.int8_head_ready()
+                  and 2 * head.weight.numel() >= greedy_head.Bf16GreedyHead.INT8_BYTES):
+                weights += head.weight.numel() + head.weight.shape[0] * 20  # its int8 copy and column bounds
             budget = int(device_memory(self.device) * cfg.memory_fraction) - weights - cfg.runtime_overhead
             blocks = num_kv_blocks(self.shape, self.dtype, budget, self.block_size)
         if blocks < 1:

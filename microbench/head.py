@@ -1,6 +1,8 @@
 """The LM head of an all-greedy bfloat16 step alone: pdserve's GEMM then the argmax kernel, its fused
-head (`pd_bf16_greedy`, engine/forward/greedy_head.py) and torch's `F.linear` then `argmax` (the
-unfused path a torch-based server takes), taking turns in one process, per thread count and rows.
+head as the engine runs it (engine/forward/greedy_head.py: with AMX-INT8, the int8 copy's first pass
+and the exact rerun), the exact fused head alone (`pd_bf16_greedy`) and torch's `F.linear` then
+`argmax` (the unfused path a torch-based server takes), taking turns in one process, per thread
+count and rows.
 
     python -m microbench.head --model models/gemma3-270m-shape [--rows 1,16] [--threads 1,2] [--reps 21]
 
@@ -37,6 +39,7 @@ def measure(engine: LLMEngine, rows: int, reps: int) -> dict:
     x = torch.randn(rows, head.in_features).bfloat16()
     assert torch.equal(fused(x), argmax(head(x))), "the fused head's tokens differ from the unfused head's"
     cases = {"unfused": lambda: argmax(head(x)), "fused": lambda: fused(x),
+             "fused_exact": lambda: fused.gemm.greedy(x, fused.panels, fused.bias, fused.n),
              "torch_linear_argmax": lambda: torch.nn.functional.linear(x, weight).argmax(-1)}
     times: dict[str, list[float]] = {name: [] for name in cases}
     for _ in range(reps):
@@ -45,6 +48,7 @@ def measure(engine: LLMEngine, rows: int, reps: int) -> dict:
     out = {f"{name}_ms": round(1e3 * statistics.median(v), 2) for name, v in times.items()}
     out["fused_over_unfused_paired"] = round(statistics.median(
         f / u for f, u in zip(times["fused"], times["unfused"], strict=True)), 3)
+    out["int8_panels_reread_per_call"] = round(fused.reread / max(fused.int8_calls, 1), 1)
     out["load_avg_1min"] = round(os.getloadavg()[0], 2)
     return out
 

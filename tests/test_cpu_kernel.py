@@ -246,7 +246,7 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
     failing = tmp_path / "failing-cc"
     failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo failing-cc 1.0 && exit 0\necho 'error: no space' >&2\nexit 1\n")
     failing.chmod(0o755)
-    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build amx_gemm.c, argmax.c, bf16_gemm.c, decode_amx.c, isa.c, layer.c, layer_team.c, paged_decode.c, paged_prefill.c, prefill_amx.c, rms_norm.c, rope.c, silu_mul.c and small_gemm.c: error: no space"):
+    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build amx_gemm.c, argmax.c, bf16_gemm.c, decode_amx.c, greedy_i8.c, isa.c, layer.c, layer_team.c, paged_decode.c, paged_prefill.c, prefill_amx.c, rms_norm.c, rope.c, silu_mul.c and small_gemm.c: error: no space"):
         kernel_build.build(str(failing))
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"] == []  # nothing half-built left behind
     blocked = tmp_path / "a-file"

@@ -230,3 +230,72 @@ def test_bfloat16_greedy_steps_take_the_fused_head_and_give_the_unfused_tokens(l
     assert head.calls >= 11 and head.full == 0  # every decode step (the prompts' step: the kernel decoder's where it takes 47 rows)
     off = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=256, dtype="bfloat16", greedy_head=False))
     assert got == _run(off, prompts, greedy)
+
+
+@pytest.fixture
+def int8_gemm():
+    """The bfloat16 GEMM on AMX tiles where the greedy head's int8 first pass runs (AMX-INT8)."""
+    gemm = KERNELS.gemm_for(torch.bfloat16)
+    if gemm is None or not gemm.int8_head_ready():
+        pytest.skip("no AMX-INT8 tiles here for the int8 first pass")
+    return gemm
+
+
+@pytest.mark.parametrize("rows", [1, 6, 16])
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_int8_first_pass_gives_the_exact_heads_tokens(int8_gemm, rows, threads):
+    """`pd_bf16_greedy_i8` against the argmax kernel over the GEMM's bfloat16 logits: random rows, an
+    exact tie (the first wins), a run of columns equal once their logits round to bfloat16, a part
+    panel and k not a multiple of the int8 tiles' 64; every row decided by the int8 pass."""
+    n, k = 1003, 200
+    torch.manual_seed(rows + 10 * threads)
+    linear = nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        linear.weight.copy_(torch.randn(n, k) * 0.05)
+        linear.weight[300] = linear.weight[7]
+        for i in range(40):  # logits within a bfloat16 step of each other for x along w[5]
+            linear.weight[600 + i] = linear.weight[5] * (1 + i * 2**-14)
+        linear.weight[5] = linear.weight[5] * (1 + 2**-10)
+    head = dense.PackedLinear(linear.bfloat16(), keep_weight=False, gemm=int8_gemm, small_rows=None)
+    x = torch.randn(rows, k).bfloat16()
+    w = head.weight if getattr(head, "weight", None) is not None else linear.weight
+    if rows >= 6:
+        x[0], x[1] = w[7].bfloat16() * 300, w[600].bfloat16() * 40
+        x[2] = x[2] * 2**-100  # tiny: the flushed-subnormal term of the bound
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        fused = Bf16GreedyHead(head, int8=True)
+        fused.MOST = 1.0  # a head this small: 16 rows' candidates may span over a quarter of its 63 panels
+        tokens = fused(x)
+        want = KERNELS.argmax(head(x))
+    finally:
+        torch.set_num_threads(before)
+    assert fused.int8 is not None and fused.int8_calls == 1 and fused.undecided == 0
+    assert tokens is not None and torch.equal(tokens, want)
+    assert 0 < fused.reread < -(-n // 16)
+    if rows >= 6:
+        assert tokens[0] == 7
+
+
+def test_the_int8_pass_leaves_what_it_does_not_bound_to_the_exact_head(int8_gemm):
+    """A row of zeros (ties everywhere), a NaN (the logits), a window wider than `MOST` (the exact
+    head, and after `TRIES` such steps no int8 copy), and a head with a bias (no int8 copy)."""
+    torch.manual_seed(0)
+    head = dense.PackedLinear(nn.Linear(96, 500, bias=False).bfloat16(), keep_weight=False, gemm=int8_gemm,
+                              small_rows=None)
+    assert Bf16GreedyHead(head).int8 is None  # a head this small keeps the exact head only (`INT8_BYTES`)
+    fused = Bf16GreedyHead(head, int8=True)
+    x = torch.randn(4, 96).bfloat16()
+    x[1] = 0
+    assert torch.equal(fused(x), KERNELS.argmax(head(x))) and fused.undecided == 1 and fused.full == 0
+    x[2, 3] = float("nan")
+    assert fused(x) is None and fused.full == 1
+    wide = Bf16GreedyHead(head, int8=True)
+    wide.MOST = 0.0  # every step's candidates are too many
+    for _ in range(wide.TRIES):
+        y = torch.randn(3, 96).bfloat16()
+        assert torch.equal(wide(y), KERNELS.argmax(head(y)))
+    assert wide.int8 is None and wide.undecided == wide.TRIES
+    biased = dense.PackedLinear(nn.Linear(96, 500).bfloat16(), keep_weight=False, gemm=int8_gemm, small_rows=None)
+    assert Bf16GreedyHead(biased, int8=True).int8 is None

@@ -170,7 +170,44 @@ class Bf16Gemm:
 
     def __init__(self, lib: ctypes.CDLL, amx: AmxGemm) -> None:
         self._gemm, self._path, self._greedy = lib.pd_bf16_gemm, lib.pd_bf16_gemm_path, lib.pd_bf16_greedy
+        self._i8_ready, self._i8_pack, self._i8_greedy = lib.pd_i8_head_ready, lib.pd_i8_head_pack, lib.pd_bf16_greedy_i8
         self.pack = amx.pack  # the tiles' pair layout is vdpbf16ps's too
+        self._arena = amx._arena  # the int8 copy, read end to end every greedy step: 2 MiB pages too
+
+    def int8_head_ready(self) -> bool:
+        """Whether a greedy head's int8 first pass runs here (AMX-INT8 tiles, the GEMM on AMX)."""
+        return self.path == "AMX" and bool(self._i8_ready())
+
+    def int8_copy(self, panels: torch.Tensor, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+        """`pd_i8_head_pack`: the int8 copy of a bfloat16 head's panels and its per-column bounds
+        (engine/kernels/csrc/greedy_i8.c), and its largest |weight|; None where AMX-INT8 does not run
+        here or a weight is not finite."""
+        if not self.int8_head_ready():
+            return None
+        _gemm_args("int8 head copy", panels, None, n, -(-n // 16) * -(-k // 32) * 512)
+        width = -(-n // 16) * 16
+        q = self._arena.take(width * -(-k // 64) * 16).view(torch.int8)
+        cols = torch.empty(5, width)
+        if self._i8_pack(panels.data_ptr(), n, k, q.data_ptr(), cols.data_ptr()) != 0:
+            return None
+        return q, cols, float(cols[0].max()) * 127 * (1 + 2**-20)
+
+    def greedy_int8(self, x: torch.Tensor, panels: torch.Tensor, copy: tuple, n: int, most: float,
+                    upper: torch.Tensor) -> tuple[torch.Tensor | None, int, int]:
+        """`pd_bf16_greedy_i8`: (tokens or None, its return code, the panels it reran or -1): the tokens
+        `greedy` gives, from `int8_copy`'s first pass and an exact rerun of the candidate panels; None
+        with code 2 where that pass does not decide (take `greedy`), 1 a NaN output, -1 not here."""
+        m, k = x.shape
+        checks.rows_of("int8 greedy head: x", x, (torch.bfloat16,))
+        checks.require(m <= 16, lambda: f"int8 greedy head: {m} rows, more than 16")
+        q, cols, wmax = copy
+        checks.at_least("int8 greedy head: upper", upper, m * -(-n // 16))
+        tokens, reread = torch.empty(m, dtype=torch.int64), torch.empty(1, dtype=torch.int64)
+        rc = self._i8_greedy(x.data_ptr(), x.stride(0), panels.data_ptr(), q.data_ptr(), cols.data_ptr(), m, n, k,
+                             wmax, most, upper.data_ptr(), tokens.data_ptr(), reread.data_ptr(), torch.get_num_threads())
+        if rc == -2:
+            raise MemoryError(f"the int8 greedy head could not stage {m} rows")
+        return (tokens if rc == 0 else None), rc, int(reread[0])
 
     def greedy(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
         """`pd_bf16_greedy`: x `[M, K]` bfloat16 (rows contiguous) -> `[M]` int64, the argmax of each

@@ -47,6 +47,10 @@ extern int pd_amx_enabled; /* pd_use_amx (prefill_amx.c) */
 int amx_greedy(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, int rows, int64_t n,
                int64_t k, int64_t *tokens, int threads);
 
+/* amx_greedy over a list of panels only (greedy_i8.c's rerun of its candidate panels), up to 16 rows. */
+int amx_greedy_panels(const uint16_t *x, int64_t x_stride, const uint16_t *panels, int rows, int64_t n, int64_t k,
+                      const int32_t *list, int64_t count, int64_t *tokens, int threads);
+
 /* Whether bfloat16 attention takes the tiles now: prefill chunks' scores and values, decode rows'
    scores. (A first try at decode scores, keys staged sixteen at a time, took 7.2-8.1 ms for SmolLM2's
    16-row step against 6.2-6.6 on vectors, 2026-12-03; read straight from the pool, 5.5-5.7 against

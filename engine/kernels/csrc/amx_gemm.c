@@ -179,15 +179,12 @@ static void panels_of(const uint16_t *xs, const uint16_t *panels, const uint16_t
 #endif
 
 #if HAVE_AMX
-/* pd_amx_gemm's work, into out, or into each thread's running argmax of the rows (best: [threads][rows],
-   thread i keeping its own; out NULL). */
-static int amx_run(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
-                   int64_t out_stride, best16 *best, int rows, int64_t n, int64_t k, int threads) {
-    int64_t kp = padded_k(k), np = (n + 15) / 16, staged = (rows + 15) / 16 * 16;
-    /* the rows, zero-padded, tile by tile: row tile t's k-step c (its 16 rows' 32 values of k) is
-       the 1 KiB at xs + (t * kp / 32 + c) * 512, so each tile load reads one contiguous KiB */
+/* The rows, zero-padded, tile by tile: row tile t's k-step c (its 16 rows' 32 values of k) is the 1 KiB
+   at xs + (t * kp / 32 + c) * 512, so each tile load reads one contiguous KiB. NULL: out of memory. */
+static uint16_t *stage_rows(const uint16_t *x, int64_t x_stride, int rows, int64_t k) {
+    int64_t kp = padded_k(k), staged = (rows + 15) / 16 * 16;
     uint16_t *xs = aligned_alloc(64, sizeof(uint16_t) * (size_t)(staged * kp));
-    if (xs == NULL) return -2;
+    if (xs == NULL) return NULL;
     for (int64_t r = 0; r < staged; r++)
         for (int64_t c = 0; c < kp / 32; c++) {
             uint16_t *to = xs + ((r / 16) * (kp / 32) + c) * 512 + (r % 16) * 32;
@@ -195,6 +192,16 @@ static int amx_run(const uint16_t *x, int64_t x_stride, const uint16_t *panels, 
             if (have > 0) memcpy(to, x + r * x_stride + 32 * c, sizeof(uint16_t) * (size_t)have);
             memset(to + have, 0, sizeof(uint16_t) * (size_t)(32 - have));
         }
+    return xs;
+}
+
+/* pd_amx_gemm's work, into out, or into each thread's running argmax of the rows (best: [threads][rows],
+   thread i keeping its own; out NULL). */
+static int amx_run(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
+                   int64_t out_stride, best16 *best, int rows, int64_t n, int64_t k, int threads) {
+    int64_t kp = padded_k(k), np = (n + 15) / 16;
+    uint16_t *xs = stage_rows(x, x_stride, rows, k);
+    if (xs == NULL) return -2;
     _Pragma("omp parallel num_threads(threads)")
     {
         int t = omp_get_thread_num(), count = omp_get_num_threads();
@@ -207,6 +214,36 @@ static int amx_run(const uint16_t *x, int64_t x_stride, const uint16_t *panels, 
     free(xs);
     return 0;
 }
+
+#if FUSED_ARGMAX
+/* amx_greedy over the listed panels only (list[count], each < ceil(n / 16)): each row's argmax of those
+   panels' columns of pd_amx_gemm's output, the same bits (greedy_i8.c's rerun of its candidates). */
+int amx_greedy_panels(const uint16_t *x, int64_t x_stride, const uint16_t *panels, int rows, int64_t n, int64_t k,
+                      const int32_t *list, int64_t count, int64_t *tokens, int threads) {
+    if (!amx_permitted() || rows < 1 || rows > 16 || n >= INT32_MAX) return -1;
+    threads = threads < 1 ? 1 : threads;
+    int64_t kp = padded_k(k);
+    uint16_t *xs = stage_rows(x, x_stride, rows, k);
+    best16 *best = aligned_alloc(64, sizeof(best16) * (size_t)threads * (size_t)rows);
+    if (xs == NULL || best == NULL) return free(xs), free(best), -2;
+    for (int64_t i = 0; i < (int64_t)threads * rows; i++) best[i] = best16_none();
+    _Pragma("omp parallel num_threads(threads) if(count > 8)")
+    {
+        int t = omp_get_thread_num(), teams = omp_get_num_threads();
+        float sums[32 * 32];
+        amx_configure();
+        for (int64_t i = count * t / teams; i < count * (t + 1) / teams; i++)
+            panels_of(xs, panels, NULL, NULL, 0, best + (int64_t)t * rows, rows, n, kp, list[i], list[i] + 1, sums);
+        _tile_release();
+    }
+    int rc = 0;
+    for (int r = 0; rc == 0 && r < rows; r++)
+        if ((tokens[r] = merge_best(best, rows, threads, r)) < 0) rc = 1;
+    free(xs);
+    free(best);
+    return rc;
+}
+#endif
 #endif
 
 /* x [rows][k] bfloat16, rows x_stride apart (1 <= rows <= MAX_ROWS) -> out [rows][n] bfloat16, rows

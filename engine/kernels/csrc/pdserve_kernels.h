@@ -75,6 +75,13 @@ PD_API int pd_bf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *pan
                         uint16_t *out, int64_t out_stride, int rows, int64_t n, int64_t k, int threads);
 PD_API int pd_bf16_greedy(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, int rows,
                           int64_t n, int64_t k, int64_t *tokens, int threads);
+/* a bfloat16 greedy head's first pass on an int8 copy on AMX-INT8 tiles, then an exact rerun of the
+   candidate panels (greedy_i8.c) */
+PD_API int pd_i8_head_ready(void);
+PD_API int pd_i8_head_pack(const uint16_t *panels, int64_t n, int64_t k, int8_t *q, float *cols);
+PD_API int pd_bf16_greedy_i8(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const int8_t *q,
+                             const float *cols, int rows, int64_t n, int64_t k, double wmax, double most, float *upper,
+                             int64_t *tokens, int64_t *reread, int threads);
 
 /* the small ops, each in float32 and bfloat16 (rms_norm.c, rope.c, silu_mul.c, argmax.c) */
 PD_API void pd_rms_norm(const float *x, int64_t x_stride, const float *w, float eps, float *out, int64_t out_stride,
