@@ -299,3 +299,20 @@ def test_the_int8_pass_leaves_what_it_does_not_bound_to_the_exact_head(int8_gemm
     assert wide.int8 is None and wide.undecided == wide.TRIES
     biased = dense.PackedLinear(nn.Linear(96, 500).bfloat16(), keep_weight=False, gemm=int8_gemm, small_rows=None)
     assert Bf16GreedyHead(biased, int8=True).int8 is None
+
+
+def test_an_engine_whose_head_takes_the_int8_pass_gives_the_unfused_tokens(llama_dir, int8_gemm, monkeypatch):
+    """Through a whole bfloat16 engine: with the int8 pass on every head size (a tiny model's head is far
+    below `INT8_BYTES`), greedy steps go through it, and the tokens are those of an engine without the
+    fused head (its bfloat16 logits and the argmax kernel)."""
+    monkeypatch.setattr(Bf16GreedyHead, "INT8_BYTES", 0)
+    monkeypatch.setattr(Bf16GreedyHead, "MOST", 1.0)  # a tiny head: a step's candidates may span most of its panels
+    engine = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=256, dtype="bfloat16"))
+    head = engine.runner.forward.greedy_head
+    assert isinstance(head, Bf16GreedyHead) and head.int8 is not None
+    prompts = [[11, 12, 13], list(range(40, 75)), [5] * 9]
+    greedy = [SamplingParams(max_tokens=12, ignore_eos=True)] * 3
+    got = _run(engine, prompts, greedy)
+    assert head.int8_calls >= 11 and head.undecided < head.int8_calls  # the int8 pass decided steps
+    off = LLMEngine(EngineConfig(model_path=llama_dir, num_blocks=256, dtype="bfloat16", greedy_head=False))
+    assert got == _run(off, prompts, greedy)
