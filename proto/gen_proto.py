@@ -7,13 +7,21 @@ Generated with `-I .` on `proto/pdserve.proto`, so the modules import each other
 from __future__ import annotations
 
 import argparse
-import filecmp
+import re
 import sys
 import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 OUTPUTS = ("pdserve_pb2.py", "pdserve_pb2.pyi", "pdserve_pb2_grpc.py")
+# The generators' own version stamps: a newer grpcio-tools or protoc writes its version here (and the
+# module then demands at least that runtime), with the same code for the same .proto. The committed
+# stamps stay as generated (the lowest runtimes they accept); only the rest must match.
+STAMPS = (
+    re.compile(r"^(GRPC_GENERATED_VERSION = )'[^']*'$", re.M),
+    re.compile(r"^(# Protobuf Python Version: ).*$", re.M),
+    re.compile(r"(ValidateProtobufRuntimeVersion\(\s*_runtime_version\.Domain\.PUBLIC,)\s*\d+,\s*\d+,\s*\d+,"),
+)
 
 
 def generate(out_dir: Path) -> None:
@@ -31,13 +39,20 @@ def generate(out_dir: Path) -> None:
         raise RuntimeError("protoc failed on proto/pdserve.proto")
 
 
+def unstamped(text: str) -> str:
+    """`text` with the generators' version stamps (STAMPS) blanked."""
+    for stamp in STAMPS:
+        text = stamp.sub(r"\1<version>", text)
+    return text
+
+
 def stale_files() -> list[str]:
-    """Names of generated files that differ from what protoc makes now."""
+    """Names of generated files that differ from what protoc makes now, version stamps aside."""
     with tempfile.TemporaryDirectory() as tmp:
         generate(Path(tmp))
         fresh = Path(tmp) / "proto"
         return [n for n in OUTPUTS if not (ROOT / "proto" / n).exists()
-                or not filecmp.cmp(fresh / n, ROOT / "proto" / n, shallow=False)]
+                or unstamped((fresh / n).read_text()) != unstamped((ROOT / "proto" / n).read_text())]
 
 
 def main() -> int:

@@ -3,6 +3,7 @@ the messages with presence: unset -> documented default, set -> used (and valida
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -41,6 +42,31 @@ def test_stale_check_notices_an_edit(tmp_path, monkeypatch):
     proto.write_text(proto.read_text().replace("message Usage {", "message Usage {\n  uint32 extra_field = 99;"))
     monkeypatch.setattr(gen, "ROOT", fake_root)
     assert "pdserve_pb2.py" in gen.stale_files()
+
+
+def test_stale_check_leaves_the_generators_version_stamps_alone(tmp_path, monkeypatch):
+    """Another grpcio-tools or protoc release stamps its own version into the same code: not stale
+    (a clean machine installs the newest tools); the committed stamps stay the lowest runtimes."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gen_proto", ROOT / "proto" / "gen_proto.py")
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    fake_root = tmp_path / "repo"
+    (fake_root / "proto").mkdir(parents=True)
+    for name in ("pdserve.proto", *gen.OUTPUTS):
+        (fake_root / "proto" / name).write_bytes((ROOT / "proto" / name).read_bytes())
+    grpc_mod, pb2 = fake_root / "proto" / "pdserve_pb2_grpc.py", fake_root / "proto" / "pdserve_pb2.py"
+    grpc_text = re.sub(r"GRPC_GENERATED_VERSION = '[^']*'", "GRPC_GENERATED_VERSION = '1.66.0'", grpc_mod.read_text())
+    pb2_text = re.sub(r"# Protobuf Python Version: .*", "# Protobuf Python Version: 5.27.2", pb2.read_text())
+    pb2_text = re.sub(r"(Domain\.PUBLIC,)\s*\d+,\s*\d+,\s*\d+,", r"\1\n    5,\n    27,\n    2,", pb2_text)
+    assert "1.66.0" in grpc_text and "    27,\n" in pb2_text  # the stamps were there to change
+    grpc_mod.write_text(grpc_text)
+    pb2.write_text(pb2_text)
+    monkeypatch.setattr(gen, "ROOT", fake_root)
+    assert gen.stale_files() == []
+    grpc_mod.write_text(grpc_text.replace("def add_", "def add_x_", 1))  # the code itself: stale
+    assert gen.stale_files() == ["pdserve_pb2_grpc.py"]
 
 
 def test_unset_sampling_fields_take_the_documented_defaults():
