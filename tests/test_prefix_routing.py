@@ -97,6 +97,24 @@ def test_cache_aware_decode_prefers_the_held_prefix_until_load_is_lopsided():
     assert placer.decode_candidates([d0, d1], H, 95) == []  # fits nowhere, even with the hit
 
 
+def test_colocated_placement_weighs_the_held_prefix_against_queued_prefill_tokens():
+    placer = Placer({"prefill": "cache_aware", "decode": "cache_aware"})
+    d0, d1 = _view("decode-0", "decode"), _view("decode-1", "decode")
+    placer.index["decode"].apply(d0.name, CacheDelta(1, tuple(H), (), False))
+    n = len(PROMPT) + 8  # the cached prompt plus a new turn
+    hashes = _hashes(PROMPT + list(range(8)))
+    d0.running, d1.running = 9, 2  # spread 7: the decode order puts balance first
+    ranked = placer.decode_candidates([d0, d1], hashes, 12)
+    assert ranked == [d1, d0]
+    assert placer.pick_colocated(ranked, hashes, n) == (d0, 8)  # 8 tokens to compute there, 48 on d1
+    d0.hold("x", prefill_tokens=30)  # a prompt still prefilling there: 38 < 48
+    assert placer.pick_colocated(ranked, hashes, n) == (d0, 8)
+    d0.hold("y", prefill_tokens=15)  # 53 > 48: recomputing the prefix on d1 finishes first
+    assert placer.pick_colocated(ranked, hashes, n) == (d1, 48)
+    load = Placer({"prefill": "load", "decode": "load"})
+    assert load.pick_colocated([d1, d0], hashes, n) == (d1, 48)  # the order as given
+
+
 def test_placement_skips_workers_whose_whole_pool_is_too_small():
     small, big = (WorkerView(WorkerInfo(n, pool, "127.0.0.1", blocks, BS), actor=None, free_blocks=blocks)
                   for n, pool, blocks in (("prefill-0", "prefill", 10), ("prefill-1", "prefill", 40)))

@@ -301,10 +301,12 @@ class Attempts(PrefillFirst, ReserveInTurn):
         ready = self.placer.decode_candidates(turns, hashes, needed, limit, final)
         if not ready:
             return waits.failed("kv")
-        self._hold(life, ready[0], Phase.DECODING)
-        ready[0].took_blocks(needed)  # until its next stats: cached blocks show there as not taken
-        self.placer.placed(ready[0], hashes)
-        return ready[0]
+        w, work = self.placer.pick_colocated(ready, hashes, life.num_context_tokens())
+        self._hold(life, w, Phase.DECODING)
+        w.prefill_tokens[life.attempt_id] = work  # until its first token (Tokens.stream)
+        w.took_blocks(needed)  # until its next stats: cached blocks show there as not taken
+        self.placer.placed(w, hashes)
+        return w
 
     # ---- shared -------------------------------------------------------------------------
     def _ready_or_wait(self, pool: str, life: RequestLife) -> list[WorkerView]:

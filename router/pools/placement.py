@@ -15,6 +15,10 @@ policy (`router.policy`, or `router.prefill_policy` / `router.decode_policy`):
   take no new memory), unless the load spread (running + in flight) is wide, when the least
   loaded go first: decode steps slow with batch size, and a worker that hoards every
   conversation would set everyone's inter-token latency.
+  Colocated (`pick_colocated`, over the decode order): the worker where this prompt's prefill
+  would finish first, in tokens, as for prefill; ties keep the decode order. A colocated worker's
+  prefill chunks share its decode steps, so counting requests alone let a few long uncached
+  prompts land on one worker and stretch every decode it held.
 
 Draining workers take nothing new; a worker whose last call timed out is skipped for a while.
 Nor does a worker whose whole KV pool is too small for the request (workers may differ in size):
@@ -95,6 +99,16 @@ class Placer:
         """Tokens `w` must compute for this context: those after the prefix it holds."""
         held = self.matched_blocks("prefill", hashes, [w])[w.name]
         return uncached_tokens(num_tokens, held, w.info.block_size)
+
+    def pick_colocated(self, ranked: list[WorkerView], hashes: Sequence[bytes], num_tokens: int) -> tuple[WorkerView, int]:
+        """`ranked`: `decode_candidates`' order. The worker to run the request whole, and the tokens of
+        `num_tokens` it must compute (its queued prefill until the first token: `WorkerView.hold`)."""
+        hits = self.matched_blocks("decode", hashes, ranked)
+        work = {w.name: uncached_tokens(num_tokens, hits[w.name], w.info.block_size) for w in ranked}
+        if self.policies["decode"] != "cache_aware":
+            return ranked[0], work[ranked[0].name]
+        best = min(ranked, key=lambda w: sum(w.prefill_tokens.values()) + work[w.name])  # min: the first of ties
+        return best, work[best.name]
 
     def decode_candidates(self, workers: list[WorkerView], hashes: Sequence[bytes] = (), blocks_needed: int = 0,
                           limit: int | None = None, final_tokens: int = 0) -> list[WorkerView]:
