@@ -28,7 +28,8 @@ def test_generated_modules_are_fresh():
     assert proc.returncode == 0, proc.stderr
 
 
-def test_stale_check_notices_an_edit(tmp_path, monkeypatch):
+def _gen_on_a_copy(tmp_path, monkeypatch):
+    """proto/gen_proto.py loaded as a module, its ROOT a copy of the proto folder under tmp_path."""
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("gen_proto", ROOT / "proto" / "gen_proto.py")
@@ -38,24 +39,21 @@ def test_stale_check_notices_an_edit(tmp_path, monkeypatch):
     (fake_root / "proto").mkdir(parents=True)
     for name in ("pdserve.proto", *gen.OUTPUTS):
         (fake_root / "proto" / name).write_bytes((ROOT / "proto" / name).read_bytes())
+    monkeypatch.setattr(gen, "ROOT", fake_root)
+    return gen, fake_root
+
+
+def test_stale_check_notices_an_edit(tmp_path, monkeypatch):
+    gen, fake_root = _gen_on_a_copy(tmp_path, monkeypatch)
     proto = fake_root / "proto" / "pdserve.proto"
     proto.write_text(proto.read_text().replace("message Usage {", "message Usage {\n  uint32 extra_field = 99;"))
-    monkeypatch.setattr(gen, "ROOT", fake_root)
     assert "pdserve_pb2.py" in gen.stale_files()
 
 
 def test_stale_check_leaves_the_generators_version_stamps_alone(tmp_path, monkeypatch):
     """Another grpcio-tools or protoc release stamps its own version into the same code: not stale
     (a clean machine installs the newest tools); the committed stamps stay the lowest runtimes."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("gen_proto", ROOT / "proto" / "gen_proto.py")
-    gen = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(gen)
-    fake_root = tmp_path / "repo"
-    (fake_root / "proto").mkdir(parents=True)
-    for name in ("pdserve.proto", *gen.OUTPUTS):
-        (fake_root / "proto" / name).write_bytes((ROOT / "proto" / name).read_bytes())
+    gen, fake_root = _gen_on_a_copy(tmp_path, monkeypatch)
     grpc_mod, pb2 = fake_root / "proto" / "pdserve_pb2_grpc.py", fake_root / "proto" / "pdserve_pb2.py"
     grpc_text = re.sub(r"GRPC_GENERATED_VERSION = '[^']*'", "GRPC_GENERATED_VERSION = '1.66.0'", grpc_mod.read_text())
     pb2_text = re.sub(r"# Protobuf Python Version: .*", "# Protobuf Python Version: 5.27.2", pb2.read_text())
@@ -63,7 +61,6 @@ def test_stale_check_leaves_the_generators_version_stamps_alone(tmp_path, monkey
     assert "1.66.0" in grpc_text and "    27,\n" in pb2_text  # the stamps were there to change
     grpc_mod.write_text(grpc_text)
     pb2.write_text(pb2_text)
-    monkeypatch.setattr(gen, "ROOT", fake_root)
     assert gen.stale_files() == []
     grpc_mod.write_text(grpc_text.replace("def add_", "def add_x_", 1))  # the code itself: stale
     assert gen.stale_files() == ["pdserve_pb2_grpc.py"]
