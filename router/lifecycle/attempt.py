@@ -302,8 +302,7 @@ class Attempts(PrefillFirst, ReserveInTurn):
         if not ready:
             return waits.failed("kv")
         w, work = self.placer.pick_colocated(ready, hashes, life.num_context_tokens())
-        self._hold(life, w, Phase.DECODING)
-        w.prefill_tokens[life.attempt_id] = work  # until its first token (Tokens.stream)
+        self._hold(life, w, Phase.DECODING, work)  # its prefill's tokens until its first token (Tokens.stream)
         w.took_blocks(needed)  # until its next stats: cached blocks show there as not taken
         self.placer.placed(w, hashes)
         return w
@@ -319,10 +318,10 @@ class Attempts(PrefillFirst, ReserveInTurn):
         return [w for w in ready if w.name not in life.failed_on] or ready
 
     @staticmethod
-    def _hold(life: RequestLife, w: WorkerView, phase: Phase) -> None:
+    def _hold(life: RequestLife, w: WorkerView, phase: Phase, prefill_tokens: int | None = None) -> None:
         life.to(phase)
         life.decode = w
-        w.hold(life.attempt_id)
+        w.hold(life.attempt_id, prefill_tokens)
 
     @staticmethod
     def _unhold(life: RequestLife, w: WorkerView) -> None:

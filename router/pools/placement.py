@@ -45,6 +45,13 @@ def uncached_tokens(num_tokens: int, held_blocks: int, block_size: int) -> int:
     return num_tokens - min(held_blocks, (num_tokens - 1) // block_size) * block_size
 
 
+def finish_tokens(w: WorkerView, hits: dict[str, int], num_tokens: int) -> int:
+    """When a prefill of `num_tokens` placed on `w` would finish, in tokens: those `w` has queued (the
+    router's uncached tokens in flight there) plus those of this context it does not hold (`hits`:
+    blocks held per worker). `cache_aware`'s one rule for prefill and colocated placement."""
+    return sum(w.prefill_tokens.values()) + uncached_tokens(num_tokens, hits[w.name], w.info.block_size)
+
+
 class Placer:
     def __init__(self, policies: dict[str, str]):
         unknown = {p for p in policies.values() if p not in POLICIES}
@@ -89,11 +96,7 @@ class Placer:
         if policy == "load":
             return min(ready, key=lambda w: (len(w.inflight), w.name))
         hits = self.matched_blocks("prefill", hashes, ready)
-
-        def finish_estimate(w: WorkerView) -> tuple:
-            new_tokens = uncached_tokens(num_tokens, hits[w.name], w.info.block_size)
-            return sum(w.prefill_tokens.values()) + new_tokens, len(w.inflight), w.name
-        return min(ready, key=finish_estimate)
+        return min(ready, key=lambda w: (finish_tokens(w, hits, num_tokens), len(w.inflight), w.name))
 
     def prefill_work(self, w: WorkerView, hashes: Sequence[bytes], num_tokens: int) -> int:
         """Tokens `w` must compute for this context: those after the prefix it holds."""
@@ -104,11 +107,10 @@ class Placer:
         """`ranked`: `decode_candidates`' order. The worker to run the request whole, and the tokens of
         `num_tokens` it must compute (its queued prefill until the first token: `WorkerView.hold`)."""
         hits = self.matched_blocks("decode", hashes, ranked)
-        work = {w.name: uncached_tokens(num_tokens, hits[w.name], w.info.block_size) for w in ranked}
-        if self.policies["decode"] != "cache_aware":
-            return ranked[0], work[ranked[0].name]
-        best = min(ranked, key=lambda w: sum(w.prefill_tokens.values()) + work[w.name])  # min: the first of ties
-        return best, work[best.name]
+        best = ranked[0]
+        if self.policies["decode"] == "cache_aware":
+            best = min(ranked, key=lambda w: finish_tokens(w, hits, num_tokens))  # min: the first of ties
+        return best, uncached_tokens(num_tokens, hits[best.name], best.info.block_size)
 
     def decode_candidates(self, workers: list[WorkerView], hashes: Sequence[bytes] = (), blocks_needed: int = 0,
                           limit: int | None = None, final_tokens: int = 0) -> list[WorkerView]:
