@@ -13,7 +13,9 @@ def arrangement_config(base: ClusterConfig, name: str, total_workers: int, pin_c
                        prefill_workers: int | None = None) -> ClusterConfig:
     """`base` rearranged as `name` with the same total worker count (equal cost); a disaggregated
     arrangement gives `prefill_workers` of them to prefill (default half), so P:D ratios compare
-    at equal cost too; with `pin_cpus`, worker i of the arrangement gets core i to itself."""
+    at equal cost too; with `pin_cpus`, worker i of the arrangement gets core i to itself. A
+    `-chunked` arrangement cuts prompts into chunks on its prefill workers too (a prefill worker
+    otherwise takes them whole: `scheduler.chunk_prefill_workers`)."""
     if name not in ARRANGEMENTS:
         raise ValueError(f"unknown arrangement {name!r}; choose from {', '.join(ARRANGEMENTS)}")
     disagg = name.startswith("disaggregated")
@@ -30,7 +32,7 @@ def arrangement_config(base: ClusterConfig, name: str, total_workers: int, pin_c
         base, mode="disaggregated" if disagg else "colocated",
         prefill=dataclasses.replace(base.prefill, replicas=prefill_n, cpus=prefill_cpus),
         decode=dataclasses.replace(base.decode, replicas=total_workers - prefill_n, cpus=decode_cpus),
-        scheduler=dataclasses.replace(base.scheduler, chunk_size=chunk))
+        scheduler=dataclasses.replace(base.scheduler, chunk_size=chunk, chunk_prefill_workers=chunk is not None))
 
 
 def policy_config(base: ClusterConfig, policy: str, prefill_workers: int, decode_workers: int,

@@ -23,6 +23,9 @@ class EngineConfig:
     chunk_size: int | None = 256  # longest prefill chunk; None = whole prompts (no chunking)
     # prompts left part-way through their prefill at once (engine/scheduler.py); None = no limit
     max_num_partial_prefills: int | None = None
+    # a worker running only prefill-only requests (a disaggregated prefill worker) cuts prompts into
+    # chunk_size chunks too; False = whole prompts there, within the step's budget (engine/scheduler.py)
+    chunk_prefill_workers: bool = False
     max_num_seqs: int = 64
     enable_prefix_caching: bool = True  # reuse the KV of full blocks seen before (protocol/block_hash.py)
     max_model_len: int | None = None  # None = the model's max_position_embeddings

@@ -73,8 +73,9 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         items: list[ScheduledItem] = []
         # only prefill-only requests running (a disaggregated prefill worker's): no decode rows to
-        # protect, so their prompts go whole (within the budget) instead of in chunk_size chunks
-        self._prefills_only = all(r.prefill_only for r in self.running)
+        # protect, so their prompts go whole (within the budget) instead of in chunk_size chunks,
+        # unless `chunk_prefill_workers` asks for chunks there too
+        self._prefills_only = not self.config.chunk_prefill_workers and all(r.prefill_only for r in self.running)
         self._partial = 0
         for req in list(self.running):
             if budget == 0:

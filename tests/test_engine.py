@@ -272,6 +272,27 @@ def test_prefill_only_prompts_go_whole_unless_a_request_is_decoding(llama_dir):
     _outputs_to_end(engine)
 
 
+def test_chunk_prefill_workers_cuts_prefill_only_prompts_into_chunks(llama_dir):
+    """`chunk_prefill_workers`: a prefill worker's prompts are cut into chunk_size chunks as a
+    decoding worker's are (the simulated GPU's chunked arrangements ask for it), same tokens."""
+    prompt = _prompts(1, seed=43, lo=20, hi=30)[0]
+    sampling = SamplingParams(max_tokens=4, ignore_eos=True)
+    ids = {}
+    for chunked in (False, True):
+        engine = _engine(llama_dir, chunk_size=8, enable_prefix_caching=False, chunk_prefill_workers=chunked)
+        engine.add_request("pre", prompt_token_ids=prompt, sampling=sampling, prefill_only=True)
+        steps = 1
+        while not (outs := [o for o in engine.step() if o.request_id == "pre"]):
+            steps += 1
+        assert steps == (-(-len(prompt) // 8) if chunked else 1)
+        assert outs[0].finish_reason == FinishReason.PREFILLED
+        ids[chunked] = outs[0].token_ids
+        engine.release("pre")
+    assert ids[True] == ids[False]
+    cfg = parse_config({"scheduler": {"chunk_prefill_workers": True}})
+    assert cfg.engine_config(cfg.prefill).chunk_prefill_workers
+
+
 def test_hand_off_streams_every_character_once(llama_dir):
     engine = _engine(llama_dir)
     sampling = SamplingParams(max_tokens=12, ignore_eos=True, stop=("\x00never",))  # holds back 5 characters

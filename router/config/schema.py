@@ -215,6 +215,9 @@ class SchedulerSection:
     chunk_size: int | None = 256  # null/off = whole prompts
     max_num_seqs: int = 64
     max_num_partial_prefills: int | None = None  # prompts part-way through their prefill at once; null = no limit
+    # a disaggregated prefill worker (every running request prefill-only) cuts prompts into chunk_size
+    # chunks too; false = whole prompts there, within the step's budget (docs/engine_speed.md)
+    chunk_prefill_workers: bool = False
 
 
 @dataclass(frozen=True)
@@ -273,6 +276,7 @@ class ClusterConfig:
             memory_fraction=kv.memory_fraction, runtime_overhead=parse_bytes(kv.runtime_overhead),
             max_num_batched_tokens=self.step_tokens(pool), chunk_size=self.scheduler.chunk_size,
             max_num_partial_prefills=self.scheduler.max_num_partial_prefills,
+            chunk_prefill_workers=self.scheduler.chunk_prefill_workers,
             max_num_seqs=self.scheduler.max_num_seqs, max_model_len=self.model.max_model_len,
             torch_threads=None if pool.torch_threads == "auto" else pool.torch_threads,
             enable_prefix_caching=kv.prefix_caching,
