@@ -240,7 +240,7 @@ class Sizer:
         its stay, as its TPOT does (conversation-4x: step gaps at p90 read 74 ms of a 50 ms SLO on 13
         workers and stepped them to 20). Over a shorter window a bunch of prompts passing through reads
         as every request's gap: conversation's 1.3 s early evaluation in a bunch of 500k tokens read
-        176 ms and doubled colocated-4 to 8, where the last stay's mean was ~30 ms. Nor the workers'
+        176 ms and doubled colocated-4 to 8, where the last stay's mean was ~27 ms. Nor the workers'
         means at the percentile: a bunch placed on one or two workers stretches their gaps alone (116 ms
         at p90 of 14 workers' means doubled them to 28), while a pool short of capacity stretches all."""
         if self._gaps and self._gaps[-1][0] == now:
