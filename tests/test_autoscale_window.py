@@ -213,3 +213,21 @@ def test_an_early_evaluations_few_finished_move_the_output_length_by_its_windows
     assert ev(1001.2, 1.2, 3, 900).inputs["output_len"] == pytest.approx(300 + gain * 600)
     assert 300 + gain * 600 < 330 < 300 + planner_module.LENGTH_GAIN * 600
 
+
+
+def test_an_early_evaluations_few_prompts_move_the_prompt_length_by_its_windows_share():
+    """conversation-4x's colocated pool: a 10 s window of 14k-token prompts on 12 workers, then an early
+    evaluation 1.1 s later whose 8 prompts average 37k tokens. The prompt length moves by 1 - 0.7 ^ 0.11
+    (4%) of the difference, as the output length and the rates do: ~14.9k, and the pool holds 12.
+    Moved by LENGTH_GAIN (0.3) as a whole interval's prompts would, 20.9k: decode's slots shrink
+    for every request held and the pool asks 27 (in the run 12 -> 16, held to 140 s where 11 meet 94.6%)."""
+    p = planner(mode="colocated", itl_s=0.05, ttft_s=5.0, decode_max=64)
+
+    def ev(now: float, window_s: float, arrivals: int, prompt: int):
+        return p.decide(interval(now, None, pool("decode", 12), arrivals=arrivals, prompt=prompt, output=360,
+                                 window_s=window_s, finished=arrivals, decoding=90))
+    assert ev(1000.0, 10.0, 120, 14000).inputs["prompt_len"] == 14000.0
+    early = ev(1001.1, 1.1, 8, 37000)
+    gain = 1 - (1 - planner_module.LENGTH_GAIN) ** 0.11
+    assert early.inputs["prompt_len"] == pytest.approx(14000 + gain * 23000)
+    assert early.desired("decode") == 12, early.reason

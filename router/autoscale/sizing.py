@@ -29,6 +29,7 @@ or of the warmed-up decode workers' step times (their ITL) over the ITL SLO and 
 from __future__ import annotations
 
 import math
+from collections import deque
 from dataclasses import dataclass
 
 from router.autoscale.observation import Observation, WorkerSample
@@ -110,6 +111,8 @@ class Sizer:
     def __init__(self, cfg: AutoscaleSection, profile: CapacityProfile):
         self.cfg = cfg
         self.profile = profile
+        self._gaps: deque[tuple[float, float, int]] = deque()  # colocated: (at, sum of wall x rows, rows) a window
+        self._stay_s = 0.0  # the last evaluation's time of a request on decode: the colocated gap's span
 
     def prefill(self, obs: Observation, load: Load, pool: str = "prefill") -> Need:
         c, p = self.cfg, obs.pools[pool]
@@ -170,7 +173,7 @@ class Sizer:
         held = max(obs.decoding, sum(w.running + w.waiting for w in workers)) + obs.kv_waiting
         kv_used = sum(w.kv_used * w.block_size for w in workers) + obs.kv_waiting_tokens
         kv_each = max((w.kv_total * w.block_size for w in workers), default=0)
-        itl = self._step_itl(hot, pool_mean=obs.mode == "colocated")
+        itl = self._step_itl(hot) if obs.mode != "colocated" else self._stay_gap(obs.now, hot)
         kv_use = sum(w.kv_use for w in hot) / len(hot) if hot else 0.0
         pressure = max((itl or 0.0) / c.itl_s, kv_use / c.kv_high, 1.0 + 1e-9 if obs.kv_waiting and hot and
                        kv_use > c.kv_high * (1 - c.band) else 0.0)
@@ -185,7 +188,7 @@ class Sizer:
         slots = self.profile.decode_slots(pool, context, load.prompt_len + load.output_len, kv_each, c.itl_s,
                                           c.kv_high)
         step = self.profile.decode_step_s(pool, slots, context)
-        stay_s = load.output_len * step  # a request's time on decode
+        stay_s = self._stay_s = load.output_len * step  # a request's time on decode
         coming = self._backlog_coming(obs, load, stay_s)
         concurrent = max(load.requests_per_s * stay_s + coming, float(held))
         figures |= {"decode_slots_per_worker": float(slots), "decode_concurrent": concurrent,
@@ -222,23 +225,32 @@ class Sizer:
         return Need(both, max(prefill.pressure, decode.pressure), figures, prefill.urgent or decode.urgent, steady,
                     prefill.helps or decode.pressure > 1, arrivals, decode.held)
 
-    def _step_itl(self, hot: list[WorkerSample], pool_mean: bool = False) -> float | None:
+    def _step_itl(self, hot: list[WorkerSample]) -> float | None:
         """The token gap of the warmed-up workers' decode steps at the SLO percentile (a step's
         time is the gap of every request it decoded): per worker, so a cold worker's slow first
-        steps are left out rather than averaged in. `pool_mean` (a colocated pool): the pool's
-        mean gap over the window (its decode steps' time per token, weighted by their tokens). A
-        colocated worker's prompt chunks ride in its decode steps, so one step in a few is several
-        times as long, and a request decoding there sees their mean over its stay, as its TPOT
-        does (conversation-4x: step gaps at p90 read 74 ms of a 50 ms SLO on 13 colocated workers
-        and stepped them to 20); and a bunch of long prompts placed on one or two workers
-        stretches those workers' gaps alone, which more workers do not shorten (read as the
-        workers' means at p90, 116 ms, it doubled 14 workers to 28), while a pool short of
-        capacity stretches them all."""
-        if not pool_mean:
-            pairs = [(r.wall_s, r.decode_rows) for w in hot for r in w.steps if r.decode_rows]
-            return weighted_quantile(pairs, self.cfg.percentile / 100)
-        rows = sum(r.decode_rows for w in hot for r in w.steps)
-        return sum(r.wall_s * r.decode_rows for w in hot for r in w.steps) / rows if rows else None
+        steps are left out rather than averaged in."""
+        pairs = [(r.wall_s, r.decode_rows) for w in hot for r in w.steps if r.decode_rows]
+        return weighted_quantile(pairs, self.cfg.percentile / 100)
+
+    def _stay_gap(self, now: float, hot: list[WorkerSample]) -> float | None:
+        """A colocated pool's token gap: its mean over the last stay on decode (its warm workers' decode
+        steps' time per token, weighted by their tokens, over the evaluations whose windows end within
+        one stay, this one's at least). A colocated worker's prompt chunks ride in its decode steps, so
+        one step in a few is several times as long, and a request decoding there sees their mean over
+        its stay, as its TPOT does (conversation-4x: step gaps at p90 read 74 ms of a 50 ms SLO on 13
+        workers and stepped them to 20). Over a shorter window a bunch of prompts passing through reads
+        as every request's gap: conversation's 1.3 s early evaluation in a bunch of 500k tokens read
+        176 ms and doubled colocated-4 to 8, where the last stay's mean was ~27 ms. Nor the workers'
+        means at the percentile: a bunch placed on one or two workers stretches their gaps alone (116 ms
+        at p90 of 14 workers' means doubled them to 28), while a pool short of capacity stretches all."""
+        if self._gaps and self._gaps[-1][0] == now:
+            self._gaps.pop()  # the same evaluation sized again (for the rate just seen)
+        steps = [r for w in hot for r in w.steps]
+        self._gaps.append((now, sum(r.wall_s * r.decode_rows for r in steps), sum(r.decode_rows for r in steps)))
+        while self._gaps[0][0] < now - self._stay_s:
+            self._gaps.popleft()
+        rows = sum(n for _, _, n in self._gaps)
+        return sum(wall for _, wall, _ in self._gaps) / rows if rows else None
 
 
 def ceil_workers(load: float, utilization: float) -> int:
