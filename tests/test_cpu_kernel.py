@@ -294,7 +294,7 @@ def decode_path(amx):
 def test_bfloat16_decode_is_the_float32_kernel_on_the_widened_pool_rounded(rows, dim, kv_heads, heads, window, amx,
                                                                            decode_path):
     """A bfloat16 pool's keys and values are widened (exactly), then the float32 arithmetic runs
-    (with AVX-512, values widened in registers and up to three query heads at once, the same sums in
+    (with AVX-512, values widened in registers and up to four query heads at once, the same sums in
     the same order): the output is the float32 kernel's on the widened inputs, rounded to bfloat16,
     bit for bit. Queries and keys are -1, 0 or 1, so every score is exact whatever the order of its
     sum (the scores on AMX tiles, or by vdpbf16ps, are summed in their own orders, not the float32
