@@ -246,7 +246,7 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
     failing = tmp_path / "failing-cc"
     failing.write_text("#!/bin/sh\n[ \"$1\" = --version ] && echo failing-cc 1.0 && exit 0\necho 'error: no space' >&2\nexit 1\n")
     failing.chmod(0o755)
-    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build amx_gemm.c, argmax.c, bf16_gemm.c, decode_amx.c, greedy_i8.c, isa.c, layer.c, layer_team.c, paged_decode.c, paged_prefill.c, prefill_amx.c, rms_norm.c, rope.c, silu_mul.c and small_gemm.c: error: no space"):
+    with pytest.raises(cpu_kernel.KernelUnavailable, match=r"failing-cc failed to build amx_gemm.c, argmax.c, bf16_gemm.c, decode_amx.c, greedy_i8.c, isa.c, layer.c, layer_cols.c, layer_team.c, paged_decode.c, paged_prefill.c, prefill_amx.c, rms_norm.c, rope.c, silu_mul.c and small_gemm.c: error: no space"):
         kernel_build.build(str(failing))
     assert [p.name for p in tmp_path.iterdir() if p.suffix == ".so"] == []  # nothing half-built left behind
     blocked = tmp_path / "a-file"
@@ -286,13 +286,15 @@ def decode_path(amx):
 @needs_kernel
 @pytest.mark.parametrize("rows, dim, kv_heads, heads, window", [
     (1, 64, 3, 9, 0), (17, 72, 2, 6, 9), (5, 20, 1, 4, 0),
-    # AVX-512's paths: query heads taken 3 + 1, 2 and 3 + 2 a KV head; values in 32-dim pieces
-    (3, 128, 2, 8, 0), (4, 96, 2, 4, 9), (2, 32, 4, 20, 0), (3, 64, 1, 16, 21)])
+    # AVX-512's paths: query heads taken 3 + 1 (scores), 4 (values), 2, 3 + 2 and 4 + 4 + 1 a KV head;
+    # values in 32-dim pieces; Gemma 3's shape (head dim 256, one KV head, four query heads)
+    (3, 128, 2, 8, 0), (4, 96, 2, 4, 9), (2, 32, 4, 20, 0), (3, 64, 1, 16, 21), (2, 64, 1, 9, 0),
+    (2, 256, 1, 4, 0)])
 @pytest.mark.parametrize("amx", [True, False], ids=["amx", "vectors"])
 def test_bfloat16_decode_is_the_float32_kernel_on_the_widened_pool_rounded(rows, dim, kv_heads, heads, window, amx,
                                                                            decode_path):
     """A bfloat16 pool's keys and values are widened (exactly), then the float32 arithmetic runs
-    (with AVX-512, values widened in registers and up to three query heads at once, the same sums in
+    (with AVX-512, values widened in registers and up to four query heads at once, the same sums in
     the same order): the output is the float32 kernel's on the widened inputs, rounded to bfloat16,
     bit for bit. Queries and keys are -1, 0 or 1, so every score is exact whatever the order of its
     sum (the scores on AMX tiles, or by vdpbf16ps, are summed in their own orders, not the float32

@@ -322,3 +322,38 @@ def test_a_step_on_one_region_split_by_rows_gives_the_kernel_by_kernel_bits(llam
     (want, want_kv), (got, got_kv) = results
     assert torch.equal(got, want) and torch.equal(got_kv, want_kv)
     assert not torch.equal(got_kv, meta.kv)  # the step wrote its K/V
+
+
+@pytest.mark.parametrize("threads, rows", [(2, 16), (2, 5), (3, 1)])
+def test_a_decode_step_on_one_region_split_by_columns_gives_the_kernel_by_kernel_bits(llama_dir, needs_layers,
+                                                                                     threads, rows):
+    """`pd_use_cols` (layer_cols.c): a bfloat16 step of decode rows on AMX tiles, run as one OpenMP
+    region whose GEMMs are split by columns, gives the per-kernel loop's hidden states and pool bit
+    for bit, on two and three threads (more threads than rows too)."""
+    kernels = _kernels()
+    if kernels.gemm_for(torch.bfloat16) is None or not kernels.use_amx(True):
+        pytest.skip("no AMX tiles here: the path runs only on them")
+    decoder = _engine(llama_dir, "bfloat16").runner.forward.kernel_decoder
+    assert decoder is not None and decoder.table is not None
+    tokens_of = [(random.Random(i).randint(0, 60), 1) for i in range(rows)]
+    meta = kernel_layer._probe_step(kernels, decoder.layers[0].shape, len(decoder.layers), tokens_of,
+                                    torch.Generator().manual_seed(rows))
+    ids = torch.randint(10, 2000, (1, rows), generator=torch.Generator().manual_seed(3))
+    positions = torch.tensor([[p for p, _ in tokens_of]])
+    before, was = torch.get_num_threads(), kernels.layer.use_cols(False)
+    results = []
+    try:
+        torch.set_num_threads(threads)
+        for on in (False, True):
+            kernels.layer.use_cols(on)
+            run = dataclasses.replace(meta, kv=meta.kv.clone())
+            steps = kernels.layer.cols_steps()
+            with torch.inference_mode(), attention.step_context(run):
+                results.append((decoder(ids, positions).clone(), run.kv))
+            assert kernels.layer.cols_steps() == steps + on  # the path asked for ran
+    finally:
+        torch.set_num_threads(before)
+        kernels.layer.use_cols(was)
+    (want, want_kv), (got, got_kv) = results
+    assert torch.equal(got, want) and torch.equal(got_kv, want_kv)
+    assert not torch.equal(got_kv, meta.kv)  # the step wrote its K/V

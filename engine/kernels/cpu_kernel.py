@@ -113,6 +113,7 @@ class LayerKernel:
         self._seconds = (ctypes.c_double * len(self.KINDS)).in_dll(lib, "pd_layer_seconds")
         self._decoder = lib.pd_decoder_forward
         self._team, self._team_steps = lib.pd_use_team, lib.pd_team_steps
+        self._cols, self._cols_steps = lib.pd_use_cols, lib.pd_cols_steps
 
     def use_team(self, rows: int) -> int:
         """`pd_use_team`: `decoder` runs steps of at least `rows` tokens on two or more threads as one
@@ -129,6 +130,16 @@ class LayerKernel:
     def team_steps(self) -> int:
         """The steps `decoder` has run as one region so far, in this process."""
         return int(self._team_steps())
+
+    def use_cols(self, on: bool) -> bool:
+        """`pd_use_cols`: `decoder` runs bfloat16 steps of up to 16 decode rows on AMX tiles and two or
+        more threads as one OpenMP region, the GEMMs split by columns (layer_cols.c); returns the
+        setting before. Process-wide, for tests and measurements (the outputs are the same bits)."""
+        return bool(self._cols(int(bool(on))))
+
+    def cols_steps(self) -> int:
+        """The steps `decoder` has run as one region split by columns so far, in this process."""
+        return int(self._cols_steps())
 
     def seconds(self) -> dict[str, float]:
         """Wall seconds every call so far spent on each kind of work (`KINDS`), summed over the process."""

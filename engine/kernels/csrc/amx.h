@@ -51,6 +51,13 @@ int amx_greedy(const uint16_t *x, int64_t x_stride, const uint16_t *panels, cons
 int amx_greedy_panels(const uint16_t *x, int64_t x_stride, const uint16_t *panels, int rows, int64_t n, int64_t k,
                       const int32_t *list, int64_t count, int64_t *tokens, int threads);
 
+/* pd_amx_gemm's pieces for a caller that splits the columns itself (layer_cols.c), up to 16 rows:
+   the rows staged (xs: 16 x k padded to 32 values), then panels [p_lo, p_hi) of out = xs @ W^T + bias
+   on the calling thread's tiles (amx_configure'd; sums: 1,024 floats of scratch). */
+void amx_stage16(const uint16_t *x, int64_t x_stride, int rows, int64_t k, uint16_t *xs);
+void amx_panels16(const uint16_t *xs, const uint16_t *panels, const uint16_t *bias, uint16_t *out, int64_t out_stride,
+                  int rows, int64_t n, int64_t k, int64_t p_lo, int64_t p_hi, float *sums);
+
 /* Whether bfloat16 attention takes the tiles now: prefill chunks' scores and values, decode rows'
    scores. (A first try at decode scores, keys staged sixteen at a time, took 7.2-8.1 ms for SmolLM2's
    16-row step against 6.2-6.6 on vectors, 2026-12-03; read straight from the pool, 5.5-5.7 against

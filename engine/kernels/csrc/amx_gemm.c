@@ -180,11 +180,10 @@ static void panels_of(const uint16_t *xs, const uint16_t *panels, const uint16_t
 
 #if HAVE_AMX
 /* The rows, zero-padded, tile by tile: row tile t's k-step c (its 16 rows' 32 values of k) is the 1 KiB
-   at xs + (t * kp / 32 + c) * 512, so each tile load reads one contiguous KiB. NULL: out of memory. */
-static uint16_t *stage_rows(const uint16_t *x, int64_t x_stride, int rows, int64_t k) {
+   at xs + (t * kp / 32 + c) * 512, so each tile load reads one contiguous KiB (stage_rows: NULL
+   when out of memory). */
+static void stage_into(const uint16_t *x, int64_t x_stride, int rows, int64_t k, uint16_t *xs) {
     int64_t kp = padded_k(k), staged = (rows + 15) / 16 * 16;
-    uint16_t *xs = aligned_alloc(64, sizeof(uint16_t) * (size_t)(staged * kp));
-    if (xs == NULL) return NULL;
     for (int64_t r = 0; r < staged; r++)
         for (int64_t c = 0; c < kp / 32; c++) {
             uint16_t *to = xs + ((r / 16) * (kp / 32) + c) * 512 + (r % 16) * 32;
@@ -192,7 +191,21 @@ static uint16_t *stage_rows(const uint16_t *x, int64_t x_stride, int rows, int64
             if (have > 0) memcpy(to, x + r * x_stride + 32 * c, sizeof(uint16_t) * (size_t)have);
             memset(to + have, 0, sizeof(uint16_t) * (size_t)(32 - have));
         }
+}
+
+static uint16_t *stage_rows(const uint16_t *x, int64_t x_stride, int rows, int64_t k) {
+    uint16_t *xs = aligned_alloc(64, sizeof(uint16_t) * (size_t)((rows + 15) / 16 * 16 * padded_k(k)));
+    if (xs != NULL) stage_into(x, x_stride, rows, k, xs);
     return xs;
+}
+
+void amx_stage16(const uint16_t *x, int64_t x_stride, int rows, int64_t k, uint16_t *xs) {
+    stage_into(x, x_stride, rows, k, xs);
+}
+
+void amx_panels16(const uint16_t *xs, const uint16_t *panels, const uint16_t *bias, uint16_t *out, int64_t out_stride,
+                  int rows, int64_t n, int64_t k, int64_t p_lo, int64_t p_hi, float *sums) {
+    panels_of(xs, panels, bias, out, out_stride, NULL, rows, n, padded_k(k), p_lo, p_hi, sums);
 }
 
 /* pd_amx_gemm's work, into out, or into each thread's running argmax of the rows (best: [threads][rows],

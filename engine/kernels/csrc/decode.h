@@ -14,6 +14,7 @@
 #include "vec.h"
 
 #define GROUP 8 /* keys whose dot products with one query head are summed across lanes together */
+#define VGROUP 16 /* keys a call of values_bf16 takes in (its sums loaded and stored once a call) */
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
 static inline void prefetch_span(const void *start, int64_t span) { /* into L2 (prefetcht1) */
@@ -108,7 +109,7 @@ ALWAYS_INLINE void scores_dot(int nh, const uint16_t *q0, int64_t q_head, int di
 #endif
 
 #if LANES16
-/* The value sums of NH (1 to 3) query heads sharing a KV head over m keys of a bfloat16 pool,
+/* The value sums of NH (1 to 4) query heads sharing a KV head over m keys of a bfloat16 pool,
    widened in registers: 32 values (64 bytes) loaded as 16 pairs, the even dimensions their bits
    shifted up, the odd ones their low half cleared (both exact), so each 32-dimension piece of a
    head's sums is held as [16 even | 16 odd] (`acc`; put back in order at the end). Lane by
@@ -118,7 +119,7 @@ ALWAYS_INLINE void scores_dot(int nh, const uint16_t *q0, int64_t q_head, int di
 ALWAYS_INLINE void values_bf16(int nh, int nz, float *acc, int dim, int d0, const uint16_t *const *vp, int m,
                                const float *w, int64_t w_stride, const uint16_t *const *pf) {
     const v16u low_cleared = (v16u){0} + 0xFFFF0000u;
-    v16f x[3][4];
+    v16f x[4][4]; /* at most 4 x 2 pieces' 16 sums + 4 widened + a broadcast: 22 of the 32 registers */
     for (int h = 0; h < nh; h++)
         for (int z = 0; z < 2 * nz; z++) x[h][z] = f32_load16(acc + h * dim + d0 + 16 * z);
     for (int e = 0; e < m; e++) {

@@ -133,21 +133,22 @@ static int DECODE_NAME(const T *q, int64_t q_tok, int64_t q_head, const T *k, co
             for (; c < count; c++) sum += row[c] = exp_nonpos(row[c] - top);
             inv[j] = 1.0f / sum;
         }
-        /* values, eight keys at a time: a head's sums are loaded and stored once per eight
-           keys (64 of them held in registers), each key's update still its own, in key order */
-        for (int64_t c0 = 0; c0 < count; c0 += GROUP) {
-            int m = count - c0 < GROUP ? (int)(count - c0) : GROUP;
+        /* values, eight keys at a time (sixteen widened in registers): a head's sums are loaded
+           and stored once per group (64 of them held in registers), each key's update still its
+           own, in key order */
+        for (int64_t c0 = 0, step = widened_values ? VGROUP : GROUP; c0 < count; c0 += step) {
+            int m = count - c0 < step ? (int)(count - c0) : (int)step;
             if (widened_values) { /* each KV head's values `ahead`, a key a turn (values_bf16) */
-                const uint16_t *held[GROUP], *pf[GROUP];
+                const uint16_t *held[VGROUP], *pf[VGROUP];
                 for (int kh = 0; kh < h1 - h0; kh++) {
-                    for (int e = 0; e < GROUP; e++)
+                    for (int e = 0; e < VGROUP; e++)
                         pf[e] = c0 + e + ahead < count ? (const uint16_t *)(const void *)v + at[c0 + e + ahead] + (h0 + kh) * head_stride : NULL;
                     for (int e = 0; e < m; e++)
                         held[e] = (const uint16_t *)(const void *)v + at[c0 + e] + (h0 + kh) * head_stride;
                     for (int d0 = 0, pieces; d0 < dim; d0 += 32 * pieces) {
                         pieces = dim - d0 >= 64 ? 2 : 1;
-                        if (pieces == 2) BY_THREES(groups, VALUES64)
-                        else BY_THREES(groups, VALUES32)
+                        if (pieces == 2) BY_FOURS(groups, VALUES64)
+                        else BY_FOURS(groups, VALUES32)
                     }
                 }
                 continue;
@@ -192,6 +193,18 @@ static int DECODE_NAME(const T *q, int64_t q_tok, int64_t q_head, const T *k, co
         }
         for (int j = 0; j < nq; j++) {
             T *o = out + i * out_tok + (int64_t)(h0 * groups + j) * out_head;
+#if STAGED && LANES16
+            if (widened_values) { /* [even | odd] per 32 dimensions back in order, as the loop below */
+                for (int d = 0; d < dim; d += 32) {
+                    v16f even = f32_load16(acc + j * dim + d) * inv[j], odd = f32_load16(acc + j * dim + d + 16) * inv[j];
+                    bf16_store16(o + d, __builtin_shufflevector(even, odd, 0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6,
+                                                                22, 7, 23));
+                    bf16_store16(o + d + 16, __builtin_shufflevector(even, odd, 8, 24, 9, 25, 10, 26, 11, 27, 12, 28,
+                                                                     13, 29, 14, 30, 15, 31));
+                }
+                continue;
+            }
+#endif
             for (int d = 0; d < dim; d++) /* widened_values: [even | odd] per 32 dimensions */
                 o[d] = STORE(acc[j * dim + (widened_values ? d / 32 * 32 + d % 2 * 16 + d % 32 / 2 : d)] * inv[j]);
         }

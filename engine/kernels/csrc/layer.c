@@ -161,6 +161,7 @@ int pd_layer_forward(const pd_layer *L, const pd_step *S, const void *x, void *o
 int pd_decoder_forward(const pd_layer *layers, int n, const pd_step *S, const void *x, void *out0, void *out1,
                        const void *norm, float eps, void *normed) {
     if (n > 0 && layer_team_takes(S)) return layer_team_forward(layers, n, S, x, out0, out1, norm, eps, normed);
+    if (n > 0 && layer_cols_takes(S)) return layer_cols_forward(layers, n, S, x, out0, out1, norm, eps, normed);
     const void *in = x;
     for (int i = 0; i < n; i++) {
         void *out = i % 2 ? out1 : out0;

@@ -26,10 +26,22 @@ int layer_gemm(int dtype, const void *x, int64_t ldx, const void *panels, const 
                int m, int n, int k, int threads);
 void layer_rms_norm(int dtype, const void *x, const void *w, float eps, void *out, int rows, int n, int threads);
 
+/* A phase of a step run as one OpenMP region (layer_team.c, layer_cols.c): threads claim its items
+   from `next`; the phase is over when `done` reaches its item count. */
+typedef struct {
+    _Alignas(64) int next, done, sleepers; /* items claimed, items finished, threads asleep on done */
+} layer_counter;
+void layer_wait_done(layer_counter *c, int items);  /* spin a while, then sleep until the items are done */
+void layer_finish_item(layer_counter *c, int items); /* one item done: the last wakes the sleepers */
+
 /* Whether pd_decoder_forward runs this step on layer_team.c's one region, and that run (its
    arguments and return as pd_decoder_forward's). */
 int layer_team_takes(const pd_step *S);
 int layer_team_forward(const pd_layer *layers, int n, const pd_step *S, const void *x, void *out0, void *out1,
+                       const void *norm, float eps, void *normed);
+/* The same for a decode step's few rows on AMX tiles, its GEMMs split by columns (layer_cols.c). */
+int layer_cols_takes(const pd_step *S);
+int layer_cols_forward(const pd_layer *layers, int n, const pd_step *S, const void *x, void *out0, void *out1,
                        const void *norm, float eps, void *normed);
 
 #endif

@@ -78,10 +78,6 @@ typedef struct {
 } piece;
 
 typedef struct {
-    _Alignas(64) int next, done, sleepers; /* items claimed, items finished, threads asleep on done */
-} counter;
-
-typedef struct {
     const pd_layer *layers;
     const pd_step *S;
     const void *x, *norm;
@@ -89,7 +85,7 @@ typedef struct {
     float eps;
     int n, tile, tiles, npieces;
     const piece *pieces;
-    counter *phases; /* 2 n + 1: rows 0, attention 0, rows 1, ..., rows n */
+    layer_counter *phases; /* 2 n + 1: rows 0, attention 0, rows 1, ..., rows n */
     int failed;      /* the first failing kernel's code */
 } team;
 
@@ -217,7 +213,7 @@ static int attention_item(const team *t, int l, int i, int mine) {
 /* Until phase c's items are all done: spin a while, then sleep on the counter (a waiting thread
    that kept its core, spinning or yielding, would keep the OS from running a descheduled partner
    there: on an oversubscribed host the partner is what it waits for). */
-static void wait_done(counter *c, int items) {
+void layer_wait_done(layer_counter *c, int items) {
     for (int spin = 0; spin < SPINS; spin++) {
         if (__atomic_load_n(&c->done, __ATOMIC_ACQUIRE) >= items) return;
         RELAX();
@@ -233,7 +229,7 @@ static void wait_done(counter *c, int items) {
 }
 
 /* One item of phase c finished: the last wakes the threads asleep on it. */
-static void finish_item(counter *c, int items) {
+void layer_finish_item(layer_counter *c, int items) {
     int done = __atomic_add_fetch(&c->done, 1, __ATOMIC_SEQ_CST);
 #if FUTEX
     if (done == items && __atomic_load_n(&c->sleepers, __ATOMIC_SEQ_CST) > 0)
@@ -248,17 +244,17 @@ static void run(team *t) {
     int mine = omp_get_thread_num() == 0;
     for (int p = 0; p < 2 * t->n + 1; p++) {
         int items = p % 2 == 0 ? t->tiles : t->npieces;
-        counter *c = t->phases + p;
+        layer_counter *c = t->phases + p;
         for (int i; (i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) < items;) {
             if (__atomic_load_n(&t->failed, __ATOMIC_RELAXED) == 0) {
                 int rc = p % 2 == 0 ? rows_item(t, p / 2, i, mine) : attention_item(t, p / 2, i, mine);
                 int none = 0;
                 if (rc != 0) __atomic_compare_exchange_n(&t->failed, &none, rc, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
             }
-            finish_item(c, items);
+            layer_finish_item(c, items);
         }
         double t0 = layer_now(), t1;
-        wait_done(c, items);
+        layer_wait_done(c, items);
         CLOCK(p % 2 == 0 ? LAYER_GEMM : LAYER_PREFILL);
     }
 }
@@ -277,12 +273,12 @@ int layer_team_forward(const pd_layer *layers, int n, const pd_step *S, const vo
     int most = amx ? 256 : 64;
     tile = tile < 16 ? 16 : tile > most ? most : tile;
     piece *pieces = malloc(sizeof(piece) * (size_t)(S->n_chunks * want + S->decodes + 1));
-    counter *phases = aligned_alloc(64, sizeof(counter) * (size_t)(2 * n + 1));
+    layer_counter *phases = aligned_alloc(64, sizeof(layer_counter) * (size_t)(2 * n + 1));
     if (pieces == NULL || phases == NULL) {
         free(pieces), free(phases);
         return -2;
     }
-    memset(phases, 0, sizeof(counter) * (size_t)(2 * n + 1));
+    memset(phases, 0, sizeof(layer_counter) * (size_t)(2 * n + 1));
     team t = {.layers = layers, .S = S, .x = x, .norm = norm, .outs = {out0, out1}, .normed = normed, .eps = eps,
               .n = n, .tile = tile, .tiles = (T + tile - 1) / tile, .pieces = pieces, .phases = phases};
     t.npieces = cut_pieces(S, layers[0].heads / layers[0].kv_heads, want, pieces);

@@ -71,6 +71,16 @@ static inline void widen_group(const uint16_t *src, const int64_t *at, int m, in
         else { F(1, by); by += 1; }                                                                 \
     }
 
+/* The same, four at a time (then three, two or one): the widened values' sums (values_bf16). */
+#define BY_FOURS(count, F)                                                                          \
+    for (int by = 0; by < (count);) {                                                               \
+        int left = (count) - by;                                                                    \
+        if (left >= 4) { F(4, by); by += 4; }                                                       \
+        else if (left == 3) { F(3, by); by += 3; }                                                  \
+        else if (left == 2) { F(2, by); by += 2; }                                                  \
+        else { F(1, by); by += 1; }                                                                 \
+    }
+
 /* Key (value) e of the group, as query head j reads it: widened (`staged`) or in place in a float32 pool. */
 #define ROW(src, e)                                                                                 \
     (staged ? (const float *)(wide + (e) * span_n + hoff[j] - h0 * head_stride)                     \

@@ -114,5 +114,10 @@ PD_API extern double pd_layer_seconds[PD_LAYER_KINDS];
    region split by rows (layer_team.c); 0: never; negative: unchanged. Returns the setting before. */
 PD_API int pd_use_team(int rows);
 PD_API int64_t pd_team_steps(void); /* the steps that path has run */
+/* pd_decoder_forward runs bfloat16 steps of up to 16 decode rows on AMX tiles and two or more threads
+   as one OpenMP region, the GEMMs split by columns (layer_cols.c): 1 on (the default), 0 off,
+   negative unchanged. Returns the setting before. */
+PD_API int pd_use_cols(int enable);
+PD_API int64_t pd_cols_steps(void); /* the steps that path has run */
 
 #endif
