@@ -303,22 +303,34 @@ def test_a_step_on_one_region_split_by_rows_gives_the_kernel_by_kernel_bits(llam
                                     torch.Generator().manual_seed(2))
     ids = torch.randint(10, 2000, (1, tokens), generator=torch.Generator().manual_seed(3))
     positions = torch.tensor([[p + i for p, q in tokens_of for i in range(q)]])
-    before, was = torch.get_num_threads(), kernels.layer.use_team(0)
+    max_rows = [layer.max_rows for layer in decoder.layers]
+
+    def region(rows: int) -> int:  # 0: per kernel (the GEMM on all the step's rows at once); else one region
+        for layer, most in zip(decoder.layers, max_rows, strict=True):
+            monkeypatch.setattr(layer, "max_rows", most if rows else None)
+        return kernels.layer.use_team(int(rows))
+
+    _same_bits_both_ways(decoder, meta, ids, positions, threads, region, kernels.layer.team_steps)
+
+
+def _same_bits_both_ways(decoder, meta, ids, positions, threads: int, use, steps) -> None:
+    """One step of `decoder` on `threads` threads with `use(False)`, then `use(True)` (each returns the
+    setting before), on copies of `meta`'s pool: the same hidden states and pool bit for bit, and
+    `steps()` counted the one step the switched-on path ran."""
+    before, was = torch.get_num_threads(), use(False)
     results = []
     try:
         torch.set_num_threads(threads)
-        for rows in (0, 1):  # per kernel (the GEMM on all the step's rows at once), then one region
-            kernels.layer.use_team(rows)
-            for layer in decoder.layers:
-                monkeypatch.setattr(layer, "max_rows", None if rows == 0 else layer.max_rows)
+        for on in (False, True):
+            use(on)
             run = dataclasses.replace(meta, kv=meta.kv.clone())
-            steps = kernels.layer.team_steps()
+            count = steps()
             with torch.inference_mode(), attention.step_context(run):
                 results.append((decoder(ids, positions).clone(), run.kv))
-            assert kernels.layer.team_steps() == steps + rows  # the path asked for ran
+            assert steps() == count + on  # the path asked for ran
     finally:
         torch.set_num_threads(before)
-        kernels.layer.use_team(was)
+        use(was)
     (want, want_kv), (got, got_kv) = results
     assert torch.equal(got, want) and torch.equal(got_kv, want_kv)
     assert not torch.equal(got_kv, meta.kv)  # the step wrote its K/V
@@ -340,20 +352,4 @@ def test_a_decode_step_on_one_region_split_by_columns_gives_the_kernel_by_kernel
                                     torch.Generator().manual_seed(rows))
     ids = torch.randint(10, 2000, (1, rows), generator=torch.Generator().manual_seed(3))
     positions = torch.tensor([[p for p, _ in tokens_of]])
-    before, was = torch.get_num_threads(), kernels.layer.use_cols(False)
-    results = []
-    try:
-        torch.set_num_threads(threads)
-        for on in (False, True):
-            kernels.layer.use_cols(on)
-            run = dataclasses.replace(meta, kv=meta.kv.clone())
-            steps = kernels.layer.cols_steps()
-            with torch.inference_mode(), attention.step_context(run):
-                results.append((decoder(ids, positions).clone(), run.kv))
-            assert kernels.layer.cols_steps() == steps + on  # the path asked for ran
-    finally:
-        torch.set_num_threads(before)
-        kernels.layer.use_cols(was)
-    (want, want_kv), (got, got_kv) = results
-    assert torch.equal(got, want) and torch.equal(got_kv, want_kv)
-    assert not torch.equal(got_kv, meta.kv)  # the step wrote its K/V
+    _same_bits_both_ways(decoder, meta, ids, positions, threads, kernels.layer.use_cols, kernels.layer.cols_steps)
