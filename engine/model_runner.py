@@ -160,9 +160,8 @@ class ModelRunner:
                     and head is not None):
                 weights += head.weight.numel() * 2  # the greedy head's half-float copy, where it is made
             elif (self.small_gemm is not None and self.dtype == torch.bfloat16 and self.config.greedy_head
-                  and head is not None and self.small_gemm.int8_head_ready()
-                  and 2 * head.weight.numel() >= greedy_head.Bf16GreedyHead.INT8_BYTES):
-                weights += head.weight.numel() + head.weight.shape[0] * 20  # its int8 copy and column bounds
+                  and head is not None and self.small_gemm.int8_head_ready()):
+                weights += greedy_head.Bf16GreedyHead.int8_bytes(*head.weight.shape, head.bias is not None)
             budget = int(device_memory(self.device) * cfg.memory_fraction) - weights - cfg.runtime_overhead
             blocks = num_kv_blocks(self.shape, self.dtype, budget, self.block_size)
         if blocks < 1:

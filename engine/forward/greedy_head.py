@@ -150,7 +150,7 @@ class Bf16GreedyHead:
         self.cut = head.small_rows if head.packed is not None else None
         self.calls = self.full = 0  # steps it ran; of those, the ones that took the logits
         # the int8 first pass: (q, cols, wmax) or None; its steps, the ones it left to the exact head, the panels reread
-        wanted = int8 if int8 is not None else 2 * self.n * head.in_features >= self.INT8_BYTES
+        wanted = int8 if int8 is not None else self.int8_bytes(self.n, head.in_features, self.bias is not None) > 0
         self.int8 = (self.gemm.int8_copy(self.panels, self.n, head.in_features)
                      if wanted and self.bias is None and hasattr(self.gemm, "int8_copy") else None)
         self._upper = torch.empty(16 * -(-self.n // 16)) if self.int8 is not None else None
@@ -158,6 +158,13 @@ class Bf16GreedyHead:
         how = "AMX tiles" if self.gemm.path == "AMX" else "vdpbf16ps"
         self.what = f"the bfloat16 LM head with its argmax fused ({how}" + (
             ", an int8 copy's first pass on AMX-INT8 tiles)" if self.int8 is not None else ")")  # for the start-up line
+
+    @classmethod
+    def int8_bytes(cls, n: int, k: int, bias: bool) -> int:
+        """The memory an n x k head takes for its int8 first pass by its size (`int8` None) where
+        AMX-INT8 runs: its int8 copy and its columns' bounds (5 float32 each); 0 for a head under
+        `INT8_BYTES` or with a bias (the KV budget counts it: engine/model_runner.py)."""
+        return 0 if bias or 2 * n * k < cls.INT8_BYTES else n * k + n * 20
 
     @staticmethod
     def fits(head) -> str | None:

@@ -180,9 +180,9 @@ static void panels_of(const uint16_t *xs, const uint16_t *panels, const uint16_t
 
 #if HAVE_AMX
 /* The rows, zero-padded, tile by tile: row tile t's k-step c (its 16 rows' 32 values of k) is the 1 KiB
-   at xs + (t * kp / 32 + c) * 512, so each tile load reads one contiguous KiB (stage_rows: NULL
-   when out of memory). */
-static void stage_into(const uint16_t *x, int64_t x_stride, int rows, int64_t k, uint16_t *xs) {
+   at xs + (t * kp / 32 + c) * 512, so each tile load reads one contiguous KiB (stage_rows: into a
+   new buffer, NULL when out of memory). */
+void amx_stage16(const uint16_t *x, int64_t x_stride, int rows, int64_t k, uint16_t *xs) {
     int64_t kp = padded_k(k), staged = (rows + 15) / 16 * 16;
     for (int64_t r = 0; r < staged; r++)
         for (int64_t c = 0; c < kp / 32; c++) {
@@ -195,12 +195,8 @@ static void stage_into(const uint16_t *x, int64_t x_stride, int rows, int64_t k,
 
 static uint16_t *stage_rows(const uint16_t *x, int64_t x_stride, int rows, int64_t k) {
     uint16_t *xs = aligned_alloc(64, sizeof(uint16_t) * (size_t)((rows + 15) / 16 * 16 * padded_k(k)));
-    if (xs != NULL) stage_into(x, x_stride, rows, k, xs);
+    if (xs != NULL) amx_stage16(x, x_stride, rows, k, xs);
     return xs;
-}
-
-void amx_stage16(const uint16_t *x, int64_t x_stride, int rows, int64_t k, uint16_t *xs) {
-    stage_into(x, x_stride, rows, k, xs);
 }
 
 void amx_panels16(const uint16_t *xs, const uint16_t *panels, const uint16_t *bias, uint16_t *out, int64_t out_stride,
