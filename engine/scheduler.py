@@ -43,7 +43,7 @@ class Scheduler:
         self.block_size = config.block_size
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
-        self._prefills_only = False  # schedule's: only prefill-only requests are running
+        self._whole_prompts = False  # schedule's: prefill-only prompts go whole this step
         self._partial = 0  # schedule's: prompts this step leaves part-way through their prefill
         self.prefix_stats = PrefixStats()
         self.num_preemptions = 0  # since start (engine/telemetry.py: per step)
@@ -75,7 +75,7 @@ class Scheduler:
         # only prefill-only requests running (a disaggregated prefill worker's): no decode rows to
         # protect, so their prompts go whole (within the budget) instead of in chunk_size chunks,
         # unless `chunk_prefill_workers` asks for chunks there too
-        self._prefills_only = not self.config.chunk_prefill_workers and all(r.prefill_only for r in self.running)
+        self._whole_prompts = not self.config.chunk_prefill_workers and all(r.prefill_only for r in self.running)
         self._partial = 0
         for req in list(self.running):
             if budget == 0:
@@ -92,7 +92,7 @@ class Scheduler:
 
     def _chunk(self, req: Request, uncomputed: int, budget: int) -> int:
         n = min(uncomputed, budget)
-        whole = req.prefill_only and self._prefills_only  # docs/engine_speed.md, "Whole prompts on prefill workers"
+        whole = req.prefill_only and self._whole_prompts  # docs/engine_speed.md, "Whole prompts on prefill workers"
         if uncomputed > 1 and self.config.chunk_size is not None and not whole:  # still prefilling
             n = min(n, self.config.chunk_size)
         return n
