@@ -17,8 +17,9 @@ import functools
 import logging
 import random
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import looptime
 
@@ -38,6 +39,7 @@ from sizing.cost_model import Emulation
 from sizing.memory import ModelShape
 
 log = logging.getLogger(__name__)
+T = TypeVar("T")
 HORIZON_S = 3600.0  # simulated seconds past the last arrival after which a request still open is a failure
 
 
@@ -68,15 +70,30 @@ def simulate(config: ClusterConfig, emulation: Emulation, workload: Workload, la
     `check`: every worker's block accounting at the end (`SimRun.checks`; a pass over its pool).
     `serving`: a real host's serving path (simulate/serving.py): its door and call latencies, and
     the spread of its steps and token deliveries, drawn by the seed."""
-    loop = looptime.new_event_loop(start=0.0, noop_cycles=0, resolution=1e-9)  # ns: no step time is rounded away
-    loop.unix_epoch = 0.0  # step records' end_unix: simulated seconds (protocol.clock.unix)
     began = time.perf_counter()
-    try:
-        run = loop.run_until_complete(_run(config, emulation, workload, label, seed, rpc_s, check, serving))
-    finally:
-        loop.close()
+    run = run_virtual(lambda: _run(config, emulation, workload, label, seed, rpc_s, check, serving))
     run.host_s = time.perf_counter() - began
     return run
+
+
+def run_virtual(main: Callable[[], Awaitable[T]]) -> T:
+    """`main()` on a fresh virtual clock (looptime: time jumps to the next timer when nothing is
+    ready; ns resolution, so no step time is rounded away), then, as `asyncio.run` does, every task
+    still pending (a worker's loop, a poll; an error ended `main` early) cancelled and let end
+    before the loop closes, so none is left to be destroyed pending."""
+    loop = looptime.new_event_loop(start=0.0, noop_cycles=0, resolution=1e-9)
+    loop.unix_epoch = 0.0  # step records' end_unix: simulated seconds (protocol.clock.unix)
+    try:
+        return loop.run_until_complete(main())
+    finally:
+        try:
+            pending = asyncio.all_tasks(loop)
+            for task in pending:
+                task.cancel()
+            if pending:
+                loop.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        finally:
+            loop.close()
 
 
 async def _run(config: ClusterConfig, emulation: Emulation, workload: Workload, label: str, seed: int,

@@ -11,12 +11,12 @@ from __future__ import annotations
 import asyncio
 import math
 
-import looptime
 import pytest
 
 from protocol import clock
 from router.lifecycle.admission import Admission
 from router.lifecycle.outcomes import QueueFull, Unavailable
+from simulate.run import run_virtual
 
 
 class _Slots:
@@ -42,11 +42,7 @@ class _Slots:
 
 def _virtual(main):
     """`main()` on a fresh virtual-time loop (time jumps to the next timer when nothing is ready)."""
-    loop = looptime.new_event_loop(start=0.0, noop_cycles=0, resolution=1e-9)
-    try:
-        return loop.run_until_complete(main())
-    finally:
-        loop.close()
+    return run_virtual(main)
 
 
 def test_a_request_that_would_wait_past_the_queue_timeout_is_refused_at_arrival():

@@ -16,7 +16,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import looptime
 import pytest
 
 from bench.accounting import Life, RecordingActors, WorkerLedger, figures, usage
@@ -30,7 +29,7 @@ from router.pools.manager import PoolManager
 from simulate.actors import SimActors
 from simulate.autoscale import static_configs
 from simulate.cli import emulated
-from simulate.run import simulate
+from simulate.run import run_virtual, simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -79,11 +78,7 @@ def test_a_pool_scaled_at_chosen_times_costs_exactly_those_worker_seconds(h100):
         assert await pools.scale("decode", 1) == ([], ["decode-3", "decode-2"])  # the newest idle ones go
         await asyncio.sleep(60.0 - clock.now())
 
-    loop = looptime.new_event_loop(start=0.0, noop_cycles=0, resolution=1e-9)
-    try:
-        loop.run_until_complete(scenario())
-    finally:
-        loop.close()
+    run_virtual(scenario)
     used = usage(actors.ledger, 0.0, 60.0)
     assert used["pools"]["prefill"]["worker_hours"] == pytest.approx(60 / 3600)
     assert used["pools"]["decode"]["worker_hours"] == pytest.approx((60 + 2 * 30) / 3600)

@@ -16,7 +16,6 @@ import random
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import looptime
 import pytest
 import ray
 
@@ -28,7 +27,7 @@ from router.lifecycle.outcomes import CannotChangeRole
 from router.lifecycle.service import Router
 from simulate.actors import SimActors
 from simulate.cli import emulated
-from simulate.run import _validator
+from simulate.run import _validator, run_virtual
 from tests.cluster_util import Client, cluster_config, faults, wait_until
 from tests.reference import hf_greedy
 
@@ -148,11 +147,7 @@ def test_in_the_simulator_a_role_change_keeps_its_core_and_loses_nothing():
     prompts = [_tokens(3000, seed=300 + i) for i in range(8)]
     runs = {}
     for change in (False, True):
-        loop = looptime.new_event_loop(start=0.0, noop_cycles=0, resolution=1e-9)
-        try:
-            runs[change] = loop.run_until_complete(_simulated(cfg, em, prompts, change))
-        finally:
-            loop.close()
+        runs[change] = run_virtual(lambda change=change: _simulated(cfg, em, prompts, change))
     assert runs[True][0] == runs[False][0]  # every request's tokens, as without the change
     checks = runs[True][1]
     assert sorted(checks) == ["decode-2", "decode-3", "prefill-0"]
