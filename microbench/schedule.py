@@ -9,7 +9,9 @@ the step that finished its predecessor (the token's trip to the client and the n
 back; ~30 ms measured on host E), and joins at the first step boundary after that, as a worker's
 engine loop applies calls between steps; its TTFT counts from its arrival. A step in flight
 therefore delays every request that arrives during it (docs/engine_speed.md, "The step's token
-budget"). Reports TTFT p50, ITL p50 / p99 and output tokens/s, per setting the median over rounds.
+budget"). Reports TTFT p50, ITL p50 / p99 and output tokens/s, per setting the median over rounds,
+and where the run's wall time went (`RunShape`): its decode-only steps (count, seconds, p50) and its
+steps with prompt tokens (count, seconds, prompt tokens/s over them).
 
 Settings: `--budget` (`max_num_batched_tokens`), `--partial` (`max_num_partial_prefills`, `none`:
 no limit), `--chunk` (`chunk_size`, `none`: whole prompts); every combination.
@@ -41,6 +43,7 @@ from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from protocol.sampling import SamplingParams
 from router.config.loader import parse_config
+from sizing.cost_model import StepShape
 
 WARM_UP = 4  # bench.peer's warm-up: its first prompts, 8 tokens each
 
@@ -54,11 +57,34 @@ def served_config(model: str, dtype: str) -> EngineConfig:
     return cfg.engine_config(cfg.decode)
 
 
+@dataclasses.dataclass
+class RunShape:
+    """A burst's steps by kind: decode-only (every item one token) or with prompt tokens; each
+    step's wall time."""
+
+    decode: list[float] = dataclasses.field(default_factory=list)
+    prompt: list[float] = dataclasses.field(default_factory=list)
+    prompt_tokens: int = 0
+
+    def add(self, items: StepShape, seconds: float) -> None:
+        """One step: `items` what it computed (`LLMEngine.last_step`)."""
+        tokens = sum(it.num_tokens for it in items if not it.is_decode)
+        (self.prompt if tokens else self.decode).append(seconds)
+        self.prompt_tokens += tokens
+
+    def as_dict(self) -> dict:
+        prompt_s = sum(self.prompt)
+        return {"decode_only_steps": len(self.decode), "decode_only_s": sum(self.decode),
+                "decode_only_p50_s": statistics.median(self.decode) if self.decode else 0.0,
+                "prompt_steps": len(self.prompt), "prompt_s": prompt_s,
+                "prompt_tok_s": self.prompt_tokens / prompt_s if prompt_s else 0.0}
+
+
 def burst(engine: LLMEngine, specs: list[RequestSpec], concurrency: int, arrival_s: float, tag: str) -> dict:
     """Run `specs` through `engine`, `concurrency` at a time, a replacement arriving `arrival_s`
     after the step that finished its predecessor; the latency figures in seconds."""
     pending, arrivals, order = list(specs), [], itertools.count()
-    arrived, first, last, gaps, tokens = {}, {}, {}, [], 0
+    arrived, first, last, gaps, tokens, shape = {}, {}, {}, [], 0, RunShape()
 
     def arrive(at: float) -> None:
         spec = pending.pop(0)
@@ -80,8 +106,10 @@ def burst(engine: LLMEngine, specs: list[RequestSpec], concurrency: int, arrival
         if not engine.has_unfinished():
             time.sleep(max(0.0, arrivals[0][0] - time.perf_counter()))
             continue
+        began = time.perf_counter()
         outs = engine.step()
         now = time.perf_counter()
+        shape.add(engine.last_step, now - began)
         for o in outs:
             if not o.token_ids:
                 continue
@@ -95,7 +123,7 @@ def burst(engine: LLMEngine, specs: list[RequestSpec], concurrency: int, arrival
                 arrive(now + arrival_s)
     wall = time.perf_counter() - t0
     return {"ttft_p50_s": statistics.median(first.values()), "itl_p50_s": statistics.median(gaps),
-            "itl_p99_s": statistics.quantiles(gaps, n=100)[98], "output_tok_s": tokens / wall}
+            "itl_p99_s": statistics.quantiles(gaps, n=100)[98], "output_tok_s": tokens / wall} | shape.as_dict()
 
 
 def workload(tokenizer, args: argparse.Namespace, seed: int) -> list[RequestSpec]:
