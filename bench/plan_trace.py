@@ -1,26 +1,35 @@
 """`pdserve plan --trace FILE --slo ... --emulate DEVICE:MODEL`: the static arrangement the planner
 would choose for a trace, for an operator who does not want autoscaling.
 
-The planner's own sizing (router/autoscale/sizing.py `Sizer`) on its capacity profile from the
-emulated device's cost model (router/autoscale/profile.py, source `cost_model`), fed the trace's
-busiest `--peak-window` seconds (the highest prompt tokens/s of any window, and its requests/s;
-mean prompt and output lengths of the whole trace) as the load to carry, at the planner's
-`target_utilization`: decode workers for a disaggregated cluster (its prefill workers by the
-replay below), workers for a colocated one (chunked prefill), and the cheaper of the two
-(colocated on a tie). The window
-(default 30 s) is what a static cluster must carry without queueing past a TTFT SLO of seconds.
-A TTFT SLO also needs headroom for how arrivals bunch within seconds, which a 30 s mean hides.
-Disaggregated, the prefill pool is sized by replaying the whole trace instead: each prompt goes to
-the worker free first (the router places on the least work ahead) and runs there at the profile's
-full speed, one prompt on one worker (a long prompt holds its worker while the others go on); the
-fewest workers whose replay meets the TTFT SLO for the SLO's percentile of requests. The replay
-sees every bunch of the trace, so no utilization headroom is added (on the driver's traces it
-predicts the simulated attainment of each P within 1-6 points). Colocated, the prefill capacity is
-sized by a fluid queue (the pool's prompt tokens/s at `target_utilization`, first come first
-served, each prompt's own prefill added to its wait), with the decode load's share of the workers set aside
-and enough workers that the prefill landing on one during a request's decode (chunks of prompts
-arriving meanwhile, each step several decode steps long) keeps that request's token gaps within
-the ITL SLO at the SLO percentile.
+Both arrangements are sized on the planner's capacity profile from the emulated device's cost
+model (router/autoscale/profile.py, source `cost_model`), and the cheaper is recommended
+(colocated on a tie).
+
+Disaggregated: decode workers by the planner's own sizing (router/autoscale/sizing.py `Sizer`)
+for the trace's busiest `--peak-window` seconds (the highest prompt tokens/s of any window, and
+its requests/s; mean prompt and output lengths of the whole trace) at the planner's
+`target_utilization`. Prefill workers by replaying the whole trace: each prompt goes to the
+worker free first (the router places on the least work ahead) and runs there at the profile's
+full speed, one prompt on one worker; the fewest workers whose replay meets the TTFT SLO for the
+SLO's percentile of requests (a 30 s mean hides how arrivals bunch within seconds; the replay
+sees every bunch, so no utilization headroom is added).
+
+Colocated: the fewest workers whose replay meets both SLOs (TTFT, and TPOT: a request's mean
+token gap, against the ITL SLO) for the SLO's percentile of requests, the replay doing what
+`pdserve simulate` does with a colocated pool. Each prompt is placed where its prefill finishes
+first (router/pools/placement.py `Placer.pick_colocated`: the tokens queued there, those of
+prompts without their first token yet, plus this prompt's tokens that worker's prefix cache does
+not hold; ties to the fewest requests). Each worker steps as its engine schedules
+(engine/scheduler.py): every decode row, then a chunk (at most `chunk_size`) of each prompt in
+arrival order while the step's token budget lasts; a step takes the profile's time for its
+shape (tokens, context read, attended pairs), so a worker's prompt chunks slow the decode rows
+riding in the same steps, as a step of `pdserve simulate` does. A prompt's first token comes at
+the end of the step that computes its last chunk; its TPOT is the mean of the steps it then
+decodes in. Prefix caches are per worker, least recently used dropped beyond the worker's KV,
+keyed by 512-token blocks (a shorter shared prefix is not credited). Not modelled: the KV a
+worker's requests hold (admission never waits for blocks), network and router delays. Runs of
+decode-only steps are summed at once (their time is linear in the context), so a replay takes a
+fraction of a second on the driver's traces.
 """
 
 from __future__ import annotations
@@ -128,11 +137,13 @@ class _Worker:
 
 
 def colocated_met(workload: Workload, workers: int, profile: CapacityProfile, ttft_s: float, itl_s: float,
-                  keys: list[list[int]] | None = None, cache_tokens: int = 0, stop_below: float = 0.0) -> float:
+                  keys: list[list[int]] | None = None, cache_tokens: int = 0, stop_below: float = 0.0,
+                  seen: dict[int, list] | None = None) -> float:
     """The share of requests meeting both the TTFT and the TPOT SLO on `workers` colocated workers
     (module docstring). `keys`: each prompt's `prefix_keys` (None: no prefix cache), a worker's
     cache holding `cache_tokens`. Stops early, returning the share so far (an upper bound), once
-    more than 1 - `stop_below` of the requests have missed."""
+    more than 1 - `stop_below` of the requests have missed. `seen`: filled with each request's
+    [TTFT, TPOT (None for one token), worker]."""
     reqs, budget, chunk = workload.requests, profile.budget_tokens, profile.chunk
     missed, allowed = bytearray(len(reqs)), len(reqs) - math.ceil(stop_below * len(reqs) - 1e-9)
     misses, room_keys, pool = 0, cache_tokens // PREFIX_BLOCK or math.inf, [_Worker() for _ in range(workers)]
@@ -149,7 +160,7 @@ def colocated_met(workload: Workload, workers: int, profile: CapacityProfile, tt
         rows, ctx = w.rows, w.ctx
 
         def sum_s(k: int) -> float:  # the first k steps' seconds
-            last = profile.step_s("decode", StepTotals(rows, ctx + k * rows, ctx + k * rows))
+            last = profile.step_s("decode", StepTotals(rows, ctx + k * rows, ctx + k * rows)) if k > 1 else first
             return k * (first + last) / 2
 
         first = profile.step_s("decode", StepTotals(rows, ctx + rows, ctx + rows))
@@ -189,6 +200,8 @@ def colocated_met(workload: Workload, workers: int, profile: CapacityProfile, tt
             w.sampled.append(item[3])
             if w.t - reqs[i].arrival_s > ttft_s:
                 miss(i)
+            if seen is not None:
+                seen[i] = [w.t - reqs[i].arrival_s, None, pool.index(w)]
             if out > 1:
                 heapq.heappush(w.decoding, (w.steps + out - 1, i, w.busy_s, item[2]))
                 w.rows, w.ctx = w.rows + 1, w.ctx + item[2]
@@ -204,6 +217,8 @@ def colocated_met(workload: Workload, workers: int, profile: CapacityProfile, tt
             w.rows, w.ctx, w.count = w.rows - 1, w.ctx - prompt - (out - 1), w.count - 1
             if (w.busy_s - since) / (out - 1) > itl_s:
                 miss(i)
+            if seen is not None:
+                seen[i][1] = (w.busy_s - since) / (out - 1)
 
     def run(w: _Worker, until: float) -> None:
         while (w.prefill or w.rows) and w.t < until and misses <= allowed:
