@@ -14,22 +14,22 @@ full speed, one prompt on one worker; the fewest workers whose replay meets the 
 SLO's percentile of requests (a 30 s mean hides how arrivals bunch within seconds; the replay
 sees every bunch, so no utilization headroom is added).
 
-Colocated: the fewest workers whose replay meets both SLOs (TTFT, and TPOT: a request's mean
-token gap, against the ITL SLO) for the SLO's percentile of requests, the replay doing what
-`pdserve simulate` does with a colocated pool. Each prompt is placed where its prefill finishes
-first (router/pools/placement.py `Placer.pick_colocated`: the tokens queued there, those of
-prompts without their first token yet, plus this prompt's tokens that worker's prefix cache does
-not hold; ties to the fewest requests). Each worker steps as its engine schedules
-(engine/scheduler.py): every decode row, then a chunk (at most `chunk_size`) of each prompt in
-arrival order while the step's token budget lasts; a step takes the profile's time for its
-shape (tokens, context read, attended pairs), so a worker's prompt chunks slow the decode rows
-riding in the same steps, as a step of `pdserve simulate` does. A prompt's first token comes at
-the end of the step that computes its last chunk; its TPOT is the mean of the steps it then
-decodes in. Prefix caches are per worker, least recently used dropped beyond the worker's KV,
-keyed by 512-token blocks (a shorter shared prefix is not credited). Not modelled: the KV a
-worker's requests hold (admission never waits for blocks), network and router delays. Runs of
-decode-only steps are summed at once (their time is linear in the context), so a replay takes a
-fraction of a second on the driver's traces.
+Colocated: the fewest workers whose replay meets both SLOs (TTFT, and TPOT: a request's mean token
+gap, against the ITL SLO) for the SLO's percentile of requests, the replay doing what `pdserve
+simulate` does with a colocated pool. Each prompt is placed where its prefill finishes first
+(router/pools/placement.py `Placer.pick_colocated`: the tokens queued there, those of prompts
+without their first token yet, plus this prompt's tokens that worker's prefix cache does not hold;
+ties to the one holding more of it, then to the fewest requests). Each worker steps as its engine
+schedules (engine/scheduler.py): every decode row, then a chunk (at most `chunk_size`) of each
+prompt in arrival order while the step's token budget lasts; a step takes the profile's time for
+its shape (tokens, context read, attended pairs), so a worker's prompt chunks slow the decode rows
+riding in the same steps, as a step of `pdserve simulate` does. A prompt's first token comes at the
+end of the step that computes its last chunk; its TPOT is the mean of the steps it then decodes in.
+Prefix caches are per worker, least recently used dropped beyond the worker's KV, keyed by
+512-token blocks (a shorter shared prefix is not credited). Not modelled: the KV a worker's
+requests hold (admission never waits for blocks), network and router delays. Runs of decode-only
+steps are summed at once (their time is linear in the context), so a replay takes a fraction of a
+second on the driver's traces.
 """
 
 from __future__ import annotations
@@ -177,7 +177,8 @@ def colocated_met(workload: Workload, workers: int, profile: CapacityProfile, tt
         arrival order (each at most `chunk`) while the token budget lasts."""
         if not w.prefill:
             decode_only(w, until)
-            return finish(w)
+            finish(w)
+            return
         room, tokens, context, chunks = budget - w.rows, w.rows, w.ctx + w.rows, []
         pairs = context  # a decode row attends to its whole context
         for item in w.prefill:
