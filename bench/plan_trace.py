@@ -1,26 +1,35 @@
 """`pdserve plan --trace FILE --slo ... --emulate DEVICE:MODEL`: the static arrangement the planner
 would choose for a trace, for an operator who does not want autoscaling.
 
-The planner's own sizing (router/autoscale/sizing.py `Sizer`) on its capacity profile from the
-emulated device's cost model (router/autoscale/profile.py, source `cost_model`), fed the trace's
-busiest `--peak-window` seconds (the highest prompt tokens/s of any window, and its requests/s;
-mean prompt and output lengths of the whole trace) as the load to carry, at the planner's
-`target_utilization`: decode workers for a disaggregated cluster (its prefill workers by the
-replay below), workers for a colocated one (chunked prefill), and the cheaper of the two
-(colocated on a tie). The window
-(default 30 s) is what a static cluster must carry without queueing past a TTFT SLO of seconds.
-A TTFT SLO also needs headroom for how arrivals bunch within seconds, which a 30 s mean hides.
-Disaggregated, the prefill pool is sized by replaying the whole trace instead: each prompt goes to
-the worker free first (the router places on the least work ahead) and runs there at the profile's
-full speed, one prompt on one worker (a long prompt holds its worker while the others go on); the
-fewest workers whose replay meets the TTFT SLO for the SLO's percentile of requests. The replay
-sees every bunch of the trace, so no utilization headroom is added (on the driver's traces it
-predicts the simulated attainment of each P within 1-6 points). Colocated, the prefill capacity is
-sized by a fluid queue (the pool's prompt tokens/s at `target_utilization`, first come first
-served, each prompt's own prefill added to its wait), with the decode load's share of the workers set aside
-and enough workers that the prefill landing on one during a request's decode (chunks of prompts
-arriving meanwhile, each step several decode steps long) keeps that request's token gaps within
-the ITL SLO at the SLO percentile.
+Both arrangements are sized on the planner's capacity profile from the emulated device's cost
+model (router/autoscale/profile.py, source `cost_model`), and the cheaper is recommended
+(colocated on a tie).
+
+Disaggregated: decode workers by the planner's own sizing (router/autoscale/sizing.py `Sizer`)
+for the trace's busiest `--peak-window` seconds (the highest prompt tokens/s of any window, and
+its requests/s; mean prompt and output lengths of the whole trace) at the planner's
+`target_utilization`. Prefill workers by replaying the whole trace: each prompt goes to the
+worker free first (the router places on the least work ahead) and runs there at the profile's
+full speed, one prompt on one worker; the fewest workers whose replay meets the TTFT SLO for the
+SLO's percentile of requests (a 30 s mean hides how arrivals bunch within seconds; the replay
+sees every bunch, so no utilization headroom is added).
+
+Colocated: the fewest workers whose replay meets both SLOs (TTFT, and TPOT: a request's mean token
+gap, against the ITL SLO) for the SLO's percentile of requests, the replay doing what `pdserve
+simulate` does with a colocated pool. Each prompt is placed where its prefill finishes first
+(router/pools/placement.py `Placer.pick_colocated`: the tokens queued there, those of prompts
+without their first token yet, plus this prompt's tokens that worker's prefix cache does not hold;
+ties to the one holding more of it, then to the fewest requests). Each worker steps as its engine
+schedules (engine/scheduler.py): every decode row, then a chunk (at most `chunk_size`) of each
+prompt in arrival order while the step's token budget lasts; a step takes the profile's time for
+its shape (tokens, context read, attended pairs), so a worker's prompt chunks slow the decode rows
+riding in the same steps, as a step of `pdserve simulate` does. A prompt's first token comes at the
+end of the step that computes its last chunk; its TPOT is the mean of the steps it then decodes in.
+Prefix caches are per worker, least recently used dropped beyond the worker's KV, keyed by
+512-token blocks (a shorter shared prefix is not credited). Not modelled: the KV a worker's
+requests hold (admission never waits for blocks), network and router delays. Runs of decode-only
+steps are summed at once (their time is linear in the context), so a replay takes a fraction of a
+second on the driver's traces.
 """
 
 from __future__ import annotations
@@ -30,9 +39,9 @@ import dataclasses
 import heapq
 import json
 import math
-import statistics
 import sys
-from collections.abc import Callable
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,10 +49,10 @@ from bench.metrics import Slo
 from bench.workload import Workload
 from router.autoscale.observation import Observation, PoolObservation, WorkerSample
 from router.autoscale.profile import CapacityProfile, CostStepModel
-from router.autoscale.sizing import Load, Need, Sizer, ceil_workers
+from router.autoscale.sizing import Load, Sizer, ceil_workers
 from router.config.emulate import emulated_num_blocks
 from router.config.schema import ClusterConfig
-from sizing.cost_model import Emulation
+from sizing.cost_model import Emulation, StepTotals
 
 PEAK_WINDOW_S = 30.0
 MAX_WORKERS = 1024  # the replay's search gives up here (a trace no cluster serves)
@@ -88,54 +97,177 @@ def _replay_workers(workload: Workload, profile: CapacityProfile, pool: str, aut
     return n
 
 
-def fluid_ttft_met(workload: Workload, tokens_per_s: float, own_s: list[float], ttft_s: float) -> float:
-    """The share of requests whose TTFT meets `ttft_s` when the trace's prompts queue first come
-    first served for `tokens_per_s` of prefill capacity (a fluid queue) and each also takes its own
-    prefill time `own_s[i]` (one prompt runs on one worker)."""
-    free_at, met = -math.inf, 0
-    for r, own in zip(workload.requests, own_s, strict=True):
-        wait = max(0.0, free_at - r.arrival_s)
-        free_at = r.arrival_s + wait + r.num_prompt_tokens / tokens_per_s
-        met += wait + own <= ttft_s
-    return met / len(workload.requests)
+PREFIX_BLOCK = 512  # tokens: the colocated replay's prefix-cache grain (a Mooncake trace's block, 32 KV blocks)
 
 
-def _fluid_workers(workload: Workload, profile: CapacityProfile, pool: str, auto,
-                   tokens_per_s: Callable[[int, float], float]) -> int:
-    """The fewest workers whose prefill capacity (`tokens_per_s(n, one worker's prompt tokens/s)`)
-    meets the TTFT SLO for the SLO percentile of requests in the fluid replay."""
-    prompt = sum(r.num_prompt_tokens for r in workload.requests) / len(workload.requests)
-    rate = profile.prefill_rate(pool, prompt)
-    own = [profile.prefill_time_s(pool, r.num_prompt_tokens) for r in workload.requests]
-    n = 1
-    while n < MAX_WORKERS and (tokens_per_s(n, rate) <= 0 or fluid_ttft_met(
-            workload, tokens_per_s(n, rate), own, auto.ttft_s) < auto.percentile / 100):
-        n += 1
-    return n
+def prefix_keys(prompts: Sequence[Sequence[int]], block: int = PREFIX_BLOCK) -> list[list[int]]:
+    """Per prompt, one key per full `block`, each naming its whole prefix (chained, as
+    protocol/block_hash.py's hashes are, but Python's tuple hash: fast, and fixed for ints). A prompt
+    whose first block no other prompt has shares no prefix: its first key alone."""
+    first = [hash((0, hash(tuple(p[:block])))) if len(p) >= block else None for p in prompts]
+    shared = {k for k, n in Counter(first).items() if n > 1}
+    out = []
+    for prompt, key in zip(prompts, first, strict=True):
+        keys = [key] if key is not None else []
+        for i in range(2 * block, len(prompt) + 1, block) if key in shared else ():
+            key = hash((key, hash(prompt[i - block:i])))
+            keys.append(key)
+        out.append(keys)
+    return out
 
 
-def _colocated_prefill(profile: CapacityProfile, auto, load: Load, decode: Need,
-                       workload: Workload) -> Callable[[int, float], float]:
-    """A colocated pool's prefill capacity at n workers: what the decode load leaves of them, and 0
-    (too few) while the prefill its worker computes during one request's decode would stretch
-    that request's token gaps past the ITL SLO at the SLO percentile. A request decoding
-    `output_len` tokens within itl_s each has output_len x (itl_s - decode step) to spare; the
-    prefill time that lands on its worker meanwhile is a compound Poisson sum (its worker's share
-    of the arrivals x each prompt's own prefill), taken at mean + z x its deviation."""
-    context = load.prompt_len + load.output_len / 2
-    concurrent = decode.figures.get("decode_concurrent", 0.0)
-    own = [profile.prefill_time_s("decode", r.num_prompt_tokens) for r in workload.requests]
-    first, second = sum(own) / len(own), sum(t * t for t in own) / len(own)
-    z = max(0.0, statistics.NormalDist().inv_cdf(min(auto.percentile, 99.9) / 100))
+class _Worker:
+    """A colocated worker in the replay: its engine's prompts and decode rows, and the router's view of it."""
 
-    def tokens_per_s(n: int, rate: float) -> float:
-        step = profile.decode_step_s("decode", max(1, math.ceil(concurrent / n)), context)
-        spare = load.output_len * (auto.itl_s - step)
-        arrivals = load.requests_per_s / n * load.output_len * auto.itl_s  # onto its worker meanwhile
-        if spare <= 0 or arrivals * first + z * math.sqrt(arrivals * second) > spare:
-            return 0.0
-        return (n * auto.target_utilization - (decode.load or 0.0)) * rate
-    return tokens_per_s
+    __slots__ = ("t", "prefill", "held", "sampled", "rows", "ctx", "steps", "busy_s", "decoding", "cache", "count")
+
+    def __init__(self) -> None:
+        self.t = 0.0  # when its next step starts
+        self.prefill: deque[list[int]] = deque()  # [request, tokens computed, prompt tokens, tokens to compute]
+        self.held = 0  # tokens to compute of its prompts still prefilling (the router's `prefill_tokens`)
+        self.sampled: list[int] = []  # those of the prompts whose first token the step ending at `t` samples
+        self.rows = self.ctx = self.steps = self.count = 0  # decode rows, their context, steps run, requests
+        self.busy_s = 0.0  # seconds of steps run
+        self.decoding: list[tuple[int, int, float, int]] = []  # heap of (its last step, request, busy_s then, prompt)
+        self.cache: OrderedDict[int, None] = OrderedDict()  # prefix keys held, least recently used first
+
+    def queued(self, now: float) -> int:
+        """What the router counts queued here at `now`: a prompt's tokens until its first token."""
+        return self.held + (sum(self.sampled) if self.t > now else 0)
+
+
+def colocated_met(workload: Workload, workers: int, profile: CapacityProfile, ttft_s: float, itl_s: float,
+                  keys: list[list[int]] | None = None, cache_tokens: int = 0, stop_below: float = 0.0,
+                  seen: dict[int, list] | None = None) -> float:
+    """The share of requests meeting both the TTFT and the TPOT SLO on `workers` colocated workers
+    (module docstring). `keys`: each prompt's `prefix_keys` (None: no prefix cache), a worker's
+    cache holding `cache_tokens`. Stops early, returning the share so far (an upper bound), once
+    more than 1 - `stop_below` of the requests have missed. `seen`: filled with each request's
+    [TTFT, TPOT (None for one token), worker]."""
+    reqs, budget, chunk = workload.requests, profile.budget_tokens, profile.chunk
+    missed, allowed = bytearray(len(reqs)), len(reqs) - math.ceil(stop_below * len(reqs) - 1e-9)
+    misses, room_keys, pool = 0, cache_tokens // PREFIX_BLOCK or math.inf, [_Worker() for _ in range(workers)]
+
+    def miss(i: int) -> None:
+        nonlocal misses
+        misses += not missed[i]
+        missed[i] = 1
+
+    def decode_only(w: _Worker, until: float) -> None:
+        """The decode steps that start before `until`, up to the next request's last token, summed at
+        once: a step's time is linear in its context (the trapezoid of the first and last; the
+        roofline's kink within a run costs a hair of overestimate)."""
+        rows, ctx = w.rows, w.ctx
+
+        def sum_s(k: int) -> float:  # the first k steps' seconds
+            last = profile.step_s("decode", StepTotals(rows, ctx + k * rows, ctx + k * rows)) if k > 1 else first
+            return k * (first + last) / 2
+
+        first = profile.step_s("decode", StepTotals(rows, ctx + rows, ctx + rows))
+        k = w.decoding[0][0] - w.steps
+        if until < math.inf:
+            k = min(k, max(1, math.ceil((until - w.t) / first)))
+            while k > 1 and w.t + sum_s(k - 1) >= until:  # steps lengthen as their context grows
+                k -= 1
+        took = sum_s(k)
+        w.t, w.busy_s, w.steps, w.ctx, w.sampled = w.t + took, w.busy_s + took, w.steps + k, ctx + k * rows, []
+
+    def step(w: _Worker, until: float) -> None:
+        """One engine step (engine/scheduler.py): every decode row, then chunks of the prompts in
+        arrival order (each at most `chunk`) while the token budget lasts."""
+        if not w.prefill:
+            decode_only(w, until)
+            finish(w)
+            return
+        room, tokens, context, chunks = budget - w.rows, w.rows, w.ctx + w.rows, []
+        pairs = context  # a decode row attends to its whole context
+        for item in w.prefill:
+            if room <= 0:
+                break
+            c = min(item[2] - item[1], room, chunk)
+            tokens, context, pairs = tokens + c, context + item[1] + c, pairs + c * item[1] + c * (c + 1) // 2
+            room -= c
+            chunks.append(c)
+        took = profile.step_s("decode", StepTotals(tokens, context, pairs))
+        w.t, w.busy_s, w.steps, w.ctx, w.sampled = w.t + took, w.busy_s + took, w.steps + 1, w.ctx + w.rows, []
+        going_on = []
+        for item, c in zip([w.prefill.popleft() for _ in chunks], chunks, strict=True):
+            item[1] += c
+            if item[1] < item[2]:
+                going_on.append(item)
+                continue
+            i, out = item[0], reqs[item[0]].max_tokens  # its first token, at the step's end
+            w.held -= item[3]
+            w.sampled.append(item[3])
+            if w.t - reqs[i].arrival_s > ttft_s:
+                miss(i)
+            if seen is not None:
+                seen[i] = [w.t - reqs[i].arrival_s, None, pool.index(w)]
+            if out > 1:
+                heapq.heappush(w.decoding, (w.steps + out - 1, i, w.busy_s, item[2]))
+                w.rows, w.ctx = w.rows + 1, w.ctx + item[2]
+            else:
+                w.count -= 1
+        w.prefill.extendleft(reversed(going_on))
+        finish(w)
+
+    def finish(w: _Worker) -> None:
+        while w.decoding and w.decoding[0][0] == w.steps:  # its last token: TPOT is its mean gap
+            _, i, since, prompt = heapq.heappop(w.decoding)
+            out = reqs[i].max_tokens
+            w.rows, w.ctx, w.count = w.rows - 1, w.ctx - prompt - (out - 1), w.count - 1
+            if (w.busy_s - since) / (out - 1) > itl_s:
+                miss(i)
+            if seen is not None:
+                seen[i][1] = (w.busy_s - since) / (out - 1)
+
+    def run(w: _Worker, until: float) -> None:
+        while (w.prefill or w.rows) and w.t < until and misses <= allowed:
+            step(w, until)
+
+    for i, r in enumerate(reqs):
+        n, best = r.num_prompt_tokens, None
+        for k, w in enumerate(pool):
+            run(w, r.arrival_s)
+            hit = 0
+            for key in keys[i][:(n - 1) // PREFIX_BLOCK] if keys is not None else ():
+                if key not in w.cache:
+                    break
+                hit += PREFIX_BLOCK
+            here = (w.queued(r.arrival_s) + n - hit, -hit, w.count, k, hit)  # ties: decode_candidates' order
+            best = here if best is None or here < best else best
+        if misses > allowed:
+            return 1 - misses / len(reqs)
+        w, hit = pool[best[3]], best[4]
+        w.t = w.t if w.prefill or w.rows else max(w.t, r.arrival_s)
+        w.prefill.append([i, hit, n, n - hit])
+        w.held, w.count = w.held + n - hit, w.count + 1
+        for key in keys[i] if keys is not None else ():
+            w.cache[key] = None
+            w.cache.move_to_end(key)
+        while len(w.cache) > room_keys:
+            w.cache.popitem(last=False)
+    for w in pool:
+        run(w, math.inf)
+    return 1 - misses / len(reqs)
+
+
+def _colocated_workers(workload: Workload, profile: CapacityProfile, auto, cache_tokens: int | None) -> int:
+    """The fewest colocated workers whose replay meets both SLOs for the SLO percentile of requests:
+    doubling from 1 until one does, then halving the gap (the share rises with the workers)."""
+    keys = prefix_keys([r.prompt_token_ids for r in workload.requests]) if cache_tokens is not None else None
+    share = auto.percentile / 100
+
+    def met(n: int) -> bool:
+        return colocated_met(workload, n, profile, auto.ttft_s, auto.itl_s, keys, cache_tokens or 0, share) >= share
+
+    lo, hi = 0, 1
+    while hi < MAX_WORKERS and not met(hi):
+        lo, hi = hi, min(2 * hi, MAX_WORKERS)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if met(mid) else (mid, hi)
+    return hi
 
 
 def _auto(config: ClusterConfig, slo: Slo):
@@ -150,11 +282,15 @@ def _profile(config: ClusterConfig, em: Emulation, colocated: bool) -> CapacityP
                            sched.max_num_seqs)
 
 
+def _kv_tokens(config: ClusterConfig) -> int:
+    block = config.kv_cache.block_size
+    return (emulated_num_blocks(config.emulate, block) or config.kv_cache.num_blocks or 0) * block
+
+
 def _sizer(config: ClusterConfig, em: Emulation, slo: Slo, colocated: bool) -> tuple[Sizer, Observation]:
     """The planner's sizing on the cost-model profile, and an observation of one idle worker per pool."""
     block = config.kv_cache.block_size
-    blocks = emulated_num_blocks(config.emulate, block) or config.kv_cache.num_blocks or 0
-    sample = WorkerSample("profile", math.inf, 0, blocks, block, 0, 0)
+    sample = WorkerSample("profile", math.inf, 0, _kv_tokens(config) // block, block, 0, 0)
     pools = {p: PoolObservation(p, 1, 0, 0, 0, (sample,)) for p in ("prefill", "decode")}
     obs = Observation(now=0.0, window_s=PEAK_WINDOW_S, mode="colocated" if colocated else "disaggregated",
                       pools=pools)
@@ -171,12 +307,6 @@ def _need(config: ClusterConfig, em: Emulation, slo: Slo, load: Load, colocated:
             max(1, ceil_workers(sizer.decode(obs, load).load or 0.0, u)))
 
 
-def _decode_need(config: ClusterConfig, em: Emulation, slo: Slo, load: Load) -> Need:
-    """The decode share of a colocated pool's load (workers at full capacity, and its figures)."""
-    sizer, obs = _sizer(config, em, slo, colocated=True)
-    return sizer.decode(obs, load, "decode")
-
-
 def recommend(config: ClusterConfig, em: Emulation, workload: Workload, slo: Slo,
               window_s: float = PEAK_WINDOW_S) -> dict[str, Any]:
     """The static arrangement (a name as `pdserve simulate --statics` takes it) and the figures behind it."""
@@ -185,9 +315,8 @@ def recommend(config: ClusterConfig, em: Emulation, workload: Workload, slo: Slo
     _, n = _need(config, em, slo, load, colocated=True)
     by_window = f"{p}P{d}D", f"colocated-{n}"
     p = _replay_workers(workload, _profile(config, em, False), "prefill", auto)
-    coloc = _profile(config, em, True)
-    prefill = _colocated_prefill(coloc, auto, load, _decode_need(config, em, slo, load), workload)
-    n = max(n, _fluid_workers(workload, coloc, "decode", auto, prefill))
+    cache = _kv_tokens(config) if config.kv_cache.prefix_caching else None
+    n = _colocated_workers(workload, _profile(config, em, True), auto, cache)
     name = f"colocated-{n}" if n <= p + d else f"{p}P{d}D"
     return {"recommended": name, "workers": min(n, p + d), "disaggregated": f"{p}P{d}D", "colocated": f"colocated-{n}",
             "peak_load": dataclasses.asdict(load), "peak_window_s": window_s, "by_peak_window": list(by_window),
