@@ -2,7 +2,8 @@
 
 Reference checks: the busiest window is found exactly on a hand-made workload; more load of the
 same shape never asks for fewer workers; prompt-heavy load gets more prefill than decode; bad
-input exits 2 with one line.
+input exits 2 with one line; the colocated replay's steps against the cost model's by hand, and its
+answer against `pdserve simulate`'s runs.
 """
 
 from __future__ import annotations
