@@ -81,12 +81,17 @@ def set_worker_faults(workers, **knobs) -> None:
     ray.get([w.actor.set_faults.remote(FaultConfig(**knobs)) for w in workers], timeout=30)
 
 
-def hold_engine(worker, seconds: float) -> None:
+def hold_engine(worker, seconds: float, release: Path | None = None) -> None:
     """Occupy the engine loop thread of `worker` (a WorkerView) for `seconds`: every call that
     needs the engine (reserve, add, abort, stats) waits behind it, as behind a long step. Returns
-    once the hold is queued; it begins at once on an idle engine."""
-    ray.get(worker.actor.__ray_call__.remote(
-        lambda actor: actor.core.loop.call(lambda engine: time.sleep(seconds)) and None), timeout=30)
+    once the hold is queued; it begins at once on an idle engine. With `release` (a file that
+    exists), the hold ends as soon as the test removes it: an end set by an event, not a guess of
+    how long the event takes on a loaded host (the worker runs on this host, so it sees the file)."""
+    def hold(engine) -> None:
+        end = time.monotonic() + seconds
+        while time.monotonic() < end and (release is None or release.exists()):
+            time.sleep(0.01)
+    ray.get(worker.actor.__ray_call__.remote(lambda actor: actor.core.loop.call(hold) and None), timeout=30)
 
 
 def wait_until(cond, timeout: float, what: str, every: float = 0.02) -> None:

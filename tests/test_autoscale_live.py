@@ -81,15 +81,24 @@ def autoscaled(ray_instance, llama_dir):
         manager.setLevel(level)
 
 
-def test_the_planner_scales_a_live_pool_up_and_back_down(autoscaled):
+def test_the_planner_scales_a_live_pool_up_and_back_down(autoscaled, tmp_path):
     router, client = autoscaled.router, Client(autoscaled.address)
     rng = random.Random("autoscale-live")
     prompts = [[rng.randrange(10, 2000) for _ in range(120)] for _ in range(12)]
-    hold_engine(router.pools.ready("prefill")[0], 6.0)  # its prompts wait: TTFT passes the SLO meanwhile
+    first, held = router.pools.ready("prefill")[0], tmp_path / "held"
+    held.touch()
+    # its prompts wait until another prefill worker is ready (TTFT passes the SLO meanwhile), however
+    # long a start takes on this host: a fixed 6 s hold let a slow start be scaled away as it came up.
+    # At most 20 s, under router.unresponsive_s (30 s): the held worker is slow, never replaced.
+    hold_engine(first, 20.0, release=held)
     results: list = []
     sender = threading.Thread(target=lambda: results.extend(client.many(prompts, max_tokens=8, ignore_eos=True)))
     sender.start()
-    wait_until(lambda: len(router.pools.ready("prefill")) == 2, 120, "a second prefill worker")
+    try:
+        wait_until(lambda: any(w.name != first.name for w in router.pools.ready("prefill")), 120,
+                   "a second prefill worker")
+    finally:
+        held.unlink()
     sender.join(120)
     assert len(results) == 12 and all(len(tokens) == 8 for tokens in results)
     up = next(d for d in router.autoscaler.decisions if d.desired("prefill") == 2)
