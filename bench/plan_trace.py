@@ -321,7 +321,7 @@ def recommend(config: ClusterConfig, em: Emulation, workload: Workload, slo: Slo
     return {"recommended": name, "workers": min(n, p + d), "disaggregated": f"{p}P{d}D", "colocated": f"colocated-{n}",
             "peak_load": dataclasses.asdict(load), "peak_window_s": window_s, "by_peak_window": list(by_window),
             "profile": "cost_model",
-            "target_utilization": config.router.autoscale.target_utilization}
+            "target_utilization": config.router.autoscale.target_utilization, "percentile": auto.percentile}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -371,7 +371,10 @@ def run_trace(args: argparse.Namespace) -> int:
     print(json.dumps(found) if args.json else
           f"recommended: {found['recommended']} ({found['workers']} x {args.emulate}; disaggregated would be "
           f"{found['disaggregated']}, colocated {found['colocated']})\n"
-          f"load carried: the busiest {args.peak_window:g} s, {load['requests_per_s']:.2f} req/s, "
+          f"colocated: the fewest workers whose replay of the trace (each prompt where its prefill finishes "
+          f"first, the engine's chunked steps) meets TTFT and TPOT for {found['percentile']:g}% of requests\n"
+          f"disaggregated: prefill by a replay of the trace at the profile's full speed; decode for the "
+          f"busiest {args.peak_window:g} s, {load['requests_per_s']:.2f} req/s, "
           f"{load['prompt_tokens_per_s']:.0f} prompt tokens/s (mean prompt {load['prompt_len']:.0f}, output "
           f"{load['output_len']:.0f}) at {found['target_utilization']:.0%} of the cost model's capacity")
     return 0
