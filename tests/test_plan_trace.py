@@ -9,6 +9,7 @@ answer against `pdserve simulate`'s runs.
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -64,6 +65,25 @@ def test_bad_input_exits_2_with_one_line(tmp_path, capsys):
         code = pdserve(["plan", *args])
         err = capsys.readouterr().err
         assert code == 2 and words in err and err.count("\n") == 1, err
+
+
+def test_the_cli_says_how_each_answer_was_sized_and_its_json_is_the_same_answer(tmp_path, capsys):
+    """The operator's command on a small Mooncake-format trace: the text names the recommendation and
+    how each arrangement was sized (the colocated replay at the SLO's percentile, the disaggregated
+    replay and busiest window); --json carries the same answer and the percentile."""
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("".join(json.dumps({"timestamp": 250 * i, "input_length": 4000, "output_length": 64,
+                                         "hash_ids": list(range(8 * i, 8 * i + 8))}) + "\n" for i in range(40)))
+    args = ["plan", "--trace", str(trace), "--slo", "ttft=2,tpot=50ms", "--emulate", "h100:llama-3.1-8b",
+            "--config", str(ROOT / "simulate" / "gpu_cluster.yaml")]
+    capsys.readouterr()
+    assert pdserve(args) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert pdserve([*args, "--json"]) == 0
+    found = json.loads(capsys.readouterr().out)
+    assert found["percentile"] == 90 and lines[0].startswith(f"recommended: {found['recommended']} (")
+    assert lines[1].startswith("colocated: the fewest workers whose replay") and "90% of requests" in lines[1]
+    assert lines[2].startswith("disaggregated: prefill by a replay") and "busiest 30 s" in lines[2]
 
 
 def _clumped(rate: float, clump: int, prompt: int, seconds: float = 120.0):
