@@ -248,16 +248,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--processes", type=int, default=2)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
+    names = args.only.split(",")
+    if unknown := [n for n in names if n not in CASES]:
+        parser.error(f"--only: no case {', '.join(unknown)}; the cases are {', '.join(CASES)}")
+    if args.arrangements and args.planner_only:
+        parser.error("--arrangements runs static arrangements; --planner-only runs none")
+    if args.arrangements and not args.statics_only and any(CASES[n].kind != "compare" for n in names):
+        parser.error("--arrangements on a planner-only case (bursty, steady) needs --statics-only")
     base = load_config(str(CONFIG))
     base, em = emulated(base, dataclasses.replace(base.emulate, device="h100", model="llama-3.1-8b"), str(CONFIG))
     price = USD_PER_HOUR["h100"]
     out: dict[str, Any] = {"usd_per_worker_hour": price, "attainment_target": ATTAINMENT}
-    for name in args.only.split(","):
+    for name in names:
         case, began = CASES[name], time.perf_counter()
+        statics = case.kind == "compare" or bool(args.arrangements and args.statics_only)
+        if args.statics_only and not statics:
+            continue  # a planner-only case has no static search
         wl, slo = workload(case), parse_slo(case.slo)
-        if case.kind == "compare" or (args.arrangements and args.statics_only):
+        if statics:
             out[name] = _compare(case, base, em, wl, slo, price, args, out)
-        elif not args.statics_only:
+        else:
             from simulate.bench_planner import measure_blind, measure_steady
 
             measure = measure_steady if case.kind == "steady" else measure_blind

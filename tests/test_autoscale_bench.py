@@ -252,3 +252,16 @@ def test_the_cli_prints_the_issues_json(tmp_path):
     assert (tmp_path / "autoscale.png").exists() and "timeline" in json.loads((tmp_path / "autoscale.json").read_text())
     no_slo = subprocess.run(args[:10] + ["--autoscale"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert no_slo.returncode == 2 and "--autoscale scores every run by its SLO" in no_slo.stderr
+
+
+def test_misused_flags_exit_2_naming_them(capsys):
+    """Checked before any simulation: an unknown case, --arrangements with --planner-only, and
+    --arrangements on a planner-only case without --statics-only (it would be ignored)."""
+    from simulate import bench_autoscale
+
+    for argv, words in ((["--only", "nope"], "no case nope"),
+                        (["--arrangements", "colocated-4", "--planner-only"], "--planner-only runs none"),
+                        (["--only", "steady", "--arrangements", "colocated-2"], "needs --statics-only")):
+        with pytest.raises(SystemExit) as exited:
+            bench_autoscale.main(argv)
+        assert exited.value.code == 2 and words in capsys.readouterr().err, argv
