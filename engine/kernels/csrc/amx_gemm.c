@@ -116,16 +116,18 @@ static inline void four_panels(const uint16_t *a, const uint16_t *a2, int64_t xr
 
 /* Rows [r0, r0 + m) (m <= 32: one or two row tiles, in tiles 4 and 7) by panels p0 and p0 + 1 (cnt of
    them, 1 or 2: tiles 5 and 6) over all of k: sums in tiles 0-3 (row tile r, panel q: tile 2 r + q),
-   stored to `sums` ([32][32] floats), then biased, rounded and written. */
+   stored to `sums` ([32][32] floats), then biased, rounded and written. Meanwhile `per` cache lines a
+   k-step of the next pair's panels (`ahead`, `lines` of them left) are prefetched. */
 static void two_by_two(const uint16_t *xs, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
                        int64_t out_stride, best16 *best, int r0, int m, int64_t n, int64_t kp, int64_t p0, int cnt,
-                       float *sums) {
+                       float *sums, const char *ahead, int64_t lines, int64_t per) {
     const uint16_t *a0 = xs + (int64_t)r0 * kp, *a1 = a0 + 16 * kp; /* row tiles, staged tile by tile */
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t c = 0; c < kp / 32; c++) {
+        for (int64_t i = 0; i < per && lines > 0; i++, lines--, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T2);
         _tile_loadd(4, a0 + c * 512, 64);
         _tile_loadd(5, PANEL(p0, c), 64);
         if (m > 16) _tile_loadd(7, a1 + c * 512, 64);
@@ -153,10 +155,22 @@ static void panels_of(const uint16_t *xs, const uint16_t *panels, const uint16_t
                       int64_t out_stride, best16 *best, int rows, int64_t n, int64_t kp, int64_t p_lo, int64_t p_hi,
                       float *sums) {
     if (rows > 16) {
-        for (int64_t p0 = p_lo; p0 < p_hi; p0 += 2)
-            for (int r0 = 0; r0 < rows; r0 += 32)
-                two_by_two(xs, panels, bias, out, out_stride, best, r0, rows - r0 < 32 ? rows - r0 : 32, n, kp, p0,
-                           p_hi - p0 < 2 ? 1 : 2, sums);
+        /* The pair after this one is prefetched while this one runs, spread over its blocks' k-steps:
+           the first block of rows then finds its panels in cache instead of waiting on memory
+           (SmolLM2's prompt linears at 128 rows, one thread: 0.88-0.90x the time on a quiet host,
+           0.74-0.77x with the host's neighbours busy; docs/engine_speed.md, "bfloat16 linears"). */
+        int64_t blocks = (rows + 31) / 32, steps = kp / 32;
+        for (int64_t p0 = p_lo; p0 < p_hi; p0 += 2) {
+            int64_t next = p_hi - p0 - 2 < 2 ? p_hi - p0 - 2 : 2, lines = next > 0 ? next * steps * 16 : 0;
+            int64_t per = (lines + blocks * steps - 1) / (blocks * steps);
+            const char *ahead = next > 0 ? (const char *)(panels + (p0 + 2) * (kp / 2) * 32) : NULL;
+            for (int64_t b = 0; b < blocks; b++) {
+                int64_t done = b * steps * per < lines ? b * steps * per : lines;
+                two_by_two(xs, panels, bias, out, out_stride, best, (int)(32 * b),
+                           rows - 32 * b < 32 ? (int)(rows - 32 * b) : 32, n, kp, p0, p_hi - p0 < 2 ? 1 : 2, sums,
+                           ahead ? ahead + 64 * done : NULL, lines - done, per);
+            }
+        }
         return;
     }
     for (int64_t p0 = p_lo; p0 < p_hi; p0 += 4) {
