@@ -279,9 +279,9 @@ def _convert(args: argparse.Namespace) -> int:
         gguf = Path(args.gguf)
         out = Path(args.out_dir) if args.out_dir else model_convert.default_out_dir(gguf)
     t0 = time.perf_counter()
-    arch = model_convert.check_convertible(gguf, out)
-    print(f"pdserve: converting {gguf} ({arch}) to {args.dtype} in {out}", file=sys.stderr, flush=True)
-    model_convert.convert(gguf, out, args.dtype)
+    # checked inside convert, within its one parse of the file (checking here first parsed it twice)
+    model_convert.convert(gguf, out, args.dtype, checked=lambda arch: print(
+        f"pdserve: converting {gguf} ({arch}) to {args.dtype} in {out}", file=sys.stderr, flush=True))
     print(f"pdserve: wrote {out} in {time.perf_counter() - t0:.0f} s; serve it with model.path: {out.resolve()}",
           file=sys.stderr)
     return 0
