@@ -157,8 +157,8 @@ static void panels_of(const uint16_t *xs, const uint16_t *panels, const uint16_t
     if (rows > 16) {
         /* The pair after this one is prefetched while this one runs, spread over its blocks' k-steps:
            the first block of rows then finds its panels in cache instead of waiting on memory
-           (SmolLM2's prompt linears at 128 rows, one thread: 0.88-0.90x the time on a quiet host,
-           0.74-0.77x with the host's neighbours busy; docs/engine_speed.md, "bfloat16 linears"). */
+           (SmolLM2's prompt linears at 32-256 rows, one thread: 0.88-0.91x the time on a quiet host,
+           0.70-0.79x with the host's neighbours busy; docs/engine_speed.md, "bfloat16 linears"). */
         int64_t blocks = (rows + 31) / 32, steps = kp / 32;
         for (int64_t p0 = p_lo; p0 < p_hi; p0 += 2) {
             int64_t next = p_hi - p0 - 2 < 2 ? p_hi - p0 - 2 : 2, lines = next > 0 ? next * steps * 16 : 0;
