@@ -89,8 +89,8 @@ def main() -> None:
     if args.rounds < 1 or args.threads < 1 or min(rows_list) < 1:
         p.error("--rounds, --threads and every --rows value must be at least 1")
     hf_config = AutoConfig.from_pretrained(_model(args.model))
-    shapes = layer_shapes(hf_config)
-    shapes = [(shapes[0][0] + 2 * shapes[1][0], shapes[0][1]), shapes[3], (2 * shapes[4][0], shapes[4][1]), shapes[6]]
+    q, kv, _, o, gate, _, down = layer_shapes(hf_config)
+    shapes = [(q[0] + 2 * kv[0], q[1]), o, (2 * gate[0], gate[1]), down]  # as the engine fuses them: q|k|v, o, gate|up, down
     with tempfile.TemporaryDirectory(prefix="gemm_pair-") as tmp:
         libs = {}
         for side, rev in (("base", args.base), ("tree", None)):
@@ -119,7 +119,7 @@ def main() -> None:
             for r in range(args.rounds):
                 for side in (("base", "tree") if r % 2 == 0 else ("tree", "base")):
                     times[side].append(_run(libs[side], layers[side], inputs, outs[side], rows, args.threads))
-            same = torch.equal(outs["base"], outs["tree"])  # the last linear's outputs (down), every row
+            same = torch.equal(outs["base"], outs["tree"])  # each build's buffer after the same calls: the last ones' outputs
             ratios = sorted(t / b for t, b in zip(times["tree"], times["base"], strict=True))
             report["rows"][rows] = {
                 "base_gflops_best": flops / min(times["base"]) / 1e9, "tree_gflops_best": flops / min(times["tree"]) / 1e9,

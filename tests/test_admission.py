@@ -40,11 +40,6 @@ class _Slots:
             self.admission.notify()
 
 
-def _virtual(main):
-    """`main()` on a fresh virtual-time loop (time jumps to the next timer when nothing is ready)."""
-    return run_virtual(main)
-
-
 def test_a_request_that_would_wait_past_the_queue_timeout_is_refused_at_arrival():
     """Eight requests queue on a cluster that places one every 0.1 s; once it measured that, a
     ninth that would wait about 0.9 s behind them with a 0.3 s queue timeout is refused at once
@@ -67,7 +62,7 @@ def test_a_request_that_would_wait_past_the_queue_timeout_is_refused_at_arrival(
         await server
         return interval, refused.value, refused_after, waiting_then, results
 
-    interval, refused, refused_after, waiting_then, results = _virtual(run)
+    interval, refused, refused_after, waiting_then, results = run_virtual(run)
     assert interval == pytest.approx(0.1, abs=1e-6)
     assert refused_after == 0  # at arrival, not after the 0.3 s queue timeout
     assert "the cluster is saturated" in str(refused) and "router.queue_timeout_s (0.3 s)" in str(refused)
@@ -90,7 +85,7 @@ def test_nobody_queued_or_no_rate_measured_lets_a_request_in():
             await admission.place(never, lambda: True, 0.2)
         return clock.now() - t0
 
-    assert _virtual(run) == pytest.approx(0.2, abs=1e-6)
+    assert run_virtual(run) == pytest.approx(0.2, abs=1e-6)
 
 
 def test_requests_queued_behind_the_head_are_refused_at_their_own_deadline():
@@ -110,7 +105,7 @@ def test_requests_queued_behind_the_head_are_refused_at_their_own_deadline():
             return clock.now() - t0
         return await asyncio.gather(timed(0.6), timed(0.15), timed(0.3))
 
-    head, second, third = _virtual(run)
+    head, second, third = run_virtual(run)
     assert head == pytest.approx(0.6, abs=1e-6)
     assert second == pytest.approx(0.15, abs=1e-6)  # while the head still holds the queue
     assert third == pytest.approx(0.3, abs=1e-6)
@@ -141,7 +136,7 @@ def test_each_try_gets_the_request_deadline_and_a_request_placed_again_keeps_it(
             await admission.place(never, lambda: True, 0.4, since)  # 0.1 s of its 0.4 s left
         return first, since, deadlines, again_s, clock.now() - t0
 
-    first, since, deadlines, again_s, left_s = _virtual(run)
+    first, since, deadlines, again_s, left_s = run_virtual(run)
     # every try of a wait is given that wait's deadline (the second wait had none: refused at once)
     assert set(deadlines) == {first + 0.4, since + 0.4} and deadlines[0] == first + 0.4 and deadlines[-1] == since + 0.4
     assert again_s == 0
