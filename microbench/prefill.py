@@ -13,7 +13,8 @@ too). Each figure carries the load average over its samples, the host being shar
 samples started on cores that did not go idle within the wait.
 
     python -m microbench.prefill [--model models/smollm2-135m-instruct] [--dtypes float32,bfloat16]
-        [--lengths 128,512,2048] [--rounds 5] [--pdserve-threads 2,1,2/whole] [--peers-dir .peers] [--no-vllm] [--json]
+        [--lengths 128,512,2048] [--rounds 5] [--pdserve-threads 2,1,2/whole,2/phases] [--peers-dir .peers]
+        [--no-vllm] [--json]
 """
 
 from __future__ import annotations
@@ -68,7 +69,7 @@ class Pdserve:
     """A prefill worker's engine on `threads` torch threads, timed on one prompt at a time."""
 
     def __init__(self, model: str, dtype: str, threads: int, role: str = "prefill", chunk: int | None = 256,
-                 team: bool = True):
+                 region: str = "overlap"):
         self.threads = threads
         cfg = parse_config({"model": {"path": model, "dtype": dtype}, "scheduler": {"chunk_size": chunk},
                             "kv_cache": {"memory": f"{KV_BUDGET >> 20}MiB", "prefix_caching": False}})
@@ -80,14 +81,16 @@ class Pdserve:
         self._layer = kernels.layer if kernels is not None else None
         if self._layer is not None:  # the build's default for the one-region path (layer_team.c), or off
             default = self._layer.use_team(0)
-            self._team_rows = default if team else 0
+            self._team_rows = 0 if region == "kernelwise" else default
             self._layer.use_team(default)
+        self._overlap = region == "overlap"
 
     def __call__(self, ids: list[int]) -> tuple[float, int]:
         self._ids += 1
         torch.set_num_threads(self.threads)  # the kernels take the count at each step
         if self._layer is not None:  # process-wide: each side sets its own
             self._layer.use_team(self._team_rows)
+            self._layer.team_overlap(self._overlap)
         t0 = time.perf_counter()
         self.engine.add_request(f"p{self._ids}", prompt_token_ids=ids, sampling=SamplingParams(max_tokens=1))
         token = None
@@ -159,10 +162,12 @@ def measure(sides: dict, lengths: list[int], rounds: int, vocab: int, idle_wait_
 def _summary(tok_s: dict[str, list[float]], loads: list[float], busy_starts: int = 0) -> dict:
     out = {f"{name}_tok_s": round(statistics.median(v), 1) for name, v in tok_s.items()}
     out["samples_tok_s"] = {name: [round(x, 1) for x in v] for name, v in tok_s.items()}
+    first = next(iter(tok_s))
     for name in tok_s:
-        if name != "vllm" and "vllm" in tok_s:
-            paired = zip(tok_s[name], tok_s["vllm"], strict=True)
-            out[f"{name}_over_vllm"] = round(statistics.median(a / b for a, b in paired), 3)
+        for base in ("vllm", first):  # each side over vLLM's, and each further pdserve side over the first
+            if name not in ("vllm", base) and base in tok_s:
+                paired = zip(tok_s[name], tok_s[base], strict=True)
+                out[f"{name}_over_{base}"] = round(statistics.median(a / b for a, b in paired), 3)
     out["load_avg_1min"] = [round(min(loads), 2), round(max(loads), 2)]
     out["busy_starts"] = busy_starts  # samples begun on cores still busy after the wait
     return out
@@ -190,14 +195,18 @@ def run(args: argparse.Namespace) -> dict:
     return report
 
 
-def _side(spec: int | str) -> tuple[int, str, int | None, bool]:
-    """`--pdserve-threads` entry -> (threads, role, chunk, team): "2" (chunks of 256, `pdserve serve`'s
+REGIONS = ("overlap", "phases", "kernelwise")  # how a side runs a prompt step on two or more threads
+
+
+def _side(spec: int | str) -> tuple[int, str, int | None, str]:
+    """`--pdserve-threads` entry -> (threads, role, chunk, region): "2" (chunks of 256, `pdserve serve`'s
     default) or "2/whole" (whole prompts, as bench.peer's arrangements run them) or "2/512"; a last
-    "/kernelwise" runs every step kernel by kernel (a region per kernel, not layer_team.c's one a step)."""
+    "/phases" runs layer_team.c's one region a step with each item waiting for its whole previous
+    phase (pd_team_overlap off), "/kernelwise" every step kernel by kernel (a region per kernel)."""
     threads, *rest = str(spec).split("/")
-    team = rest[-1:] != ["kernelwise"]
-    chunk = rest[0] if rest and rest[0] != "kernelwise" else ""
-    return int(threads), "prefill", None if chunk == "whole" else int(chunk or 256), team
+    region = rest.pop() if rest and rest[-1] in REGIONS else "overlap"
+    chunk = rest[0] if rest else ""
+    return int(threads), "prefill", None if chunk == "whole" else int(chunk or 256), region
 
 
 def _cpu_name() -> str:
@@ -214,6 +223,8 @@ def _table(report: dict) -> str:
         for n, f in entry["lengths"].items():
             rows.append(f"{dtype:<10}{n:>8}{f['pdserve_tok_s']:>15}{f.get('vllm_tok_s', '-'):>12}"
                         f"{f.get('pdserve_over_vllm', '-'):>8}  {f['load_avg_1min']}")
+            rows += [f"{'':<18}{name}: {f[f'{name}_tok_s']} tok/s, {f[f'{name}_over_pdserve']}x pdserve's"
+                     for name in f["samples_tok_s"] if name not in ("pdserve", "vllm")]
     return "\n".join(rows)
 
 
@@ -226,7 +237,8 @@ def main() -> None:
     p.add_argument("--pdserve-threads", type=lambda s: [x if "/" in x else int(x) for x in s.split(",")],
                    default=[len(CORES)], help="pdserve engines side by side, one per thread count (the first is "
                    "`pdserve`), each `N` (prompt chunks of 256), `N/whole` (whole prompts) or `N/CHUNK`, "
-                   "each with `/kernelwise` for a region per kernel instead of one a step")
+                   "each with `/phases` (one region a step, each item waiting for its whole previous phase) or "
+                   "`/kernelwise` (a region per kernel instead of one a step)")
     p.add_argument("--peers-dir", type=Path, default=Path(os.environ.get("PEERS_DIR", ".peers")))
     p.add_argument("--no-vllm", dest="vllm", action="store_false", help="pdserve alone")
     add_idle_wait(p)

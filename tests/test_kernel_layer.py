@@ -294,7 +294,11 @@ def test_a_step_on_one_region_split_by_rows_gives_the_kernel_by_kernel_bits(llam
     context, run as one OpenMP region split by rows and attention pieces, gives the per-kernel
     loop's hidden states and pool bit for bit, on two and three threads; past the float32 GEMM's
     cut (64 rows on AVX-512 hosts) too, and over a 1,100-token prompt (on AMX tiles of 256 rows, the
-    most a tile takes)."""
+    most a tile takes). Both with each item waiting for the whole previous phase and with items
+    starting once what they read is done (`pd_team_overlap`, the default), and that again with the
+    second thread slow on every item it holds (`pd_team_lag`), so the first runs ahead into the
+    next phases as far as its waits let it: a wait too short reads K/V or attention outputs not yet
+    written, or overwrites q|k|v still to be read."""
     decoder = _engine(llama_dir, layer_dtype).runner.forward.kernel_decoder
     assert decoder is not None and decoder.table is not None
     kernels = _kernels()
@@ -310,7 +314,15 @@ def test_a_step_on_one_region_split_by_rows_gives_the_kernel_by_kernel_bits(llam
             monkeypatch.setattr(layer, "max_rows", most if rows else None)
         return kernels.layer.use_team(int(rows))
 
-    _same_bits_both_ways(decoder, meta, ids, positions, threads, region, kernels.layer.team_steps)
+    overlap = kernels.layer.team_overlap(True)
+    try:
+        for on, lag_us in ((False, 0), (True, 0), (True, 3000)):
+            kernels.layer.team_overlap(on)
+            kernels.layer.team_lag(lag_us)
+            _same_bits_both_ways(decoder, meta, ids, positions, threads, region, kernels.layer.team_steps)
+    finally:
+        kernels.layer.team_overlap(overlap)
+        kernels.layer.team_lag(0)
 
 
 def _same_bits_both_ways(decoder, meta, ids, positions, threads: int, use, steps) -> None:

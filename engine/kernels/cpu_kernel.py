@@ -113,6 +113,7 @@ class LayerKernel:
         self._seconds = (ctypes.c_double * len(self.KINDS)).in_dll(lib, "pd_layer_seconds")
         self._decoder = lib.pd_decoder_forward
         self._team, self._team_steps = lib.pd_use_team, lib.pd_team_steps
+        self._overlap, self._lag = lib.pd_team_overlap, lib.pd_team_lag
         self._cols, self._cols_steps = lib.pd_use_cols, lib.pd_cols_steps
 
     def use_team(self, rows: int) -> int:
@@ -126,6 +127,18 @@ class LayerKernel:
         GEMMs then take tiles of at most 64 rows (so a step past the GEMM's cut may run there)."""
         rows = int(self._team(-1))
         return threads > 1 and 0 < rows <= tokens
+
+    def team_overlap(self, on: bool) -> bool:
+        """`pd_team_overlap`: on that path, a rows or attention item starts as soon as the items it
+        reads are done, so one thread's GEMMs run beside the other's attention (on), or only once
+        the whole previous phase is (off); returns the setting before. Process-wide, for tests and
+        measurements (the outputs are the same bits)."""
+        return bool(self._overlap(int(bool(on))))
+
+    def team_lag(self, us: int) -> int:
+        """`pd_team_lag`, for tests: on that path the second thread sleeps `us` microseconds after
+        claiming each item, so the first runs ahead as far as the waits let it; returns the setting before."""
+        return int(self._lag(max(int(us), 0)))
 
     def team_steps(self) -> int:
         """The steps `decoder` has run as one region so far, in this process."""

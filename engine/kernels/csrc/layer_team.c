@@ -10,24 +10,35 @@ layer's norm, q|k|v GEMM, rotary and K/V write each read and write only their ow
 is two phases:
 
     rows      tiles of 16-64 rows (16-256 on AMX), each through the chain above (kernels on one thread, on the tile)
-    attention the prompt chunks cut into pieces of about equal work (a piece: query positions
-              [a, b) of one chunk, every head; its keys are all in the pool by then), decode rows one each
+    attention decode rows one each, then the prompt chunks cut into pieces of about equal work (a
+              piece: query positions [a, b) of one chunk, every head), in the order of their rows
 
-Threads claim a phase's items from a counter and a phase ends when its items are done, not when
-every thread has arrived: a thread the OS has descheduled between items costs nothing, its
-partner takes the rest (a thread only waits for an item another has claimed and not finished).
-A late thread finds the phases it missed claimed and catches up. Waiting spins a while, then
-sleeps on the counter (futex), so the core is free for the partner it waits for.
+Threads claim a phase's items from a counter, in order, and an item starts as soon as the items it
+reads are done, not when the whole previous phase is: an attention piece once the rows items of
+its layer have written the K/V of its chunk's rows up to its last query (a prefix of the tiles), a
+rows item once the pieces answering its tile's rows are done (a prefix of the pieces). A thread
+out of items in one phase therefore goes on with the next phase's first ones while its partner
+finishes the phase's last: on two hardware threads of one core (a 2-vCPU VM is often one core's
+two siblings, which share one AMX unit and one set of vector ports) one runs GEMMs on the tiles
+while the other runs attention's vector work, which two threads both on GEMMs, or both on
+attention, cannot (docs/engine_speed.md: 0.86-0.95x a 512-token step's time, 0.76-0.82x a chunk
+after 1,536 tokens of context). A thread the OS has descheduled between items costs nothing: its
+partner takes the rest (a thread only waits for an item another has claimed and not finished). A
+claimed item waits only on the previous phase's items, all claimed before it, so no wait is
+circular. Waiting spins a while, then sleeps on the phase's counter (futex), so the core is free
+for the partner it waits for. pd_team_overlap(0) makes every item wait for its whole previous
+phase instead (for measurements; the same bits).
 
 Bits: each kernel's output for a row depends on that row alone (the GEMMs' sums are batch- and
 thread-invariant, the small ops row-wise) and prefill attention's on the row's position alone
 (steps aligned to absolute positions), so a step gives the per-kernel path's outputs bit for bit
-(tests/test_kernel_team.py compares the two).
+(tests/test_kernel_layer.py compares the two, with and without the overlap).
 
-pd_layer_seconds: the calling thread's own work, by kind, with its waits at the end of a phase
-counted to the phase's kind (rows: LAYER_GEMM; attention: LAYER_PREFILL). */
+pd_layer_seconds: the calling thread's own work, by kind, with its waits before an item counted
+to the item's kind (rows: LAYER_GEMM; attention: LAYER_PREFILL). */
 #include <omp.h>
 #include <sched.h>
+#include <unistd.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,7 +70,22 @@ counted to the phase's kind (rows: LAYER_GEMM; attention: LAYER_PREFILL). */
 static int team_rows = 64; /* pd_use_team: the fewest step rows that take this path; 0 never */
 static int64_t team_steps; /* steps run on this path (pd_team_steps) */
 
+static int overlap_on = 1; /* pd_team_overlap */
+static int lag_us;         /* pd_team_lag */
+
 int64_t pd_team_steps(void) { return __atomic_load_n(&team_steps, __ATOMIC_RELAXED); }
+
+int pd_team_lag(int us) {
+    int before = lag_us;
+    if (us >= 0) __atomic_store_n(&lag_us, us, __ATOMIC_RELAXED);
+    return before;
+}
+
+int pd_team_overlap(int enable) {
+    int before = overlap_on;
+    if (enable >= 0) __atomic_store_n(&overlap_on, enable != 0, __ATOMIC_RELAXED);
+    return before;
+}
 
 int pd_use_team(int rows) {
     int before = team_rows;
@@ -86,14 +112,21 @@ typedef struct {
     int n, tile, tiles, npieces;
     const piece *pieces;
     layer_counter *phases; /* 2 n + 1: rows 0, attention 0, rows 1, ..., rows n */
+    unsigned char *done;   /* [2 n + 1][width]: item i of phase p finished */
+    int width;             /* the most items a phase has */
+    const int *tile_needs;  /* [tiles]: a rows item waits for the previous attention phase's first this many pieces */
+    const int *piece_needs; /* [npieces]: an attention item waits for its layer's first this many tiles */
     int failed;      /* the first failing kernel's code */
 } team;
 
-/* Attention's pieces: each chunk cut where its work (a query row's grows with its position) reaches
-   each of `want` equal shares, on whole tiles of the kernel's query rows where they divide; then
-   the decode rows, one a piece. Returns the count written to out (room: chunks x want + decodes). */
+/* Attention's pieces: the decode rows, one a piece; then each chunk cut where its work (a query
+   row's grows with its position) reaches each of `want` equal shares, on whole tiles of the
+   kernel's query rows where they divide. In the order of their rows (decode rows come first in a
+   step), so a tile's rows need a prefix of the pieces. Returns the count written to out (room:
+   decodes + chunks x want). */
 static int cut_pieces(const pd_step *S, int groups, int want, piece *out) {
     int count = 0, align = ROWS % groups == 0 ? ROWS / groups : 16;
+    for (int d = 0; d < S->decodes; d++) out[count++] = (piece){-1, 0, 0, d};
     for (int c = 0; c < S->n_chunks; c++) {
         const int64_t *chunk = S->chunks + 4 * c;
         int nq = (int)(chunk[1] - chunk[0]);
@@ -105,8 +138,32 @@ static int cut_pieces(const pd_step *S, int groups, int want, piece *out) {
             out[count++] = (piece){c, a, b, -1};
         }
     }
-    for (int d = 0; d < S->decodes; d++) out[count++] = (piece){-1, 0, 0, d};
     return count;
+}
+
+/* The step rows piece p answers, [q0, last]; the K/V it reads is of its chunk's rows up to `last`
+   (a decode row: its own row's). */
+static void piece_rows(const pd_step *S, const piece *p, int *q0, int *last) {
+    int row0 = p->chunk < 0 ? p->row : (int)S->chunks[4 * p->chunk];
+    *q0 = p->chunk < 0 ? row0 : row0 + p->a;
+    *last = p->chunk < 0 ? row0 : row0 + p->b - 1;
+}
+
+/* What each item waits for. Attention piece p of layer l reads the K/V that layer l's rows items
+   wrote for its rows (tiles 0 .. the tile of its last row: piece_needs[p] of them); rows item i of
+   layer l + 1 reads the attention outputs of its tile's rows and overwrites their q|k|v (pieces 0 ..
+   the last piece answering a row of the tile: tile_needs[i]). Both are prefixes: pieces run in
+   the order of their rows. */
+static void cut_needs(const team *t, int *tile_needs, int *piece_needs) {
+    for (int i = 0; i < t->tiles; i++) tile_needs[i] = 0;
+    for (int p = 0; p < t->npieces; p++) {
+        int q0, last;
+        piece_rows(t->S, t->pieces + p, &q0, &last);
+        piece_needs[p] = last / t->tile + 1;
+        for (int i = q0 / t->tile; i <= last / t->tile; i++) tile_needs[i] = p + 1;
+    }
+    for (int i = 0; i < t->tiles; i++) /* a tile no piece answers (none: every row is a decode or a chunk's) */
+        if (tile_needs[i] == 0) tile_needs[i] = t->npieces;
 }
 
 /* Layer L's first half on rows [r0, r0 + m): norm, q|k|v, rotary, K/V into the pool. */
@@ -239,23 +296,65 @@ void layer_finish_item(layer_counter *c, int items) {
 #endif
 }
 
-/* One thread's part of the step: every phase in turn, claiming items until none is left. */
+/* Whether items [0, k) of a phase are all finished */
+static int prefix_done(const unsigned char *done, int k) {
+    for (int i = 0; i < k; i++)
+        if (!__atomic_load_n(done + i, __ATOMIC_ACQUIRE)) return 0;
+    return 1;
+}
+
+/* Until items [0, k) of phase c are finished: spin a while, then sleep on its counter
+   (layer_wait_done's reasons). */
+static void wait_prefix(layer_counter *c, const unsigned char *done, int k) {
+    for (int spin = 0; spin < SPINS; spin++) {
+        if (prefix_done(done, k)) return;
+        RELAX();
+    }
+#if FUTEX
+    __atomic_fetch_add(&c->sleepers, 1, __ATOMIC_SEQ_CST);
+    for (int seen = __atomic_load_n(&c->done, __ATOMIC_SEQ_CST); !prefix_done(done, k);
+         seen = __atomic_load_n(&c->done, __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, &c->done, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0); /* returns when done moved */
+    __atomic_fetch_sub(&c->sleepers, 1, __ATOMIC_SEQ_CST);
+#else
+    while (!prefix_done(done, k)) sched_yield();
+#endif
+}
+
+/* Item i of phase c finished: marked, counted, and any thread asleep on the phase woken. */
+static void finish(layer_counter *c, unsigned char *done, int i) {
+    __atomic_store_n(done + i, 1, __ATOMIC_SEQ_CST);
+    __atomic_add_fetch(&c->done, 1, __ATOMIC_SEQ_CST);
+#if FUTEX
+    if (__atomic_load_n(&c->sleepers, __ATOMIC_SEQ_CST) > 0)
+        syscall(SYS_futex, &c->done, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+#endif
+}
+
+/* One thread's part of the step: every phase in turn, claiming items until none is left. A thread
+   out of items in one phase starts the next phase's, each once the items it reads are finished
+   (cut_needs), so on two threads of one core one runs attention while the other runs GEMMs.
+   Deadlock-free: a claimed item waits only on the previous phase's items, all claimed before it. */
 static void run(team *t) {
-    int mine = omp_get_thread_num() == 0;
+    int mine = omp_get_thread_num() == 0, lag = omp_get_thread_num() == 1 ? __atomic_load_n(&lag_us, __ATOMIC_RELAXED) : 0;
     for (int p = 0; p < 2 * t->n + 1; p++) {
         int items = p % 2 == 0 ? t->tiles : t->npieces;
         layer_counter *c = t->phases + p;
+        unsigned char *done = t->done + (int64_t)p * t->width;
         for (int i; (i = __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED)) < items;) {
+            if (lag > 0) usleep((useconds_t)lag); /* a test's slow partner, holding item i */
+            if (p > 0) {
+                double t0 = layer_now(), t1;
+                wait_prefix(c - 1, done - t->width, p % 2 == 0 ? t->tile_needs[i] : t->piece_needs[i]);
+                CLOCK(p % 2 == 0 ? LAYER_GEMM : LAYER_PREFILL);
+            }
             if (__atomic_load_n(&t->failed, __ATOMIC_RELAXED) == 0) {
                 int rc = p % 2 == 0 ? rows_item(t, p / 2, i, mine) : attention_item(t, p / 2, i, mine);
                 int none = 0;
                 if (rc != 0) __atomic_compare_exchange_n(&t->failed, &none, rc, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
             }
-            layer_finish_item(c, items);
+            finish(c, done, i);
         }
-        double t0 = layer_now(), t1;
-        layer_wait_done(c, items);
-        CLOCK(p % 2 == 0 ? LAYER_GEMM : LAYER_PREFILL);
     }
 }
 
@@ -272,18 +371,28 @@ int layer_team_forward(const pd_layer *layers, int n, const pd_step *S, const vo
     tile = (tile + 7) / 8 * 8;
     int most = amx ? 256 : 64;
     tile = tile < 16 ? 16 : tile > most ? most : tile;
-    piece *pieces = malloc(sizeof(piece) * (size_t)(S->n_chunks * want + S->decodes + 1));
+    int room = S->n_chunks * want + S->decodes + 1, tiles_n = (T + tile - 1) / tile;
+    int width = room > tiles_n ? room : tiles_n;
+    piece *pieces = malloc(sizeof(piece) * (size_t)room);
+    int *needs = malloc(sizeof(int) * (size_t)(room + tiles_n));
+    unsigned char *done = calloc((size_t)(2 * n + 1) * (size_t)width, 1);
     layer_counter *phases = aligned_alloc(64, sizeof(layer_counter) * (size_t)(2 * n + 1));
-    if (pieces == NULL || phases == NULL) {
-        free(pieces), free(phases);
+    if (pieces == NULL || needs == NULL || done == NULL || phases == NULL) {
+        free(pieces), free(needs), free(done), free(phases);
         return -2;
     }
     memset(phases, 0, sizeof(layer_counter) * (size_t)(2 * n + 1));
     team t = {.layers = layers, .S = S, .x = x, .norm = norm, .outs = {out0, out1}, .normed = normed, .eps = eps,
-              .n = n, .tile = tile, .tiles = (T + tile - 1) / tile, .pieces = pieces, .phases = phases};
+              .n = n, .tile = tile, .tiles = tiles_n, .pieces = pieces, .phases = phases, .done = done,
+              .width = width, .tile_needs = needs, .piece_needs = needs + tiles_n};
     t.npieces = cut_pieces(S, layers[0].heads / layers[0].kv_heads, want, pieces);
+    cut_needs(&t, needs, needs + tiles_n);
+    if (!__atomic_load_n(&overlap_on, __ATOMIC_RELAXED)) { /* every item waits for the whole previous phase */
+        for (int i = 0; i < tiles_n; i++) needs[i] = t.npieces;
+        for (int p = 0; p < t.npieces; p++) needs[tiles_n + p] = tiles_n;
+    }
     _Pragma("omp parallel num_threads(threads)") run(&t);
     __atomic_fetch_add(&team_steps, 1, __ATOMIC_RELAXED);
-    free(pieces), free(phases);
+    free(pieces), free(needs), free(done), free(phases);
     return t.failed;
 }

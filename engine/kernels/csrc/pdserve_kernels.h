@@ -114,6 +114,13 @@ PD_API extern double pd_layer_seconds[PD_LAYER_KINDS];
    region split by rows (layer_team.c); 0: never; negative: unchanged. Returns the setting before. */
 PD_API int pd_use_team(int rows);
 PD_API int64_t pd_team_steps(void); /* the steps that path has run */
+/* On that path, an item starts once the items it reads are done (1, the default), or once the whole
+   previous phase is (0; the same bits); negative: unchanged. Returns the setting before. */
+PD_API int pd_team_overlap(int enable);
+/* For tests: on that path, the team's second thread sleeps `us` microseconds after claiming each
+   item, so its partner runs as far ahead as the waits let it; negative: unchanged. Returns the
+   setting before. */
+PD_API int pd_team_lag(int us);
 /* pd_decoder_forward runs bfloat16 steps of up to 16 decode rows on AMX tiles and two or more threads
    as one OpenMP region, the GEMMs split by columns (layer_cols.c): 1 on (the default), 0 off,
    negative unchanged. Returns the setting before. */
