@@ -14,11 +14,13 @@ and where the run's wall time went (`RunShape`): its decode-only steps (count, s
 steps with prompt tokens (count, seconds, prompt tokens/s over them).
 
 Settings: `--budget` (`max_num_batched_tokens`), `--partial` (`max_num_partial_prefills`, `none`:
-no limit), `--chunk` (`chunk_size`, `none`: whole prompts); every combination.
+no limit), `--chunk` (`chunk_size`, `none`: whole prompts), `--overlap` (`on`: a prompt step's
+items start once what they read is done, the default; `off`: once the whole previous phase is,
+`pd_team_overlap`); every combination.
 
     python -m microbench.schedule [--model models/smollm2-135m-instruct] [--dtype bfloat16]
-        [--threads 2] [--budget 512,2048] [--partial none] [--chunk none] [--arrival-ms 30]
-        [--requests 32] [--concurrency 16] [--rounds 2] [--json]
+        [--threads 2] [--budget 512,2048] [--partial none] [--chunk none] [--overlap on,off]
+        [--arrival-ms 30] [--requests 32] [--concurrency 16] [--rounds 2] [--json]
 """
 
 from __future__ import annotations
@@ -133,13 +135,19 @@ def workload(tokenizer, args: argparse.Namespace, seed: int) -> list[RequestSpec
     return list(peer.make_workload_for(tokenizer, wargs).requests)
 
 
-def measure(engines: dict[str, LLMEngine], args: argparse.Namespace, tokenizer) -> dict:
+def measure(engines: dict[str, LLMEngine], args: argparse.Namespace, tokenizer,
+            overlaps: dict[str, bool] | None = None) -> dict:
+    """Each engine on each round's burst, taking turns; `overlaps`: the process-wide
+    `pd_team_overlap` each engine's bursts run with (default: left as it is)."""
     rows = {name: [] for name in engines}
     for r in range(args.rounds):
         specs = workload(tokenizer, args, seed=r)
         warm = [dataclasses.replace(s, max_tokens=8) for s in specs[:WARM_UP]]
         for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
             engine = engines[name]
+            layer = engine.runner.forward.layer_kernel
+            if overlaps is not None and layer is not None:
+                layer.layer.team_overlap(overlaps[name])
             engine.reset_cache()  # each setting starts from bench.peer's warm-up alone
             burst(engine, warm, WARM_UP, 0.0, f"w{r}")
             rows[name].append(burst(engine, specs, args.concurrency, args.arrival_ms / 1e3, f"r{r}"))
@@ -164,6 +172,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--partial", type=_values, default=["none"],
                    help="max_num_partial_prefills values side by side (none: no limit)")
     p.add_argument("--chunk", type=_values, default=["none"], help="chunk_size values side by side (none: whole prompts)")
+    p.add_argument("--overlap", type=_values, default=["on"],
+                   help="pd_team_overlap values side by side (on: a prompt step's items start once what they "
+                        "read is done; off: once the whole previous phase is)")
     p.add_argument("--arrival-ms", type=float, default=30.0,
                    help="a replacement request's arrival after the step that finished its predecessor")
     p.add_argument("--requests", type=int, default=32)
@@ -174,12 +185,17 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     base = dataclasses.replace(served_config(args.model, args.dtype), torch_threads=args.threads)
-    engines = {f"budget={b},partial={v},chunk={c}": LLMEngine(dataclasses.replace(
-        base, max_num_batched_tokens=int(b), max_num_partial_prefills=_limit(v), chunk_size=_limit(c)))
-        for b in args.budget for v in args.partial for c in args.chunk}
+    if set(args.overlap) - {"on", "off"}:
+        p.error(f"--overlap takes on and off, not {args.overlap}")
+    engines, overlaps = {}, {}
+    for b, v, c, o in itertools.product(args.budget, args.partial, args.chunk, args.overlap):
+        name = f"budget={b},partial={v},chunk={c}" + (f",overlap={o}" if len(args.overlap) > 1 else "")
+        engines[name] = LLMEngine(dataclasses.replace(
+            base, max_num_batched_tokens=int(b), max_num_partial_prefills=_limit(v), chunk_size=_limit(c)))
+        overlaps[name] = o == "on"
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     report = {"model": args.model, "dtype": args.dtype, "threads": args.threads, "arrival_ms": args.arrival_ms,
-              "settings": measure(engines, args, tokenizer)}
+              "settings": measure(engines, args, tokenizer, overlaps)}
     if args.json:
         print(json.dumps(report, indent=1))
     else:
