@@ -140,17 +140,23 @@ def measure(engines: dict[str, LLMEngine], args: argparse.Namespace, tokenizer,
     """Each engine on each round's burst, taking turns; `overlaps`: the process-wide
     `pd_team_overlap` each engine's bursts run with (default: left as it is)."""
     rows = {name: [] for name in engines}
-    for r in range(args.rounds):
-        specs = workload(tokenizer, args, seed=r)
-        warm = [dataclasses.replace(s, max_tokens=8) for s in specs[:WARM_UP]]
-        for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
-            engine = engines[name]
-            layer = engine.runner.forward.layer_kernel
-            if overlaps is not None and layer is not None:
-                layer.layer.team_overlap(overlaps[name])
-            engine.reset_cache()  # each setting starts from bench.peer's warm-up alone
-            burst(engine, warm, WARM_UP, 0.0, f"w{r}")
-            rows[name].append(burst(engine, specs, args.concurrency, args.arrival_ms / 1e3, f"r{r}"))
+    kernels = next(iter(engines.values())).runner.forward.layer_kernel
+    layer = kernels.layer if kernels is not None and overlaps is not None else None
+    before = layer.team_overlap(True) if layer is not None else None
+    try:
+        for r in range(args.rounds):
+            specs = workload(tokenizer, args, seed=r)
+            warm = [dataclasses.replace(s, max_tokens=8) for s in specs[:WARM_UP]]
+            for name in list(engines) if r % 2 == 0 else list(engines)[::-1]:
+                engine = engines[name]
+                if layer is not None:
+                    layer.team_overlap(overlaps[name])
+                engine.reset_cache()  # each setting starts from bench.peer's warm-up alone
+                burst(engine, warm, WARM_UP, 0.0, f"w{r}")
+                rows[name].append(burst(engine, specs, args.concurrency, args.arrival_ms / 1e3, f"r{r}"))
+    finally:
+        if layer is not None:
+            layer.team_overlap(before)
     return {name: {key: round(statistics.median(row[key] for row in runs), 4) for key in runs[0]}
             | {"rounds": runs} for name, runs in rows.items()}
 

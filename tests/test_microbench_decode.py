@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from engine.forward.greedy_head import Bf16GreedyHead
+from engine.kernels import cpu_kernel
 from engine.llm_engine import LLMEngine
 from microbench import decode, head, schedule
 from router.config.loader import parse_config
@@ -65,3 +66,19 @@ def test_the_schedule_bench_runs_each_setting_on_the_same_burst(llama_dir, capsy
     assert set(report["settings"]) == {"budget=64,partial=none,chunk=none", "budget=512,partial=none,chunk=none"}
     for row in report["settings"].values():
         assert row["output_tok_s"] > 0 and 0 < row["ttft_p50_s"] and row["itl_p50_s"] <= row["itl_p99_s"]
+
+
+def test_the_schedule_bench_takes_turns_with_the_overlap_on_and_off(llama_dir, capsys):
+    """`--overlap on,off`: one engine per value, each burst run with its `pd_team_overlap`; the switch
+    is left on (the default) after the run. A value other than on/off is a usage error."""
+    schedule.main(["--model", llama_dir, "--dtype", "float32", "--threads", "2", "--requests", "4",
+                   "--concurrency", "2", "--max-tokens", "3", "--rounds", "1", "--overlap", "on,off", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert set(report["settings"]) == {"budget=512,partial=none,chunk=none,overlap=on",
+                                       "budget=512,partial=none,chunk=none,overlap=off"}
+    kernels, _ = cpu_kernel.load()
+    if kernels is not None:
+        assert kernels.layer.team_overlap(True) is True  # restored
+    with pytest.raises(SystemExit) as exit_info:
+        schedule.main(["--model", llama_dir, "--overlap", "maybe"])
+    assert exit_info.value.code == 2 and "--overlap takes on and off" in capsys.readouterr().err
