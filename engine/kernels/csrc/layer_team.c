@@ -18,11 +18,10 @@ reads are done, not when the whole previous phase is: an attention piece once th
 its layer have written the K/V of its chunk's rows up to its last query (a prefix of the tiles), a
 rows item once the pieces answering its tile's rows are done (a prefix of the pieces). A thread
 out of items in one phase therefore goes on with the next phase's first ones while its partner
-finishes the phase's last: on two hardware threads of one core (a 2-vCPU VM is often one core's
-two siblings, which share one AMX unit and one set of vector ports) one runs GEMMs on the tiles
-while the other runs attention's vector work, which two threads both on GEMMs, or both on
-attention, cannot (docs/engine_speed.md: 0.86-0.95x a 512-token step's time, 0.76-0.82x a chunk
-after 1,536 tokens of context). A thread the OS has descheduled between items costs nothing: its
+finishes the phase's last: on two hardware threads of one core (a 2-vCPU VM's vCPUs at times are,
+and then share one AMX unit and one set of vector ports) one runs GEMMs on the tiles while the
+other runs attention's vector work, which two threads both on GEMMs, or both on attention, cannot
+(docs/engine_speed.md, "One region per prompt step"). A thread the OS has descheduled between items costs nothing: its
 partner takes the rest (a thread only waits for an item another has claimed and not finished). A
 claimed item waits only on the previous phase's items, all claimed before it, so no wait is
 circular. Waiting spins a while, then sleeps on the phase's counter (futex), so the core is free
