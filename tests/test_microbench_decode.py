@@ -39,6 +39,13 @@ def test_the_head_bench_times_the_three_heads_and_checks_the_fused_tokens(llama_
     row = head.measure(engine, rows=5, reps=2)
     assert {"unfused_ms", "fused_ms", "torch_linear_argmax_ms", "fused_over_unfused_paired"} <= row.keys()
     assert row["fused_ms"] > 0
+    swept = []  # --cold: the sweep is read before every timed call of every case
+
+    class Sweep:
+        def sum(self):
+            swept.append(1)
+    head.measure(engine, rows=5, reps=2, sweep=Sweep())
+    assert len(swept) == 2 * 4  # reps x cases
 
 
 def test_a_round_without_decode_time_gives_no_sample_and_no_pair(monkeypatch):

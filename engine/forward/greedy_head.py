@@ -140,9 +140,11 @@ class Bf16GreedyHead:
     MOST = 0.25  # the share of panels to rerun past which the int8 pass gives way to the exact head
     TRIES = 16  # int8 steps after which, if most did not decide, the copy is dropped
     # the int8 pass reads half the bytes but adds its rerun and its bound's arithmetic: it pays where the
-    # head streams from memory (host E, 2026-12-06, 16 rows, 2 threads: a 262,144 x 640 head 9.7-11.9 ms
-    # against 17.8 exact; SmolLM2's 49,152 x 576, 57 MB, 2.45 against 1.97 ms)
-    INT8_BYTES = 128 << 20
+    # head streams from memory, as in a decode step, after the layers' weights have passed through the
+    # cache (host E, 2026-12-06, 16 rows, 2 threads: a 262,144 x 640 head 9.7-11.9 ms against 17.8 exact;
+    # SmolLM2's 49,152 x 576, 57 MB, from memory (`microbench.head --cold`) 4.25-4.29 against 4.62-4.78 ms,
+    # a whole 16-row decode step 0.967-0.973x the time; only from cache, in a loop of calls, is it slower)
+    INT8_BYTES = 32 << 20
 
     def __init__(self, head, int8: bool | None = None) -> None:
         self.gemm, self.panels, self.bias, self.n = head.gemm, head.panels, head.bias, head.out_features
