@@ -37,10 +37,10 @@ pd_layer_seconds: the calling thread's own work, by kind, with its waits before 
 to the item's kind (rows: LAYER_GEMM; attention: LAYER_PREFILL). */
 #include <omp.h>
 #include <sched.h>
-#include <unistd.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 
 #include "pdserve_kernels.h"
 #include "amx.h"
@@ -58,7 +58,6 @@ to the item's kind (rows: LAYER_GEMM; attention: LAYER_PREFILL). */
 #include <limits.h>
 #include <linux/futex.h>
 #include <sys/syscall.h>
-#include <unistd.h>
 #define FUTEX 1
 #else
 #define FUTEX 0
@@ -266,69 +265,50 @@ static int attention_item(const team *t, int l, int i, int mine) {
     return rc;
 }
 
-/* Until phase c's items are all done: spin a while, then sleep on the counter (a waiting thread
-   that kept its core, spinning or yielding, would keep the OS from running a descheduled partner
-   there: on an oversubscribed host the partner is what it waits for). */
-void layer_wait_done(layer_counter *c, int items) {
-    for (int spin = 0; spin < SPINS; spin++) {
-        if (__atomic_load_n(&c->done, __ATOMIC_ACQUIRE) >= items) return;
-        RELAX();
-    }
-#if FUTEX
-    __atomic_fetch_add(&c->sleepers, 1, __ATOMIC_SEQ_CST);
-    for (int seen; (seen = __atomic_load_n(&c->done, __ATOMIC_SEQ_CST)) < items;)
-        syscall(SYS_futex, &c->done, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0); /* returns when done moved */
-    __atomic_fetch_sub(&c->sleepers, 1, __ATOMIC_SEQ_CST);
-#else
-    while (__atomic_load_n(&c->done, __ATOMIC_ACQUIRE) < items) sched_yield();
-#endif
-}
-
-/* One item of phase c finished: the last wakes the threads asleep on it. */
-void layer_finish_item(layer_counter *c, int items) {
-    int done = __atomic_add_fetch(&c->done, 1, __ATOMIC_SEQ_CST);
-#if FUTEX
-    if (done == items && __atomic_load_n(&c->sleepers, __ATOMIC_SEQ_CST) > 0)
-        syscall(SYS_futex, &c->done, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
-#else
-    (void)done, (void)items;
-#endif
-}
-
-/* Whether items [0, k) of a phase are all finished */
-static int prefix_done(const unsigned char *done, int k) {
+/* Whether phase c is as far as a waiter needs: with `done` (its items' flags), its first k items
+   finished; without, k of its items finished. */
+static int reached(layer_counter *c, const unsigned char *done, int k) {
+    if (done == NULL) return __atomic_load_n(&c->done, __ATOMIC_ACQUIRE) >= k;
     for (int i = 0; i < k; i++)
         if (!__atomic_load_n(done + i, __ATOMIC_ACQUIRE)) return 0;
     return 1;
 }
 
-/* Until items [0, k) of phase c are finished: spin a while, then sleep on its counter
-   (layer_wait_done's reasons). */
-static void wait_prefix(layer_counter *c, const unsigned char *done, int k) {
+/* Until `reached`: spin a while, then sleep on the counter (a waiting thread that kept its core,
+   spinning or yielding, would keep the OS from running a descheduled partner there: on an
+   oversubscribed host the partner is what it waits for). */
+static void wait_for(layer_counter *c, const unsigned char *done, int k) {
     for (int spin = 0; spin < SPINS; spin++) {
-        if (prefix_done(done, k)) return;
+        if (reached(c, done, k)) return;
         RELAX();
     }
 #if FUTEX
     __atomic_fetch_add(&c->sleepers, 1, __ATOMIC_SEQ_CST);
-    for (int seen = __atomic_load_n(&c->done, __ATOMIC_SEQ_CST); !prefix_done(done, k);
+    for (int seen = __atomic_load_n(&c->done, __ATOMIC_SEQ_CST); !reached(c, done, k);
          seen = __atomic_load_n(&c->done, __ATOMIC_SEQ_CST))
         syscall(SYS_futex, &c->done, FUTEX_WAIT_PRIVATE, seen, NULL, NULL, 0); /* returns when done moved */
     __atomic_fetch_sub(&c->sleepers, 1, __ATOMIC_SEQ_CST);
 #else
-    while (!prefix_done(done, k)) sched_yield();
+    while (!reached(c, done, k)) sched_yield();
 #endif
 }
 
-/* Item i of phase c finished: marked, counted, and any thread asleep on the phase woken. */
-static void finish(layer_counter *c, unsigned char *done, int i) {
-    __atomic_store_n(done + i, 1, __ATOMIC_SEQ_CST);
-    __atomic_add_fetch(&c->done, 1, __ATOMIC_SEQ_CST);
+/* Item i of phase c (of `items`) finished: flagged (with `done`) and counted. A sleeper waits for the
+   whole phase without flags, so only the last item wakes it; with flags, for a prefix, so every one does. */
+static void finish(layer_counter *c, unsigned char *done, int i, int items) {
+    if (done != NULL) __atomic_store_n(done + i, 1, __ATOMIC_SEQ_CST);
+    int count = __atomic_add_fetch(&c->done, 1, __ATOMIC_SEQ_CST);
 #if FUTEX
-    if (__atomic_load_n(&c->sleepers, __ATOMIC_SEQ_CST) > 0)
+    if ((done != NULL || count == items) && __atomic_load_n(&c->sleepers, __ATOMIC_SEQ_CST) > 0)
         syscall(SYS_futex, &c->done, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+#else
+    (void)count, (void)items;
 #endif
 }
+
+void layer_wait_done(layer_counter *c, int items) { wait_for(c, NULL, items); }
+
+void layer_finish_item(layer_counter *c, int items) { finish(c, NULL, 0, items); }
 
 /* One thread's part of the step: every phase in turn, claiming items until none is left. A thread
    out of items in one phase starts the next phase's, each once the items it reads are finished
@@ -344,7 +324,7 @@ static void run(team *t) {
             if (lag > 0) usleep((useconds_t)lag); /* a test's slow partner, holding item i */
             if (p > 0) {
                 double t0 = layer_now(), t1;
-                wait_prefix(c - 1, done - t->width, p % 2 == 0 ? t->tile_needs[i] : t->piece_needs[i]);
+                wait_for(c - 1, done - t->width, p % 2 == 0 ? t->tile_needs[i] : t->piece_needs[i]);
                 CLOCK(p % 2 == 0 ? LAYER_GEMM : LAYER_PREFILL);
             }
             if (__atomic_load_n(&t->failed, __ATOMIC_RELAXED) == 0) {
@@ -352,7 +332,7 @@ static void run(team *t) {
                 int none = 0;
                 if (rc != 0) __atomic_compare_exchange_n(&t->failed, &none, rc, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
             }
-            finish(c, done, i);
+            finish(c, done, i, items);
         }
     }
 }
