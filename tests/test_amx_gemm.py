@@ -69,6 +69,35 @@ def test_the_bfloat16_gemm_gives_a_row_the_same_bits_in_any_batch_and_on_any_thr
         assert torch.equal(gemm(x, panels, None, 600, threads=threads), alone), f"{threads} threads"
 
 
+def test_the_panels_prefetch_changes_no_bit_and_its_switch_says_what_it_was():
+    """Calls of up to 16 rows prefetch the panels' tiles some k-steps ahead (`pd_amx_prefetch`):
+    none, one step, the default, and more steps than k has (it wraps to the next four panels' first
+    steps, never past the thread's last panel) give the same bits, on 1 and 3 threads, with a
+    part group of panels at the end (n = 600: 38 panels) and k of 3 steps (72) or 18 (576)."""
+    if KERNELS is None or not KERNELS.amx_gemm.ready():
+        pytest.skip("no AMX tiles here (CPU or OS)")
+    amx, gemm = KERNELS.amx_gemm, KERNELS.bf16_gemm
+    default = amx.prefetch(4)
+    try:
+        assert amx.prefetch(4) == 4
+        torch.manual_seed(7)
+        for n, k in ((600, 72), (600, 576), (40, 576)):
+            weight, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+            panels = gemm.pack(weight)
+            for rows in (1, 5, 16):
+                x = torch.randn(rows, k).bfloat16()
+                amx.prefetch(0)
+                want = {t: gemm(x, panels, bias, n, threads=t) for t in (1, 3)}
+                for steps in (1, 4, 64):
+                    amx.prefetch(steps)
+                    for t, out in want.items():
+                        assert torch.equal(gemm(x, panels, bias, n, threads=t), out), (n, k, rows, steps, t)
+        assert amx.prefetch(2) == 64
+    finally:
+        amx.prefetch(default)
+    assert default == 4
+
+
 def test_packed_bfloat16_linears_take_the_gemm_up_to_its_cut_and_onednn_past(gemm):
     """On AMX tiles up to 32 rows, oneDNN past; by vdpbf16ps every product, with no oneDNN copy."""
     linear = nn.Linear(72, 40, bias=True).bfloat16()

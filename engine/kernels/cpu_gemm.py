@@ -110,11 +110,17 @@ class AmxGemm:
 
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._pack, self._gemm, self._ready = lib.pd_amx_pack, lib.pd_amx_gemm, lib.pd_amx_gemm_ready
-        self._head_approx = lib.pd_amx_head_approx
+        self._head_approx, self._prefetch = lib.pd_amx_head_approx, lib.pd_amx_prefetch
         self._arena = hugepages.Arena()  # every step reads the panels end to end: 2 MiB pages
 
     def ready(self) -> bool:
         return bool(self._ready())
+
+    def prefetch(self, steps: int) -> int:
+        """`pd_amx_prefetch`: calls of up to 16 rows prefetch the panels' tiles `steps` k-steps ahead
+        (0: none; the same bits either way); returns the setting before. Process-wide, for tests and
+        measurements."""
+        return int(self._prefetch(max(int(steps), 0)))
 
     def head_approx(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
                     approx: torch.Tensor) -> bool:
