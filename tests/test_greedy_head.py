@@ -243,10 +243,13 @@ def int8_gemm():
 
 @pytest.mark.parametrize("rows", [1, 6, 16])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_the_int8_first_pass_gives_the_exact_heads_tokens(int8_gemm, rows, threads):
+@pytest.mark.parametrize("prefetch", [4, 0, 64])
+def test_the_int8_first_pass_gives_the_exact_heads_tokens(int8_gemm, rows, threads, prefetch):
     """`pd_bf16_greedy_i8` against the argmax kernel over the GEMM's bfloat16 logits: random rows, an
     exact tie (the first wins), a run of columns equal once their logits round to bfloat16, a part
-    panel and k not a multiple of the int8 tiles' 64; every row decided by the int8 pass."""
+    panel and k not a multiple of the int8 tiles' 64; every row decided by the int8 pass. With the
+    panels prefetched 4 k-steps ahead (the default: k's 4 steps, so into the next pair), none, or
+    more steps than k has (`pd_amx_prefetch`)."""
     n, k = 1003, 200
     torch.manual_seed(rows + 10 * threads)
     linear = nn.Linear(k, n, bias=False)
@@ -262,7 +265,7 @@ def test_the_int8_first_pass_gives_the_exact_heads_tokens(int8_gemm, rows, threa
     if rows >= 6:
         x[0], x[1] = w[7].bfloat16() * 300, w[600].bfloat16() * 40
         x[2] = x[2] * 2**-100  # tiny: the flushed-subnormal term of the bound
-    before = torch.get_num_threads()
+    before, default = torch.get_num_threads(), KERNELS.amx_gemm.prefetch(prefetch)
     torch.set_num_threads(threads)
     try:
         fused = Bf16GreedyHead(head, int8=True)
@@ -271,6 +274,7 @@ def test_the_int8_first_pass_gives_the_exact_heads_tokens(int8_gemm, rows, threa
         want = KERNELS.argmax(head(x))
     finally:
         torch.set_num_threads(before)
+        KERNELS.amx_gemm.prefetch(default)
     assert fused.int8 is not None and fused.int8_calls == 1 and fused.undecided == 0
     assert tokens is not None and torch.equal(tokens, want)
     assert 0 < fused.reread < -(-n // 16)

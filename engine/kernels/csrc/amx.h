@@ -42,6 +42,9 @@ static inline int amx_permitted(void) { return 0; }
 #endif
 
 extern int pd_amx_enabled; /* pd_use_amx (prefill_amx.c) */
+/* pd_amx_prefetch (amx_gemm.c): how many k-steps ahead the streamed weights' tiles are prefetched, where
+   a call's few rows leave it bound by the weights' stream (decode steps' GEMMs, the int8 head's first pass) */
+extern int amx_prefetch_steps;
 
 /* pd_bf16_greedy's path on the tiles (amx_gemm.c): each row's argmax of pd_amx_gemm's output. */
 int amx_greedy(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, int rows, int64_t n,

@@ -48,11 +48,11 @@ void pd_amx_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *panels) {
                 }
 }
 
-static int prefetch_steps = 4; /* pd_amx_prefetch */
+int amx_prefetch_steps = 4; /* pd_amx_prefetch */
 
 int pd_amx_prefetch(int steps) {
-    int was = prefetch_steps;
-    if (steps >= 0) prefetch_steps = steps;
+    int was = amx_prefetch_steps;
+    if (steps >= 0) amx_prefetch_steps = steps;
     return was;
 }
 
@@ -191,7 +191,7 @@ static void panels_of(const uint16_t *xs, const uint16_t *panels, const uint16_t
        first steps near the end of these), and the first `ahead` steps at the start: each tile load
        then finds its KiB in cache instead of waiting on memory (SmolLM2's linears at 8 and 16 rows,
        2 threads: 0.82-0.85x the time; docs/engine_speed.md, "bfloat16 linears"). */
-    int64_t steps = kp / 32, ahead = prefetch_steps < steps ? prefetch_steps : steps;
+    int64_t steps = kp / 32, ahead = amx_prefetch_steps < steps ? amx_prefetch_steps : steps;
     for (int64_t c = 0; c < ahead; c++) prefetch_panels(panels, kp, p_lo, p_hi, c);
     for (int64_t p0 = p_lo; p0 < p_hi; p0 += 4) {
         int cnt = p_hi - p0 < 4 ? (int)(p_hi - p0) : 4;

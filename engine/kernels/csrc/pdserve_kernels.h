@@ -66,8 +66,8 @@ PD_API int pd_f32_greedy(const float *x, int64_t ldx, const float *panels, const
 /* bfloat16 linears on the tiles' pair-packed panels: AMX (amx_gemm.c) or vdpbf16ps (bf16_gemm.c) */
 PD_API void pd_amx_pack(const uint16_t *w, int64_t n, int64_t k, uint16_t *panels);
 PD_API int pd_amx_gemm_ready(void);
-/* Up to 16 rows, the panels' tiles `steps` k-steps ahead are prefetched (4, the default; 0 none;
-   negative unchanged; the same bits either way). Returns the setting before. */
+/* Calls of up to 16 rows, and the int8 head's first pass, prefetch the weights' tiles `steps` k-steps
+   ahead (4, the default; 0 none; negative unchanged; the same bits either way). Returns the setting before. */
 PD_API int pd_amx_prefetch(int steps);
 PD_API int pd_amx_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias,
                        uint16_t *out, int64_t out_stride, int rows, int64_t n, int64_t k, int threads);
