@@ -117,9 +117,9 @@ class AmxGemm:
         return bool(self._ready())
 
     def prefetch(self, steps: int) -> int:
-        """`pd_amx_prefetch`: calls of up to 16 rows prefetch the panels' tiles `steps` k-steps ahead
-        (0: none; the same bits either way); returns the setting before. Process-wide, for tests and
-        measurements."""
+        """`pd_amx_prefetch`: calls of up to 16 rows, and the int8 head's first pass, prefetch the
+        weights' tiles `steps` k-steps ahead (0: none; the same bits either way); returns the setting
+        before. Process-wide, for tests and measurements."""
         return int(self._prefetch(max(int(steps), 0)))
 
     def head_approx(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,
