@@ -46,6 +46,38 @@ extern int pd_amx_enabled; /* pd_use_amx (prefill_amx.c) */
    a call's few rows leave it bound by the weights' stream (decode steps' GEMMs, the int8 head's first pass) */
 extern int amx_prefetch_steps;
 
+#if HAVE_AMX
+/* Streaming panels of weights (a panel: `steps` k-steps of one 1 KiB tile each, panels `panel_bytes`
+   apart; a call takes panels [p_lo, p_hi) `group` at a time, every k-step of a group in turn). */
+typedef struct {
+    const char *panels;
+    int64_t panel_bytes, steps, p_hi, ahead; /* ahead: amx_prefetch_steps, at most `steps` */
+    int group;
+} amx_stream;
+
+/* Into L1: k-step c's tiles of panels p .. p + group - 1 below p_hi. */
+static inline __attribute__((always_inline)) void amx_prefetch_step(const amx_stream *s, int64_t p, int64_t c) {
+    for (int64_t q = p; q < p + s->group && q < s->p_hi; q++)
+        for (int l = 0; l < 16; l++) _mm_prefetch(s->panels + q * s->panel_bytes + c * 1024 + 64 * l, _MM_HINT_T0);
+}
+
+/* The stream from panel p_lo on: its first `ahead` k-steps prefetched now (call at the start). */
+static inline amx_stream amx_stream_start(const void *panels, int64_t panel_bytes, int64_t steps, int group,
+                                          int64_t p_lo, int64_t p_hi) {
+    amx_stream s = {(const char *)panels, panel_bytes, steps, p_hi,
+                    amx_prefetch_steps < steps ? amx_prefetch_steps : steps, group};
+    for (int64_t c = 0; c < s.ahead; c++) amx_prefetch_step(&s, p_lo, c);
+    return s;
+}
+
+/* As group p0 runs k-step c: the tiles `ahead` k-steps on, past its last step the next group's first. */
+static inline __attribute__((always_inline)) void amx_prefetch_ahead(const amx_stream *s, int64_t p0, int64_t c) {
+    if (s->ahead == 0) return;
+    int64_t t = c + s->ahead;
+    amx_prefetch_step(s, t < s->steps ? p0 : p0 + s->group, t % s->steps);
+}
+#endif
+
 /* pd_bf16_greedy's path on the tiles (amx_gemm.c): each row's argmax of pd_amx_gemm's output. */
 int amx_greedy(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias, int rows, int64_t n,
                int64_t k, int64_t *tokens, int threads);

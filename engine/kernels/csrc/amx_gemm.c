@@ -95,12 +95,6 @@ static inline void block_out(const float *sums, int ld, int m, const uint16_t *b
 /* Tile (p, c): panel p's values of k 32 c .. 32 c + 31. */
 #define PANEL(p, c) (panels + ((int64_t)(p) * (kp / 2) + (int64_t)(c) * 16) * 32)
 
-/* Into L1: k-step c's tiles of panels p0 .. p0 + 3 below p_hi (sixteen 64-byte lines each). */
-static inline void prefetch_panels(const uint16_t *panels, int64_t kp, int64_t p0, int64_t p_hi, int64_t c) {
-    for (int64_t p = p0; p < p0 + 4 && p < p_hi; p++)
-        for (int l = 0; l < 16; l++) _mm_prefetch((const char *)PANEL(p, c) + 64 * l, _MM_HINT_T0);
-}
-
 /* One step c of k (32 values) for four panels p0 .. p0 + cnt - 1 (cnt <= 4) and up to 16 rows: tiles
    0-3 += the rows (a, in tile 4) times each panel (B tiles 5, 6, 5, 6); with a2, a second set of
    rows (tile 7) summed into the same tiles right after the first. */
@@ -191,17 +185,15 @@ static void panels_of(const uint16_t *xs, const uint16_t *panels, const uint16_t
        first steps near the end of these), and the first `ahead` steps at the start: each tile load
        then finds its KiB in cache instead of waiting on memory (SmolLM2's linears at 8 and 16 rows,
        2 threads: 0.82-0.85x the time; docs/engine_speed.md, "bfloat16 linears"). */
-    int64_t steps = kp / 32, ahead = amx_prefetch_steps < steps ? amx_prefetch_steps : steps;
-    for (int64_t c = 0; c < ahead; c++) prefetch_panels(panels, kp, p_lo, p_hi, c);
+    amx_stream stream = amx_stream_start(panels, kp * 32, kp / 32, 4, p_lo, p_hi); /* a panel: kp / 2 x 16 pairs */
     for (int64_t p0 = p_lo; p0 < p_hi; p0 += 4) {
         int cnt = p_hi - p0 < 4 ? (int)(p_hi - p0) : 4;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t c = 0; c < steps; c++) {
-            if (ahead > 0)
-                prefetch_panels(panels, kp, c + ahead < steps ? p0 : p0 + 4, p_hi, (c + ahead) % steps);
+        for (int64_t c = 0; c < kp / 32; c++) {
+            amx_prefetch_ahead(&stream, p0, c);
             four_panels(xs + c * 512, NULL, 64, panels, kp, p0, c, cnt);
         }
         _tile_stored(0, sums, 256);

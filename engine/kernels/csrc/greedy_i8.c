@@ -135,12 +135,6 @@ static int stage_row(const uint16_t *x, int64_t k, double wmax, int r, int8_t *a
 /* Tile (p, c) of the int8 copy: panel p's values of k 64 c .. 64 c + 63. */
 #define QPANEL(p, c) (q + ((int64_t)(p) * (kq / 64) + (int64_t)(c)) * 1024)
 
-/* Into L1: k-step c's tiles of panels p0 and p0 + 1 below hi (sixteen 64-byte lines each). */
-static inline void prefetch_pair(const int8_t *q, int64_t kq, int64_t p0, int64_t hi, int64_t c) {
-    for (int64_t p = p0; p < p0 + 2 && p < hi; p++)
-        for (int l = 0; l < 16; l++) _mm_prefetch((const char *)QPANEL(p, c) + 64 * l, _MM_HINT_T0);
-}
-
 /* Panels [lo, hi) of one thread: each row's largest A + D per panel into upper[r][p], and its
    running largest A - D into low[r]. */
 static void first_pass(const int8_t *a1, const int8_t *a2, const int8_t *q, const float *cols, int64_t width,
@@ -149,16 +143,15 @@ static void first_pass(const int8_t *a1, const int8_t *a2, const int8_t *q, cons
     int32_t sums[4][16][16];
     /* the pair's tiles `ahead` k-steps on prefetched as each step runs (the next pair's first steps
        near the end of this one), and the first steps at the start, as amx_gemm.c's decode path does */
-    int64_t steps = kq / 64, ahead = amx_prefetch_steps < steps ? amx_prefetch_steps : steps;
-    for (int64_t c = 0; c < ahead; c++) prefetch_pair(q, kq, lo, hi, c);
+    amx_stream stream = amx_stream_start(q, kq * 16, kq / 64, 2, lo, hi); /* a panel: kq / 64 tiles */
     for (int64_t p0 = lo; p0 < hi; p0 += 2) {
         int cnt = hi - p0 < 2 ? 1 : 2;
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
         _tile_zero(3);
-        for (int64_t c = 0; c < steps; c++) {
-            if (ahead > 0) prefetch_pair(q, kq, c + ahead < steps ? p0 : p0 + 2, hi, (c + ahead) % steps);
+        for (int64_t c = 0; c < kq / 64; c++) {
+            amx_prefetch_ahead(&stream, p0, c);
             _tile_loadd(4, a1 + c * 1024, 64);
             _tile_loadd(5, a2 + c * 1024, 64);
             _tile_loadd(6, QPANEL(p0, c), 64);
