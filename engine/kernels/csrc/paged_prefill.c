@@ -19,11 +19,13 @@ The causal half of the chunk is never computed, beyond the step that holds the d
 bfloat16 chunks take AMX's tiles instead where the CPU has them and the OS allows it (amx_task):
 the chunk's keys and values gathered once per call (the values transposed), then per step of 32
 keys the scores and the values' sums as tile products, the softmax on 16-lane vectors in between.
-Products of bfloat16 are exact in float32 and the weights go in as three exact bfloat16 parts, so
-the sums are as accurate as the vector path's, and each still has one order fixed by its row and
-key. SmolLM2's 512-token chunk, 30 layers, 2 threads (2026-12-03, Xeon host with AMX): 58 ms on
-the vector path (8-lane softmax) -> 53 (16-lane softmax) -> 41.6 (scores on tiles) -> 33.5 (values
-on tiles too).
+Products of bfloat16 are exact in float32 and the weights go in rounded to bfloat16, as
+transformers' bfloat16 attention (PyTorch's flash kernel) rounds them, so each sum still has one
+order fixed by its row and key. SmolLM2's 512-token chunk, 30 layers, 2 threads (2026-12-03, Xeon
+host with AMX): 58 ms on the vector path (8-lane softmax) -> 53 (16-lane softmax) -> 41.6 (scores
+on tiles) -> 33.5 (values on tiles too, each weight as three exact bfloat16 parts); one thread, 8
+pieces as the one-region step cuts it (2026-12-06): 0.78x the time with the weights rounded, half
+the products, and a whole step's softmax unmasked (prefill_amx.c).
 
 Strides are in elements, as in paged_decode.c: key p of KV head h is at
 k[table[p / block_size] * blk_stride + (p % block_size) * tok_stride + h * head_stride + d].
@@ -238,7 +240,7 @@ static int vector_task(const Call *c, int tile, int h, int rows) {
             if (dot) scores_dot((const uint32_t *)(const void *)qt, kp, st, dim, j0, rows);
             else scores(kf, qt, st, dim, j0, rows);
         }
-        softmax_step(st, m, l, corr, pos, p0, KSTEP, c->window, c->softcap, dot ? c->scale : 1.0f);
+        softmax_step(st, m, l, corr, pos, p0, KSTEP, c->window, c->softcap, dot ? c->scale : 1.0f, NULL);
         for (int r0 = 0; r0 < rows; r0 += VROWS) values(st, vf, corr, o, dim, r0, KSTEP);
     }
     for (int r = 0; r < rows; r++) finish_row(c, tile, h, r, o + r * dim, 1, l[r]);

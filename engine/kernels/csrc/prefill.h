@@ -52,32 +52,66 @@ static inline void finish_row(const Call *c, int tile, int h, int r, const float
 /* One online-softmax step over keys p0 .. p0 + ks - 1 (st: their scores, [ks][ROWS], times `post`),
    sixteen rows at a time: the masked scores' max and exps (st becomes the weights; keys a row may
    not see weigh exactly 0), each row's running max m and sum l, and corr, the factor its sums so
-   far are scaled by. */
+   far are scaled by. With `pairs` (ks even) the weights go there instead, rounded to bfloat16
+   (nearest even) as tiles of key pairs, one for each 16 rows: pairs[r0 / 16][j / 2][r] = (w[j][r],
+   w[j + 1][r]) (prefill_amx.c's value tiles; the sums l stay the unrounded weights').
+   Sixteen rows that all see the whole step (no mask, no softcap: every step of a prompt but the
+   diagonal's) skip the mask and take the max on four chains instead of one: the same values, as a
+   max does not depend on its order (NaN aside), so a row's bits still depend on its position only
+   (48 rows x 32 keys: 538 against 823-897 ns a step, a C harness, host E, 2026-12-06). */
 static inline void softmax_step(float *st, float *m, float *l, float *corr, const int32_t *pos, int64_t p0,
-                                int ks, int window, float softcap, float post) {
+                                int ks, int window, float softcap, float post, uint32_t *pairs) {
     for (int r0 = 0; r0 < ROWS; r0 += 16) {
         v16f m16 = f32_load16(m + r0), top = m16, sum = {0}, none = (v16f){0} - INFINITY;
         v16i pos16;
         memcpy(&pos16, pos + r0, sizeof pos16);
-        for (int j = 0; j < ks; j++) {
-            float *s = st + j * ROWS + r0;
-            if (post != 1.0f) store16(s, f32_load16(s) * post);
-            if (softcap > 0.0f)
-                for (int x = 0; x < 16; x++) s[x] = tanhf(s[x] / softcap) * softcap;
-            v16i p16 = (v16i){0} + (int32_t)(p0 + j);
-            v16i sees = p16 <= pos16;
-            if (window > 0) sees &= p16 > pos16 - window;
-            v16f s16 = select16(sees, f32_load16(s), none);
-            store16(s, s16);
-            top = vmax16(top, s16);
+        int32_t first = pos[r0], final = pos[r0];
+        for (int x = 1; x < 16; x++) {
+            first = pos[r0 + x] < first ? pos[r0 + x] : first;
+            final = pos[r0 + x] > final ? pos[r0 + x] : final;
+        }
+        int whole = softcap <= 0.0f && ks % 4 == 0 && p0 + ks - 1 <= first
+                    && (window <= 0 || p0 > final - window);
+        if (whole) {
+            v16f t[4] = {none, none, none, none};
+            for (int j = 0; j < ks; j += 4) /* ks a multiple of 4 (whole) */
+                for (int u = 0; u < 4; u++) {
+                    float *s = st + (j + u) * ROWS + r0;
+                    v16f s16 = f32_load16(s);
+                    if (post != 1.0f) store16(s, s16 *= post);
+                    t[u] = vmax16(t[u], s16);
+                }
+            top = vmax16(top, vmax16(vmax16(t[0], t[1]), vmax16(t[2], t[3])));
+        } else {
+            for (int j = 0; j < ks; j++) {
+                float *s = st + j * ROWS + r0;
+                if (post != 1.0f) store16(s, f32_load16(s) * post);
+                if (softcap > 0.0f)
+                    for (int x = 0; x < 16; x++) s[x] = tanhf(s[x] / softcap) * softcap;
+                v16i p16 = (v16i){0} + (int32_t)(p0 + j);
+                v16i sees = p16 <= pos16;
+                if (window > 0) sees &= p16 > pos16 - window;
+                v16f s16 = select16(sees, f32_load16(s), none);
+                store16(s, s16);
+                top = vmax16(top, s16);
+            }
         }
         v16f base = select16(top == none, (v16f){0}, top); /* rows that saw nothing yet: any finite base */
         v16f c16 = select16(m16 == none, (v16f){0}, exp_nonpos16(m16 - base));
+        uint32_t *w = pairs ? pairs + r0 / 16 * (ks / 2) * 16 : NULL;
+        v16u lo = {0};
         for (int j = 0; j < ks; j++) {
             float *s = st + j * ROWS + r0;
             v16f s16 = f32_load16(s), e = select16(s16 == none, (v16f){0}, exp_nonpos16(s16 - base));
-            store16(s, e);
             sum += e;
+            if (w == NULL) {
+                store16(s, e);
+            } else if (j % 2 == 0) {
+                lo = bf16_rounded_bits16(e) >> 16;
+            } else {
+                v16u pair = lo | (bf16_rounded_bits16(e) & 0xFFFF0000u);
+                memcpy(w + j / 2 * 16, &pair, sizeof pair);
+            }
         }
         store16(l + r0, f32_load16(l + r0) * c16 + sum);
         store16(m + r0, top);

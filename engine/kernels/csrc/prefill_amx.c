@@ -12,9 +12,7 @@
 
 #if HAVE_AMX
 static inline int all_ones16(v16f x) { /* every row's max the same as before the step */
-    for (int i = 0; i < 16; i++)
-        if (x[i] != 1.0f) return 0;
-    return 1;
+    return _mm512_cmpneq_ps_mask((__m512)x, _mm512_set1_ps(1.0f)) == 0;
 }
 
 /* 32 keys' values (vp[j], NULL: zeros), dim a multiple of 32, transposed: vh[d * nk + j] = vp[j][d]. On
@@ -87,46 +85,67 @@ void prefill_amx_gather(const Call *c, int kv_heads, int64_t base, int64_t nk, i
     }
 }
 
-/* A step's weights of rows 16x .. 16x + 15 as three bfloat16 parts, each weight w = w0 + w1 + w2
-   exactly (w0 its top 16 bits, w1 the top 16 of w - w0, w2 the rest, which has 8 significant bits
-   at most), laid out as a tile of key pairs: parts[s][k2][r] = part s of (w[2 k2][r], w[2 k2 + 1][r]). */
-static void split_weights(const float *st, int x, uint32_t *parts) {
-    for (int k2 = 0; k2 < KSTEP_AMX / 2; k2++) {
-        v16f a = f32_load16(st + 2 * k2 * ROWS + 16 * x), b = f32_load16(st + (2 * k2 + 1) * ROWS + 16 * x);
-        for (int s = 0; s < 3; s++) {
-            v16u ua, ub;
-            memcpy(&ua, &a, sizeof ua);
-            memcpy(&ub, &b, sizeof ub);
-            ua &= 0xFFFF0000u, ub &= 0xFFFF0000u;
-            v16u pair = ua >> 16 | ub;
-            memcpy(parts + (s * KSTEP_AMX / 2 + k2) * 16, &pair, sizeof pair);
-            v16f ha, hb;
-            memcpy(&ha, &ua, sizeof ha);
-            memcpy(&hb, &ub, sizeof hb);
-            a -= ha, b -= hb; /* exact: the bits below the top 16 */
-        }
-    }
-}
-
 /* A task on AMX tiles (bfloat16, dim a multiple of 32), in steps of 32 keys:
    - scores, keys x rows: tiles 0-2 the three row tiles' sums for sixteen keys, over the dimensions
-     32 at a time (tile 3 the keys, straight from kc; tile 4 the queries as pairs, qp [dim / 2][ROWS]),
-     scaled in the softmax;
-   - values, transposed (dims x rows, ot [dim][ROWS]): for each row tile, its weights in three exact
-     bfloat16 parts (tiles 5-7), and for sixteen dimensions at a time (two at once, tiles 0 and 1) the
-     sums so far, loaded from ot, plus their values (tiles 3 and 4, straight from vt) times the three
-     parts, stored back. A row tile whose max grew is rescaled on vectors first.
-   A sum's products are exact and its order fixed by its row and key alone, whatever the tile.
-   Returns 0, or -2 when it could not allocate its buffers. */
+     32 at a time (the keys in tile 3 or 7, straight from kc; each row tile's queries in its own
+     tile, 4-6, from qp [dim / 2][ROWS], so no load waits for the product before it to free its
+     tile), scaled in the softmax;
+   - the softmax's weights rounded to bfloat16 as it makes them (softmax_step's `pairs`, as
+     transformers' bfloat16 attention rounds them before their product with the values), a tile
+     of key pairs per row tile (tiles 5-7 for the whole step);
+   - values, transposed (dims x rows, ot [dim][ROWS]): for each sixteen dimensions, their values
+     loaded once (tile 3 or 4, straight from vt) and, for each row tile, its sums so far loaded
+     from ot into tile 0-2, plus the values times its weights, stored back. A row tile whose max
+     grew is rescaled on vectors first.
+   Each product is exact and a sum's order is fixed by its row and key alone, whatever the tile.
+   Per 32 keys and 48 rows: 24 tile products, 35 loads and 18 stores (three exact bfloat16 parts of
+   each weight took 36 products and 49 loads; SmolLM2's 512-token prompt on one thread: 0.78x the
+   time; docs/engine_speed.md, "Prefill attention"). Returns 0, or -2 when it could not allocate
+   its buffers. */
+/* tile 0-2 += keys kt (in tile KT) x each row tile's queries from b (tiles 4-6) */
+#define SCORES(KT)                                                \
+    do {                                                          \
+        _tile_loadd(KT, kt, dim * sizeof(uint16_t));              \
+        _tile_loadd(4, b, ROWS * sizeof(uint32_t));               \
+        _tile_dpbf16ps(0, KT, 4);                                 \
+        if (tiles > 1) {                                          \
+            _tile_loadd(5, b + 16, ROWS * sizeof(uint32_t));      \
+            _tile_dpbf16ps(1, KT, 5);                             \
+        }                                                         \
+        if (tiles > 2) {                                          \
+            _tile_loadd(6, b + 32, ROWS * sizeof(uint32_t));      \
+            _tile_dpbf16ps(2, KT, 6);                             \
+        }                                                         \
+    } while (0)
+
+/* row tile x's sums of dimension tile n (o, in tile x) += the values (tile VT) x its weights (tile 5 + x) */
+#define VALUES(VT)                                                           \
+    do {                                                                     \
+        _tile_loadd(VT, vals + (int64_t)16 * n * nk, nk * sizeof(uint16_t)); \
+        _tile_loadd(0, o, ROWS * sizeof(float));                             \
+        _tile_dpbf16ps(0, VT, 5);                                            \
+        _tile_stored(0, o, ROWS * sizeof(float));                            \
+        if (tiles > 1) {                                                     \
+            _tile_loadd(1, o + 16, ROWS * sizeof(float));                    \
+            _tile_dpbf16ps(1, VT, 6);                                        \
+            _tile_stored(1, o + 16, ROWS * sizeof(float));                   \
+        }                                                                    \
+        if (tiles > 2) {                                                     \
+            _tile_loadd(2, o + 32, ROWS * sizeof(float));                    \
+            _tile_dpbf16ps(2, VT, 7);                                        \
+            _tile_stored(2, o + 32, ROWS * sizeof(float));                   \
+        }                                                                    \
+    } while (0)
+
 int prefill_amx_task(const Call *c, int tile, int h, int rows, const uint16_t *kc, const uint16_t *vt, int64_t base,
                      int64_t nk) {
     int dim = c->dim, tiles = (rows + 15) / 16;
     /* floats: the sums (ot), the step's scores / weights (st); then the queries as bfloat16 pairs (qp)
-       and a row tile's weights in parts (3 x 16 x 16 pairs) */
+       and the row tiles' weights (3 x 16 x 16 pairs) */
     float *buf = malloc(sizeof(float) * ((size_t)dim * ROWS + KSTEP_AMX * ROWS + (size_t)dim / 2 * ROWS + 768));
     if (buf == NULL) return -2;
     float *ot = buf, *st = ot + dim * ROWS;
-    uint32_t *qp = (uint32_t *)(st + KSTEP_AMX * ROWS), *parts = qp + dim / 2 * ROWS;
+    uint32_t *qp = (uint32_t *)(st + KSTEP_AMX * ROWS), *w = qp + dim / 2 * ROWS;
     float m[ROWS], l[ROWS], corr[ROWS];
     int32_t pos[ROWS];
     memset(ot, 0, sizeof(float) * (size_t)dim * ROWS);
@@ -144,56 +163,43 @@ int prefill_amx_task(const Call *c, int tile, int h, int rows, const uint16_t *k
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
-            for (int c32 = 0; c32 < dim / 32; c32++) {
-                _tile_loadd(3, keys + half * 16 * dim + c32 * 32, dim * sizeof(uint16_t));
+            for (int c32 = 0; c32 < dim / 32; c32++) { /* keys in tile 3 or 7, each row tile's queries its own tile */
+                const uint16_t *kt = keys + half * 16 * dim + c32 * 32;
                 const uint32_t *b = qp + c32 * 16 * ROWS;
-                _tile_loadd(4, b, ROWS * sizeof(uint32_t));
-                _tile_dpbf16ps(0, 3, 4);
-                if (tiles > 1) {
-                    _tile_loadd(4, b + 16, ROWS * sizeof(uint32_t));
-                    _tile_dpbf16ps(1, 3, 4);
-                }
-                if (tiles > 2) {
-                    _tile_loadd(4, b + 32, ROWS * sizeof(uint32_t));
-                    _tile_dpbf16ps(2, 3, 4);
-                }
+                if (c32 % 2 == 0)
+                    SCORES(3);
+                else
+                    SCORES(7);
             }
             float *s0 = st + half * 16 * ROWS;
             _tile_stored(0, s0, ROWS * sizeof(float));
             if (tiles > 1) _tile_stored(1, s0 + 16, ROWS * sizeof(float));
             if (tiles > 2) _tile_stored(2, s0 + 32, ROWS * sizeof(float));
         }
-        softmax_step(st, m, l, corr, pos, p0, KSTEP_AMX, c->window, c->softcap, c->scale);
+        softmax_step(st, m, l, corr, pos, p0, KSTEP_AMX, c->window, c->softcap, c->scale, w);
         const uint16_t *vals = vt + (int64_t)h * dim * nk + (p0 - base);
         for (int x = 0; x < tiles; x++) {
-            split_weights(st, x, parts);
-            _tile_loadd(5, parts, 64);
-            _tile_loadd(6, parts + 256, 64);
-            _tile_loadd(7, parts + 512, 64);
             v16f cr = f32_load16(corr + 16 * x);
             if (!all_ones16(cr)) /* a row's max grew: its sums so far rescaled (rare after the first steps) */
                 for (int d = 0; d < dim; d++) {
                     float *o = ot + d * ROWS + 16 * x;
                     store16(o, f32_load16(o) * cr);
                 }
-            float *o = ot + 16 * x;
-            for (int n = 0; n < dim / 16; n += 2) { /* two dimension tiles at a time, in tiles 0 and 1 */
-                _tile_loadd(0, o + 16 * n * ROWS, ROWS * sizeof(float));
-                _tile_loadd(1, o + 16 * (n + 1) * ROWS, ROWS * sizeof(float));
-                _tile_loadd(3, vals + (int64_t)16 * n * nk, nk * sizeof(uint16_t));
-                _tile_loadd(4, vals + (int64_t)16 * (n + 1) * nk, nk * sizeof(uint16_t));
-                _tile_dpbf16ps(0, 3, 5);
-                _tile_dpbf16ps(1, 4, 5);
-                _tile_dpbf16ps(0, 3, 6);
-                _tile_dpbf16ps(1, 4, 6);
-                _tile_dpbf16ps(0, 3, 7);
-                _tile_dpbf16ps(1, 4, 7);
-                _tile_stored(0, o + 16 * n * ROWS, ROWS * sizeof(float));
-                _tile_stored(1, o + 16 * (n + 1) * ROWS, ROWS * sizeof(float));
-            }
+        }
+        _tile_loadd(5, w, 64); /* row tile x's weights in tile 5 + x */
+        if (tiles > 1) _tile_loadd(6, w + 256, 64);
+        if (tiles > 2) _tile_loadd(7, w + 512, 64);
+        for (int n = 0; n < dim / 16; n++) { /* each dimension tile's values once (tile 3 or 4), for every row tile */
+            float *o = ot + 16 * n * ROWS;
+            if (n % 2 == 0)
+                VALUES(3);
+            else
+                VALUES(4);
         }
     }
     _tile_release();
+#undef SCORES
+#undef VALUES
     for (int r = 0; r < rows; r++) finish_row(c, tile, h, r, ot + r, ROWS, l[r]);
     free(buf);
     return 0;

@@ -122,7 +122,15 @@ static inline float hsum(v8f x) {
 /* lanes of a where mask is set (all ones), of b elsewhere */
 static inline v8f select8(v8i mask, v8f a, v8f b) { return (v8f)(((v8i)a & mask) | ((v8i)b & ~mask)); }
 
-static inline v8f vmax(v8f a, v8f b) { return select8(a > b, a, b); }
+/* a > b ? a : b lane by lane (so a NaN in b comes through): vmaxps is exactly that, in one op where
+   the compiler's select takes a compare and two logic ops */
+static inline v8f vmax(v8f a, v8f b) {
+#if defined(__AVX__)
+    return (v8f)_mm256_max_ps((__m256)a, (__m256)b);
+#else
+    return select8(a > b, a, b);
+#endif
+}
 
 /* Sixteen floats: a pair of AVX2 registers, or one AVX-512 register where the CPU has them. Every
    op is lane by lane, so a lane's bits do not depend on the width it was computed at. */
@@ -160,7 +168,13 @@ BF16_VECTORS(16, v16f, v16u, v16h)
 
 static inline v16f select16(v16i mask, v16f a, v16f b) { return (v16f)(((v16i)a & mask) | ((v16i)b & ~mask)); }
 
-static inline v16f vmax16(v16f a, v16f b) { return select16(a > b, a, b); }
+static inline v16f vmax16(v16f a, v16f b) { /* as vmax */
+#if defined(__AVX512F__)
+    return (v16f)_mm512_max_ps((__m512)a, (__m512)b);
+#else
+    return select16(a > b, a, b);
+#endif
+}
 
 /* e^x for x <= 0, a vector VF of floats (VI its ints) at once, to about one ulp: Cephes' expf, with
    n = round(x / ln 2) by the float magic-number trick (round to nearest even, so |r| <= ln 2 / 2 as
