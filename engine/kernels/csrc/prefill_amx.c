@@ -56,6 +56,54 @@ static void transpose_span(const uint16_t *const *vp, int dim, uint16_t *vh, int
 #endif
 }
 
+/* 16 x 16 floats (or 32-bit pairs) transposed in registers: r[i][j] becomes r[j][i]. */
+static inline void transpose16(__m512 *r) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44), r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
+        r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44), r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        t[i] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0x88), t[i + 4] = _mm512_shuffle_f32x4(r[i], r[i + 4], 0xDD);
+        t[i + 8] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0x88);
+        t[i + 12] = _mm512_shuffle_f32x4(r[i + 8], r[i + 12], 0xDD);
+    }
+    for (int i = 0; i < 8; i++)
+        r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88), r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+}
+
+/* A task's queries as bfloat16 pairs, dimension-major: qp[d2][r] = (q[r][2 d2], q[r][2 d2 + 1]), rows
+   past `rows` zero; sixteen rows by sixteen pairs at a time, transposed in registers. */
+static void pack_queries(const Call *c, int tile, int h, int rows, uint32_t *qp) {
+    for (int r0 = 0; r0 < ROWS; r0 += 16)
+        for (int d0 = 0; d0 < c->dim / 2; d0 += 16) {
+            __m512 v[16];
+            for (int i = 0; i < 16; i++)
+                v[i] = r0 + i < rows ? _mm512_loadu_ps((const uint32_t *)((const char *)c->q
+                                                           + row_offset(c, tile, h, r0 + i, c->q_tok, c->q_head)) + d0)
+                                     : _mm512_setzero_ps();
+            transpose16(v);
+            for (int i = 0; i < 16; i++) _mm512_storeu_ps(qp + (d0 + i) * ROWS + r0, v[i]);
+        }
+}
+
+/* The rows' outputs, o[d][r] / l[r] rounded to bfloat16 (finish_row's, sixteen rows by sixteen
+   dimensions at a time, transposed in registers). */
+static void finish_rows(const Call *c, int tile, int h, int rows, const float *ot, const float *l) {
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.0f), _mm512_loadu_ps(l + r0));
+        for (int d0 = 0; d0 < c->dim; d0 += 16) {
+            __m512 v[16];
+            for (int i = 0; i < 16; i++) v[i] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d0 + i) * ROWS + r0), inv);
+            transpose16(v);
+            for (int i = 0; i < 16 && r0 + i < rows; i++)
+                bf16_store16((uint16_t *)((char *)c->out + row_offset(c, tile, h, r0 + i, c->out_tok, c->out_head)) + d0,
+                             (v16f)v[i]);
+        }
+    }
+}
+
 /* The call's keys base .. base + nk - 1 of each KV head (nk a multiple of 32; zeros past `last`),
    gathered from the pool once for every task: kc [kv head][key][dim], rows of the scores' key tiles,
    and vt [kv head][dim][key], the values transposed, rows of the values' tiles. */
@@ -149,12 +197,8 @@ int prefill_amx_task(const Call *c, int tile, int h, int rows, const uint16_t *k
     float m[ROWS], l[ROWS], corr[ROWS];
     int32_t pos[ROWS];
     memset(ot, 0, sizeof(float) * (size_t)dim * ROWS);
-    memset(qp, 0, sizeof(uint32_t) * (size_t)dim / 2 * ROWS);
     start_rows(c, tile, rows, pos, m, l);
-    for (int r = 0; r < rows; r++) {
-        const uint16_t *qh = (const uint16_t *)((const char *)c->q + row_offset(c, tile, h, r, c->q_tok, c->q_head));
-        for (int d2 = 0; d2 < dim / 2; d2++) qp[d2 * ROWS + r] = (uint32_t)qh[2 * d2] | (uint32_t)qh[2 * d2 + 1] << 16;
-    }
+    pack_queries(c, tile, h, rows, qp);
     amx_configure();
     int64_t last = pos[rows - 1], lo = c->window > 0 && pos[0] >= c->window ? pos[0] - c->window + 1 : 0;
     for (int64_t p0 = lo / KSTEP_AMX * KSTEP_AMX; p0 <= last; p0 += KSTEP_AMX) {
@@ -200,7 +244,7 @@ int prefill_amx_task(const Call *c, int tile, int h, int rows, const uint16_t *k
     _tile_release();
 #undef SCORES
 #undef VALUES
-    for (int r = 0; r < rows; r++) finish_row(c, tile, h, r, ot + r, ROWS, l[r]);
+    finish_rows(c, tile, h, rows, ot, l);
     free(buf);
     return 0;
 }
