@@ -121,6 +121,31 @@ def test_a_prefill_querys_bits_depend_on_its_position_only_never_on_its_chunk(dt
 
 
 @needs_kernel
+@PREFILL_PATHS
+@pytest.mark.parametrize("block_size", [4, 16])  # 16: on AMX the keys' tiles load straight from the pool
+def test_what_the_pool_holds_past_a_chunk_never_reaches_its_outputs(dtype, amx, block_size, prefill_path):
+    """The slots past a chunk's last position (the rest of its last block: a finished request's
+    stale keys, or none written yet) are never summed: NaN there gives every output the bits that
+    zeros there give, for a fresh prompt and for a chunk after a cached prefix."""
+    torch.manual_seed(5)
+    heads, kv_heads, dim, n, blocks = 9, 3, 64, 41, 12
+    pool = torch.randn(blocks, 2, block_size, kv_heads, dim).to(dtype)
+    table = torch.randperm(blocks)[:-(-n // block_size)]
+    query = torch.randn(n, heads, dim).to(dtype)
+    outs = []
+    for past in (0.0, float("nan")):
+        filled = torch.full_like(pool, past)
+        for p in range(n):
+            filled[table[p // block_size], :, p % block_size] = pool[table[p // block_size], :, p % block_size]
+        out = torch.empty(n, heads, dim, dtype=dtype)
+        for start, stop in ((0, 17), (17, n)):  # the second chunk after a cached prefix of 17
+            KERNELS.prefill(query[start:stop], filled[:, 0], filled[:, 1], table, start, out[start:stop], 0.125, 0, 0.0)
+        outs.append(out)
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[1], outs[0])
+
+
+@needs_kernel
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("small_rows", [64, None])
 def test_the_small_gemm_equals_linear_and_takes_the_rows_it_is_set_to(bias, small_rows):

@@ -17,7 +17,8 @@ the step's keys and values are widened to float32 in a small buffer, then
 The causal half of the chunk is never computed, beyond the step that holds the diagonal.
 
 bfloat16 chunks take AMX's tiles instead where the CPU has them and the OS allows it (amx_task):
-the chunk's keys and values gathered once per call (the values transposed), then per step of 32
+the chunk's values gathered once per call, transposed (its keys too where a block holds other than a
+multiple of 16 keys; else their tiles load straight from the pool), then per step of 32
 keys the scores and the values' sums as tile products, the softmax on 16-lane vectors in between.
 Products of bfloat16 are exact in float32 and the weights go in rounded to bfloat16, as
 transformers' bfloat16 attention (PyTorch's flash kernel) rounds them, so each sum still has one
@@ -270,9 +271,10 @@ int pd_paged_prefill(int dtype, const void *q, int64_t q_tok, int64_t q_head, co
     if (amx) { /* every key any row sees, from the first row's window on */
         int64_t last = pos0 + nq - 1, lo = window > 0 && pos0 >= window ? pos0 - window + 1 : 0;
         base = lo / KSTEP_AMX * KSTEP_AMX, nk = (last - base) / KSTEP_AMX * KSTEP_AMX + KSTEP_AMX;
-        kc = malloc(2 * sizeof(uint16_t) * (size_t)(kv_heads * nk * dim));
-        if (kc == NULL) return -2;
-        vt = kc + kv_heads * nk * dim;
+        int direct = block_size % 16 == 0; /* the keys' tiles straight from the pool: sixteen keys of one block */
+        vt = malloc((direct ? 1 : 2) * sizeof(uint16_t) * (size_t)(kv_heads * nk * dim));
+        if (vt == NULL) return -2;
+        kc = direct ? NULL : vt + kv_heads * nk * dim;
 #if HAVE_AMX
         prefill_amx_gather(&c, kv_heads, base, nk, last, kc, vt, threads);
 #else
@@ -291,6 +293,6 @@ int pd_paged_prefill(int dtype, const void *q, int64_t q_tok, int64_t q_head, co
 #endif
         if (rc != 0) _Pragma("omp atomic write") failed = 1;
     }
-    free(kc);
+    free(vt);
     return failed ? -2 : 0;
 }

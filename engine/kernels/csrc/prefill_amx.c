@@ -1,5 +1,5 @@
 /* The prefill attention kernel's bfloat16 path on AMX tiles (paged_prefill.c chooses it, where the
-   CPU and the OS have them; docs/engine_speed.md, "AMX tiles"): the chunk's keys and values gathered
+   CPU and the OS have them; docs/engine_speed.md, "AMX tiles"): the chunk's values (and keys, where not read in place) gathered
    once per call (prefill_amx_gather), then each task's scores and value sums as tile products
    (prefill_amx_task). And the switch that turns it off for tests and measurements (pd_use_amx). */
 #include <stdint.h>
@@ -105,8 +105,9 @@ static void finish_rows(const Call *c, int tile, int h, int rows, const float *o
 }
 
 /* The call's keys base .. base + nk - 1 of each KV head (nk a multiple of 32; zeros past `last`),
-   gathered from the pool once for every task: kc [kv head][key][dim], rows of the scores' key tiles,
-   and vt [kv head][dim][key], the values transposed, rows of the values' tiles. */
+   gathered from the pool once for every task: vt [kv head][dim][key], the values transposed, rows
+   of the values' tiles, and (kc not NULL: blocks that do not hold a multiple of 16 keys) kc [kv
+   head][key][dim], rows of the scores' key tiles. */
 void prefill_amx_gather(const Call *c, int kv_heads, int64_t base, int64_t nk, int64_t last, uint16_t *kc,
                         uint16_t *vt, int threads) {
     int dim = c->dim;
@@ -115,18 +116,18 @@ void prefill_amx_gather(const Call *c, int kv_heads, int64_t base, int64_t nk, i
     for (int64_t task = 0; task < kv_heads * spans; task++) {
         int h = (int)(task / spans);
         int64_t j0 = task % spans * KSTEP_AMX;
-        uint16_t *kh = kc + (int64_t)h * nk * dim, *vh = vt + (int64_t)h * dim * nk;
+        uint16_t *kh = kc ? kc + (int64_t)h * nk * dim : NULL, *vh = vt + (int64_t)h * dim * nk;
         const uint16_t *vp[KSTEP_AMX];
         for (int j = 0; j < KSTEP_AMX; j++) {
             int64_t p = base + j0 + j;
             if (p > last) {
-                memset(kh + (j0 + j) * dim, 0, sizeof(uint16_t) * (size_t)dim);
+                if (kc) memset(kh + (j0 + j) * dim, 0, sizeof(uint16_t) * (size_t)dim);
                 vp[j] = NULL;
                 continue;
             }
             int64_t at = c->table[p / c->block_size] * c->blk_stride + (p % c->block_size) * c->tok_stride
                          + h * c->head_stride;
-            memcpy(kh + (j0 + j) * dim, (const uint16_t *)c->k + at, sizeof(uint16_t) * (size_t)dim);
+            if (kc) memcpy(kh + (j0 + j) * dim, (const uint16_t *)c->k + at, sizeof(uint16_t) * (size_t)dim);
             vp[j] = (const uint16_t *)c->v + at;
         }
         transpose_span(vp, dim, vh + j0, nk); /* the span's values transposed: row d, 32 keys */
@@ -135,9 +136,11 @@ void prefill_amx_gather(const Call *c, int kv_heads, int64_t base, int64_t nk, i
 
 /* A task on AMX tiles (bfloat16, dim a multiple of 32), in steps of 32 keys:
    - scores, keys x rows: tiles 0-2 the three row tiles' sums for sixteen keys, over the dimensions
-     32 at a time (the keys in tile 3 or 7, straight from kc; each row tile's queries in its own
+     32 at a time (the keys in tile 3 or 7: straight from the pool where blocks hold a multiple of
+     16 keys, sixteen keys of one block a tile, else from kc; each row tile's queries in its own
      tile, 4-6, from qp [dim / 2][ROWS], so no load waits for the product before it to free its
-     tile), scaled in the softmax;
+     tile), scaled in the softmax. A key past a row's position is masked there, so what the pool
+     holds past the chunk (the rest of its last block) never reaches a sum;
    - the softmax's weights rounded to bfloat16 as it makes them (softmax_step's `pairs`, as
      transformers' bfloat16 attention rounds them before their product with the values), a tile
      of key pairs per row tile (tiles 5-7 for the whole step);
@@ -148,12 +151,12 @@ void prefill_amx_gather(const Call *c, int kv_heads, int64_t base, int64_t nk, i
    Each product is exact and a sum's order is fixed by its row and key alone, whatever the tile.
    Per 32 keys and 48 rows: 24 tile products, 35 loads and 18 stores (three exact bfloat16 parts of
    each weight took 36 products and 49 loads; SmolLM2's 512-token prompt on one thread: 0.78x the
-   time; docs/engine_speed.md, "Prefill attention"). Returns 0, or -2 when it could not allocate
-   its buffers. */
+   time, and 0.92x again with the keys read in place; docs/engine_speed.md, "Prefill attention").
+   Returns 0, or -2 when it could not allocate its buffers. */
 /* tile 0-2 += keys kt (in tile KT) x each row tile's queries from b (tiles 4-6) */
 #define SCORES(KT)                                                \
     do {                                                          \
-        _tile_loadd(KT, kt, dim * sizeof(uint16_t));              \
+        _tile_loadd(KT, kt, kstride);                             \
         _tile_loadd(4, b, ROWS * sizeof(uint32_t));               \
         _tile_dpbf16ps(0, KT, 4);                                 \
         if (tiles > 1) {                                          \
@@ -187,6 +190,7 @@ void prefill_amx_gather(const Call *c, int kv_heads, int64_t base, int64_t nk, i
 
 int prefill_amx_task(const Call *c, int tile, int h, int rows, const uint16_t *kc, const uint16_t *vt, int64_t base,
                      int64_t nk) {
+    static const uint16_t zeros[512] __attribute__((aligned(64)));
     int dim = c->dim, tiles = (rows + 15) / 16;
     /* floats: the sums (ot), the step's scores / weights (st); then the queries as bfloat16 pairs (qp)
        and the row tiles' weights (3 x 16 x 16 pairs) */
@@ -202,13 +206,24 @@ int prefill_amx_task(const Call *c, int tile, int h, int rows, const uint16_t *k
     amx_configure();
     int64_t last = pos[rows - 1], lo = c->window > 0 && pos[0] >= c->window ? pos[0] - c->window + 1 : 0;
     for (int64_t p0 = lo / KSTEP_AMX * KSTEP_AMX; p0 <= last; p0 += KSTEP_AMX) {
-        const uint16_t *keys = kc + ((int64_t)h * nk + (p0 - base)) * dim;
         for (int half = 0; half < 2; half++) {
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);
+            /* sixteen keys: gathered (kc), or straight from the pool, all of one block (none past the
+               task's last row: zeros) */
+            int64_t p = p0 + 16 * half, kstride = dim * sizeof(uint16_t), step = 32;
+            const uint16_t *k16;
+            if (kc != NULL)
+                k16 = kc + ((int64_t)h * nk + (p - base)) * dim;
+            else if (p > last)
+                k16 = zeros, kstride = 64, step = 0;
+            else
+                k16 = (const uint16_t *)c->k + c->table[p / c->block_size] * c->blk_stride
+                      + (p % c->block_size) * c->tok_stride + h * c->head_stride,
+                kstride = c->tok_stride * sizeof(uint16_t);
             for (int c32 = 0; c32 < dim / 32; c32++) { /* keys in tile 3 or 7, each row tile's queries its own tile */
-                const uint16_t *kt = keys + half * 16 * dim + c32 * 32;
+                const uint16_t *kt = k16 + c32 * step;
                 const uint32_t *b = qp + c32 * 16 * ROWS;
                 if (c32 % 2 == 0)
                     SCORES(3);
