@@ -1,7 +1,8 @@
 /* The prefill attention kernel's bfloat16 path on AMX tiles (paged_prefill.c chooses it, where the
-   CPU and the OS have them; docs/engine_speed.md, "AMX tiles"): the chunk's values (and keys, where not read in place) gathered
-   once per call (prefill_amx_gather), then each task's scores and value sums as tile products
-   (prefill_amx_task). And the switch that turns it off for tests and measurements (pd_use_amx). */
+   CPU and the OS have them; docs/engine_speed.md, "Prefill attention"): the chunk's values (and its
+   keys, where not read in place) gathered once per call (prefill_amx_gather), then each task's
+   scores and value sums as tile products (prefill_amx_task). And the switch that turns it off for
+   tests and measurements (pd_use_amx). */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -59,7 +60,8 @@ static void transpose_span(const uint16_t *const *vp, int dim, uint16_t *vh, int
 /* 16 x 16 floats (or 32-bit pairs) transposed in registers: r[i][j] becomes r[j][i]. */
 static inline void transpose16(__m512 *r) {
     __m512 t[16];
-    for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    for (int i = 0; i < 16; i += 2)
+        t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
     for (int i = 0; i < 16; i += 4) {
         r[i] = _mm512_shuffle_ps(t[i], t[i + 2], 0x44), r[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], 0xEE);
         r[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0x44), r[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
@@ -97,9 +99,10 @@ static void finish_rows(const Call *c, int tile, int h, int rows, const float *o
             __m512 v[16];
             for (int i = 0; i < 16; i++) v[i] = _mm512_mul_ps(_mm512_loadu_ps(ot + (d0 + i) * ROWS + r0), inv);
             transpose16(v);
-            for (int i = 0; i < 16 && r0 + i < rows; i++)
-                bf16_store16((uint16_t *)((char *)c->out + row_offset(c, tile, h, r0 + i, c->out_tok, c->out_head)) + d0,
-                             (v16f)v[i]);
+            for (int i = 0; i < 16 && r0 + i < rows; i++) {
+                char *row = (char *)c->out + row_offset(c, tile, h, r0 + i, c->out_tok, c->out_head);
+                bf16_store16((uint16_t *)row + d0, (v16f)v[i]);
+            }
         }
     }
 }
@@ -134,25 +137,6 @@ void prefill_amx_gather(const Call *c, int kv_heads, int64_t base, int64_t nk, i
     }
 }
 
-/* A task on AMX tiles (bfloat16, dim a multiple of 32), in steps of 32 keys:
-   - scores, keys x rows: tiles 0-2 the three row tiles' sums for sixteen keys, over the dimensions
-     32 at a time (the keys in tile 3 or 7: straight from the pool where blocks hold a multiple of
-     16 keys, sixteen keys of one block a tile, else from kc; each row tile's queries in its own
-     tile, 4-6, from qp [dim / 2][ROWS], so no load waits for the product before it to free its
-     tile), scaled in the softmax. A key past a row's position is masked there, so what the pool
-     holds past the chunk (the rest of its last block) never reaches a sum;
-   - the softmax's weights rounded to bfloat16 as it makes them (softmax_step's `pairs`, as
-     transformers' bfloat16 attention rounds them before their product with the values), a tile
-     of key pairs per row tile (tiles 5-7 for the whole step);
-   - values, transposed (dims x rows, ot [dim][ROWS]): for each sixteen dimensions, their values
-     loaded once (tile 3 or 4, straight from vt) and, for each row tile, its sums so far loaded
-     from ot into tile 0-2, plus the values times its weights, stored back. A row tile whose max
-     grew is rescaled on vectors first.
-   Each product is exact and a sum's order is fixed by its row and key alone, whatever the tile.
-   Per 32 keys and 48 rows: 24 tile products, 35 loads and 18 stores (three exact bfloat16 parts of
-   each weight took 36 products and 49 loads; SmolLM2's 512-token prompt on one thread: 0.78x the
-   time, and 0.92x again with the keys read in place; docs/engine_speed.md, "Prefill attention").
-   Returns 0, or -2 when it could not allocate its buffers. */
 /* tile 0-2 += keys kt (in tile KT) x each row tile's queries from b (tiles 4-6) */
 #define SCORES(KT)                                                \
     do {                                                          \
@@ -188,6 +172,25 @@ void prefill_amx_gather(const Call *c, int kv_heads, int64_t base, int64_t nk, i
         }                                                                    \
     } while (0)
 
+/* A task on AMX tiles (bfloat16, dim a multiple of 32), in steps of 32 keys:
+   - scores, keys x rows: tiles 0-2 the three row tiles' sums for sixteen keys, over the dimensions
+     32 at a time (the keys in tile 3 or 7: straight from the pool where blocks hold a multiple of
+     16 keys, sixteen keys of one block a tile, else from kc; each row tile's queries in its own
+     tile, 4-6, from qp [dim / 2][ROWS], so no load waits for the product before it to free its
+     tile), scaled in the softmax. A key past a row's position is masked there, so what the pool
+     holds past the chunk (the rest of its last block) never reaches a sum;
+   - the softmax's weights rounded to bfloat16 as it makes them (softmax_step's `pairs`, as
+     transformers' bfloat16 attention rounds them before their product with the values), a tile
+     of key pairs per row tile (tiles 5-7 for the whole step);
+   - values, transposed (dims x rows, ot [dim][ROWS]): for each sixteen dimensions, their values
+     loaded once (tile 3 or 4, straight from vt) and, for each row tile, its sums so far loaded
+     from ot into tile 0-2, plus the values times its weights, stored back. A row tile whose max
+     grew is rescaled on vectors first.
+   Each product is exact and a sum's order is fixed by its row and key alone, whatever the tile.
+   Per 32 keys and 48 rows: 24 tile products, 35 loads and 18 stores (three exact bfloat16 parts of
+   each weight took 36 products and 49 loads; SmolLM2's 512-token prompt on one thread: 0.78x the
+   time, and 0.92x again with the keys read in place; docs/engine_speed.md, "Prefill attention").
+   Returns 0, or -2 when it could not allocate its buffers. */
 int prefill_amx_task(const Call *c, int tile, int h, int rows, const uint16_t *kc, const uint16_t *vt, int64_t base,
                      int64_t nk) {
     static const uint16_t zeros[512] __attribute__((aligned(64)));
