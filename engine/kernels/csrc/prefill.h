@@ -28,7 +28,8 @@ static inline int64_t row_offset(const Call *c, int tile, int h, int r, int64_t 
     return ((int64_t)(g / c->groups) * tok + (int64_t)(h * c->groups + g % c->groups) * head) * c->elem;
 }
 
-/* The rows' positions (-1 for the padding rows past `rows`), running maxima and sums. */
+/* The rows' positions (never falling with the row; -1 for the padding rows past `rows`, all last),
+   running maxima and sums. */
 static inline void start_rows(const Call *c, int tile, int rows, int32_t *pos, float *m, float *l) {
     for (int r = 0; r < ROWS; r++) {
         m[r] = -INFINITY, l[r] = 0.0f;
@@ -65,11 +66,8 @@ static inline void softmax_step(float *st, float *m, float *l, float *corr, cons
         v16f m16 = f32_load16(m + r0), top = m16, sum = {0}, none = (v16f){0} - INFINITY;
         v16i pos16;
         memcpy(&pos16, pos + r0, sizeof pos16);
-        int32_t first = pos[r0], final = pos[r0];
-        for (int x = 1; x < 16; x++) {
-            first = pos[r0 + x] < first ? pos[r0 + x] : first;
-            final = pos[r0 + x] > final ? pos[r0 + x] : final;
-        }
+        /* the sixteen rows' first and last positions (start_rows': rising with the row, padding last) */
+        int32_t first = pos[r0 + 15] < 0 ? -1 : pos[r0], final = pos[r0 + 15];
         int whole = softcap <= 0.0f && ks % 4 == 0 && p0 + ks - 1 <= first
                     && (window <= 0 || p0 > final - window);
         if (whole) {

@@ -77,7 +77,7 @@ static inline void transpose16(__m512 *r) {
 
 /* A task's queries as bfloat16 pairs, dimension-major: qp[d2][r] = (q[r][2 d2], q[r][2 d2 + 1]), rows
    past `rows` zero; sixteen rows by sixteen pairs at a time, transposed in registers. */
-static void pack_queries(const Call *c, int tile, int h, int rows, uint32_t *qp) {
+static void pack_query_pairs(const Call *c, int tile, int h, int rows, uint32_t *qp) {
     for (int r0 = 0; r0 < ROWS; r0 += 16)
         for (int d0 = 0; d0 < c->dim / 2; d0 += 16) {
             __m512 v[16];
@@ -205,7 +205,7 @@ int prefill_amx_task(const Call *c, int tile, int h, int rows, const uint16_t *k
     int32_t pos[ROWS];
     memset(ot, 0, sizeof(float) * (size_t)dim * ROWS);
     start_rows(c, tile, rows, pos, m, l);
-    pack_queries(c, tile, h, rows, qp);
+    pack_query_pairs(c, tile, h, rows, qp);
     amx_configure();
     int64_t last = pos[rows - 1], lo = c->window > 0 && pos[0] >= c->window ? pos[0] - c->window + 1 : 0;
     for (int64_t p0 = lo / KSTEP_AMX * KSTEP_AMX; p0 <= last; p0 += KSTEP_AMX) {
