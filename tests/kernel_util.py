@@ -6,6 +6,9 @@ fails; where none is, `KERNELS` is None and the kernel tests skip, saying why (`
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
+import pytest
 import torch
 
 from engine.kernels import cpu_kernel, kernel_build
@@ -41,3 +44,14 @@ def attention_reference(q, k_cache, v_cache, tables, lens, scale, window, softca
             scores = torch.tanh(scores / softcap) * softcap
         out[i] = (torch.softmax(scores, -1) @ v).reshape(heads, dim)
     return out
+
+
+def attention_on(amx: bool) -> Iterator[None]:
+    """A fixture's body: bfloat16 attention on AMX tiles (skipped where this host has none) or on
+    vectors for the test, AMX again after it."""
+    if amx and not KERNELS.use_amx(True):
+        pytest.skip("no AMX here (CPU or OS): the vector path is tested alone")
+    KERNELS.use_amx(amx)
+    yield
+    KERNELS.use_amx(True)
+

@@ -21,7 +21,7 @@ from engine.kernels import cpu_kernel, kernel_build
 from engine.llm_engine import LLMEngine
 from engine.model_runner import ModelRunner
 from microbench.device_check import staggered_tokens
-from tests.kernel_util import KERNELS, WHY
+from tests.kernel_util import KERNELS, WHY, attention_on
 from tests.kernel_util import attention_reference as _reference
 from tests.reference import hf_greedy
 from tests.test_fused import _avx2_fma
@@ -218,11 +218,7 @@ def test_a_build_names_what_failed_and_a_built_kernel_is_reused(tmp_path, monkey
 def decode_path(amx):
     """The decode kernel with a bfloat16 pool's scores on AMX tiles (where this host has them), or on
     vectors."""
-    if amx and not KERNELS.use_amx(True):
-        pytest.skip("no AMX here (CPU or OS): the vector path is tested alone")
-    KERNELS.use_amx(amx)
-    yield
-    KERNELS.use_amx(True)
+    yield from attention_on(amx)
 
 
 @needs_kernel

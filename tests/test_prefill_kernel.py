@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.kernel_util import KERNELS, WHY
+from tests.kernel_util import KERNELS, WHY, attention_on
 from tests.kernel_util import attention_reference as _reference
 
 needs_kernel = pytest.mark.skipif(KERNELS is None or KERNELS.decode is None, reason=f"no CPU kernels here: {WHY}")
@@ -24,11 +24,7 @@ PREFILL_PATHS = pytest.mark.parametrize("dtype, amx", [(torch.float32, False), (
 def prefill_path(dtype, amx):
     """The prefill kernel with bfloat16 scores and values on AMX tiles (where this host has them), or
     on vectors; float32 chunks always take the vectors."""
-    if amx and not KERNELS.use_amx(True):
-        pytest.skip("no AMX here (CPU or OS): the vector path is tested alone")
-    KERNELS.use_amx(amx)
-    yield
-    KERNELS.use_amx(True)
+    yield from attention_on(amx)
 
 
 @needs_kernel
