@@ -2,6 +2,8 @@
 # Install pdserve with its test extras, lint, and run the whole test suite.
 # `--fast` leaves out the tests marked slow (-m "not slow"); `--all` adds the tests marked
 # exhaustive, which the default leaves out (--exhaustive); other arguments go to pytest.
+# The suite runs on two xdist workers, the tests that use Ray all in one of them, in order
+# (tests/conftest.py); `-n 0` runs it in this one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 args=()
@@ -15,4 +17,6 @@ done
 bash scripts/setup.sh test
 export RAY_USAGE_STATS_ENABLED=0
 .venv/bin/ruff check .
-.venv/bin/python -m pytest -q --durations=25 ${args[@]+"${args[@]}"}
+workers=(-n 2 --dist loadgroup)
+[ "$(nproc)" -ge 2 ] || workers=(-n 0)
+.venv/bin/python -m pytest -q --durations=25 "${workers[@]}" ${args[@]+"${args[@]}"}

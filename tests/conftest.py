@@ -46,12 +46,30 @@ def _deselect_exhaustive(config, items) -> None:
         items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
 
 
+RAY_GROUP = "ray"  # the xdist group of the tests on the session's Ray, or on a Ray of their own
+RAY_FIXTURES = {"ray_instance", "no_shared_ray"}
+
+
+def _group_ray_tests(items) -> None:
+    """scripts/test.sh runs the suite on two xdist workers (`-n 2 --dist loadgroup`). The tests
+    that use Ray (its fixtures, or marked `ray`: a Ray started in a subprocess) are one group: one
+    worker runs them in order, on one local Ray and the shared clusters, as a single process
+    would. The rest (kernels, engines in process, the simulator, the CLI's usage errors) go one
+    at a time to whichever worker is free: most of them keep one core busy, where the Ray tests
+    leave a core idle for a third of their time."""
+    for item in items:
+        if RAY_FIXTURES & set(item.fixturenames) or item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
 def pytest_collection_modifyitems(config, items):
     """Exhaustive tests are left out unless asked for (_deselect_exhaustive). The tests that start Ray nodes of their own (no_shared_ray) go last: they stop the session's
     Ray, and every shared cluster with it. Each shared cluster stops after the last module that
     uses it (an idle cluster still costs polling and memory)."""
     _deselect_exhaustive(config, items)
     items.sort(key=lambda item: "no_shared_ray" in item.fixturenames)  # stable: otherwise as collected
+    _group_ray_tests(items)
     for item in items:
         for fixture, name in SHARED_FIXTURES.items():
             if fixture in item.fixturenames:

@@ -15,6 +15,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = {"name", "ok", "seconds", "error"}
 
+pytestmark = pytest.mark.ray  # its KV check starts a Ray of its own: run in the Ray tests' worker (conftest)
+
 
 def _device_check(model: str, out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
