@@ -46,20 +46,21 @@ def _deselect_exhaustive(config, items) -> None:
         items[:] = [item for item in items if not item.get_closest_marker("exhaustive")]
 
 
-RAY_GROUP = "ray"  # the xdist group of the tests on the session's Ray, or on a Ray of their own
-RAY_FIXTURES = {"ray_instance", "no_shared_ray"}
-
-
 def _group_ray_tests(items) -> None:
-    """scripts/test.sh runs the suite on two xdist workers (`-n 2 --dist loadgroup`). The tests
-    that use Ray (its fixtures, or marked `ray`: a Ray started in a subprocess) are one group: one
-    worker runs them in order, on one local Ray and the shared clusters, as a single process
-    would. The rest (kernels, engines in process, the simulator, the CLI's usage errors) go one
-    at a time to whichever worker is free: most of them keep one core busy, where the Ray tests
-    leave a core idle for a third of their time."""
+    """scripts/test.sh runs the suite on two xdist workers (`-n 2 --dist loadgroup`), with the
+    tests that use Ray in two groups, each run in order by one worker:
+    - "ray": the tests on the session's Ray (`ray_instance`, the shared clusters), as one process
+      would run them;
+    - "own_ray": the tests that start Ray nodes of their own (`no_shared_ray`, or marked `ray`: a
+      `pdserve serve` in a subprocess). They mostly wait on processes, so they run beside the
+      first group from the start instead of after it.
+    The rest (kernels, engines in process, the simulator, the CLI's usage errors) go one at a time
+    to whichever worker is free."""
     for item in items:
-        if RAY_FIXTURES & set(item.fixturenames) or item.get_closest_marker("ray"):
-            item.add_marker(pytest.mark.xdist_group(RAY_GROUP))
+        if "no_shared_ray" in item.fixturenames or item.get_closest_marker("ray"):
+            item.add_marker(pytest.mark.xdist_group("own_ray"))
+        elif "ray_instance" in item.fixturenames:
+            item.add_marker(pytest.mark.xdist_group("ray"))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

@@ -15,7 +15,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 FIELDS = {"name", "ok", "seconds", "error"}
 
-pytestmark = pytest.mark.ray  # its KV check starts a Ray of its own: run in the Ray tests' worker (conftest)
+pytestmark = pytest.mark.ray  # its KV check starts a Ray of its own (conftest: the "own_ray" group)
 
 
 def _device_check(model: str, out: Path, *extra: str) -> tuple[subprocess.CompletedProcess, dict]:

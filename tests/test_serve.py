@@ -33,7 +33,7 @@ from tests.process_util import descendants as _descendants
 from tests.security_util import ADMIN, ROTATED, TRAFFIC, token_files
 
 PDSERVE = [sys.executable, "-m", "cli"]
-pytestmark = pytest.mark.ray  # starts a Ray of its own: run in the Ray tests' worker (conftest)
+pytestmark = pytest.mark.ray  # starts a Ray of its own (conftest: the "own_ray" group)
 
 
 @dataclass
