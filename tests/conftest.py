@@ -48,19 +48,23 @@ def _deselect_exhaustive(config, items) -> None:
 
 def _group_ray_tests(items) -> None:
     """scripts/test.sh runs the suite on two xdist workers (`-n 2 --dist loadgroup`), with the
-    tests that use Ray in two groups, each run in order by one worker:
+    tests that use Ray in three groups, each run in order by one worker:
     - "ray": the tests on the session's Ray (`ray_instance`, the shared clusters), as one process
       would run them;
+    - "second_ray": modules marked `second_ray`, whose tests start clusters of their own on a
+      local Ray and wait on deadlines more than they compute: the other worker runs them on a
+      Ray of its own, beside the first group;
     - "own_ray": the tests that start Ray nodes of their own (`no_shared_ray`, or marked `ray`: a
-      `pdserve serve` in a subprocess). They mostly wait on processes, so they run beside the
-      first group from the start instead of after it.
+      `pdserve serve` in a subprocess). They mostly wait on processes, so they too run beside
+      the first group instead of after it.
     The rest (kernels, engines in process, the simulator, the CLI's usage errors) go one at a time
     to whichever worker is free."""
     for item in items:
         if "no_shared_ray" in item.fixturenames or item.get_closest_marker("ray"):
             item.add_marker(pytest.mark.xdist_group("own_ray"))
         elif "ray_instance" in item.fixturenames:
-            item.add_marker(pytest.mark.xdist_group("ray"))
+            second = item.get_closest_marker("second_ray")
+            item.add_marker(pytest.mark.xdist_group("second_ray" if second else "ray"))
 
 
 @pytest.hookimpl(tryfirst=True)  # before xdist reads the groups

@@ -23,6 +23,8 @@ from router.launch import LocalCluster
 from router.pools.actors import RayActors
 from tests.cluster_util import Client, cluster_config, hold_engine, wait_until
 
+pytestmark = pytest.mark.second_ray  # clusters of its own, mostly waiting: conftest's xdist groups
+
 
 @pytest.mark.parametrize("autoscale, message", [
     ({"ttft_s": 0}, "router.autoscale.ttft_s: must be > 0"),

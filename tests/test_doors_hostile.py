@@ -25,6 +25,8 @@ from proto import pdserve_pb2_grpc as pb_grpc
 from router.launch import LocalCluster
 from tests.cluster_util import cluster_config, faults, wait_until
 
+pytestmark = pytest.mark.second_ray  # clusters of its own, mostly waiting: conftest's xdist groups
+
 DEADLINE_S = 1.0
 HANG_S = 30.0  # only bounds a hang: every wait below ends on an event
 MAX_BODY = 4 * (1 << 20) + (64 << 10)  # the largest body at the default router.max_prompt_bytes (1 MiB)

@@ -25,7 +25,7 @@ from proto import pdserve_pb2_grpc as pb_grpc
 from router.launch import LocalCluster
 from tests.cluster_util import cluster_config, set_faults, wait_until, whole
 
-pytestmark = pytest.mark.usefixtures("ray_instance")
+pytestmark = [pytest.mark.usefixtures("ray_instance"), pytest.mark.second_ray]  # conftest: its xdist group
 HANG_S = 60  # bounds a hang only: every wait ends on an event
 BUG = "internal error (RuntimeError); the server log has the details"
 
