@@ -2,7 +2,7 @@
 # Install pdserve with its test extras, lint, and run the whole test suite.
 # `--fast` leaves out the tests marked slow (-m "not slow"); `--all` adds the tests marked
 # exhaustive, which the default leaves out (--exhaustive); other arguments go to pytest.
-# The suite runs on two xdist workers; the tests that use Ray run in order in two groups
+# The suite runs on two xdist workers; the tests that use Ray run in order in three groups
 # (tests/conftest.py); `-n 0` runs it in this one process.
 set -euo pipefail
 cd "$(dirname "$0")/.."
