@@ -153,24 +153,29 @@ def test_prefill_worker_death_mid_prefill_is_retried(cluster, llama_dir):
     client.close()
 
 
-def test_cancel_while_reserve_is_in_flight_leaks_nothing(cluster):
-    """The decode engines are held (as behind a long step), so no reservation can answer before
-    the cancel: each cancel lands while its reserve call is in flight, a seeded pause after the
-    request began reserving apart (the early prefill not yet sent, computing, or done)."""
+def test_cancel_while_reserve_is_in_flight_leaks_nothing(cluster, tmp_path):
+    """The decode engines are held (as behind a long step) until the cancel has reached the
+    router, so no reservation can answer before it: each cancel lands while its reserve call is in
+    flight, a seeded pause after the request began reserving apart (the early prefill not yet
+    sent, computing, or done). The hold ends on that event, not after a guess of how long a loaded
+    host takes to get there, and within the 3 s reserve deadline whatever happens."""
     client = Client(cluster.address)
     rng = random.Random(3)
     cancelled = _finished(cluster, "cancelled")
+    release = tmp_path / "hold"
     for pause in [0.0] + [rng.uniform(0.0, 0.3) for _ in range(3)]:
+        release.touch()
         for w in cluster.router.pools.ready("decode"):
-            hold_engine(w, 1.5)  # under the 3 s reserve deadline
+            hold_engine(w, 2.8, release)  # it begins before the reserve call: under its 3 s deadline
         call = client.stream(_prompt(3), max_tokens=200, ignore_eos=True)
-        _wait(lambda: any(life.phase is Phase.RESERVING for life in cluster.router.lives.values()), 1, "a reserve")
+        _wait(lambda: any(life.phase is Phase.RESERVING for life in cluster.router.lives.values()), 2, "a reserve")
         (life,) = cluster.router.lives.values()
         time.sleep(pause)
         call.cancel()
-        _wait(lambda life=life: life.ended, 1, "the cancel to reach the router")
+        _wait(lambda life=life: life.ended, 2, "the cancel to reach the router")
         # the router records the decode worker once the reservation answered (never here)
         assert life.phase is Phase.CANCELLED and life.usage.decode_worker == "", (life.phase, life.usage)
+        release.unlink()
         _no_leaks(cluster)  # waits for the held engines: the late reservation is freed, not kept
     assert _finished(cluster, "cancelled") == cancelled + 4
     client.close()

@@ -226,7 +226,7 @@ def test_sender_close_ends_receiver_channel(loopback):
     sender.connect("d", host, port, secret)
     assert receiver.num_channels == 1 and sender.num_channels == 1
     sender.close_channel("d", wait=True)
-    wait_until(lambda: receiver.num_channels == 0, 2, "the receiver to see CLOSE")
+    wait_until(lambda: receiver.num_channels == 0, 10, "the receiver to see CLOSE")  # bounds a hang only
 
 
 def test_backend_resolution():
