@@ -213,17 +213,19 @@ def test_scale_while_streaming_loses_nothing(cluster, llama_dir):
             resp = client.admin.Scale(pb.ScaleRequest(pool=pool, replicas=n), timeout=120)
             assert resp.replicas == n
             shapes.append(sorted(w.name.split("-")[0] for w in client.status().workers))
-        # long requests still decoding on both decode workers when the shrink begins
-        long_streams = [_Timed(client, p, long_tokens) for p in long_prompts]
-        for s in long_streams:
-            s.start()
-        deadline = time.monotonic() + 60
-        while not (all(s.first_s for s in long_streams)
-                   and all(w.running for w in client.status().workers if w.pool == "decode")):
-            assert time.monotonic() < deadline, "the long requests never ran on both decode workers"
-            time.sleep(0.02)
-        scale_began = time.monotonic()
-        resp = client.admin.Scale(pb.ScaleRequest(pool="decode", replicas=1), timeout=120)
+        # long requests still decoding on both decode workers when the shrink begins: steps of 20 ms
+        # or more keep each decoding for 4 s or more, so the status polls see it however loaded the host
+        with faults(cluster, step_delay_s=0.02):
+            long_streams = [_Timed(client, p, long_tokens) for p in long_prompts]
+            for s in long_streams:
+                s.start()
+            deadline = time.monotonic() + 60
+            while not (all(s.first_s for s in long_streams)
+                       and all(w.running for w in client.status().workers if w.pool == "decode")):
+                assert time.monotonic() < deadline, "the long requests never ran on both decode workers"
+                time.sleep(0.02)
+            scale_began = time.monotonic()
+            resp = client.admin.Scale(pb.ScaleRequest(pool="decode", replicas=1), timeout=120)
         assert resp.replicas == 1 and len(resp.stopped) == 1
         shapes.append(sorted(w.name.split("-")[0] for w in client.status().workers))
         for s in streams + long_streams:
