@@ -32,6 +32,7 @@ from tests.cluster_util import (
     hold_engine,
     set_faults,
     set_worker_faults,
+    wait_until,
 )
 from tests.reference import hf_greedy
 
@@ -43,20 +44,13 @@ def _prompt(seed: int, n: int = 24) -> list[int]:
     return [rng.randrange(10, 2000) for _ in range(n)]
 
 
-def _wait(cond, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
 def _no_leaks(cluster: LocalCluster, timeout: float = 5.0) -> None:
     """Every live worker's pool is whole again (within `timeout`: aborts are asynchronous)."""
     def whole() -> bool:
         counts = [ray.get(w.actor.check.remote(), timeout=10) for w in cluster.router.pools.all()
                   if not w.stopped]
         return all(c["used"] == 0 and c["free"] == c["total"] for c in counts)
-    _wait(whole, timeout, "every KV block to be free")
+    wait_until(whole, timeout, "every KV block to be free")
 
 
 def _worker(cluster: LocalCluster, name: str):
@@ -108,7 +102,7 @@ def test_decode_worker_death_mid_stream_migrates_token_exact(cluster, llama_dir,
     assert tokens == reference and last.finish_reason == "length"
     assert last.usage.migrations == 1 and last.usage.decode_worker != killed  # one kill: one move
     assert {w.name for w in cluster.router.pools.workers["prefill"]} == prefill_names  # peers stay healthy
-    _wait(lambda: len(cluster.router.pools.ready("decode")) == 2, 60, "the decode pool to heal")
+    wait_until(lambda: len(cluster.router.pools.ready("decode")) == 2, 60, "the decode pool to heal")
     pools = {p.pool: p for p in client.status().pools}
     assert pools["decode"].restarts >= 1 and killed in pools["decode"].last_failure
     assert pools["decode"].ready == pools["decode"].target == 2
@@ -124,7 +118,7 @@ def test_colocated_worker_death_recomputes_elsewhere(served_colocated):
     reference, _ = client.tokens(prompt, **args)
     tokens, last, killed = _stream_and_kill(client, cluster, prompt, kill_after=3, **args)
     assert tokens == reference and last.usage.migrations == 1 and last.usage.decode_worker != killed
-    _wait(lambda: len(cluster.router.pools.ready("decode")) == 2, 60, "the pool to heal")
+    wait_until(lambda: len(cluster.router.pools.ready("decode")) == 2, 60, "the pool to heal")
     _no_leaks(cluster)
     client.close()
 
@@ -139,7 +133,7 @@ def test_prefill_worker_death_mid_prefill_is_retried(cluster, llama_dir):
     try:
         t = threading.Thread(target=lambda: result.update(out=client.tokens(prompt, max_tokens=4, ignore_eos=True)))
         t.start()
-        _wait(lambda: any(life.phase is Phase.PREFILLING for life in cluster.router.lives.values()), 10, "a prefill")
+        wait_until(lambda: any(life.phase is Phase.PREFILLING for life in cluster.router.lives.values()), 10, "a prefill")
         victim = next(life.prefill for life in cluster.router.lives.values() if life.prefill is not None)
         ray.kill(victim.actor, no_restart=True)
         t.join(60)
@@ -148,7 +142,7 @@ def test_prefill_worker_death_mid_prefill_is_retried(cluster, llama_dir):
     tokens, last = result["out"]
     assert tokens == hf_greedy(llama_dir, prompt, 4, ignore_eos=True)
     assert last.usage.migrations == 1 and last.usage.prefill_worker != victim.name
-    _wait(lambda: len(cluster.router.pools.ready("prefill")) == 2, 60, "the prefill pool to heal")
+    wait_until(lambda: len(cluster.router.pools.ready("prefill")) == 2, 60, "the prefill pool to heal")
     _no_leaks(cluster)
     client.close()
 
@@ -168,11 +162,11 @@ def test_cancel_while_reserve_is_in_flight_leaks_nothing(cluster, tmp_path):
         for w in cluster.router.pools.ready("decode"):
             hold_engine(w, 2.8, release)  # it begins before the reserve call: under its 3 s deadline
         call = client.stream(_prompt(3), max_tokens=200, ignore_eos=True)
-        _wait(lambda: any(life.phase is Phase.RESERVING for life in cluster.router.lives.values()), 2, "a reserve")
+        wait_until(lambda: any(life.phase is Phase.RESERVING for life in cluster.router.lives.values()), 2, "a reserve")
         (life,) = cluster.router.lives.values()
         time.sleep(pause)
         call.cancel()
-        _wait(lambda life=life: life.ended, 2, "the cancel to reach the router")
+        wait_until(lambda life=life: life.ended, 2, "the cancel to reach the router")
         # the router records the decode worker once the reservation answered (never here)
         assert life.phase is Phase.CANCELLED and life.usage.decode_worker == "", (life.phase, life.usage)
         release.unlink()
@@ -271,12 +265,12 @@ def test_drain_timeout_moves_the_remaining_requests(cluster, llama_dir):
                for i in range(2)]
     # placement balances by the router's view (running from the last stats + in flight): start
     # from a view that shows both decode workers idle, not the last test's stale counts
-    _wait(lambda: not any(w.running or w.inflight for w in cluster.router.pools.workers["decode"]), 20,
+    wait_until(lambda: not any(w.running or w.inflight for w in cluster.router.pools.workers["decode"]), 20,
           "the router's view of both decode workers idle")
     with faults(cluster, step_delay_s=0.02):  # 160 tokens: 3.2 s or more, past the 1 s drain timeout
         for t in threads:
             t.start()
-        _wait(lambda: all(w.inflight for w in cluster.router.pools.workers["decode"]), 20, "both decode workers busy")
+        wait_until(lambda: all(w.inflight for w in cluster.router.pools.workers["decode"]), 20, "both decode workers busy")
         resp = client.admin.Scale(pb.ScaleRequest(pool="decode", replicas=1), timeout=60)
         [stopped] = resp.stopped
         for t in threads:
@@ -320,7 +314,7 @@ def test_hung_worker_is_replaced_and_status_stays_prompt(small):
             os.kill(pid, signal.SIGCONT)
     pools = {p.pool: p for p in client.status().pools}
     assert "no answer" in pools["decode"].last_failure
-    _wait(lambda: len(cluster.router.pools.ready("decode")) == 1, 60, "the decode pool to heal")
+    wait_until(lambda: len(cluster.router.pools.ready("decode")) == 1, 60, "the decode pool to heal")
     _no_leaks(cluster)
     client.close()
 
@@ -372,9 +366,9 @@ def test_saturated_prefill_pool_answers_resource_exhausted(small):
     client = Client(cluster.address)
     with faults(cluster, step_delay_s=0.1):
         first = client.stream(_prompt(71, n=300), max_tokens=2, ignore_eos=True)  # ~10 slow prefill steps
-        _wait(lambda: any(w.inflight for w in cluster.router.pools.workers["prefill"]), 10, "the first prefill")
+        wait_until(lambda: any(w.inflight for w in cluster.router.pools.workers["prefill"]), 10, "the first prefill")
         second = client.stream(_prompt(72, n=20), max_tokens=2, ignore_eos=True)  # waits for the prefill slot
-        _wait(lambda: client.status().router_queue == 1, 10, "the second request to queue")
+        wait_until(lambda: client.status().router_queue == 1, 10, "the second request to queue")
         with pytest.raises(grpc.RpcError) as err:
             list(client.stream(_prompt(73, n=20), max_tokens=2))
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and "queue is full" in err.value.details()
@@ -392,8 +386,8 @@ def test_health_follows_an_empty_pool(small, llama_dir):
         return health.Check(health_pb2.HealthCheckRequest(service=""), timeout=5).status
     assert status() == health_pb2.HealthCheckResponse.SERVING
     ray.kill(cluster.router.pools.workers["decode"][0].actor, no_restart=True)  # its only worker
-    _wait(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "NOT_SERVING")
-    _wait(lambda: status() == health_pb2.HealthCheckResponse.SERVING, 60, "SERVING again")
+    wait_until(lambda: status() == health_pb2.HealthCheckResponse.NOT_SERVING, 10, "NOT_SERVING")
+    wait_until(lambda: status() == health_pb2.HealthCheckResponse.SERVING, 60, "SERVING again")
     client = Client(cluster.address)
     prompt = _prompt(51)
     tokens, last = client.tokens(prompt, max_tokens=4)

@@ -66,7 +66,8 @@ static inline void softmax_step(float *st, float *m, float *l, float *corr, cons
         v16f m16 = f32_load16(m + r0), top = m16, sum = {0}, none = (v16f){0} - INFINITY;
         v16i pos16;
         memcpy(&pos16, pos + r0, sizeof pos16);
-        /* the sixteen rows' first and last positions (start_rows': rising with the row, padding last) */
+        /* the sixteen rows' first and last positions (start_rows': rising with the row, padding last);
+           a padding row makes `first` -1, so the step is not whole and `final` is not read */
         int32_t first = pos[r0 + 15] < 0 ? -1 : pos[r0], final = pos[r0 + 15];
         int whole = softcap <= 0.0f && ks % 4 == 0 && p0 + ks - 1 <= first
                     && (window <= 0 || p0 > final - window);
