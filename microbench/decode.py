@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from bench.peer import CORES
+from bench.peer_servers import CORES
 from microbench.idle import add_idle_wait, wait_idle
 from microbench.prefill import Pdserve, Vllm, _cpu_name, prompt
 from protocol.sampling import SamplingParams

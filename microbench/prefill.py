@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from bench.peer import CORES, KV_BUDGET, TCMALLOC, pinned
+from bench.peer_servers import CORES, KV_BUDGET, TCMALLOC, pinned
 from engine.llm_engine import LLMEngine
 from microbench.idle import add_idle_wait, wait_idle
 from protocol.sampling import SamplingParams

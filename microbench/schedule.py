@@ -39,7 +39,7 @@ import torch
 import yaml
 from transformers import AutoTokenizer
 
-from bench import peer
+from bench import peer, peer_servers
 from bench.workload import RequestSpec
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
@@ -53,7 +53,7 @@ WARM_UP = 4  # bench.peer's warm-up: its first prompts, 8 tokens each
 def served_config(model: str, dtype: str) -> EngineConfig:
     """The engine config of `bench.peer`'s pdserve-colocated@1x2 worker."""
     with tempfile.TemporaryDirectory() as d:
-        launch = peer.pdserve_launch(model, "pdserve-colocated@1x2", dtype, 0, Path(d))
+        launch = peer_servers.pdserve_launch(model, "pdserve-colocated@1x2", dtype, 0, Path(d))
         cfg = parse_config(yaml.safe_load(Path(launch.cmd[launch.cmd.index("--config") + 1]).read_text()),
                            where="bench_peer")
     return cfg.engine_config(cfg.decode)

