@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import torch
@@ -33,3 +34,27 @@ def wait_until(predicate, timeout_s: float, what: str):
             return value
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+class Owner:
+    """In-process decode owner: fixed reservations, records every on_complete. A resolve waits
+    `resolve_delay_s`, or, while `gate` is set to an event, until that event is set."""
+
+    def __init__(self, reserved: dict[str, list[int]], resolve_delay_s: float = 0.0) -> None:
+        self.reserved = reserved
+        self.resolve_delay_s = resolve_delay_s
+        self.gate: threading.Event | None = None
+        self.completed: list[tuple[str, list[int], BaseException | None]] = []
+        self.first_blocks: dict[str, int] = {}
+
+    def resolve(self, request_id: str, num_blocks: int, first_block: int = 0) -> list[int] | None:
+        if self.gate is not None:
+            self.gate.wait(60)
+        else:
+            time.sleep(self.resolve_delay_s)
+        self.first_blocks[request_id] = first_block
+        blocks = self.reserved.get(request_id)
+        return None if blocks is None else blocks[first_block:first_block + num_blocks]
+
+    def complete(self, request_id: str, blocks: list[int], error: BaseException | None):
+        self.completed.append((request_id, blocks, error))

@@ -22,26 +22,7 @@ from kv_transfer.frames import Header, Kind, Reply, Status
 from kv_transfer.groups import DeviceInfo, resolve_backend
 from kv_transfer.layout import BlockCopier, Digest, KVLayout, contiguous_runs
 from kv_transfer.pipeline import chunk_spans, plan_chunk_blocks
-from tests.kv_util import CONFIG, as_bits, make_pool, wait_until
-
-
-class Owner:
-    """In-process decode owner: fixed reservations, records every on_complete."""
-
-    def __init__(self, reserved: dict[str, list[int]], resolve_delay_s: float = 0.0) -> None:
-        self.reserved = reserved
-        self.resolve_delay_s = resolve_delay_s
-        self.completed: list[tuple[str, list[int], BaseException | None]] = []
-        self.first_blocks: dict[str, int] = {}
-
-    def resolve(self, request_id: str, num_blocks: int, first_block: int = 0) -> list[int] | None:
-        time.sleep(self.resolve_delay_s)
-        self.first_blocks[request_id] = first_block
-        blocks = self.reserved.get(request_id)
-        return None if blocks is None else blocks[first_block:first_block + num_blocks]
-
-    def complete(self, request_id: str, blocks: list[int], error: BaseException | None):
-        self.completed.append((request_id, blocks, error))
+from tests.kv_util import CONFIG, Owner, as_bits, make_pool, wait_until
 
 
 @pytest.fixture
