@@ -3,9 +3,9 @@
 Checks, each independent (a failing one never stops the others) and recorded as
 `{"name", "ok", "seconds", "error", ...figures}`:
 - `kv_transfer` (microbench/device_kv.py): a KV transfer between two processes on the one device
-  through the project's channel (kv_transfer: KVReceiver in one process, KVSender in the other; on one GPU the channel
-  picks gloo with pinned staging, NCCL needing two devices): device tensors in, bit-identical
-  device tensors out, bytes/s on the wire.
+  through the project's channel (kv_transfer: KVReceiver in one process, KVSender in the other;
+  on one GPU the channel picks gloo with pinned staging, NCCL needing two devices): device
+  tensors in, bit-identical device tensors out, bytes/s on the wire.
 - `token_exact/<dtype>/<path>`: the engine's greedy tokens against transformers' `generate` (the
   same checkpoint, dtype and device, one prompt at a time) for `eager`, `compiled`
   (engine.compile: on) and, on CUDA, `cuda_graphs` (compiled, decode steps replaying captured
