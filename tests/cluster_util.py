@@ -94,6 +94,20 @@ def hold_engine(worker, seconds: float, release: Path | None = None) -> None:
     ray.get(worker.actor.__ray_call__.remote(lambda actor: actor.core.loop.call(hold) and None), timeout=30)
 
 
+@contextlib.contextmanager
+def held_engines(workers, seconds: float, directory: Path):
+    """`hold_engine` on each of `workers` for at most `seconds`, each hold ended when the block
+    ends (its release file, in `directory`, removed), the block's failures included."""
+    release = directory / "held-engines"
+    release.touch()
+    try:
+        for w in workers:
+            hold_engine(w, seconds, release)
+        yield
+    finally:
+        release.unlink(missing_ok=True)
+
+
 def wait_until(cond, timeout: float, what: str, every: float = 0.02) -> None:
     deadline = time.monotonic() + timeout
     while not cond():

@@ -21,7 +21,7 @@ from cli.main import main as pdserve
 from client.grpc_client import format_status
 from router.launch import LocalCluster
 from router.pools.actors import RayActors
-from tests.cluster_util import Client, cluster_config, hold_engine, wait_until
+from tests.cluster_util import Client, cluster_config, held_engines, wait_until
 
 pytestmark = pytest.mark.second_ray  # clusters of its own, mostly waiting: conftest's xdist groups
 
@@ -87,20 +87,16 @@ def test_the_planner_scales_a_live_pool_up_and_back_down(autoscaled, tmp_path):
     router, client = autoscaled.router, Client(autoscaled.address)
     rng = random.Random("autoscale-live")
     prompts = [[rng.randrange(10, 2000) for _ in range(120)] for _ in range(12)]
-    first, held = router.pools.ready("prefill")[0], tmp_path / "held"
-    held.touch()
+    first = router.pools.ready("prefill")[0]
+    results: list = []
     # its prompts wait until another prefill worker is ready (TTFT passes the SLO meanwhile), however
     # long a start takes on this host: a fixed 6 s hold let a slow start be scaled away as it came up.
     # At most 20 s, under router.unresponsive_s (30 s): the held worker is slow, never replaced.
-    hold_engine(first, 20.0, release=held)
-    results: list = []
-    sender = threading.Thread(target=lambda: results.extend(client.many(prompts, max_tokens=8, ignore_eos=True)))
-    sender.start()
-    try:
+    with held_engines([first], 20.0, tmp_path):
+        sender = threading.Thread(target=lambda: results.extend(client.many(prompts, max_tokens=8, ignore_eos=True)))
+        sender.start()
         wait_until(lambda: any(w.name != first.name for w in router.pools.ready("prefill")), 120,
                    "a second prefill worker")
-    finally:
-        held.unlink()
     sender.join(120)
     assert len(results) == 12 and all(len(tokens) == 8 for tokens in results)
     up = next(d for d in router.autoscaler.decisions if d.desired("prefill") == 2)

@@ -29,7 +29,7 @@ from router.lifecycle.life import Phase
 from tests.cluster_util import (
     Client,
     faults,
-    hold_engine,
+    held_engines,
     set_faults,
     set_worker_faults,
     wait_until,
@@ -156,20 +156,18 @@ def test_cancel_while_reserve_is_in_flight_leaks_nothing(cluster, tmp_path):
     client = Client(cluster.address)
     rng = random.Random(3)
     cancelled = _finished(cluster, "cancelled")
-    release = tmp_path / "hold"
     for pause in [0.0] + [rng.uniform(0.0, 0.3) for _ in range(3)]:
-        release.touch()
-        for w in cluster.router.pools.ready("decode"):
-            hold_engine(w, 2.8, release)  # it begins before the reserve call: under its 3 s deadline
-        call = client.stream(_prompt(3), max_tokens=200, ignore_eos=True)
-        wait_until(lambda: any(life.phase is Phase.RESERVING for life in cluster.router.lives.values()), 2, "a reserve")
-        (life,) = cluster.router.lives.values()
-        time.sleep(pause)
-        call.cancel()
-        wait_until(lambda life=life: life.ended, 2, "the cancel to reach the router")
-        # the router records the decode worker once the reservation answered (never here)
-        assert life.phase is Phase.CANCELLED and life.usage.decode_worker == "", (life.phase, life.usage)
-        release.unlink()
+        # the holds begin before the reserve call: under its 3 s deadline
+        with held_engines(cluster.router.pools.ready("decode"), 2.8, tmp_path):
+            call = client.stream(_prompt(3), max_tokens=200, ignore_eos=True)
+            wait_until(lambda: any(life.phase is Phase.RESERVING for life in cluster.router.lives.values()), 2,
+                       "a reserve")
+            (life,) = cluster.router.lives.values()
+            time.sleep(pause)
+            call.cancel()
+            wait_until(lambda life=life: life.ended, 2, "the cancel to reach the router")
+            # the router records the decode worker once the reservation answered (never here)
+            assert life.phase is Phase.CANCELLED and life.usage.decode_worker == "", (life.phase, life.usage)
         _no_leaks(cluster)  # waits for the held engines: the late reservation is freed, not kept
     assert _finished(cluster, "cancelled") == cancelled + 4
     client.close()
@@ -266,7 +264,7 @@ def test_drain_timeout_moves_the_remaining_requests(cluster, llama_dir):
     # placement balances by the router's view (running from the last stats + in flight): start
     # from a view that shows both decode workers idle, not the last test's stale counts
     wait_until(lambda: not any(w.running or w.inflight for w in cluster.router.pools.workers["decode"]), 20,
-          "the router's view of both decode workers idle")
+               "the router's view of both decode workers idle")
     with faults(cluster, step_delay_s=0.02):  # 160 tokens: 3.2 s or more, past the 1 s drain timeout
         for t in threads:
             t.start()

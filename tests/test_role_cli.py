@@ -12,7 +12,7 @@ import threading
 import pytest
 
 from cli.main import main as pdserve
-from tests.cluster_util import Client, hold_engine, wait_until
+from tests.cluster_util import Client, held_engines, wait_until
 
 
 def _run(capsys, *argv: str) -> tuple[int, str, str]:
@@ -63,17 +63,17 @@ def test_a_refused_change_is_a_status_and_exit_1(served_2x2, capsys, worker, rol
 
 def test_a_busy_worker_is_refused_with_if_idle_and_nothing_changes(served_2x2, capsys, tmp_path):
     pools, client = served_2x2.router.pools, Client(served_2x2.address)
-    release = tmp_path / "hold"
-    release.touch()
-    for w in pools.ready("prefill"):  # the request's prefill waits on whichever worker it is placed
-        hold_engine(w, 2.8, release)  # until the refused change below, under the 3 s call deadline
     reply: list = []
-    sender = threading.Thread(target=lambda: reply.append(client.tokens([31, 32, 33], max_tokens=2, ignore_eos=True)))
-    sender.start()
-    wait_until(lambda: any(w.inflight for w in pools.live("prefill")), 30, "the request placed on a prefill worker")
-    busy = next(w.name for w in pools.live("prefill") if w.inflight)
-    code, out, err = _run(capsys, "role", busy, "decode", "--if-idle", "--router", served_2x2.address)
-    release.unlink()
+    # the request's prefill waits on whichever worker it is placed until the refused change below,
+    # under the 3 s call deadline
+    with held_engines(pools.ready("prefill"), 2.8, tmp_path):
+        sender = threading.Thread(
+            target=lambda: reply.append(client.tokens([31, 32, 33], max_tokens=2, ignore_eos=True)))
+        sender.start()
+        wait_until(lambda: any(w.inflight for w in pools.live("prefill")), 30,
+                   "the request placed on a prefill worker")
+        busy = next(w.name for w in pools.live("prefill") if w.inflight)
+        code, out, err = _run(capsys, "role", busy, "decode", "--if-idle", "--router", served_2x2.address)
     sender.join(60)
     assert code == 1 and err.startswith("pdserve: FAILED_PRECONDITION: ") and f"{busy} holds " in err, err
     assert "of the router's requests" in err and "not changed" in err
