@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 
-from stress import soak
+from stress import soak, soak_load
 
 pytestmark = pytest.mark.usefixtures("ray_instance")  # one local Ray for the module (conftest)
 
-EXPECTED = {"INVALID_ARGUMENT", "400", "404"}  # soak.BAD_GRPC and soak.BAD_HTTP's statuses
+EXPECTED = {"INVALID_ARGUMENT", "400", "404"}  # soak_load.BAD_GRPC and soak_load.BAD_HTTP's statuses
 
 
 def test_a_short_soak_completes_with_only_the_expected_errors_and_no_leak(served):
@@ -30,10 +30,10 @@ def test_a_short_soak_completes_with_only_the_expected_errors_and_no_leak(served
 
 
 def test_a_bad_request_that_succeeds_or_a_good_one_that_fails_is_unexpected():
-    tally = soak.Tally()
+    tally = soak_load.Tally()
     tally.outcome("grpc", "OK")
-    tally.outcome("grpc_bad", "INVALID_ARGUMENT", soak.BAD_GRPC)
-    tally.outcome("grpc_bad", "OK", soak.BAD_GRPC)  # accepted what it must refuse
+    tally.outcome("grpc_bad", "INVALID_ARGUMENT", soak_load.BAD_GRPC)
+    tally.outcome("grpc_bad", "OK", soak_load.BAD_GRPC)  # accepted what it must refuse
     tally.outcome("chat", "SHORT")  # fewer tokens than asked for
     tally.outcome("http_bad(model)", "400", "404")  # refused, but with the wrong status
     assert tally.completed == 1
