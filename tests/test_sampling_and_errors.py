@@ -1,5 +1,5 @@
-"""Sampling (seeded reproducibility, top-k/top-p support sets, tiny temperatures), stop
-handling, bad requests, and failures that stay with the one request that caused them."""
+"""Sampling through an engine (seeded reproducibility), stop handling, bad requests, and failures
+that stay with the one request that caused them. The sampler alone: tests/test_sampler.py."""
 
 from __future__ import annotations
 
@@ -8,13 +8,11 @@ import time
 from dataclasses import replace
 
 import pytest
-import torch
 
 from engine import sampler as sampler_module
 from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.request import Request
-from engine.sampler import sample
 from protocol.errors import InvalidRequest
 from protocol.outputs import FinishReason, RequestOutput
 from protocol.sampling import SamplingParams
@@ -33,46 +31,6 @@ def test_same_seed_same_tokens(engine):
     other = engine.generate(prompt, SamplingParams(max_tokens=20, temperature=1.0, seed=99, ignore_eos=True))[0]
     assert first == second
     assert first != other
-
-
-def _req(sp: SamplingParams, seed: int, num_outputs: int = 0) -> Request:
-    return Request("x", [1], replace(sp, seed=seed), detokenizer=None, output_token_ids=[0] * num_outputs)
-
-
-def test_a_seeded_draw_depends_only_on_seed_index_and_logits():
-    logits = torch.randn(1, 300, generator=torch.Generator().manual_seed(1))
-    sp = SamplingParams(temperature=1.0)
-    fresh = [sample(logits, [_req(sp, 42, i)], torch.Generator())[0] for i in range(40)]
-    req = _req(sp, 42)
-    for i in range(40):  # one request drawing in order, its generator reused
-        assert sample(logits, [req], torch.Generator().manual_seed(i))[0] == fresh[i]
-        req.output_token_ids.append(0)
-    assert len(set(fresh)) > 10, "draws at different output indices must differ"
-    assert fresh != [sample(logits, [_req(sp, 43, i)], torch.Generator())[0] for i in range(40)]
-
-
-@pytest.mark.parametrize("temperature", [1e-30, 1.2e-38])
-def test_a_tiny_temperature_samples_the_argmax(temperature):
-    logits = 30 * torch.randn(4, 500, generator=torch.Generator().manual_seed(2))
-    for sp in (SamplingParams(temperature=temperature), SamplingParams(temperature=temperature, top_p=0.5, top_k=3)):
-        reqs = [_req(sp, s) for s in range(4)]
-        assert sample(logits, reqs, torch.Generator()) == logits.argmax(dim=-1).tolist()
-
-
-def test_top_k_never_leaves_the_k_best():
-    logits = torch.randn(1, 500, generator=torch.Generator().manual_seed(0))
-    allowed = set(torch.topk(logits[0], 5).indices.tolist())
-    sp = SamplingParams(temperature=2.0, top_k=5)
-    seen = {sample(logits, [_req(sp, s)], torch.Generator())[0] for s in range(300)}
-    assert seen <= allowed and len(seen) > 1
-
-
-def test_top_p_never_leaves_the_nucleus():
-    probs = torch.tensor([0.5, 0.3, 0.1, 0.05, 0.05])
-    logits = probs.log()[None]
-    sp = SamplingParams(temperature=1.0, top_p=0.75)  # nucleus = {0, 1}: 0.5 + 0.3 reaches 0.75
-    seen = {sample(logits, [_req(sp, s)], torch.Generator())[0] for s in range(300)}
-    assert seen == {0, 1}
 
 
 def test_stop_token_and_max_tokens(engine):
