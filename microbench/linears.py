@@ -1,12 +1,14 @@
 """The linears of a decode step, oneDNN's prepacked path against the small-batch GEMM, side by side.
 
 One model's linear shapes (every layer's Q/K/V/O projections and MLP, random weights; the LM head
-left out) at each row count: oneDNN on its prepacked weights (`PackedLinear` without the GEMM)
+left out) at each row count: oneDNN on its prepacked weights (`PackedLinear` without the GEMM; where
+oneDNN has no bfloat16 on this CPU, AVX2 alone, torch's `F.linear`, "torch" in the report)
 against the GEMM on its panels, called at every row count, also past `SMALL_ROWS` where that is set
 and `PackedLinear` hands the larger products to oneDNN (to check where the cut belongs on this
 host, or that the GEMM wins everywhere). `--dtype bfloat16` compares oneDNN's bfloat16 linears
 with the bfloat16 GEMM (engine/kernels/csrc/bf16_gemm.c: on AMX tiles where the CPU has them, at up to their
-64 rows, past the engine's cut of 32 too; else by AVX512-BF16's vdpbf16ps, any row count). The two
+64 rows, past the engine's cut of 32 too; else by AVX512-BF16's vdpbf16ps, or AVX2's FMAs on the pairs
+widened, any row count). The two
 take turns for `--rounds` rounds; each prints its best time per pass over all layers.
 
     python -m microbench.linears [--model DIR] [--rows 1,4,16,64,256,512,1024] [--threads 2]
@@ -52,15 +54,17 @@ def main() -> None:
         raise SystemExit(f"bench_linears: no CPU kernels here: {why}")
     dtype = getattr(torch, args.dtype)
     gemm = kernels.gemm_for(dtype)
-    if gemm is None or not dense.packable(dtype):
-        raise SystemExit(f"bench_linears: no {args.dtype} GEMM here (bfloat16 needs AMX or AVX512-BF16)")
+    if gemm is None or not dense.packable(dtype, gemm):
+        raise SystemExit(f"bench_linears: no {args.dtype} GEMM here (bfloat16 needs AMX, AVX512-BF16 or AVX2)")
     rows_list = [int(r) for r in args.rows.split(",")]
     torch.set_num_threads(args.threads)
     hf_config = AutoConfig.from_pretrained(_model(args.model))
     shapes = layer_shapes(hf_config) * hf_config.num_hidden_layers
     torch.manual_seed(0)
     linears = [nn.Linear(k, n, bias=False, dtype=dtype) for n, k in shapes]
-    onednn = [dense.PackedLinear(m, keep_weight=False) for m in linears]
+    # oneDNN's prepacked linears; where oneDNN has no bfloat16 here (AVX2 alone), torch's F.linear
+    native = dense.packable(dtype)
+    onednn = [dense.PackedLinear(m, keep_weight=False) for m in linears] if native else linears
     panels = [(gemm.pack(m.weight), m.out_features) for m in linears]
     del linears
     results: dict[int, dict[str, float]] = {}
@@ -80,13 +84,14 @@ def main() -> None:
                 best = {"onednn": min(best["onednn"], t1 - t0), "small_gemm": min(best["small_gemm"], t2 - t1)}
             results[rows] = best
     report = {"model": hf_config.model_type, "layers": hf_config.num_hidden_layers, "threads": args.threads,
-              "dtype": args.dtype, "small_rows": gemm.max_rows, "seconds": results}
+              "dtype": args.dtype, "small_rows": gemm.max_rows, "baseline": "onednn" if native else "torch",
+              "seconds": results}
     if args.json:
         print(json.dumps(report, indent=1))
         return
     print(f"{report['model']}: {len(shapes)} {args.dtype} linears ({report['layers']} layers), {args.threads} "
           f"thread(s); the engine uses the GEMM for {gemm.reach}")
-    print(f"{'rows':>6}{'onednn ms':>12}{'GEMM ms':>10}{'ratio':>8}")
+    print(f"{'rows':>6}{report['baseline'] + ' ms':>12}{'GEMM ms':>10}{'ratio':>8}")
     for rows, best in results.items():
         print(f"{rows:>6}{1e3 * best['onednn']:>12.1f}{1e3 * best['small_gemm']:>10.1f}"
               f"{best['small_gemm'] / best['onednn']:>8.2f}")

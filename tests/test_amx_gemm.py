@@ -1,5 +1,6 @@
 """The bfloat16 GEMM (`cpu_kernel.Bf16Gemm`, engine/kernels/csrc/bf16_gemm.c) on each path this host runs:
-AMX tiles (amx_gemm.c) and AVX512-BF16's vdpbf16ps (AMX switched off, or absent, as on AMD Zen 4):
+AMX tiles (amx_gemm.c), AVX512-BF16's vdpbf16ps (AMX switched off, or absent, as on AMD Zen 4) and
+AVX2's FMAs on the pairs widened to float32 (a CPU with neither, as AMD Zen 3):
 a linear within a bfloat16 rounding of float64's at every row count it takes, a row's bits the same
 in any batch and on any thread count, and `PackedLinear`'s cut between it and oneDNN. A path the
 CPU or the OS lacks is skipped."""
@@ -16,7 +17,7 @@ from engine.kernels import kernel_build
 from tests.kernel_util import KERNELS
 
 
-@pytest.fixture(params=["AMX", "AVX512-BF16"])
+@pytest.fixture(params=["AMX", "AVX512-BF16", "AVX2"])
 def gemm(request):
     """The bfloat16 GEMM on one path: AMX tiles, or vdpbf16ps with the engine's AMX use off."""
     if KERNELS is None:
@@ -115,10 +116,11 @@ def test_packed_bfloat16_linears_take_the_gemm_up_to_its_cut_and_onednn_past(gem
 
 def test_the_engine_picks_the_bfloat16_gemm_by_the_cpus_features():
     """AMX where it runs, else vdpbf16ps where the CPU and the build (`$PDSERVE_KERNEL_ARCH`) have
-    AVX512-BF16, else none (oneDNN's linears)."""
+    AVX512-BF16, else AVX2's FMAs on the pairs widened (AVX-512 without BF16 too), else none (oneDNN's
+    linears)."""
     if KERNELS is None:
         pytest.skip("no CPU kernels here")
     has_bf16 = "avx512_bf16" in kernel_build.cpu_flags().split() and KERNELS.isa & 4  # isa.c's AVX512-BF16 bit
-    want = "AMX" if KERNELS.amx_gemm.ready() else "AVX512-BF16" if has_bf16 else ""
+    want = "AMX" if KERNELS.amx_gemm.ready() else "AVX512-BF16" if has_bf16 else "AVX2" if KERNELS.isa & 1 else ""
     assert KERNELS.bf16_gemm.path == want
     assert (KERNELS.gemm_for(torch.bfloat16) is KERNELS.bf16_gemm) == bool(want)

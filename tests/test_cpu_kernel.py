@@ -265,7 +265,7 @@ def test_bfloat16_decode_by_the_kernel_gives_generates_bfloat16_tokens(llama_dir
     assert engine.runner.decode_kernel is not None
     assert engine.runner.small_gemm is KERNELS.gemm_for(torch.bfloat16)  # None without AMX: oneDNN takes all
     assert (dense.small_gemm_layers(engine.runner.model) > 0) == (engine.runner.small_gemm is not None)
-    vectors = engine.runner.small_gemm is not None and engine.runner.small_gemm.path == "AVX512-BF16"
+    vectors = engine.runner.small_gemm is not None and engine.runner.small_gemm.path in ("AVX512-BF16", "AVX2")
     if vectors and _avx2_fma():  # the SiLU kernel's condition for whole layers
         assert engine.runner.forward.kernel_decoder is not None and engine.runner.small_gemm.max_rows is None
     rng = random.Random(5)

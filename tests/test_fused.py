@@ -27,6 +27,12 @@ from tests.reference import hf_greedy
 CPU = torch.device("cpu")
 
 
+def _bf16_packed() -> bool:
+    """A bfloat16 engine's linears are packed here: the CPU computes bfloat16 natively (oneDNN's), or
+    the kernels' bfloat16 GEMM takes every product (AVX2's)."""
+    return dense.cpu_computes_bf16() or (KERNELS is not None and KERNELS.gemm_for(torch.bfloat16) is not None)
+
+
 def _kernels() -> cpu_kernel.Kernels:
     if KERNELS is None:  # no C compiler here (a failed build fails tests/kernel_util.py's import)
         pytest.skip(f"no CPU kernels here: {WHY}")
@@ -79,18 +85,18 @@ def test_rope_kernel_is_transformers_rotary_bit_for_bit_in_bfloat16(tokens):
 def test_bfloat16_engine_fuses_with_the_rotary_and_norm_kernels_and_packed_linears(llama_dir):
     """Where the CPU computes bfloat16 natively, a bfloat16 engine's linears are packed for the
     bfloat16 GEMM where it runs (on AMX tiles up to 32 rows, with oneDNN's prepacked copy for more;
-    by vdpbf16ps every product, with no oneDNN copy), else prepacked for oneDNN alone; its attention
+    by vdpbf16ps or AVX2's FMAs every product, with no oneDNN copy), else prepacked for oneDNN alone; its attention
     and MLPs fused, rotary, norms and the activation by the kernels, each checked bit for bit at
     load; elsewhere torch's linears stay."""
     kernels = _kernels()
     engine = LLMEngine(EngineConfig(model_path=llama_dir, dtype="bfloat16", num_blocks=64))
     model = engine.runner.model
-    if not dense.cpu_computes_bf16():
+    gemm = kernels.gemm_for(torch.bfloat16)  # the bfloat16 GEMM where it runs (AMX, vdpbf16ps, AVX2), else None
+    if not _bf16_packed():
         assert not [m for m in model.modules() if isinstance(m, dense.PackedLinear)]
         return
     linears = [m for m in model.modules() if isinstance(m, dense.PackedLinear)]
-    gemm = kernels.gemm_for(torch.bfloat16)  # the bfloat16 GEMM where it runs (AMX or vdpbf16ps), else None
-    cut = {"AMX": 32, "AVX512-BF16": None}[gemm.path] if gemm else 0
+    cut = {"AMX": 32, "AVX512-BF16": None, "AVX2": None}[gemm.path] if gemm else 0
     assert linears and all(m.gemm is gemm and m.small_rows == cut for m in linears)
     assert all((m.packed is None) == (cut is None) and (m.panels is None) == (gemm is None) for m in linears)
     assert not [m for m in model.modules() if type(m) is nn.Linear]
@@ -122,7 +128,7 @@ def test_the_decoders_loop_as_direct_calls_gives_the_model_forwards_tokens_and_l
         runs = []
         for lean in (True, False):
             engine = LLMEngine(EngineConfig(model_path=llama_dir, dtype=dtype, num_blocks=256, chunk_size=16, **extra))
-            assert (engine.runner.forward.lean_decoder is not None) == (dtype == "float32" or dense.cpu_computes_bf16())
+            assert (engine.runner.forward.lean_decoder is not None) == (dtype == "float32" or _bf16_packed())
             if not lean:
                 engine.runner.forward.lean_decoder = None
             logits = []

@@ -57,9 +57,9 @@ def _engine(path: str, dtype: str = "float32", **overrides) -> LLMEngine:
 @pytest.fixture(params=["float32", "bfloat16"])
 def layer_dtype(request, needs_layers):
     """The dtypes whole layers run in: float32 on the float32 GEMM; bfloat16 where the bfloat16 GEMM
-    runs (AMX tiles, or AVX512-BF16's vdpbf16ps)."""
+    runs (AMX tiles, AVX512-BF16's vdpbf16ps, or AVX2's FMAs)."""
     if request.param == "bfloat16" and _kernels().gemm_for(torch.bfloat16) is None:
-        pytest.skip("no bfloat16 GEMM here (neither AMX nor AVX512-BF16): bfloat16 layers stay modules")
+        pytest.skip("no bfloat16 GEMM here (neither AMX, AVX512-BF16 nor AVX2): bfloat16 layers stay modules")
     return request.param
 
 

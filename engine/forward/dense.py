@@ -53,11 +53,13 @@ def cpu_computes_bf16() -> bool:
     return kv_pool.computes_bf16("cpu")
 
 
-def packable(dtype: torch.dtype) -> bool:
+def packable(dtype: torch.dtype, gemm=None) -> bool:
     """Weights of `dtype` are prepacked: float32 always; bfloat16 where the CPU computes it natively
     (oneDNN's packed bf16 linear gives `F.linear`'s bits at twice its speed there; elsewhere oneDNN
-    emulates bf16 and torch's own path is kept)."""
-    return dtype == torch.float32 or (dtype == torch.bfloat16 and cpu_computes_bf16())
+    emulates bf16 and torch's own path is kept), or where `gemm` is a bfloat16 GEMM that takes every
+    product (AVX2's: no oneDNN copy is made)."""
+    takes_all = gemm is not None and gemm.dtype == torch.bfloat16 and gemm.max_rows is None
+    return dtype == torch.float32 or (dtype == torch.bfloat16 and (cpu_computes_bf16() or takes_all))
 
 
 class PackedLinear(nn.Module):
@@ -97,9 +99,9 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, packed={packed}"
 
 
-def can_pack(model: nn.Module, device: torch.device) -> bool:
+def can_pack(model: nn.Module, device: torch.device, gemm=None) -> bool:
     return (device.type == "cpu" and torch.backends.mkldnn.is_available()
-            and packable(next(model.parameters()).dtype))
+            and packable(next(model.parameters()).dtype, gemm))
 
 
 def small_gemm_layers(model: nn.Module) -> int:
@@ -117,13 +119,13 @@ def child_modules(model: nn.Module, skip: nn.Module | None) -> list[tuple[nn.Mod
 def pack_linears(model: nn.Module, device: torch.device, skip: nn.Module | None = None, gemm=None) -> int:
     """Swap every packable `nn.Linear` in `model` (outside `skip`) for a `PackedLinear` (with the
     small-batch GEMM's panels too when `gemm` is given); returns how many."""
-    if not can_pack(model, device):
+    if not can_pack(model, device, gemm):
         return 0
     uses: dict[int, int] = {}
     for _, p in model.named_parameters(remove_duplicate=False):
         uses[id(p)] = uses.get(id(p), 0) + 1
     swaps = [(parent, name, child) for parent, name, child in child_modules(model, skip)
-             if type(child) is nn.Linear and packable(child.weight.dtype)]
+             if type(child) is nn.Linear and packable(child.weight.dtype, gemm)]
     for parent, name, child in swaps:
         takes = gemm is not None and child.weight.dtype == gemm.dtype
         setattr(parent, name, PackedLinear(child, keep_weight=uses[id(child.weight)] > 1, gemm=gemm if takes else None,

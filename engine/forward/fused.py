@@ -220,7 +220,7 @@ def fuse_layers(model: nn.Module, device: torch.device, gemm=None, rope=None, si
     gives its outputs bit for bit for a `FusedAttention` / `FusedMLP`; their linears are packed
     (engine/forward/dense.py) as they go. Only where linears are packed (CPU, float32, oneDNN). Returns
     (attention modules fused, MLPs fused)."""
-    if not dense.can_pack(model, device):
+    if not dense.can_pack(model, device, gemm):
         return 0, 0
     fused = {FusedAttention: 0, FusedMLP: 0}
     for parent, name, child in dense.child_modules(model, skip):

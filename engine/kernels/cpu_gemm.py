@@ -167,7 +167,7 @@ class Bf16Gemm:
     says which, or "" where neither runs here (oneDNN takes bfloat16's linears)."""
 
     dtype = torch.bfloat16
-    PATHS = {2: "AMX", 1: "AVX512-BF16", 0: ""}  # pd_bf16_gemm_path's answer, in words
+    PATHS = {2: "AMX", 1: "AVX512-BF16", 3: "AVX2", 0: ""}  # pd_bf16_gemm_path's answer, in words
     # the engine's cut on vectors: None, every product (and no oneDNN copy of the weights), so prompt
     # chunks and mixed steps run as one kernel call per layer too. SmolLM2 in bfloat16, 2 threads, AMD
     # EPYC Zen 4 (2026-12-04, engine steps side by side, oneDNN's linears / cut at 32 / every product):
@@ -232,7 +232,8 @@ class Bf16Gemm:
 
     @property
     def path(self) -> str:
-        """"AMX", "AVX512-BF16", or "" (neither here); AMX follows `AmxSwitch`."""
+        """"AMX", "AVX512-BF16", "AVX2" (pairs widened to float32 FMAs), or "" (none here); AMX follows
+        `AmxSwitch`."""
         return self.PATHS[self._path()]
 
     def ready(self) -> bool:
@@ -245,7 +246,7 @@ class Bf16Gemm:
 
     @property
     def reach(self) -> str:
-        how = "on AMX tiles" if self.path == "AMX" else "by vdpbf16ps (AVX512-BF16)"
+        how = {"AMX": "on AMX tiles", "AVX512-BF16": "by vdpbf16ps (AVX512-BF16)"}.get(self.path, "by AVX2 FMAs")
         return f"bfloat16 {'every product' if self.max_rows is None else f'up to {self.max_rows} rows'} {how}"
 
     def __call__(self, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, n: int,

@@ -30,22 +30,39 @@ read again (a 262k vocabulary: 8 MiB a 16-row step) and the argmax needs no pass
 #include "vec.h"
 #include "greedy_lanes.h"
 
+/* The vector path without AMX: 1 vdpbf16ps (AVX512-BF16), 3 AVX2 + FMA (a pair of k widened to two
+   float32 vectors by a shift and a mask, then two FMAs: the weights stream as bfloat16, half of
+   float32's bytes), 0 none (oneDNN takes bfloat16's linears). */
 #if defined(__AVX512BF16__) && defined(__AVX512F__)
 #include <immintrin.h>
-#define HAVE_DPBF16 1
+#define VEC_PATH 1
+#define TILE_ROWS 8 /* rows of one block */
+typedef uint32_t xpair; /* a row's pair (x[2 k2], x[2 k2 + 1]) as vdpbf16ps broadcasts it */
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define VEC_PATH 3
+#define TILE_ROWS 5 /* 2 R sums a panel, its 4 widened halves and a broadcast pair: the 16 registers */
+typedef struct { float v[2]; } xpair; /* the pair widened once, at staging */
 #else
-#define HAVE_DPBF16 0
+#define VEC_PATH 0
 #endif
 
 #define AMX_ROWS 256 /* the most rows pd_amx_gemm takes */
-#define TILE_ROWS 8 /* rows of one block */
 
-/* Which path pd_bf16_gemm takes now: 2 AMX tiles (pd_use_amx on), 1 vdpbf16ps, 0 none here. */
-int pd_bf16_gemm_path(void) { return amx_ready() ? 2 : HAVE_DPBF16 ? 1 : 0; }
+/* Which path pd_bf16_gemm takes now: 2 AMX tiles (pd_use_amx on), else VEC_PATH. */
+int pd_bf16_gemm_path(void) { return amx_ready() ? 2 : VEC_PATH; }
 
-#if HAVE_DPBF16
+#if VEC_PATH
+#if VEC_PATH != 1
+typedef struct { char none; } best16; /* no fused greedy head on this path (pd_bf16_greedy: -1) */
+#endif
+#if VEC_PATH == 1
 /* Panels per block for R rows: R x P sums and P panel registers within the 32. */
 static inline int panels_for(int rows) { return rows <= 2 ? 8 : rows == 3 ? 6 : rows == 4 ? 5 : rows <= 6 ? 4 : 3; }
+#else
+/* Panels per block for R rows: 2 R P sums, a half's two widened vectors and a pair within the 16 */
+static inline int panels_for(int rows) { return rows == 1 ? 4 : rows <= 2 ? 2 : 1; }
+#endif
 
 /* R rows' sums for P panels (sums [R][16 P]) plus the bias, each row's first cols rounded into out. */
 static __attribute__((noinline)) void store_rows(const float *sums, int R, int P, const uint16_t *bias, uint16_t *out, int64_t out_stride,
@@ -62,10 +79,11 @@ static __attribute__((noinline)) void store_rows(const float *sums, int R, int P
 /* R rows (xs, pairs of k, kp2 a row) by P panels from w (a panel's kp2 * 32 values apart): the sums
    over all of k, then the bias added and each row's cols (<= 16 P) outputs rounded into out, or
    into the rows' running argmax where best is set (pd_bf16_greedy; col0 the first column). */
-static inline __attribute__((always_inline)) void block(const uint32_t *xs, int64_t kp2, const uint16_t *w,
+static inline __attribute__((always_inline)) void block(const xpair *xs, int64_t kp2, const uint16_t *w,
                                                         const uint16_t *bias, uint16_t *out, int64_t out_stride,
                                                         int64_t cols, best16 *best, int64_t col0, const int R,
                                                         const int P) {
+#if VEC_PATH == 1
     __m512 acc[TILE_ROWS][8];
 #pragma GCC unroll 8
     for (int r = 0; r < R; r++)
@@ -87,16 +105,62 @@ static inline __attribute__((always_inline)) void block(const uint32_t *xs, int6
     for (int r = 0; r < R; r++)
 #pragma GCC unroll 8
         for (int p = 0; p < P; p++) _mm512_storeu_ps(sums + (r * P + p) * 16, acc[r][p]);
-    if (best)
+#else
+    /* a panel's k-pair is 32 bfloat16, two 256-bit loads: columns 0-7 and 8-15, each lane a pair; the
+       lane shifted up 16 is the even k's weight, masked to its top half the odd one's. A row's sum for
+       a column: even product then odd, pair by pair in order. */
+    const __m256i top = _mm256_set1_epi32((int)0xFFFF0000u);
+    __m256 acc[TILE_ROWS][8];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int h = 0; h < 2 * P; h++) acc[r][h] = _mm256_setzero_ps();
+    for (int64_t k2 = 0; k2 < kp2; k2++) {
+#pragma GCC unroll 4
+        for (int p = 0; p < P; p++) {
+            const uint16_t *wp = w + (p * kp2 + k2) * 32;
+            __m256i lo = _mm256_loadu_si256((const __m256i *)wp), hi = _mm256_loadu_si256((const __m256i *)(wp + 16));
+            __m256 e0 = _mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), o0 = _mm256_castsi256_ps(_mm256_and_si256(lo, top));
+            __m256 e1 = _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16)), o1 = _mm256_castsi256_ps(_mm256_and_si256(hi, top));
+#pragma GCC unroll 8
+            for (int r = 0; r < R; r++) {
+                __m256 x0 = _mm256_broadcast_ss(&xs[r * kp2 + k2].v[0]), x1 = _mm256_broadcast_ss(&xs[r * kp2 + k2].v[1]);
+                acc[r][2 * p] = _mm256_fmadd_ps(x1, o0, _mm256_fmadd_ps(x0, e0, acc[r][2 * p]));
+                acc[r][2 * p + 1] = _mm256_fmadd_ps(x1, o1, _mm256_fmadd_ps(x0, e1, acc[r][2 * p + 1]));
+            }
+        }
+    }
+    float sums[TILE_ROWS * 8 * 16];
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++)
+#pragma GCC unroll 8
+        for (int h = 0; h < 2 * P; h++) _mm256_storeu_ps(sums + (r * P) * 16 + h * 8, acc[r][h]);
+#endif
+#if VEC_PATH == 1
+    if (best) {
         keep_best(sums, R, P, bias, best, col0, cols);
-    else
-        store_rows(sums, R, P, bias, out, out_stride, cols);
+        return;
+    }
+#endif
+    (void)best, (void)col0;
+    store_rows(sums, R, P, bias, out, out_stride, cols);
 }
 
 /* R rows by P panels, R and P as literals so each block keeps its sums in registers */
 #define BLOCK(R, P) block(xs, kp2, w, bias, out, out_stride, cols, best, col0, R, P)
-static void run_block(const uint32_t *xs, int64_t kp2, const uint16_t *w, const uint16_t *bias, uint16_t *out,
+static void run_block(const xpair *xs, int64_t kp2, const uint16_t *w, const uint16_t *bias, uint16_t *out,
                       int64_t out_stride, int64_t cols, best16 *best, int64_t col0, int rows, int panels) {
+#if VEC_PATH != 1
+    switch (panels == 1 ? rows : 16 + rows) {
+    case 1: BLOCK(1, 1); break;
+    case 2: BLOCK(2, 1); break;
+    case 3: BLOCK(3, 1); break;
+    case 4: BLOCK(4, 1); break;
+    case 17: BLOCK(1, 4); break;
+    case 18: BLOCK(2, 2); break;
+    default: BLOCK(5, 1); break;
+    }
+#else
     switch (panels == 1 ? rows : 16 + rows) {
     case 1: BLOCK(1, 1); break;
     case 2: BLOCK(2, 1); break;
@@ -115,13 +179,14 @@ static void run_block(const uint32_t *xs, int64_t kp2, const uint16_t *w, const 
     case 23: BLOCK(7, 3); break;
     default: BLOCK(8, 3); break;
     }
+#endif
 }
 #undef BLOCK
 
 /* Job j: panels [j * group, (j + 1) * group) (fewer in the last), each block of them through every
    row tile in turn; rows split in tiles of at most TILE_ROWS, as even as they go. A last job short of
    a whole group takes its panels one at a time. */
-static void run_job(const uint32_t *xs, int64_t kp2, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
+static void run_job(const xpair *xs, int64_t kp2, const uint16_t *panels, const uint16_t *bias, uint16_t *out,
                     int64_t out_stride, best16 *best, int rows, int64_t n, int64_t np, int group, int64_t job) {
     int tiles = (rows + TILE_ROWS - 1) / TILE_ROWS;
     for (int64_t p0 = job * group, end = p0 + group < np ? p0 + group : np; p0 < end;) {
@@ -150,16 +215,22 @@ static inline int64_t take(uint64_t *range, int from_back) {
     }
 }
 
-/* The vdpbf16ps path of pd_bf16_gemm, any number of rows; with best set (pd_bf16_greedy), a
+/* The vector path of pd_bf16_gemm, any number of rows; with best set (pd_bf16_greedy), a
    [threads][rows] array of running argmaxes instead of out, thread i keeping its own. */
-static int dpbf16_run(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias,
-                      uint16_t *out, int64_t out_stride, best16 *best, int rows, int64_t n, int64_t k, int threads) {
+static int vec_run(const uint16_t *x, int64_t x_stride, const uint16_t *panels, const uint16_t *bias,
+                   uint16_t *out, int64_t out_stride, best16 *best, int rows, int64_t n, int64_t k, int threads) {
     int64_t kp = (k + 31) / 32 * 32, np = (n + 15) / 16; /* the panels' k, padded as pd_amx_pack pads it */
-    uint16_t *xs = malloc(sizeof(uint16_t) * (size_t)(rows * kp)); /* the rows, zero-padded to kp */
+    xpair *xs = malloc(sizeof(xpair) * (size_t)(rows * kp / 2)); /* the rows' pairs, zero-padded to kp */
     if (xs == NULL) return -2;
     for (int64_t r = 0; r < rows; r++) {
-        memcpy(xs + r * kp, x + r * x_stride, sizeof(uint16_t) * (size_t)k);
-        memset(xs + r * kp + k, 0, sizeof(uint16_t) * (size_t)(kp - k));
+#if VEC_PATH == 1
+        uint16_t *row = (uint16_t *)(xs + r * kp / 2);
+        memcpy(row, x + r * x_stride, sizeof(uint16_t) * (size_t)k);
+        memset(row + k, 0, sizeof(uint16_t) * (size_t)(kp - k));
+#else
+        float *row = (float *)(xs + r * kp / 2);
+        for (int64_t i = 0; i < kp; i++) row[i] = i < k ? bf16_load(x[r * x_stride + i]) : 0.0f;
+#endif
     }
     /* jobs of a block's panels; each thread owns an even, contiguous share and takes from the back of
        another's when its own runs out (a neighbour on one core of a shared host, or unequal shares of
@@ -169,7 +240,7 @@ static int dpbf16_run(const uint16_t *x, int64_t x_stride, const uint16_t *panel
     if (threads > jobs) threads = (int)jobs;
     if (threads == 1) { /* no region (a caller's team runs it on each of its threads: layer_team.c) */
         for (int64_t job = 0; job < jobs; job++)
-            run_job((const uint32_t *)xs, kp / 2, panels, bias, out, out_stride, best, rows, n, np, group, job);
+            run_job(xs, kp / 2, panels, bias, out, out_stride, best, rows, n, np, group, job);
         free(xs);
         return 0;
     }
@@ -183,7 +254,7 @@ static int dpbf16_run(const uint16_t *x, int64_t x_stride, const uint16_t *panel
         for (int i = 0; i < threads; i++) { /* its own share first, then the others' from their backs */
             uint64_t *range = &ranges[(me + i) % threads].jobs;
             for (int64_t job; (job = take(range, i > 0)) >= 0;)
-                run_job((const uint32_t *)xs, kp / 2, panels, bias, out, out_stride, mine, rows, n, np, group, job);
+                run_job(xs, kp / 2, panels, bias, out, out_stride, mine, rows, n, np, group, job);
         }
     }
     free(xs);
@@ -207,8 +278,8 @@ int pd_bf16_gemm(const uint16_t *x, int64_t x_stride, const uint16_t *panels, co
                 return rc;
         return 0;
     }
-#if HAVE_DPBF16
-    return dpbf16_run(x, x_stride, panels, bias, out, out_stride, NULL, rows, n, k, threads < 1 ? 1 : threads);
+#if VEC_PATH
+    return vec_run(x, x_stride, panels, bias, out, out_stride, NULL, rows, n, k, threads < 1 ? 1 : threads);
 #else
     (void)x, (void)x_stride, (void)panels, (void)bias, (void)out, (void)out_stride, (void)threads;
     return -1;
@@ -224,8 +295,8 @@ int pd_bf16_greedy(const uint16_t *x, int64_t x_stride, const uint16_t *panels, 
                    int64_t n, int64_t k, int64_t *tokens, int threads) {
     if (rows < 1 || n < 1 || k < 1 || n >= INT32_MAX) return -1;
     if (amx_ready()) return amx_greedy(x, x_stride, panels, bias, rows, n, k, tokens, threads);
-#if HAVE_DPBF16
-    return greedy_by(dpbf16_run, x, x_stride, panels, bias, rows, n, k, tokens, threads);
+#if VEC_PATH == 1
+    return greedy_by(vec_run, x, x_stride, panels, bias, rows, n, k, tokens, threads);
 #else
     (void)x, (void)x_stride, (void)panels, (void)bias, (void)tokens, (void)threads;
     return -1;
