@@ -69,7 +69,7 @@ class ModelRunner:
         self.prefill_kernel = kernels.prefill if kernels else None
         self.argmax = kernels.argmax if kernels else None  # greedy sampling's, on the CPU
         # linears on a few rows (decode steps) by the kernel, from panel-packed weights: float32, or
-        # bfloat16 on AMX tiles or by AVX512-BF16's vdpbf16ps
+        # bfloat16 on AMX tiles, by AVX512-BF16's vdpbf16ps or by AVX2's FMAs
         self.small_gemm = kernels.gemm_for(self.dtype) if kernels else None
         self.num_blocks = self._num_blocks()
         self.kv = allocate_kv_pool(self.shape.num_layers, self.num_blocks, self.block_size,

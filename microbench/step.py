@@ -15,7 +15,7 @@ One process holds one `LLMEngine` per variant on the same checkpoint:
 - `compiled`: `engine.compile: on` (inductor around the opaque paged-attention op), with `--compile`;
 - `bfloat16`: the eager path in bfloat16, with `--bf16` (where the CPU computes bfloat16 natively:
   fused layers with the bfloat16 rotary, norm and activation kernels; where the bfloat16 GEMM runs,
-  on AMX tiles or by AVX512-BF16's vdpbf16ps, each layer one kernel call as `packed`'s, else linears
+  on AMX tiles, by AVX512-BF16's vdpbf16ps or AVX2's FMAs, each layer one kernel call as `packed`'s, else linears
   prepacked for oneDNN and the decoder's loop as direct calls, engine/forward/lean_decoder.py);
 - `bf16-onednn`: `bfloat16` with its linears all oneDNN's (the bfloat16 GEMM withheld), as the
   engine ran bfloat16 on CPUs without AMX before the vdpbf16ps GEMM.

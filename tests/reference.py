@@ -60,7 +60,8 @@ def bf16_near_ties(path: str, prompt_ids: list[int], tokens: list[int], ulps: in
     logits at each step: every token must be the argmax, or within `ulps` bfloat16 roundings of it
     at the top logit's magnitude (two GEMMs that sum in different orders, AMX tiles and oneDNN's,
     may round a logit a step apart). Returns [(step, gap in ulps)] of the steps where the token was
-    not the argmax; AssertionError where one is further off than `ulps`."""
+    not the argmax (a gap of 0: its logit equals the top, and argmax takes the first column); an
+    AssertionError where one is further off than `ulps`."""
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     with torch.inference_mode():
         logits = model(torch.tensor([prompt_ids + tokens[:-1]])).logits[0, len(prompt_ids) - 1:].float()
@@ -70,6 +71,6 @@ def bf16_near_ties(path: str, prompt_ids: list[int], tokens: list[int], ulps: in
         ulp = 2.0 ** (torch.floor(torch.log2(top.abs())).item() - 7)  # bfloat16: 8 significant bits
         gap = float((top - row[token]) / ulp)
         assert gap <= ulps, f"step {step}: token {token} is {gap:.1f} bfloat16 steps under the top logit"
-        if gap > 0:
+        if token != int(row.argmax()):
             ties.append((step, gap))
     return ties

@@ -83,8 +83,8 @@ def test_the_linears_bench_times_both_paths_at_every_row_count(llama_dir, monkey
 
 def test_bench_linears_compares_the_bfloat16_gemm_in_bfloat16(llama_dir, capsys, monkeypatch):
     """`--dtype bfloat16`: oneDNN's bfloat16 linears against the bfloat16 GEMM where it runs (at any
-    row count it takes, past the engine's cut too): on AMX a row count past its 64 is refused with a
-    message, by vdpbf16ps any count runs; a host with neither says so."""
+    row count it takes, past the engine's cut too), or torch's where oneDNN has no bfloat16 (AVX2
+    alone); a host with no bfloat16 GEMM says so."""
     import json
     import sys
 
@@ -104,6 +104,8 @@ def test_bench_linears_compares_the_bfloat16_gemm_in_bfloat16(llama_dir, capsys,
     bench_linears.main()
     report = json.loads(capsys.readouterr().out)
     assert report["dtype"] == "bfloat16" and report["small_rows"] == gemm.max_rows
+    from engine.forward import dense  # oneDNN where it has bfloat16 here; else (AVX2 alone) torch's F.linear
+    assert report["baseline"] == ("onednn" if dense.packable(torch.bfloat16) else "torch")
     assert set(report["seconds"]) == set(rows.split(","))
     assert all(0 < t < 60 for row in report["seconds"].values() for t in row.values())
 

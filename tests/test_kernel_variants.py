@@ -103,6 +103,28 @@ def test_each_variants_gemm_is_linear(built, variant):
 
 
 @VARIANTS
+def test_each_variants_bfloat16_gemm_is_a_bfloat16_linear_with_a_rows_bits_in_any_batch(built, variant):
+    """The bfloat16 GEMM each build takes: vdpbf16ps where it has AVX512-BF16 (noamx), else AVX2's FMAs
+    on the pairs widened (avx512, avx2); within a bfloat16 rounding of float64's, a part panel past n
+    and k padded to 32, and a row's bits the same alone, in any batch and on 1 or 3 threads."""
+    k = built(variant)
+    gemm = k.gemm_for(torch.bfloat16)
+    assert gemm is k.bf16_gemm and gemm.path == {"noamx": "AVX512-BF16", "avx512": "AVX2", "avx2": "AVX2"}[variant]
+    torch.manual_seed(3)
+    n, kk = 600, 100
+    weight, bias, x = torch.randn(n, kk).bfloat16(), torch.randn(n).bfloat16(), torch.randn(23, kk).bfloat16()
+    panels = gemm.pack(weight)
+    out = gemm(x, panels, bias, n)
+    exact = x.double() @ weight.double().T + bias.double()
+    torch.testing.assert_close(out.double(), exact, rtol=2 ** -8, atol=1e-2)
+    alone = torch.cat([gemm(x[i:i + 1], panels, bias, n) for i in range(len(x))])
+    for rows in (2, 5, 6, 11, 16, 23):
+        assert torch.equal(gemm(x[:rows], panels, bias, n), alone[:rows]), f"{rows} rows"
+    for threads in (1, 3):
+        assert torch.equal(gemm(x, panels, bias, n, threads=threads), alone), f"{threads} threads"
+
+
+@VARIANTS
 def test_each_variants_engine_gives_transformers_greedy_tokens(built, variant, llama_dir, monkeypatch):
     built(variant)
     monkeypatch.setenv(kernel_build.VARIANT_ENV, variant)
@@ -124,12 +146,13 @@ def real_dims(tmp_path_factory):
     return {dim: str(make_family_model(root / str(dim), "llama", **shape)) for dim, shape in shapes.items()}
 
 
-@pytest.mark.parametrize("variant, dtype", [("native", "float32"), ("native", "bfloat16"), ("avx2", "float32")])
+@pytest.mark.parametrize("variant, dtype", [("native", "float32"), ("native", "bfloat16"), ("avx2", "float32"),
+                                            ("avx2", "bfloat16")])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_real_head_dims_give_transformers_greedy_tokens(built, variant, dtype, head_dim, real_dims, monkeypatch):
     """The AVX-512 splits of query heads and the 32-dim value pieces (native, bfloat16) and the 8-lane
-    paths (AVX2) at the head sizes real models have, compared end to end with transformers in the
-    same dtype."""
+    paths (AVX2, its bfloat16 GEMM too) at the head sizes real models have, compared end to end with
+    transformers in the same dtype."""
     built(variant)
     monkeypatch.setenv(kernel_build.VARIANT_ENV, variant)
     path = real_dims[head_dim]

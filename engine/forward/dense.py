@@ -22,7 +22,9 @@ of the linear weights. bfloat16 weights go to the bfloat16 GEMM (`cpu_kernel.Bf1
 engine/kernels/csrc/bf16_gemm.c): where the CPU has AMX, products of up to 32 rows on AMX tiles
 (engine/kernels/csrc/amx_gemm.c, 0.66x oneDNN's time at 1-16 rows on a Xeon, 0.72x at 32), larger ones by
 oneDNN; where it has AVX512-BF16 without AMX (AMD Zen 4), every product by vdpbf16ps on the same
-panels, and no oneDNN copy (docs/engine_speed.md, "bfloat16 linears").
+panels, and no oneDNN copy; where it has neither (AVX2 alone, as AMD Zen 3, where oneDNN has no
+bfloat16 at all and torch's linears emulate it at a fifth of float32's speed), every product by AVX2's
+FMAs on the same panels (docs/engine_speed.md, "bfloat16 linears").
 
 The norms around them: an RMSNorm module written as transformers' Llama / Qwen / Mistral ones are
 (square, mean, add eps, rsqrt, two multiplies: six passes over the hidden states) becomes one

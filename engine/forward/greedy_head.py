@@ -175,7 +175,7 @@ class Bf16GreedyHead:
         if getattr(head, "panels", None) is None or gemm is None or gemm.dtype != torch.bfloat16:
             return "the LM head is not on the CPU GEMM's bfloat16 panels"
         if getattr(gemm, "path", "") not in ("AVX512-BF16", "AMX"):
-            return "the LM head's bfloat16 GEMM is neither vdpbf16ps nor AMX tiles here"
+            return "the LM head's bfloat16 GEMM is neither vdpbf16ps nor AMX tiles here (the fused argmax runs on those)"
         return None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor | None:

@@ -12,7 +12,7 @@ layer's forward writes them, and the final norm. Each residual add and the norm 
 next layer's input norm, or the final norm) run as one pass where the norm is fused
 (`FusedRMSNorm.add`: the same add, the same norm). The same ops, so the same bits as the model's
 forward; an engine test compares the two bit for bit. Steps whose layers are one kernel call each
-(float32; bfloat16 where the bfloat16 GEMM runs, AMX or vdpbf16ps, up to its cut) take `KernelDecoder` first; a layer
+(float32; bfloat16 where the bfloat16 GEMM runs, AMX, vdpbf16ps or AVX2, up to its cut) take `KernelDecoder` first; a layer
 swapped for one call (`KernelLayer`) is still its modules here, which this loop calls directly.
 
 Where it runs and why: docs/engine_speed.md, "How a step runs".

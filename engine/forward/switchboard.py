@@ -103,7 +103,7 @@ class Forward:
         self.device = device
         self.prepack = prepack
         # pdserve's CPU kernels (cpu_kernel.Kernels), or None: torch's ops. Rotary and the norms take
-        # float32 and bfloat16 (so does the activation); the GEMM float32, or bfloat16 on AMX or AVX512-BF16; whole
+        # float32 and bfloat16 (so does the activation); the GEMM float32, or bfloat16 (AMX, AVX512-BF16, AVX2); whole
         # layers wherever the GEMM takes the dtype
         dtype = next(model.parameters()).dtype
         self.small_gemm = kernels.gemm_for(dtype) if kernels else None  # linears on a few rows

@@ -161,8 +161,8 @@ class AmxGemm:
 
 class Bf16Gemm:
     """`pd_bf16_gemm`: bfloat16 `x @ W^T + bias` on `AmxGemm.pack`'s panels, on AMX tiles where they
-    run (64 rows a call, the same bits), else by AVX512-BF16's vdpbf16ps, any row count
-    (engine/kernels/csrc/bf16_gemm.c);
+    run (64 rows a call, the same bits), else by AVX512-BF16's vdpbf16ps, else by AVX2's FMAs on the
+    pairs widened, any row count (engine/kernels/csrc/bf16_gemm.c);
     the one bfloat16 GEMM `PackedLinear` and the kernel layers call, so both take the same path. `path`
     says which, or "" where neither runs here (oneDNN takes bfloat16's linears)."""
 

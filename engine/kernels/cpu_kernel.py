@@ -233,7 +233,7 @@ class Kernels:
 
     def gemm_for(self, dtype: torch.dtype) -> SmallGemm | Bf16Gemm | None:
         """The GEMM that takes few-row linears of `dtype` weights here: float32 always, bfloat16 where
-        AMX or AVX512-BF16 runs; None: oneDNN takes them all."""
+        AMX, AVX512-BF16 or AVX2 runs (a build for an older x86: none); None: oneDNN takes them all."""
         if dtype == torch.float32:
             return self.gemm
         return self.bf16_gemm if dtype == torch.bfloat16 and self.bf16_gemm.ready() else None

@@ -95,7 +95,7 @@ void layer_rms_norm(int dtype, const void *x, const void *w, float eps, void *ou
 
 /* x [tokens, hidden] in, out [tokens, hidden] written (out may be x). Returns 0, or the failing
    kernel's code: -2 out of memory in attention or the GEMM, -3 pd_silu_mul cannot give torch's bits
-   here, -1 the bfloat16 GEMM cannot run (neither AMX nor AVX512-BF16). */
+   here, -1 the bfloat16 GEMM cannot run (neither AMX, AVX512-BF16 nor AVX2). */
 int pd_layer_forward(const pd_layer *L, const pd_step *S, const void *x, void *out) {
     int T = S->tokens, th = S->threads, hid = L->hidden, dim = L->dim, dt = S->dtype, rc;
     size_t es = dt == 0 ? sizeof(float) : sizeof(uint16_t);
