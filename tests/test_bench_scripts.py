@@ -104,7 +104,9 @@ def test_bench_linears_compares_the_bfloat16_gemm_in_bfloat16(llama_dir, capsys,
     bench_linears.main()
     report = json.loads(capsys.readouterr().out)
     assert report["dtype"] == "bfloat16" and report["small_rows"] == gemm.max_rows
-    from engine.forward import dense  # oneDNN where it has bfloat16 here; else (AVX2 alone) torch's F.linear
+    from engine.forward import dense
+
+    # oneDNN where it has bfloat16 here; else (AVX2 alone) torch's F.linear
     assert report["baseline"] == ("onednn" if dense.packable(torch.bfloat16) else "torch")
     assert set(report["seconds"]) == set(rows.split(","))
     assert all(0 < t < 60 for row in report["seconds"].values() for t in row.values())
