@@ -67,7 +67,7 @@ typedef struct { float v[2]; } xpair; /* the pair widened once, at staging */
 int pd_bf16_gemm_path(void) { return amx_ready() ? 2 : VEC_PATH; }
 
 #if VEC_PATH
-#if VEC_PATH != 1
+#if VEC_PATH != 1 && !defined(__AVX512F__) /* AVX-512 without BF16: greedy_lanes.h's, unused here */
 typedef struct { char none; } best16; /* no fused greedy head on this path (pd_bf16_greedy: -1) */
 #endif
 #if VEC_PATH == 1
