@@ -28,9 +28,8 @@ CPU = torch.device("cpu")
 
 
 def _bf16_packed() -> bool:
-    """A bfloat16 engine's linears are packed here: the CPU computes bfloat16 natively (oneDNN's), or
-    the kernels' bfloat16 GEMM takes every product (AVX2's)."""
-    return dense.cpu_computes_bf16() or (KERNELS is not None and KERNELS.gemm_for(torch.bfloat16) is not None)
+    """A bfloat16 engine's linears are packed here (`dense.packable` with the engine's bfloat16 GEMM)."""
+    return dense.packable(torch.bfloat16, KERNELS.gemm_for(torch.bfloat16) if KERNELS is not None else None)
 
 
 def _kernels() -> cpu_kernel.Kernels:
