@@ -26,8 +26,9 @@ def test_it_waits_out_a_busy_core_and_gives_up_at_its_timeout():
     30 s returns idle only after the spinner ended. The second wait counts a core idle below 90% busy:
     the spinner keeps core 0 at ~100%, and the rest of a loaded host (the suite's own clusters)
     seldom fills it, where a quiet core (10%) may not come within the wait. Seldom is not never: on a
-    2-core AMD EPYC (2026-12-07) the suite's other worker kept core 0 over 90% for a whole 10 s wait
-    once in three runs, so the wait allows 30 s; it returns as soon as the core is idle."""
+    2-core AMD EPYC (2026-12-07) the rest of the host kept core 0 over 90% for a whole 10 s wait in two
+    of three suite runs (one beside a package install, load 15; one quiet), so the wait allows 30 s; it
+    returns as soon as the core is idle."""
     spinner = multiprocessing.get_context("spawn").Process(target=_spin, args=(1.2,))
     t0 = time.perf_counter()
     spinner.start()
